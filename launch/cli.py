@@ -1,0 +1,96 @@
+"""`dflash` — one entry point, a subcommand per stage. Each subcommand parses its config, logs the
+devices and process index, and calls one library function."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from configs.schema import ConfigError
+
+log = logging.getLogger("dflash")
+
+
+def _add_config_args(p: argparse.ArgumentParser, default: str = "default") -> None:
+    p.add_argument("--config", default=default, help=f"recipe name in configs/ or a YAML path (default: {default})")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides, e.g. target.dtype=bfloat16")
+
+
+def _recipe(args: argparse.Namespace):
+    from configs.recipe import load_recipe
+
+    return load_recipe(args.config, args.overrides)
+
+
+def _log_devices() -> None:
+    import jax
+
+    log.info("jax %s: process %d/%d, devices %s", jax.__version__, jax.process_index(), jax.process_count(),
+             [str(d) for d in jax.devices()])
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from configs.recipe import dump_recipe
+
+    sys.stdout.write(dump_recipe(_recipe(args)))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from models.target import load_target
+    from serve.chat import chat
+
+    recipe = _recipe(args)
+    _log_devices()
+    prompts = args.prompt or [line.strip() for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise ConfigError("chat needs --prompt TEXT (repeatable) or prompts on standard input; received none")
+    chat(load_target(recipe.target), recipe, prompts, system=args.system)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from serve.chat import DEMO_PROMPTS, run_demo
+
+    recipe = _recipe(args)
+    _log_devices()
+    run_demo(recipe, prompts=args.prompt or DEMO_PROMPTS)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description="DFlash drafter pipeline for JAX.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="the main job on the embedded default target (grows with the pipeline)")
+    _add_config_args(p)
+    p.add_argument("--prompt", action="append", help="prompt(s) to use instead of the built-in ones")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("chat", help="chat with the target (AR decoding), printing tokens/s")
+    _add_config_args(p)
+    p.add_argument("--prompt", action="append", help="a user prompt (repeatable); else one per stdin line")
+    p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("config", help="print the resolved recipe (after overrides) as YAML")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"dflash {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
