@@ -14,12 +14,9 @@ import dataclasses
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
-
-T = TypeVar("T")
-
 
 class ConfigError(ValueError):
     """A config key or value is invalid; the message names the field, the value and the rule."""
@@ -70,7 +67,7 @@ def _convert(tp: Any, value: Any, field: str) -> Any:
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_convert(args[0], v, f"{field}[{i}]") for i, v in enumerate(value))
         require(len(value) == len(args), field, value, f"have {len(args)} items")
-        return tuple(_convert(a, v, f"{field}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        return tuple(_convert(a, v, f"{field}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
     if origin in (dict, Mapping) or tp is dict:
         require(isinstance(value, Mapping), field, value, "be a mapping")
         return dict(value)
@@ -90,7 +87,7 @@ def _convert(tp: Any, value: Any, field: str) -> Any:
     raise ConfigError(f"{field} has an unsupported annotation {tp!r}")
 
 
-def build(cls: type[T], data: Mapping[str, Any] | None, prefix: str = "") -> T:
+def build[T](cls: type[T], data: Mapping[str, Any] | None, prefix: str = "") -> T:
     """Build dataclass `cls` from `data`, rejecting unknown keys and wrongly typed values."""
     data = dict(data or {})
     hints = get_type_hints(cls)

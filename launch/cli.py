@@ -14,7 +14,8 @@ log = logging.getLogger("dflash")
 
 def _add_config_args(p: argparse.ArgumentParser, default: str = "default") -> None:
     p.add_argument("--config", default=default, help=f"recipe name in configs/ or a YAML path (default: {default})")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides, e.g. target.dtype=bfloat16")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="dotted overrides, e.g. target.dtype=bfloat16")
 
 
 def _recipe(args: argparse.Namespace):

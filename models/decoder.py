@@ -110,11 +110,12 @@ def attend(q_BxQxHxDh: jax.Array, k_BxKxHkxDh: jax.Array, v_BxKxHkxDh: jax.Array
 
 
 class KVCacheLike(Protocol):
-    """What the cached forward needs of a cache; the dense and paged caches both implement it.
+    """What the cached forward needs of a cache; the dense and the engine's paged cache implement it.
 
-    `write_and_attend(layer, q, k, v)` stores the chunk's K/V for `layer` after each sequence's current
-    length and attends the chunk's queries causally over everything cached so far; it returns
-    (attention output [B, T, H, Dh], updated cache). `advance(T)` moves every length on by T.
+    The cache rides in the carry of the layer scan. `write_and_attend(layer, q, k, v)` stores the chunk's
+    K/V of decoder layer `layer` (a traced index) after each sequence's current length and attends the
+    chunk's queries causally over everything cached so far; it returns (attention output [B, T, H, Dh],
+    updated cache). `advance(T)` then moves every length on by T.
     """
 
     def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
@@ -146,16 +147,17 @@ class DenseKVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, DenseKVCache]:
+    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array,
+                         v: jax.Array) -> tuple[jax.Array, DenseKVCache]:
         b, chunk = q.shape[:2]
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, chunk))
         slots = self.lengths[:, None] + jnp.arange(chunk)[None, :]
-        # Scatter only the chunk into the full cache (in place under donation / in the layer-scan carry).
+        # Scatter only the chunk into the full cache: in place in the scan carry (a per-layer slice
+        # through scan xs/ys costs a full cache copy per call; see docs/decisions.md D4).
         k_all = self.k.at[layer, rows, slots].set(k.astype(self.k.dtype), mode="drop")
         v_all = self.v.at[layer, rows, slots].set(v.astype(self.v.dtype), mode="drop")
         visible = jnp.arange(self.capacity)[None, None, :] <= slots[:, :, None]
-        out = attend(q, k_all[layer], v_all[layer], visible)
-        return out, DenseKVCache(k_all, v_all, self.lengths)
+        return attend(q, k_all[layer], v_all[layer], visible), DenseKVCache(k_all, v_all, self.lengths)
 
     def advance(self, num_tokens: int) -> DenseKVCache:
         return DenseKVCache(self.k, self.v, self.lengths + num_tokens)
@@ -273,8 +275,12 @@ def forward(params: Params, cfg: DecoderConfig, tokens_BxS: jax.Array, positions
 
 
 def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxT: jax.Array, positions_BxT: jax.Array,
-                   cache: Any, layer_ids: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array | None, Any]:
+                   cache: Any, layer_ids: tuple[int, ...] = (),
+                   logits_at_BxI: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
     """Append a chunk of T tokens per sequence to `cache` and return (logits [B,T,V], features, cache).
+
+    `features` is [F, B, T, D] (outputs of decoder layers `layer_ids`) or None. With `logits_at_BxI`,
+    logits are computed only at those chunk indices ([B, I, V]), e.g. the last prompt token in prefill.
 
     Token i of sequence b lands at cache index cache.lengths[b] + i and is rotated at
     positions_BxT[b, i]. The caller guarantees lengths + T <= capacity (see `check_capacity`).
@@ -282,21 +288,29 @@ def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxT: jax.Array, po
     layer_ids = check_layer_ids(layer_ids, cfg.num_layers) if layer_ids else ()
     cos, sin = rope_tables(cfg, positions_BxT)
 
+    b, t = tokens_BxT.shape
+    num_feats = max(len(layer_ids), 1)
+    slot_of_layer = np.zeros(cfg.num_layers, np.int32)
+    captured = np.zeros(cfg.num_layers, bool)
+    for i, j in enumerate(layer_ids):
+        slot_of_layer[j], captured[j] = i, True
+
     def step(carry, xs):
-        x, kv = carry
-        lp, index = xs
+        x, feats, kv = carry
+        lp, index, slot, keep = xs
         q, k, v = _qkv(cfg, lp, x, cos, sin)
         attn, kv = kv.write_and_attend(index, q, k, v)
-        return _finish_layer(cfg, lp, x, attn), kv
+        x = _finish_layer(cfg, lp, x, attn)
+        feats = feats.at[slot].set(jnp.where(keep, x, feats[slot]))  # features carried, not all layers kept
+        return (x, feats, kv), None
 
-    carry = (embed(params, tokens_BxT), cache)
-    features = []
-    for start, stop, capture in _segments(layer_ids, cfg.num_layers, with_logits=True):
-        carry = _scan_layers(step, carry, params["layers"], start, stop)
-        if capture:
-            features.append(carry[0])
-    x, cache = carry
-    return lm_head(params, cfg, x), (jnp.stack(features) if features else None), cache.advance(tokens_BxT.shape[1])
+    x = embed(params, tokens_BxT)
+    feats = jnp.zeros((num_feats, b, t, cfg.hidden_size), x.dtype)
+    xs = (params["layers"], jnp.arange(cfg.num_layers), jnp.asarray(slot_of_layer), jnp.asarray(captured))
+    (x, feats, cache), _ = jax.lax.scan(step, (x, feats, cache), xs)
+    if logits_at_BxI is not None:
+        x = jnp.take_along_axis(x, logits_at_BxI[:, :, None].astype(jnp.int32), axis=1)
+    return lm_head(params, cfg, x), (feats if layer_ids else None), cache.advance(t)
 
 
 def check_capacity(lengths: np.ndarray, chunk: int, capacity: int) -> None:

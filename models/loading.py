@@ -274,7 +274,9 @@ def decoder_config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tupl
                              where: str) -> DecoderConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_FAMILIES:
-        raise WeightsError(f"{where}: general.architecture must be one of {list(SUPPORTED_FAMILIES)}; received {arch!r}")
+        raise WeightsError(
+            f"{where}: general.architecture must be one of {list(SUPPORTED_FAMILIES)}; received {arch!r}"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         full = f"{arch}.{key}"

@@ -21,32 +21,20 @@ class ChatTurn:
 
 
 def chat(target: Target, recipe: Recipe, prompts: Sequence[str], system: str | None = None,
-         out: TextIO = sys.stdout) -> list[ChatTurn]:
-    """Answer each prompt (a fresh conversation each), streaming the reply to `out`."""
+         out: TextIO | None = None) -> list[ChatTurn]:
+    """Answer each prompt (a fresh conversation each), streaming the reply to `out` (default stdout)."""
+    out = out or sys.stdout
     tok = target.tokenizer
     turns = []
     for prompt in prompts:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         prompt_ids = tok.encode_chat(messages, add_generation_prompt=True)
         out.write(f"\n>>> {prompt}\n")
-        shown: list[int] = []
-        printed = 0
-
-        def stream(token: int) -> None:
-            nonlocal printed
-            if token in tok.stop_token_ids:
-                return
-            shown.append(token)
-            text = tok.decode(shown)
-            if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
-                out.write(text[printed:])
-                out.flush()
-                printed = len(text)
-
+        stream = _Streamer(tok, out)
         result = generate(target.params, target.cfg, prompt_ids, recipe.sampling, recipe.target.max_seq_len,
                           stop_ids=tok.stop_token_ids, on_token=stream)
         reply = tok.decode([t for t in result.token_ids if t not in tok.stop_token_ids])
-        out.write(reply[printed:] + "\n")
+        out.write(reply[stream.printed:] + "\n")
         out.write(
             f"[{len(result.prompt_ids)} prompt tokens, prefill {result.prefill_s:.2f}s; "
             f"{len(result.token_ids)} new tokens, decode {result.decode_tokens_per_s:.1f} tokens/s"
@@ -56,14 +44,32 @@ def chat(target: Target, recipe: Recipe, prompts: Sequence[str], system: str | N
     return turns
 
 
+class _Streamer:
+    """Prints a reply as tokens arrive, holding back incomplete UTF-8 characters and stop tokens."""
+
+    def __init__(self, tok, out: TextIO):
+        self.tok, self.out, self.ids, self.printed = tok, out, [], 0
+
+    def __call__(self, token: int) -> None:
+        if token in self.tok.stop_token_ids:
+            return
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
+            self.out.write(text[self.printed:])
+            self.out.flush()
+            self.printed = len(text)
+
+
 DEMO_PROMPTS = (
     "What is speculative decoding, in two sentences?",
     "Write a Python function that returns the n-th Fibonacci number.",
 )
 
 
-def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO = sys.stdout) -> list[ChatTurn]:
+def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO | None = None) -> list[ChatTurn]:
     """The README's main job, as far as the pipeline exists: load the default target and chat with it."""
+    out = out or sys.stdout
     t0 = time.perf_counter()
     target = load_target(recipe.target)
     out.write(f"loaded {target.path.name} ({target.cfg.family}, {target.cfg.num_layers} layers, "
@@ -71,6 +77,7 @@ def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO 
     turns = chat(target, recipe, prompts, out=out)
     total = sum(len(t.result.token_ids) for t in turns)
     decode_s = sum(t.result.decode_s for t in turns)
+    rate = (total - len(turns)) / max(decode_s, 1e-9)
     out.write(f"\ndemo done: {len(turns)} prompts, {total} tokens generated, "
-              f"{(total - len(turns)) / max(decode_s, 1e-9):.1f} decode tokens/s overall (first call includes compile)\n")
+              f"{rate:.1f} decode tokens/s overall (first call includes compile)\n")
     return turns

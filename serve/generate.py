@@ -32,9 +32,10 @@ def prefill_step(params, cfg: DecoderConfig, tokens_1xT, num_valid, cache: Dense
     t = tokens_1xT.shape[1]
     start = cache.lengths
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    logits, _, cache = forward_cached(params, cfg, tokens_1xT, positions, cache)
+    last = jnp.full((tokens_1xT.shape[0], 1), num_valid - 1, jnp.int32)
+    logits, _, cache = forward_cached(params, cfg, tokens_1xT, positions, cache, logits_at_BxI=last)
     cache = cache.rollback(start + num_valid)
-    return jnp.take(logits, num_valid - 1, axis=1), cache
+    return logits[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))

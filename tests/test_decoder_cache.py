@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import GOLDEN
+
 from models import decoder
 from models.loading import load_hf_dir
 
@@ -33,7 +33,8 @@ def test_chunked_cached_forward_equals_full_forward(model):
     start = 0
     for chunk in (7, 1, 1, 13, 2, 16):
         logits, feats, cache = _append(cfg, params, cache, tokens[:, start:start + chunk], layer_ids=(1, 3))
-        np.testing.assert_allclose(np.asarray(logits), np.asarray(full_logits[:, start:start + chunk]), atol=TOL, rtol=0)
+        expected = np.asarray(full_logits[:, start:start + chunk])
+        np.testing.assert_allclose(np.asarray(logits), expected, atol=TOL, rtol=0)
         np.testing.assert_allclose(np.asarray(feats), np.asarray(full_feats[:, :, start:start + chunk]), atol=TOL,
                                    rtol=0)
         start += chunk

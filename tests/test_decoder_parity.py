@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import GOLDEN, TINY_CASES
+
 from models import decoder
 from models.config import default_layer_ids
 from models.loading import load_hf_dir

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import GOLDEN
+
 from models import decoder
 from models.loading import (
     WeightsError,

@@ -1,0 +1,44 @@
+"""End to end through the real entry point (`dflash …`) on the tiny preset."""
+
+import subprocess
+import sys
+
+import pytest
+
+from launch.cli import main
+
+
+@pytest.mark.e2e
+def test_demo_runs_on_the_tiny_preset(capsys):
+    assert main(["demo", "--config", "tiny", "--prompt", "What is 2+2?"]) == 0
+    out = capsys.readouterr().out
+    assert "loaded SmolLM2-135M-Instruct.Q4_1.gguf (llama, 30 layers, hidden 576)" in out
+    assert ">>> What is 2+2?" in out
+    assert "decode tokens/s overall" in out
+
+
+@pytest.mark.e2e
+def test_chat_reads_prompts_and_reports_throughput(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say hello.\n\n"))
+    assert main(["chat", "--config", "tiny", "sampling.max_new_tokens=4"]) == 0
+    out = capsys.readouterr().out
+    assert ">>> Say hello." in out and "tokens/s" in out and "4 new tokens" in out
+
+
+def test_config_prints_the_resolved_recipe(capsys):
+    assert main(["config", "--config", "tiny", "sampling.temperature=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "temperature: 0.5" in out and "max_seq_len: 256" in out
+
+
+def test_bad_config_exits_2_naming_the_field(capsys):
+    assert main(["config", "--config", "tiny", "target.nope=1"]) == 2
+    assert "unknown key(s) ['target.nope']" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    """`dflash --help` works as a process (the console entry point exists and imports cleanly)."""
+    proc = subprocess.run([sys.executable, "-m", "launch.cli", "--help"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and "demo" in proc.stdout and "chat" in proc.stdout
