@@ -18,6 +18,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+
 class ConfigError(ValueError):
     """A config key or value is invalid; the message names the field, the value and the rule."""
 
