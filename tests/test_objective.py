@@ -1,0 +1,305 @@
+"""The DFlash objective (train/objective.py): anchors, same-position labels, strict mask, decayed loss."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from train.objective import (
+    Blocks,
+    build_blocks,
+    build_blocks_batch,
+    decay_weights,
+    default_gamma,
+    dflash_loss,
+    sample_anchors,
+    sample_anchors_batch,
+    valid_anchor_positions,
+    visible,
+    visible_batch,
+)
+
+MASK = 99
+
+
+def _example(S: int = 24, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens 10..10+S-1 (distinct, so a shifted label is caught) and a prompt/answer/prompt/answer mask."""
+    tokens_S = np.arange(10, 10 + S, dtype=np.int32)
+    loss_mask_S = np.zeros(S, np.float32)
+    loss_mask_S[5:12] = 1
+    loss_mask_S[15:] = 1
+    return tokens_S, loss_mask_S
+
+
+# ----------------------------------------------------------------------------- anchors
+
+
+def test_valid_anchor_positions():
+    mask = np.array([0, 1, 1, 1, 0, 1, 0, 1, 1], np.float32)
+    got = np.asarray(valid_anchor_positions(mask))
+    # p valid iff mask[p] and mask[p+1]; the last position never (p+1 out of range).
+    np.testing.assert_array_equal(got, [0, 1, 1, 0, 0, 0, 0, 1, 0])
+
+
+def test_anchors_valid_distinct_deterministic():
+    _, mask = _example()
+    valid = set(np.flatnonzero(np.asarray(valid_anchor_positions(mask))).tolist())
+    a1, k1 = sample_anchors(mask, 6, 4, jax.random.key(1))
+    a1b, k1b = sample_anchors(mask, 6, 4, jax.random.key(1))
+    a2, _ = sample_anchors(mask, 6, 4, jax.random.key(2))
+    assert a1.dtype == jnp.int32 and a1.shape == (6,) and k1.shape == (6,)
+    assert bool(np.all(k1))
+    kept = np.asarray(a1)[np.asarray(k1)].tolist()
+    assert set(kept) <= valid and len(set(kept)) == len(kept) == 6
+    np.testing.assert_array_equal(a1, a1b)
+    np.testing.assert_array_equal(k1, k1b)
+    assert not np.array_equal(a1, a2)
+
+
+def test_anchors_padded_when_few_valid():
+    _, mask = _example()
+    valid = np.flatnonzero(np.asarray(valid_anchor_positions(mask)))
+    n = len(valid) + 5
+    anchors, keep = sample_anchors(mask, n, 4, jax.random.key(0))
+    anchors, keep = np.asarray(anchors), np.asarray(keep)
+    assert keep.sum() == len(valid)
+    np.testing.assert_array_equal(np.sort(anchors[keep]), valid)  # every valid position, once
+    assert not keep[len(valid):].any()  # padding last
+    # More anchors than sequence positions: still static N, padded.
+    anchors, keep = sample_anchors(mask[:6], 10, 4, jax.random.key(0))
+    assert anchors.shape == (10,) and int(np.sum(keep)) == 0  # mask[:6] has a single 1: nothing valid
+
+
+def test_anchors_uniform_over_valid():
+    _, mask = _example()
+    valid = np.flatnonzero(np.asarray(valid_anchor_positions(mask)))
+    keys = jax.random.split(jax.random.key(3), 400)
+    anchors, keep = jax.vmap(lambda r: sample_anchors(mask, 3, 4, r))(keys)
+    counts = np.bincount(np.asarray(anchors)[np.asarray(keep)], minlength=len(mask))[valid]
+    expected = 400 * 3 / len(valid)
+    assert counts.min() > 0.5 * expected and counts.max() < 1.5 * expected
+
+
+def test_anchors_batch_rows_independent():
+    _, mask = _example()
+    masks = np.stack([mask, mask])
+    anchors, keep = sample_anchors_batch(masks, 4, 4, jax.random.key(0))
+    assert anchors.shape == (2, 4) and keep.shape == (2, 4)
+    assert not np.array_equal(anchors[0], anchors[1])
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+def test_blocks_same_position_labels():
+    tokens, mask = _example()
+    K = 4
+    anchors = np.array([6, 16, 10, 21, 0], np.int32)
+    keep = np.array([True, True, True, True, False])
+    b = build_blocks(tokens, mask, anchors, keep, K, MASK)
+    S = len(tokens)
+    for j, (a, kept) in enumerate(zip(anchors, keep, strict=True)):
+        sl = slice(j * K, (j + 1) * K)
+        np.testing.assert_array_equal(b.block_index_in_block[sl], np.arange(K))
+        np.testing.assert_array_equal(b.block_of_query[sl], j)
+        np.testing.assert_array_equal(b.anchor_of_query[sl], a if kept else -1)
+        np.testing.assert_array_equal(b.block_pos[sl], a + np.arange(K))
+        assert int(b.block_ids[sl][0]) == tokens[a]
+        np.testing.assert_array_equal(b.block_ids[sl][1:], MASK)
+        assert float(b.label_mask[sl][0]) == 0  # index 0: the anchor itself, unlabelled
+        for k in range(1, K):
+            p = a + k
+            want_mask = kept and p < S and mask[p] == 1
+            assert float(b.label_mask[sl][k]) == float(want_mask), (j, k)
+            if p < S:
+                assert int(b.labels[sl][k]) == tokens[p]  # same position ...
+                assert int(b.labels[sl][k]) != (tokens[p + 1] if p + 1 < S else -1)  # ... not the +1 shift
+    # Block at 10 runs into non-assistant tokens 12..14: 11 labelled, 12 and 13 masked.
+    np.testing.assert_array_equal(b.label_mask[2 * K:3 * K], [0, 1, 0, 0])
+    # Block at 21 runs past the end (S = 24): 22, 23 labelled, 24 masked with label 0.
+    np.testing.assert_array_equal(b.label_mask[3 * K:4 * K], [0, 1, 1, 0])
+    assert int(b.labels[4 * K - 1]) == 0
+    # Padding block counts nothing.
+    np.testing.assert_array_equal(b.label_mask[4 * K:], 0)
+
+
+def test_blocks_batch_matches_rows():
+    tokens, mask = _example()
+    anchors, keep = sample_anchors_batch(np.stack([mask, mask]), 5, 4, jax.random.key(0))
+    bb = build_blocks_batch(np.stack([tokens, tokens]), np.stack([mask, mask]), anchors, keep, 4, MASK)
+    assert isinstance(bb, Blocks) and bb.labels.shape == (2, 20)
+    for r in range(2):
+        row = build_blocks(tokens, mask, anchors[r], keep[r], 4, MASK)
+        for got, want in zip(jax.tree.leaves(bb), jax.tree.leaves(row), strict=True):
+            np.testing.assert_array_equal(got[r], want)
+
+
+# ----------------------------------------------------------------------------- mask
+
+
+def test_visible_contract():
+    S, K = 12, 3
+    tokens = np.arange(S, dtype=np.int32)
+    mask = np.ones(S, np.float32)
+    anchors = np.array([4, 7, 0], np.int32)
+    keep = np.array([True, True, False])
+    b = build_blocks(tokens, mask, anchors, keep, K, MASK)
+    ctx_valid = np.ones(S, bool)
+    ctx_valid[1] = False  # e.g. a padding token in the context
+    vis = np.asarray(visible(b.anchor_of_query, b.block_of_query, ctx_valid, b.block_of_query))
+    Q = 3 * K
+    assert vis.shape == (Q, S + Q) and vis.dtype == bool
+    for q in range(Q):
+        j, a = q // K, int(b.anchor_of_query[q])
+        if not keep[j]:
+            assert not vis[q].any()  # padding queries see nothing
+            continue
+        for s in range(S):
+            assert vis[q, s] == (s < a and ctx_valid[s]), (q, s)
+        assert not vis[q, a]  # the anchor's own context feature is NOT visible (the `<= anchor` bug)
+        for q2 in range(Q):
+            assert vis[q, S + q2] == (q2 // K == j), (q, q2)  # own block, both directions; no other block
+    # Padding block keys are never seen by kept queries either.
+    assert not vis[:2 * K, S + 2 * K:].any()
+
+
+def test_visible_batch():
+    tokens, mask = _example()
+    anchors, keep = sample_anchors_batch(np.stack([mask, mask]), 3, 4, jax.random.key(0))
+    bb = build_blocks_batch(np.stack([tokens, tokens]), np.stack([mask, mask]), anchors, keep, 4, MASK)
+    ctx = np.ones((2, len(tokens)), bool)
+    vis = visible_batch(bb.anchor_of_query, bb.block_of_query, ctx, bb.block_of_query)
+    assert vis.shape == (2, 12, len(tokens) + 12)
+    np.testing.assert_array_equal(vis[1], visible(bb.anchor_of_query[1], bb.block_of_query[1], ctx[1],
+                                                  bb.block_of_query[1]))
+
+
+# ----------------------------------------------------------------------------- weights and loss
+
+
+def test_decay_weights_k16():
+    w = np.asarray(decay_weights(16, 7.0))
+    want = np.array([0.0] + [np.exp(-(k - 1) / 7.0) for k in range(1, 16)])
+    np.testing.assert_allclose(w, want, rtol=1e-6, atol=0)
+    assert w[1] == 1.0
+
+
+def test_default_gamma():
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+    assert default_gamma(12) == pytest.approx(5 + 2 / 3)
+    assert default_gamma(32) == pytest.approx(7 + 16 / 3)
+    assert default_gamma(4) == 2 and default_gamma(2) == 1
+    with pytest.raises(ValueError, match="block_size"):
+        default_gamma(1)
+
+
+def _numpy_loss(logits, labels, mask, k_index, K, gamma):
+    num = den = 0.0
+    for b in range(logits.shape[0]):
+        for q in range(logits.shape[1]):
+            k = k_index[b, q]
+            w = 0.0 if k == 0 else np.exp(-(k - 1) / gamma)
+            x = logits[b, q].astype(np.float64)
+            logz = np.log(np.sum(np.exp(x - x.max()))) + x.max()
+            num += w * mask[b, q] * (logz - x[labels[b, q]])
+            den += w * mask[b, q]
+    return num / den
+
+
+def test_loss_matches_numpy():
+    B, N, K, V, gamma = 2, 2, 3, 7, 2.0
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(B, N * K, V)).astype(np.float32) * 3
+    labels = rng.integers(0, V, size=(B, N * K)).astype(np.int32)
+    k_index = np.tile(np.arange(K), (B, N))
+    mask = (k_index >= 1).astype(np.float32)
+    mask[1, 4] = 0
+    loss, _ = dflash_loss(logits, labels, mask, k_index, K, gamma)
+    np.testing.assert_allclose(float(loss), _numpy_loss(logits, labels, mask, k_index, K, gamma), rtol=1e-5)
+    # bf16 logits are upcast: same loss as their fp32 values.
+    lb = jnp.asarray(logits, jnp.bfloat16)
+    loss_b, _ = dflash_loss(lb, labels, mask, k_index, K, gamma)
+    np.testing.assert_allclose(float(loss_b), _numpy_loss(np.asarray(lb, np.float32), labels, mask, k_index, K, gamma),
+                               rtol=1e-5)
+
+
+def test_loss_ignores_masked_and_padding():
+    B, N, K, V = 1, 2, 4, 5
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(B, N * K, V)), jnp.float32)
+    labels = np.ones((B, N * K), np.int32)
+    k_index = np.tile(np.arange(K), (B, N))
+    mask = np.zeros((B, N * K), np.float32)
+    mask[0, 1:3] = 1  # block 0: slots 1, 2; block 1 is padding
+    grad = jax.grad(lambda x: dflash_loss(x, labels, mask, k_index, K, 7.0)[0])(logits)
+    nonzero = np.abs(np.asarray(grad)).sum(-1)[0] > 0
+    np.testing.assert_array_equal(nonzero, mask[0] > 0)
+    _, m = dflash_loss(logits, labels, mask, k_index, K, 7.0)
+    assert float(m["num_blocks"]) == 1 and float(m["num_labels"]) == 2
+
+
+def _one_hot_logits(labels, V):
+    return jax.nn.one_hot(labels, V, dtype=jnp.float32) * 20.0
+
+
+def test_perfect_logits_accept_k():
+    K, N, V = 16, 3, 32
+    labels = np.tile(np.arange(K), (1, N)).astype(np.int32) + 1
+    k_index = np.tile(np.arange(K), (1, N))
+    mask = (k_index >= 1).astype(np.float32)
+    loss, m = dflash_loss(_one_hot_logits(labels, V), labels, mask, k_index, K, default_gamma(K))
+    assert float(loss) < 1e-6
+    np.testing.assert_array_equal(m["accuracy_per_position"][1:], 1.0)
+    assert float(m["accuracy_per_position"][0]) == 0.0
+    assert float(m["acceptance_length"]) == K
+
+
+def test_wrong_position_two_accepts_two():
+    K, V = 8, 16
+    labels = np.arange(K, dtype=np.int32)[None] + 1
+    k_index = np.arange(K)[None]
+    mask = (k_index >= 1).astype(np.float32)
+    predicted = labels.copy()
+    predicted[0, 2] = 0  # slot 2 wrong, later slots right: the chain stops at 2
+    _, m = dflash_loss(_one_hot_logits(predicted, V), labels, mask, k_index, K, 4.0)
+    assert float(m["acceptance_length"]) == 2.0
+    acc = np.asarray(m["accuracy_per_position"])
+    assert acc[2] == 0.0 and acc[1] == 1.0 and np.all(acc[3:] == 1.0)
+
+
+def test_masked_slot_stops_chain():
+    K, V = 6, 16
+    labels = np.arange(K, dtype=np.int32)[None] + 1
+    k_index = np.arange(K)[None]
+    mask = np.array([[0, 1, 1, 0, 0, 0]], np.float32)  # block cut by the end of the sequence
+    _, m = dflash_loss(_one_hot_logits(labels, V), labels, mask, k_index, K, 3.0)
+    assert float(m["acceptance_length"]) == 3.0
+
+
+# ----------------------------------------------------------------------------- jit end to end
+
+
+def test_pipeline_under_jit_matches_eager():
+    N, K, V = 5, 4, 128
+    tokens, mask = _example()
+    tokens_BxS = np.stack([tokens, tokens[::-1].copy()])
+    mask_BxS = np.stack([mask, mask])
+    logits_fn = lambda ids_BxQ: jax.nn.one_hot((ids_BxQ * 7) % V, V) * 3.0
+
+    def step(tokens_BxS, mask_BxS, rng, *, N, K):
+        anchors, keep = sample_anchors_batch(mask_BxS, N, K, rng)
+        b = build_blocks_batch(tokens_BxS, mask_BxS, anchors, keep, K, MASK)
+        vis = visible_batch(b.anchor_of_query, b.block_of_query, mask_BxS >= 0, b.block_of_query)
+        loss, metrics = dflash_loss(logits_fn(b.labels), b.labels, b.label_mask, b.block_index_in_block, K,
+                                    default_gamma(K))
+        return loss, metrics, vis, b
+
+    jitted = jax.jit(functools.partial(step, N=N, K=K))
+    eager = step(tokens_BxS, mask_BxS, jax.random.key(0), N=N, K=K)
+    got = jitted(tokens_BxS, mask_BxS, jax.random.key(0))
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(eager), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-6)
+    assert got[2].shape == (2, N * K, len(tokens) + N * K)
+    assert isinstance(got[3], Blocks)

@@ -1,0 +1,286 @@
+"""The DFlash training objective: anchors, blocks, the attention visibility contract, and the loss.
+
+DESIGN §4.2 as plain, jit-friendly functions (static N and K, no data-dependent shapes). Dimension
+alphabet: B batch, S sequence, K block, N anchors, Q = N*K block queries, V vocab.
+
+Which logit predicts which token (SAME-POSITION, DESIGN §4.1/§8.2):
+    block j starts at anchor a_j; its K slots hold ids [x_{a_j}, MASK x (K-1)] at positions a_j + 0..K-1.
+    The output at block index k >= 1 predicts x_{a_j + k} (the token AT that slot's position, not the
+    next one: no +1 shift). Index 0 is the known anchor token and has no label.
+
+Which key each query may see (see `visible`):
+    query of block j sees context key s  iff  s < a_j (STRICTLY) and s is a valid context token;
+    it sees every key of its own block j (bidirectional) and nothing of any other block;
+    padding blocks (keep=False, anchor -1) see nothing and carry no label.
+
+Why strictly: at inference the block's first token x_{a_j} is the token just accepted (the target's
+bonus token); the target has not yet read it, so the context holds target features only for s < a_j.
+In training the feature at s = a_j exists and encodes the target's read of x_{a_j} (its guess for
+x_{a_j+1}); letting the block see it (`<= anchor`) leaks information inference never has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Paper values (DESIGN §4.2): block size K -> decay gamma.
+PAPER_GAMMA: dict[int, float] = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+# ----------------------------------------------------------------------------- anchors
+
+
+def valid_anchor_positions(loss_mask_S: jax.Array) -> jax.Array:
+    """bool [S]: p is a valid anchor iff loss_mask[p] == 1 and loss_mask[p+1] == 1 (so p + 1 < S).
+
+    A valid anchor therefore always has at least one label (index k = 1).
+    """
+    m_S = jnp.asarray(loss_mask_S) > 0
+    next_S = jnp.concatenate([m_S[1:], jnp.zeros((1,), bool)])
+    return m_S & next_S
+
+
+def sample_anchors(loss_mask_S: jax.Array, num_anchors: int, block_size: int,
+                   rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sample up to N distinct valid anchors uniformly without replacement; pad to the static N.
+
+    Returns (anchors_N int32, keep_N bool). Kept anchors come first, in increasing position order;
+    padding slots have keep=False and anchor 0 (a dummy in range; `build_blocks` masks them out).
+    Deterministic for a given `rng`; resampling each epoch = passing a new key.
+    `block_size` (K) does not restrict the choice: blocks may run past the end (labels are masked there);
+    it is only checked (K >= 2) so call sites read the same as `build_blocks`.
+    Implementation: top-N of iid uniform scores over the valid positions (= a uniform random subset).
+    """
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1; received {num_anchors}")
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (index 0 is the anchor); received {block_size}")
+    valid_S = valid_anchor_positions(loss_mask_S)
+    S = valid_S.shape[0]
+    scores_S = jnp.where(valid_S, jax.random.uniform(rng, (S,)), -1.0)
+    if num_anchors > S:  # static: top_k needs at least N candidates
+        scores_S = jnp.concatenate([scores_S, jnp.full((num_anchors - S,), -1.0, scores_S.dtype)])
+    top_N, idx_N = jax.lax.top_k(scores_S, num_anchors)
+    sentinel = S + num_anchors
+    sorted_N = jnp.sort(jnp.where(top_N >= 0, idx_N, sentinel))
+    keep_N = sorted_N < sentinel
+    anchors_N = jnp.where(keep_N, sorted_N, 0).astype(jnp.int32)
+    return anchors_N, keep_N
+
+
+def sample_anchors_batch(loss_mask_BxS: jax.Array, num_anchors: int, block_size: int,
+                         rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`sample_anchors` per row with independent keys split from `rng`: (anchors_BxN, keep_BxN)."""
+    keys_B = jax.random.split(rng, loss_mask_BxS.shape[0])
+    return jax.vmap(lambda m, r: sample_anchors(m, num_anchors, block_size, r))(loss_mask_BxS, keys_B)
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """N blocks of K slots flattened to Q = N*K queries (query q = j*K + k); a leading B when batched.
+
+    block_ids            int32 [Q]  x_{a_j} at k = 0, mask_token_id at k >= 1
+    block_pos            int32 [Q]  a_j + k (may exceed S-1: blocks run past the end)
+    labels               int32 [Q]  x_{a_j+k} where k >= 1 and a_j+k < S, else 0 (read with label_mask)
+    label_mask           f32   [Q]  1 iff k >= 1, a_j+k < S, loss_mask[a_j+k] == 1 and block j is kept
+    block_index_in_block int32 [Q]  k
+    anchor_of_query      int32 [Q]  a_j, or -1 for padding blocks (keep=False)
+    block_of_query       int32 [Q]  j
+    """
+
+    block_ids: jax.Array
+    block_pos: jax.Array
+    labels: jax.Array
+    label_mask: jax.Array
+    block_index_in_block: jax.Array
+    anchor_of_query: jax.Array
+    block_of_query: jax.Array
+
+
+def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Array, keep_N: jax.Array,
+                 block_size: int, mask_token_id: int | jax.Array) -> Blocks:
+    """Build the N blocks of one sequence (contract in `Blocks` and the module docstring).
+
+    Labels are SAME-POSITION: slot k of the block at anchor a is labelled with tokens[a + k].
+    """
+    K = block_size
+    S = tokens_S.shape[0]
+    N = anchors_N.shape[0]
+    tokens_S = jnp.asarray(tokens_S, jnp.int32)
+    a_Nx1 = jnp.asarray(anchors_N, jnp.int32)[:, None]
+    keep_Nx1 = jnp.asarray(keep_N, bool)[:, None]
+    k_1xK = jnp.arange(K, dtype=jnp.int32)[None, :]
+
+    pos_NxK = a_Nx1 + k_1xK
+    in_range_NxK = pos_NxK < S
+    at_NxK = tokens_S[jnp.clip(pos_NxK, 0, S - 1)]
+    ids_NxK = jnp.where(k_1xK == 0, at_NxK, jnp.asarray(mask_token_id, jnp.int32))
+    labelled_NxK = (k_1xK >= 1) & in_range_NxK
+    labels_NxK = jnp.where(labelled_NxK, at_NxK, 0)
+    assistant_NxK = jnp.asarray(loss_mask_S)[jnp.clip(pos_NxK, 0, S - 1)] > 0
+    label_mask_NxK = (labelled_NxK & assistant_NxK & keep_Nx1).astype(jnp.float32)
+
+    def flat(x_NxK: jax.Array) -> jax.Array:
+        return jnp.broadcast_to(x_NxK, (N, K)).reshape(N * K).astype(x_NxK.dtype)
+
+    return Blocks(
+        block_ids=flat(ids_NxK.astype(jnp.int32)),
+        block_pos=flat(pos_NxK),
+        labels=flat(labels_NxK.astype(jnp.int32)),
+        label_mask=flat(label_mask_NxK),
+        block_index_in_block=flat(k_1xK),
+        anchor_of_query=flat(jnp.where(keep_Nx1, a_Nx1, -1)),
+        block_of_query=flat(jnp.arange(N, dtype=jnp.int32)[:, None]),
+    )
+
+
+def build_blocks_batch(tokens_BxS: jax.Array, loss_mask_BxS: jax.Array, anchors_BxN: jax.Array,
+                       keep_BxN: jax.Array, block_size: int, mask_token_id: int | jax.Array) -> Blocks:
+    """`build_blocks` per row; every field gains a leading B."""
+    fn = lambda t, m, a, k: build_blocks(t, m, a, k, block_size, mask_token_id)
+    return jax.vmap(fn)(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN)
+
+
+# ----------------------------------------------------------------------------- attention visibility
+
+
+def visible(anchor_of_query_Q: jax.Array, block_of_query_Q: jax.Array, ctx_valid_S: jax.Array,
+            key_block_Q: jax.Array) -> jax.Array:
+    """bool [Q, S+Q]: may block query q attend to key t? Keys are laid out [context S | block Q].
+
+    Contract (query q in block j = block_of_query[q], anchor a_j = anchor_of_query[q]):
+      - context key s (column s < S):      visible iff s < a_j STRICTLY and ctx_valid[s];
+      - block key q' (column S + q'):      visible iff key_block[q'] == j (same block, bidirectional);
+      - any key, padding query (a_j = -1): never visible (the row is all False).
+    `key_block_Q` is the block id of each block key (normally `block_of_query` itself).
+    Built by broadcasting from O(S + Q) inputs; nothing of size Q x (S+Q) is stored per example.
+    A row that is all False belongs to a padding block: the attention kernel must tolerate it (e.g. a
+    finite NEG_INF bias gives a uniform, finite row whose output is never labelled). Every kept query
+    sees at least its own block, so kept rows are never empty.
+    """
+    a_Qx1 = jnp.asarray(anchor_of_query_Q)[:, None]
+    kept_Qx1 = a_Qx1 >= 0
+    s_1xS = jnp.arange(ctx_valid_S.shape[0])[None, :]
+    ctx_QxS = (s_1xS < a_Qx1) & (jnp.asarray(ctx_valid_S)[None, :] > 0) & kept_Qx1
+    blk_QxQ = (jnp.asarray(block_of_query_Q)[:, None] == jnp.asarray(key_block_Q)[None, :]) & kept_Qx1
+    return jnp.concatenate([ctx_QxS, blk_QxQ], axis=1)
+
+
+def visible_batch(anchor_of_query_BxQ: jax.Array, block_of_query_BxQ: jax.Array, ctx_valid_BxS: jax.Array,
+                  key_block_BxQ: jax.Array) -> jax.Array:
+    """`visible` per row: bool [B, Q, S+Q]."""
+    return jax.vmap(visible)(anchor_of_query_BxQ, block_of_query_BxQ, ctx_valid_BxS, key_block_BxQ)
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def default_gamma(block_size: int) -> float:
+    """Decay gamma for block size K: the paper's values (K=8 -> 4, 10 -> 5, 16 -> 7), elsewhere
+    piecewise-linear interpolation through those three points, extrapolated with the nearest segment's
+    slope (1/2 per slot below 8, 1/3 per slot above 16; e.g. K=32 -> 12.33, K=64 -> 23), floored at 1.
+
+    Why this rule: it reproduces the paper exactly, commits to nothing between its points, and above
+    16 it keeps the last slot's relative weight exp(-(K-2)/gamma) shrinking towards exp(-3), so wide
+    blocks still emphasise early slots as the prefix-product acceptance does. (K/2.3 rounded does not
+    reproduce K=10 -> 5 or K=8 -> 4.) For wide K this is a starting point to sweep, not a paper value.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2; received {block_size}")
+    ks = sorted(PAPER_GAMMA)
+    if block_size in PAPER_GAMMA:
+        return PAPER_GAMMA[block_size]
+    if block_size < ks[0]:
+        lo, hi = ks[0], ks[1]
+    elif block_size > ks[-1]:
+        lo, hi = ks[-2], ks[-1]
+    else:
+        hi = next(k for k in ks if k > block_size)
+        lo = ks[ks.index(hi) - 1]
+    slope = (PAPER_GAMMA[hi] - PAPER_GAMMA[lo]) / (hi - lo)
+    return max(1.0, PAPER_GAMMA[lo] + slope * (block_size - lo))
+
+
+def decay_weights(block_size: int, gamma: float) -> jax.Array:
+    """f32 [K]: w_0 = 0 (the anchor slot has no label), w_k = exp(-(k-1)/gamma) for k >= 1."""
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0; received {gamma}")
+    k_K = np.arange(block_size, dtype=np.float64)
+    w_K = np.where(k_K >= 1, np.exp(-(k_K - 1.0) / gamma), 0.0)
+    return jnp.asarray(w_K, jnp.float32)
+
+
+def dflash_loss(logits_BxQxV: jax.Array, labels_BxQ: jax.Array, label_mask_BxQ: jax.Array,
+                k_index_BxQ: jax.Array, block_size: int, gamma: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Decay-weighted cross-entropy over the full vocab, in fp32, and teacher-forced metrics.
+
+    loss = sum_q w_{k(q)} m_q CE_q / sum_q w_{k(q)} m_q (0 when nothing is labelled), where
+    CE_q = -log_softmax(logits_q)[label_q] and m = label_mask. Queries must be laid out as N blocks of
+    K consecutive slots (q = j*K + k), as `build_blocks` does.
+
+    metrics (gradient-free):
+      accuracy_per_position [K]: top-1 accuracy over labelled slots with index k (k = 0 is always 0);
+      acceptance_length: mean over kept blocks (any labelled slot) of 1 + sum_{k>=1} prod_{1<=i<=k} c_i,
+        where c_i = 1 iff slot i is labelled AND its argmax equals the label. An unlabelled slot (past the
+        end of the sequence, or a non-assistant token) STOPS the chain: we only credit tokens we can
+        check, so a block cut by the sequence end scores at most 1 + its labelled prefix;
+      num_labels: sum m; weighted_count: sum w m; num_blocks: kept blocks.
+    """
+    B, Q, _ = logits_BxQxV.shape
+    K = block_size
+    if Q % K:
+        raise ValueError(f"queries Q must be a multiple of block_size K; received Q={Q}, K={K}")
+    logp_BxQxV = jax.nn.log_softmax(logits_BxQxV.astype(jnp.float32), axis=-1)
+    labels_BxQ = jnp.asarray(labels_BxQ, jnp.int32)
+    nll_BxQ = -jnp.take_along_axis(logp_BxQxV, labels_BxQ[..., None], axis=-1)[..., 0]
+    mask_BxQ = jnp.asarray(label_mask_BxQ, jnp.float32)
+    k_BxQ = jnp.broadcast_to(jnp.asarray(k_index_BxQ, jnp.int32), (B, Q))
+    wm_BxQ = decay_weights(K, gamma)[k_BxQ] * mask_BxQ
+    weighted_count = jnp.sum(wm_BxQ)
+    loss = jnp.sum(wm_BxQ * nll_BxQ) / jnp.maximum(weighted_count, 1e-9)
+
+    correct_BxQ = jax.lax.stop_gradient(
+        (jnp.argmax(logits_BxQxV, axis=-1) == labels_BxQ).astype(jnp.float32) * mask_BxQ)
+    onehot_BxQxK = jax.nn.one_hot(k_BxQ, K, dtype=jnp.float32)
+    hits_K = jnp.einsum("bq,bqk->k", correct_BxQ, onehot_BxQxK)
+    count_K = jnp.einsum("bq,bqk->k", mask_BxQ, onehot_BxQxK)
+    accuracy_K = hits_K / jnp.maximum(count_K, 1.0)
+
+    correct_BxNxK = correct_BxQ.reshape(B, Q // K, K)
+    chain_BxN = jnp.sum(jnp.cumprod(correct_BxNxK[..., 1:], axis=-1), axis=-1)
+    kept_BxN = (jnp.sum(mask_BxQ.reshape(B, Q // K, K), axis=-1) > 0).astype(jnp.float32)
+    num_blocks = jnp.sum(kept_BxN)
+    acceptance = jnp.sum(kept_BxN * (1.0 + chain_BxN)) / jnp.maximum(num_blocks, 1.0)
+
+    metrics = {
+        "accuracy_per_position": accuracy_K,
+        "acceptance_length": acceptance,
+        "num_labels": jnp.sum(mask_BxQ),
+        "weighted_count": weighted_count,
+        "num_blocks": num_blocks,
+    }
+    return loss, metrics
+
+
+__all__ = [
+    "PAPER_GAMMA",
+    "Blocks",
+    "build_blocks",
+    "build_blocks_batch",
+    "decay_weights",
+    "default_gamma",
+    "dflash_loss",
+    "sample_anchors",
+    "sample_anchors_batch",
+    "valid_anchor_positions",
+    "visible",
+    "visible_batch",
+]
