@@ -1,0 +1,365 @@
+"""The DFlash block-diffusion drafter (DESIGN §4.1) in Flax NNX.
+
+Architecture, exactly:
+- fused context `c = hidden_norm(fc(concat_F target_feats))` (fc has no bias), once per context token;
+- `L_d` Qwen3-style layers (per-head RMSNorm on q and k, no biases, SwiGLU) at the target's hidden width
+  D, whatever the target's family;
+- in each layer the block stream x gives queries and block K/V after `input_layernorm`; the context gives
+  K/V through the SAME `k_proj`/`v_proj`/`k_norm` with NO `input_layernorm`, rotated at the context
+  tokens' own positions; keys/values are concatenated along tokens `[context | block]`; attention is
+  non-causal with a boolean visibility mask;
+- after the last layer `norm`; logits come from the target's (frozen) LM head, which the drafter does not
+  hold, just as it holds no embedding table (`mask_token_embeds` reads the target's).
+
+Who sees what:
+- `__call__` (training): Q block queries see exactly the keys `visible_BxQx(S+Q)` allows; the caller's
+  mask says block query of anchor a sees context key s iff s < a, and the keys of its own block only.
+- `draft_block` (inference): the K queries of one block see every valid cached context slot and all K
+  keys of their own block (bidirectional). Block K/V are never cached; `context_kv` is what the engine
+  caches.
+
+Parameter names map one-to-one to the z-lab HF tensor names (`hf_tensor_names`); an `nnx.Linear`
+`kernel` [in, out] is the HF `weight` [out, in] transposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from configs.schema import require
+from models.config import DecoderConfig, RopeScaling, check_layer_ids, default_layer_ids
+from models.decoder import apply_rope, attend, embed, logits_from_normed, rms_norm, rope_tables
+
+Params = dict[str, Any]
+KV = tuple[jax.Array, jax.Array]  # (k, v), each [B, S, Hk, Dh], RoPE applied to k
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """The drafter section of a recipe.
+
+    num_layers: drafter decoder layers L_d.
+    num_features: F, the target layers whose post-layer outputs are fused.
+    layer_ids: target layer ids to capture (id j = output of decoder layer j); () = the default ids.
+    block_size: K, tokens per block (1 anchor + K-1 masks, K-1 draft tokens).
+    mask_token_id: the MASK id inside the target's vocab; -1 = resolved from the target's default.
+    num_heads / num_kv_heads / head_dim / intermediate_size: 0 = follow the target.
+    """
+
+    num_layers: int = 5
+    num_features: int = 5
+    layer_ids: tuple[int, ...] = ()
+    block_size: int = 16
+    mask_token_id: int = -1
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.num_layers >= 1, "drafter.num_layers", self.num_layers, "be at least 1")
+        require(self.num_features >= 1, "drafter.num_features", self.num_features, "be at least 1")
+        require(not self.layer_ids or len(self.layer_ids) == self.num_features, "drafter.layer_ids",
+                self.layer_ids, f"name num_features={self.num_features} ids, or be () for the default ids")
+        require(self.block_size >= 2, "drafter.block_size", self.block_size,
+                "be at least 2 (one anchor token plus at least one masked draft position)")
+        require(self.mask_token_id >= -1, "drafter.mask_token_id", self.mask_token_id,
+                "be a token id >= 0, or -1 to use the target's default")
+        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            value = getattr(self, name)
+            require(value >= 0, f"drafter.{name}", value, "be a positive integer, or 0 to follow the target")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterArch:
+    """A fully resolved drafter architecture (no 'follow the target' placeholders left).
+
+    hidden_size is the target's (fc maps F*D -> D). The target_* fields are what the z-lab
+    config.json records about the target (family, vocab, layer count).
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_features: int
+    layer_ids: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    target_family: str
+    target_vocab_size: int
+    target_num_layers: int
+
+    @property
+    def rope_config(self) -> DecoderConfig:
+        """A decoder config carrying the drafter's RoPE (head_dim, theta, scaling) for `rope_tables`."""
+        return DecoderConfig(
+            family="qwen3", vocab_size=self.target_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings, qk_norm=True,
+        )
+
+
+def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: int | None = None) -> DrafterArch:
+    """Resolve `cfg` against the target architecture.
+
+    The mask id is `cfg.mask_token_id` when set (>= 0), else `mask_token_id` (the target's default),
+    and must lie inside the target's vocab. Layer ids default to `default_layer_ids(L, F)`.
+    """
+    mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else mask_token_id
+    require(mask is not None and mask >= 0, "drafter.mask_token_id", cfg.mask_token_id,
+            f"be set for a {target.family} target (a token id in [0, {target.vocab_size}) whose embedding "
+            "row is unused, e.g. Qwen3's 151669)")
+    require(mask < target.vocab_size, "drafter.mask_token_id", mask,
+            f"lie inside the target's vocab [0, {target.vocab_size})")
+    ids = cfg.layer_ids or default_layer_ids(target.num_layers, cfg.num_features)
+    ids = check_layer_ids(ids, target.num_layers)
+    num_heads = cfg.num_heads or target.num_heads
+    num_kv_heads = cfg.num_kv_heads or target.num_kv_heads
+    head_dim = cfg.head_dim or target.head_dim
+    require(num_heads % num_kv_heads == 0, "drafter.num_heads", num_heads,
+            f"be a multiple of num_kv_heads={num_kv_heads}")
+    require(head_dim % 2 == 0, "drafter.head_dim", head_dim, "be even (RoPE rotates pairs)")
+    return DrafterArch(
+        hidden_size=target.hidden_size, num_layers=cfg.num_layers, num_features=cfg.num_features,
+        layer_ids=ids, block_size=cfg.block_size, mask_token_id=int(mask), num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=cfg.intermediate_size or target.intermediate_size,
+        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
+        max_position_embeddings=target.max_position_embeddings, target_family=target.family,
+        target_vocab_size=target.vocab_size, target_num_layers=target.num_layers,
+    )
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def _linear(d_in: int, d_out: int, dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """HF RMSNorm (fp32 statistics, then scale) with a `weight` parameter, as in the z-lab names."""
+
+    def __init__(self, size: int, eps: float):
+        self.weight = nnx.Param(jnp.ones((size,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...].astype(x.dtype), self.eps)
+
+
+class DrafterAttention(nnx.Module):
+    """Qwen3 attention (no biases, per-head q/k RMSNorm) whose keys are `[context | block]`."""
+
+    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
+        d, h, hk, dh = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hk, dh
+        self.q_proj = _linear(d, h * dh, dtype, rngs)
+        self.k_proj = _linear(d, hk * dh, dtype, rngs)
+        self.v_proj = _linear(d, hk * dh, dtype, rngs)
+        self.o_proj = _linear(h * dh, d, dtype, rngs)
+        self.q_norm = RMSNorm(dh, arch.rms_norm_eps)
+        self.k_norm = RMSNorm(dh, arch.rms_norm_eps)
+
+    def query(self, h_BxQxD: jax.Array, cos_BxQxDh: jax.Array, sin_BxQxDh: jax.Array) -> jax.Array:
+        """Queries [B, Q, H, Dh]: q_norm(q_proj(h)), rotated at the block positions."""
+        b, q_len, _ = h_BxQxD.shape
+        q = self.q_proj(h_BxQxD).reshape(b, q_len, self.num_heads, self.head_dim)
+        return apply_rope(self.q_norm(q), cos_BxQxDh, sin_BxQxDh)
+
+    def project_kv(self, x_BxSxD: jax.Array, cos_BxSxDh: jax.Array, sin_BxSxDh: jax.Array) -> KV:
+        """(k, v) [B, S, Hk, Dh] = (RoPE(k_norm(k_proj(x))), v_proj(x)); used for context AND block."""
+        b, s, _ = x_BxSxD.shape
+        k = self.k_proj(x_BxSxD).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BxSxD).reshape(b, s, self.num_kv_heads, self.head_dim)
+        return apply_rope(self.k_norm(k), cos_BxSxDh, sin_BxSxDh), v
+
+    def __call__(self, h_BxQxD: jax.Array, cos_BxQxDh: jax.Array, sin_BxQxDh: jax.Array, ctx_kv: KV,
+                 visible_BxQxSQ: jax.Array) -> jax.Array:
+        """Attention output [B, Q, D]; query q sees key j of `[context S | block Q]` iff visible[b, q, j]."""
+        b, q_len, _ = h_BxQxD.shape
+        q = self.query(h_BxQxD, cos_BxQxDh, sin_BxQxDh)
+        k_blk, v_blk = self.project_kv(h_BxQxD, cos_BxQxDh, sin_BxQxDh)
+        ctx_k, ctx_v = ctx_kv
+        k = jnp.concatenate([ctx_k.astype(k_blk.dtype), k_blk], axis=1)
+        v = jnp.concatenate([ctx_v.astype(v_blk.dtype), v_blk], axis=1)
+        out = attend(q, k, v, visible_BxQxSQ)
+        return self.o_proj(out.reshape(b, q_len, self.num_heads * self.head_dim))
+
+
+class DrafterMLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
+        self.gate_proj = _linear(arch.hidden_size, arch.intermediate_size, dtype, rngs)
+        self.up_proj = _linear(arch.hidden_size, arch.intermediate_size, dtype, rngs)
+        self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nnx.Module):
+    """One Qwen3-style layer with KV injection of the fused context."""
+
+    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = DrafterAttention(arch, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = DrafterMLP(arch, dtype, rngs)
+
+    def context_kv(self, fused_BxSxD: jax.Array, cos_BxSxDh: jax.Array, sin_BxSxDh: jax.Array) -> KV:
+        """Context K/V of this layer: the attention's own k/v/k_norm on c; NO input_layernorm on c."""
+        return self.self_attn.project_kv(fused_BxSxD, cos_BxSxDh, sin_BxSxDh)
+
+    def __call__(self, x_BxQxD: jax.Array, cos_BxQxDh: jax.Array, sin_BxQxDh: jax.Array, ctx_kv: KV,
+                 visible_BxQxSQ: jax.Array) -> jax.Array:
+        h = self.input_layernorm(x_BxQxD)
+        x = x_BxQxD + self.self_attn(h, cos_BxQxDh, sin_BxQxDh, ctx_kv, visible_BxQxSQ)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nnx.Module):
+    """The DFlash drafter: fc + hidden_norm fusion, `num_layers` KV-injected layers, final `norm`.
+
+    Holds no embedding and no LM head: block embeddings come from the target's table
+    (`mask_token_embeds`) and logits from the target's head (`drafter_logits`).
+    """
+
+    def __init__(self, arch: DrafterArch, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+        self.arch = arch
+        d = arch.hidden_size
+        self.fc = _linear(arch.num_features * d, d, dtype, rngs)
+        self.hidden_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.layers = nnx.List([DrafterLayer(arch, dtype, rngs) for _ in range(arch.num_layers)])
+        self.norm = RMSNorm(d, arch.rms_norm_eps)
+
+    def fuse(self, ctx_feats_BxSxFD: jax.Array) -> jax.Array:
+        """Fused context c [B, S, D] = hidden_norm(fc(concat_F feats)); features in layer-id order."""
+        return self.hidden_norm(self.fc(ctx_feats_BxSxFD))
+
+    def context_kv(self, fused_ctx_BxSxD: jax.Array, ctx_pos_BxS: jax.Array) -> list[KV]:
+        """Per-layer context (k, v) [B, S, Hk, Dh], k rotated at the context tokens' own positions.
+
+        This is all the engine caches for the drafter (block K/V are never cached).
+        """
+        cos, sin = rope_tables(self.arch.rope_config, ctx_pos_BxS)
+        return [layer.context_kv(fused_ctx_BxSxD, cos, sin) for layer in self.layers]
+
+    def blocks(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_kv: list[KV],
+               visible_BxQxSQ: jax.Array) -> jax.Array:
+        """Run the layers on block queries over precomputed context K/V; returns normed hidden [B, Q, D].
+
+        Query q sees key j of `[context S | block Q]` iff visible[b, q, j].
+        """
+        require(len(ctx_kv) == len(self.layers), "ctx_kv", len(ctx_kv), f"hold {len(self.layers)} layers' (k, v)")
+        cos, sin = rope_tables(self.arch.rope_config, block_pos_BxQ)
+        x = block_embeds_BxQxD
+        for layer, kv in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, cos, sin, kv, visible_BxQxSQ)
+        return self.norm(x)
+
+    def __call__(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_feats_BxSxFD: jax.Array,
+                 ctx_pos_BxS: jax.Array, visible_BxQxSQ: jax.Array) -> jax.Array:
+        """Training forward over Q = N*K packed block tokens; returns normed hidden [B, Q, D].
+
+        Query q sees key j of `[context S | blocks Q]` iff visible[b, q, j]; DESIGN §4.2's mask gives a
+        block of anchor a the context keys s < a and the keys of its own block only.
+        """
+        fused = self.fuse(ctx_feats_BxSxFD)
+        return self.blocks(block_embeds_BxQxD, block_pos_BxQ, self.context_kv(fused, ctx_pos_BxS), visible_BxQxSQ)
+
+    def draft_block(self, block_embeds_BxKxD: jax.Array, block_pos_BxK: jax.Array, ctx_kv: list[KV],
+                    ctx_valid_BxS: jax.Array) -> jax.Array:
+        """Inference forward of one block per sequence; returns normed hidden [B, K, D].
+
+        Every block query sees the cached context slots with ctx_valid[b, s] (stale slots are ignored,
+        whatever they hold) and all K keys of its own block (bidirectional).
+        """
+        b, k, _ = block_embeds_BxKxD.shape
+        ctx_vis = jnp.broadcast_to(ctx_valid_BxS.astype(bool)[:, None, :], (b, k, ctx_valid_BxS.shape[1]))
+        visible = jnp.concatenate([ctx_vis, jnp.ones((b, k, k), bool)], axis=-1)
+        return self.blocks(block_embeds_BxKxD, block_pos_BxK, ctx_kv, visible)
+
+
+# ----------------------------------------------------------------------------- inputs and outputs
+
+
+def concat_features(feats_FxBxSxD: jax.Array) -> jax.Array:
+    """Target features [F, B, S, D] (as `decoder.forward` returns them) -> [B, S, F*D], id order."""
+    f, b, s, d = feats_FxBxSxD.shape
+    return jnp.moveaxis(feats_FxBxSxD, 0, 2).reshape(b, s, f * d)
+
+
+def block_token_ids(start_tokens_B: jax.Array, block_size: int, mask_token_id: int) -> jax.Array:
+    """Block ids [B, K] = [x_start, MASK * (K-1)]."""
+    b = start_tokens_B.shape[0]
+    masks = jnp.full((b, block_size - 1), mask_token_id, dtype=start_tokens_B.dtype)
+    return jnp.concatenate([start_tokens_B[:, None], masks], axis=1)
+
+
+def block_positions(starts_B: jax.Array, block_size: int) -> jax.Array:
+    """Block positions [B, K] = start .. start+K-1."""
+    return starts_B[:, None].astype(jnp.int32) + jnp.arange(block_size, dtype=jnp.int32)[None, :]
+
+
+def mask_token_embeds(target_params: Params, start_tokens_B: jax.Array, block_size: int,
+                      mask_token_id: int) -> jax.Array:
+    """Block embeddings [B, K, D] from the target's (frozen) embedding table."""
+    return embed(target_params, block_token_ids(start_tokens_B, block_size, mask_token_id))
+
+
+def drafter_logits(target_params: Params, target_cfg: DecoderConfig, hidden_BxQxD: jax.Array) -> jax.Array:
+    """Full-vocab logits [B, Q, V] (fp32) from the drafter's normed output through the target's LM head.
+
+    Output at block index k >= 1 predicts the token at start+k; index 0 is discarded.
+    """
+    return logits_from_normed(target_params, target_cfg, hidden_BxQxD)
+
+
+# ----------------------------------------------------------------------------- z-lab HF names
+
+
+def _hf_items(drafter: DFlashDrafter) -> Iterator[tuple[str, jax.Array, bool]]:
+    """(z-lab name, value, transposed) per parameter; `kernel` [in, out] becomes `weight` [out, in]."""
+    for path, var in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
+        parts = [str(p) for p in path]
+        transpose = parts[-1] == "kernel"
+        if transpose:
+            parts[-1] = "weight"
+        yield ".".join(parts), var.get_value(), transpose
+
+
+def hf_tensor_names(drafter: DFlashDrafter) -> dict[str, tuple[int, ...]]:
+    """z-lab tensor name -> PyTorch [out, in] shape, for every drafter parameter (no embed, no lm_head)."""
+    return {name: tuple(value.shape[::-1] if t else value.shape) for name, value, t in _hf_items(drafter)}
+
+
+def to_hf_tensors(drafter: DFlashDrafter) -> dict[str, np.ndarray]:
+    """z-lab tensor name -> host array in PyTorch [out, in] layout (the exporter writes these)."""
+    return {name: np.asarray(value.T if t else value) for name, value, t in _hf_items(drafter)}
+
+
+def param_count(drafter: DFlashDrafter) -> int:
+    """Total number of trainable drafter parameters."""
+    return sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(drafter, nnx.Param)))
