@@ -1,0 +1,159 @@
+"""The DFlash train step: runs under jit, learns, and its mask holds through gradients (fp32, CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.decoder import embed, forward
+from models.drafter import DFlashDrafter, DrafterConfig, concat_features, hf_tensor_names, resolve_drafter
+from models.loading import load_hf_dir
+from train.objective import build_blocks_batch, default_gamma, sample_anchors_batch
+from train.step import (
+    TrainState,
+    drafter_loss,
+    init_state,
+    make_optimizer,
+    make_train_step,
+    online_features,
+    split_drafter,
+)
+
+LAYER_IDS = (1, 3)
+K, N, S, B = 4, 4, 32, 2
+MASK_ID = 255  # a token id inside the tiny vocab (256)
+
+
+@pytest.fixture(scope="module")
+def setup(golden_dir):
+    target_cfg, target_params = load_hf_dir(golden_dir / "tiny" / "qwen3_untied")
+    cfg = DrafterConfig(num_layers=2, num_features=2, layer_ids=LAYER_IDS, block_size=K)
+    arch = resolve_drafter(cfg, target_cfg, mask_token_id=MASK_ID)
+    return target_cfg, target_params, arch
+
+
+def _greedy_batch(target_cfg, target_params) -> dict[str, jax.Array]:
+    """A target-regenerated-like batch: random 4-token prompts, then the target's own greedy continuation."""
+    prompt_len = 4
+    tokens = np.array(jax.random.randint(jax.random.key(7), (B, S), 0, MASK_ID), np.int32)
+
+    @jax.jit
+    def next_token(toks):
+        logits, _ = forward(target_params, target_cfg, toks)
+        return jnp.argmax(logits, axis=-1)
+
+    for s in range(prompt_len, S):
+        tokens[:, s] = np.asarray(next_token(jnp.asarray(tokens)))[:, s - 1]
+    loss_mask = np.ones((B, S), np.float32)
+    loss_mask[:, : prompt_len - 1] = 0.0
+    return {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(loss_mask)}
+
+
+def _new_state(arch, optimizer, seed: int = 0) -> tuple[nnx.GraphDef, TrainState]:
+    graphdef, params = split_drafter(DFlashDrafter(arch, nnx.Rngs(seed)))
+    return graphdef, init_state(params, optimizer, jax.random.key(seed + 1))
+
+
+def test_online_features_are_layer_outputs_in_id_order(setup):
+    target_cfg, target_params, _ = setup
+    tokens = jax.random.randint(jax.random.key(0), (B, S), 0, 256)
+    feats = online_features(target_params, target_cfg, tokens, LAYER_IDS)
+    assert feats.shape == (B, S, len(LAYER_IDS) * target_cfg.hidden_size)
+    _, ref = forward(target_params, target_cfg, tokens, layer_ids=LAYER_IDS, with_logits=False)
+    np.testing.assert_array_equal(np.asarray(feats), np.asarray(concat_features(ref)))
+    d = target_cfg.hidden_size
+    _, deep = forward(target_params, target_cfg, tokens, layer_ids=(3,), with_logits=False)
+    np.testing.assert_array_equal(np.asarray(feats[..., d:]), np.asarray(deep[0]))
+
+
+def test_train_step_runs_under_jit_with_finite_metrics(setup):
+    target_cfg, target_params, arch = setup
+    optimizer = make_optimizer(1e-3, total_steps=10)
+    graphdef, state = _new_state(arch, optimizer)
+    step = make_train_step(graphdef=graphdef, target_params=target_params, target_cfg=target_cfg, arch=arch,
+                           num_anchors=N, gamma=default_gamma(K), optimizer=optimizer)
+    batch = _greedy_batch(target_cfg, target_params)
+    before = jax.tree.map(np.asarray, state.params)
+    target_before = jax.tree.map(np.asarray, target_params)
+    for _ in range(2):
+        state, metrics = step(state, batch)
+    assert int(state.step) == 2
+    assert set(metrics) >= {"loss", "acceptance_length", "accuracy_per_position", "grad_norm", "lr"}
+    for name, value in metrics.items():
+        assert np.all(np.isfinite(np.asarray(value))), name
+    assert metrics["accuracy_per_position"].shape == (K,)
+    assert float(metrics["lr"]) > 0 and float(metrics["grad_norm"]) > 0
+    changed = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state.params)
+    assert any(jax.tree.leaves(changed))
+    # The target is an input, never updated; it is not part of the state.
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), target_before, target_params)
+    state_shapes = {tuple(x.shape) for x in jax.tree.leaves(state)}
+    assert target_params["embed"].shape not in state_shapes
+    assert target_params["lm_head"].shape not in state_shapes
+
+
+def test_drafter_holds_no_embedding_or_lm_head(setup):
+    _, _, arch = setup
+    names = hf_tensor_names(DFlashDrafter(arch, nnx.Rngs(0)))
+    assert not any("embed" in n or "lm_head" in n for n in names), names
+
+
+def _eval(graphdef, params, target_cfg, target_params, batch, arch) -> tuple[float, float]:
+    """(loss, teacher-forced acceptance length) on 16 fixed anchors per row of `batch`."""
+    anchors, keep = sample_anchors_batch(batch["loss_mask"], 16, K, jax.random.key(11))
+    blocks = build_blocks_batch(batch["tokens"], batch["loss_mask"], anchors, keep, K, arch.mask_token_id)
+    feats = online_features(target_params, target_cfg, batch["tokens"], arch.layer_ids)
+    loss, metrics = drafter_loss(params, graphdef, target_params, target_cfg, embed(target_params, blocks.block_ids),
+                                 blocks, feats, K, default_gamma(K))
+    return float(loss), float(metrics["acceptance_length"])
+
+
+def test_overfits_a_fixed_batch(setup):
+    """60 steps at lr 3e-3 on one greedy-continuation batch: held-fixed-anchor loss halves, acceptance rises."""
+    target_cfg, target_params, arch = setup
+    steps = 60
+    optimizer = make_optimizer(3e-3, total_steps=steps)
+    graphdef, state = _new_state(arch, optimizer)
+    step = make_train_step(graphdef=graphdef, target_params=target_params, target_cfg=target_cfg, arch=arch,
+                           num_anchors=N, gamma=default_gamma(K), optimizer=optimizer)
+    batch = _greedy_batch(target_cfg, target_params)
+    loss0, accept0 = _eval(graphdef, state.params, target_cfg, target_params, batch, arch)
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    loss1, accept1 = _eval(graphdef, state.params, target_cfg, target_params, batch, arch)
+    assert loss1 < 0.5 * loss0, (loss0, loss1)
+    assert accept1 > accept0, (accept0, accept1)
+
+
+def test_mask_through_gradients(setup):
+    """Loss of ONE block: no gradient into other blocks' embeds or context features at s >= its anchor."""
+    target_cfg, target_params, arch = setup
+    graphdef, params = split_drafter(DFlashDrafter(arch, nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(3), (B, S), 0, MASK_ID)
+    loss_mask = jnp.ones((B, S), jnp.float32)
+    anchors = jnp.array([[2, 9, 15, 27], [1, 5, 12, 20]], jnp.int32)
+    keep = jnp.ones((B, N), bool)
+    blocks = build_blocks_batch(tokens, loss_mask, anchors, keep, K, MASK_ID)
+    row, j = 0, 1
+    anchor = int(anchors[row, j])
+    own = np.zeros((B, N * K), bool)
+    own[row, j * K:(j + 1) * K] = True
+    one_block = dataclasses.replace(blocks, label_mask=blocks.label_mask * jnp.asarray(own))
+    embeds = embed(target_params, blocks.block_ids)
+    feats = online_features(target_params, target_cfg, tokens, LAYER_IDS)
+
+    def loss(e, f):
+        return drafter_loss(params, graphdef, target_params, target_cfg, e, one_block, f, K, default_gamma(K))[0]
+
+    g_embeds, g_feats = (np.asarray(g) for g in jax.grad(loss, argnums=(0, 1))(embeds, feats))
+    assert np.all(g_embeds[~own] == 0.0)
+    assert np.abs(g_embeds[own]).sum() > 0
+    assert np.all(g_feats[row, anchor:] == 0.0)  # strictly before the anchor: s == anchor too
+    assert np.all(g_feats[1 - row] == 0.0)
+    assert np.all(np.abs(g_feats[row, :anchor]).sum(-1) > 0)

@@ -1,0 +1,218 @@
+"""One DFlash training step (DESIGN §4.2) as a module-level pure function, jitted once with state donated.
+
+Data flow inside `train_step` (B batch, S sequence, N anchors, K block, Q = N*K, F captured layers,
+D hidden, V vocab):
+
+    rng -> (next rng, anchor rng)
+    anchors_BxN, keep_BxN   = sample_anchors_batch(loss_mask, N, K, anchor rng)
+    blocks [B, Q]           = build_blocks_batch(tokens, loss_mask, anchors, keep, K, MASK)
+    feats_BxSxFD            = online_features(frozen target, tokens, layer_ids)        (no gradient)
+    embeds_BxQxD            = target embedding of the block ids                        (no gradient)
+    visible_BxQx(S+Q)       = visible_batch(...)  (context s < anchor strictly; own block only)
+    hidden_BxQxD            = drafter(embeds, block_pos, feats, ctx_pos, visible)
+    logits_BxQxV            = target LM head (frozen, full vocab)
+    loss, metrics           = dflash_loss(...)
+
+Only the drafter's parameters are differentiated and updated; the target's parameters are an argument
+of the step, never part of the state, and pass through `jax.lax.stop_gradient`.
+
+The frozen target is passed to the jitted step as a traced argument (not closed over): closing over
+it would bake every target weight into the compiled program as a constant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models.config import DecoderConfig
+from models.decoder import embed, forward
+from models.drafter import DFlashDrafter, DrafterArch, concat_features, drafter_logits
+from train.objective import Blocks, build_blocks_batch, dflash_loss, sample_anchors_batch, visible_batch
+
+Params = dict[str, Any]
+Metrics = dict[str, jax.Array]
+Batch = dict[str, jax.Array]
+
+
+# ----------------------------------------------------------------------------- features
+
+
+def online_features(target_params: Params, target_cfg: DecoderConfig, tokens_BxS: jax.Array,
+                    layer_ids: tuple[int, ...]) -> jax.Array:
+    """Frozen target features [B, S, F*D]: post-layer outputs of `layer_ids`, concatenated in id order.
+
+    Feature j of token s is the output of target decoder layer j (HF hidden_states[j+1]) at s, computed
+    causally over the whole sequence. No gradient flows into the target (stop_gradient on params and
+    output). A precomputed feature source must return the same array.
+    """
+    frozen = jax.lax.stop_gradient(target_params)
+    _, feats_FxBxSxD = forward(frozen, target_cfg, tokens_BxS, layer_ids=tuple(layer_ids), with_logits=False)
+    return jax.lax.stop_gradient(concat_features(feats_FxBxSxD))
+
+
+# ----------------------------------------------------------------------------- state and optimizer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a step reads and writes (a pytree; donated to the jitted step).
+
+    params:    the drafter's nnx.State of `nnx.Param`s (fp32 master weights); no embedding, no LM head.
+    opt_state: the optax state for `params` (fp32).
+    step:      int32 scalar, number of updates applied so far.
+    rng:       PRNG key; each step splits it into the next key and the step's anchor key.
+    """
+
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array
+    rng: jax.Array
+
+
+StepOut = tuple[TrainState, Metrics]
+
+
+def make_schedule(lr: float, total_steps: int, warmup_frac: float = 0.04) -> optax.Schedule:
+    """Linear warmup from 0 over round(warmup_frac * total_steps) steps (at least 1), then cosine to 0."""
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1; received {total_steps}")
+    if not 0.0 <= warmup_frac < 1.0:
+        raise ValueError(f"warmup_frac must lie in [0, 1); received {warmup_frac}")
+    warmup = max(1, round(warmup_frac * total_steps))
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total_steps, warmup + 1), end_value=0.0)
+
+
+def make_optimizer(lr: float, total_steps: int, warmup_frac: float = 0.04, clip: float = 1.0,
+                   weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """clip_by_global_norm(clip) then AdamW on the warmup+cosine schedule (`make_schedule`).
+
+    The learning rate is injected as a hyperparameter, so the rate used by the latest update can be read
+    from the optimizer state (`current_lr`).
+    """
+    if clip <= 0:
+        raise ValueError(f"clip must be > 0; received {clip}")
+    adamw = optax.inject_hyperparams(optax.adamw)(
+        learning_rate=make_schedule(lr, total_steps, warmup_frac), weight_decay=weight_decay)
+    return optax.chain(optax.clip_by_global_norm(clip), adamw)
+
+
+def current_lr(opt_state: optax.OptState) -> jax.Array:
+    """The learning rate the latest update used; `opt_state` must come from `make_optimizer`'s chain
+    (index 1 is the injected-hyperparameter AdamW state)."""
+    return jnp.asarray(opt_state[1].hyperparams["learning_rate"], jnp.float32)
+
+
+def split_drafter(drafter: DFlashDrafter) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) of a drafter; it must hold nothing but `nnx.Param`s."""
+    graphdef, params = nnx.split(drafter, nnx.Param)
+    return graphdef, params
+
+
+def init_state(params: nnx.State, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    """A fresh state: fp32 copies of the drafter params, `optimizer.init`, step 0 and `rng`."""
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), rng=rng)
+
+
+# ----------------------------------------------------------------------------- loss from explicit inputs
+
+
+def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
+                 block_embeds_BxQxD: jax.Array, blocks: Blocks, ctx_feats_BxSxFD: jax.Array, block_size: int,
+                 gamma: float) -> tuple[jax.Array, Metrics]:
+    """DFlash loss of the drafter on explicit inputs (so gradients w.r.t. embeds and features exist).
+
+    Context positions are 0..S-1 and every context token is valid; `visible_batch` then gives block j
+    the context keys s < a_j and its own block's keys only. Logits come from the frozen target head.
+    Returns (loss, dflash_loss metrics).
+    """
+    b, s, _ = ctx_feats_BxSxFD.shape
+    drafter = nnx.merge(graphdef, params)
+    ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    visible_BxQxSQ = visible_batch(blocks.anchor_of_query, blocks.block_of_query, jnp.ones((b, s), bool),
+                                   blocks.block_of_query)
+    hidden_BxQxD = drafter(block_embeds_BxQxD, blocks.block_pos, ctx_feats_BxSxFD, ctx_pos_BxS, visible_BxQxSQ)
+    logits_BxQxV = drafter_logits(jax.lax.stop_gradient(target_params), target_cfg, hidden_BxQxD)
+    return dflash_loss(logits_BxQxV, blocks.labels, blocks.label_mask, blocks.block_index_in_block,
+                       block_size, gamma)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, target_params: Params,
+               target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int, gamma: float,
+               optimizer: optax.GradientTransformation) -> StepOut:
+    """One update of the drafter on `batch` = {tokens [B, S] int32, loss_mask [B, S]}; pure.
+
+    Anchors are resampled from `state.rng` each step (new key per step). Gradients are taken w.r.t.
+    `state.params` only. metrics: loss, acceptance_length, accuracy_per_position [K], grad_norm (before
+    clipping), lr (used by this update), num_labels, num_blocks.
+    """
+    tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
+    loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
+    rng, anchor_rng = jax.random.split(state.rng)
+    anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, num_anchors, arch.block_size, anchor_rng)
+    blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, arch.block_size,
+                                arch.mask_token_id)
+    feats_BxSxFD = online_features(target_params, target_cfg, tokens_BxS, arch.layer_ids)
+    embeds_BxQxD = jax.lax.stop_gradient(embed(target_params, blocks.block_ids))
+
+    def loss_fn(params: nnx.State) -> tuple[jax.Array, Metrics]:
+        return drafter_loss(params, graphdef, target_params, target_cfg, embeds_BxQxD, blocks, feats_BxSxFD,
+                            arch.block_size, gamma)
+
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": loss,
+        "acceptance_length": aux["acceptance_length"],
+        "accuracy_per_position": aux["accuracy_per_position"],
+        "grad_norm": optax.global_norm(grads),
+        "lr": current_lr(opt_state),
+        "num_labels": aux["num_labels"],
+        "num_blocks": aux["num_blocks"],
+    }
+    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
+    return new_state, metrics
+
+
+_STATIC = ("graphdef", "target_cfg", "arch", "num_anchors", "gamma", "optimizer")
+_jit_train_step = jax.jit(train_step, static_argnames=_STATIC, donate_argnums=0)
+
+
+def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
+                    arch: DrafterArch, num_anchors: int, gamma: float,
+                    optimizer: optax.GradientTransformation) -> Callable[[TrainState, Batch], StepOut]:
+    """`(state, batch) -> (state, metrics)`: `train_step` jitted once with the state donated.
+
+    Everything but the state, the batch and `target_params` is static (hashable); `target_params` is a
+    traced argument so the target's weights are not compiled in as constants. Do not reuse a state after
+    passing it in (its buffers are donated).
+    """
+    return partial(_jit_train_step, graphdef=graphdef, target_params=target_params, target_cfg=target_cfg,
+                   arch=arch, num_anchors=num_anchors, gamma=float(gamma), optimizer=optimizer)
+
+
+__all__ = [
+    "TrainState",
+    "current_lr",
+    "drafter_loss",
+    "init_state",
+    "make_optimizer",
+    "make_schedule",
+    "make_train_step",
+    "online_features",
+    "split_drafter",
+    "train_step",
+]
