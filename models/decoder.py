@@ -234,9 +234,9 @@ def _segments(layer_ids: tuple[int, ...], num_layers: int, with_logits: bool) ->
 
 
 def _scan_layers(step: Callable, carry: Any, layers: Params, start: int, stop: int) -> Any:
-    """Run `step(carry, (layer_params, layer_index))` over layers [start, stop) with one lax.scan."""
+    """Run `step(carry, layer_params)` over layers [start, stop) with one lax.scan."""
     seg = jax.tree.map(lambda a: a[start:stop], layers)
-    carry, _ = jax.lax.scan(lambda c, xs: (step(c, xs), None), carry, (seg, jnp.arange(start, stop)))
+    carry, _ = jax.lax.scan(lambda c, lp: (step(c, lp), None), carry, seg)
     return carry
 
 
@@ -260,8 +260,7 @@ def forward(params: Params, cfg: DecoderConfig, tokens_BxS: jax.Array, positions
         visible = visible & key_valid_BxS[:, None, :].astype(bool)
     visible = jnp.broadcast_to(visible, (b, s, s))
 
-    def step(x, xs):
-        lp, _ = xs
+    def step(x, lp):
         return layer_forward(cfg, lp, x, cos, sin, visible)
 
     x = embed(params, tokens_BxS)

@@ -12,6 +12,7 @@ rotate-half RoPE of the HF layout applies. Qwen2/Qwen3 GGUFs are not permuted.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Iterable
@@ -325,7 +326,7 @@ def load_gguf(path: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
     cfg = decoder_config_from_gguf(gguf_metadata(reader), shapes, str(path))
     if "rope_freqs.weight" in by_name:
         factors = tuple(float(x) for x in np.asarray(by_name["rope_freqs.weight"].data, np.float32).ravel())
-        cfg = _replace(cfg, rope_scaling=RopeScaling(kind="freq_factors", freq_factors=factors))
+        cfg = dataclasses.replace(cfg, rope_scaling=RopeScaling(kind="freq_factors", freq_factors=factors))
 
     def get(name: str) -> np.ndarray | None:
         t = by_name.get(name)
@@ -347,12 +348,6 @@ def load_gguf(path: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
         embed_name="token_embd.weight", norm_name="output_norm.weight", head_name="output.weight", where=str(path),
     )
     return cfg, params
-
-
-def _replace(cfg: DecoderConfig, **changes: Any) -> DecoderConfig:
-    import dataclasses
-
-    return dataclasses.replace(cfg, **changes)
 
 
 # ----------------------------------------------------------------------------- dispatch
