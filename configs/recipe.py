@@ -14,7 +14,9 @@ import yaml
 
 from configs.schema import ConfigError, apply_overrides, build, to_dict
 from models.config import TargetConfig
+from models.drafter import DrafterConfig
 from serve.sampling import SamplingConfig
+from train.config import TrainConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent
 
@@ -25,6 +27,8 @@ class Recipe:
 
     target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
 
 def shipped_configs() -> list[Path]:

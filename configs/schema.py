@@ -79,6 +79,11 @@ def _convert(tp: Any, value: Any, field: str) -> Any:
         require(isinstance(value, int) and not isinstance(value, bool), field, value, "be an integer")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         require(ok, field, value, "be a number")
         return float(value)

@@ -60,6 +60,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from train.checkpoint import CheckpointError
+    from train.loop import run_training
+    from train.metrics import NonFiniteMetricError
+
+    recipe = _recipe(args)
+    _log_devices()
+    try:
+        result = run_training(recipe, progress=not args.no_progress)
+    except (CheckpointError, NonFiniteMetricError) as err:
+        print(f"dflash train: error: {err}", file=sys.stderr)
+        return 1
+    last, ev = result.last, result.eval
+    print(f"trained {result.final_step - result.start_step} steps (to step {result.final_step}) in "
+          f"{result.seconds:.0f} s; checkpoints in {result.run_dir / 'checkpoints'}")
+    if last:
+        print(f"last step: loss {last['loss']:.3f}, teacher-forced acceptance length {last['acceptance_length']:.2f}")
+    if ev:
+        per_pos = " ".join(f"{a:.2f}" for a in ev["accuracy_per_position"][1:])
+        print(f"held-out (GSM8K test): loss {ev['loss']:.3f}, teacher-forced acceptance length "
+              f"{ev['acceptance_length']:.2f} (block {result.arch.block_size}); accuracy by position: {per_pos}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="DFlash drafter pipeline for JAX.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -76,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.set_defaults(func=cmd_chat)
 
+    p = sub.add_parser("train", help="distill a DFlash drafter (online target features); resumes from train.run_dir")
+    _add_config_args(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
     p = sub.add_parser("config", help="print the resolved recipe (after overrides) as YAML")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
@@ -86,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not args.verbose:
+        logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every save step at INFO
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError, ValueError) as err:

@@ -150,6 +150,27 @@ def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: in
     )
 
 
+MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<empty_output>", "<|reserved_special_token_0|>")
+
+
+def default_mask_token_id(tokenizer: Any, target: DecoderConfig) -> int | None:
+    """The mask id a drafter for this target uses when the config leaves it at -1, or None.
+
+    In order: a named token meant for it or never produced in chat (`<|MASK|>`; SmolLM2's code-pretraining
+    special `<empty_output>` = 16; Llama 3's `<|reserved_special_token_0|>` = 128002); else the first
+    embedding row past the tokenizer's vocab when the table has spare rows (Qwen3: 151669, as z-lab's
+    drafters use). Never a stop token.
+    """
+    stops = set(getattr(tokenizer, "stop_token_ids", ()))
+    for name in MASK_TOKEN_CANDIDATES:
+        token_id = tokenizer.backend.token_to_id(name)
+        if token_id is not None and token_id not in stops and token_id < target.vocab_size:
+            return int(token_id)
+    if tokenizer.vocab_size < target.vocab_size:
+        return int(tokenizer.vocab_size)
+    return None
+
+
 # ----------------------------------------------------------------------------- modules
 
 

@@ -149,14 +149,22 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Param
 # ----------------------------------------------------------------------------- the step
 
 
-def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, target_params: Params,
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """`tree` with every floating-point leaf cast to `dtype` (integer leaves untouched)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphdef: nnx.GraphDef,
                target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int, gamma: float,
-               optimizer: optax.GradientTransformation) -> StepOut:
+               optimizer: optax.GradientTransformation, compute_dtype: Any = jnp.float32) -> StepOut:
     """One update of the drafter on `batch` = {tokens [B, S] int32, loss_mask [B, S]}; pure.
 
     Anchors are resampled from `state.rng` each step (new key per step). Gradients are taken w.r.t.
-    `state.params` only. metrics: loss, acceptance_length, accuracy_per_position [K], grad_norm (before
-    clipping), lr (used by this update), num_labels, num_blocks.
+    `state.params` only. The forward runs in `compute_dtype` (params cast inside the differentiated
+    function, so gradients and the optimizer stay in the fp32 master precision); the loss's softmax is
+    fp32. `target_params` should already be in `compute_dtype` (cast once by the caller, not per step).
+    metrics: loss, acceptance_length, accuracy_per_position [K], grad_norm (before clipping), lr (used by
+    this update), num_labels, num_blocks.
     """
     tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
     loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
@@ -168,8 +176,8 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, targe
     embeds_BxQxD = jax.lax.stop_gradient(embed(target_params, blocks.block_ids))
 
     def loss_fn(params: nnx.State) -> tuple[jax.Array, Metrics]:
-        return drafter_loss(params, graphdef, target_params, target_cfg, embeds_BxQxD, blocks, feats_BxSxFD,
-                            arch.block_size, gamma)
+        return drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
+                            embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, gamma)
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -187,26 +195,70 @@ def train_step(state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, targe
     return new_state, metrics
 
 
-_STATIC = ("graphdef", "target_cfg", "arch", "num_anchors", "gamma", "optimizer")
-_jit_train_step = jax.jit(train_step, static_argnames=_STATIC, donate_argnums=0)
-
-
 def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
-                    arch: DrafterArch, num_anchors: int, gamma: float,
-                    optimizer: optax.GradientTransformation) -> Callable[[TrainState, Batch], StepOut]:
+                    arch: DrafterArch, num_anchors: int, gamma: float, optimizer: optax.GradientTransformation,
+                    compute_dtype: Any = jnp.float32,
+                    state_shardings: Any = None) -> Callable[[TrainState, Batch], StepOut]:
     """`(state, batch) -> (state, metrics)`: `train_step` jitted once with the state donated.
 
-    Everything but the state, the batch and `target_params` is static (hashable); `target_params` is a
-    traced argument so the target's weights are not compiled in as constants. Do not reuse a state after
-    passing it in (its buffers are donated).
+    Everything but the state, the batch and `target_params` is fixed at trace time; `target_params` is a
+    traced argument so the target's weights are not compiled in as constants. Input shardings follow the
+    arguments (create the state, the target and each batch already sharded, see `train.sharding`);
+    `state_shardings`, when given, pins the new state to the same layout and metrics are replicated. Do
+    not reuse a state after passing it in (its buffers are donated).
     """
-    return partial(_jit_train_step, graphdef=graphdef, target_params=target_params, target_cfg=target_cfg,
-                   arch=arch, num_anchors=num_anchors, gamma=float(gamma), optimizer=optimizer)
+    body = partial(train_step, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
+                   gamma=float(gamma), optimizer=optimizer, compute_dtype=compute_dtype)
+    if state_shardings is None:
+        jitted = jax.jit(body, donate_argnums=0)
+    else:
+        mesh = jax.tree.leaves(state_shardings)[0].mesh
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        jitted = jax.jit(body, donate_argnums=0, out_shardings=(state_shardings, replicated))
+
+    def step(state: TrainState, batch: Batch) -> StepOut:
+        return jitted(state, batch, target_params)
+
+    return step
+
+
+def eval_metrics(params: nnx.State, batch: Batch, target_params: Params, rng: jax.Array, *,
+                 graphdef: nnx.GraphDef, target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int,
+                 gamma: float, compute_dtype: Any = jnp.float32) -> Metrics:
+    """The step's loss and teacher-forced metrics on `batch` with anchors drawn from `rng`; no update."""
+    tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
+    loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
+    anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, num_anchors, arch.block_size, rng)
+    blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, arch.block_size,
+                                arch.mask_token_id)
+    feats_BxSxFD = online_features(target_params, target_cfg, tokens_BxS, arch.layer_ids)
+    embeds_BxQxD = embed(target_params, blocks.block_ids)
+    loss, aux = drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
+                             embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, gamma)
+    return {"loss": loss, "acceptance_length": aux["acceptance_length"],
+            "accuracy_per_position": aux["accuracy_per_position"], "num_labels": aux["num_labels"]}
+
+
+def make_eval_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
+                   arch: DrafterArch, num_anchors: int, gamma: float,
+                   compute_dtype: Any = jnp.float32) -> Callable[[nnx.State, Batch, jax.Array], Metrics]:
+    """`(params, batch, rng) -> metrics`: `eval_metrics` jitted (nothing donated)."""
+    body = partial(eval_metrics, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
+                   gamma=float(gamma), compute_dtype=compute_dtype)
+    jitted = jax.jit(body)
+
+    def run(params: nnx.State, batch: Batch, rng: jax.Array) -> Metrics:
+        return jitted(params, batch, target_params, rng)
+
+    return run
 
 
 __all__ = [
     "TrainState",
+    "cast_floats",
     "current_lr",
+    "eval_metrics",
+    "make_eval_step",
     "drafter_loss",
     "init_state",
     "make_optimizer",

@@ -1,0 +1,120 @@
+"""Conversation -> token ids with an assistant-only loss mask (DESIGN 4.2), for any chat template.
+
+Contract of `tokenize_conversation(tok, messages, max_len) -> (ids, loss_mask)`:
+- `ids` = `tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))`, cut to the first
+  `max_len` tokens.
+- `loss_mask[p] = 1` exactly on the tokens the model writes in each assistant turn: the message content
+  (plus anything the template writes between the assistant header and the content, e.g. an empty
+  `<think></think>`) and the turn's end-of-turn token (ChatML `<|im_end|>`, Llama 3 `<|eot_id|>`).
+- `loss_mask[p] = 0` on system and user turns (SmolLM2's template inserts a default system prompt when
+  none is given: it is masked 0 like any system turn), on role headers (`<|im_start|>assistant\\n`) and
+  on template text after the end-of-turn token (ChatML's trailing `\\n`).
+
+How, generically: for assistant message i, the turn starts after the tokens of
+`render(messages[:i], add_generation_prompt=True)` (the prompt ending in the assistant header) and ends
+with the tokens of `render(messages[:i + 1], add_generation_prompt=False)`. Within that span the mask
+runs up to and including the LAST stop token (`tok.stop_token_ids`); a span without one is masked whole.
+Every rendered prefix must be a text prefix of the full rendering and must tokenize to a token prefix of
+its ids; templates that rewrite earlier turns (e.g. strip past reasoning) raise a ValueError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from models.tokenizer import ChatTokenizer
+
+ASSISTANT = "assistant"
+
+
+def tokenize_conversation(
+    tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]], max_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32[n], loss_mask float32[n]) with n <= max_len; see the module docstring for the mask."""
+    if max_len <= 0:
+        raise ValueError(f"max_len must be > 0; received {max_len}")
+    if not messages:
+        raise ValueError("messages must hold at least one message; received an empty conversation")
+    for index, message in enumerate(messages):
+        if "role" not in message or "content" not in message:
+            raise ValueError(f"messages[{index}] must have 'role' and 'content'; received keys {sorted(message)}")
+
+    full_text = tok.apply_chat_template(messages, add_generation_prompt=False)
+    ids = tok.encode(full_text, add_special_tokens=False)
+    mask = np.zeros(len(ids), np.float32)
+    stop_ids = set(tok.stop_token_ids)
+    previous_end = 0
+    for index, message in enumerate(messages):
+        if message["role"] != ASSISTANT:
+            continue
+        start = _prefix_length(tok, messages[:index], True, full_text, ids)
+        end = _prefix_length(tok, messages[: index + 1], False, full_text, ids)
+        if not previous_end <= start <= end:
+            raise ValueError(
+                f"assistant message {index} must render after the previous turn; its tokens span [{start}, "
+                f"{end}) after a turn ending at {previous_end} with {_template_name(tok)}"
+            )
+        stops = [p for p in range(start, end) if ids[p] in stop_ids]
+        mask[start : (stops[-1] + 1 if stops else end)] = 1.0
+        previous_end = end
+    ids_n = np.asarray(ids[:max_len], np.int32)
+    return ids_n, mask[:max_len]
+
+
+def pad_batch_example(
+    ids: np.ndarray, mask: np.ndarray, seq_len: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens int32[seq_len], loss_mask float32[seq_len], valid): `ids`/`mask` then `pad_id`/0 padding.
+
+    `valid` = len(ids), the number of real tokens. Truncate first (`tokenize_conversation(max_len=...)`).
+    """
+    if len(ids) != len(mask):
+        raise ValueError(f"ids and mask must have the same length; received {len(ids)} and {len(mask)}")
+    if len(ids) > seq_len:
+        raise ValueError(
+            f"ids must fit in seq_len={seq_len}; received {len(ids)} tokens (tokenize with max_len=seq_len)"
+        )
+    valid = len(ids)
+    tokens_S = np.full(seq_len, pad_id, np.int32)
+    tokens_S[:valid] = ids
+    loss_mask_S = np.zeros(seq_len, np.float32)
+    loss_mask_S[:valid] = mask
+    return tokens_S, loss_mask_S, valid
+
+
+def _prefix_length(
+    tok: ChatTokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool,
+    full_text: str,
+    full_ids: Sequence[int],
+) -> int:
+    """Number of tokens of the rendered `messages`, checked to be a text and token prefix of the full chat."""
+    if messages or add_generation_prompt:
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    else:
+        text = ""  # no messages, no header: templates may not render an empty list
+    if not full_text.startswith(text):
+        raise ValueError(
+            f"the chat template must render each conversation prefix as a text prefix of the whole "
+            f"conversation; the first {len(messages)} messages (add_generation_prompt={add_generation_prompt}) "
+            f"do not with {_template_name(tok)}; assistant-only masks need a prefix-stable template"
+        )
+    ids = tok.encode(text, add_special_tokens=False)
+    if list(full_ids[: len(ids)]) != ids:
+        raise ValueError(
+            f"the rendered prefix of {len(messages)} messages (add_generation_prompt={add_generation_prompt}) "
+            f"must tokenize as a token prefix of the whole conversation; it does not with {_template_name(tok)} "
+            "(a token merges across the turn boundary)"
+        )
+    return len(ids)
+
+
+def _template_name(tok: ChatTokenizer) -> str:
+    template = tok.chat_template or ""
+    digest = hashlib.sha256(template.encode("utf-8")).hexdigest()[:12]
+    return f"the chat template sha256:{digest} starting {template[:60]!r}"

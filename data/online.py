@@ -1,0 +1,118 @@
+"""The online-mode input pipeline: conversations -> fixed-length token rows -> a Grain batch iterator.
+
+Online mode runs the frozen target inside the train step, so a batch is only tokens and the assistant-only
+loss mask (DESIGN 4.2): `{"tokens": int32[B, S], "loss_mask": float32[B, S]}`.
+
+The chain (`make_batches`), each step a Grain `MapDataset` transform:
+
+    source(examples)                 one element per example, random access
+    .shuffle(seed)                   a global permutation; grain folds the epoch into the seed
+    .repeat()                        infinite; element index e * n + i is epoch e, position i
+    [shard_index::shard_count]       this host's slice of the global stream
+    .map(_to_features)               (tokens, loss_mask) -> {"tokens", "loss_mask"}
+    .batch(B, drop_remainder=True)   stacks B consecutive elements of this host's stream
+    .to_iter_dataset(ReadOptions(num_threads=0, prefetch_buffer_size=0))   synchronous, deterministic
+
+Grain 0.2.18 behaviour this relies on (read from grain/_src/python/dataset/transformations):
+- `ShuffleMapDataset` shuffles element index `e * n + i` with seed `(seed + e) % 2**32`, so with `repeat()`
+  after it every epoch is a different permutation of all n examples (and seed s's epoch 1 is seed s+1's
+  epoch 0). `repeat(reseed_each_epoch=True)` (the default) only makes the length infinite.
+- Repeat comes before batch, so a batch may straddle an epoch boundary (no example is dropped or
+  duplicated within an epoch); `steps_per_epoch` is the number of whole batches one epoch provides.
+- Sharding slices the global stream with a stride, so hosts see disjoint elements, and the B * shard_count
+  elements of global step t are exactly the union of the hosts' step-t batches.
+- The iterator's state is `{"next_index": int}` (the number of batches returned): plain JSON. It does not
+  identify the pipeline; restoring it into a pipeline built with another seed, batch size, sharding or
+  example list silently gives other data, so checkpoint the data config beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from data.chat_tokens import pad_batch_example, tokenize_conversation
+from models.tokenizer import ChatTokenizer
+
+# (tokens int32[S], loss_mask float32[S]) per example, all with the same S.
+TokenizedExamples = list[tuple[np.ndarray, np.ndarray]]
+
+
+def tokenize_examples(
+    tok: ChatTokenizer,
+    conversations: Iterable[Sequence[dict[str, Any]]],
+    seq_len: int,
+    *,
+    pad_id: int | None = None,
+) -> tuple[TokenizedExamples, int]:
+    """(examples, num_skipped): each conversation tokenized, truncated to `seq_len` and padded to it.
+
+    A conversation whose loss mask is all zero after truncation (no assistant token left) is skipped and
+    counted in `num_skipped`. `pad_id` defaults to the first stop token (ChatML `<|im_end|>`); padding has
+    loss mask 0, so its id only matters to what the target sees after the text.
+    """
+    if pad_id is None:
+        if not tok.stop_token_ids:
+            raise ValueError("pad_id must be given for a tokenizer without stop tokens; received None")
+        pad_id = tok.stop_token_ids[0]
+    examples: TokenizedExamples = []
+    num_skipped = 0
+    for messages in conversations:
+        ids, mask = tokenize_conversation(tok, messages, seq_len)
+        if not mask.any():
+            num_skipped += 1
+            continue
+        tokens_S, loss_mask_S, _ = pad_batch_example(ids, mask, seq_len, pad_id)
+        examples.append((tokens_S, loss_mask_S))
+    return examples, num_skipped
+
+
+def steps_per_epoch(num_examples: int, batch_size: int, shard_count: int = 1) -> int:
+    """Whole batches per host in one epoch of `num_examples` (the global batch is batch_size * shard_count)."""
+    return num_examples // (batch_size * shard_count)
+
+
+def make_batches(
+    examples: TokenizedExamples,
+    batch_size: int,
+    seed: int,
+    *,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> grain.DatasetIterator:
+    """An endless iterator of `{"tokens": int32[B, S], "loss_mask": float32[B, S]}` for this host.
+
+    Each epoch is a fresh seeded permutation of `examples`; `get_state()` / `set_state()` resume the exact
+    batch sequence (the state is `{"next_index": int}`, JSON-serialisable). See the module docstring.
+    """
+    if not examples:
+        raise ValueError("examples must hold at least one example; received none (were all of them skipped?)")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be > 0; received {batch_size}")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32) (grain's shuffle seed); received {seed}")
+    if shard_count <= 0 or not 0 <= shard_index < shard_count:
+        raise ValueError(
+            f"shard_index must be in [0, shard_count) with shard_count > 0; "
+            f"received shard_index={shard_index}, shard_count={shard_count}"
+        )
+    seq_lens = {tokens.shape for tokens, _ in examples} | {mask.shape for _, mask in examples}
+    if len(seq_lens) != 1:
+        raise ValueError(f"examples must all have one shape [S]; received shapes {sorted(seq_lens)}")
+
+    dataset = grain.MapDataset.source(examples)
+    dataset = dataset.shuffle(seed=seed)
+    dataset = dataset.repeat()
+    dataset = dataset[shard_index::shard_count]
+    dataset = dataset.map(_to_features)
+    dataset = dataset.batch(batch_size, drop_remainder=True)
+    iter_dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    return iter(iter_dataset)
+
+
+def _to_features(example: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
+    tokens_S, loss_mask_S = example
+    return {"tokens": np.asarray(tokens_S, np.int32), "loss_mask": np.asarray(loss_mask_S, np.float32)}

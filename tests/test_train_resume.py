@@ -1,0 +1,90 @@
+"""`dflash train` end to end: a run SIGKILLed at a random step and resumed ends bit-identical (fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from train.checkpoint import Checkpointer
+from train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 12
+
+
+def _cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "launch.cli", "train", "--config", "tiny", "--no-progress",
+            f"train.run_dir={run_dir}", f"train.steps={STEPS}", "train.save_every=3", "train.log_every=1", *extra]
+
+
+def _env() -> dict[str, str]:
+    # Two simulated devices: the checkpoint holds arrays sharded over a real (data=2) mesh.
+    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+
+
+def _final_state(run_dir: Path) -> tuple[object, dict]:
+    ckpt = Checkpointer(run_dir / "checkpoints", {})
+    assert ckpt.latest_step() == STEPS
+    state, data_state, _ = ckpt.restore_raw(STEPS)
+    ckpt.close()
+    return state, data_state
+
+
+@pytest.mark.e2e
+def test_sigkill_at_random_step_then_resume_is_bit_identical(tmp_path):
+    kill_after = random.Random().randrange(2, STEPS - 2)
+    note = f"(killed after step {kill_after})"
+
+    straight = tmp_path / "straight"
+    done = subprocess.run(_cmd(straight, "train.wandb=offline"), cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "held-out (GSM8K test)" in done.stdout
+
+    resumed = tmp_path / "resumed"
+    proc = subprocess.Popen(_cmd(resumed), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if any(r["step"] >= kill_after for r in read_metrics(resumed)):
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed {note}"
+    logged = max(r["step"] for r in read_metrics(resumed))
+    assert logged < STEPS, note
+
+    again = subprocess.run(_cmd(resumed), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed" in again.stderr and f"(to step {STEPS})" in again.stdout, note
+
+    want, want_data = _final_state(straight)
+    got, got_data = _final_state(resumed)
+    assert got_data == want_data, note
+    flat_want = jax.tree_util.tree_flatten_with_path(want)[0]
+    flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
+    assert [p for p, _ in flat_got] == [p for p, _ in flat_want]
+    for (path, a), (_, b) in zip(flat_got, flat_want, strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), f"{jax.tree_util.keystr(path)} differs {note}"
+
+    # The metrics log of the resumed run has each step once, and its losses equal the straight run's.
+    steps = [r["step"] for r in read_metrics(resumed) if "loss" in r]
+    assert steps == list(range(1, STEPS + 1)), note
+    losses = {r["step"]: r["loss"] for r in read_metrics(straight) if "loss" in r}
+    assert all(r["loss"] == losses[r["step"]] for r in read_metrics(resumed) if "loss" in r), note
+
+    # Sinks of the straight run: TensorBoard events and an offline wandb run, no network needed.
+    assert list((straight / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((straight / "wandb").glob("offline-run-*")), sorted(p.name for p in straight.iterdir())
+    json.loads((straight / "metrics.jsonl").read_text().splitlines()[-1])
