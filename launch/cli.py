@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from configs.schema import ConfigError
@@ -22,6 +23,26 @@ def _recipe(args: argparse.Namespace):
     from configs.recipe import load_recipe
 
     return load_recipe(args.config, args.overrides)
+
+
+def _init_distributed() -> None:
+    """Join a multi-process JAX run when JAX_COORDINATOR_ADDRESS (host:port of process 0's coordinator)
+    is set, with JAX_NUM_PROCESSES and JAX_PROCESS_ID: every process runs the same command with its own id.
+    CPU processes exchange collectives through gloo (jax's default `jax_cpu_collectives_implementation`)."""
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+    count, index = os.environ.get("JAX_NUM_PROCESSES", ""), os.environ.get("JAX_PROCESS_ID", "")
+    if not address:
+        if count or index:
+            raise ConfigError(f"JAX_COORDINATOR_ADDRESS must be host:port of process 0 when JAX_NUM_PROCESSES "
+                              f"or JAX_PROCESS_ID is set; received JAX_NUM_PROCESSES={count!r}, "
+                              f"JAX_PROCESS_ID={index!r} and no address: set it or unset them")
+        return
+    if not (count.isdigit() and index.isdigit() and int(index) < int(count)):
+        raise ConfigError(f"JAX_NUM_PROCESSES must be an integer >= 1 and JAX_PROCESS_ID one in [0, JAX_NUM_PROCESSES) "
+                          f"when JAX_COORDINATOR_ADDRESS is set; received {count!r} and {index!r}")
+    import jax
+
+    jax.distributed.initialize(coordinator_address=address, num_processes=int(count), process_id=int(index))
 
 
 def _log_devices() -> None:
@@ -52,24 +73,35 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from serve.chat import DEMO_PROMPTS, run_demo
+    from launch.demo import DEMO_PROMPTS, run_demo
 
     recipe = _recipe(args)
     _log_devices()
-    run_demo(recipe, prompts=args.prompt or DEMO_PROMPTS)
+    try:
+        run_demo(recipe, prompts=args.prompt or DEMO_PROMPTS, train=not args.skip_train,
+                 progress=not args.no_progress)
+    except _run_errors() as err:
+        print(f"dflash demo: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def _run_errors() -> tuple[type[Exception], ...]:
+    """Errors of a run (not of its input) that end a training stage with exit status 1 and their message."""
     from train.checkpoint import CheckpointError
-    from train.loop import run_training
     from train.metrics import NonFiniteMetricError
+
+    return CheckpointError, NonFiniteMetricError
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from train.loop import run_training
 
     recipe = _recipe(args)
     _log_devices()
     try:
         result = run_training(recipe, progress=not args.no_progress)
-    except (CheckpointError, NonFiniteMetricError) as err:
+    except _run_errors() as err:
         print(f"dflash train: error: {err}", file=sys.stderr)
         return 1
     last, ev = result.last, result.eval
@@ -89,9 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="the main job on the embedded default target (grows with the pipeline)")
-    _add_config_args(p)
+    p = sub.add_parser("demo", help="the main job on the embedded default target: train a drafter briefly, chat")
+    _add_config_args(p, default="demo")
     p.add_argument("--prompt", action="append", help="prompt(s) to use instead of the built-in ones")
+    p.add_argument("--skip-train", action="store_true", help="only chat (no drafter training)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("chat", help="chat with the target (AR decoding), printing tokens/s")
@@ -112,12 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. Multi-process (one process per host): set JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID in each process's environment (see `_init_distributed`)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not args.verbose:
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every save step at INFO
     try:
+        if args.command != "config":  # `config` never touches JAX: no need to wait for the other processes
+            _init_distributed()
         return args.func(args)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"dflash {args.command}: error: {err}", file=sys.stderr)

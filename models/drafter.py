@@ -36,7 +36,7 @@ from flax import nnx
 
 from configs.schema import require
 from models.config import DecoderConfig, RopeScaling, check_layer_ids, default_layer_ids
-from models.decoder import apply_rope, attend, embed, logits_from_normed, rms_norm, rope_tables
+from models.decoder import NEG_INF, apply_rope, attend, embed, logits_from_normed, rms_norm, rope_tables
 
 Params = dict[str, Any]
 KV = tuple[jax.Array, jax.Array]  # (k, v), each [B, S, Hk, Dh], RoPE applied to k
@@ -171,6 +171,64 @@ def default_mask_token_id(tokenizer: Any, target: DecoderConfig) -> int | None:
     return None
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockVisibility:
+    """Block-structured visibility of Q = N*K packed block queries (DESIGN §4.2), O(N*S) instead of
+    the dense O(Q*(S+Q)) mask.
+
+    ctx_BxNxS: block n (queries n*K .. n*K+K-1) sees context key s iff ctx_BxNxS[b, n, s];
+    every block sees all K keys of its own block (bidirectional) and no key of another block.
+    """
+
+    ctx_BxNxS: jax.Array
+
+    @staticmethod
+    def from_anchors(anchor_BxN: jax.Array, ctx_valid_BxS: jax.Array) -> BlockVisibility:
+        """Context s < anchor STRICTLY and valid; a padding block (anchor < 0) sees no context."""
+        s_1x1xS = jnp.arange(ctx_valid_BxS.shape[1])[None, None, :]
+        a_BxNx1 = jnp.asarray(anchor_BxN)[:, :, None]
+        return BlockVisibility((s_1x1xS < a_BxNx1) & (jnp.asarray(ctx_valid_BxS)[:, None, :] > 0))
+
+    def dense(self, block_size: int) -> jax.Array:
+        """The equivalent dense mask bool [B, Q, S+Q] (tests and reference only)."""
+        b, n, s = self.ctx_BxNxS.shape
+        q = n * block_size
+        ctx = jnp.repeat(self.ctx_BxNxS, block_size, axis=1)
+        blk_of = jnp.arange(q) // block_size
+        blk = jnp.broadcast_to(blk_of[:, None] == blk_of[None, :], (b, q, q))
+        return jnp.concatenate([ctx, blk], axis=-1)
+
+
+Visibility = jax.Array | BlockVisibility
+
+
+def attend_blocks(q_BxQxHxDh: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, blk_k: jax.Array, blk_v: jax.Array,
+                  vis: BlockVisibility) -> jax.Array:
+    """Softmax attention of N blocks of K queries over [context S | own block K]; fp32 softmax.
+
+    Same result as `attend` with `vis.dense(K)` over keys [context | all Q block keys], at O(Q*(S+K))
+    scores instead of O(Q*(S+Q)). Rows never empty (a block always sees itself), so never NaN.
+    """
+    b, q_len, h, dh = q_BxQxHxDh.shape
+    n = vis.ctx_BxNxS.shape[1]
+    k = q_len // n
+    hk = ctx_k.shape[2]
+    q = q_BxQxHxDh.reshape(b, n, k, hk, h // hk, dh)
+    kb = blk_k.reshape(b, n, k, hk, dh)
+    vb = blk_v.reshape(b, n, k, hk, dh)
+    scale = 1.0 / math.sqrt(dh)
+    s_ctx = jnp.einsum("bnqhgd,bshd->bnhgqs", q, ctx_k).astype(jnp.float32) * scale
+    s_blk = jnp.einsum("bnqhgd,bnjhd->bnhgqj", q, kb).astype(jnp.float32) * scale
+    s_ctx = jnp.where(vis.ctx_BxNxS[:, :, None, None, None, :], s_ctx, NEG_INF)
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
+    p_ctx = jnp.where(vis.ctx_BxNxS[:, :, None, None, None, :], probs[..., : ctx_k.shape[1]], 0.0)
+    p_blk = probs[..., ctx_k.shape[1]:]
+    out = (jnp.einsum("bnhgqs,bshd->bnqhgd", p_ctx.astype(ctx_v.dtype), ctx_v)
+           + jnp.einsum("bnhgqj,bnjhd->bnqhgd", p_blk.astype(vb.dtype), vb))
+    return out.reshape(b, q_len, h, dh)
+
+
 # ----------------------------------------------------------------------------- modules
 
 
@@ -216,15 +274,23 @@ class DrafterAttention(nnx.Module):
         return apply_rope(self.k_norm(k), cos_BxSxDh, sin_BxSxDh), v
 
     def __call__(self, h_BxQxD: jax.Array, cos_BxQxDh: jax.Array, sin_BxQxDh: jax.Array, ctx_kv: KV,
-                 visible_BxQxSQ: jax.Array) -> jax.Array:
-        """Attention output [B, Q, D]; query q sees key j of `[context S | block Q]` iff visible[b, q, j]."""
+                 visible: Visibility) -> jax.Array:
+        """Attention output [B, Q, D] over keys `[context S | block Q]`.
+
+        `visible` is a `BlockVisibility` (the training and inference paths: block-local, O(Q*(S+K))) or a
+        dense bool [B, Q, S+Q] (query q sees key j iff visible[b, q, j]; the reference path for tests).
+        """
         b, q_len, _ = h_BxQxD.shape
         q = self.query(h_BxQxD, cos_BxQxDh, sin_BxQxDh)
         k_blk, v_blk = self.project_kv(h_BxQxD, cos_BxQxDh, sin_BxQxDh)
         ctx_k, ctx_v = ctx_kv
-        k = jnp.concatenate([ctx_k.astype(k_blk.dtype), k_blk], axis=1)
-        v = jnp.concatenate([ctx_v.astype(v_blk.dtype), v_blk], axis=1)
-        out = attend(q, k, v, visible_BxQxSQ)
+        ctx_k, ctx_v = ctx_k.astype(k_blk.dtype), ctx_v.astype(v_blk.dtype)
+        if isinstance(visible, BlockVisibility):
+            out = attend_blocks(q, ctx_k, ctx_v, k_blk, v_blk, visible)
+        else:
+            k = jnp.concatenate([ctx_k, k_blk], axis=1)
+            v = jnp.concatenate([ctx_v, v_blk], axis=1)
+            out = attend(q, k, v, visible)
         return self.o_proj(out.reshape(b, q_len, self.num_heads * self.head_dim))
 
 
@@ -254,9 +320,9 @@ class DrafterLayer(nnx.Module):
         return self.self_attn.project_kv(fused_BxSxD, cos_BxSxDh, sin_BxSxDh)
 
     def __call__(self, x_BxQxD: jax.Array, cos_BxQxDh: jax.Array, sin_BxQxDh: jax.Array, ctx_kv: KV,
-                 visible_BxQxSQ: jax.Array) -> jax.Array:
+                 visible: Visibility) -> jax.Array:
         h = self.input_layernorm(x_BxQxD)
-        x = x_BxQxD + self.self_attn(h, cos_BxQxDh, sin_BxQxDh, ctx_kv, visible_BxQxSQ)
+        x = x_BxQxD + self.self_attn(h, cos_BxQxDh, sin_BxQxDh, ctx_kv, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -288,27 +354,27 @@ class DFlashDrafter(nnx.Module):
         return [layer.context_kv(fused_ctx_BxSxD, cos, sin) for layer in self.layers]
 
     def blocks(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_kv: list[KV],
-               visible_BxQxSQ: jax.Array) -> jax.Array:
+               visible: Visibility) -> jax.Array:
         """Run the layers on block queries over precomputed context K/V; returns normed hidden [B, Q, D].
 
-        Query q sees key j of `[context S | block Q]` iff visible[b, q, j].
+        `visible`: a `BlockVisibility` or a dense bool [B, Q, S+Q] over keys `[context S | block Q]`.
         """
         require(len(ctx_kv) == len(self.layers), "ctx_kv", len(ctx_kv), f"hold {len(self.layers)} layers' (k, v)")
         cos, sin = rope_tables(self.arch.rope_config, block_pos_BxQ)
         x = block_embeds_BxQxD
         for layer, kv in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, cos, sin, kv, visible_BxQxSQ)
+            x = layer(x, cos, sin, kv, visible)
         return self.norm(x)
 
     def __call__(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_feats_BxSxFD: jax.Array,
-                 ctx_pos_BxS: jax.Array, visible_BxQxSQ: jax.Array) -> jax.Array:
+                 ctx_pos_BxS: jax.Array, visible: Visibility) -> jax.Array:
         """Training forward over Q = N*K packed block tokens; returns normed hidden [B, Q, D].
 
-        Query q sees key j of `[context S | blocks Q]` iff visible[b, q, j]; DESIGN §4.2's mask gives a
-        block of anchor a the context keys s < a and the keys of its own block only.
+        DESIGN §4.2's mask gives a block of anchor a the context keys s < a and the keys of its own
+        block only: `BlockVisibility.from_anchors` (or an equivalent dense [B, Q, S+Q] mask).
         """
         fused = self.fuse(ctx_feats_BxSxFD)
-        return self.blocks(block_embeds_BxQxD, block_pos_BxQ, self.context_kv(fused, ctx_pos_BxS), visible_BxQxSQ)
+        return self.blocks(block_embeds_BxQxD, block_pos_BxQ, self.context_kv(fused, ctx_pos_BxS), visible)
 
     def draft_block(self, block_embeds_BxKxD: jax.Array, block_pos_BxK: jax.Array, ctx_kv: list[KV],
                     ctx_valid_BxS: jax.Array) -> jax.Array:
@@ -317,9 +383,7 @@ class DFlashDrafter(nnx.Module):
         Every block query sees the cached context slots with ctx_valid[b, s] (stale slots are ignored,
         whatever they hold) and all K keys of its own block (bidirectional).
         """
-        b, k, _ = block_embeds_BxKxD.shape
-        ctx_vis = jnp.broadcast_to(ctx_valid_BxS.astype(bool)[:, None, :], (b, k, ctx_valid_BxS.shape[1]))
-        visible = jnp.concatenate([ctx_vis, jnp.ones((b, k, k), bool)], axis=-1)
+        visible = BlockVisibility(jnp.asarray(ctx_valid_BxS).astype(bool)[:, None, :])
         return self.blocks(block_embeds_BxKxD, block_pos_BxK, ctx_kv, visible)
 
 

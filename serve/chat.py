@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 from collections.abc import Sequence
 from typing import TextIO
 
 from configs.recipe import Recipe
-from models.target import Target, load_target
+from models.target import Target
 from serve.generate import GenerationResult, generate
 
 
@@ -59,25 +58,3 @@ class _Streamer:
             self.out.write(text[self.printed:])
             self.out.flush()
             self.printed = len(text)
-
-
-DEMO_PROMPTS = (
-    "What is speculative decoding, in two sentences?",
-    "Write a Python function that returns the n-th Fibonacci number.",
-)
-
-
-def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO | None = None) -> list[ChatTurn]:
-    """The README's main job, as far as the pipeline exists: load the default target and chat with it."""
-    out = out or sys.stdout
-    t0 = time.perf_counter()
-    target = load_target(recipe.target)
-    out.write(f"loaded {target.path.name} ({target.cfg.family}, {target.cfg.num_layers} layers, "
-              f"hidden {target.cfg.hidden_size}) in {time.perf_counter() - t0:.1f}s\n")
-    turns = chat(target, recipe, prompts, out=out)
-    total = sum(len(t.result.token_ids) for t in turns)
-    decode_s = sum(t.result.decode_s for t in turns)
-    rate = (total - len(turns)) / max(decode_s, 1e-9)
-    out.write(f"\ndemo done: {len(turns)} prompts, {total} tokens generated, "
-              f"{rate:.1f} decode tokens/s overall (first call includes compile)\n")
-    return turns

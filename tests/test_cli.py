@@ -9,10 +9,13 @@ from launch.cli import main
 
 
 @pytest.mark.e2e
-def test_demo_runs_on_the_tiny_preset(capsys):
-    assert main(["demo", "--config", "tiny", "--prompt", "What is 2+2?"]) == 0
+def test_demo_runs_on_the_tiny_preset(capsys, tmp_path):
+    argv = ["demo", "--config", "tiny", "--no-progress", "--prompt", "What is 2+2?", f"train.run_dir={tmp_path}"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "loaded SmolLM2-135M-Instruct.Q4_1.gguf (llama, 30 layers, hidden 576)" in out
+    assert "trained steps 0..8" in out and "held-out teacher-forced acceptance length" in out
+    assert (tmp_path / "checkpoints" / "8").is_dir()
     assert ">>> What is 2+2?" in out
     assert "decode tokens/s overall" in out
 

@@ -15,6 +15,7 @@ from configs.schema import ConfigError
 from models import decoder
 from models.config import DecoderConfig
 from models.drafter import (
+    BlockVisibility,
     DFlashDrafter,
     DrafterConfig,
     block_positions,
@@ -123,6 +124,32 @@ def test_packed_blocks_equal_separate_blocks(setup):
     for j, (a, (e, p)) in enumerate(zip(anchors, parts, strict=True)):
         alone = _inference(drafter, feats[:1], e, p, np.array([a]))
         assert _close(packed[:, j * K:(j + 1) * K], alone)
+
+
+def test_block_local_attention_equals_the_dense_mask(setup):
+    """The training path's block-local attention (O(Q*(S+K))) == the dense [B, Q, S+Q] mask, forward and
+    gradients, with a padding block (anchor -1) and an invalid context slot in the batch."""
+    _, _, drafter, feats, _ = setup
+    b, s, _ = feats.shape
+    anchors = jnp.array([[3, 8, -1], [1, 5, 11]])
+    n = anchors.shape[1]
+    ctx_valid = jnp.ones((b, s), bool).at[1, 0].set(False)
+    vis = BlockVisibility.from_anchors(anchors, ctx_valid)
+    dense = vis.dense(K)
+    assert dense.shape == (b, n * K, s + n * K)
+    assert not bool(dense[0, 0, 3]) and bool(dense[0, 0, 2])  # strictly before the anchor
+    embeds = jax.random.normal(jax.random.key(5), (b, n * K, feats.shape[-1] // 2))
+    pos = jnp.maximum(anchors, 0).repeat(K, axis=1) + jnp.tile(jnp.arange(K), n)[None]
+    ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    kept = (anchors >= 0).repeat(K, axis=1)[..., None]
+
+    def out(x, visible):
+        return jnp.where(kept, drafter(x, pos, feats, ctx_pos, visible), 0.0)
+
+    assert _close(out(embeds, vis), out(embeds, dense))
+    g_blk = jax.grad(lambda x: jnp.sum(jnp.sin(out(x, vis))))(embeds)
+    g_dense = jax.grad(lambda x: jnp.sum(jnp.sin(out(x, dense))))(embeds)
+    assert _close(g_blk, g_dense)
 
 
 # ----------------------------------------------------------------------------- pitfall 3: no input norm on c

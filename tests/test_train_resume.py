@@ -88,3 +88,9 @@ def test_sigkill_at_random_step_then_resume_is_bit_identical(tmp_path):
     assert list((straight / "tensorboard").glob("events.out.tfevents.*"))
     assert list((straight / "wandb").glob("offline-run-*")), sorted(p.name for p in straight.iterdir())
     json.loads((straight / "metrics.jsonl").read_text().splitlines()[-1])
+
+    # The same run directory with another drafter architecture is refused, naming the field.
+    other = subprocess.run(_cmd(straight, "drafter.num_layers=2"), cwd=ROOT, env=_env(), capture_output=True,
+                           text=True, timeout=600)
+    assert other.returncode == 1
+    assert "another architecture (num_layers: checkpoint 1 vs run 2)" in other.stderr, other.stderr[-2000:]

@@ -232,3 +232,20 @@ def test_bf16_compute_keeps_fp32_master_params(tiny):
     state, metrics = step(state, shard_batch(_batches(1)[0], mesh))
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
     assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.e2e
+def test_a_nan_stops_the_run_naming_the_step_and_saves_nothing(smollm2_target, tmp_path):
+    import dataclasses
+
+    from configs.recipe import load_recipe
+    from train.loop import run_training
+
+    poisoned = dict(smollm2_target.params)
+    poisoned["layers"] = dict(poisoned["layers"], w_up=jnp.full_like(poisoned["layers"]["w_up"], jnp.nan))
+    target = dataclasses.replace(smollm2_target, params=poisoned)
+    recipe = load_recipe("tiny", [f"train.run_dir={tmp_path}", "train.save_every=1", "train.steps=3",
+                                  "train.batch_size=8"])
+    with pytest.raises(NonFiniteMetricError, match=r"at step 1: .*loss=nan"):
+        run_training(recipe, target=target, progress=False)
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]

@@ -8,7 +8,7 @@ D hidden, V vocab):
     blocks [B, Q]           = build_blocks_batch(tokens, loss_mask, anchors, keep, K, MASK)
     feats_BxSxFD            = online_features(frozen target, tokens, layer_ids)        (no gradient)
     embeds_BxQxD            = target embedding of the block ids                        (no gradient)
-    visible_BxQx(S+Q)       = visible_batch(...)  (context s < anchor strictly; own block only)
+    visible                 = BlockVisibility [B, N, S] (context s < anchor strictly; own block only)
     hidden_BxQxD            = drafter(embeds, block_pos, feats, ctx_pos, visible)
     logits_BxQxV            = target LM head (frozen, full vocab)
     loss, metrics           = dflash_loss(...)
@@ -34,8 +34,8 @@ from flax import nnx
 
 from models.config import DecoderConfig
 from models.decoder import embed, forward
-from models.drafter import DFlashDrafter, DrafterArch, concat_features, drafter_logits
-from train.objective import Blocks, build_blocks_batch, dflash_loss, sample_anchors_batch, visible_batch
+from models.drafter import BlockVisibility, DFlashDrafter, DrafterArch, concat_features, drafter_logits
+from train.objective import Blocks, build_blocks_batch, dflash_loss, sample_anchors_batch
 
 Params = dict[str, Any]
 Metrics = dict[str, jax.Array]
@@ -131,16 +131,17 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Param
                  gamma: float) -> tuple[jax.Array, Metrics]:
     """DFlash loss of the drafter on explicit inputs (so gradients w.r.t. embeds and features exist).
 
-    Context positions are 0..S-1 and every context token is valid; `visible_batch` then gives block j
-    the context keys s < a_j and its own block's keys only. Logits come from the frozen target head.
+    Context positions are 0..S-1 and every context token is valid; `BlockVisibility.from_anchors` gives
+    block j the context keys s < a_j and its own block's keys only (block-local attention, no dense
+    Q x (S+Q) mask). Logits come from the frozen target head.
     Returns (loss, dflash_loss metrics).
     """
     b, s, _ = ctx_feats_BxSxFD.shape
     drafter = nnx.merge(graphdef, params)
     ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    visible_BxQxSQ = visible_batch(blocks.anchor_of_query, blocks.block_of_query, jnp.ones((b, s), bool),
-                                   blocks.block_of_query)
-    hidden_BxQxD = drafter(block_embeds_BxQxD, blocks.block_pos, ctx_feats_BxSxFD, ctx_pos_BxS, visible_BxQxSQ)
+    anchor_BxN = blocks.anchor_of_query.reshape(b, -1, block_size)[:, :, 0]  # -1 for padding blocks
+    visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool))
+    hidden_BxQxD = drafter(block_embeds_BxQxD, blocks.block_pos, ctx_feats_BxSxFD, ctx_pos_BxS, visible)
     logits_BxQxV = drafter_logits(jax.lax.stop_gradient(target_params), target_cfg, hidden_BxQxD)
     return dflash_loss(logits_BxQxV, blocks.labels, blocks.label_mask, blocks.block_index_in_block,
                        block_size, gamma)
@@ -205,7 +206,8 @@ def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg
     traced argument so the target's weights are not compiled in as constants. Input shardings follow the
     arguments (create the state, the target and each batch already sharded, see `train.sharding`);
     `state_shardings`, when given, pins the new state to the same layout and metrics are replicated. Do
-    not reuse a state after passing it in (its buffers are donated).
+    not reuse a state after passing it in (its buffers are donated). `step.lower(state, batch)` lowers the
+    same jitted program (for ahead-of-time compilation and XLA memory analysis).
     """
     body = partial(train_step, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
                    gamma=float(gamma), optimizer=optimizer, compute_dtype=compute_dtype)
@@ -219,6 +221,7 @@ def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg
     def step(state: TrainState, batch: Batch) -> StepOut:
         return jitted(state, batch, target_params)
 
+    step.lower = lambda state, batch: jitted.lower(state, batch, target_params)  # for AOT compile / memory stats
     return step
 
 

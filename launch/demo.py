@@ -1,0 +1,57 @@
+"""The README's main job (`bin/demo` = `dflash demo --config demo`), as far as the pipeline exists.
+
+1. load the embedded default target;
+2. distill a drafter for it: a short `dflash train` run (online target features over packaged GSM8K),
+   checkpointed under `train.run_dir` (a rerun resumes there; it trains nothing once the run is complete)
+   and evaluated teacher-forced on held-out GSM8K test conversations;
+3. chat with the target (AR decoding) and report decode tokens/s.
+The speculative engine and the evaluation join as they land.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from configs.recipe import Recipe
+from models.target import load_target
+from serve.chat import ChatTurn, chat
+
+DEMO_PROMPTS = (
+    "What is speculative decoding, in two sentences?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+)
+
+
+def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO | None = None,
+             train: bool = True, progress: bool = True) -> list[ChatTurn]:
+    """Load the target, train the drafter of `recipe.train` (unless `train` is False), then chat."""
+    out = out or sys.stdout
+    t0 = time.perf_counter()
+    target = load_target(recipe.target)
+    out.write(f"loaded {target.path.name} ({target.cfg.family}, {target.cfg.num_layers} layers, "
+              f"hidden {target.cfg.hidden_size}) in {time.perf_counter() - t0:.1f}s\n")
+    if train:
+        from train.loop import run_training
+
+        out.write(f"\n== training a DFlash drafter: {recipe.drafter.num_layers} layers, block {recipe.drafter.block_size}, "
+                  f"{recipe.train.steps} steps -> {recipe.train.run_dir}\n")
+        out.flush()
+        result = run_training(recipe, target=target, progress=progress)
+        out.write(f"trained steps {result.start_step}..{result.final_step} in {result.seconds:.0f}s\n")
+        if result.eval:
+            ev = result.eval
+            per_pos = " ".join(f"{a:.2f}" for a in ev["accuracy_per_position"][1:])
+            out.write(f"held-out teacher-forced acceptance length {ev['acceptance_length']:.2f} "
+                      f"(1.00 = nothing accepted; block {result.arch.block_size}), loss {ev['loss']:.3f}\n"
+                      f"accuracy by draft position: {per_pos}\n")
+    out.write("\n== chat with the target (AR decoding)\n")
+    turns = chat(target, recipe, prompts, out=out)
+    total = sum(len(t.result.token_ids) for t in turns)
+    decode_s = sum(t.result.decode_s for t in turns)
+    rate = (total - len(turns)) / max(decode_s, 1e-9)
+    out.write(f"\ndemo done: {len(turns)} prompts, {total} tokens generated, "
+              f"{rate:.1f} decode tokens/s overall (first call includes compile)\n")
+    return turns

@@ -1,0 +1,122 @@
+"""`dflash train` on 2 processes (`jax.distributed` on localhost, 1 simulated CPU device each) ends with the
+same state as 1 process with 2 devices: same mesh size, same global batch, each host reading its Grain shard."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from launch.cli import main
+from train.checkpoint import Checkpointer
+from train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+DIST_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(run_dir: Path, devices: int, log: Path, **dist: str) -> subprocess.Popen:
+    """`dflash train --config tiny` in the background on `devices` simulated CPU devices; output to `log`.out/.err."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu", **dist}
+    cmd = [sys.executable, "-m", "launch.cli", "train", "--config", "tiny", "--no-progress", f"train.run_dir={run_dir}",
+           f"train.steps={STEPS}", "train.save_every=2", "train.log_every=1", "train.wandb=disabled"]
+    # Files, not pipes: a process blocked on a full pipe would stall its peer inside a collective.
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
+
+
+def _wait(procs: dict[str, subprocess.Popen], logs: Path, timeout: float = 600) -> dict[str, tuple[str, str]]:
+    """Wait for every process; once one fails (or time runs out) kill the rest and show each one's stderr."""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
+            if any(p.returncode not in (None, 0) for p in procs.values()):
+                break  # a peer of a dead process would wait in a collective until the coordinator gives up
+            time.sleep(0.2)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    texts = {name: ((logs / f"{name}.out").read_text(), (logs / f"{name}.err").read_text()) for name in procs}
+    failed = {name: proc.returncode for name, proc in procs.items() if proc.returncode != 0}
+    assert not failed, "\n\n".join(f"{name} exited {code}:\n{texts[name][1][-3000:]}" for name, code in failed.items())
+    return texts
+
+
+def _final(run_dir: Path) -> tuple[object, dict]:
+    ckpt = Checkpointer(run_dir / "checkpoints", {})
+    try:
+        assert ckpt.all_steps() == [2, STEPS], ckpt.all_steps()
+        state, data_state, _ = ckpt.restore_raw(STEPS)
+    finally:
+        ckpt.close()
+    return state, data_state
+
+
+@pytest.mark.e2e
+def test_two_processes_train_like_one_process_with_the_same_devices(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    address = f"127.0.0.1:{_free_port()}"
+    procs = {f"multi{i}": _start(tmp_path / "multi", 1, logs / f"multi{i}", JAX_COORDINATOR_ADDRESS=address,
+                                 JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)) for i in range(2)}
+    procs["single"] = _start(tmp_path / "single", 2, logs / "single")
+    texts = _wait(procs, logs)
+
+    for i in range(2):
+        out, err = texts[f"multi{i}"]
+        assert f"process {i}/2" in err, err[-2000:]
+        assert f"(to step {STEPS})" in out, out
+    assert "process 0/1" in texts["single"][1]
+
+    # Final checkpoints: the same tree, and the same values (summation order may differ across processes).
+    want, want_data = _final(tmp_path / "single")
+    got, got_data = _final(tmp_path / "multi")
+    flat_want = jax.tree_util.tree_flatten_with_path(want)[0]
+    flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
+    assert [p for p, _ in flat_got] == [p for p, _ in flat_want]
+    for (path, a), (_, b) in zip(flat_got, flat_want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+    # The data state is process 0's; it counts batches, so it is every process's (and the 1-process run's).
+    assert got_data == want_data, (got_data, want_data)
+
+    # One metrics log, written by process 0 alone: each step once, losses those of the 1-process run.
+    assert sorted(p.name for p in (tmp_path / "multi").glob("metrics*")) == ["metrics.jsonl"]
+    got_metrics = [r for r in read_metrics(tmp_path / "multi") if "loss" in r]
+    want_metrics = {r["step"]: r for r in read_metrics(tmp_path / "single") if "loss" in r}
+    assert [r["step"] for r in got_metrics] == list(range(1, STEPS + 1))
+    for r in got_metrics:
+        np.testing.assert_allclose(r["loss"], want_metrics[r["step"]]["loss"], rtol=1e-5, err_msg=f"step {r['step']}")
+    assert len(list((tmp_path / "multi" / "tensorboard").glob("events.out.tfevents.*"))) == 1
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"JAX_PROCESS_ID": "0"}, "JAX_COORDINATOR_ADDRESS must be host:port of process 0"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+     "JAX_PROCESS_ID one in [0, JAX_NUM_PROCESSES)"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_PROCESS_ID": "0"}, "received '' and '0'"),
+])
+def test_inconsistent_distributed_environment_is_refused(monkeypatch, capsys, env, message):
+    for name in DIST_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", "--config", "tiny"]) == 2
+    assert message in capsys.readouterr().err
