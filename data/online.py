@@ -8,9 +8,9 @@ The chain (`make_batches`), each step a Grain `MapDataset` transform:
     source(examples)                 one element per example, random access
     .shuffle(seed)                   a global permutation; grain folds the epoch into the seed
     .repeat()                        infinite; element index e * n + i is epoch e, position i
-    [shard_index::shard_count]       this host's slice of the global stream
     .map(_to_features)               (tokens, loss_mask) -> {"tokens", "loss_mask"}
-    .batch(B, drop_remainder=True)   stacks B consecutive elements of this host's stream
+    .batch(B * hosts, drop_remainder=True)   the GLOBAL batch: B * shard_count consecutive elements
+    .map(rows [i*B, (i+1)*B))        host i keeps its contiguous block of the global batch
     .to_iter_dataset(ReadOptions(num_threads=0, prefetch_buffer_size=0))   synchronous, deterministic
 
 Grain 0.2.18 behaviour this relies on (read from grain/_src/python/dataset/transformations):
@@ -19,8 +19,11 @@ Grain 0.2.18 behaviour this relies on (read from grain/_src/python/dataset/trans
   epoch 0). `repeat(reseed_each_epoch=True)` (the default) only makes the length infinite.
 - Repeat comes before batch, so a batch may straddle an epoch boundary (no example is dropped or
   duplicated within an epoch); `steps_per_epoch` is the number of whole batches one epoch provides.
-- Sharding slices the global stream with a stride, so hosts see disjoint elements, and the B * shard_count
-  elements of global step t are exactly the union of the hosts' step-t batches.
+- Each host takes a contiguous block of rows of the global batch, the layout that
+  `jax.make_array_from_process_local_data` assembles over a mesh whose devices are in process order, so
+  the global batch (and therefore training) is the same whatever the number of hosts. A host builds the
+  whole global batch of tokens and keeps its rows: trivial for token rows; stored features (the data
+  issue) will index instead.
 - The iterator's state is `{"next_index": int}` (the number of batches returned): plain JSON. It does not
   identify the pipeline; restoring it into a pipeline built with another seed, batch size, sharding or
   example list silently gives other data, so checkpoint the data config beside it.
@@ -106,9 +109,11 @@ def make_batches(
     dataset = grain.MapDataset.source(examples)
     dataset = dataset.shuffle(seed=seed)
     dataset = dataset.repeat()
-    dataset = dataset[shard_index::shard_count]
     dataset = dataset.map(_to_features)
-    dataset = dataset.batch(batch_size, drop_remainder=True)
+    dataset = dataset.batch(batch_size * shard_count, drop_remainder=True)
+    if shard_count > 1:
+        rows = slice(shard_index * batch_size, (shard_index + 1) * batch_size)
+        dataset = dataset.map(lambda batch: {k: v[rows] for k, v in batch.items()})
     iter_dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     return iter(iter_dataset)
 

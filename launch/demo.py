@@ -36,7 +36,8 @@ def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO 
     if train:
         from train.loop import run_training
 
-        out.write(f"\n== training a DFlash drafter: {recipe.drafter.num_layers} layers, block {recipe.drafter.block_size}, "
+        drafter = recipe.drafter
+        out.write(f"\n== training a DFlash drafter: {drafter.num_layers} layers, block {drafter.block_size}, "
                   f"{recipe.train.steps} steps -> {recipe.train.run_dir}\n")
         out.flush()
         result = run_training(recipe, target=target, progress=progress)

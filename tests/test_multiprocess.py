@@ -34,7 +34,8 @@ def _start(run_dir: Path, devices: int, log: Path, **dist: str) -> subprocess.Po
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu", **dist}
     cmd = [sys.executable, "-m", "launch.cli", "train", "--config", "tiny", "--no-progress", f"train.run_dir={run_dir}",
-           f"train.steps={STEPS}", "train.save_every=2", "train.log_every=1", "train.wandb=disabled"]
+           f"train.steps={STEPS}", "train.save_every=2", "train.log_every=1", "train.wandb=disabled",
+           "train.batch_size=4"]  # 2 rows per host: the hosts' blocks must assemble in global order
     # Files, not pipes: a process blocked on a full pipe would stall its peer inside a collective.
     with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
@@ -60,13 +61,15 @@ def _wait(procs: dict[str, subprocess.Popen], logs: Path, timeout: float = 600) 
 
 
 def _final(run_dir: Path) -> tuple[object, dict]:
+    """(state as host arrays, data state) of the last checkpoint, read onto this process's device whatever
+    topology wrote it."""
     ckpt = Checkpointer(run_dir / "checkpoints", {})
     try:
         assert ckpt.all_steps() == [2, STEPS], ckpt.all_steps()
         state, data_state, _ = ckpt.restore_raw(STEPS)
     finally:
         ckpt.close()
-    return state, data_state
+    return jax.device_get(state), data_state
 
 
 @pytest.mark.e2e
@@ -96,6 +99,12 @@ def test_two_processes_train_like_one_process_with_the_same_devices(tmp_path):
 
     # The data state is process 0's; it counts batches, so it is every process's (and the 1-process run's).
     assert got_data == want_data, (got_data, want_data)
+
+    # The held-out evaluation covers the same examples whatever the process count.
+    want_eval = [r for r in read_metrics(tmp_path / "single") if "eval/loss" in r]
+    got_eval = [r for r in read_metrics(tmp_path / "multi") if "eval/loss" in r]
+    assert len(got_eval) == len(want_eval) == 1
+    np.testing.assert_allclose(got_eval[0]["eval/loss"], want_eval[0]["eval/loss"], rtol=1e-5)
 
     # One metrics log, written by process 0 alone: each step once, losses those of the 1-process run.
     assert sorted(p.name for p in (tmp_path / "multi").glob("metrics*")) == ["metrics.jsonl"]

@@ -38,7 +38,9 @@ class Checkpointer:
         self.directory = Path(directory).resolve()
         self.meta = {"format": FORMAT, **meta}
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -103,8 +105,12 @@ class Checkpointer:
         """(state as saved: nested dicts of host arrays, data_state, meta) of checkpoint `step`, without
         knowing the architecture (for inspection, export and comparisons)."""
         meta = self.read_meta(step)
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore())
         try:
+            # Onto this process's first device, whatever mesh and process count wrote it.
+            local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            saved = self._manager.item_metadata(step)["state"]
+            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=local), saved)
+            args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
             restored = self._manager.restore(step, args=args)
         except Exception as err:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {self.directory / str(step)} could not be restored "

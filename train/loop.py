@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,17 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
 
+def _iterator_state(batches: Any) -> dict[str, Any]:
+    """The data iterator's state. Orbax writes process 0's copy only, so every host's must be equal (it is:
+    each host counts the same number of global batches); checked when there are several processes."""
+    state = batches.get_state()
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.assert_equal(np.int64(state["next_index"]), "data iterator positions differ across hosts")
+    return state
+
+
 def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> TrainResult:
     """Train (or resume) the drafter of `recipe`; see the module docstring."""
     t_start = time.time()
@@ -145,6 +157,8 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     latest = ckpt.latest_step()
     if latest is None:
         state = jax.jit(fresh_state, out_shardings=shardings)()
+        if is_main:
+            _truncate_metrics(run_dir, 0)  # records of a run killed before its first checkpoint
     else:
         state, data_state = ckpt.restore(latest, abstract, shardings)
         if data_state.get("data_fingerprint") != data_fp:
@@ -196,7 +210,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
             if step % cfg.save_every == 0 or step == cfg.steps:
                 finish(*pending)  # never checkpoint a state whose step went non-finite
                 pending = None
-                ckpt.save(step, state, {"iterator": batches.get_state(), "data_fingerprint": data_fp})
+                ckpt.save(step, state, {"iterator": _iterator_state(batches), "data_fingerprint": data_fp})
         if pending is not None:
             finish(*pending)
         eval_metrics = evaluate(recipe, target, arch, graphdef, state.params, target_params, gamma, compute_dtype,
@@ -216,7 +230,8 @@ def evaluate(recipe: Recipe, target: Target, arch: DrafterArch, graphdef: nnx.Gr
     """Teacher-forced metrics on the first EVAL_EXAMPLES GSM8K test conversations (fixed anchors)."""
     cfg = recipe.train
     examples, _ = build_examples(recipe, target, split="test", limit=EVAL_EXAMPLES)
-    rows = (len(examples) // jax.process_count() // batch_divisor(mesh)) * batch_divisor(mesh)
+    unit = math.lcm(batch_divisor(mesh), jax.process_count())  # same global rows whatever the process count
+    rows = len(examples) // unit * unit // jax.process_count()
     if rows == 0:
         return {}
     eval_step = make_eval_step(graphdef=graphdef, target_params=target_params, target_cfg=target.cfg, arch=arch,
