@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not args.verbose:
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every save step at INFO
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU/proxy backend" notes
     try:
         if args.command != "config":  # `config` never touches JAX: no need to wait for the other processes
             _init_distributed()
