@@ -1,0 +1,133 @@
+"""Greedy DFlash speculative decoding equals AR decoding token for token (fp32, CPU; DESIGN §7, pitfalls 5, 6).
+
+The tiny random target (qwen3_untied, vocab 256) and an untrained drafter: its proposals are mostly
+rejected, so the tests also drive the engine with an oracle proposer (every draft right: full
+acceptance) and a wrong one (every draft wrong: full rejection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GOLDEN
+from flax import nnx
+
+from models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
+from models.loading import load_hf_dir
+from serve.generate import generate
+from serve.sampling import SamplingConfig
+from serve.speculative import speculative_generate
+
+TRAIN_K = 16
+MAX_LEN = 256
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target_cfg, target_params = load_hf_dir(GOLDEN / "tiny" / "qwen3_untied")
+    arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=TRAIN_K),
+                           target_cfg, mask_token_id=255)
+    drafter = DFlashDrafter(arch, nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, 255, size=n)) for n in (5, 17, 9, 30)]
+    ar = [generate(target_params, target_cfg, p, SamplingConfig(temperature=0.0, max_new_tokens=NEW), MAX_LEN).token_ids
+          for p in prompts]
+    return target_cfg, target_params, drafter, prompts, ar
+
+
+def _oracle(prompts, ar, wrong: bool):
+    """Drafts read from the AR reference (right, or each shifted by one: always wrong)."""
+    def draft(state, k):
+        lengths = np.asarray(state.lengths)
+        out = np.zeros((len(prompts), k - 1), np.int32)
+        for b, (p, ref) in enumerate(zip(prompts, ar, strict=True)):
+            done = int(lengths[b]) - len(p)  # tokens of ref already committed; ref[done] is pending
+            nxt = [ref[done + i] if done + i < len(ref) else 0 for i in range(1, k)]
+            out[b] = (np.asarray(nxt) + 1) % 256 if wrong else nxt
+        return jnp.asarray(out)
+    return draft
+
+
+@pytest.mark.parametrize("k", [2, 4, 8, 16])
+def test_greedy_dflash_equals_ar_batch_4(setup, k):
+    target_cfg, target_params, drafter, prompts, ar = setup
+    results = speculative_generate(target_params, target_cfg, drafter, prompts, NEW, MAX_LEN, block_size=k)
+    for res, ref in zip(results, ar, strict=True):
+        assert res.token_ids == ref
+        assert 1.0 <= res.tau <= k and len(res.accept_per_position) == k - 1
+
+
+def test_greedy_dflash_equals_ar_batch_1(setup):
+    target_cfg, target_params, drafter, prompts, ar = setup
+    for p, ref in zip(prompts, ar, strict=True):
+        [res] = speculative_generate(target_params, target_cfg, drafter, [p], NEW, MAX_LEN, block_size=8)
+        assert res.token_ids == ref
+
+
+@pytest.mark.parametrize("k", [2, 8, 16])
+def test_full_acceptance_commits_k_tokens_per_step(setup, k):
+    target_cfg, target_params, drafter, prompts, ar = setup
+    results = speculative_generate(target_params, target_cfg, drafter, prompts, NEW, MAX_LEN, block_size=k,
+                                   draft_fn=_oracle(prompts, ar, wrong=False))
+    for res, ref in zip(results, ar, strict=True):
+        assert res.token_ids == ref
+        # Every step but possibly the last accepts all K-1 drafts (the last may stop at max tokens).
+        assert all(a == k - 1 for a in res.accepted[:-1]) and res.accepted
+        assert len(res.accepted) == -(-(NEW - 1) // k)
+
+
+def test_full_rejection_still_equals_ar(setup):
+    target_cfg, target_params, drafter, prompts, ar = setup
+    results = speculative_generate(target_params, target_cfg, drafter, prompts, NEW, MAX_LEN, block_size=8,
+                                   draft_fn=_oracle(prompts, ar, wrong=True))
+    for res, ref in zip(results, ar, strict=True):
+        assert res.token_ids == ref
+        assert set(res.accepted) == {0} and res.tau == 1.0
+
+
+def test_stop_tokens_end_each_sequence(setup):
+    target_cfg, target_params, drafter, prompts, ar = setup
+    stop = ar[1][6]
+    results = speculative_generate(target_params, target_cfg, drafter, prompts, NEW, MAX_LEN, block_size=4,
+                                   stop_ids=[stop], draft_fn=_oracle(prompts, ar, wrong=False))
+    for res, ref in zip(results, ar, strict=True):
+        want = ref[: ref.index(stop) + 1] if stop in ref else ref
+        assert res.token_ids == want
+
+
+def test_bad_block_size_is_refused(setup):
+    target_cfg, target_params, drafter, prompts, _ = setup
+    with pytest.raises(ValueError, match=r"block_size must lie in \[2, 16\]"):
+        speculative_generate(target_params, target_cfg, drafter, prompts, NEW, MAX_LEN, block_size=32)
+
+
+def test_a_trained_checkpoint_loads_into_the_engine(setup, tmp_path):
+    """A drafter saved by the trainer's Checkpointer loads back exactly and decodes exactly alike."""
+    import jax
+
+    from serve.speculative import load_drafter_checkpoint
+    from train.checkpoint import Checkpointer, CheckpointError
+    from train.loop import arch_dict
+    from train.step import init_state, make_optimizer
+
+    target_cfg, target_params, drafter, prompts, ar = setup
+    trained = DFlashDrafter(drafter.arch, nnx.Rngs(7))
+    state = init_state(nnx.state(trained, nnx.Param), make_optimizer(1e-3, 10), jax.random.PRNGKey(0))
+    ckpt = Checkpointer(tmp_path / "checkpoints", {"arch": arch_dict(drafter.arch)})
+    ckpt.save(5, state, {"iterator": {"next_index": 5}})
+    ckpt.close()
+    loaded = load_drafter_checkpoint(tmp_path, target_cfg)
+    want = nnx.to_flat_state(nnx.state(trained, nnx.Param))
+    got = dict(nnx.to_flat_state(nnx.state(loaded, nnx.Param)))
+    for keys, variable in want:
+        np.testing.assert_array_equal(np.asarray(got[keys][...]), np.asarray(variable[...]))
+    a = speculative_generate(target_params, target_cfg, trained, prompts, NEW, MAX_LEN, block_size=8)
+    b = speculative_generate(target_params, target_cfg, loaded, prompts, NEW, MAX_LEN, block_size=8)
+    assert [r.accepted for r in a] == [r.accepted for r in b] and [r.token_ids for r in b] == ar
+    other = dataclasses.replace(target_cfg, vocab_size=target_cfg.vocab_size + 1)
+    with pytest.raises(CheckpointError, match=r"trained for another target \(vocab_size: drafter 256 vs target 257\)"):
+        load_drafter_checkpoint(tmp_path, other)
