@@ -4,8 +4,10 @@
 2. distill a drafter for it: a short `dflash train` run (online target features over packaged GSM8K),
    checkpointed under `train.run_dir` (a rerun resumes there; it trains nothing once the run is complete)
    and evaluated teacher-forced on held-out GSM8K test conversations;
-3. chat with the target (AR decoding) and report decode tokens/s.
-The speculative engine and the evaluation join as they land.
+3. chat with the target (AR decoding) and report decode tokens/s;
+4. decode the same prompts with greedy DFlash speculative decoding and the drafter just trained (loaded
+   back from its checkpoint), reporting τ, acceptance by position and whether the output equals AR.
+The server and the evaluation join as they land.
 """
 
 from __future__ import annotations
@@ -53,6 +55,28 @@ def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO 
     total = sum(len(t.result.token_ids) for t in turns)
     decode_s = sum(t.result.decode_s for t in turns)
     rate = (total - len(turns)) / max(decode_s, 1e-9)
-    out.write(f"\ndemo done: {len(turns)} prompts, {total} tokens generated, "
+    out.write(f"\nAR: {len(turns)} prompts, {total} tokens generated, "
               f"{rate:.1f} decode tokens/s overall (first call includes compile)\n")
+    if train:
+        speculative_rerun(recipe, target, turns, out)
+    out.write("\ndemo done\n")
     return turns
+
+
+def speculative_rerun(recipe: Recipe, target, turns: Sequence[ChatTurn], out: TextIO) -> None:
+    """Decode the same prompts again with DFlash speculative decoding and the drafter just trained."""
+    from serve.speculative import load_drafter_checkpoint, speculative_generate
+
+    drafter = load_drafter_checkpoint(recipe.train.run_dir, target.cfg)
+    k = drafter.arch.block_size
+    out.write(f"\n== the same prompts with DFlash speculative decoding (greedy, block {k}, drafter from "
+              f"{recipe.train.run_dir})\n")
+    for turn in turns:
+        [res] = speculative_generate(target.params, target.cfg, drafter, [turn.result.prompt_ids],
+                                     recipe.sampling.max_new_tokens, recipe.target.max_seq_len, block_size=k,
+                                     stop_ids=target.tokenizer.stop_token_ids)
+        same = res.token_ids == turn.result.token_ids
+        per_pos = " ".join(f"{a:.2f}" for a in res.accept_per_position)
+        out.write(f">>> {turn.prompt}\n[{len(res.token_ids)} tokens in {len(res.accepted)} verify steps: "
+                  f"tau {res.tau:.2f}; identical to AR: {'yes' if same else 'NO'}; acceptance by position: "
+                  f"{per_pos}]\n")

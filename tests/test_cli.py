@@ -19,6 +19,7 @@ def test_demo_runs_on_the_tiny_preset(capsys, tmp_path):
     assert (tmp_path / "checkpoints" / "8").is_dir()
     assert ">>> What is 2+2?" in out
     assert "decode tokens/s overall" in out
+    assert "identical to AR: yes" in out and "demo done" in out
 
 
 @pytest.mark.e2e
