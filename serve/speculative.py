@@ -1,4 +1,4 @@
-"""DFlash speculative decoding (DESIGN §4.3), greedy, batched, over the dense target cache.
+"""DFlash speculative decoding (DESIGN §4.3), batched, over the dense target cache; greedy or sampled.
 
 Per sequence b the state keeps an invariant between steps:
     the target cache holds the committed tokens 0 .. L_b-1 (their K/V), and the draft cache holds the
@@ -15,11 +15,12 @@ One step = propose + verify:
              both caches keep exactly the n + 1 verified tokens [pending, d_1 .. d_n]: the target
              cache is rolled back to L + n + 1 and the draft cache gets the fused features of those
              positions; the next step's proposer sees L + n + 1, the ACCEPTED length (pitfall 6).
-Greedy output therefore equals AR decoding token for token (up to fp32 ties in the logits).
+Greedy output therefore equals AR decoding token for token (up to fp32 ties in the logits). At T > 0
+acceptance is one-hot rejection sampling (`accept_sampled`), so the output has AR sampling's distribution.
 
 `propose` and `verify` are separate jitted programs so that a test (or a future proposer) can supply
-the drafts, and so the draft and verify costs can be measured apart. Sampling (one-hot rejection),
-the paged cache, continuous batching and the server are the rest of the engine issue.
+the drafts, and so the draft and verify costs can be measured apart. The paged cache, continuous
+batching and the server are the rest of the engine issue.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from models.config import DecoderConfig, RopeScaling
 from models.decoder import DenseKVCache, check_capacity, embed, forward_cached
 from models.drafter import KV, DFlashDrafter, DrafterArch, concat_features, drafter_logits
 from serve.generate import bucket
+from serve.sampling import SamplingConfig, filtered_logprobs
 
 Params = dict[str, Any]
 
@@ -74,13 +76,14 @@ class DraftCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecState:
-    """Decoding state of B sequences: caches, committed lengths L [B], pending token [B], active [B]."""
+    """Decoding state of B sequences: caches, committed lengths L [B], pending token [B], active [B], keys."""
 
     target: DenseKVCache
     draft: DraftCache
     lengths: jax.Array
     pending: jax.Array
     active: jax.Array
+    rng: jax.Array  # [B, 2] uint32: one key per sequence (per-request seeds)
 
 
 def _add_context(drafter: DFlashDrafter, draft: DraftCache, feats_FxBxTxD: jax.Array,
@@ -92,10 +95,12 @@ def _add_context(drafter: DFlashDrafter, draft: DraftCache, feats_FxBxTxD: jax.A
     return draft.write(drafter.context_kv(fused, positions), starts_B)
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "max_len"))
+@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "max_len", "sampling"))
 def prefill(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.GraphDef, drafter_params: nnx.State,
-            tokens_BxT: jax.Array, num_valid_B: jax.Array, max_len: int) -> SpecState:
-    """Fresh state for B right-padded prompts: both caches filled, the target's greedy first token pending."""
+            tokens_BxT: jax.Array, num_valid_B: jax.Array, max_len: int, rng_Bx2: jax.Array,
+            sampling: SamplingConfig | None = None) -> SpecState:
+    """Fresh state for B right-padded prompts: both caches filled, the target's first token pending
+    (argmax, or drawn with each sequence's key when `sampling` is not greedy)."""
     drafter = nnx.merge(graphdef, drafter_params)
     arch = drafter.arch
     b, t = tokens_BxT.shape
@@ -106,8 +111,14 @@ def prefill(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.Grap
                                           layer_ids=arch.layer_ids, logits_at_BxI=last)
     cache = cache.rollback(num_valid_B)
     draft = _add_context(drafter, DraftCache.create(arch, b, max_len), feats, jnp.zeros((b,), jnp.int32))
-    pending = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-    return SpecState(cache, draft, num_valid_B.astype(jnp.int32), pending, jnp.ones((b,), bool))
+    if sampling is None or sampling.greedy:
+        pending = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    else:
+        keys = jax.vmap(jax.random.split)(rng_Bx2)
+        rng_Bx2 = keys[:, 0]
+        logp = filtered_logprobs(logits[:, 0], sampling)
+        pending = jax.vmap(jax.random.categorical)(keys[:, 1], logp).astype(jnp.int32)
+    return SpecState(cache, draft, num_valid_B.astype(jnp.int32), pending, jnp.ones((b,), bool), rng_Bx2)
 
 
 @functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "block_size"))
@@ -125,13 +136,46 @@ def propose(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.Grap
     return jnp.argmax(logits[:, 1:], axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef"), donate_argnames=("state",))
+def accept_greedy(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(n accepted [B], bonus [B]): the longest prefix with d_i == argmax after token i-1; bonus = argmax."""
+    preds = jnp.argmax(logits_BxKxV, axis=-1).astype(jnp.int32)  # preds[:, i] follows tokens[:, i]
+    n = jnp.sum(jnp.cumprod((drafts_BxKm1 == preds[:, :-1]).astype(jnp.int32), axis=1), axis=1)
+    return n, jnp.take_along_axis(preds, n[:, None], axis=1)[:, 0]
+
+
+def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: SamplingConfig,
+                   rng_Bx2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One-hot-draft rejection sampling (lossless; DESIGN pitfall 8): (n [B], bonus [B], next keys).
+
+    The drafts are argmax proposals, i.e. q = one-hot(d_i), so draft i is accepted with probability
+    min(1, p_i(d_i) / 1) = p_i(d_i) under the target's filtered distribution p_i; at the first rejection
+    the replacement is drawn from the residual max(p - q, 0) = p with d_i removed, renormalised; when all
+    K-1 drafts are accepted the bonus is drawn from p_{K-1}. The output then has exactly the target's
+    distribution, as if sampled token by token.
+    """
+    k = drafts_BxKm1.shape[1] + 1
+    keys = jax.vmap(lambda key: jax.random.split(key, 3))(rng_Bx2)
+    logp = filtered_logprobs(logits_BxKxV, sampling)  # [B, K, V]
+    p_draft = jnp.exp(jnp.take_along_axis(logp[:, :-1], drafts_BxKm1[..., None], axis=-1)[..., 0])
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k - 1,)))(keys[:, 1])
+    n = jnp.sum(jnp.cumprod((u < p_draft).astype(jnp.int32), axis=1), axis=1)
+    logp_n = jnp.take_along_axis(logp, n[:, None, None], axis=1)[:, 0]  # [B, V]
+    rejected = jnp.take_along_axis(jnp.pad(drafts_BxKm1, ((0, 0), (0, 1)), constant_values=-1), n[:, None], 1)
+    residual = jnp.where(jnp.arange(logp.shape[-1])[None, :] == rejected, -jnp.inf, logp_n)
+    bonus = jax.vmap(jax.random.categorical)(keys[:, 2], residual).astype(jnp.int32)
+    return n, bonus, keys[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "sampling"), donate_argnames=("state",))
 def verify(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.GraphDef, drafter_params: nnx.State,
-           state: SpecState, drafts_BxKm1: jax.Array) -> tuple[SpecState, jax.Array, jax.Array]:
+           state: SpecState, drafts_BxKm1: jax.Array,
+           sampling: SamplingConfig | None = None) -> tuple[SpecState, jax.Array, jax.Array]:
     """Verify drafts with one target forward; returns (state, tokens [B, K], accepted n [B]).
 
     tokens[b, :n+1] are the step's output (d_1 .. d_n, then the target's bonus token); the rest is
-    padding. Inactive sequences are left as they were (n reported as 0, nothing output).
+    padding. Greedy (`sampling` None or temperature 0): exact-match acceptance; otherwise one-hot
+    rejection sampling with each sequence's key (`accept_sampled`). Inactive sequences are left as they
+    were (n reported as 0, nothing output).
     """
     drafter = nnx.merge(graphdef, drafter_params)
     k = drafts_BxKm1.shape[1] + 1
@@ -139,17 +183,19 @@ def verify(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.Graph
     positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     logits, feats, cache = forward_cached(target_params, target_cfg, tokens, positions, state.target,
                                           layer_ids=drafter.arch.layer_ids)
-    preds = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # preds[:, i] follows tokens[:, i]
-    match = (drafts_BxKm1 == preds[:, :-1]).astype(jnp.int32)
-    n = jnp.where(state.active, jnp.sum(jnp.cumprod(match, axis=1), axis=1), 0)
-    bonus = jnp.take_along_axis(preds, n[:, None], axis=1)[:, 0]
+    if sampling is None or sampling.greedy:
+        n, bonus = accept_greedy(logits, drafts_BxKm1)
+        rng = state.rng
+    else:
+        n, bonus, rng = accept_sampled(logits, drafts_BxKm1, sampling, state.rng)
+    n = jnp.where(state.active, n, 0)
     idx = jnp.arange(k)[None, :]
     out = jnp.where(idx < n[:, None], jnp.pad(drafts_BxKm1, ((0, 0), (0, 1))), 0)
     out = jnp.where(idx == n[:, None], bonus[:, None], out)
     new_len = jnp.where(state.active, state.lengths + n + 1, state.lengths)
     draft = _add_context(drafter, state.draft, feats, state.lengths)  # slots >= new_len stay invisible
     new_state = SpecState(cache.rollback(new_len), draft, new_len, jnp.where(state.active, bonus, state.pending),
-                          state.active)
+                          state.active, rng)
     return new_state, out, n
 
 
@@ -186,8 +232,13 @@ DraftFn = Callable[[SpecState, int], jax.Array]
 def speculative_generate(target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter,
                          prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int,
                          block_size: int | None = None, stop_ids: Sequence[int] = (),
-                         draft_fn: DraftFn | None = None) -> list[SpecResult]:
-    """Greedy DFlash decoding of a batch of prompts; equals AR greedy decoding token for token.
+                         draft_fn: DraftFn | None = None, sampling: SamplingConfig | None = None,
+                         seeds: Sequence[int] | None = None) -> list[SpecResult]:
+    """DFlash decoding of a batch of prompts: greedy equals AR greedy decoding token for token; with a
+    non-greedy `sampling` (temperature, top-p, top-k) the output has AR sampling's distribution.
+
+    seeds: one per prompt (default: sampling.seed + index); `sampling.max_new_tokens` is not used
+    (`max_new_tokens` is).
 
     block_size: K at inference, 2 .. the drafter's training K (default: the training K).
     draft_fn:   replaces the drafter's proposals (tests: an oracle or a deliberately wrong proposer);
@@ -209,10 +260,17 @@ def speculative_generate(target_params: Params, target_cfg: DecoderConfig, draft
     tokens = np.zeros((b, chunk), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
+    if sampling is not None and sampling.greedy:
+        sampling = None
+    if seeds is None:
+        seeds = [(sampling.seed if sampling else 0) + i for i in range(b)]
+    if len(seeds) != b:
+        raise ValueError(f"seeds must hold one seed per prompt ({b}); received {len(seeds)}")
+    rng = jnp.stack([jax.random.PRNGKey(int(seed)) for seed in seeds])
     graphdef, params = nnx.split(drafter, nnx.Param)
     t0 = time.perf_counter()
     state = prefill(target_params, target_cfg, graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                    max_seq_len)
+                    max_seq_len, rng, sampling)
     outputs = [[int(t)] for t in np.asarray(state.pending)]
     accepted: list[list[int]] = [[] for _ in range(b)]
     stops = set(stop_ids)
@@ -222,7 +280,8 @@ def speculative_generate(target_params: Params, target_cfg: DecoderConfig, draft
             state = dataclasses.replace(state, active=jnp.asarray(~done))
         drafts = (draft_fn(state, k) if draft_fn is not None
                   else propose(target_params, target_cfg, graphdef, params, state, k))
-        state, out, n = verify(target_params, target_cfg, graphdef, params, state, jnp.asarray(drafts, jnp.int32))
+        state, out, n = verify(target_params, target_cfg, graphdef, params, state, jnp.asarray(drafts, jnp.int32),
+                               sampling)
         out, n = np.asarray(out), np.asarray(n)
         for i in np.flatnonzero(~done):
             accepted[i].append(int(n[i]))
@@ -282,5 +341,15 @@ def load_drafter_checkpoint(path: str | Path, target_cfg: DecoderConfig, step: i
     return drafter
 
 
-__all__ = ["DraftCache", "SpecResult", "SpecState", "load_drafter_checkpoint", "prefill", "propose",
-           "speculative_generate", "verify"]
+__all__ = [
+    "DraftCache",
+    "SpecResult",
+    "SpecState",
+    "accept_greedy",
+    "accept_sampled",
+    "load_drafter_checkpoint",
+    "prefill",
+    "propose",
+    "speculative_generate",
+    "verify",
+]

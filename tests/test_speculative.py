@@ -131,3 +131,45 @@ def test_a_trained_checkpoint_loads_into_the_engine(setup, tmp_path):
     other = dataclasses.replace(target_cfg, vocab_size=target_cfg.vocab_size + 1)
     with pytest.raises(CheckpointError, match=r"trained for another target \(vocab_size: drafter 256 vs target 257\)"):
         load_drafter_checkpoint(tmp_path, other)
+
+
+def test_sampled_dflash_has_the_target_distribution(setup):
+    """T=1, top-k 4: the joint law of the first two tokens under DFlash (one-hot rejection sampling) equals
+    the target's exact law (chi-square over the 16 cells, 4000 draws). The proposer drafts the target's
+    most likely second token, so drafts are accepted and rejected often and both branches are exercised."""
+    from scipy.stats import chisquare
+
+    from models.decoder import forward
+    from serve.sampling import filtered_logprobs
+
+    target_cfg, target_params, drafter, _, _ = setup
+    sampling = SamplingConfig(temperature=1.0, top_k=4)
+    prompt = [11, 42, 7, 99, 3, 150]
+
+    def law(tokens):
+        logits, _ = forward(target_params, target_cfg, jnp.asarray([tokens]))
+        return np.exp(np.asarray(filtered_logprobs(logits[0, -1], sampling), np.float64))
+
+    p1 = law(prompt)
+    firsts = np.flatnonzero(p1 > 0)
+    p2 = {int(t): law(prompt + [int(t)]) for t in firsts}
+    best2 = np.zeros(256, np.int32)
+    for t, p in p2.items():
+        best2[t] = int(np.argmax(p))
+    cells = [(int(a), int(b)) for a in firsts for b in np.flatnonzero(p2[int(a)] > 0)]
+    expected = np.array([p1[a] * p2[a][b] for a, b in cells])
+
+    def draft(state, k):
+        first = best2[np.asarray(state.pending)]
+        return jnp.asarray(np.stack([first, np.full_like(first, 7)], axis=1)[:, : k - 1])
+
+    n = 4000
+    results = speculative_generate(target_params, target_cfg, drafter, [prompt] * n, 2, 32, block_size=3,
+                                   draft_fn=draft, sampling=sampling, seeds=list(range(n)))
+    pairs = [tuple(r.token_ids[:2]) for r in results]
+    observed = np.array([sum(1 for p in pairs if p == c) for c in cells])
+    assert observed.sum() == n, "a pair outside the target's support was sampled"
+    stat = chisquare(observed, expected / expected.sum() * n)
+    assert stat.pvalue > 1e-3, (stat, list(zip(cells, observed, (expected * n).round(1), strict=True)))
+    accepted = [r.accepted[0] for r in results]
+    assert 0.1 < np.mean(accepted) < 0.95, "both acceptance and rejection must be exercised"
