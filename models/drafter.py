@@ -150,6 +150,18 @@ def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: in
     )
 
 
+def check_fits_target(arch: DrafterArch, target: DecoderConfig, where: str) -> None:
+    """Raise ValueError naming every field where a loaded drafter (from `where`) does not fit `target`."""
+    fits = {"hidden_size": (arch.hidden_size, target.hidden_size),
+            "vocab_size": (arch.target_vocab_size, target.vocab_size),
+            "num_layers": (arch.target_num_layers, target.num_layers)}
+    bad = [f"{k}: drafter {a} vs target {b}" for k, (a, b) in fits.items() if a != b]
+    if max(arch.layer_ids) >= target.num_layers:
+        bad.append(f"layer_ids {arch.layer_ids} reach past the target's {target.num_layers} layers")
+    if bad:
+        raise ValueError(f"the drafter in {where} was trained for another target (" + "; ".join(bad) + ")")
+
+
 MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<empty_output>", "<|reserved_special_token_0|>")
 
 

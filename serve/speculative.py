@@ -39,7 +39,7 @@ from flax import nnx
 
 from models.config import DecoderConfig, RopeScaling
 from models.decoder import DenseKVCache, check_capacity, embed, forward_cached
-from models.drafter import KV, DFlashDrafter, DrafterArch, concat_features, drafter_logits
+from models.drafter import KV, DFlashDrafter, DrafterArch, check_fits_target, concat_features, drafter_logits
 from serve.generate import bucket
 from serve.sampling import SamplingConfig, filtered_logprobs
 
@@ -319,13 +319,10 @@ def load_drafter_checkpoint(path: str | Path, target_cfg: DecoderConfig, step: i
         scaling["freq_factors"] = tuple(scaling.get("freq_factors", ()))
         fields["rope_scaling"] = RopeScaling(**scaling)
     arch = DrafterArch(**fields)
-    fits = {"hidden_size": (arch.hidden_size, target_cfg.hidden_size),
-            "vocab_size": (arch.target_vocab_size, target_cfg.vocab_size),
-            "num_layers": (arch.target_num_layers, target_cfg.num_layers)}
-    bad = [f"{k}: drafter {a} vs target {b}" for k, (a, b) in fits.items() if a != b]
-    if bad:
-        raise CheckpointError(f"the drafter in {directory} (step {step}) was trained for another target ("
-                              + "; ".join(bad) + ")")
+    try:
+        check_fits_target(arch, target_cfg, f"{directory} (step {step})")
+    except ValueError as err:
+        raise CheckpointError(str(err)) from err
     drafter = DFlashDrafter(arch, nnx.Rngs(0))
     state = nnx.state(drafter, nnx.Param)
     flat = []

@@ -41,7 +41,8 @@ def _scrambled_pool(num_pages: int, page_size: int, seed: int) -> PagePool:
 class Pair:
     """A dense and a paged cache fed the same chunks; every append checks their logits agree."""
 
-    def __init__(self, model, batch: int, page_size: int, max_pages: int, num_pages: int, seed: int = 0):
+    def __init__(self, model, batch: int = 2, page_size: int = 4, max_pages: int = 12, num_pages: int = 40,
+                 seed: int = 0):
         self.cfg, self.params = model
         self.pool = _scrambled_pool(num_pages, page_size, seed)
         self.table = PageTable(self.pool, batch, max_pages)
@@ -76,18 +77,18 @@ def _tokens(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
 def test_prefill_then_decode(model):
     cfg = model[0]
     tokens = _tokens(2, 30, cfg.vocab_size)
-    pair = Pair(model, batch=2, page_size=4, max_pages=8, num_pages=20)
+    pair = Pair(model, num_pages=20)
     pair.append(tokens[:, :13])
     for i in range(13, 25):  # crosses page boundaries at 16, 20, 24
         pair.append(tokens[:, i:i + 1])
     assert len(pair.table.pages(0)) == 7 and pair.pool.num_free == 19 - 14
 
 
-@pytest.mark.parametrize("page_size", [1, 3, 8])
+@pytest.mark.parametrize("page_size", [1, 4])
 def test_chunked_appends(model, page_size):
     cfg = model[0]
     tokens = _tokens(2, 40, cfg.vocab_size, seed=1)
-    pair = Pair(model, batch=2, page_size=page_size, max_pages=-(-48 // page_size), num_pages=100, seed=page_size)
+    pair = Pair(model, page_size=page_size, max_pages=48 // page_size, num_pages=100, seed=page_size)
     start = 0
     for chunk in (7, 1, 1, 13, 2, 16):
         pair.append(tokens[:, start:start + chunk])
@@ -99,7 +100,7 @@ def test_batch_of_different_prompt_lengths(model):
     cfg = model[0]
     prompt_lengths = np.array([5, 17, 11])
     tokens = _tokens(3, 17, cfg.vocab_size, seed=2)
-    pair = Pair(model, batch=3, page_size=4, max_pages=8, num_pages=24, seed=3)
+    pair = Pair(model, batch=3, num_pages=24, seed=3)
     pair.append(tokens)
     pair.rollback(prompt_lengths)
     decode = _tokens(3, 10, cfg.vocab_size, seed=4)
@@ -113,7 +114,7 @@ def test_speculative_rollback_then_reappend(model):
     """Verify pattern: append K, keep L + n + 1 (n differs per sequence), append the next block."""
     cfg = model[0]
     k = 4
-    pair = Pair(model, batch=2, page_size=4, max_pages=10, num_pages=30, seed=5)
+    pair = Pair(model, seed=5)
     pair.append(_tokens(2, 9, cfg.vocab_size, seed=6))
     rng = np.random.default_rng(7)
     for step in range(6):
@@ -127,7 +128,7 @@ def test_speculative_rollback_then_reappend(model):
 
 def test_pages_are_noncontiguous_and_shuffled(model):
     cfg = model[0]
-    pair = Pair(model, batch=2, page_size=2, max_pages=12, num_pages=40, seed=11)
+    pair = Pair(model, page_size=2, max_pages=12, num_pages=40, seed=11)
     pair.append(_tokens(2, 21, cfg.vocab_size, seed=12))
     pair.append(_tokens(2, 3, cfg.vocab_size, seed=13))
     table = pair.table.array()

@@ -173,3 +173,34 @@ def test_sampled_dflash_has_the_target_distribution(setup):
     assert stat.pvalue > 1e-3, (stat, list(zip(cells, observed, (expected * n).round(1), strict=True)))
     accepted = [r.accepted[0] for r in results]
     assert 0.1 < np.mean(accepted) < 0.95, "both acceptance and rejection must be exercised"
+
+
+def test_zlab_directory_round_trip_decodes_identically(setup, tmp_path):
+    """The same weights through the z-lab HF layout give the same drafter and the same outputs."""
+    import json
+
+    from models.loading import WeightsError
+    from models.zlab import load_zlab, save_zlab
+
+    target_cfg, target_params, drafter, prompts, ar = setup
+    trained = DFlashDrafter(drafter.arch, nnx.Rngs(3))
+    save_zlab(trained, tmp_path / "zlab")
+    config = json.loads((tmp_path / "zlab" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == TRAIN_K
+    assert config["dflash_config"] == {"mask_token_id": 255, "target_layer_ids": [1, 3]}
+    assert config["model_type"] == target_cfg.family and config["num_target_layers"] == target_cfg.num_layers
+    loaded = load_zlab(tmp_path / "zlab", target_cfg)
+    assert loaded.arch == trained.arch
+    a = speculative_generate(target_params, target_cfg, trained, prompts, NEW, MAX_LEN, block_size=8)
+    b = speculative_generate(target_params, target_cfg, loaded, prompts, NEW, MAX_LEN, block_size=8)
+    assert [r.accepted for r in a] == [r.accepted for r in b] and [r.token_ids for r in b] == ar
+    # A tensor set that does not match the config is refused, naming the tensor.
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(tmp_path / "zlab" / "model.safetensors"))
+    del tensors["layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "zlab" / "model.safetensors"))
+    with pytest.raises(WeightsError, match="'layers.1.mlp.up_proj.weight' is missing"):
+        load_zlab(tmp_path / "zlab", target_cfg)
+    with pytest.raises(ValueError, match="trained for another target"):
+        load_zlab(tmp_path / "zlab", dataclasses.replace(target_cfg, hidden_size=target_cfg.hidden_size * 2))
