@@ -204,3 +204,20 @@ def test_zlab_directory_round_trip_decodes_identically(setup, tmp_path):
         load_zlab(tmp_path / "zlab", target_cfg)
     with pytest.raises(ValueError, match="trained for another target"):
         load_zlab(tmp_path / "zlab", dataclasses.replace(target_cfg, hidden_size=target_cfg.hidden_size * 2))
+
+
+def test_compiled_shapes_stay_bounded_over_a_long_generation(setup):
+    """Prompts of many lengths compile one prefill per power-of-two bucket; a long generation compiles
+    propose and verify once for a fixed (batch, K)."""
+    from serve import speculative
+
+    target_cfg, target_params, drafter, _, _ = setup
+    before = {f: getattr(speculative, f)._cache_size() for f in ("prefill", "propose", "verify")}
+    rng = np.random.default_rng(1)
+    lengths = [3, 9, 16, 17, 31, 33, 40]  # buckets 16, 32, 64
+    for n in lengths:
+        speculative_generate(target_params, target_cfg, drafter, [list(rng.integers(0, 255, size=n))], 96, MAX_LEN,
+                             block_size=4)
+    grown = {f: getattr(speculative, f)._cache_size() - before[f] for f in before}
+    assert grown["prefill"] <= 3, grown
+    assert grown["propose"] <= 1 and grown["verify"] <= 1, grown
