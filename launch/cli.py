@@ -116,6 +116,52 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+    from pathlib import Path
+
+    from models.drafter import DFlashDrafter, default_mask_token_id, resolve_drafter
+    from models.target import load_target
+    from serve.engine import Engine
+    from serve.server import make_server
+
+    recipe = _recipe(args)
+    _log_devices()
+    target = load_target(recipe.target)
+    source = Path(args.drafter or recipe.train.run_dir).expanduser()
+    if args.ar:
+        from flax import nnx
+
+        arch = resolve_drafter(recipe.drafter, target.cfg, default_mask_token_id(target.tokenizer, target.cfg))
+        drafter = DFlashDrafter(arch, nnx.Rngs(0))  # shapes only: AR mode never drafts
+    elif (source / "config.json").is_file():
+        from models.zlab import load_zlab
+
+        drafter = load_zlab(source, target.cfg)
+    else:
+        from serve.speculative import load_drafter_checkpoint
+
+        drafter = load_drafter_checkpoint(source, target.cfg)
+    block = None if args.ar else (args.block_size or drafter.arch.block_size)
+    engine = Engine(target.params, target.cfg, drafter, slots=args.slots, max_len=recipe.target.max_seq_len,
+                    block_size=block, sampling=recipe.sampling)
+    server = make_server(engine, target.tokenizer, args.model_name or recipe.target.source, args.host, args.port,
+                         default_max_tokens=recipe.sampling.max_new_tokens)
+    mode = "AR" if block is None else f"DFlash K={block} (drafter {source})"
+    print(f"serving {server.model_name} on http://{args.host}:{server.server_address[1]}/v1 - {mode}, "
+          f"{args.slots} slots; Ctrl-C stops", flush=True)
+
+    def stop(*_: object) -> None:
+        threading.Thread(target=server.close, daemon=True).start()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    server.serve_forever()
+    server.worker.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="DFlash drafter pipeline for JAX.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -138,6 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server: target + DFlash drafter (or AR)")
+    _add_config_args(p)
+    p.add_argument("--drafter", help="a `dflash train` run dir or a z-lab HF drafter dir (default: train.run_dir)")
+    p.add_argument("--ar", action="store_true", help="serve the target alone (no drafter)")
+    p.add_argument("--block-size", type=int, default=0, help="K at inference (default: the drafter's training K)")
+    p.add_argument("--slots", type=int, default=8, help="concurrent sequences per step (continuous batching)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: target.source)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("config", help="print the resolved recipe (after overrides) as YAML")
     _add_config_args(p)

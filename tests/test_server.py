@@ -1,0 +1,106 @@
+"""`dflash serve`'s HTTP API: OpenAI-shaped answers equal to AR decoding, 32 concurrent clients, bad
+requests refused with 4xx JSON while the server keeps serving, streaming, metrics, shutdown."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from flax import nnx
+
+from models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
+from serve.engine import Engine
+from serve.generate import generate
+from serve.sampling import SamplingConfig
+from serve.server import make_server
+
+MAX_LEN = 512
+QUESTIONS = ["What is 2+2?", "Name a color.", "Say hi.", "What is the capital of France?", "Count to three.",
+             "What is a cat?", "Give me a number.", "Is water wet?"]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_target):
+    target = smollm2_target
+    arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(1, 3), block_size=4), target.cfg,
+                           mask_token_id=16)
+    engine = Engine(target.params, target.cfg, DFlashDrafter(arch, nnx.Rngs(0)), slots=8, max_len=MAX_LEN,
+                    block_size=4)
+    srv = make_server(engine, target.tokenizer, "smollm2", port=0)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv, f"http://127.0.0.1:{srv.server_address[1]}", target
+    srv.close()
+    thread.join(10)
+    assert not thread.is_alive() and not srv.worker.thread.is_alive()
+
+
+def _ar_text(target, question: str, max_tokens: int) -> str:
+    ids = target.tokenizer.encode_chat([{"role": "user", "content": question}], add_generation_prompt=True)
+    out = generate(target.params, target.cfg, ids, SamplingConfig(max_new_tokens=max_tokens), MAX_LEN,
+                   stop_ids=target.tokenizer.stop_token_ids).token_ids
+    return target.tokenizer.decode([t for t in out if t not in target.tokenizer.stop_token_ids])
+
+
+@pytest.mark.e2e
+def test_thirty_two_concurrent_chat_clients_get_ar_answers(server):
+    srv, url, target = server
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "smollm2"
+    want = {q: _ar_text(target, q, 6) for q in QUESTIONS}
+
+    def ask(i: int) -> tuple[str, dict]:
+        q = QUESTIONS[i % len(QUESTIONS)]
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": q}], "max_tokens": 6}
+        return q, httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, range(32)))
+    for q, answer in answers:
+        assert answer["object"] == "chat.completion"
+        assert answer["choices"][0]["message"]["content"] == want[q], q
+        assert answer["usage"]["completion_tokens"] <= 6 and answer["dflash"]["steps"] >= 1
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "dflash_generated_tokens_total" in metrics and "dflash_tau_bucket" in metrics
+
+
+@pytest.mark.e2e
+def test_streaming_equals_the_plain_answer(server):
+    srv, url, target = server
+    body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8}
+    plain = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    chunks, done = [], False
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunks.append(json.loads(line[6:]))
+    assert done and chunks[-1]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+    assert chunks[-1]["usage"] == plain["usage"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("path", "payload", "status", "needle"), [
+    ("/v1/completions", b"{not json", 400, "must be JSON"),
+    ("/v1/completions", {"prompt": "hi", "bogus": 1}, 400, "unknown field(s) ['bogus']"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be a positive integer"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model 'gpt-9' does not exist"),
+    ("/v1/completions", {"prompt": "word " * 600, "max_tokens": 4}, 400, "must fit the context"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages must be a non-empty list"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 0.7}, 400, "samples at temperature 0.0"),
+    ("/v1/nothing", {}, 404, "no route"),
+])
+def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, path, payload, status, needle):
+    srv, url, _ = server
+    content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    resp = httpx.post(f"{url}{path}", content=content, headers={"Content-Type": "application/json"}, timeout=120)
+    assert resp.status_code == status
+    assert needle in resp.json()["error"]["message"]
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=120)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
