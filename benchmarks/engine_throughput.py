@@ -62,17 +62,34 @@ def median_s(fn: Any, fresh: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def spec_state(target: Any, graphdef: Any, dparams: Any, batch: int) -> Any:
-    """A SpecState after prefilling B random PROMPT_LEN-token prompts."""
+def prefilled(target: Any, drafter: Any, graphdef: Any, dparams: Any, tokens_BxT: Any, lengths_B: Any,
+              room: int = 80) -> Any:
+    """A SpecState (paged target cache) with B prompts prefilled, each slot holding pages for `room` more
+    tokens (verify writes K ahead)."""
     import jax.numpy as jnp
     import numpy as np
 
-    from serve.speculative import prefill
+    from serve.paged import PagePool, PageTable
+    from serve.speculative import empty_state, prefill, sync_page_table
+
+    b, page = tokens_BxT.shape[0], 16
+    max_pages = -(-MAX_LEN // page)
+    pool = PagePool(b * max_pages + 1, page)
+    table = PageTable(pool, b, max_pages)
+    state = empty_state(target.cfg, drafter.arch, b, MAX_LEN, pool.num_pages, page, target.params["embed"].dtype)
+    table.ensure_batch(np.asarray(lengths_B) + room)
+    state, _ = sync_page_table(state, table, 0)
+    return prefill(target.params, target.cfg, graphdef, dparams, state, jnp.arange(b, dtype=jnp.int32),
+                   jnp.asarray(tokens_BxT), jnp.asarray(lengths_B, jnp.int32), jnp.zeros((b, 2), jnp.uint32))
+
+
+def spec_state(target: Any, drafter: Any, graphdef: Any, dparams: Any, batch: int) -> Any:
+    """A SpecState after prefilling B random PROMPT_LEN-token prompts."""
+    import numpy as np
 
     rng = np.random.default_rng(batch)
-    tokens = jnp.asarray(rng.integers(100, 40000, size=(batch, PROMPT_LEN)), jnp.int32)
-    return prefill(target.params, target.cfg, graphdef, dparams, tokens, jnp.full((batch,), PROMPT_LEN, jnp.int32),
-                   MAX_LEN)
+    tokens = rng.integers(100, 40000, size=(batch, PROMPT_LEN)).astype(np.int32)
+    return prefilled(target, drafter, graphdef, dparams, tokens, np.full((batch,), PROMPT_LEN, np.int32))
 
 
 def step_costs(target: Any, drafter: Any, batch: int, ks: list[int], propose_ks: list[int],
@@ -88,7 +105,7 @@ def step_costs(target: Any, drafter: Any, batch: int, ks: list[int], propose_ks:
     from serve.speculative import propose, verify
 
     graphdef, dparams = nnx.split(drafter, nnx.Param)
-    state = spec_state(target, graphdef, dparams, batch)
+    state = spec_state(target, drafter, graphdef, dparams, batch)
     copy = lambda: jax.tree.map(jnp.copy, state)  # noqa: E731
     out: dict[str, dict[int, float]] = {"decode": {}, "verify": {}, "propose": {}}
     key, greedy = jax.random.PRNGKey(0), SamplingConfig()
@@ -109,14 +126,13 @@ def step_costs(target: Any, drafter: Any, batch: int, ks: list[int], propose_ks:
 def end_to_end(target: Any, drafter: Any, n_prompts: int, new_tokens: int) -> list[dict[str, float]]:
     """Per prompt: AR and DFlash decode seconds (prefill excluded), tokens, and DFlash steps/accepted."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
     from data.packaged import load_gsm8k
     from serve.generate import bucket, generate
     from serve.sampling import SamplingConfig
-    from serve.speculative import prefill, speculative_generate
+    from serve.speculative import speculative_generate
 
     graphdef, dparams = nnx.split(drafter, nnx.Param)
     sampling = SamplingConfig(max_new_tokens=new_tokens)
@@ -131,8 +147,7 @@ def end_to_end(target: Any, drafter: Any, n_prompts: int, new_tokens: int) -> li
         pre = []
         for _ in range(3):
             t0 = time.perf_counter()
-            st = prefill(target.params, target.cfg, graphdef, dparams, jnp.asarray(padded),
-                         jnp.asarray([len(prompt)], jnp.int32), MAX_LEN)
+            st = prefilled(target, drafter, graphdef, dparams, padded, np.asarray([len(prompt)], np.int32))
             int(st.pending[0])
             pre.append(time.perf_counter() - t0)
         jax.block_until_ready(st)

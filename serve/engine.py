@@ -1,15 +1,33 @@
 """Continuous batching over a fixed number of slots (DESIGN §4.4): requests join and leave between steps.
 
-    engine = Engine(target_params, target_cfg, drafter, slots=8, max_len=2048, block_size=8)
+    engine = Engine(target_params, target_cfg, drafter, slots=8, max_len=2048, block_size=8, page_size=16)
     rid = engine.submit(prompt_ids, max_new_tokens=128, stop_ids=(2,), seed=0)
     while engine.busy: engine.step()                  # or engine.run() -> {request id: Completion}
 
-Every step: queued requests are admitted into free slots (each prefilled alone, then written into its slot
-of the batch state), then one propose + verify runs over all slots; inactive slots are carried along and
-ignored (their `active` flag is False, so verify leaves them untouched). A request that hits a stop token
-or its token budget leaves at once and frees its slot. The batch state keeps one shape, so propose and
-verify compile once per (slots, K). `block_size=None` runs AR mode through the same loop (the target
-alone: no drafter, one token per step), the baseline the benchmark and regeneration use.
+Every step: queued requests are admitted into free slots, then one propose + verify runs over all slots;
+inactive slots are carried along and ignored (their `active` flag is False, so verify leaves them
+untouched). A request that hits a stop token or its token budget leaves at once and frees its slot. The
+batch state keeps one shape, so propose and verify compile once per (slots, K). `block_size=None` runs AR
+mode through the same loop (the target alone: no drafter, one token per step), the baseline the benchmark
+and regeneration use.
+
+Target cache: one `serve.paged.PagedKVCache` for all slots, made once here; the host keeps its `PagePool`
+and the slots' `PageTable` (ceil(max_len / page_size) pages per slot). Before each jitted step that
+appends T tokens, every active slot is made to own pages for L + T tokens (prefill: its prompt; verify:
+L + K) and the table is uploaded if it changed (same shape: no recompile). A finished request releases
+its slot's pages at once and the slot's length returns to 0; the released slot stays in the batch, its
+table row on the null page, so the writes verify makes for it are dropped.
+
+Prefill design: a new request is prefilled alone, straight into its slot: `speculative.prefill` runs the
+prompt through a one-row view of the batch cache (that slot's page-table row, the shared page arrays) and
+updates only that slot of the batch state. No separate single-sequence state, no copy into the batch,
+and the prompt costs one row, not `slots` rows.
+
+Admission on page exhaustion: a request is admitted only when a slot is free AND the pool can give it
+pages for its worst case, len(prompt) + max_new_tokens + K tokens, all taken at admission. Otherwise it
+stays queued (FIFO: later requests do not overtake it) until finished requests release pages. Because
+every running request already owns its worst case, the per-step `ensure` never runs out mid-decode, so
+there is no preemption. A request whose worst case exceeds the whole pool is refused by `submit`.
 """
 
 from __future__ import annotations
@@ -27,11 +45,11 @@ import numpy as np
 from flax import nnx
 
 from models.config import DecoderConfig
-from models.decoder import DenseKVCache, check_capacity
 from models.drafter import DFlashDrafter
 from serve.generate import bucket
+from serve.paged import OutOfPagesError, PagePool, PageTable
 from serve.sampling import SamplingConfig
-from serve.speculative import DraftCache, SpecState, prefill, propose, verify
+from serve.speculative import SpecState, empty_state, prefill, propose, sync_page_table, verify
 
 Params = dict[str, Any]
 
@@ -58,26 +76,24 @@ class Completion:
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _insert(state: SpecState, one: SpecState, slot: jax.Array) -> SpecState:
-    """`state` with slot `slot` replaced by the single-sequence state `one` (same capacity)."""
-    target = dataclasses.replace(
-        state.target, k=state.target.k.at[:, slot].set(one.target.k[:, 0]),
-        v=state.target.v.at[:, slot].set(one.target.v[:, 0]),
-        lengths=state.target.lengths.at[slot].set(one.target.lengths[0]))
-    draft = DraftCache(state.draft.k.at[:, slot].set(one.draft.k[:, 0]),
-                       state.draft.v.at[:, slot].set(one.draft.v[:, 0]))
-    return SpecState(target, draft, state.lengths.at[slot].set(one.lengths[0]),
-                     state.pending.at[slot].set(one.pending[0]), state.active.at[slot].set(True),
-                     state.rng.at[slot].set(one.rng[0]))
+def _set_active(state: SpecState, active_B: jax.Array) -> SpecState:
+    """`state` with these slots active; inactive slots' lengths return to 0 (their pages are released)."""
+    target = dataclasses.replace(state.target, lengths=jnp.where(active_B, state.target.lengths, 0))
+    return dataclasses.replace(state, target=target, lengths=jnp.where(active_B, state.lengths, 0), active=active_B)
 
 
 class Engine:
     """DFlash (or AR) decoding of many requests over `slots` sequence slots."""
 
     def __init__(self, target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter, *, slots: int,
-                 max_len: int, block_size: int | None = None, sampling: SamplingConfig | None = None):
+                 max_len: int, block_size: int | None = None, sampling: SamplingConfig | None = None,
+                 page_size: int = 16, num_pages: int | None = None):
+        """page_size: tokens per page of the target cache; num_pages: pages in the pool, the null page
+        included (default: every slot at max_len, plus the null page)."""
         if slots < 1:
             raise ValueError(f"slots must be >= 1; received {slots}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1; received {page_size}")
         arch = drafter.arch
         self.ar = block_size is None
         self.k = 2 if self.ar else block_size
@@ -93,15 +109,36 @@ class Engine:
         self.running: dict[int, Completion] = {}  # slot -> request
         self.done: dict[int, Completion] = {}
         self.steps = 0
-        self.state = self._empty_state()
+        self.page_size = page_size
+        self.num_pages = slots * -(-max_len // page_size) + 1 if num_pages is None else num_pages
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the reserved null page); received {num_pages}")
+        self._fresh_state()
 
-    def _empty_state(self) -> SpecState:
-        dtype = self.target_params["embed"].dtype
+    def _fresh_state(self) -> None:
+        """Empty slots: all pages free, a zeroed batch state, lengths 0."""
+        self.pool = PagePool(self.num_pages, self.page_size)
+        self.table = PageTable(self.pool, self.slots, -(-self.max_len // self.page_size))
+        self.lengths = np.zeros(self.slots, np.int64)  # committed tokens per slot, mirrored on the host
         arch = nnx.merge(self.graphdef, self.drafter_params).arch
-        b = self.slots
-        return SpecState(DenseKVCache.create(self.target_cfg, b, self.max_len, dtype),
-                         DraftCache.create(arch, b, self.max_len), jnp.zeros((b,), jnp.int32),
-                         jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), jnp.zeros((b, 2), jnp.uint32))
+        self.state: SpecState = empty_state(self.target_cfg, arch, self.slots, self.max_len, self.num_pages,
+                                            self.page_size, self.target_params["embed"].dtype)
+        self._table_version = 0  # the table version on the device
+
+    def reset(self) -> None:
+        """Drop every queued, running and unread finished request and start from empty slots (e.g. after a
+        failed step, whose donated state may be gone). Compiled programs are kept."""
+        self.queue.clear()
+        self.running.clear()
+        self.done.clear()
+        self._fresh_state()
+
+    def _worst_case_tokens(self, request: Completion) -> int:
+        """Most tokens the request's slot ever holds: the prompt, its budget, and the last block's K."""
+        return len(request.prompt_ids) + request.max_new_tokens + self.k
+
+    def _sync_table(self) -> None:
+        self.state, self._table_version = sync_page_table(self.state, self.table, self._table_version)
 
     @property
     def busy(self) -> bool:
@@ -121,24 +158,36 @@ class Engine:
                              f"needs {need}")
         request = Completion(next(self._ids), [int(t) for t in prompt_ids], max_new_tokens, tuple(stop_ids), seed,
                              submitted_s=time.perf_counter())
+        pages = self.pool.pages_for(self._worst_case_tokens(request))
+        if pages > self.pool.num_usable:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) needs "
+                             f"{pages} pages of {self.pool.page_size} tokens, more than the whole pool "
+                             f"({self.pool.num_usable} usable); raise num_pages or lower max_new_tokens")
         self.queue.append(request)
         return request.request_id
 
     def _admit(self) -> None:
+        """Admit queued requests in order while a slot is free and the pool holds the head's worst case."""
         free = [s for s in range(self.slots) if s not in self.running]
         while self.queue and free:
-            slot, request = free.pop(0), self.queue.popleft()
+            slot, request = free[0], self.queue[0]
+            try:
+                self.table.ensure(slot, self._worst_case_tokens(request))
+            except OutOfPagesError:
+                return  # stays queued until finished requests release pages
+            free.pop(0)
+            self.queue.popleft()
             n = len(request.prompt_ids)
             tokens = np.zeros((1, bucket(n)), np.int32)
             tokens[0, :n] = request.prompt_ids
-            check_capacity(np.zeros(1, np.int64), tokens.shape[1], self.max_len)
-            one = prefill(self.target_params, self.target_cfg, self.graphdef, self.drafter_params, jnp.asarray(tokens),
-                          jnp.asarray([n], jnp.int32), self.max_len, jax.random.PRNGKey(request.seed)[None],
-                          self.sampling)
-            self.state = _insert(self.state, one, jnp.int32(slot))
+            self._sync_table()
+            self.state = prefill(self.target_params, self.target_cfg, self.graphdef, self.drafter_params, self.state,
+                                 jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
+                                 jax.random.PRNGKey(request.seed)[None], self.sampling)
+            self.lengths[slot] = n
             request.first_token_s = time.perf_counter()
             self.running[slot] = request
-            self._emit(slot, [int(one.pending[0])])
+            self._emit(slot, [int(self.state.pending[slot])])
 
     def _emit(self, slot: int, tokens: Sequence[int]) -> None:
         request = self.running[slot]
@@ -148,6 +197,8 @@ class Engine:
                 request.finish_reason = "stop" if token in request.stop_ids else "length"
                 request.finished_s = time.perf_counter()
                 self.done[request.request_id] = self.running.pop(slot)
+                self.table.release(slot)  # uploaded before the next jitted step (`_sync_table`)
+                self.lengths[slot] = 0
                 return
 
     def step(self) -> None:
@@ -157,7 +208,11 @@ class Engine:
             return
         active = np.zeros(self.slots, bool)
         active[list(self.running)] = True
-        self.state = dataclasses.replace(self.state, active=jnp.asarray(active))
+        self.state = _set_active(self.state, jnp.asarray(active))
+        # Verify appends K tokens (1 in AR mode) per active slot; admission already reserved them, so this
+        # only raises on a bookkeeping bug.
+        self.table.ensure_batch(np.where(active, self.lengths + self.k, 0))
+        self._sync_table()
         if self.ar:
             drafts = jnp.zeros((self.slots, 0), jnp.int32)
         else:
@@ -166,6 +221,7 @@ class Engine:
         self.state, out, n = verify(self.target_params, self.target_cfg, self.graphdef, self.drafter_params,
                                     self.state, drafts, self.sampling)
         out, n = np.asarray(out), np.asarray(n)
+        self.lengths = np.where(active, self.lengths + n + 1, self.lengths)
         self.steps += 1
         for slot in list(self.running):
             if not self.ar:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import queue
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,6 +32,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from models.tokenizer import ChatTokenizer
 from serve.engine import Completion, Engine
+
+log = logging.getLogger(__name__)
 
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "stream", "stop", "seed", "n", "user"}
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream", "stop",
@@ -53,6 +57,7 @@ class _Job:
     request: Completion | None = None
     tokens: queue.Queue = dataclasses.field(default_factory=queue.Queue)  # lists of new ids, then None
     error: str | None = None
+    status: int = 400  # of `error`: 400 for a request the engine refused, 500 for an engine failure
 
 
 class EngineWorker:
@@ -108,7 +113,12 @@ class EngineWorker:
                 except queue.Empty:
                     job = None
             if self.engine.busy:
-                self.engine.step()
+                try:
+                    self.engine.step()
+                except Exception as err:  # noqa: BLE001 - any engine failure must end the waiting requests
+                    log.exception("engine step failed; failing the requests in flight and resetting the engine")
+                    self._fail_all(f"the engine failed ({type(err).__name__}: {err}); the request was dropped")
+                    continue
                 self._publish()
             elif self.stopping.is_set() and self.inbox.empty():
                 return
@@ -151,16 +161,31 @@ class EngineWorker:
         self.m_queue.set(len(self.engine.queue))
         self.m_running.set(len(self.engine.running))
 
+    def _fail_all(self, message: str) -> None:
+        """End every request in flight with a server error (HTTP 500) and give the engine a fresh state."""
+        for job in self.jobs.values():
+            job.error, job.status = message, 500
+            job.tokens.put(None)
+        self.jobs.clear()
+        self.sent.clear()
+        self.engine.reset()
+
     def shutdown(self, timeout: float = 60.0) -> None:
         self.stopping.set()
         self.thread.join(timeout)
 
 
 class DFlashServer(ThreadingHTTPServer):
-    daemon_threads = True
+    # Handler threads are joined on close (idle keep-alive connections are shut first): a daemon thread
+    # left blocked on a socket at interpreter exit can abort the process.
+    daemon_threads = False
+    block_on_close = True
+    request_queue_size = 256  # the listen backlog (the stdlib's 5 resets bursts of concurrent clients)
 
     def __init__(self, address: tuple[str, int], worker: EngineWorker, tokenizer: ChatTokenizer, model_name: str,
                  max_len: int, default_max_tokens: int = 128):
+        self._connections: set[Any] = set()
+        self._conn_lock = threading.Lock()
         super().__init__(address, _Handler)
         self.worker, self.tokenizer, self.model_name = worker, tokenizer, model_name
         self.max_len, self.default_max_tokens = max_len, default_max_tokens
@@ -168,10 +193,28 @@ class DFlashServer(ThreadingHTTPServer):
         worker.stop_ids = tokenizer.stop_token_ids
         self.created = int(time.time())
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._conn_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._conn_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
     def close(self) -> None:
-        """Stop accepting connections, finish the requests in flight, stop the engine thread."""
+        """Stop accepting connections, finish the requests in flight, stop the engine thread, then close
+        idle keep-alive connections and join their handler threads."""
         self.shutdown()
         self.worker.shutdown()
+        with self._conn_lock:
+            connections = list(self._connections)
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RD)  # wakes a handler waiting for the next request on this connection
+            except OSError:
+                pass
         self.server_close()
 
 
@@ -296,7 +339,7 @@ class _Handler(BaseHTTPRequestHandler):
         while (chunk := job.tokens.get()) is not None:
             generated += chunk
         if job.error:
-            raise RequestError(job.error, "messages" if chat else "prompt")
+            raise RequestError(job.error, "messages" if chat else "prompt", status=job.status)
         text, reason = self._text(generated, stop, job.request)
         choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if chat:

@@ -1,4 +1,4 @@
-"""DFlash speculative decoding (DESIGN §4.3), batched, over the dense target cache; greedy or sampled.
+"""DFlash speculative decoding (DESIGN §4.3), batched, over the paged target cache; greedy or sampled.
 
 Per sequence b the state keeps an invariant between steps:
     the target cache holds the committed tokens 0 .. L_b-1 (their K/V), and the draft cache holds the
@@ -18,9 +18,16 @@ One step = propose + verify:
 Greedy output therefore equals AR decoding token for token (up to fp32 ties in the logits). At T > 0
 acceptance is one-hot rejection sampling (`accept_sampled`), so the output has AR sampling's distribution.
 
+The target cache is a `serve.paged.PagedKVCache` made once on the host (`empty_state`) and threaded
+through the jitted steps, which donate it. The host owns the pages (`PagePool`, `PageTable`): before
+each step that appends T tokens it makes every active slot own pages for L + T tokens (prefill: T = the
+prompt's true length, the bucket padding past it falls on unowned pages and is dropped; verify: T = K,
+written before the rollback to L + n + 1) and uploads the table when it changed (`sync_page_table`; same
+shape, so no recompile). `prefill` fills chosen slots of an existing state, so the engine prefills a new
+request straight into its slot's pages. The draft context cache stays per-slot static arrays.
+
 `propose` and `verify` are separate jitted programs so that a test (or a future proposer) can supply
-the drafts, and so the draft and verify costs can be measured apart. The paged cache, continuous
-batching and the server are the rest of the engine issue.
+the drafts, and so the draft and verify costs can be measured apart.
 """
 
 from __future__ import annotations
@@ -38,9 +45,10 @@ import numpy as np
 from flax import nnx
 
 from models.config import DecoderConfig, RopeScaling
-from models.decoder import DenseKVCache, check_capacity, embed, forward_cached
+from models.decoder import embed, forward_cached
 from models.drafter import KV, DFlashDrafter, DrafterArch, check_fits_target, concat_features, drafter_logits
 from serve.generate import bucket
+from serve.paged import PagedKVCache, PagePool, PageTable
 from serve.sampling import SamplingConfig, filtered_logprobs
 
 Params = dict[str, Any]
@@ -62,10 +70,12 @@ class DraftCache:
     def kv(self) -> list[KV]:
         return [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
 
-    def write(self, new_kv: list[KV], starts_B: jax.Array) -> DraftCache:
-        """Write T new context slots per sequence at `starts_B` (in bounds: the caller checks capacity)."""
+    def write(self, new_kv: list[KV], starts_B: jax.Array, rows_B: jax.Array | None = None) -> DraftCache:
+        """Write T new context slots per sequence at `starts_B` into batch rows `rows_B` (default 0 .. B-1);
+        slots past the end are dropped."""
         b, t = new_kv[0][0].shape[:2]
-        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        rows_B = jnp.arange(b) if rows_B is None else rows_B
+        rows = jnp.broadcast_to(rows_B[:, None], (b, t))
         slots = starts_B[:, None] + jnp.arange(t)[None, :]
         k_new = jnp.stack([k for k, _ in new_kv]).astype(self.k.dtype)
         v_new = jnp.stack([v for _, v in new_kv]).astype(self.v.dtype)
@@ -78,7 +88,7 @@ class DraftCache:
 class SpecState:
     """Decoding state of B sequences: caches, committed lengths L [B], pending token [B], active [B], keys."""
 
-    target: DenseKVCache
+    target: PagedKVCache
     draft: DraftCache
     lengths: jax.Array
     pending: jax.Array
@@ -86,39 +96,67 @@ class SpecState:
     rng: jax.Array  # [B, 2] uint32: one key per sequence (per-request seeds)
 
 
+def empty_state(target_cfg: DecoderConfig, arch: DrafterArch, batch: int, max_len: int, num_pages: int,
+                page_size: int, dtype: Any = jnp.float32) -> SpecState:
+    """B empty, inactive slots: a paged target cache of `num_pages` pages (the null page included) whose
+    tables hold ceil(max_len / page_size) pages per slot, all on the null page; draft cache [.., max_len, ..]."""
+    target = PagedKVCache.create(target_cfg, batch, -(-max_len // page_size), num_pages, page_size, dtype)
+    return SpecState(target, DraftCache.create(arch, batch, max_len), jnp.zeros((batch,), jnp.int32),
+                     jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.zeros((batch, 2), jnp.uint32))
+
+
+def sync_page_table(state: SpecState, table: PageTable, uploaded_version: int) -> tuple[SpecState, int]:
+    """`state` over the host table's pages, uploading it only when `table.version` moved past
+    `uploaded_version`; returns (state, the version now on the device)."""
+    if table.version == uploaded_version:
+        return state, uploaded_version
+    return dataclasses.replace(state, target=state.target.with_page_table(table.array())), table.version
+
+
 def _add_context(drafter: DFlashDrafter, draft: DraftCache, feats_FxBxTxD: jax.Array,
-                 starts_B: jax.Array) -> DraftCache:
+                 starts_B: jax.Array, rows_B: jax.Array | None = None) -> DraftCache:
     """Fuse the target features of T new positions (starting at `starts_B`) into the draft cache."""
     t = feats_FxBxTxD.shape[2]
     positions = starts_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     fused = drafter.fuse(concat_features(feats_FxBxTxD).astype(jnp.float32))
-    return draft.write(drafter.context_kv(fused, positions), starts_B)
+    return draft.write(drafter.context_kv(fused, positions), starts_B, rows_B)
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "max_len", "sampling"))
+@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "sampling"), donate_argnames=("state",))
 def prefill(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.GraphDef, drafter_params: nnx.State,
-            tokens_BxT: jax.Array, num_valid_B: jax.Array, max_len: int, rng_Bx2: jax.Array,
+            state: SpecState, slots_R: jax.Array, tokens_RxT: jax.Array, num_valid_R: jax.Array, rng_Rx2: jax.Array,
             sampling: SamplingConfig | None = None) -> SpecState:
-    """Fresh state for B right-padded prompts: both caches filled, the target's first token pending
-    (argmax, or drawn with each sequence's key when `sampling` is not greedy)."""
+    """`state` with R right-padded prompts prefilled into its slots `slots_R` (distinct): both caches filled
+    from position 0 (whatever the slot held before is forgotten), the target's first token pending (argmax,
+    or drawn with each sequence's key when `sampling` is not greedy), the slots active. Other slots are
+    untouched.
+
+    The host must have given each slot pages for its first num_valid tokens (`PageTable.ensure`) and
+    uploaded the table; the prompt runs through a view of the cache holding only the R slots' page-table
+    rows and sharing the page arrays, so it writes straight into the slots' pages.
+    """
     drafter = nnx.merge(graphdef, drafter_params)
     arch = drafter.arch
-    b, t = tokens_BxT.shape
-    cache = DenseKVCache.create(target_cfg, b, max_len, target_params["embed"].dtype)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    last = (num_valid_B - 1)[:, None].astype(jnp.int32)
-    logits, feats, cache = forward_cached(target_params, target_cfg, tokens_BxT, positions, cache,
-                                          layer_ids=arch.layer_ids, logits_at_BxI=last)
-    cache = cache.rollback(num_valid_B)
-    draft = _add_context(drafter, DraftCache.create(arch, b, max_len), feats, jnp.zeros((b,), jnp.int32))
+    r, t = tokens_RxT.shape
+    view = dataclasses.replace(state.target, page_table=state.target.page_table[slots_R],
+                               lengths=jnp.zeros((r,), jnp.int32))
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+    last = (num_valid_R - 1)[:, None].astype(jnp.int32)
+    logits, feats, view = forward_cached(target_params, target_cfg, tokens_RxT, positions, view,
+                                         layer_ids=arch.layer_ids, logits_at_BxI=last)
+    num_valid_R = num_valid_R.astype(jnp.int32)
+    target = dataclasses.replace(state.target, k_pages=view.k_pages, v_pages=view.v_pages,
+                                 lengths=state.target.lengths.at[slots_R].set(num_valid_R))
+    draft = _add_context(drafter, state.draft, feats, jnp.zeros((r,), jnp.int32), slots_R)
     if sampling is None or sampling.greedy:
         pending = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
     else:
-        keys = jax.vmap(jax.random.split)(rng_Bx2)
-        rng_Bx2 = keys[:, 0]
+        keys = jax.vmap(jax.random.split)(rng_Rx2)
+        rng_Rx2 = keys[:, 0]
         logp = filtered_logprobs(logits[:, 0], sampling)
         pending = jax.vmap(jax.random.categorical)(keys[:, 1], logp).astype(jnp.int32)
-    return SpecState(cache, draft, num_valid_B.astype(jnp.int32), pending, jnp.ones((b,), bool), rng_Bx2)
+    return SpecState(target, draft, state.lengths.at[slots_R].set(num_valid_R), state.pending.at[slots_R].set(pending),
+                     state.active.at[slots_R].set(True), state.rng.at[slots_R].set(rng_Rx2))
 
 
 @functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "block_size"))
@@ -171,6 +209,9 @@ def verify(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.Graph
            state: SpecState, drafts_BxKm1: jax.Array,
            sampling: SamplingConfig | None = None) -> tuple[SpecState, jax.Array, jax.Array]:
     """Verify drafts with one target forward; returns (state, tokens [B, K], accepted n [B]).
+
+    The host must have given every active slot pages for L + K tokens: the K block tokens are written
+    at L .. L+K-1 before the cache is rolled back to the accepted length L + n + 1.
 
     tokens[b, :n+1] are the step's output (d_1 .. d_n, then the target's bonus token); the rest is
     padding. Greedy (`sampling` None or temperature 0): exact-match acceptance; otherwise one-hot
@@ -237,6 +278,9 @@ def speculative_generate(target_params: Params, target_cfg: DecoderConfig, draft
     """DFlash decoding of a batch of prompts: greedy equals AR greedy decoding token for token; with a
     non-greedy `sampling` (temperature, top-p, top-k) the output has AR sampling's distribution.
 
+    The target cache is paged (16-token pages) from a pool sized for every prompt at `max_seq_len`;
+    pages are taken step by step as sequences grow and given back as each one finishes.
+
     seeds: one per prompt (default: sampling.seed + index); `sampling.max_new_tokens` is not used
     (`max_new_tokens` is).
 
@@ -255,8 +299,12 @@ def speculative_generate(target_params: Params, target_cfg: DecoderConfig, draft
     b = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
     chunk = bucket(int(lengths.max()))
-    # Room for the prompt bucket and for the last step's K verified tokens past max_new_tokens.
-    check_capacity(np.zeros(1, np.int64), max(chunk, int(lengths.max()) + max_new_tokens + k), max_seq_len)
+    # Room for the last step's K verified tokens past max_new_tokens (bucket padding past the prompt is dropped).
+    need = int(lengths.max()) + max_new_tokens + k
+    if need > max_seq_len:
+        raise ValueError(f"sequence length must stay within the cache capacity {max_seq_len} (max_seq_len): the "
+                         f"longest prompt ({int(lengths.max())}) + max_new_tokens ({max_new_tokens}) + K ({k}) "
+                         f"reaches {need}")
     tokens = np.zeros((b, chunk), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
@@ -268,9 +316,17 @@ def speculative_generate(target_params: Params, target_cfg: DecoderConfig, draft
         raise ValueError(f"seeds must hold one seed per prompt ({b}); received {len(seeds)}")
     rng = jnp.stack([jax.random.PRNGKey(int(seed)) for seed in seeds])
     graphdef, params = nnx.split(drafter, nnx.Param)
+    page_size = 16
+    max_pages = -(-max_seq_len // page_size)
+    pool = PagePool(b * max_pages + 1, page_size)
+    table = PageTable(pool, b, max_pages)
+    state = empty_state(target_cfg, arch, b, max_seq_len, pool.num_pages, page_size, target_params["embed"].dtype)
     t0 = time.perf_counter()
-    state = prefill(target_params, target_cfg, graphdef, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                    max_seq_len, rng, sampling)
+    table.ensure_batch(lengths)
+    state, version = sync_page_table(state, table, 0)
+    state = prefill(target_params, target_cfg, graphdef, params, state, jnp.arange(b, dtype=jnp.int32),
+                    jnp.asarray(tokens), jnp.asarray(lengths), rng, sampling)
+    held = lengths.astype(np.int64)  # committed tokens per sequence, mirrored on the host
     outputs = [[int(t)] for t in np.asarray(state.pending)]
     accepted: list[list[int]] = [[] for _ in range(b)]
     stops = set(stop_ids)
@@ -278,11 +334,16 @@ def speculative_generate(target_params: Params, target_cfg: DecoderConfig, draft
     while not done.all():
         if not np.array_equal(np.asarray(state.active), ~done):
             state = dataclasses.replace(state, active=jnp.asarray(~done))
+        for i in np.flatnonzero(done):
+            table.release(int(i))
+        table.ensure_batch(np.where(done, 0, held + k))
+        state, version = sync_page_table(state, table, version)
         drafts = (draft_fn(state, k) if draft_fn is not None
                   else propose(target_params, target_cfg, graphdef, params, state, k))
         state, out, n = verify(target_params, target_cfg, graphdef, params, state, jnp.asarray(drafts, jnp.int32),
                                sampling)
         out, n = np.asarray(out), np.asarray(n)
+        held = np.where(done, held, held + n + 1)
         for i in np.flatnonzero(~done):
             accepted[i].append(int(n[i]))
             for tok in out[i, : n[i] + 1]:
@@ -344,9 +405,11 @@ __all__ = [
     "SpecState",
     "accept_greedy",
     "accept_sampled",
+    "empty_state",
     "load_drafter_checkpoint",
     "prefill",
     "propose",
     "speculative_generate",
+    "sync_page_table",
     "verify",
 ]

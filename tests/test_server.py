@@ -104,3 +104,51 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, path, pa
     assert needle in resp.json()["error"]["message"]
     ok = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=120)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.e2e
+def test_a_stock_openai_client_gets_ar_answers(server):
+    """The official `openai` client (chat and completions, plain and streamed) against the server."""
+    import openai
+
+    srv, url, target = server
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120) as client:
+        _ask_openai(client, target)
+
+
+def _ask_openai(client, target) -> None:
+    import openai
+
+    assert [m.id for m in client.models.list()] == ["smollm2"]
+    question = QUESTIONS[3]
+    want = _ar_text(target, question, 10)
+    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                          max_tokens=10)
+    assert chat.choices[0].message.content == want and chat.usage.completion_tokens <= 10
+    stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                            max_tokens=10, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    text = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=5)
+    assert text.choices[0].text and text.usage.completion_tokens == 5
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be a positive integer"):
+        client.completions.create(model="smollm2", prompt="hi", max_tokens=0)
+
+
+@pytest.mark.e2e
+def test_an_engine_failure_gives_500_and_the_server_recovers(server, monkeypatch):
+    srv, url, _ = server
+    engine = srv.worker.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device fault")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    bad = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3}, timeout=120)
+    assert bad.status_code == 500 and "simulated device fault" in bad.json()["error"]["message"]
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3}, timeout=120)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
