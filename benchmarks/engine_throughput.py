@@ -160,6 +160,51 @@ def end_to_end(target: Any, drafter: Any, n_prompts: int, new_tokens: int) -> li
     return rows
 
 
+def engine_sweep(target: Any, drafters: dict[int, Any], batches: list[int], n_prompts: int,
+                 new_tokens: int) -> list[dict[str, Any]]:
+    """AR vs DFlash through `serve.engine.Engine` (the serving path: continuous batching, paged cache) for
+    every batch B (B slots, B GSM8K prompts) and every K in `drafters` (K -> drafter); one warm-up run per
+    configuration (compiles), then one timed run. Wall time includes the prefills."""
+    import numpy as np
+
+    from data.packaged import load_gsm8k
+    from serve.engine import Engine
+
+    convs = load_gsm8k("test", limit=max(n_prompts, max(batches)))
+    prompts = [target.tokenizer.encode_chat(c[:1], add_generation_prompt=True) for c in convs]
+    any_drafter = next(iter(drafters.values()))
+    rows = []
+    for b in batches:
+        for k, drafter in [(None, any_drafter), *sorted(drafters.items())]:
+            for _ in range(2):  # a warm-up run (compiles), then the timed run
+                engine = Engine(target.params, target.cfg, drafter, slots=b, max_len=MAX_LEN, block_size=k)
+                for prompt in prompts[:b]:
+                    engine.submit(prompt, new_tokens)
+                t0 = time.perf_counter()
+                done = engine.run()
+                seconds = time.perf_counter() - t0
+            tokens = sum(len(c.token_ids) for c in done.values())
+            taus = [c.tau for c in done.values() if c.accepted]
+            rows.append({"batch": b, "k": k, "seconds": seconds, "tokens": tokens, "steps": engine.steps,
+                         "tau": float(np.mean(taus)) if taus else 1.0})
+            print(f"engine B={b} {'AR' if k is None else f'K={k}'}: {tokens / seconds:.1f} tok/s, "
+                  f"tau {rows[-1]['tau']:.2f}")
+    return rows
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown rows of `engine_sweep`: tok/s, TPOT and tau per (B, decoder), speedup vs AR at that B."""
+    lines = ["| B | decoder | tok/s | TPOT (ms) | tau | vs AR at B |", "|---|---|---|---|---|---|"]
+    ar = {r["batch"]: r["tokens"] / r["seconds"] for r in rows if r["k"] is None}
+    for r in rows:
+        rate = r["tokens"] / r["seconds"]
+        tpot = r["seconds"] / (r["tokens"] / r["batch"]) * 1e3
+        name = "AR" if r["k"] is None else f"DFlash K={r['k']}"
+        lines.append(f"| {r['batch']} | {name} | {rate:.1f} | {tpot:.1f} | {r['tau']:.2f} | "
+                     f"{rate / ar[r['batch']]:.2f}x |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", help="a `dflash train` run dir (default: a random 2-layer K=8 drafter)")
@@ -210,6 +255,13 @@ def main() -> None:
     k_e2e = drafter.arch.block_size
     own = step_costs(target, drafter, 1, [k_e2e], [k_e2e], args.repeats)
     rows = end_to_end(target, drafter, args.prompts, args.new_tokens)
+    sweep_drafters = {k: drafter for k in (4, 8, 16) if k <= k_e2e}
+    wide = [k for k in (4, 8, 16) if k > k_e2e]
+    if wide:  # K beyond the trained drafter's K: a random drafter of that K (cost of the step; tau ~ 1)
+        rnd = DFlashDrafter(resolve_drafter(DrafterConfig(num_layers=2, block_size=max(wide)), target.cfg, mask),
+                            nnx.Rngs(0))
+        sweep_drafters.update({k: rnd for k in wide})
+    sweep = engine_sweep(target, sweep_drafters, args.batches, args.prompts, max(2, args.new_tokens // 2))
     total_min = (time.perf_counter() - t_start) / 60
 
     ar_tpot = sum(r["ar_decode_s"] for r in rows) / sum(r["ar_tokens"] - 1 for r in rows)
@@ -295,6 +347,14 @@ def main() -> None:
         *e2e,
         "",
         reading,
+        "",
+        f"Through the serving engine (`serve.engine.Engine`: continuous batching, paged cache), B slots serving "
+        f"B GSM8K test prompts, {max(2, args.new_tokens // 2)} new tokens each, wall time including the "
+        f"prefills; DFlash at K <= {k_e2e} with {source}"
+        + (f", at K = {', '.join(map(str, wide))} with a random-init drafter (tau ~ 1: the cost of the step, "
+           "not a speedup claim)" if wide else "") + ":",
+        "",
+        *sweep_table(sweep),
     ])
     print(body)
     if args.write:
