@@ -65,6 +65,7 @@ class EngineWorker:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.stop_ids: tuple[int, ...] = ()  # the tokenizer's, set by the server
         self.inbox: queue.Queue[_Job] = queue.Queue()
         self.jobs: dict[int, _Job] = {}
         self.sent: dict[int, int] = {}
@@ -122,14 +123,6 @@ class EngineWorker:
                 self._publish()
             elif self.stopping.is_set() and self.inbox.empty():
                 return
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return self._stop_ids
-
-    @stop_ids.setter
-    def stop_ids(self, value: tuple[int, ...]) -> None:
-        self._stop_ids = tuple(value)
 
     def _publish(self) -> None:
         live = {r.request_id: r for r in self.engine.running.values()}
@@ -190,7 +183,7 @@ class DFlashServer(ThreadingHTTPServer):
         self.worker, self.tokenizer, self.model_name = worker, tokenizer, model_name
         self.max_len, self.default_max_tokens = max_len, default_max_tokens
         self.sampling = worker.engine.sampling
-        worker.stop_ids = tokenizer.stop_token_ids
+        worker.stop_ids = tuple(tokenizer.stop_token_ids)
         self.created = int(time.time())
 
     def process_request(self, request: Any, client_address: Any) -> None:

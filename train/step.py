@@ -155,6 +155,20 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+def block_inputs(batch: Batch, target_params: Params, target_cfg: DecoderConfig, arch: DrafterArch,
+                 num_anchors: int, rng: jax.Array) -> tuple[Blocks, jax.Array, jax.Array]:
+    """(blocks, block embeddings [B, Q, D], target features [B, S, F*D]) of `batch` with anchors drawn
+    from `rng`: what the drafter's loss reads. Embeddings and features carry no gradient."""
+    tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
+    loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
+    anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, num_anchors, arch.block_size, rng)
+    blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, arch.block_size,
+                                arch.mask_token_id)
+    feats_BxSxFD = online_features(target_params, target_cfg, tokens_BxS, arch.layer_ids)
+    embeds_BxQxD = jax.lax.stop_gradient(embed(target_params, blocks.block_ids))
+    return blocks, embeds_BxQxD, feats_BxSxFD
+
+
 def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphdef: nnx.GraphDef,
                target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int, gamma: float,
                optimizer: optax.GradientTransformation, compute_dtype: Any = jnp.float32) -> StepOut:
@@ -167,14 +181,9 @@ def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphd
     metrics: loss, acceptance_length, accuracy_per_position [K], grad_norm (before clipping), lr (used by
     this update), num_labels, num_blocks.
     """
-    tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
-    loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
     rng, anchor_rng = jax.random.split(state.rng)
-    anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, num_anchors, arch.block_size, anchor_rng)
-    blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, arch.block_size,
-                                arch.mask_token_id)
-    feats_BxSxFD = online_features(target_params, target_cfg, tokens_BxS, arch.layer_ids)
-    embeds_BxQxD = jax.lax.stop_gradient(embed(target_params, blocks.block_ids))
+    blocks, embeds_BxQxD, feats_BxSxFD = block_inputs(batch, target_params, target_cfg, arch, num_anchors,
+                                                      anchor_rng)
 
     def loss_fn(params: nnx.State) -> tuple[jax.Array, Metrics]:
         return drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
@@ -229,13 +238,7 @@ def eval_metrics(params: nnx.State, batch: Batch, target_params: Params, rng: ja
                  graphdef: nnx.GraphDef, target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int,
                  gamma: float, compute_dtype: Any = jnp.float32) -> Metrics:
     """The step's loss and teacher-forced metrics on `batch` with anchors drawn from `rng`; no update."""
-    tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
-    loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
-    anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, num_anchors, arch.block_size, rng)
-    blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, arch.block_size,
-                                arch.mask_token_id)
-    feats_BxSxFD = online_features(target_params, target_cfg, tokens_BxS, arch.layer_ids)
-    embeds_BxQxD = embed(target_params, blocks.block_ids)
+    blocks, embeds_BxQxD, feats_BxSxFD = block_inputs(batch, target_params, target_cfg, arch, num_anchors, rng)
     loss, aux = drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
                              embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, gamma)
     return {"loss": loss, "acceptance_length": aux["acceptance_length"],
@@ -258,6 +261,7 @@ def make_eval_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg:
 
 __all__ = [
     "TrainState",
+    "block_inputs",
     "cast_floats",
     "current_lr",
     "eval_metrics",
