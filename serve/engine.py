@@ -1,8 +1,21 @@
 """Continuous batching over a fixed number of slots (DESIGN §4.4): requests join and leave between steps.
 
     engine = Engine(target_params, target_cfg, drafter, slots=8, max_len=2048, block_size=8, page_size=16)
-    rid = engine.submit(prompt_ids, max_new_tokens=128, stop_ids=(2,), seed=0)
+    rid = engine.submit(prompt_ids, max_new_tokens=128, stop_ids=(2,), seed=0,
+                        sampling=SamplingConfig(temperature=0.7, top_p=0.9), stop_strings=("\n\n",))
     while engine.busy: engine.step()                  # or engine.run() -> {request id: Completion}
+
+Per-request rules: each request brings its own sampling rule (temperature, top-p, top-k; default: the
+engine's) and seed; they live in the batch state as arrays (`serve.sampling.SamplingRows`), so requests
+that sample differently share one step, nothing recompiles, and a request's output does not depend on
+its neighbours. Stop token ids end a request at the token; stop strings (which need `detokenize`) end it
+at the first token whose text completes one: the request keeps the tokens up to and including that token
+and frees its slot at once (the text after the stop string, inside that last token, is the caller's to
+cut: `Completion.stop_string` names the string that matched).
+
+Compiled shapes: prefill compiles once per power-of-two prompt bucket (minimum 16, at most
+log2(max_len / 16) + 1 of them), propose and verify once per (slots, K). The engine logs each new shape
+at INFO the first time it dispatches it (`compiled_shapes` lists them), so a growing count shows.
 
 Every step: queued requests are admitted into free slots, then one propose + verify runs over all slots;
 inactive slots are carried along and ignored (their `active` flag is False, so verify leaves them
@@ -35,8 +48,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -48,10 +62,11 @@ from models.config import DecoderConfig
 from models.drafter import DFlashDrafter
 from serve.generate import bucket
 from serve.paged import OutOfPagesError, PagePool, PageTable
-from serve.sampling import SamplingConfig
+from serve.sampling import SamplingConfig, SamplingRows
 from serve.speculative import SpecState, empty_state, prefill, propose, sync_page_table, verify
 
 Params = dict[str, Any]
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -63,9 +78,12 @@ class Completion:
     max_new_tokens: int
     stop_ids: tuple[int, ...]
     seed: int
+    sampling: SamplingConfig | None = None  # None: greedy
+    stop_strings: tuple[str, ...] = ()
     token_ids: list[int] = dataclasses.field(default_factory=list)
     accepted: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
+    stop_string: str | None = None  # the stop string that ended the request, if one did
     submitted_s: float = 0.0
     first_token_s: float | None = None
     finished_s: float | None = None
@@ -87,9 +105,11 @@ class Engine:
 
     def __init__(self, target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter, *, slots: int,
                  max_len: int, block_size: int | None = None, sampling: SamplingConfig | None = None,
-                 page_size: int = 16, num_pages: int | None = None):
-        """page_size: tokens per page of the target cache; num_pages: pages in the pool, the null page
-        included (default: every slot at max_len, plus the null page)."""
+                 page_size: int = 16, num_pages: int | None = None,
+                 detokenize: Callable[[Sequence[int]], str] | None = None):
+        """sampling: the default rule of requests that bring none (None: greedy); page_size: tokens per page
+        of the target cache; num_pages: pages in the pool, the null page included (default: every slot at
+        max_len, plus the null page); detokenize: ids -> text, needed for stop strings."""
         if slots < 1:
             raise ValueError(f"slots must be >= 1; received {slots}")
         if page_size < 1:
@@ -104,6 +124,8 @@ class Engine:
         self.graphdef, self.drafter_params = nnx.split(drafter, nnx.Param)
         self.slots, self.max_len = slots, max_len
         self.sampling = None if sampling is None or sampling.greedy else sampling
+        self.detokenize = detokenize
+        self.compiled_shapes: set[tuple[Any, ...]] = set()
         self._ids = iter(range(1 << 62))
         self.queue: collections.deque[Completion] = collections.deque()
         self.running: dict[int, Completion] = {}  # slot -> request
@@ -145,8 +167,9 @@ class Engine:
         return bool(self.queue or self.running)
 
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-               seed: int = 0) -> int:
-        """Queue a request; returns its id. Errors name what is wrong with it."""
+               seed: int = 0, *, sampling: SamplingConfig | None = None, stop_strings: Sequence[str] = ()) -> int:
+        """Queue a request; returns its id. `sampling` defaults to the engine's rule (its `max_new_tokens`
+        and `seed` are not used: the arguments are). Errors name what is wrong with the request."""
         if not prompt_ids:
             raise ValueError("prompt_ids must hold at least one token; received an empty prompt")
         if max_new_tokens < 1:
@@ -156,7 +179,14 @@ class Engine:
             raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) must "
                              f"fit the context ({self.max_len} tokens, {self.k} of them reserved for a block); "
                              f"needs {need}")
+        stop_strings = tuple(stop_strings)
+        if stop_strings and self.detokenize is None:
+            raise ValueError("stop_strings need an engine built with detokenize=...; received none")
+        if not all(isinstance(text, str) and text for text in stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings; received {stop_strings!r}")
+        sampling = self.sampling if sampling is None else sampling
         request = Completion(next(self._ids), [int(t) for t in prompt_ids], max_new_tokens, tuple(stop_ids), seed,
+                             None if sampling is None or sampling.greedy else sampling, stop_strings,
                              submitted_s=time.perf_counter())
         pages = self.pool.pages_for(self._worst_case_tokens(request))
         if pages > self.pool.num_usable:
@@ -181,25 +211,55 @@ class Engine:
             tokens = np.zeros((1, bucket(n)), np.int32)
             tokens[0, :n] = request.prompt_ids
             self._sync_table()
+            self._note_shape("prefill", tokens.shape)
             self.state = prefill(self.target_params, self.target_cfg, self.graphdef, self.drafter_params, self.state,
                                  jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
-                                 jax.random.PRNGKey(request.seed)[None], self.sampling)
+                                 jax.random.PRNGKey(request.seed)[None], SamplingRows.of([request.sampling]))
             self.lengths[slot] = n
             request.first_token_s = time.perf_counter()
             self.running[slot] = request
             self._emit(slot, [int(self.state.pending[slot])])
 
+    def _note_shape(self, program: str, shape: tuple[int, ...]) -> None:
+        key = (program, *shape)
+        if key not in self.compiled_shapes:
+            self.compiled_shapes.add(key)
+            log.info("engine: first %s of shape %s (%d compiled shapes so far)", program, shape,
+                     len(self.compiled_shapes))
+
     def _emit(self, slot: int, tokens: Sequence[int]) -> None:
         request = self.running[slot]
+        start = len(request.token_ids)
+        reason = None
         for token in tokens:
             request.token_ids.append(token)
             if token in request.stop_ids or len(request.token_ids) >= request.max_new_tokens:
-                request.finish_reason = "stop" if token in request.stop_ids else "length"
-                request.finished_s = time.perf_counter()
-                self.done[request.request_id] = self.running.pop(slot)
-                self.table.release(slot)  # uploaded before the next jitted step (`_sync_table`)
-                self.lengths[slot] = 0
-                return
+                reason = "stop" if token in request.stop_ids else "length"
+                break
+        if request.stop_strings and self._cut_at_stop_string(request, start):
+            reason = "stop"
+        if reason is not None:
+            request.finish_reason = reason
+            request.finished_s = time.perf_counter()
+            self.done[request.request_id] = self.running.pop(slot)
+            self.table.release(slot)  # uploaded before the next jitted step (`_sync_table`)
+            self.lengths[slot] = 0
+
+    def _cut_at_stop_string(self, request: Completion, start: int) -> bool:
+        """If the text now holds a stop string, keep the tokens up to the first one whose text completes it
+        (searching only from the tokens added at `start`); returns whether one matched."""
+        ids = [t for t in request.token_ids if t not in request.stop_ids]
+        text = self.detokenize(ids)
+        if not any(s in text for s in request.stop_strings):
+            return False
+        for end in range(start + 1, len(request.token_ids) + 1):
+            text = self.detokenize([t for t in request.token_ids[:end] if t not in request.stop_ids])
+            hits = [s for s in request.stop_strings if s in text]
+            if hits:
+                request.stop_string = min(hits, key=text.index)
+                del request.token_ids[end:]
+                return True
+        raise AssertionError("unreachable: the full text holds a stop string")  # pragma: no cover
 
     def step(self) -> None:
         """Admit what fits, then one decoding step over every running request."""
@@ -213,13 +273,14 @@ class Engine:
         # only raises on a bookkeeping bug.
         self.table.ensure_batch(np.where(active, self.lengths + self.k, 0))
         self._sync_table()
+        self._note_shape("verify", (self.slots, self.k if not self.ar else 1))
         if self.ar:
             drafts = jnp.zeros((self.slots, 0), jnp.int32)
         else:
             drafts = propose(self.target_params, self.target_cfg, self.graphdef, self.drafter_params, self.state,
                              self.k)
         self.state, out, n = verify(self.target_params, self.target_cfg, self.graphdef, self.drafter_params,
-                                    self.state, drafts, self.sampling)
+                                    self.state, drafts)
         out, n = np.asarray(out), np.asarray(n)
         self.lengths = np.where(active, self.lengths + n + 1, self.lengths)
         self.steps += 1

@@ -10,9 +10,11 @@ publishes new tokens after every step. A bad request gets a 4xx JSON error
 (`{"error": {"message", "type", "param"}}`) and the server keeps serving. `shutdown()` stops accepting,
 finishes the requests in flight, then stops the engine thread.
 
-Sampling: the server decodes with its recipe's sampling settings (greedy by default); a request may
-restate them (same `temperature` / `top_p`) or give a `seed`; other values are refused with a 400,
-because one engine step serves every request with one sampling rule.
+Sampling: each request may set `temperature` (0 = greedy), `top_p`, `top_k` (an extension, as in vLLM;
+0 or -1 = off) and `seed`; what it leaves out comes from the recipe's sampling section. The rules are
+per request inside one engine step (`serve.sampling.SamplingRows`), so a greedy and a sampled request
+share a batch without affecting each other. `stop` strings go to the engine, which ends the request (and
+frees its slot) at the token that completes one; the text is cut before the stop string.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from models.tokenizer import ChatTokenizer
 from serve.engine import Completion, Engine
+from serve.sampling import GREEDY, SamplingConfig
 
 log = logging.getLogger(__name__)
 
-COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "stream", "stop", "seed", "n", "user"}
-CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream", "stop",
-               "seed", "n", "user"}
+COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stream", "stop", "seed", "n",
+                     "user"}
+CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stream",
+               "stop", "seed", "n", "user"}
 
 
 class RequestError(ValueError):
@@ -54,6 +58,7 @@ class _Job:
     max_tokens: int
     seed: int
     stop_strings: tuple[str, ...]
+    sampling: SamplingConfig = GREEDY
     request: Completion | None = None
     tokens: queue.Queue = dataclasses.field(default_factory=queue.Queue)  # lists of new ids, then None
     error: str | None = None
@@ -104,7 +109,8 @@ class EngineWorker:
                 job = None
             while job is not None:
                 try:
-                    rid = self.engine.submit(job.prompt_ids, job.max_tokens, self.stop_ids, seed=job.seed)
+                    rid = self.engine.submit(job.prompt_ids, job.max_tokens, self.stop_ids, seed=job.seed,
+                                             sampling=job.sampling, stop_strings=job.stop_strings)
                     self.jobs[rid], self.sent[rid] = job, 0
                 except ValueError as err:
                     job.error = str(err)
@@ -182,8 +188,9 @@ class DFlashServer(ThreadingHTTPServer):
         super().__init__(address, _Handler)
         self.worker, self.tokenizer, self.model_name = worker, tokenizer, model_name
         self.max_len, self.default_max_tokens = max_len, default_max_tokens
-        self.sampling = worker.engine.sampling
+        self.sampling = worker.engine.sampling or GREEDY  # the default of requests that don't say
         worker.stop_ids = tuple(tokenizer.stop_token_ids)
+        worker.engine.detokenize = tokenizer.decode
         self.created = int(time.time())
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -297,19 +304,28 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ completion
 
+    def _sampling(self, body: dict[str, Any]) -> SamplingConfig:
+        """The request's rule: its temperature / top_p / top_k, the server's default for the others."""
+        default = self.server.sampling
+
+        def number(name: str, value: Any, ok: bool, expected: str) -> None:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not ok):
+                raise RequestError(f"{name} must {expected}; received {value!r}", name)
+
+        temperature, top_p, top_k = body.get("temperature"), body.get("top_p"), body.get("top_k")
+        number("temperature", temperature, isinstance(temperature, int | float) and 0 <= temperature <= 100,
+               "be a number in [0, 100] (0 = greedy)")
+        number("top_p", top_p, isinstance(top_p, int | float) and 0 < top_p <= 1, "be a number in (0, 1]")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+            raise RequestError(f"top_k must be an integer >= -1 (0 or -1 = off); received {top_k!r}", "top_k")
+        return SamplingConfig(temperature=default.temperature if temperature is None else float(temperature),
+                              top_p=default.top_p if top_p is None else float(top_p),
+                              top_k=default.top_k if top_k is None else max(top_k, 0))
+
     def _options(self, body: dict[str, Any]) -> tuple[int, int, tuple[str, ...], bool]:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", self.server.default_max_tokens))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
             raise RequestError(f"max_tokens must be a positive integer; received {max_tokens!r}", "max_tokens")
-        sampling = self.server.sampling
-        temperature = body.get("temperature")
-        if temperature is not None and float(temperature) != (sampling.temperature if sampling else 0.0):
-            raise RequestError(f"this server samples at temperature {sampling.temperature if sampling else 0.0}; "
-                               f"received {temperature}", "temperature")
-        top_p = body.get("top_p")
-        if top_p is not None and float(top_p) != (sampling.top_p if sampling else 1.0):
-            raise RequestError(f"this server samples with top_p {sampling.top_p if sampling else 1.0}; "
-                               f"received {top_p}", "top_p")
         if body.get("n", 1) != 1:
             raise RequestError("n must be 1", "n")
         stop = body.get("stop") or ()
@@ -317,13 +333,13 @@ class _Handler(BaseHTTPRequestHandler):
         if not all(isinstance(s, str) and s for s in stop):
             raise RequestError("stop must be a string or a list of non-empty strings", "stop")
         seed = body.get("seed", 0)
-        if not isinstance(seed, int):
-            raise RequestError("seed must be an integer", "seed")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise RequestError(f"seed must be a non-negative integer; received {seed!r}", "seed")
         return max_tokens, seed, stop, bool(body.get("stream", False))
 
     def _complete(self, body: dict[str, Any], ids: list[int], chat: bool) -> None:
         max_tokens, seed, stop, stream = self._options(body)
-        job = self.server.worker.submit(_Job(ids, max_tokens, seed, stop))
+        job = self.server.worker.submit(_Job(ids, max_tokens, seed, stop, self._sampling(body)))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{id(job):x}"
         if stream:
             self._stream(job, rid, chat)

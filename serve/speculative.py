@@ -49,7 +49,7 @@ from models.decoder import embed, forward_cached
 from models.drafter import KV, DFlashDrafter, DrafterArch, check_fits_target, concat_features, drafter_logits
 from serve.generate import bucket
 from serve.paged import PagedKVCache, PagePool, PageTable
-from serve.sampling import SamplingConfig, filtered_logprobs
+from serve.sampling import SamplingConfig, SamplingRows, row_logprobs
 
 Params = dict[str, Any]
 
@@ -86,7 +86,8 @@ class DraftCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecState:
-    """Decoding state of B sequences: caches, committed lengths L [B], pending token [B], active [B], keys."""
+    """Decoding state of B sequences: caches, committed lengths L [B], pending token [B], active [B], keys,
+    and each sequence's sampling rule (set at prefill; temperature 0 = greedy)."""
 
     target: PagedKVCache
     draft: DraftCache
@@ -94,6 +95,7 @@ class SpecState:
     pending: jax.Array
     active: jax.Array
     rng: jax.Array  # [B, 2] uint32: one key per sequence (per-request seeds)
+    sampling: SamplingRows
 
 
 def empty_state(target_cfg: DecoderConfig, arch: DrafterArch, batch: int, max_len: int, num_pages: int,
@@ -102,7 +104,8 @@ def empty_state(target_cfg: DecoderConfig, arch: DrafterArch, batch: int, max_le
     tables hold ceil(max_len / page_size) pages per slot, all on the null page; draft cache [.., max_len, ..]."""
     target = PagedKVCache.create(target_cfg, batch, -(-max_len // page_size), num_pages, page_size, dtype)
     return SpecState(target, DraftCache.create(arch, batch, max_len), jnp.zeros((batch,), jnp.int32),
-                     jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.zeros((batch, 2), jnp.uint32))
+                     jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool), jnp.zeros((batch, 2), jnp.uint32),
+                     SamplingRows.of([None] * batch))
 
 
 def sync_page_table(state: SpecState, table: PageTable, uploaded_version: int) -> tuple[SpecState, int]:
@@ -122,14 +125,14 @@ def _add_context(drafter: DFlashDrafter, draft: DraftCache, feats_FxBxTxD: jax.A
     return draft.write(drafter.context_kv(fused, positions), starts_B, rows_B)
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "sampling"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef"), donate_argnames=("state",))
 def prefill(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.GraphDef, drafter_params: nnx.State,
             state: SpecState, slots_R: jax.Array, tokens_RxT: jax.Array, num_valid_R: jax.Array, rng_Rx2: jax.Array,
-            sampling: SamplingConfig | None = None) -> SpecState:
+            sampling_R: SamplingRows | None = None) -> SpecState:
     """`state` with R right-padded prompts prefilled into its slots `slots_R` (distinct): both caches filled
-    from position 0 (whatever the slot held before is forgotten), the target's first token pending (argmax,
-    or drawn with each sequence's key when `sampling` is not greedy), the slots active. Other slots are
-    untouched.
+    from position 0 (whatever the slot held before is forgotten), the slots' sampling rules set to
+    `sampling_R` (None: greedy), the target's first token pending (argmax for a greedy row, else drawn with
+    the row's key and rule), the slots active. Other slots are untouched.
 
     The host must have given each slot pages for its first num_valid tokens (`PageTable.ensure`) and
     uploaded the table; the prompt runs through a view of the cache holding only the R slots' page-table
@@ -148,15 +151,18 @@ def prefill(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.Grap
     target = dataclasses.replace(state.target, k_pages=view.k_pages, v_pages=view.v_pages,
                                  lengths=state.target.lengths.at[slots_R].set(num_valid_R))
     draft = _add_context(drafter, state.draft, feats, jnp.zeros((r,), jnp.int32), slots_R)
-    if sampling is None or sampling.greedy:
-        pending = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-    else:
+    rules = SamplingRows.of([None] * r) if sampling_R is None else sampling_R
+    greedy_pending = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+
+    def draw(_: None) -> tuple[jax.Array, jax.Array]:
         keys = jax.vmap(jax.random.split)(rng_Rx2)
-        rng_Rx2 = keys[:, 0]
-        logp = filtered_logprobs(logits[:, 0], sampling)
-        pending = jax.vmap(jax.random.categorical)(keys[:, 1], logp).astype(jnp.int32)
+        drawn = jax.vmap(jax.random.categorical)(keys[:, 1], row_logprobs(logits[:, 0], rules)).astype(jnp.int32)
+        return jnp.where(rules.greedy, greedy_pending, drawn), jnp.where(rules.greedy[:, None], rng_Rx2, keys[:, 0])
+
+    pending, rng_Rx2 = jax.lax.cond(jnp.all(rules.greedy), lambda _: (greedy_pending, rng_Rx2), draw, None)
     return SpecState(target, draft, state.lengths.at[slots_R].set(num_valid_R), state.pending.at[slots_R].set(pending),
-                     state.active.at[slots_R].set(True), state.rng.at[slots_R].set(rng_Rx2))
+                     state.active.at[slots_R].set(True), state.rng.at[slots_R].set(rng_Rx2),
+                     state.sampling.set(slots_R, rules))
 
 
 @functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "block_size"))
@@ -181,7 +187,7 @@ def accept_greedy(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array) -> tuple[jax
     return n, jnp.take_along_axis(preds, n[:, None], axis=1)[:, 0]
 
 
-def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: SamplingConfig,
+def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: SamplingRows,
                    rng_Bx2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One-hot-draft rejection sampling (lossless; DESIGN pitfall 8): (n [B], bonus [B], next keys).
 
@@ -193,7 +199,7 @@ def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: S
     """
     k = drafts_BxKm1.shape[1] + 1
     keys = jax.vmap(lambda key: jax.random.split(key, 3))(rng_Bx2)
-    logp = filtered_logprobs(logits_BxKxV, sampling)  # [B, K, V]
+    logp = row_logprobs(logits_BxKxV, sampling)  # [B, K, V]
     p_draft = jnp.exp(jnp.take_along_axis(logp[:, :-1], drafts_BxKm1[..., None], axis=-1)[..., 0])
     u = jax.vmap(lambda key: jax.random.uniform(key, (k - 1,)))(keys[:, 1])
     n = jnp.sum(jnp.cumprod((u < p_draft).astype(jnp.int32), axis=1), axis=1)
@@ -204,19 +210,19 @@ def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: S
     return n, bonus, keys[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "sampling"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef"), donate_argnames=("state",))
 def verify(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.GraphDef, drafter_params: nnx.State,
-           state: SpecState, drafts_BxKm1: jax.Array,
-           sampling: SamplingConfig | None = None) -> tuple[SpecState, jax.Array, jax.Array]:
+           state: SpecState, drafts_BxKm1: jax.Array) -> tuple[SpecState, jax.Array, jax.Array]:
     """Verify drafts with one target forward; returns (state, tokens [B, K], accepted n [B]).
 
     The host must have given every active slot pages for L + K tokens: the K block tokens are written
     at L .. L+K-1 before the cache is rolled back to the accepted length L + n + 1.
 
     tokens[b, :n+1] are the step's output (d_1 .. d_n, then the target's bonus token); the rest is
-    padding. Greedy (`sampling` None or temperature 0): exact-match acceptance; otherwise one-hot
-    rejection sampling with each sequence's key (`accept_sampled`). Inactive sequences are left as they
-    were (n reported as 0, nothing output).
+    padding. Each row follows its own rule (`state.sampling`): a greedy row (temperature 0) takes
+    exact-match acceptance, any other one-hot rejection sampling with its key (`accept_sampled`); a batch
+    of greedy rows never runs the sampling branch (`lax.cond`). Inactive sequences are left as they were
+    (n reported as 0, nothing output).
     """
     drafter = nnx.merge(graphdef, drafter_params)
     k = drafts_BxKm1.shape[1] + 1
@@ -224,11 +230,16 @@ def verify(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.Graph
     positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     logits, feats, cache = forward_cached(target_params, target_cfg, tokens, positions, state.target,
                                           layer_ids=drafter.arch.layer_ids)
-    if sampling is None or sampling.greedy:
-        n, bonus = accept_greedy(logits, drafts_BxKm1)
-        rng = state.rng
-    else:
-        n, bonus, rng = accept_sampled(logits, drafts_BxKm1, sampling, state.rng)
+    n_greedy, bonus_greedy = accept_greedy(logits, drafts_BxKm1)
+
+    def mixed(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        n_s, bonus_s, rng_s = accept_sampled(logits, drafts_BxKm1, state.sampling, state.rng)
+        greedy = state.sampling.greedy
+        return (jnp.where(greedy, n_greedy, n_s), jnp.where(greedy, bonus_greedy, bonus_s),
+                jnp.where(greedy[:, None], state.rng, rng_s))
+
+    n, bonus, rng = jax.lax.cond(jnp.all(state.sampling.greedy), lambda _: (n_greedy, bonus_greedy, state.rng),
+                                 mixed, None)
     n = jnp.where(state.active, n, 0)
     idx = jnp.arange(k)[None, :]
     out = jnp.where(idx < n[:, None], jnp.pad(drafts_BxKm1, ((0, 0), (0, 1))), 0)
@@ -236,7 +247,7 @@ def verify(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.Graph
     new_len = jnp.where(state.active, state.lengths + n + 1, state.lengths)
     draft = _add_context(drafter, state.draft, feats, state.lengths)  # slots >= new_len stay invisible
     new_state = SpecState(cache.rollback(new_len), draft, new_len, jnp.where(state.active, bonus, state.pending),
-                          state.active, rng)
+                          state.active, rng, state.sampling)
     return new_state, out, n
 
 
@@ -325,7 +336,7 @@ def speculative_generate(target_params: Params, target_cfg: DecoderConfig, draft
     table.ensure_batch(lengths)
     state, version = sync_page_table(state, table, 0)
     state = prefill(target_params, target_cfg, graphdef, params, state, jnp.arange(b, dtype=jnp.int32),
-                    jnp.asarray(tokens), jnp.asarray(lengths), rng, sampling)
+                    jnp.asarray(tokens), jnp.asarray(lengths), rng, SamplingRows.of([sampling] * b))
     held = lengths.astype(np.int64)  # committed tokens per sequence, mirrored on the host
     outputs = [[int(t)] for t in np.asarray(state.pending)]
     accepted: list[list[int]] = [[] for _ in range(b)]
@@ -340,8 +351,7 @@ def speculative_generate(target_params: Params, target_cfg: DecoderConfig, draft
         state, version = sync_page_table(state, table, version)
         drafts = (draft_fn(state, k) if draft_fn is not None
                   else propose(target_params, target_cfg, graphdef, params, state, k))
-        state, out, n = verify(target_params, target_cfg, graphdef, params, state, jnp.asarray(drafts, jnp.int32),
-                               sampling)
+        state, out, n = verify(target_params, target_cfg, graphdef, params, state, jnp.asarray(drafts, jnp.int32))
         out, n = np.asarray(out), np.asarray(n)
         held = np.where(done, held, held + n + 1)
         for i in np.flatnonzero(~done):

@@ -84,3 +84,63 @@ def test_bad_requests_are_refused(setup):
         engine.submit([1, 2], 0)
     with pytest.raises(ValueError, match="must fit the context"):
         engine.submit([1] * 100, 40)
+
+
+def _text(ids):
+    """A stand-in detokenizer for the tiny vocabulary: two letters per token."""
+    return "".join(chr(97 + t % 26) + chr(97 + t // 26 % 26) for t in ids)
+
+
+def test_requests_with_different_sampling_rules_share_steps(setup):
+    """Greedy and sampled requests (different temperatures, top-p, top-k) in one batch: the greedy ones equal
+    AR, each sampled one equals its solo run with its rule and seed."""
+    target_cfg, target_params, drafter, requests = setup
+    rules = [None, SamplingConfig(temperature=0.7), None, SamplingConfig(temperature=1.2, top_k=20),
+             SamplingConfig(temperature=0.9, top_p=0.8), None, SamplingConfig(temperature=1.0)]
+    engine = Engine(target_params, target_cfg, drafter, slots=4, max_len=MAX_LEN, block_size=4)
+    ids = [engine.submit(p, budget, seed=7 + i, sampling=rule)
+           for i, ((p, budget), rule) in enumerate(zip(requests, rules, strict=True))]
+    done = engine.run()
+    for i, (rid, (prompt, budget), rule) in enumerate(zip(ids, requests, rules, strict=True)):
+        if rule is None:
+            assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
+        else:
+            [alone] = speculative_generate(target_params, target_cfg, drafter, [prompt], budget, MAX_LEN,
+                                           block_size=4, sampling=rule, seeds=[7 + i])
+            assert done[rid].token_ids == alone.token_ids, rid
+    sampled = [done[rid].token_ids for rid, rule in zip(ids, rules, strict=True) if rule is not None]
+    greedy_of_same = [_ar(target_cfg, target_params, p, b) for (p, b), r in zip(requests, rules, strict=True) if r]
+    assert sampled != greedy_of_same  # the sampled rows really sampled
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_stop_strings_end_the_request_at_the_completing_token(setup, block_size):
+    target_cfg, target_params, drafter, requests = setup
+    prompt, budget = requests[3]
+    ar = _ar(target_cfg, target_params, prompt, budget)
+    stop = _text(ar)[9:13]  # spans tokens 4, 5 and 6: the request must keep ar[:7]
+    expected = next(ar[:end] for end in range(1, len(ar) + 1) if stop in _text(ar[:end]))
+    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=block_size,
+                    detokenize=_text)
+    rid = engine.submit(prompt, budget, stop_strings=["zzzzzz", stop])
+    other = engine.submit(requests[1][0], requests[1][1])
+    done = engine.run()
+    assert done[rid].token_ids == expected and len(expected) < budget
+    assert done[rid].finish_reason == "stop" and done[rid].stop_string == stop
+    assert done[other].token_ids == _ar(target_cfg, target_params, *requests[1])  # its neighbour is unaffected
+    assert engine.pool.num_free == engine.pool.num_usable  # both slots' pages came back
+    with pytest.raises(ValueError, match="detokenize"):
+        Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN).submit([1], 4, stop_strings=["x"])
+
+
+def test_compiled_shapes_are_logged_and_bounded(setup, caplog):
+    target_cfg, target_params, drafter, requests = setup
+    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=4)
+    with caplog.at_level("INFO", logger="serve.engine"):
+        for prompt, budget in requests:
+            engine.submit(prompt, budget)
+        engine.run()
+    prefills = sorted(shape[1:] for shape in engine.compiled_shapes if shape[0] == "prefill")
+    assert prefills == [(1, 16), (1, 32), (1, 64)]  # prompts of 2..33 tokens: three buckets
+    assert {s for s in engine.compiled_shapes if s[0] == "verify"} == {("verify", 3, 4)}
+    assert sum("engine: first" in r.message for r in caplog.records) == len(engine.compiled_shapes) == 4

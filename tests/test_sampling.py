@@ -43,3 +43,30 @@ def test_bad_sampling_values():
 
 def test_prefill_buckets_are_powers_of_two_at_least_16():
     assert [bucket(n) for n in (1, 16, 17, 100, 129)] == [16, 16, 32, 128, 256]
+
+
+def test_rows_apply_each_sequences_own_rule():
+    """One batch, four rules: each row's filtered distribution equals that rule applied alone."""
+    from serve.sampling import SamplingRows, row_logprobs
+
+    logits = jax.random.normal(jax.random.PRNGKey(3), (4, 3, 50)) * 3.0
+    rules = [SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.3, top_k=5),
+             SamplingConfig(temperature=1.0, top_p=0.6), SamplingConfig(temperature=0.5, top_k=9, top_p=0.8)]
+    rows = np.asarray(row_logprobs(logits, SamplingRows.of(rules)))
+    for i, rule in enumerate(rules):
+        alone = np.asarray(filtered_logprobs(logits[i], rule))
+        np.testing.assert_array_equal(np.isfinite(rows[i]), np.isfinite(alone))
+        np.testing.assert_allclose(rows[i][np.isfinite(alone)], alone[np.isfinite(alone)], rtol=1e-6, atol=1e-6)
+    kept = np.isfinite(rows).sum(-1)
+    assert (kept[0] == 50).all() and (kept[1] == 5).all()  # no filter; top-k 5
+    # The two filtered rows keep fewer tokens than plain temperature would, so the filters really ran.
+    assert (kept[2] < 50).all() and (kept[3] <= 9).all()
+
+
+def test_top_k_ties_and_top_k_past_the_vocabulary():
+    from serve.sampling import SamplingRows, row_logprobs
+
+    logits = jnp.array([[1.0, 3.0, 3.0, 0.5], [1.0, 3.0, 2.0, 0.5]])
+    rows = SamplingRows.of([SamplingConfig(temperature=1.0, top_k=1), SamplingConfig(temperature=1.0, top_k=10)])
+    kept = np.isfinite(np.asarray(row_logprobs(logits, rows)))
+    assert kept.tolist() == [[False, True, True, False], [True, True, True, True]]

@@ -93,7 +93,10 @@ def test_streaming_equals_the_plain_answer(server):
     ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model 'gpt-9' does not exist"),
     ("/v1/completions", {"prompt": "word " * 600, "max_tokens": 4}, 400, "must fit the context"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages must be a non-empty list"),
-    ("/v1/completions", {"prompt": "hi", "temperature": 0.7}, 400, "samples at temperature 0.0"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature must be a number in [0, 100]"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p must be a number in (0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2.5}, 400, "top_k must be an integer >= -1"),
+    ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed must be a non-negative integer"),
     ("/v1/nothing", {}, 404, "no route"),
 ])
 def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, path, payload, status, needle):
@@ -104,6 +107,33 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, path, pa
     assert needle in resp.json()["error"]["message"]
     ok = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=120)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.e2e
+def test_sampled_and_greedy_requests_share_the_engine(server):
+    """Per-request rules: sampled requests run beside greedy ones; a seed reproduces its answer, the greedy
+    answers stay AR-equal; a stop string cuts the text and ends the request at that token."""
+    srv, url, target = server
+    question = QUESTIONS[5]
+    sampled = {"model": "smollm2", "messages": [{"role": "user", "content": question}], "max_tokens": 12,
+               "temperature": 1.2, "top_k": 50}
+
+    def ask(body: dict) -> dict:
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+
+    bodies = [dict(sampled, seed=s) for s in (1, 1, 2, 3, 4)] + [
+        {"model": "smollm2", "messages": [{"role": "user", "content": q}], "max_tokens": 8} for q in QUESTIONS[:3]]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = [a["choices"][0]["message"]["content"] for a in pool.map(ask, bodies)]
+    assert answers[0] == answers[1]  # same seed, same rule: same text, whatever else shared the steps
+    assert len(set(answers[:5])) >= 3  # other seeds really sample
+    assert answers[5:] == [_ar_text(target, q, 8) for q in QUESTIONS[:3]]
+    want = _ar_text(target, question, 12)
+    stop = want[len(want) // 2: len(want) // 2 + 3]
+    cut = ask({"model": "smollm2", "messages": [{"role": "user", "content": question}], "max_tokens": 12,
+               "stop": [stop]})
+    assert cut["choices"][0]["message"]["content"] == want[: want.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop" and cut["usage"]["completion_tokens"] < 12
 
 
 @pytest.mark.e2e
