@@ -1,8 +1,9 @@
 """Conversation -> token ids with an assistant-only loss mask (DESIGN 4.2), for any chat template.
 
-Contract of `tokenize_conversation(tok, messages, max_len) -> (ids, loss_mask)`:
-- `ids` = `tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))`, cut to the first
-  `max_len` tokens.
+Contract of `tokenize_conversation(tok, messages, max_len, **template_kwargs) -> (ids, loss_mask)`:
+- `ids` = `tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False, **template_kwargs))`,
+  cut to the first `max_len` tokens. `template_kwargs` (e.g. `enable_thinking=False` for Qwen3) go to every
+  rendering, the full one and the prefixes alike; match what the target was served (and regenerated) with.
 - `loss_mask[p] = 1` exactly on the tokens the model writes in each assistant turn: the message content
   (plus anything the template writes between the assistant header and the content, e.g. an empty
   `<think></think>`) and the turn's end-of-turn token (ChatML `<|im_end|>`, Llama 3 `<|eot_id|>`).
@@ -32,7 +33,7 @@ ASSISTANT = "assistant"
 
 
 def tokenize_conversation(
-    tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]], max_len: int
+    tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]], max_len: int, **template_kwargs: Any
 ) -> tuple[np.ndarray, np.ndarray]:
     """(ids int32[n], loss_mask float32[n]) with n <= max_len; see the module docstring for the mask."""
     if max_len <= 0:
@@ -43,7 +44,7 @@ def tokenize_conversation(
         if "role" not in message or "content" not in message:
             raise ValueError(f"messages[{index}] must have 'role' and 'content'; received keys {sorted(message)}")
 
-    full_text = tok.apply_chat_template(messages, add_generation_prompt=False)
+    full_text = tok.apply_chat_template(messages, add_generation_prompt=False, **template_kwargs)
     ids = tok.encode(full_text, add_special_tokens=False)
     mask = np.zeros(len(ids), np.float32)
     stop_ids = set(tok.stop_token_ids)
@@ -51,8 +52,8 @@ def tokenize_conversation(
     for index, message in enumerate(messages):
         if message["role"] != ASSISTANT:
             continue
-        start = _prefix_length(tok, messages[:index], True, full_text, ids)
-        end = _prefix_length(tok, messages[: index + 1], False, full_text, ids)
+        start = _prefix_length(tok, messages[:index], True, full_text, ids, template_kwargs)
+        end = _prefix_length(tok, messages[: index + 1], False, full_text, ids, template_kwargs)
         if not previous_end <= start <= end:
             raise ValueError(
                 f"assistant message {index} must render after the previous turn; its tokens span [{start}, "
@@ -92,10 +93,11 @@ def _prefix_length(
     add_generation_prompt: bool,
     full_text: str,
     full_ids: Sequence[int],
+    template_kwargs: Mapping[str, Any],
 ) -> int:
     """Number of tokens of the rendered `messages`, checked to be a text and token prefix of the full chat."""
     if messages or add_generation_prompt:
-        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
     else:
         text = ""  # no messages, no header: templates may not render an empty list
     if not full_text.startswith(text):

@@ -158,13 +158,19 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
 def block_inputs(batch: Batch, target_params: Params, target_cfg: DecoderConfig, arch: DrafterArch,
                  num_anchors: int, rng: jax.Array) -> tuple[Blocks, jax.Array, jax.Array]:
     """(blocks, block embeddings [B, Q, D], target features [B, S, F*D]) of `batch` with anchors drawn
-    from `rng`: what the drafter's loss reads. Embeddings and features carry no gradient."""
+    from `rng`: what the drafter's loss reads. Embeddings and features carry no gradient.
+
+    Features come from `batch["features"]` when the batch holds them (offline mode: stored bf16 features,
+    cast to the target params' dtype, i.e. the compute dtype), else from the target's forward (online)."""
     tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
     loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
     anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, num_anchors, arch.block_size, rng)
     blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, arch.block_size,
                                 arch.mask_token_id)
-    feats_BxSxFD = online_features(target_params, target_cfg, tokens_BxS, arch.layer_ids)
+    if "features" in batch:
+        feats_BxSxFD = jax.lax.stop_gradient(jnp.asarray(batch["features"]).astype(target_params["embed"].dtype))
+    else:
+        feats_BxSxFD = online_features(target_params, target_cfg, tokens_BxS, arch.layer_ids)
     embeds_BxQxD = jax.lax.stop_gradient(embed(target_params, blocks.block_ids))
     return blocks, embeds_BxQxD, feats_BxSxFD
 

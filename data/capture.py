@@ -1,0 +1,223 @@
+"""Offline capture: run the frozen target over tokenized examples and store its features as shards.
+
+`capture(...)` computes exactly what the trainer computes online (`train.step.online_features` on the
+padded rows, DESIGN §4.1: post-layer outputs of `layer_ids`, concatenated in id order), casts them to
+bfloat16 on device, and writes each sample's first n (real-token) positions with its tokens and loss mask
+through `data.shards.ShardWriter` (format, atomicity and resume rules are in that module's docstring).
+
+    examples (tokens int32[S], loss_mask float32[S], n)      `capture_examples` builds them from chats
+      -> shard i = samples [i*P, (i+1)*P)                      P = samples_per_shard; finished shards skipped
+      -> batches of `batch_size` rows within the shard          the last one padded with copies of a pad row
+      -> jit(online_features(...).astype(bfloat16))             params traced, not baked in; one compile
+      -> host: rows[:n] -> one record per sample                one batch in flight while the last is written
+
+Feature rows do not depend on which other rows share their batch (the target has no cross-row op), and
+positions < n do not depend on the padding after them (causal attention), so the stored features equal
+the online features of the same row in any training batch, up to the floating-point effects of a
+different batch shape (none on the CPU backend in our test).
+
+A rerun over the same examples into the same directory resumes at the first unfinished shard; a rerun with
+another target, tokenizer, layer ids, seq_len, shard size or other examples (`examples_hash`) raises a
+ManifestMismatchError naming every differing field. One process captures; on a pod, give each host its
+own directory and slice of the examples (the loader reads one directory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Iterable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from data.chat_tokens import pad_batch_example, tokenize_conversation
+from data.shards import (
+    FEATURE_DTYPE,
+    MANIFEST_VERSION,
+    Manifest,
+    Provenance,
+    ShardWriter,
+    writer_options,
+)
+from models.config import DecoderConfig, check_layer_ids
+from models.tokenizer import ChatTokenizer
+from train.step import online_features
+
+# (tokens int32[S], loss_mask float32[S], n real tokens) per example, all with the same S.
+CaptureExample = tuple[np.ndarray, np.ndarray, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureReport:
+    """What `capture` did: the final manifest and this run's throughput.
+
+    shards_written / shards_kept: shards computed by this run / kept from an earlier run.
+    tokens: real tokens captured by this run; seconds: wall time of this run (compile included);
+    tokens_per_s = tokens / seconds; bytes_per_token: manifest's (all shards, file bytes / real tokens).
+    """
+
+    manifest: Manifest
+    shards_written: int
+    shards_kept: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    bytes_per_token: float
+
+
+def capture_examples(
+    tok: ChatTokenizer,
+    conversations: Iterable[Sequence[dict[str, Any]]],
+    seq_len: int,
+    *,
+    pad_id: int | None = None,
+) -> tuple[list[CaptureExample], int]:
+    """(examples, num_skipped) exactly as `data.online.tokenize_examples` builds them, keeping each n.
+
+    Same truncation, padding, default pad id (first stop token) and skipping of conversations whose mask
+    is all zero, so `[(t, m) for t, m, _ in examples]` are the online pipeline's examples.
+    """
+    if pad_id is None:
+        if not tok.stop_token_ids:
+            raise ValueError("pad_id must be given for a tokenizer without stop tokens; received None")
+        pad_id = tok.stop_token_ids[0]
+    examples: list[CaptureExample] = []
+    num_skipped = 0
+    for messages in conversations:
+        ids, mask = tokenize_conversation(tok, messages, seq_len)
+        if not mask.any():
+            num_skipped += 1
+            continue
+        examples.append(pad_batch_example(ids, mask, seq_len, pad_id))
+    return examples, num_skipped
+
+
+def examples_hash(examples: Sequence[CaptureExample]) -> str:
+    """sha256 hex over every example's padded tokens (int32), loss mask (as 0/1 bytes) and n, in order."""
+    digest = hashlib.sha256()
+    digest.update(f"examples:{len(examples)}\x00".encode())
+    for tokens_S, loss_mask_S, n in examples:
+        digest.update(np.asarray(tokens_S, "<i4").tobytes())
+        digest.update(np.asarray(loss_mask_S).astype(np.uint8).tobytes())
+        digest.update(int(n).to_bytes(8, "little"))
+    return digest.hexdigest()
+
+
+def _check_examples(examples: Sequence[CaptureExample], seq_len: int) -> int | None:
+    """Validate shapes, n and the 0/1 mask; return the padding id shared by all padded rows (None if none)."""
+    if not examples:
+        raise ValueError("examples must hold at least one example; received none (were all of them skipped?)")
+    pad_ids: set[int] = set()
+    for i, example in enumerate(examples):
+        if len(example) != 3:
+            raise ValueError(f"examples[{i}] must be (tokens[S], loss_mask[S], n); received {len(example)} items "
+                             "(build them with capture_examples)")
+        tokens_S, loss_mask_S, n = example
+        if np.shape(tokens_S) != (seq_len,) or np.shape(loss_mask_S) != (seq_len,):
+            raise ValueError(f"examples[{i}] must have tokens and loss_mask of shape [{seq_len}] (seq_len); "
+                             f"received {np.shape(tokens_S)} and {np.shape(loss_mask_S)}")
+        if not 1 <= int(n) <= seq_len:
+            raise ValueError(f"examples[{i}] must have 1 <= n <= {seq_len} real tokens; received n={n}")
+        if not np.isin(loss_mask_S, (0, 1)).all() or np.any(np.asarray(loss_mask_S)[int(n):]):
+            raise ValueError(f"examples[{i}] loss_mask must be 0/1 and 0 on padding (positions >= n={n})")
+        pad_ids.update(np.unique(np.asarray(tokens_S)[int(n):]).tolist())
+    if len(pad_ids) > 1:
+        raise ValueError(f"examples must be padded with one pad id; received {sorted(pad_ids)[:8]}")
+    return pad_ids.pop() if pad_ids else None
+
+
+@partial(jax.jit, static_argnames=("target_cfg", "layer_ids"))
+def _features_bf16(target_params: Any, tokens_BxS: jax.Array, *, target_cfg: DecoderConfig,
+                   layer_ids: tuple[int, ...]) -> jax.Array:
+    """online_features cast to bfloat16 on device: [B, S, F*D] bf16 (halves the device-to-host copy)."""
+    return online_features(target_params, target_cfg, tokens_BxS, layer_ids).astype(jnp.bfloat16)
+
+
+def capture(
+    target_params: Any,
+    target_cfg: DecoderConfig,
+    provenance: Provenance,
+    examples: Sequence[CaptureExample],
+    layer_ids: Sequence[int],
+    out_dir: str | Path,
+    *,
+    seq_len: int,
+    batch_size: int,
+    samples_per_shard: int,
+    compression: str = "uncompressed",
+    verify_existing: bool = True,
+    progress: bool = True,
+) -> CaptureReport:
+    """Capture target features of `examples` into `out_dir` (resuming an interrupted capture); see module.
+
+    target_params / target_cfg: the frozen target, as `online_features` takes them (their dtype is the
+      compute dtype; features are cast to bf16 after).
+    provenance: `Provenance.of_target(target)` (or `.of(name, weights fingerprint, tokenizer)`).
+    examples: (tokens int32[S], loss_mask float32[S], n) rows with S == seq_len (`capture_examples`).
+    verify_existing: on resume, re-hash kept shards (sha256) rather than only checking their sizes.
+    """
+    layer_ids = check_layer_ids(tuple(layer_ids), target_cfg.num_layers)
+    if batch_size <= 0 or samples_per_shard <= 0 or seq_len <= 0:
+        raise ValueError(f"batch_size, samples_per_shard and seq_len must be > 0; received {batch_size}, "
+                         f"{samples_per_shard}, {seq_len}")
+    pad_id = _check_examples(examples, seq_len)
+    num_samples = len(examples)
+    header = Manifest(
+        format_version=MANIFEST_VERSION, complete=False, target_name=provenance.target_name,
+        target_fingerprint=provenance.target_fingerprint, tokenizer_fingerprint=provenance.tokenizer_fingerprint,
+        chat_template_hash=provenance.chat_template_hash, layer_ids=layer_ids, hidden_size=target_cfg.hidden_size,
+        feature_dim=len(layer_ids) * target_cfg.hidden_size, feature_dtype=FEATURE_DTYPE, seq_len=seq_len,
+        pad_id=pad_id, examples_hash=examples_hash(examples), num_samples=num_samples,
+        samples_per_shard=samples_per_shard, num_shards=-(-num_samples // samples_per_shard),
+        writer_options=writer_options(compression), total_tokens=0, bytes_per_token=0.0, shards=(), created={})
+    start = time.perf_counter()
+    writer = ShardWriter(out_dir, header, verify=verify_existing)
+    pending = writer.pending
+    shard_tokens = [sum(int(n) for _, _, n in examples[i * samples_per_shard:(i + 1) * samples_per_shard])
+                    for i in range(header.num_shards)]
+    todo = sum(shard_tokens[i] for i in pending)
+    bar = tqdm(total=sum(shard_tokens), initial=sum(shard_tokens) - todo, disable=not progress, unit="tok",
+               unit_scale=True, dynamic_ncols=True, desc="capture")
+    filler = np.full(seq_len, pad_id if pad_id is not None else 0, np.int32)
+    try:
+        for shard in pending:
+            lo = shard * samples_per_shard
+            rows = list(range(lo, min(lo + samples_per_shard, num_samples)))
+            with writer.shard(shard) as out:
+                in_flight: tuple[list[int], jax.Array] | None = None
+                for b in range(0, len(rows), batch_size):
+                    chunk = rows[b:b + batch_size]
+                    tokens_BxS = np.stack([np.asarray(examples[i][0], np.int32) for i in chunk]
+                                          + [filler] * (batch_size - len(chunk)))
+                    feats = _features_bf16(target_params, tokens_BxS, target_cfg=target_cfg, layer_ids=layer_ids)
+                    if in_flight is not None:
+                        bar.update(_write_batch(out, examples, *in_flight))
+                    in_flight = (chunk, feats)
+                if in_flight is not None:
+                    bar.update(_write_batch(out, examples, *in_flight))
+        manifest = writer.finish()
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    return CaptureReport(manifest=manifest, shards_written=len(pending), shards_kept=len(writer.kept), tokens=todo,
+                         seconds=seconds, tokens_per_s=todo / seconds if seconds > 0 else 0.0,
+                         bytes_per_token=manifest.bytes_per_token)
+
+
+def _write_batch(out: Any, examples: Sequence[CaptureExample], chunk: list[int], feats_BxSxFD: jax.Array) -> int:
+    """Fetch one batch's features and write its samples' first n positions; returns the tokens written."""
+    host = np.asarray(feats_BxSxFD)
+    written = 0
+    for row, i in enumerate(chunk):
+        tokens_S, loss_mask_S, n = examples[i]
+        n = int(n)
+        out.write(np.asarray(tokens_S[:n], np.int32), np.asarray(loss_mask_S[:n]), host[row, :n])
+        written += n
+    return written

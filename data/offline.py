@@ -1,0 +1,239 @@
+"""The offline-mode input pipeline: captured shards -> a Grain batch iterator of tokens, mask and features.
+
+Offline mode reads the target features `data.capture` stored (format: `data.shards`) instead of running the
+target in the train step: `{"tokens": int32[B, S], "loss_mask": float32[B, S], "features": bfloat16[B, S,
+F*D]}`. For the same examples in the same order, seed, batch size and sharding, the (tokens, loss_mask)
+batches are identical to `data.online.make_batches`, and the features are the online features of those
+rows (bf16) on every real position.
+
+The chain (`make_offline_batches`), each step a named Grain `MapDataset` transform:
+
+    MapDataset.range(num_samples)        global sample indices, random access
+    .shuffle(seed)                       the same permutation online's `source(examples).shuffle(seed)` makes
+    .repeat()                            infinite; element e * n + i is epoch e, position i
+    .batch(B * hosts, drop_remainder=True)  the GLOBAL batch of sample indices
+    .map(HostRows)                       host i keeps rows [i*B, (i+1)*B): it reads only its own records
+    .map(ReadSamples)                    RecordSource: global index -> (shard, record), read + decode
+    .map(PadAndStack)                    each sample cut/padded to seq_len (pad_id, mask 0, features 0),
+                                         stacked into the batch dict (+ the count of skipped bad records)
+    [k:]                                 resume after k batches (see state below)
+    .to_iter_dataset(ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    .mp_prefetch(MultiprocessingOptions(worker_count))   only when worker_count > 0
+
+Padding: positions >= n hold tokens = pad_id, loss_mask 0 and features 0. Online mode would hold the
+target's features of the pad tokens there; no loss term reads them (anchors need loss_mask = 1, context
+keys are strictly before the anchor: DESIGN §4.2), so the two modes train identically. A `seq_len` below
+the capture's cuts rows exactly as tokenizing with that max_len would (features are causal).
+
+Bad records: a record that fails to read or decode raises `ShardError` naming the shard file and record
+index. With `skip_bad_records=True` it becomes a padding row (tokens pad_id, mask 0, features 0: no anchor,
+no loss) and is counted in `OfflineBatches.bad_records`. A shard that cannot be opened at all, or whose
+record count differs from the manifest, always raises. Shard sizes are checked against the manifest
+before the first batch (a truncated shard is named up front); `verify=True` also checks sha256.
+
+State: `OfflineBatches.get_state()` is `{"next_index": k, "bad_records": c}` (k batches returned; plain
+JSON, the same `next_index` key as online mode). `set_state` rebuilds the Grain iterator over the chain
+sliced at `[k:]`, so a state restores the exact batch sequence whatever `worker_count` was when it was
+saved (Grain's own multiprocess state is per-worker and differs between worker counts). Like online mode,
+it does not identify the pipeline: checkpoint the data config (and the manifest's examples_hash) beside it.
+
+Grain 0.2.18 behaviour this relies on: `mp_prefetch` gives worker w the elements w, w+W, ... of the
+chain and interleaves them in order, so the batch sequence does not depend on the worker count; workers
+are spawned processes that unpickle the transforms (`RecordSource` opens its readers in each worker);
+grain's profiler flag is read through absl, so the absl flags are marked parsed when they are not (else
+a program that did not run `absl.app` fails on its first multiprocess batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+
+from data.shards import BF16, Manifest, RecordSource, Sample, ShardError, load_manifest
+
+_BAD = "bad_records"
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRows(grain.transforms.Map):
+    """Global batch of sample indices int64[B * hosts] -> this host's contiguous rows [i*B, (i+1)*B)."""
+
+    shard_index: int
+    batch_size: int
+
+    def map(self, indices_G: np.ndarray) -> np.ndarray:
+        return np.asarray(indices_G)[self.shard_index * self.batch_size:(self.shard_index + 1) * self.batch_size]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadSamples(grain.transforms.Map):
+    """Sample indices [B] -> list of decoded `Sample`s (or, with `skip_bad_records`, None for a bad record).
+
+    Without skipping, the first bad record's ShardError (shard file and record index) propagates.
+    """
+
+    source: RecordSource
+    skip_bad_records: bool
+
+    def map(self, indices_B: np.ndarray) -> list[Sample | None]:
+        samples = self.source.read_or_errors([int(i) for i in indices_B])
+        out: list[Sample | None] = []
+        for sample in samples:
+            if isinstance(sample, ShardError):
+                if not self.skip_bad_records:
+                    raise sample
+                out.append(None)
+            else:
+                out.append(sample)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PadAndStack(grain.transforms.Map):
+    """Samples -> the batch dict, each sample cut to `seq_len` and padded after its n tokens (pad_id, mask 0,
+    features 0), written straight into the batch arrays (one copy of the features). A bad record (None)
+    becomes a whole padding row and is counted under `bad_records` (popped by `OfflineBatches`)."""
+
+    seq_len: int
+    pad_id: int
+    feature_dim: int
+
+    def map(self, samples: list[Sample | None]) -> dict[str, np.ndarray]:
+        b = len(samples)
+        tokens_BxS = np.full((b, self.seq_len), self.pad_id, np.int32)
+        loss_mask_BxS = np.zeros((b, self.seq_len), np.float32)
+        features_BxSxFD = np.zeros((b, self.seq_len, self.feature_dim), BF16)
+        for i, sample in enumerate(samples):
+            if sample is None:
+                continue
+            n = min(len(sample.tokens), self.seq_len)
+            tokens_BxS[i, :n] = sample.tokens[:n]
+            loss_mask_BxS[i, :n] = sample.loss_mask[:n]
+            features_BxSxFD[i, :n] = sample.features[:n]
+        return {"tokens": tokens_BxS, "loss_mask": loss_mask_BxS, "features": features_BxSxFD,
+                _BAD: np.int64(sum(sample is None for sample in samples))}
+
+
+# ----------------------------------------------------------------------------- the iterator
+
+
+class OfflineBatches:
+    """An endless iterator of offline batches with a JSON state; see the module docstring.
+
+    bad_records: number of records skipped (replaced by padding rows) in the batches returned so far, on
+      this host (hosts read different rows; a checkpoint keeps process 0's count, which is informational).
+    manifest: the capture's manifest (check it against the run with `data.shards.check_manifest`).
+    Close it (or use it as a context manager) to stop prefetch worker processes.
+    """
+
+    def __init__(self, dataset: grain.MapDataset, manifest: Manifest, worker_count: int) -> None:
+        self._dataset = dataset
+        self.manifest = manifest
+        self._worker_count = worker_count
+        self._iter: Any = None
+        self.next_index = 0
+        self.bad_records = 0
+        self._start(0)
+
+    def _start(self, next_index: int) -> None:
+        self.close()
+        dataset = self._dataset[next_index:] if next_index else self._dataset
+        iter_dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        if self._worker_count > 0:
+            _mark_absl_flags_parsed()
+            iter_dataset = iter_dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=self._worker_count))
+        self._iter = iter(iter_dataset)
+        self.next_index = next_index
+
+    def __iter__(self) -> OfflineBatches:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = next(self._iter)
+        self.bad_records += int(batch.pop(_BAD))
+        self.next_index += 1
+        return batch
+
+    def get_state(self) -> dict[str, int]:
+        """`{"next_index": batches returned, "bad_records": records skipped so far}` (JSON)."""
+        return {"next_index": self.next_index, _BAD: self.bad_records}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Resume after `state["next_index"]` batches (restarts prefetch workers)."""
+        next_index = state.get("next_index")
+        if not isinstance(next_index, int) or next_index < 0:
+            raise ValueError(f"state must hold a 'next_index' >= 0; received {state!r}")
+        self._start(next_index)
+        self.bad_records = int(state.get(_BAD, 0))
+
+    def close(self) -> None:
+        if self._iter is not None and hasattr(self._iter, "close"):
+            self._iter.close()
+        self._iter = None
+
+    def __enter__(self) -> OfflineBatches:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def make_offline_batches(
+    shard_dir: str | Path,
+    batch_size: int,
+    seed: int,
+    seq_len: int,
+    *,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    worker_count: int = 0,
+    skip_bad_records: bool = False,
+    pad_id: int | None = None,
+    verify: bool = False,
+) -> OfflineBatches:
+    """An endless iterator of `{"tokens", "loss_mask", "features"}` batches of `batch_size` rows for this host.
+
+    The capture must be complete; shard sizes (and sha256 when `verify`) are checked before the first
+    batch. `pad_id` defaults to the capture's padding id (the manifest's `pad_id`). See the module docstring.
+    """
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be > 0; received {batch_size}")
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be > 0; received {seq_len}")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32) (grain's shuffle seed); received {seed}")
+    if shard_count <= 0 or not 0 <= shard_index < shard_count:
+        raise ValueError(f"shard_index must be in [0, shard_count) with shard_count > 0; "
+                         f"received shard_index={shard_index}, shard_count={shard_count}")
+    if worker_count < 0:
+        raise ValueError(f"worker_count must be >= 0; received {worker_count}")
+    manifest = load_manifest(shard_dir, verify=verify)
+    if pad_id is None:
+        if manifest.pad_id is None:
+            raise ValueError(f"pad_id must be given: the capture in {shard_dir} has no padded row to take it from")
+        pad_id = manifest.pad_id
+    source = RecordSource(shard_dir, manifest)
+    width = manifest.feature_dim
+
+    dataset = grain.MapDataset.range(manifest.num_samples)
+    dataset = dataset.shuffle(seed=seed)
+    dataset = dataset.repeat()
+    dataset = dataset.batch(batch_size * shard_count, drop_remainder=True)
+    dataset = dataset.map(HostRows(shard_index, batch_size))
+    dataset = dataset.map(ReadSamples(source, skip_bad_records))
+    dataset = dataset.map(PadAndStack(seq_len, pad_id, width))
+    return OfflineBatches(dataset, manifest, worker_count)
+
+
+def _mark_absl_flags_parsed() -> None:
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()

@@ -1,0 +1,331 @@
+"""Assistant-only loss masks (DESIGN 4.2) under each supported chat-template family.
+
+For every family the mask must cover exactly the tokens the model writes in an assistant turn: the content
+and the turn's end token (plus, for Qwen3 with thinking on, the empty think block the model writes itself).
+The expectation is computed without the implementation's prefix-rendering: the full chat is checked against
+the family's documented format written out by hand, each assistant turn's written text is located in it as a
+substring, and the expected mask is 1 on the tokens whose character offsets lie inside those substrings.
+
+Families:
+- ChatML (SmolLM2, Qwen2.5): the real SmolLM2 tokenizer and template from the packaged GGUF (it inserts a
+  default system prompt when none is given).
+- Llama 3.1: `<|begin_of_text|><|start_header_id|>system<|end_header_id|>\\n\\n…<|eot_id|>` then
+  `<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>` per turn, with the dated default
+  system block always present.
+- Qwen3: ChatML with `<think>\\n\\n</think>\\n\\n` after the assistant header; with `enable_thinking=False`
+  the generation prompt ends in that empty think block (the template writes it, so it is not trained).
+Llama 3 and Qwen3 tokenizers are built here (no network): a small byte-level BPE trained on the test
+conversations with the family's special tokens, saved as a Hugging Face directory with a template written
+for this test, and loaded with `load_tokenizer_from_hf_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
+
+from data.chat_tokens import tokenize_conversation
+from models.registry import default_gguf_path
+from models.tokenizer import ChatTokenizer, load_tokenizer, load_tokenizer_from_hf_dir
+
+SYSTEM = "You answer in one short sentence."
+USER_1 = "What is the capital of France?"
+ANSWER_1 = "The capital of France is Paris."
+USER_2 = "And of Italy, in 2024?"
+ANSWER_2 = "Rome has been the capital of Italy since 1871."
+
+CONVERSATIONS = {
+    "single": [{"role": "user", "content": USER_1}, {"role": "assistant", "content": ANSWER_1}],
+    "single_system": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": USER_1},
+        {"role": "assistant", "content": ANSWER_1},
+    ],
+    "multi": [
+        {"role": "user", "content": USER_1},
+        {"role": "assistant", "content": ANSWER_1},
+        {"role": "user", "content": USER_2},
+        {"role": "assistant", "content": ANSWER_2},
+    ],
+    "multi_system": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": USER_1},
+        {"role": "assistant", "content": ANSWER_1},
+        {"role": "user", "content": USER_2},
+        {"role": "assistant", "content": ANSWER_2},
+    ],
+}
+
+# --- templates written for these tests, rendering each family's documented format -----------------------
+
+LLAMA3_TEMPLATE = r"""{{- bos_token }}
+{%- if messages and messages[0].role == 'system' %}
+{%- set system_message = messages[0].content | trim %}
+{%- set loop_messages = messages[1:] %}
+{%- else %}
+{%- set system_message = '' %}
+{%- set loop_messages = messages %}
+{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}
+{{- 'Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n' }}
+{{- system_message + '<|eot_id|>' }}
+{%- for message in loop_messages %}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + (message.content | trim) + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}"""
+
+# Every assistant turn carries its think block (empty when the content has none): prefix-stable.
+QWEN3_TEMPLATE = r"""{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' }}
+{%- if '</think>' not in message.content %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{{- message.content + '<|im_end|>\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}"""
+
+# Like Qwen3's published template: only assistant turns after the last user turn keep a think block, so the
+# rendering of an earlier turn changes once the conversation goes on (a history rewrite).
+QWEN3_HISTORY_REWRITE_TEMPLATE = r"""{%- set ns = namespace(last_user=-1) %}
+{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' }}
+{%- if loop.index0 > ns.last_user %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{{- message.content + '<|im_end|>\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}"""
+
+LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+THINK = "<think>\n\n</think>\n\n"
+# The pre-tokenizer split regexes of the families' tokenizer.json (Llama 3: numbers in runs of up to 3 digits;
+# Qwen2/Qwen3: single digits). Newline runs stay one piece, so a prompt ending in "\n\n" tokenizes as a prefix.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+# --- documented formats, written out by hand ----------------------------------------------------------
+
+
+def _chatml(turns: Sequence[tuple[str, str]]) -> str:
+    return "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
+
+
+def _smollm2_text(conversation: list[dict[str, str]]) -> str:
+    turns = [(m["role"], m["content"]) for m in conversation]
+    if turns[0][0] != "system":
+        turns.insert(0, ("system", "You are a helpful AI assistant named SmolLM, trained by Hugging Face"))
+    return _chatml(turns)
+
+
+def _llama3_text(conversation: list[dict[str, str]]) -> str:
+    system = conversation[0]["content"] if conversation[0]["role"] == "system" else ""
+    rest = conversation[1:] if conversation[0]["role"] == "system" else conversation
+    text = "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+    text += f"Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n{system}<|eot_id|>"
+    for m in rest:
+        text += f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>"
+    return text
+
+
+def _qwen3_text(conversation: list[dict[str, str]]) -> str:
+    return _chatml(
+        [(m["role"], THINK + m["content"] if m["role"] == "assistant" else m["content"]) for m in conversation]
+    )
+
+
+# --- tokenizers --------------------------------------------------------------------------------------------
+
+
+def _hf_dir(
+    root: Path,
+    split: str,
+    special: list[str],
+    added: list[str],
+    template: str,
+    bos: str | None,
+    eos: str,
+    corpus: list[str],
+) -> Path:
+    """A Hugging Face tokenizer directory: byte-level BPE trained on `corpus`, `special` tokens first."""
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in special],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer)
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    root.mkdir(parents=True)
+    backend.save(str(root / "tokenizer.json"))
+    config = {"bos_token": bos, "eos_token": eos, "chat_template": template}
+    (root / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return root
+
+
+def _corpus() -> list[str]:
+    texts = [m["content"] for conversation in CONVERSATIONS.values() for m in conversation]
+    return texts * 4 + ["system user assistant Cutting Knowledge Date December Today", "\n\n" * 8]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> ChatTokenizer:
+    return load_tokenizer(default_gguf_path())
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    root = tmp_path_factory.mktemp("llama3") / "tok"
+    return load_tokenizer_from_hf_dir(
+        _hf_dir(root, LLAMA3_SPLIT, LLAMA3_SPECIAL, [], LLAMA3_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>", _corpus())
+    )
+
+
+def _qwen3(tmp_path_factory: pytest.TempPathFactory, template: str) -> ChatTokenizer:
+    root = tmp_path_factory.mktemp("qwen3") / "tok"
+    added = ["<think>", "</think>"]  # plain added tokens in Qwen3, not special ones
+    return load_tokenizer_from_hf_dir(
+        _hf_dir(root, QWEN2_SPLIT, QWEN3_SPECIAL, added, template, None, "<|im_end|>", _corpus())
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    return _qwen3(tmp_path_factory, QWEN3_TEMPLATE)
+
+
+# --- the independent expectation -----------------------------------------------------------------------
+
+
+def _expected_mask(tok: ChatTokenizer, text: str, written: Sequence[str]) -> np.ndarray:
+    """1 on the tokens of `text` lying inside one of the `written` substrings (each occurs exactly once)."""
+    encoding = tok.backend.encode(text, add_special_tokens=False)
+    mask = np.zeros(len(encoding.ids), np.float32)
+    for piece in written:
+        assert text.count(piece) == 1, f"{piece!r} must occur once in the rendered chat"
+        low = text.index(piece)
+        high = low + len(piece)
+        for position, (start, end) in enumerate(encoding.offsets):
+            inside = low <= start and end <= high
+            assert inside or end <= low or start >= high, f"token {position} straddles the edge of {piece!r}"
+            mask[position] = max(mask[position], float(inside))
+    return mask
+
+
+def _check(
+    tok: ChatTokenizer, conversation: list[dict[str, str]], text: str, written: Sequence[str], **template_kwargs
+) -> None:
+    assert tok.apply_chat_template(conversation, add_generation_prompt=False, **template_kwargs) == text
+    ids, mask = tokenize_conversation(tok, conversation, max_len=4096, **template_kwargs)
+    assert ids.tolist() == tok.encode(text)
+    expected = _expected_mask(tok, text, written)
+    assert expected.sum() > 0
+    np.testing.assert_array_equal(mask, expected)
+    # The last masked token of every assistant turn is a stop token, and the mask never covers a header.
+    assert ids[np.flatnonzero(np.diff(np.concatenate([mask, [0.0]])) < 0)].tolist() == [tok.stop_token_ids[0]] * len(
+        written
+    )
+
+
+def _answers(conversation: list[dict[str, str]]) -> list[str]:
+    return [m["content"] for m in conversation if m["role"] == "assistant"]
+
+
+# --- one test per family ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(CONVERSATIONS))
+def test_chatml_smollm2(smollm2: ChatTokenizer, case: str) -> None:
+    conversation = CONVERSATIONS[case]
+    assert smollm2.stop_token_ids[0] == smollm2.encode("<|im_end|>")[0]
+    written = [f"{answer}<|im_end|>" for answer in _answers(conversation)]
+    _check(smollm2, conversation, _smollm2_text(conversation), written)
+
+
+@pytest.mark.parametrize("case", sorted(CONVERSATIONS))
+def test_llama3(llama3: ChatTokenizer, case: str) -> None:
+    conversation = CONVERSATIONS[case]
+    assert llama3.stop_token_ids[0] == llama3.encode("<|eot_id|>")[0]
+    assert llama3.apply_chat_template(conversation[:-1]).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    written = [f"{answer}<|eot_id|>" for answer in _answers(conversation)]
+    _check(llama3, conversation, _llama3_text(conversation), written)
+
+
+@pytest.mark.parametrize("case", sorted(CONVERSATIONS))
+def test_qwen3_thinking_off(qwen3: ChatTokenizer, case: str) -> None:
+    """enable_thinking=False: the generation prompt ends in the empty think block, so only content + <|im_end|>
+    is written by the model and masked."""
+    conversation = CONVERSATIONS[case]
+    prompt = qwen3.apply_chat_template(conversation[:-1], enable_thinking=False)
+    assert prompt.endswith("<|im_start|>assistant\n" + THINK)
+    written = [f"{answer}<|im_end|>" for answer in _answers(conversation)]
+    _check(qwen3, conversation, _qwen3_text(conversation), written, enable_thinking=False)
+
+
+@pytest.mark.parametrize("case", sorted(CONVERSATIONS))
+def test_qwen3_thinking_on(qwen3: ChatTokenizer, case: str) -> None:
+    """Thinking on (the default): the prompt ends at the assistant header and the model writes the (here empty)
+    think block itself, so its tokens are in the mask; the flag reaches every rendering."""
+    conversation = CONVERSATIONS[case]
+    assert qwen3.apply_chat_template(conversation[:-1]).endswith("<|im_start|>assistant\n")
+    written = [f"{THINK}{answer}<|im_end|>" for answer in _answers(conversation)]
+    _check(qwen3, conversation, _qwen3_text(conversation), written)
+    _check(qwen3, conversation, _qwen3_text(conversation), written, enable_thinking=True)
+    _, mask_off = tokenize_conversation(qwen3, conversation, 4096, enable_thinking=False)
+    _, mask_on = tokenize_conversation(qwen3, conversation, 4096)
+    think_tokens = len(qwen3.encode(THINK))
+    assert mask_on.sum() - mask_off.sum() == think_tokens * len(written)
+
+
+def test_qwen3_history_rewrite_is_refused(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A template that drops the think blocks of earlier turns (as Qwen3's published one does) renders an
+    earlier turn differently once the conversation goes on: single turns work, multi-turn is refused."""
+    tok = _qwen3(tmp_path_factory, QWEN3_HISTORY_REWRITE_TEMPLATE)
+    conversation = CONVERSATIONS["single"]
+    _check(tok, conversation, _qwen3_text(conversation), [f"{ANSWER_1}<|im_end|>"], enable_thinking=False)
+    for kwargs in ({"enable_thinking": False}, {}):
+        with pytest.raises(ValueError, match="prefix"):
+            tokenize_conversation(tok, CONVERSATIONS["multi"], 4096, **kwargs)
+
+
+def test_truncation_keeps_the_mask_aligned(llama3: ChatTokenizer) -> None:
+    conversation = CONVERSATIONS["multi_system"]
+    ids, mask = tokenize_conversation(llama3, conversation, 4096)
+    cut_ids, cut_mask = tokenize_conversation(llama3, conversation, len(ids) - 5)
+    np.testing.assert_array_equal(cut_ids, ids[:-5])
+    np.testing.assert_array_equal(cut_mask, mask[:-5])

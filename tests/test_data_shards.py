@@ -1,0 +1,419 @@
+"""Offline features: record format, atomic resumable capture, manifest checks, and the Grain shard loader.
+
+A tiny random Qwen3 target (tests/golden/tiny/qwen3_untied, 4 layers, hidden 64) captures layers (1, 3)
+of random token rows; the loader must give back exactly what the online pipeline and `online_features`
+give for the same rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+import data.capture as capture_module
+from data.capture import capture, examples_hash
+from data.offline import make_offline_batches
+from data.online import make_batches
+from data.shards import (
+    BF16,
+    HEADER_SIZE,
+    MANIFEST_NAME,
+    READER_OPTIONS,
+    ManifestMismatchError,
+    Provenance,
+    ShardError,
+    chat_template_hash,
+    check_manifest,
+    decode_record,
+    encode_record,
+    file_sha256,
+    iter_shard,
+    load_manifest,
+    record_size,
+)
+from models.loading import load_hf_dir, weights_fingerprint
+from train.step import online_features
+
+LAYER_IDS = (1, 3)
+SEQ_LEN = 32
+NUM_SAMPLES = 24
+PER_SHARD = 6  # 4 shards
+CAPTURE_BATCH = 4  # shards of 6 = a full batch and a padded one
+PAD_ID = 2
+B = 4  # loader batch: 6 batches per epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    cfg: object
+    params: dict
+    provenance: Provenance
+    examples: list
+    capture_dir: Path
+    report: object
+
+
+def _examples(seed: int = 0, count: int = NUM_SAMPLES) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """Random padded rows: n in [6, S], assistant-like mask (zeros then ones), distinct first tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        n = int(rng.integers(6, SEQ_LEN + 1))
+        tokens = np.full(SEQ_LEN, PAD_ID, np.int32)
+        tokens[:n] = rng.integers(3, 256, n)
+        tokens[0] = 3 + i  # rows are told apart by their first token
+        mask = np.zeros(SEQ_LEN, np.float32)
+        mask[int(rng.integers(1, n)) : n] = 1.0
+        out.append((tokens, mask, n))
+    return out
+
+
+def _capture(setup_or_cfg, params, provenance, examples, out_dir, **kwargs):
+    defaults = dict(seq_len=SEQ_LEN, batch_size=CAPTURE_BATCH, samples_per_shard=PER_SHARD, progress=False)
+    return capture(params, setup_or_cfg, provenance, examples, kwargs.pop("layer_ids", LAYER_IDS), out_dir,
+                   **(defaults | kwargs))
+
+
+@pytest.fixture(scope="module")
+def setup(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    target_dir = golden_dir / "tiny" / "qwen3_untied"
+    cfg, params = load_hf_dir(target_dir)
+    params = jax.tree.map(jax.numpy.asarray, params)
+    provenance = Provenance(target_name="tiny-qwen3", target_fingerprint=weights_fingerprint(target_dir),
+                            tokenizer_fingerprint="t" * 64, chat_template_hash=chat_template_hash("{{ x }}"))
+    examples = _examples()
+    out = tmp_path_factory.mktemp("capture")
+    report = _capture(cfg, params, provenance, examples, out)
+    return Setup(cfg, params, provenance, examples, out, report)
+
+
+def _copy(setup: Setup, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(setup.capture_dir, target)
+    return target
+
+
+_online_features = jax.jit(online_features, static_argnums=(1, 3))
+
+
+def _online_bf16(setup: Setup, tokens_BxS: np.ndarray) -> np.ndarray:
+    """The trainer's features of these rows (fp32), cast to bf16 on the host."""
+    return np.asarray(_online_features(setup.params, setup.cfg, tokens_BxS, LAYER_IDS)).astype(BF16)
+
+
+# ----------------------------------------------------------------------------- record format
+
+
+def test_record_encode_decode_and_validation() -> None:
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((5, 8)).astype(BF16)
+    record = encode_record(7, np.arange(5), np.array([0, 1, 1, 0, 1]), feats)
+    assert len(record) == record_size(5, 8) == HEADER_SIZE + 5 * (2 * 8 + 5)
+    sample = decode_record(record, feature_dim=8, sample_index=7)
+    np.testing.assert_array_equal(sample.tokens, np.arange(5))
+    np.testing.assert_array_equal(sample.loss_mask, [0, 1, 1, 0, 1])
+    assert sample.features.dtype == BF16 and np.array_equal(sample.features.view(np.uint16), feats.view(np.uint16))
+
+    with pytest.raises(ShardError, match=r"f\.ar: record 3: length must be"):
+        decode_record(record[:-1], feature_dim=8, where="f.ar: record 3")
+    with pytest.raises(ShardError, match="feature width must be 16"):
+        decode_record(record, feature_dim=16)
+    with pytest.raises(ShardError, match="must hold sample 8; received sample 7"):
+        decode_record(record, feature_dim=8, sample_index=8)
+    with pytest.raises(ShardError, match="must start with"):
+        decode_record(b"XXXX" + record[4:], feature_dim=8)
+    with pytest.raises(ValueError, match="features must be bfloat16"):
+        encode_record(0, np.arange(5), np.ones(5), feats.astype(np.float32))
+
+
+# ----------------------------------------------------------------------------- capture
+
+
+def test_round_trip_equals_online_features(setup: Setup) -> None:
+    manifest = load_manifest(setup.capture_dir)
+    stored = [s for shard in range(manifest.num_shards) for s in iter_shard(setup.capture_dir, manifest, shard)]
+    assert len(stored) == NUM_SAMPLES
+    # Online features of all rows in one batch of 24 (capture ran batches of 4): per-row results do not
+    # depend on the batch, so the bf16 features are bit-equal.
+    online = _online_bf16(setup, np.stack([t for t, _, _ in setup.examples]))
+    for (tokens, mask, n), sample, expected in zip(setup.examples, stored, online, strict=True):
+        np.testing.assert_array_equal(sample.tokens, tokens[:n])
+        np.testing.assert_array_equal(sample.loss_mask, mask[:n].astype(np.uint8))
+        assert sample.features.shape == (n, len(LAYER_IDS) * 64)
+        np.testing.assert_array_equal(sample.features.view(np.uint16), expected[:n].view(np.uint16))
+
+
+def test_manifest_fields(setup: Setup) -> None:
+    manifest = load_manifest(setup.capture_dir, verify=True)
+    raw = json.loads((setup.capture_dir / MANIFEST_NAME).read_text())
+    assert raw["complete"] is True and raw["format_version"] == 1
+    assert manifest.target_fingerprint == setup.provenance.target_fingerprint
+    assert manifest.tokenizer_fingerprint == "t" * 64
+    assert manifest.chat_template_hash == chat_template_hash("{{ x }}")
+    assert manifest.layer_ids == LAYER_IDS and raw["layer_ids"] == list(LAYER_IDS)
+    assert (manifest.hidden_size, manifest.feature_dim, manifest.feature_dtype) == (64, 128, "bfloat16")
+    assert (manifest.seq_len, manifest.pad_id, manifest.num_samples, manifest.num_shards) == (SEQ_LEN, PAD_ID, 24, 4)
+    assert manifest.examples_hash == examples_hash(setup.examples)
+    tokens = sum(n for _, _, n in setup.examples)
+    assert manifest.total_tokens == tokens
+    assert [e.file for e in manifest.shards] == [f"shard-{i:05d}.array_record" for i in range(4)]
+    assert [e.samples for e in manifest.shards] == [6, 6, 6, 6]
+    for entry in manifest.shards:
+        path = setup.capture_dir / entry.file
+        assert entry.bytes == path.stat().st_size and entry.sha256 == file_sha256(path)
+    total_bytes = sum(e.bytes for e in manifest.shards)
+    assert manifest.bytes_per_token == pytest.approx(total_bytes / tokens)
+    assert set(manifest.created) == {"time", "host", "versions"}
+    report = setup.report
+    assert report.shards_written == 4 and report.shards_kept == 0 and report.tokens == tokens
+    assert report.tokens_per_s > 0 and report.bytes_per_token == manifest.bytes_per_token
+    # The record payload is 2*F*D + 5 bytes per token plus a 32-byte header per sample; the rest is Riegeli's
+    # per-file block padding (tens of KiB, dominant at this toy size).
+    payload = sum(record_size(n, 128) for _, _, n in setup.examples)
+    print(f"\nbytes/token: {manifest.bytes_per_token:.1f} on disk, {payload / tokens:.1f} payload "
+          f"(2*F*D + 5 = {2 * 128 + 5}); capture {report.tokens_per_s:.0f} tokens/s")
+    assert 2 * 128 + 5 < payload / tokens < 2 * 128 + 5 + HEADER_SIZE / 6 + 1
+    assert not list(setup.capture_dir.glob("*.tmp"))
+
+
+def test_resume_after_crash_matches_uninterrupted(setup: Setup, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "resumed"
+    real_write = capture_module._write_batch
+
+    class Crash(Exception):
+        pass
+
+    def crashing_write(shard_out, *args):
+        if shard_out.index == 2:
+            raise Crash
+        return real_write(shard_out, *args)
+
+    monkeypatch.setattr(capture_module, "_write_batch", crashing_write)
+    with pytest.raises(Crash):
+        _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
+    monkeypatch.setattr(capture_module, "_write_batch", real_write)
+    partial = json.loads((out / MANIFEST_NAME).read_text())
+    assert partial["complete"] is False and [e["file"] for e in partial["shards"]] == [
+        "shard-00000.array_record", "shard-00001.array_record"]
+    with pytest.raises(ShardError, match="capture must be complete; received 2 of 4 shards"):
+        load_manifest(out)
+    # What a kill leaves behind: a half-written shard under its tmp name; and a shard renamed just before
+    # the crash whose manifest update never happened (unlisted: rewritten).
+    (out / "shard-00002.array_record.tmp").write_bytes(b"half a shard")
+    (out / "shard-00003.array_record").write_bytes(b"unlisted")
+
+    report = _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
+    assert (report.shards_kept, report.shards_written) == (2, 2)
+    assert not list(out.glob("*.tmp"))
+    uninterrupted = load_manifest(setup.capture_dir)
+    resumed = load_manifest(out, verify=True)
+    assert dataclasses.replace(resumed, created={}) == dataclasses.replace(uninterrupted, created={})
+    for entry in uninterrupted.shards:
+        assert (out / entry.file).read_bytes() == (setup.capture_dir / entry.file).read_bytes()
+
+    again = _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
+    assert (again.shards_kept, again.shards_written, again.tokens) == (4, 0, 0)
+
+
+def test_rerun_with_other_settings_names_every_mismatch(setup: Setup, tmp_path: Path) -> None:
+    out = _copy(setup, tmp_path)
+    other = _examples(seed=1)
+    with pytest.raises(ManifestMismatchError) as info:
+        _capture(setup.cfg, setup.params, setup.provenance, other, out, layer_ids=(2,))
+    message = str(info.value)
+    for field in ("layer_ids", "feature_dim", "examples_hash"):
+        assert field in message
+    assert "manifest (1, 3), run (2,)" in message and "manifest 128, run 64" in message
+    assert "target_fingerprint" not in message
+    (out / "notes.txt").write_text("x")
+    with pytest.raises(ShardError, match=r"must hold only manifest.json and shard files; received \['notes.txt'\]"):
+        _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
+
+
+def test_check_manifest_names_every_differing_field(setup: Setup) -> None:
+    manifest = load_manifest(setup.capture_dir)
+    check_manifest(manifest, target_fingerprint=setup.provenance.target_fingerprint, layer_ids=LAYER_IDS,
+                   hidden_size=64, seq_len=SEQ_LEN)
+    with pytest.raises(ManifestMismatchError) as info:
+        check_manifest(manifest, target_fingerprint="abc", tokenizer_fingerprint="def",
+                       chat_template_hash=chat_template_hash("other"), layer_ids=[0, 1], hidden_size=32,
+                       seq_len=64)
+    message = str(info.value)
+    assert "6 field(s) differ" in message
+    for expected in (f"target_fingerprint: manifest '{setup.provenance.target_fingerprint}', run 'abc'",
+                     "tokenizer_fingerprint: manifest '" + "t" * 64 + "', run 'def'", "chat_template_hash:",
+                     "layer_ids: manifest (1, 3), run (0, 1)", "hidden_size: manifest 64, run 32",
+                     "seq_len: manifest 32, run 64"):
+        assert expected in message
+
+
+def test_load_manifest_errors(setup: Setup, tmp_path: Path) -> None:
+    with pytest.raises(ShardError, match="capture directory must exist"):
+        load_manifest(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ShardError, match="manifest.json: must exist"):
+        load_manifest(tmp_path / "empty")
+    out = _copy(setup, tmp_path)
+    (out / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(ShardError, match="must be valid JSON"):
+        load_manifest(out)
+    out2 = tmp_path / "missing"
+    shutil.copytree(setup.capture_dir, out2)
+    (out2 / "shard-00003.array_record").unlink()
+    with pytest.raises(ShardError, match=r"shard-00003\.array_record: shard listed in the manifest must exist"):
+        load_manifest(out2)
+
+
+def test_truncated_shard_is_named_before_iteration(setup: Setup, tmp_path: Path) -> None:
+    out = _copy(setup, tmp_path)
+    shard = out / "shard-00001.array_record"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ShardError, match=r"shard-00001\.array_record: shard must be \d+ bytes .*truncated"):
+        make_offline_batches(out, B, seed=0, seq_len=SEQ_LEN)
+
+
+def test_flipped_bytes_are_named_with_verify(setup: Setup, tmp_path: Path) -> None:
+    out = _copy(setup, tmp_path)
+    shard = out / "shard-00002.array_record"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    load_manifest(out)  # sizes match: only the checksum can tell
+    with pytest.raises(ShardError, match=r"shard-00002\.array_record: shard sha256 must be .*corrupt shard"):
+        load_manifest(out, verify=True)
+    with pytest.raises(ShardError, match=r"shard-00002\.array_record: shard sha256"):
+        make_offline_batches(out, B, seed=0, seq_len=SEQ_LEN, verify=True)
+
+
+# ----------------------------------------------------------------------------- the loader
+
+
+def _real_positions(setup: Setup, tokens_BxS: np.ndarray) -> np.ndarray:
+    """[B, S] bool: the real (non-padding) tokens of each row, identified by its first token."""
+    n_of = {int(t[0]): n for t, _, n in setup.examples}
+    return np.arange(SEQ_LEN)[None, :] < np.array([n_of[int(row[0])] for row in tokens_BxS])[:, None]
+
+
+@pytest.mark.parametrize("shard_count", [1, 2])
+def test_offline_batches_equal_online_batches(setup: Setup, shard_count: int) -> None:
+    online_examples = [(t, m) for t, m, _ in setup.examples]
+    for host in range(shard_count):
+        online = make_batches(online_examples, B, seed=5, shard_index=host, shard_count=shard_count)
+        offline = make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN, shard_index=host,
+                                       shard_count=shard_count)
+        for _ in range(8):  # past the end of the first epoch (6 or 3 global batches)
+            expected, batch = next(online), next(offline)
+            assert set(batch) == {"tokens", "loss_mask", "features"}
+            assert batch["tokens"].dtype == np.int32 and batch["loss_mask"].dtype == np.float32
+            assert batch["features"].dtype == BF16 and batch["features"].shape == (B, SEQ_LEN, 128)
+            np.testing.assert_array_equal(batch["tokens"], expected["tokens"])
+            np.testing.assert_array_equal(batch["loss_mask"], expected["loss_mask"])
+            # The trainer's online features of this very batch, cast to bf16: bit-equal on real positions
+            # (same jitted function, rows independent of their batch); zero on padding, which no loss reads.
+            real = _real_positions(setup, batch["tokens"])
+            online_feats = _online_bf16(setup, batch["tokens"])
+            np.testing.assert_array_equal(batch["features"][real].view(np.uint16),
+                                          online_feats[real].view(np.uint16))
+            assert not batch["features"][~real].astype(np.float32).any()
+        assert offline.bad_records == 0
+
+
+def test_shorter_seq_len_cuts_rows(setup: Setup) -> None:
+    batch = next(make_offline_batches(setup.capture_dir, B, seed=5, seq_len=16))
+    full = next(make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN))
+    assert batch["features"].shape == (B, 16, 128)
+    np.testing.assert_array_equal(batch["tokens"], full["tokens"][:, :16])
+    np.testing.assert_array_equal(batch["features"].view(np.uint16), full["features"][:, :16].view(np.uint16))
+
+
+def _corrupt_record(setup: Setup, tmp_path: Path, shard: int, record: int) -> Path:
+    """A copy of the capture whose `shard` has `record` replaced by an undecodable one (the manifest is
+    updated to the new file, so only reading the record can tell)."""
+    out = _copy(setup, tmp_path)
+    path = out / f"shard-{shard:05d}.array_record"
+    reader = ArrayRecordReader(str(path), READER_OPTIONS)
+    records = reader.read_all()
+    reader.close()
+    records[record] = records[record][: HEADER_SIZE + 10]
+    writer = ArrayRecordWriter(str(path), "group_size:1,uncompressed")
+    for raw in records:
+        writer.write(raw)
+    writer.close()
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest["shards"][shard].update(bytes=path.stat().st_size, sha256=file_sha256(path))
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return out
+
+
+def test_bad_record_mid_epoch_is_named_or_skipped_and_counted(setup: Setup, tmp_path: Path) -> None:
+    out = _corrupt_record(setup, tmp_path, shard=1, record=2)  # global sample 8
+    load_manifest(out, verify=True)
+    batches = make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN)
+    with pytest.raises(ShardError, match=r"shard-00001\.array_record: record 2: length must be"):
+        for _ in range(6):
+            next(batches)
+
+    skipping = make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN, skip_bad_records=True)
+    clean = make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN)
+    bad_first_token = int(setup.examples[8][0][0])
+    replaced = 0
+    for _ in range(12):  # two epochs: sample 8 is read twice
+        batch, good = next(skipping), next(clean)
+        for row in range(B):
+            if good["tokens"][row, 0] == bad_first_token:
+                replaced += 1
+                assert (batch["tokens"][row] == PAD_ID).all() and not batch["loss_mask"][row].any()
+                assert not batch["features"][row].astype(np.float32).any()
+            else:
+                np.testing.assert_array_equal(batch["tokens"][row], good["tokens"][row])
+                np.testing.assert_array_equal(batch["features"][row].view(np.uint16),
+                                              good["features"][row].view(np.uint16))
+    assert replaced == 2 and skipping.bad_records == 2
+    assert skipping.get_state() == {"next_index": 12, "bad_records": 2}
+
+
+def test_corrupt_riegeli_chunk_is_named(setup: Setup, tmp_path: Path) -> None:
+    """A flipped byte inside a stored record fails Riegeli's chunk hash: the read error names the record."""
+    out = _copy(setup, tmp_path)
+    path = out / "shard-00000.array_record"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 4] ^= 0x01
+    path.write_bytes(bytes(data))
+    batches = make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN)
+    with pytest.raises(ShardError, match=r"shard-00000\.array_record: record \d+"):
+        for _ in range(6):
+            next(batches)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_round_trip_resumes_exact_batches(setup: Setup, workers: int) -> None:
+    def run(iterator, count):
+        return [next(iterator) for _ in range(count)]
+
+    with make_offline_batches(setup.capture_dir, B, seed=9, seq_len=SEQ_LEN, worker_count=workers) as original:
+        run(original, 4)
+        state = json.loads(json.dumps(original.get_state()))
+        assert state == {"next_index": 4, "bad_records": 0}
+        expected = run(original, 4)
+    reference = make_offline_batches(setup.capture_dir, B, seed=9, seq_len=SEQ_LEN)
+    assert all(_equal(a, b) for a, b in zip(run(reference, 8)[4:], expected, strict=True))
+    with make_offline_batches(setup.capture_dir, B, seed=9, seq_len=SEQ_LEN, worker_count=workers) as resumed:
+        resumed.set_state(state)
+        assert all(_equal(a, b) for a, b in zip(run(resumed, 4), expected, strict=True))
+        assert resumed.get_state() == {"next_index": 8, "bad_records": 0}
+    # The state does not depend on the worker count: restore it into the other setting.
+    with make_offline_batches(setup.capture_dir, B, seed=9, seq_len=SEQ_LEN, worker_count=2 - workers) as other:
+        other.set_state(state)
+        assert all(_equal(a, b) for a, b in zip(run(other, 4), expected, strict=True))
+
+
+def _equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)

