@@ -153,8 +153,8 @@ def split_turns(messages: Any, system_prompt: str | None = None, max_turns: int 
 
     Assistant turns are dropped; each one (and the end of the conversation) closes a segment when the
     segment holds a user turn; system turns are kept where they are. A conversation with no assistant
-    turn at all (prompt sets such as MT-Bench: [user, user]) gets a reply after every user turn. Raises ItemError("invalid") on an
-    unknown role, non-string content, an empty user turn, or no user turn at all.
+    turn at all (prompt sets such as MT-Bench: [user, user]) gets a reply after every user turn. Raises
+    ItemError("invalid") on an unknown role, non-string content, an empty user turn, or no user turn.
     """
     if not isinstance(messages, Sequence) or isinstance(messages, str):
         raise ItemError("invalid", f"messages must be a list of {{role, content}}; received {type(messages).__name__}")
