@@ -251,8 +251,8 @@ def main() -> None:
         raise SystemExit(f"--batch-size must be at most the {len(examples)} GSM8K examples that fit; "
                          f"received {args.batch_size}")
     rows_np = examples[:args.batch_size]
-    batch = shard_batch({"tokens": np.stack([t for t, _ in rows_np]),
-                         "loss_mask": np.stack([m for _, m in rows_np])}, mesh)
+    batch = shard_batch({"tokens": np.stack([t for t, _, _ in rows_np]),
+                         "loss_mask": np.stack([m for _, m, _ in rows_np])}, mesh)
 
     arch = resolve_drafter(recipe.drafter, target.cfg, default_mask_token_id(target.tokenizer, target.cfg))
     features = jax.jit(lambda p, t: online_features(p, target.cfg, t, arch.layer_ids))

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from configs.schema import ConfigError, apply_overrides, build, to_dict
+from data.config import DataConfig
 from models.config import TargetConfig
 from models.drafter import DrafterConfig
 from serve.sampling import SamplingConfig
@@ -28,6 +29,7 @@ class Recipe:
     target: TargetConfig = dataclasses.field(default_factory=TargetConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
 

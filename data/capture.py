@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from data.chat_tokens import pad_batch_example, tokenize_conversation
+from data.chat_tokens import tokenize_rows
 from data.shards import (
     FEATURE_DTYPE,
     MANIFEST_VERSION,
@@ -79,24 +79,8 @@ def capture_examples(
     *,
     pad_id: int | None = None,
 ) -> tuple[list[CaptureExample], int]:
-    """(examples, num_skipped) exactly as `data.online.tokenize_examples` builds them, keeping each n.
-
-    Same truncation, padding, default pad id (first stop token) and skipping of conversations whose mask
-    is all zero, so `[(t, m) for t, m, _ in examples]` are the online pipeline's examples.
-    """
-    if pad_id is None:
-        if not tok.stop_token_ids:
-            raise ValueError("pad_id must be given for a tokenizer without stop tokens; received None")
-        pad_id = tok.stop_token_ids[0]
-    examples: list[CaptureExample] = []
-    num_skipped = 0
-    for messages in conversations:
-        ids, mask = tokenize_conversation(tok, messages, seq_len)
-        if not mask.any():
-            num_skipped += 1
-            continue
-        examples.append(pad_batch_example(ids, mask, seq_len, pad_id))
-    return examples, num_skipped
+    """(examples, num_skipped): `data.chat_tokens.tokenize_rows`, the rows online mode trains on, with n."""
+    return tokenize_rows(tok, conversations, seq_len, pad_id=pad_id)
 
 
 def examples_hash(examples: Sequence[CaptureExample]) -> str:

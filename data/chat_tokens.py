@@ -22,7 +22,7 @@ its ids; templates that rewrite earlier turns (e.g. strip past reasoning) raise 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,36 @@ def tokenize_conversation(
         previous_end = end
     ids_n = np.asarray(ids[:max_len], np.int32)
     return ids_n, mask[:max_len]
+
+
+def tokenize_rows(
+    tok: ChatTokenizer,
+    conversations: Iterable[Sequence[Mapping[str, Any]]],
+    seq_len: int,
+    *,
+    pad_id: int | None = None,
+) -> tuple[list[tuple[np.ndarray, np.ndarray, int]], int]:
+    """(rows, num_skipped): each conversation tokenized, truncated to `seq_len` and padded to it, as
+    (tokens int32[S], loss_mask float32[S], n real tokens). The one tokenisation of training rows: online
+    batches (`data.online`) and offline capture (`data.capture`) both use it.
+
+    A conversation whose loss mask is all zero after truncation (no assistant token left) is skipped and
+    counted in `num_skipped`. `pad_id` defaults to the first stop token (ChatML `<|im_end|>`); padding has
+    loss mask 0, so its id only matters to what the target sees after the text.
+    """
+    if pad_id is None:
+        if not tok.stop_token_ids:
+            raise ValueError("pad_id must be given for a tokenizer without stop tokens; received None")
+        pad_id = tok.stop_token_ids[0]
+    rows: list[tuple[np.ndarray, np.ndarray, int]] = []
+    num_skipped = 0
+    for messages in conversations:
+        ids, mask = tokenize_conversation(tok, messages, seq_len)
+        if not mask.any():
+            num_skipped += 1
+            continue
+        rows.append(pad_batch_example(ids, mask, seq_len, pad_id))
+    return rows, num_skipped
 
 
 def pad_batch_example(

@@ -37,7 +37,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from data.chat_tokens import pad_batch_example, tokenize_conversation
+from data.chat_tokens import tokenize_rows
 from models.tokenizer import ChatTokenizer
 
 # (tokens int32[S], loss_mask float32[S]) per example, all with the same S.
@@ -51,26 +51,10 @@ def tokenize_examples(
     *,
     pad_id: int | None = None,
 ) -> tuple[TokenizedExamples, int]:
-    """(examples, num_skipped): each conversation tokenized, truncated to `seq_len` and padded to it.
-
-    A conversation whose loss mask is all zero after truncation (no assistant token left) is skipped and
-    counted in `num_skipped`. `pad_id` defaults to the first stop token (ChatML `<|im_end|>`); padding has
-    loss mask 0, so its id only matters to what the target sees after the text.
-    """
-    if pad_id is None:
-        if not tok.stop_token_ids:
-            raise ValueError("pad_id must be given for a tokenizer without stop tokens; received None")
-        pad_id = tok.stop_token_ids[0]
-    examples: TokenizedExamples = []
-    num_skipped = 0
-    for messages in conversations:
-        ids, mask = tokenize_conversation(tok, messages, seq_len)
-        if not mask.any():
-            num_skipped += 1
-            continue
-        tokens_S, loss_mask_S, _ = pad_batch_example(ids, mask, seq_len, pad_id)
-        examples.append((tokens_S, loss_mask_S))
-    return examples, num_skipped
+    """(examples, num_skipped): `data.chat_tokens.tokenize_rows` without the lengths (truncated to
+    `seq_len`, padded with `pad_id` (default: the first stop token), all-zero-mask conversations skipped)."""
+    rows, num_skipped = tokenize_rows(tok, conversations, seq_len, pad_id=pad_id)
+    return [(tokens, mask) for tokens, mask, _ in rows], num_skipped
 
 
 def steps_per_epoch(num_examples: int, batch_size: int, shard_count: int = 1) -> int:

@@ -89,13 +89,13 @@ class RegenConfig:
     drop_truncated: bool = False
 
     def __post_init__(self) -> None:
-        require(self.max_new_tokens >= 1, "regen.max_new_tokens", self.max_new_tokens, "be >= 1")
-        require(self.max_prompt_tokens >= 0, "regen.max_prompt_tokens", self.max_prompt_tokens,
+        require(self.max_new_tokens >= 1, "data.regen.max_new_tokens", self.max_new_tokens, "be >= 1")
+        require(self.max_prompt_tokens >= 0, "data.regen.max_prompt_tokens", self.max_prompt_tokens,
                 "be >= 0 (0: limited by the context only)")
-        require(self.max_len >= 16, "regen.max_len", self.max_len, "be at least 16")
-        require(self.slots >= 1, "regen.slots", self.slots, "be >= 1")
-        require(self.max_turns >= 0, "regen.max_turns", self.max_turns, "be >= 0 (0: every turn)")
-        require(isinstance(self.template_kwargs, Mapping), "regen.template_kwargs", self.template_kwargs,
+        require(self.max_len >= 16, "data.regen.max_len", self.max_len, "be at least 16")
+        require(self.slots >= 1, "data.regen.slots", self.slots, "be >= 1")
+        require(self.max_turns >= 0, "data.regen.max_turns", self.max_turns, "be >= 0 (0: every turn)")
+        require(isinstance(self.template_kwargs, Mapping), "data.regen.template_kwargs", self.template_kwargs,
                 "be a mapping of chat-template variables")
         _ = self.sampling  # SamplingConfig validates temperature, top_p and top_k
 
@@ -215,6 +215,32 @@ def repair_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
             raise ValueError(f"{path}:{number} must be an object with a string 'id'; received {line[:80]!r}")
         records.append(record)
     return records, removed
+
+
+def read_regenerated(path: str | Path, limit: int | None = None) -> list[list[dict[str, str]]]:
+    """The regenerated conversations of `path` (a `regenerate` output), ordered by id, so the training rows
+    do not depend on the order replies finished in (which varies with `slots`); at most `limit` of them.
+    A partial last line (a run still writing, or interrupted) is ignored, not repaired: this only reads."""
+    path = Path(path)
+    data = path.read_bytes()
+    data = data[: data.rfind(b"\n") + 1]
+    records = []
+    for number, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number} must be one JSON object per line; received {line[:80]!r}") from err
+        if not isinstance(record, dict) or not isinstance(record.get("id"), str) or not isinstance(
+                record.get("messages"), list):
+            raise ValueError(f"{path}:{number} must be an object with a string 'id' and a 'messages' list; "
+                             f"received {line[:80]!r}")
+        records.append(record)
+    if not records:
+        raise ValueError(f"{path} must hold at least one regenerated conversation; received none")
+    records.sort(key=lambda r: r["id"])
+    return [r["messages"] for r in records[:limit]]
 
 
 def _append(f, record: Mapping[str, Any]) -> None:
@@ -452,5 +478,6 @@ def make_regen_engine(target: Any, *, slots: int, max_len: int, sampling: Sampli
                   sampling=sampling, page_size=page_size)
 
 
-__all__ = ["ItemError", "RegenConfig", "RegenStats", "make_regen_engine", "regenerate", "repair_jsonl",
+__all__ = ["ItemError", "RegenConfig", "RegenStats", "make_regen_engine", "read_regenerated", "regenerate",
+           "repair_jsonl",
            "request_seed", "split_turns"]

@@ -116,6 +116,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    recipe = _recipe(args)
+    if args.stage == "inspect":
+        from data.stages import inspect_data
+
+        print(inspect_data(recipe, sample=args.sample))
+        return 0
+    _log_devices()
+    progress = not args.no_progress
+    if args.stage == "regenerate":
+        from data.stages import run_regenerate
+
+        _, stats, out = run_regenerate(recipe, progress=progress)  # the mix's table is logged before the run
+        print(f"{stats.summary()}\nwritten to {out}")
+        return 0 if stats.succeeded + stats.skipped > 0 or not (stats.errors + stats.dropped) else 1
+    from data.stages import run_capture
+
+    report = run_capture(recipe, progress=progress)
+    m = report.manifest
+    print(f"captured {report.shards_written} shards ({report.shards_kept} kept from an earlier run) to "
+          f"{recipe.data.shard_dir}: {m.num_samples} samples, {m.total_tokens} tokens, layer_ids {list(m.layer_ids)}; "
+          f"{report.tokens_per_s:.0f} tokens/s this run, {m.bytes_per_token:.0f} bytes/token on disk")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -180,10 +205,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("train", help="distill a DFlash drafter (online target features); resumes from train.run_dir")
+    p = sub.add_parser("train", help="distill a DFlash drafter (online or stored target features); resumes from "
+                                     "train.run_dir")
     _add_config_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("data", help="training data: regenerate answers with the target, capture features, inspect")
+    stages = p.add_subparsers(dest="stage", required=True)
+    for stage, text in [("regenerate", "data.prompts -> the target's answers -> data.dir/regenerated.jsonl (resumes)"),
+                        ("capture", "train.data.source -> target features -> data.dir/shards, read by "
+                                    "`dflash train train.data.features=offline` (resumes)"),
+                        ("inspect", "the counts, the capture manifest and one decoded sample with its loss mask")]:
+        q = stages.add_parser(stage, help=text, description=text)
+        _add_config_args(q)
+        if stage == "inspect":
+            q.add_argument("--sample", type=int, default=0, help="which captured sample to decode (default 0)")
+        else:
+            q.add_argument("--no-progress", action="store_true", help="no progress bar")
+        q.set_defaults(func=cmd_data)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server: target + DFlash drafter (or AR)")
     _add_config_args(p)
@@ -205,7 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. Multi-process (one process per host): set JAX_COORDINATOR_ADDRESS,
     JAX_NUM_PROCESSES and JAX_PROCESS_ID in each process's environment (see `_init_distributed`)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also come after options (`dflash train --no-progress train.steps=5`), which argparse
+    # leaves over once the positional list has been filled.
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not args.verbose:
@@ -215,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "config":  # `config` never touches JAX: no need to wait for the other processes
             _init_distributed()
         return args.func(args)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, FileNotFoundError, ValueError) as err:  # ShardError, ManifestMismatchError included
         print(f"dflash {args.command}: error: {err}", file=sys.stderr)
         return 2
 

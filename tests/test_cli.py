@@ -47,3 +47,12 @@ def test_console_script_is_installed():
     """`dflash --help` works as a process (the console entry point exists and imports cleanly)."""
     proc = subprocess.run([sys.executable, "-m", "launch.cli", "--help"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and "demo" in proc.stdout and "chat" in proc.stdout
+
+
+def test_overrides_may_follow_options(capsys):
+    assert main(["config", "--config", "tiny", "sampling.top_k=3", "--config", "tiny", "sampling.top_p=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "top_k: 3" in out and "top_p: 0.5" in out
+    with pytest.raises(SystemExit):
+        main(["config", "--config", "tiny", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

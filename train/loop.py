@@ -3,8 +3,11 @@
 `run_training(recipe)` is the whole `dflash train` stage:
 
     target (frozen, cast to compute dtype, placed by TARGET_RULES)
-    examples = packaged conversations -> chat tokens + assistant-only mask  (data.online)
-    batches  = Grain iterator (seeded, per-host slice)                      (data.online.make_batches)
+    online:  examples = conversations (packaged GSM8K, or data.dir/regenerated.jsonl) -> chat tokens +
+             assistant-only mask; batches = Grain iterator (seeded, per-host slice)   (data.online)
+    offline: batches = Grain iterator over data.dir/shards (tokens, mask, stored bf16 features), after
+             the manifest is checked against this run's target, tokenizer, layer ids and seq_len
+             (data.offline); the same seed gives the same rows in the same order as online mode
     state    = TrainState created sharded by DRAFTER_RULES, or restored from <run_dir>/checkpoints
     loop:    batch -> step (donated state) -> metrics of the PREVIOUS step fetched (the device never
              waits on the host) -> NaN/Inf check -> logs -> async checkpoint every save_every steps
@@ -34,8 +37,12 @@ from tqdm import tqdm
 
 from configs.recipe import Recipe
 from configs.schema import ConfigError, require, to_dict
-from data.online import make_batches, tokenize_examples
+from data.capture import capture_examples
+from data.offline import make_offline_batches
+from data.online import make_batches
 from data.packaged import load_gsm8k
+from data.regenerate import read_regenerated
+from data.shards import chat_template_hash, check_manifest, load_manifest
 from models.drafter import DFlashDrafter, DrafterArch, default_mask_token_id, resolve_drafter
 from models.target import Target, load_target
 from train.checkpoint import Checkpointer
@@ -75,20 +82,51 @@ def arch_dict(arch: DrafterArch) -> dict[str, Any]:
     return json.loads(json.dumps(to_dict(arch)))
 
 
+def training_conversations(recipe: Recipe, limit: int | None = None) -> list[list[dict[str, str]]]:
+    """The conversations of `train.data.source`: packaged GSM8K train, or data.dir/regenerated.jsonl."""
+    if recipe.train.data.source == "gsm8k":
+        return load_gsm8k("train", limit=limit)
+    path = recipe.data.regenerated_path
+    if not path.is_file():
+        raise FileNotFoundError(f"train.data.source=regenerated reads {path}, which does not exist; run "
+                                "`dflash data regenerate` with this config first (or set data.dir)")
+    return read_regenerated(path, limit=limit)
+
+
 def build_examples(recipe: Recipe, target: Target, split: str = "train", limit: int | None = None):
-    """Tokenised fixed-length examples of the configured source, and a sha256 identifying them."""
+    """(examples (tokens [S], loss_mask [S], n real tokens), sha256 identifying them): the configured
+    source's conversations (split "train") or GSM8K test (split "test", the held-out set), tokenised to
+    train.data.seq_len."""
     data_cfg = recipe.train.data
     limit = limit if limit is not None else (data_cfg.max_examples or None)
-    conversations = load_gsm8k(split, limit=limit)
-    examples, skipped = tokenize_examples(target.tokenizer, conversations, data_cfg.seq_len)
+    conversations = training_conversations(recipe, limit) if split == "train" else load_gsm8k(split, limit=limit)
+    examples, skipped = capture_examples(target.tokenizer, conversations, data_cfg.seq_len)
     if skipped:
         log.info("skipped %d of %d conversations with no assistant token within seq_len=%d", skipped,
                  len(conversations), data_cfg.seq_len)
     digest = hashlib.sha256()
-    for tokens, mask in examples:
+    for tokens, mask, _ in examples:
         digest.update(tokens.tobytes())
         digest.update(mask.tobytes())
     return examples, digest.hexdigest()
+
+
+def _offline_batches(recipe: Recipe, target: Target, arch: DrafterArch, per_host: int) -> tuple[Any, str]:
+    """The Grain iterator over data.dir/shards, after checking the capture against this run (every differing
+    field named), and the fingerprint of the stored examples (their manifest's examples_hash)."""
+    cfg, shard_dir = recipe.train, recipe.data.shard_dir
+    manifest = load_manifest(shard_dir, verify=recipe.data.verify_shards)
+    check_manifest(manifest, target_fingerprint=target.fingerprint,
+                   tokenizer_fingerprint=target.tokenizer.fingerprint(),
+                   chat_template_hash=chat_template_hash(target.tokenizer.chat_template), layer_ids=arch.layer_ids,
+                   hidden_size=target.cfg.hidden_size, seq_len=cfg.data.seq_len)
+    batches = make_offline_batches(shard_dir, per_host, cfg.data.seed, cfg.data.seq_len,
+                                   shard_index=jax.process_index(), shard_count=jax.process_count(),
+                                   worker_count=recipe.data.loader_workers,
+                                   skip_bad_records=recipe.data.skip_bad_records)
+    log.info("offline features: %d samples, %d tokens in %d shards under %s (%.0f bytes/token)",
+             manifest.num_samples, manifest.total_tokens, manifest.num_shards, shard_dir, manifest.bytes_per_token)
+    return batches, f"offline:{manifest.examples_hash}"
 
 
 def _host(tree: Any) -> dict[str, Any]:
@@ -138,10 +176,13 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
             f"be a multiple of the process count {jax.process_count()}")
     target_params = place(cast_floats(target.params, compute_dtype), TARGET_RULES, mesh)
 
-    examples, data_fp = build_examples(recipe, target)
     per_host = cfg.batch_size // jax.process_count()
-    batches = make_batches(examples, per_host, cfg.data.seed, shard_index=jax.process_index(),
-                           shard_count=jax.process_count())
+    if cfg.data.features == "offline":
+        batches, data_fp = _offline_batches(recipe, target, arch, per_host)
+    else:
+        examples, data_fp = build_examples(recipe, target)
+        batches = make_batches([(t, m) for t, m, _ in examples], per_host, cfg.data.seed,
+                               shard_index=jax.process_index(), shard_count=jax.process_count())
 
     optimizer = make_optimizer(cfg.lr, cfg.steps, cfg.warmup_frac, cfg.clip, cfg.weight_decay)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
@@ -221,6 +262,8 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
         bar.close()
         ckpt.close()
         writer.close()
+        if hasattr(batches, "close"):
+            batches.close()  # offline loader: stop its worker processes
     return TrainResult(run_dir=run_dir, arch=arch, start_step=start, final_step=int(jax.device_get(state.step)),
                        last=last, eval=eval_metrics, seconds=time.time() - t_start)
 
@@ -237,8 +280,8 @@ def evaluate(recipe: Recipe, target: Target, arch: DrafterArch, graphdef: nnx.Gr
     eval_step = make_eval_step(graphdef=graphdef, target_params=target_params, target_cfg=target.cfg, arch=arch,
                                num_anchors=cfg.num_anchors, gamma=gamma, compute_dtype=compute_dtype)
     mine = examples[jax.process_index() * rows:(jax.process_index() + 1) * rows]
-    batch = {"tokens": np.stack([t for t, _ in mine]), "loss_mask": np.stack([m for _, m in mine])}
+    batch = {"tokens": np.stack([t for t, _, _ in mine]), "loss_mask": np.stack([m for _, m, _ in mine])}
     return _host(eval_step(params, shard_batch(batch, mesh), jax.random.PRNGKey(1234)))
 
 
-__all__ = ["TrainResult", "arch_dict", "build_examples", "evaluate", "run_training"]
+__all__ = ["TrainResult", "arch_dict", "build_examples", "evaluate", "run_training", "training_conversations"]

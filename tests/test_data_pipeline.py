@@ -1,0 +1,117 @@
+"""The data stages end to end on the embedded target: `dflash data regenerate` -> `capture` -> `inspect` ->
+`dflash train train.data.features=offline`; online and offline batches equal; bad captures refused before
+the first step, naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs.recipe import load_recipe
+from data.online import make_batches
+from data.shards import ManifestMismatchError
+from launch.cli import main
+from models.drafter import default_mask_token_id, resolve_drafter
+from train.loop import _offline_batches, build_examples
+from train.step import online_features
+
+ONLINE = ["train.data.source=regenerated"]
+
+
+def _args(data_dir, *extra: str) -> list[str]:
+    return ["--config", "tiny", f"data.dir={data_dir}", *ONLINE, *extra]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Regenerated GSM8K answers (8 prompts, 24 tokens each) and their captured features (2 shards)."""
+    d = tmp_path_factory.mktemp("data")
+    assert main(["data", "regenerate", *_args(d), "--no-progress"]) == 0
+    assert main(["data", "capture", *_args(d), "--no-progress"]) == 0
+    return d
+
+
+@pytest.mark.e2e
+def test_regenerate_then_capture_writes_what_training_reads(data_dir, capsys):
+    records = [json.loads(line) for line in (data_dir / "regenerated.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and len({r["id"] for r in records}) == 8
+    assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in records)
+    manifest = json.loads((data_dir / "shards" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["num_samples"] == 8 and manifest["num_shards"] == 2
+    assert manifest["layer_ids"] == [1, 3] and manifest["feature_dim"] == 2 * 576 and manifest["seq_len"] == 128
+
+    # A rerun of each stage finds its work done and redoes nothing.
+    assert main(["data", "regenerate", *_args(data_dir), "--no-progress"]) == 0
+    assert main(["data", "capture", *_args(data_dir), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "0 errors, 0 dropped, 8 skipped (already done)" in out
+    assert "captured 0 shards (2 kept from an earlier run)" in out
+
+    assert main(["data", "inspect", *_args(data_dir), "--sample", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "regenerated: 8 conversations" in out and "capture: complete, 8 of 8 samples in 2 of 2 shards" in out
+    assert "sample 5 (" in out and "shard-00001.array_record: record 1" in out
+    # The loss span opens right after the assistant header and closes after its end-of-turn token.
+    assert "<|im_start|>assistant\n\u27e6" in out and "<|im_end|>\u27e7" in out
+
+
+@pytest.mark.e2e
+def test_online_and_offline_batches_are_equal(data_dir, smollm2_target):
+    """For the same rows, seed and batch size: identical tokens and masks; stored features equal the online
+    features of the batch within bf16 rounding on every real position."""
+    recipe = load_recipe("tiny", [f"data.dir={data_dir}", *ONLINE])
+    target = smollm2_target
+    arch = resolve_drafter(recipe.drafter, target.cfg, default_mask_token_id(target.tokenizer, target.cfg))
+    examples, _ = build_examples(recipe, target)
+    online = make_batches([(t, m) for t, m, _ in examples], 4, recipe.train.data.seed)
+    offline, fingerprint = _offline_batches(recipe, target, arch, per_host=4)
+    assert fingerprint.startswith("offline:")
+    feats = jax.jit(lambda p, t: online_features(p, target.cfg, t, arch.layer_ids))
+    lengths = {np.asarray(t, np.int32).tobytes(): n for t, _, n in examples}
+    try:
+        for _ in range(5):  # 8 samples, batches of 4: crosses two epoch boundaries
+            a, b = next(online), next(offline)
+            np.testing.assert_array_equal(a["tokens"], b["tokens"])
+            np.testing.assert_array_equal(a["loss_mask"], b["loss_mask"])
+            want = np.asarray(feats(target.params, jnp.asarray(a["tokens"])), np.float32)
+            got = np.asarray(b["features"], np.float32)
+            n = np.array([lengths[row.tobytes()] for row in np.asarray(a["tokens"], np.int32)])
+            real = np.arange(got.shape[1])[None, :] < n[:, None]
+            np.testing.assert_allclose(got[real], want[real], rtol=2**-8, atol=1e-6)
+            assert not got[~real].any()  # padding positions hold zero features offline
+    finally:
+        offline.close()
+
+
+@pytest.mark.e2e
+def test_offline_training_runs_and_a_mismatched_capture_is_refused(data_dir, tmp_path, capsys, caplog):
+    run = ["train", *_args(data_dir), "train.data.features=offline", f"train.run_dir={tmp_path / 'run'}",
+           "train.batch_size=8", "--no-progress"]  # the test process has 8 devices
+    with caplog.at_level("INFO", logger="train.loop"):
+        assert main(run) == 0
+    assert "trained 8 steps (to step 8)" in capsys.readouterr().out
+    assert "offline features: 8 samples" in caplog.text
+
+    # Another layer choice and another row length: refused before any step, every field named.
+    bad = [a if not a.startswith("train.run_dir") else f"train.run_dir={tmp_path / 'bad'}" for a in run]
+    assert main([*bad, "drafter.layer_ids=[1,4]", "train.data.seq_len=64"]) == 2
+    err = capsys.readouterr().err
+    assert "2 field(s) differ: layer_ids: manifest (1, 3), run (1, 4); seq_len: manifest 128, run 64" in err
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+    # A truncated shard is named before training starts.
+    broken = tmp_path / "broken"
+    shutil.copytree(data_dir, broken)
+    shard = broken / "shards" / "shard-00001.array_record"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    assert main([*bad, f"data.dir={broken}"]) == 2
+    assert "shard-00001.array_record" in capsys.readouterr().err
+
+
+def test_manifest_mismatch_error_is_a_value_error():
+    assert issubclass(ManifestMismatchError, ValueError)  # the CLI maps ValueError to exit status 2
