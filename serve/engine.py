@@ -14,8 +14,12 @@ and frees its slot at once (the text after the stop string, inside that last tok
 cut: `Completion.stop_string` names the string that matched).
 
 Compiled shapes: prefill compiles once per power-of-two prompt bucket (minimum 16, at most
-log2(max_len / 16) + 1 of them), propose and verify once per (slots, K). The engine logs each new shape
-at INFO the first time it dispatches it (`compiled_shapes` lists them), so a growing count shows.
+log2(max_len / 16) + 1 of them); propose and verify once per (slots, K, span), where the span is the
+number of page-table entries attention sees: the pages the longest running request needs, rounded up to
+a power of two (at most log2(max_len / page_size) + 1 spans). Without it the reference paged attention
+would gather every slot's whole capacity each step, a cost that follows max_len instead of the live
+lengths (regeneration at max_len 2048 ran at half the tokens/s of max_len 512). The engine logs each new
+shape at INFO the first time it dispatches it (`compiled_shapes` lists them), so a growing count shows.
 
 Every step: queued requests are admitted into free slots, then one propose + verify runs over all slots;
 inactive slots are carried along and ignored (their `active` flag is False, so verify leaves them
@@ -63,7 +67,7 @@ from models.drafter import DFlashDrafter
 from serve.generate import bucket
 from serve.paged import OutOfPagesError, PagePool, PageTable
 from serve.sampling import SamplingConfig, SamplingRows
-from serve.speculative import SpecState, empty_state, prefill, propose, sync_page_table, verify
+from serve.speculative import SpecState, empty_state, prefill, propose, span_pages, sync_page_table, verify
 
 Params = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -140,7 +144,8 @@ class Engine:
     def _fresh_state(self) -> None:
         """Empty slots: all pages free, a zeroed batch state, lengths 0."""
         self.pool = PagePool(self.num_pages, self.page_size)
-        self.table = PageTable(self.pool, self.slots, -(-self.max_len // self.page_size))
+        self.max_pages = -(-self.max_len // self.page_size)  # page-table entries per slot
+        self.table = PageTable(self.pool, self.slots, self.max_pages)
         self.lengths = np.zeros(self.slots, np.int64)  # committed tokens per slot, mirrored on the host
         arch = nnx.merge(self.graphdef, self.drafter_params).arch
         self.state: SpecState = empty_state(self.target_cfg, arch, self.slots, self.max_len, self.num_pages,
@@ -273,14 +278,16 @@ class Engine:
         # only raises on a bookkeeping bug.
         self.table.ensure_batch(np.where(active, self.lengths + self.k, 0))
         self._sync_table()
-        self._note_shape("verify", (self.slots, self.k if not self.ar else 1))
+        # Attention sees only the pages in use, bucketed to a power of two (a bounded number of shapes).
+        pages = span_pages(int(self.lengths[active].max()) + self.k, self.page_size, self.max_pages)
+        self._note_shape("verify", (self.slots, self.k if not self.ar else 1, pages))
         if self.ar:
             drafts = jnp.zeros((self.slots, 0), jnp.int32)
         else:
             drafts = propose(self.target_params, self.target_cfg, self.graphdef, self.drafter_params, self.state,
-                             self.k)
+                             self.k, pages * self.page_size)
         self.state, out, n = verify(self.target_params, self.target_cfg, self.graphdef, self.drafter_params,
-                                    self.state, drafts)
+                                    self.state, drafts, pages)
         out, n = np.asarray(out), np.asarray(n)
         self.lengths = np.where(active, self.lengths + n + 1, self.lengths)
         self.steps += 1

@@ -213,8 +213,9 @@ def reference_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages
                               page_table_BxM: jax.Array, lengths_B: jax.Array) -> jax.Array:
     """Pure-JAX paged attention (runs anywhere): gather each sequence's pages, then masked `attend`.
 
-    Materializes [B, M * page_size, Hk, Dh] per call, so it costs like a dense cache of the full
-    per-sequence capacity; a kernel that walks the pages replaces it on TPU/GPU.
+    Materializes [B, M * page_size, Hk, Dh] per call, so it costs like a dense cache of M pages per
+    sequence: callers pass a table cut to the pages in use (`PagedKVCache.view`, power-of-two buckets in
+    the engine); a kernel that walks the pages replaces it on TPU/GPU.
     """
     b, t = q_BxTxHxDh.shape[:2]
     _, _, page_size, hk, dh = k_pages.shape
@@ -274,6 +275,17 @@ class PagedKVCache:
         if page_table.shape != self.page_table.shape:
             raise ValueError(f"page_table must have shape {self.page_table.shape}; received {page_table.shape}")
         return dataclasses.replace(self, page_table=jnp.asarray(page_table, jnp.int32))
+
+    def view(self, num_pages: int) -> PagedKVCache:
+        """The same cache seeing only the first `num_pages` entries of each page table (static): attention
+        then gathers `num_pages * page_size` tokens per sequence instead of the full capacity. Every
+        sequence's tokens, and the chunk about to be written, must lie within them. Undo with
+        `with_full_table`."""
+        return dataclasses.replace(self, page_table=self.page_table[:, :num_pages])
+
+    def with_full_table(self, full: PagedKVCache) -> PagedKVCache:
+        """This (viewed) cache's pages and lengths over `full`'s page table again."""
+        return dataclasses.replace(self, page_table=full.page_table)
 
     def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array,
                          v: jax.Array) -> tuple[jax.Array, PagedKVCache]:

@@ -108,6 +108,12 @@ def empty_state(target_cfg: DecoderConfig, arch: DrafterArch, batch: int, max_le
                      SamplingRows.of([None] * batch))
 
 
+def span_pages(max_tokens: int, page_size: int, max_pages: int) -> int:
+    """Pages a step must see for sequences of up to `max_tokens` tokens (the chunk included): a power of two
+    (so a long generation compiles at most log2(max_pages) + 1 spans), capped at the table's width."""
+    return min(max_pages, bucket(-(-max_tokens // page_size), minimum=1))
+
+
 def sync_page_table(state: SpecState, table: PageTable, uploaded_version: int) -> tuple[SpecState, int]:
     """`state` over the host table's pages, uploading it only when `table.version` moved past
     `uploaded_version`; returns (state, the version now on the device)."""
@@ -141,7 +147,8 @@ def prefill(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.Grap
     drafter = nnx.merge(graphdef, drafter_params)
     arch = drafter.arch
     r, t = tokens_RxT.shape
-    view = dataclasses.replace(state.target, page_table=state.target.page_table[slots_R],
+    pages = min(state.target.page_table.shape[1], -(-t // state.target.page_size))  # the prompt's pages only
+    view = dataclasses.replace(state.target, page_table=state.target.page_table[slots_R][:, :pages],
                                lengths=jnp.zeros((r,), jnp.int32))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
     last = (num_valid_R - 1)[:, None].astype(jnp.int32)
@@ -165,17 +172,20 @@ def prefill(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.Grap
                      state.sampling.set(slots_R, rules))
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "block_size"))
+@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "block_size", "span"))
 def propose(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.GraphDef, drafter_params: nnx.State,
-            state: SpecState, block_size: int) -> jax.Array:
-    """Greedy drafts [B, K-1] for positions L+1 .. L+K-1 from one drafter forward over the block."""
+            state: SpecState, block_size: int, span: int | None = None) -> jax.Array:
+    """Greedy drafts [B, K-1] for positions L+1 .. L+K-1 from one drafter forward over the block.
+
+    span: context slots the drafter attends over (static; default: all). Every L must be <= span."""
     drafter = nnx.merge(graphdef, drafter_params)
     b, k = state.pending.shape[0], block_size
     ids = jnp.concatenate([state.pending[:, None], jnp.full((b, k - 1), drafter.arch.mask_token_id, jnp.int32)], 1)
     positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    ctx_valid = jnp.arange(state.draft.k.shape[2])[None, :] < state.lengths[:, None]
-    hidden = drafter.draft_block(embed(target_params, ids).astype(jnp.float32), positions, state.draft.kv(),
-                                 ctx_valid)
+    span = state.draft.k.shape[2] if span is None else min(span, state.draft.k.shape[2])
+    ctx_valid = jnp.arange(span)[None, :] < state.lengths[:, None]
+    ctx_kv = [(k_ctx[:, :span], v_ctx[:, :span]) for k_ctx, v_ctx in state.draft.kv()]
+    hidden = drafter.draft_block(embed(target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
     logits = drafter_logits(target_params, target_cfg, hidden)
     return jnp.argmax(logits[:, 1:], axis=-1).astype(jnp.int32)
 
@@ -210,13 +220,16 @@ def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: S
     return n, bonus, keys[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("target_cfg", "graphdef", "span_pages"), donate_argnames=("state",))
 def verify(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.GraphDef, drafter_params: nnx.State,
-           state: SpecState, drafts_BxKm1: jax.Array) -> tuple[SpecState, jax.Array, jax.Array]:
+           state: SpecState, drafts_BxKm1: jax.Array,
+           span_pages: int | None = None) -> tuple[SpecState, jax.Array, jax.Array]:
     """Verify drafts with one target forward; returns (state, tokens [B, K], accepted n [B]).
 
     The host must have given every active slot pages for L + K tokens: the K block tokens are written
-    at L .. L+K-1 before the cache is rolled back to the accepted length L + n + 1.
+    at L .. L+K-1 before the cache is rolled back to the accepted length L + n + 1. `span_pages` (static;
+    default: the whole table) is how many page-table entries the target's attention sees
+    (`span_pages(max L + K, ...)`): the reference attention's cost follows it, not the capacity.
 
     tokens[b, :n+1] are the step's output (d_1 .. d_n, then the target's bonus token); the rest is
     padding. Each row follows its own rule (`state.sampling`): a greedy row (temperature 0) takes
@@ -228,8 +241,10 @@ def verify(target_params: Params, target_cfg: DecoderConfig, graphdef: nnx.Graph
     k = drafts_BxKm1.shape[1] + 1
     tokens = jnp.concatenate([state.pending[:, None], drafts_BxKm1], axis=1)
     positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    logits, feats, cache = forward_cached(target_params, target_cfg, tokens, positions, state.target,
+    seen = state.target if span_pages is None else state.target.view(span_pages)
+    logits, feats, cache = forward_cached(target_params, target_cfg, tokens, positions, seen,
                                           layer_ids=drafter.arch.layer_ids)
+    cache = cache.with_full_table(state.target)
     n_greedy, bonus_greedy = accept_greedy(logits, drafts_BxKm1)
 
     def mixed(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -349,9 +364,11 @@ def speculative_generate(target_params: Params, target_cfg: DecoderConfig, draft
             table.release(int(i))
         table.ensure_batch(np.where(done, 0, held + k))
         state, version = sync_page_table(state, table, version)
+        pages = span_pages(int(held.max()) + k, page_size, max_pages)
         drafts = (draft_fn(state, k) if draft_fn is not None
-                  else propose(target_params, target_cfg, graphdef, params, state, k))
-        state, out, n = verify(target_params, target_cfg, graphdef, params, state, jnp.asarray(drafts, jnp.int32))
+                  else propose(target_params, target_cfg, graphdef, params, state, k, pages * page_size))
+        state, out, n = verify(target_params, target_cfg, graphdef, params, state, jnp.asarray(drafts, jnp.int32),
+                               pages)
         out, n = np.asarray(out), np.asarray(n)
         held = np.where(done, held, held + n + 1)
         for i in np.flatnonzero(~done):

@@ -94,7 +94,11 @@ def test_propose_and_verify_compile_once_while_page_tables_change(setup):
         versions.add(engine.table.version)
     grown = {f: getattr(speculative, f)._cache_size() - before[f] for f in before}
     assert len(versions) > 10, "the page table must change many times"
-    assert grown["propose"] <= 1 and grown["verify"] <= 1, grown
+    # Table contents never recompile; only the attention span (a power of two of pages) may.
+    bound = int(np.log2(-(-MAX_LEN // 4))) + 1
+    assert grown["propose"] <= bound and grown["verify"] <= bound, grown
+    spans = {s[3] for s in engine.compiled_shapes if s[0] == "verify"}
+    assert grown["verify"] <= len(spans), (grown, spans)
 
 
 def test_reset_frees_every_page_and_the_engine_serves_again(setup):

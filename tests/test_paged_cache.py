@@ -248,3 +248,22 @@ def test_page_table_shape_guard(model):
     assert cache.capacity == 12 and cache.page_size == 4 and cache.num_pages == 8
     with pytest.raises(ValueError, match=r"page_table must have shape \(2, 3\)"):
         cache.with_page_table(np.zeros((2, 4), np.int32))
+
+
+def test_a_view_of_the_pages_in_use_equals_the_full_table(model):
+    """Attention over `view(n)` (the first n table entries, as the engine's power-of-two spans) gives the
+    full table's logits and writes, and `with_full_table` hands the full table back."""
+    cfg = model[0]
+    tokens = _tokens(2, 24, cfg.vocab_size, seed=5)
+    pair = Pair(model, num_pages=40)
+    pair.append(tokens[:, :13])  # 13 tokens: 4 pages of 4 in use, 12 in the table
+    chunk = jnp.asarray(tokens[:, 13:17])
+    pair.table.ensure_batch(pair.lengths + 4)
+    full = pair.paged.with_page_table(pair.table.array())
+    want, cache_full = _append(pair.params, pair.cfg, chunk, full)
+    got, cache_view = _append(pair.params, pair.cfg, chunk, full.view(5))  # 17 tokens fit in 5 pages
+    assert cache_view.page_table.shape == (2, 5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=0)
+    back = cache_view.with_full_table(full)
+    assert back.page_table.shape == (2, 12)
+    np.testing.assert_array_equal(np.asarray(back.k_pages), np.asarray(cache_full.k_pages))
