@@ -4,7 +4,8 @@ cost over K, and end-to-end AR vs DFlash decoding on GSM8K prompts.
     .venv/bin/python benchmarks/engine_throughput.py [--drafter RUN_DIR] [--ks 1 2 4 8 16 32 64]
         [--batches 1 8] [--propose-ks 8 16 32] [--prompts 4] [--new-tokens 64] [--repeats 5] [--quick] [--write]
 
-Target: the embedded SmolLM2-135M-Instruct, fp32, dense cache of 1024 slots, greedy.
+Target: the embedded SmolLM2-135M-Instruct, fp32, paged cache of 1024 slots (attention over the pages in use,
+as the engine does), greedy.
 
 1. K-flat curve: one `serve.speculative.verify` (a target forward over [pending, d_1 .. d_{K-1}] with
    the drafter's feature capture and draft-cache update) per K and batch B, after a ~64-token prefill;
@@ -102,24 +103,29 @@ def step_costs(target: Any, drafter: Any, batch: int, ks: list[int], propose_ks:
 
     from serve.generate import decode_step
     from serve.sampling import SamplingConfig
-    from serve.speculative import propose, verify
+    from serve.speculative import propose, span_pages, verify
 
     graphdef, dparams = nnx.split(drafter, nnx.Param)
     state = spec_state(target, drafter, graphdef, dparams, batch)
     copy = lambda: jax.tree.map(jnp.copy, state)  # noqa: E731
     out: dict[str, dict[int, float]] = {"decode": {}, "verify": {}, "propose": {}}
     key, greedy = jax.random.PRNGKey(0), SamplingConfig()
+    max_pages = state.target.page_table.shape[1]
+    span = lambda k: span_pages(PROMPT_LEN + k, state.target.page_size, max_pages)  # noqa: E731 - as the engine
     out["decode"][1] = median_s(
         lambda c: decode_step(target.params, target.cfg, state.pending, c, key, greedy),
-        lambda: jax.tree.map(jnp.copy, state.target), repeats)
+        lambda: jax.tree.map(jnp.copy, state.target.view(span(1))), repeats)
     rng = np.random.default_rng(0)
     for k in ks:
         drafts = jnp.asarray(rng.integers(100, 40000, size=(batch, k - 1)), jnp.int32)
+        pages = span(k)
         out["verify"][k] = median_s(
-            lambda s, d=drafts: verify(target.params, target.cfg, graphdef, dparams, s, d), copy, repeats)
+            lambda s, d=drafts, p=pages: verify(target.params, target.cfg, graphdef, dparams, s, d, p), copy,
+            repeats)
     for k in propose_ks:
         out["propose"][k] = median_s(
-            lambda s, k=k: propose(target.params, target.cfg, graphdef, dparams, s, k), lambda: state, repeats)
+            lambda s, k=k: propose(target.params, target.cfg, graphdef, dparams, s, k,
+                                   span(k) * state.target.page_size), lambda: state, repeats)
     return out
 
 
@@ -325,7 +331,8 @@ def main() -> None:
         "## Engine throughput (SmolLM2-135M target, fp32, greedy DFlash vs AR)",
         "",
         f"`{command}` on {machine()}; the run took {total_min:.1f} min.{quick} Median of {args.repeats} timed "
-        "calls after a warm-up, each blocked on; cache of 1024 slots, prompts of "
+        "calls after a warm-up, each blocked on; paged cache of 1024 slots, attention over the pages in use "
+        "(the power-of-two span the engine picks, `serve.speculative.span_pages`), prompts of "
         f"{PROMPT_LEN} random tokens for the micro-benchmarks. verify = `serve.speculative.verify` (target "
         "forward over the K-token chunk, feature capture, acceptance, draft-cache update), each call on a "
         "fresh copy of the prefilled state made outside the timed region; the ratios are against `verify` at "
