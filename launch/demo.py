@@ -7,7 +7,7 @@
 3. chat with the target (AR decoding) and report decode tokens/s;
 4. decode the same prompts with greedy DFlash speculative decoding and the drafter just trained (loaded
    back from its checkpoint), reporting τ, acceptance by position and whether the output equals AR.
-The server and the evaluation join as they land.
+The server (`dflash serve`) and the data stages (`dflash data`) are separate commands.
 """
 
 from __future__ import annotations
