@@ -101,7 +101,7 @@ class RegenConfig:
 
     @property
     def sampling(self) -> SamplingConfig:
-        """The engine-wide sampling rule this config asks for."""
+        """The sampling rule sent with each request."""
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               max_new_tokens=self.max_new_tokens, seed=self.seed)
 
@@ -202,8 +202,13 @@ def repair_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
             f.truncate(keep)
             f.flush()
             os.fsync(f.fileno())
+    return _complete_records(path, data[:keep]), removed
+
+
+def _complete_records(path: Path, data: bytes) -> list[dict[str, Any]]:
+    """The JSON objects of the complete lines in `data` (each must have a string 'id')."""
     records = []
-    for number, line in enumerate(data[:keep].splitlines(), 1):
+    for number, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -214,7 +219,7 @@ def repair_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
         if not isinstance(record, dict) or not isinstance(record.get("id"), str):
             raise ValueError(f"{path}:{number} must be an object with a string 'id'; received {line[:80]!r}")
         records.append(record)
-    return records, removed
+    return records
 
 
 def read_regenerated(path: str | Path, limit: int | None = None) -> list[list[dict[str, str]]]:
@@ -223,20 +228,10 @@ def read_regenerated(path: str | Path, limit: int | None = None) -> list[list[di
     A partial last line (a run still writing, or interrupted) is ignored, not repaired: this only reads."""
     path = Path(path)
     data = path.read_bytes()
-    data = data[: data.rfind(b"\n") + 1]
-    records = []
-    for number, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number} must be one JSON object per line; received {line[:80]!r}") from err
-        if not isinstance(record, dict) or not isinstance(record.get("id"), str) or not isinstance(
-                record.get("messages"), list):
-            raise ValueError(f"{path}:{number} must be an object with a string 'id' and a 'messages' list; "
-                             f"received {line[:80]!r}")
-        records.append(record)
+    records = _complete_records(path, data[: data.rfind(b"\n") + 1])
+    for record in records:
+        if not isinstance(record.get("messages"), list):
+            raise ValueError(f"{path}: record {record['id']!r} must have a 'messages' list")
     if not records:
         raise ValueError(f"{path} must hold at least one regenerated conversation; received none")
     records.sort(key=lambda r: r["id"])
@@ -268,11 +263,6 @@ def _check_meta(path: Path, cfg: RegenConfig, tokenizer: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(meta, indent=1, ensure_ascii=False))
     os.replace(tmp, path)
-
-
-def _check_engine(engine: Engine, cfg: RegenConfig) -> None:
-    if engine.busy:
-        raise ValueError("engine must be idle (no queued or running requests) when regenerate starts")
 
 
 @dataclasses.dataclass
@@ -410,7 +400,8 @@ def regenerate(engine: Engine, tokenizer: Any, items: Iterable[Mapping[str, Any]
                cfg: RegenConfig, *, progress: bool = True) -> RegenStats:
     """Regenerate every item's assistant turns with the engine's target into `out_path` (see the module
     docstring for the formats); resumes a previous run on the same `out_path`. Returns this call's stats."""
-    _check_engine(engine, cfg)
+    if engine.busy:
+        raise ValueError("engine must be idle (no queued or running requests) when regenerate starts")
     out_path = Path(out_path)
     errors_path = out_path.with_name(out_path.name + ".errors.jsonl")
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -462,19 +453,9 @@ def make_regen_engine(target: Any, *, slots: int, max_len: int, sampling: Sampli
                       page_size: int = 16) -> Engine:
     """The AR-mode engine over a loaded `models.target.Target` (the target alone decodes).
 
-    The engine's batch state holds a drafter cache even in AR mode, so a minimal random drafter (one layer,
-    one feature, one kv head of width 2) stands in; it never drafts.
+    `sampling` is the engine's default rule; `regenerate` sends its config's rule with every request anyway.
     """
-    from flax import nnx
-
-    from models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, resolve_drafter
-
-    mask = default_mask_token_id(target.tokenizer, target.cfg)
-    arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=1, block_size=2, num_heads=1, num_kv_heads=1,
-                                         head_dim=2, intermediate_size=2),
-                           target.cfg, mask_token_id=0 if mask is None else mask)
-    drafter = DFlashDrafter(arch, nnx.Rngs(0))
-    return Engine(target.params, target.cfg, drafter, slots=slots, max_len=max_len, block_size=None,
+    return Engine(target.params, target.cfg, None, slots=slots, max_len=max_len, block_size=None,
                   sampling=sampling, page_size=page_size)
 
 

@@ -42,8 +42,7 @@ def run_regenerate(recipe: Recipe, *, target: Target | None = None,
     items, mix_stats = mix(spec)
     log.info("prompt mix:\n%s", mix_stats.summary())
     target = target if target is not None else load_target(recipe.target)
-    engine = make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len,
-                               sampling=cfg.regen.sampling)
+    engine = make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len)
     out = cfg.regenerated_path
     out.parent.mkdir(parents=True, exist_ok=True)
     stats = regenerate(engine, target.tokenizer, items, out, cfg.regen, progress=progress)

@@ -146,7 +146,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import threading
     from pathlib import Path
 
-    from models.drafter import DFlashDrafter, default_mask_token_id, resolve_drafter
     from models.target import load_target
     from serve.engine import Engine
     from serve.server import make_server
@@ -156,10 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     target = load_target(recipe.target)
     source = Path(args.drafter or recipe.train.run_dir).expanduser()
     if args.ar:
-        from flax import nnx
-
-        arch = resolve_drafter(recipe.drafter, target.cfg, default_mask_token_id(target.tokenizer, target.cfg))
-        drafter = DFlashDrafter(arch, nnx.Rngs(0))  # shapes only: AR mode never drafts
+        drafter = None  # the engine's AR mode needs none
     elif (source / "config.json").is_file():
         from models.zlab import load_zlab
 

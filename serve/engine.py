@@ -97,6 +97,16 @@ class Completion:
         return float(np.mean([a + 1 for a in self.accepted])) if self.accepted else 0.0
 
 
+def _stand_in_drafter(target_cfg: DecoderConfig) -> DFlashDrafter:
+    """The smallest drafter (one layer, one feature, one kv head of width 2): in AR mode the batch state still
+    holds a draft cache, but nothing ever drafts, so its weights never matter."""
+    from models.drafter import DrafterConfig, resolve_drafter
+
+    arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=1, block_size=2, num_heads=1, num_kv_heads=1,
+                                         head_dim=2, intermediate_size=2), target_cfg, mask_token_id=0)
+    return DFlashDrafter(arch, nnx.Rngs(0))
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _set_active(state: SpecState, active_B: jax.Array) -> SpecState:
     """`state` with these slots active; inactive slots' lengths return to 0 (their pages are released)."""
@@ -107,7 +117,7 @@ def _set_active(state: SpecState, active_B: jax.Array) -> SpecState:
 class Engine:
     """DFlash (or AR) decoding of many requests over `slots` sequence slots."""
 
-    def __init__(self, target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter, *, slots: int,
+    def __init__(self, target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter | None, *, slots: int,
                  max_len: int, block_size: int | None = None, sampling: SamplingConfig | None = None,
                  page_size: int = 16, num_pages: int | None = None,
                  detokenize: Callable[[Sequence[int]], str] | None = None):
@@ -118,6 +128,11 @@ class Engine:
             raise ValueError(f"slots must be >= 1; received {slots}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1; received {page_size}")
+        if drafter is None:
+            if block_size is not None:
+                raise ValueError(f"a drafter is needed for block_size={block_size}; received None (None is for AR "
+                                 "mode, block_size=None)")
+            drafter = _stand_in_drafter(target_cfg)
         arch = drafter.arch
         self.ar = block_size is None
         self.k = 2 if self.ar else block_size
