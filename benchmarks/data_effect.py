@@ -40,8 +40,9 @@ def main() -> None:
     from benchmarks._report import machine, write_section
     from configs.recipe import load_recipe
     from data.packaged import load_gsm8k, load_mtbench
+    from models.drafter_io import load_drafter
     from models.target import load_target
-    from serve.speculative import load_drafter_checkpoint, speculative_generate
+    from serve.speculative import speculative_generate
 
     t_start = time.perf_counter()
     recipe = load_recipe(args.config)
@@ -51,7 +52,7 @@ def main() -> None:
         "GSM8K test": [c[:1] for c in load_gsm8k("test", limit=args.prompts)],
         "MT-Bench turn 1": [c[:1] for c in load_mtbench(limit=args.prompts)],
     }
-    drafters = {name: load_drafter_checkpoint(Path(path), target.cfg)
+    drafters = {name: load_drafter(Path(path), target.cfg)
                 for name, path in (("reference", args.reference), ("regenerated", args.regenerated))}
     rows, outputs = [], {}
     for set_name, conversations in sets.items():

@@ -18,7 +18,7 @@ Target: the embedded SmolLM2-135M-Instruct of `load_recipe("default")`, fp32, on
 2. Capture: `data.capture.capture` of the first `--rows` GSM8K train rows as `train.loop.build_examples`
    makes them at `--seq-len`, the default drafter's 5 layer ids (`resolve_drafter`), batch `--batch-size`,
    into ArrayRecord shards; a one-batch capture into another directory compiles first (its time reported
-   apart). Beside it, the jitted `train.step.online_features` (what online mode computes in every train
+   apart). Beside it, the jitted `models.drafter.online_features` (what online mode computes in every train
    step) on the same padded batches, each blocked on: capture overhead = capture time / that time.
    Bytes/token: the manifest's (shard file bytes / real tokens) against the record payload 2*F*D + 5
    (bf16 features, int32 token, uint8 mask) and with the 32-byte record header.
@@ -98,14 +98,13 @@ def capture_costs(target: Any, args: argparse.Namespace, tmp: Path) -> dict[str,
 
     from configs.recipe import load_recipe
     from data.capture import capture
+    from data.examples import build_examples
     from data.shards import Provenance, record_size
-    from models.drafter import default_mask_token_id, resolve_drafter
-    from train.loop import build_examples
-    from train.step import online_features
+    from models.drafter import online_features
 
-    recipe = load_recipe("default", [f"train.data.seq_len={args.seq_len}"])
-    arch = resolve_drafter(recipe.drafter, target.cfg, default_mask_token_id(target.tokenizer, target.cfg))
-    examples, _ = build_examples(recipe, target, limit=args.rows)
+    recipe = load_recipe("default", [f"data.seq_len={args.seq_len}"])
+    arch = target.drafter_arch(recipe.drafter)
+    examples, _ = build_examples(recipe.data, target.tokenizer, limit=args.rows)
     b, s = args.batch_size, args.seq_len
     provenance = Provenance.of_target(target)
     kwargs = {"seq_len": s, "batch_size": b, "samples_per_shard": max(b, 4 * b)}
@@ -312,7 +311,7 @@ def main() -> None:
         f"{args.seq_len}), layer ids {list(cap['layer_ids'])} (the default 5-layer drafter), batch "
         f"{args.batch_size}, uncompressed ArrayRecord shards of {max(args.batch_size, 4 * args.batch_size)} "
         "samples; compile excluded (a one-batch capture ran first). Feature compute = the jitted "
-        "`train.step.online_features` on the same padded batches, each blocked on (what online mode runs in "
+        "`models.drafter.online_features` on the same padded batches, each blocked on (what online mode runs in "
         "every train step):",
         "",
         *capture_table(cap),
@@ -331,7 +330,7 @@ def main() -> None:
         "",
         *storage_table(target.cfg, len(cap["layer_ids"])),
         "",
-        "Online mode (`train.data.features=online`, the default) stores nothing: the frozen target recomputes "
+        "Online mode (`data.features=online`, the default) stores nothing: the frozen target recomputes "
         "the features inside every train step, which is why it is the default for large targets, where a "
         "billion-token capture would need tens of TB.",
     ])

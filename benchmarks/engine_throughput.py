@@ -237,8 +237,8 @@ def main() -> None:
     from benchmarks._report import machine, write_section
     from models.config import TargetConfig
     from models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, resolve_drafter
+    from models.drafter_io import load_drafter
     from models.target import load_target
-    from serve.speculative import load_drafter_checkpoint
 
     t_start = time.perf_counter()
     target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=MAX_LEN))
@@ -253,7 +253,7 @@ def main() -> None:
               + " ms, propose " + ", ".join(f"K={k} {s * 1e3:.1f}" for k, s in costs[b]["propose"].items()) + " ms")
 
     if args.drafter:
-        drafter, source = load_drafter_checkpoint(args.drafter, target.cfg), f"the trained drafter `{args.drafter}`"
+        drafter, source = load_drafter(args.drafter, target.cfg), f"the trained drafter `{args.drafter}`"
     else:
         drafter = DFlashDrafter(resolve_drafter(DrafterConfig(num_layers=2, block_size=8), target.cfg, mask),
                                 nnx.Rngs(0))

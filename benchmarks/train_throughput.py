@@ -82,16 +82,16 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
     from flax import nnx
 
     from configs.recipe import load_recipe
-    from models.drafter import DFlashDrafter, default_mask_token_id, drafter_logits, resolve_drafter
+    from models.drafter import DFlashDrafter, drafter_logits
     from train.objective import build_blocks_batch, default_gamma, dflash_loss, sample_anchors_batch
     from train.sharding import DRAFTER_RULES, tree_shardings
     from train.step import init_state, make_optimizer, make_train_step
 
     recipe = load_recipe("default", [f"drafter.num_layers={args.layers}", f"drafter.block_size={k}",
                                      f"train.num_anchors={n}", f"train.batch_size={args.batch_size}",
-                                     f"train.data.seq_len={args.seq_len}", f"train.compute_dtype={args.dtype}"])
+                                     f"data.seq_len={args.seq_len}", f"train.compute_dtype={args.dtype}"])
     cfg = recipe.train
-    arch = resolve_drafter(recipe.drafter, target.cfg, default_mask_token_id(target.tokenizer, target.cfg))
+    arch = target.drafter_arch(recipe.drafter)
     gamma = cfg.gamma or default_gamma(arch.block_size)
     compute_dtype = jnp.dtype(cfg.compute_dtype)
     optimizer = make_optimizer(cfg.lr, cfg.steps, cfg.warmup_frac, cfg.clip, cfg.weight_decay)
@@ -236,17 +236,17 @@ def main() -> None:
 
     from benchmarks._report import machine, write_section
     from configs.recipe import load_recipe
-    from models.drafter import default_mask_token_id, resolve_drafter
+    from data.examples import build_examples
+    from models.drafter import online_features
     from models.target import load_target
-    from train.loop import build_examples
     from train.sharding import TARGET_RULES, MeshConfig, make_mesh, place, shard_batch
-    from train.step import cast_floats, online_features
+    from train.step import cast_floats
 
-    recipe = load_recipe("default", [f"train.data.seq_len={args.seq_len}", f"drafter.num_layers={args.layers}"])
+    recipe = load_recipe("default", [f"data.seq_len={args.seq_len}", f"drafter.num_layers={args.layers}"])
     target = load_target(recipe.target)
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
     target_params = place(cast_floats(target.params, jnp.dtype(args.dtype)), TARGET_RULES, mesh)
-    examples, _ = build_examples(recipe, target, limit=max(64, 8 * args.batch_size))
+    examples, _ = build_examples(recipe.data, target.tokenizer, limit=max(64, 8 * args.batch_size))
     if len(examples) < args.batch_size:
         raise SystemExit(f"--batch-size must be at most the {len(examples)} GSM8K examples that fit; "
                          f"received {args.batch_size}")
@@ -254,7 +254,7 @@ def main() -> None:
     batch = shard_batch({"tokens": np.stack([t for t, _, _ in rows_np]),
                          "loss_mask": np.stack([m for _, m, _ in rows_np])}, mesh)
 
-    arch = resolve_drafter(recipe.drafter, target.cfg, default_mask_token_id(target.tokenizer, target.cfg))
+    arch = target.drafter_arch(recipe.drafter)
     features = jax.jit(lambda p, t: online_features(p, target.cfg, t, arch.layer_ids))
     features_s = timed(features, target_params, batch["tokens"], repeats=args.steps)
 

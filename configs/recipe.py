@@ -14,9 +14,8 @@ import yaml
 
 from configs.schema import ConfigError, apply_overrides, build, to_dict
 from data.config import DataConfig
-from models.config import TargetConfig
-from models.drafter import DrafterConfig
-from serve.sampling import SamplingConfig
+from models.config import DrafterConfig, TargetConfig
+from serve.config import SamplingConfig
 from train.config import TrainConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent

@@ -1,11 +1,11 @@
 """Offline capture: run the frozen target over tokenized examples and store its features as shards.
 
-`capture(...)` computes exactly what the trainer computes online (`train.step.online_features` on the
+`capture(...)` computes exactly what the trainer computes online (`models.drafter.online_features` on the
 padded rows, DESIGN §4.1: post-layer outputs of `layer_ids`, concatenated in id order), casts them to
 bfloat16 on device, and writes each sample's first n (real-token) positions with its tokens and loss mask
 through `data.shards.ShardWriter` (format, atomicity and resume rules are in that module's docstring).
 
-    examples (tokens int32[S], loss_mask float32[S], n)      `capture_examples` builds them from chats
+    examples (tokens int32[S], loss_mask float32[S], n)      `data.examples.build_examples` makes them
       -> shard i = samples [i*P, (i+1)*P)                      P = samples_per_shard; finished shards skipped
       -> batches of `batch_size` rows within the shard          the last one padded with copies of a pad row
       -> jit(online_features(...).astype(bfloat16))             params traced, not baked in; one compile
@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from data.chat_tokens import tokenize_rows
+from data.examples import Example
 from data.shards import (
     FEATURE_DTYPE,
     MANIFEST_VERSION,
@@ -47,11 +47,7 @@ from data.shards import (
     writer_options,
 )
 from models.config import DecoderConfig, check_layer_ids
-from models.tokenizer import ChatTokenizer
-from train.step import online_features
-
-# (tokens int32[S], loss_mask float32[S], n real tokens) per example, all with the same S.
-CaptureExample = tuple[np.ndarray, np.ndarray, int]
+from models.drafter import online_features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,18 +68,7 @@ class CaptureReport:
     bytes_per_token: float
 
 
-def capture_examples(
-    tok: ChatTokenizer,
-    conversations: Iterable[Sequence[dict[str, Any]]],
-    seq_len: int,
-    *,
-    pad_id: int | None = None,
-) -> tuple[list[CaptureExample], int]:
-    """(examples, num_skipped): `data.chat_tokens.tokenize_rows`, the rows online mode trains on, with n."""
-    return tokenize_rows(tok, conversations, seq_len, pad_id=pad_id)
-
-
-def examples_hash(examples: Sequence[CaptureExample]) -> str:
+def examples_hash(examples: Sequence[Example]) -> str:
     """sha256 hex over every example's padded tokens (int32), loss mask (as 0/1 bytes) and n, in order."""
     digest = hashlib.sha256()
     digest.update(f"examples:{len(examples)}\x00".encode())
@@ -94,7 +79,7 @@ def examples_hash(examples: Sequence[CaptureExample]) -> str:
     return digest.hexdigest()
 
 
-def _check_examples(examples: Sequence[CaptureExample], seq_len: int) -> int | None:
+def _check_examples(examples: Sequence[Example], seq_len: int) -> int | None:
     """Validate shapes, n and the 0/1 mask; return the padding id shared by all padded rows (None if none)."""
     if not examples:
         raise ValueError("examples must hold at least one example; received none (were all of them skipped?)")
@@ -102,7 +87,7 @@ def _check_examples(examples: Sequence[CaptureExample], seq_len: int) -> int | N
     for i, example in enumerate(examples):
         if len(example) != 3:
             raise ValueError(f"examples[{i}] must be (tokens[S], loss_mask[S], n); received {len(example)} items "
-                             "(build them with capture_examples)")
+                             "(build them with data.examples.build_examples)")
         tokens_S, loss_mask_S, n = example
         if np.shape(tokens_S) != (seq_len,) or np.shape(loss_mask_S) != (seq_len,):
             raise ValueError(f"examples[{i}] must have tokens and loss_mask of shape [{seq_len}] (seq_len); "
@@ -128,7 +113,7 @@ def capture(
     target_params: Any,
     target_cfg: DecoderConfig,
     provenance: Provenance,
-    examples: Sequence[CaptureExample],
+    examples: Sequence[Example],
     layer_ids: Sequence[int],
     out_dir: str | Path,
     *,
@@ -144,7 +129,7 @@ def capture(
     target_params / target_cfg: the frozen target, as `online_features` takes them (their dtype is the
       compute dtype; features are cast to bf16 after).
     provenance: `Provenance.of_target(target)` (or `.of(name, weights fingerprint, tokenizer)`).
-    examples: (tokens int32[S], loss_mask float32[S], n) rows with S == seq_len (`capture_examples`).
+    examples: (tokens int32[S], loss_mask float32[S], n) rows with S == seq_len (`data.examples.build_examples`).
     verify_existing: on resume, re-hash kept shards (sha256) rather than only checking their sizes.
     """
     layer_ids = check_layer_ids(tuple(layer_ids), target_cfg.num_layers)
@@ -195,7 +180,7 @@ def capture(
                          bytes_per_token=manifest.bytes_per_token)
 
 
-def _write_batch(out: Any, examples: Sequence[CaptureExample], chunk: list[int], feats_BxSxFD: jax.Array) -> int:
+def _write_batch(out: Any, examples: Sequence[Example], chunk: list[int], feats_BxSxFD: jax.Array) -> int:
     """Fetch one batch's features and write its samples' first n positions; returns the tokens written."""
     host = np.asarray(feats_BxSxFD)
     written = 0

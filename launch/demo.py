@@ -51,7 +51,7 @@ def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO 
                       f"(1.00 = nothing accepted; block {result.arch.block_size}), loss {ev['loss']:.3f}\n"
                       f"accuracy by draft position: {per_pos}\n")
     out.write("\n== chat with the target (AR decoding)\n")
-    turns = chat(target, recipe, prompts, out=out)
+    turns = chat(target, recipe.sampling, recipe.target.max_seq_len, prompts, out=out)
     total = sum(len(t.result.token_ids) for t in turns)
     decode_s = sum(t.result.decode_s for t in turns)
     rate = (total - len(turns)) / max(decode_s, 1e-9)
@@ -65,16 +65,17 @@ def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO 
 
 def speculative_rerun(recipe: Recipe, target, turns: Sequence[ChatTurn], out: TextIO) -> None:
     """Decode the same prompts again with DFlash speculative decoding and the drafter just trained."""
-    from serve.speculative import load_drafter_checkpoint, speculative_generate
+    from models.drafter_io import load_drafter
+    from serve.engine import decode
 
-    drafter = load_drafter_checkpoint(recipe.train.run_dir, target.cfg)
+    drafter = load_drafter(recipe.train.run_dir, target.cfg)
     k = drafter.arch.block_size
     out.write(f"\n== the same prompts with DFlash speculative decoding (greedy, block {k}, drafter from "
               f"{recipe.train.run_dir})\n")
     for turn in turns:
-        [res] = speculative_generate(target.params, target.cfg, drafter, [turn.result.prompt_ids],
-                                     recipe.sampling.max_new_tokens, recipe.target.max_seq_len, block_size=k,
-                                     stop_ids=target.tokenizer.stop_token_ids)
+        [res] = decode(target.params, target.cfg, [turn.result.prompt_ids], recipe.sampling.max_new_tokens,
+                       max_len=recipe.target.max_seq_len, drafter=drafter, block_size=k,
+                       stop_ids=target.tokenizer.stop_token_ids)
         same = res.token_ids == turn.result.token_ids
         per_pos = " ".join(f"{a:.2f}" for a in res.accept_per_position)
         out.write(f">>> {turn.prompt}\n[{len(res.token_ids)} tokens in {len(res.accepted)} verify steps: "

@@ -1,4 +1,4 @@
-"""Configs owned by `models/`: the user-facing target section and the decoder architecture.
+"""Configs owned by `models/`: the target and drafter sections of a recipe, and the decoder architecture.
 
 `TargetConfig` is the recipe section (what to load, at which dtype). `DecoderConfig` describes the
 architecture of a Llama 3.x / Qwen2 / Qwen3 dense decoder; it is read from the weights (HF config.json
@@ -87,6 +87,42 @@ class DecoderConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """The drafter section of a recipe.
+
+    num_layers: drafter decoder layers L_d.
+    num_features: F, the target layers whose post-layer outputs are fused.
+    layer_ids: target layer ids to capture (id j = output of decoder layer j); () = the default ids.
+    block_size: K, tokens per block (1 anchor + K-1 masks, K-1 draft tokens).
+    mask_token_id: the MASK id inside the target's vocab; -1 = resolved from the target's default.
+    num_heads / num_kv_heads / head_dim / intermediate_size: 0 = follow the target.
+    """
+
+    num_layers: int = 5
+    num_features: int = 5
+    layer_ids: tuple[int, ...] = ()
+    block_size: int = 16
+    mask_token_id: int = -1
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.num_layers >= 1, "drafter.num_layers", self.num_layers, "be at least 1")
+        require(self.num_features >= 1, "drafter.num_features", self.num_features, "be at least 1")
+        require(not self.layer_ids or len(self.layer_ids) == self.num_features, "drafter.layer_ids",
+                self.layer_ids, f"name num_features={self.num_features} ids, or be () for the default ids")
+        require(self.block_size >= 2, "drafter.block_size", self.block_size,
+                "be at least 2 (one anchor token plus at least one masked draft position)")
+        require(self.mask_token_id >= -1, "drafter.mask_token_id", self.mask_token_id,
+                "be a token id >= 0, or -1 to use the target's default")
+        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            value = getattr(self, name)
+            require(value >= 0, f"drafter.{name}", value, "be a positive integer, or 0 to follow the target")
 
 
 def default_layer_ids(num_layers: int, num_features: int) -> tuple[int, ...]:

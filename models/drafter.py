@@ -35,50 +35,23 @@ import numpy as np
 from flax import nnx
 
 from configs.schema import require
-from models.config import DecoderConfig, RopeScaling, check_layer_ids, default_layer_ids
-from models.decoder import NEG_INF, apply_rope, attend, embed, logits_from_normed, rms_norm, rope_tables
+from models.config import DecoderConfig, DrafterConfig, RopeScaling, check_layer_ids, default_layer_ids
+from models.decoder import (
+    NEG_INF,
+    Params,
+    apply_rope,
+    attend,
+    embed,
+    forward,
+    logits_from_normed,
+    rms_norm,
+    rope_tables,
+)
 
-Params = dict[str, Any]
 KV = tuple[jax.Array, jax.Array]  # (k, v), each [B, S, Hk, Dh], RoPE applied to k
 
 
 # ----------------------------------------------------------------------------- config
-
-
-@dataclasses.dataclass(frozen=True)
-class DrafterConfig:
-    """The drafter section of a recipe.
-
-    num_layers: drafter decoder layers L_d.
-    num_features: F, the target layers whose post-layer outputs are fused.
-    layer_ids: target layer ids to capture (id j = output of decoder layer j); () = the default ids.
-    block_size: K, tokens per block (1 anchor + K-1 masks, K-1 draft tokens).
-    mask_token_id: the MASK id inside the target's vocab; -1 = resolved from the target's default.
-    num_heads / num_kv_heads / head_dim / intermediate_size: 0 = follow the target.
-    """
-
-    num_layers: int = 5
-    num_features: int = 5
-    layer_ids: tuple[int, ...] = ()
-    block_size: int = 16
-    mask_token_id: int = -1
-    num_heads: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    intermediate_size: int = 0
-
-    def __post_init__(self) -> None:
-        require(self.num_layers >= 1, "drafter.num_layers", self.num_layers, "be at least 1")
-        require(self.num_features >= 1, "drafter.num_features", self.num_features, "be at least 1")
-        require(not self.layer_ids or len(self.layer_ids) == self.num_features, "drafter.layer_ids",
-                self.layer_ids, f"name num_features={self.num_features} ids, or be () for the default ids")
-        require(self.block_size >= 2, "drafter.block_size", self.block_size,
-                "be at least 2 (one anchor token plus at least one masked draft position)")
-        require(self.mask_token_id >= -1, "drafter.mask_token_id", self.mask_token_id,
-                "be a token id >= 0, or -1 to use the target's default")
-        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
-            value = getattr(self, name)
-            require(value >= 0, f"drafter.{name}", value, "be a positive integer, or 0 to follow the target")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,6 +379,19 @@ def concat_features(feats_FxBxSxD: jax.Array) -> jax.Array:
     """Target features [F, B, S, D] (as `decoder.forward` returns them) -> [B, S, F*D], id order."""
     f, b, s, d = feats_FxBxSxD.shape
     return jnp.moveaxis(feats_FxBxSxD, 0, 2).reshape(b, s, f * d)
+
+
+def online_features(target_params: Params, target_cfg: DecoderConfig, tokens_BxS: jax.Array,
+                    layer_ids: tuple[int, ...]) -> jax.Array:
+    """Frozen target features [B, S, F*D]: post-layer outputs of `layer_ids`, concatenated in id order.
+
+    Feature j of token s is the output of target decoder layer j (HF hidden_states[j+1]) at s, computed
+    causally over the whole sequence. No gradient flows into the target (stop_gradient on params and
+    output). A precomputed feature source must return the same array.
+    """
+    frozen = jax.lax.stop_gradient(target_params)
+    _, feats_FxBxSxD = forward(frozen, target_cfg, tokens_BxS, layer_ids=tuple(layer_ids), with_logits=False)
+    return jax.lax.stop_gradient(concat_features(feats_FxBxSxD))
 
 
 def block_token_ids(start_tokens_B: jax.Array, block_size: int, mask_token_id: int) -> jax.Array:

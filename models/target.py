@@ -11,7 +11,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.config import DecoderConfig, TargetConfig
+from configs.schema import require
+from models.config import DecoderConfig, DrafterConfig, TargetConfig
+from models.drafter import DrafterArch, default_mask_token_id, resolve_drafter
 from models.loading import load_weights, weights_fingerprint
 from models.registry import resolve_source
 from models.tokenizer import ChatTokenizer, load_tokenizer
@@ -34,6 +36,14 @@ class Target:
     def fingerprint(self) -> str:
         """sha256 of the weight files (recorded in feature manifests and checkpoints)."""
         return weights_fingerprint(self.path)
+
+    def drafter_arch(self, cfg: DrafterConfig) -> DrafterArch:
+        """The drafter section `cfg` resolved for this target (mask id from its tokenizer when -1; never a
+        stop token)."""
+        arch = resolve_drafter(cfg, self.cfg, default_mask_token_id(self.tokenizer, self.cfg))
+        require(arch.mask_token_id not in self.tokenizer.stop_token_ids, "drafter.mask_token_id",
+                arch.mask_token_id, f"not be a stop token {self.tokenizer.stop_token_ids}")
+        return arch
 
 
 def load_target(cfg: TargetConfig) -> Target:

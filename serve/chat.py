@@ -7,21 +7,22 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from configs.recipe import Recipe
 from models.target import Target
-from serve.generate import GenerationResult, generate
+from serve.config import SamplingConfig
+from serve.engine import Completion, decode
 
 
 @dataclasses.dataclass(frozen=True)
 class ChatTurn:
     prompt: str
     reply: str
-    result: GenerationResult
+    result: Completion
 
 
-def chat(target: Target, recipe: Recipe, prompts: Sequence[str], system: str | None = None,
+def chat(target: Target, sampling: SamplingConfig, max_len: int, prompts: Sequence[str], system: str | None = None,
          out: TextIO | None = None) -> list[ChatTurn]:
-    """Answer each prompt (a fresh conversation each), streaming the reply to `out` (default stdout)."""
+    """Answer each prompt (a fresh conversation each, AR decoding through the engine), streaming the reply to
+    `out` (default stdout); `sampling.max_new_tokens` tokens at most, contexts of `max_len`."""
     out = out or sys.stdout
     tok = target.tokenizer
     turns = []
@@ -30,8 +31,8 @@ def chat(target: Target, recipe: Recipe, prompts: Sequence[str], system: str | N
         prompt_ids = tok.encode_chat(messages, add_generation_prompt=True)
         out.write(f"\n>>> {prompt}\n")
         stream = _Streamer(tok, out)
-        result = generate(target.params, target.cfg, prompt_ids, recipe.sampling, recipe.target.max_seq_len,
-                          stop_ids=tok.stop_token_ids, on_token=stream)
+        [result] = decode(target.params, target.cfg, [prompt_ids], sampling.max_new_tokens, max_len=max_len,
+                          stop_ids=tok.stop_token_ids, sampling=sampling, on_token=stream)
         reply = tok.decode([t for t in result.token_ids if t not in tok.stop_token_ids])
         out.write(reply[stream.printed:] + "\n")
         out.write(

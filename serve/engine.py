@@ -1,50 +1,16 @@
-"""Continuous batching over a fixed number of slots (DESIGN §4.4): requests join and leave between steps.
+"""The decode driver (DESIGN §4.4): continuous batching over fixed slots, the only decode loop there is.
 
-    engine = Engine(target_params, target_cfg, drafter, slots=8, max_len=2048, block_size=8, page_size=16)
+    engine = Engine(target_params, target_cfg, drafter, slots=8, max_len=2048, block_size=8)
     rid = engine.submit(prompt_ids, max_new_tokens=128, stop_ids=(2,), seed=0,
-                        sampling=SamplingConfig(temperature=0.7, top_p=0.9), stop_strings=("\n\n",))
+                        sampling=SamplingConfig(temperature=0.7, top_p=0.9), stop_strings=("\\n\\n",))
     while engine.busy: engine.step()                  # or engine.run() -> {request id: Completion}
+    [done] = decode(target_params, target_cfg, [prompt_ids], 64, max_len=512)   # one-shot: AR (no drafter)
 
-Per-request rules: each request brings its own sampling rule (temperature, top-p, top-k; default: the
-engine's) and seed; they live in the batch state as arrays (`serve.sampling.SamplingRows`), so requests
-that sample differently share one step, nothing recompiles, and a request's output does not depend on
-its neighbours. Stop token ids end a request at the token; stop strings (which need `detokenize`) end it
-at the first token whose text completes one: the request keeps the tokens up to and including that token
-and frees its slot at once (the text after the stop string, inside that last token, is the caller's to
-cut: `Completion.stop_string` names the string that matched).
-
-Compiled shapes: prefill compiles once per power-of-two prompt bucket (minimum 16, at most
-log2(max_len / 16) + 1 of them); propose and verify once per (slots, K, span), where the span is the
-number of page-table entries attention sees: the pages the longest running request needs, rounded up to
-a power of two (at most log2(max_len / page_size) + 1 spans). Without it the reference paged attention
-would gather every slot's whole capacity each step, a cost that follows max_len instead of the live
-lengths (regeneration at max_len 2048 ran at half the tokens/s of max_len 512). The engine logs each new
-shape at INFO the first time it dispatches it (`compiled_shapes` lists them), so a growing count shows.
-
-Every step: queued requests are admitted into free slots, then one propose + verify runs over all slots;
-inactive slots are carried along and ignored (their `active` flag is False, so verify leaves them
-untouched). A request that hits a stop token or its token budget leaves at once and frees its slot. The
-batch state keeps one shape, so propose and verify compile once per (slots, K). `block_size=None` runs AR
-mode through the same loop (the target alone: no drafter, one token per step), the baseline the benchmark
-and regeneration use.
-
-Target cache: one `serve.paged.PagedKVCache` for all slots, made once here; the host keeps its `PagePool`
-and the slots' `PageTable` (ceil(max_len / page_size) pages per slot). Before each jitted step that
-appends T tokens, every active slot is made to own pages for L + T tokens (prefill: its prompt; verify:
-L + K) and the table is uploaded if it changed (same shape: no recompile). A finished request releases
-its slot's pages at once and the slot's length returns to 0; the released slot stays in the batch, its
-table row on the null page, so the writes verify makes for it are dropped.
-
-Prefill design: a new request is prefilled alone, straight into its slot: `speculative.prefill` runs the
-prompt through a one-row view of the batch cache (that slot's page-table row, the shared page arrays) and
-updates only that slot of the batch state. No separate single-sequence state, no copy into the batch,
-and the prompt costs one row, not `slots` rows.
-
-Admission on page exhaustion: a request is admitted only when a slot is free AND the pool can give it
-pages for its worst case, len(prompt) + max_new_tokens + K tokens, all taken at admission. Otherwise it
-stays queued (FIFO: later requests do not overtake it) until finished requests release pages. Because
-every running request already owns its worst case, the per-step `ensure` never runs out mid-decode, so
-there is no preemption. A request whose worst case exceeds the whole pool is refused by `submit`.
+Each step admits queued requests into free slots (each prefilled alone, straight into its slot's pages),
+asks the proposer for drafts, and verifies them over all slots; a request that hits a stop token, a stop
+string or its budget leaves at once and frees its slot and pages. AR mode is the proposer that proposes
+nothing (K = 1). Requests carry their own sampling rule and seed, so neighbours never change an output.
+Compiled shapes are logged once each (`compiled_shapes`). Design and measurements: docs/decisions.md D13, D16.
 """
 
 from __future__ import annotations
@@ -55,27 +21,86 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from models.config import DecoderConfig
+from models.decoder import Params
 from models.drafter import DFlashDrafter
-from serve.generate import bucket
+from serve.config import SamplingConfig
 from serve.paged import OutOfPagesError, PagePool, PageTable
-from serve.sampling import SamplingConfig, SamplingRows
-from serve.speculative import SpecState, empty_state, prefill, propose, span_pages, sync_page_table, verify
+from serve.sampling import SamplingRows
+from serve.speculative import (
+    Admission,
+    Models,
+    SpecState,
+    bucket,
+    empty_state,
+    prefill,
+    propose,
+    span_pages,
+    sync_page_table,
+    verify,
+)
 
-Params = dict[str, Any]
 log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- proposers
+
+
+class Proposer(Protocol):
+    """Drafts for one step: K - 1 tokens per slot ([B, K-1] int32) given the state and the attention span
+    (context slots) of this step. K = `block_size` tokens are verified per step."""
+
+    block_size: int
+
+    def __call__(self, models: Models, state: SpecState, span: int) -> jax.Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class NoDrafts:
+    """AR decoding: proposes nothing, so each step verifies the pending token alone (K = 1)."""
+
+    block_size: int = 1
+
+    def __call__(self, models: Models, state: SpecState, span: int) -> jax.Array:
+        return jnp.zeros((state.pending.shape[0], 0), jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterProposals:
+    """DFlash: the drafter's argmax block of K - 1 drafts from one forward (`speculative.propose`)."""
+
+    block_size: int
+
+    def __call__(self, models: Models, state: SpecState, span: int) -> jax.Array:
+        return propose(models, state, self.block_size, span)
+
+
+@dataclasses.dataclass(frozen=True)
+class GivenProposals:
+    """Drafts from a function of (state, K) -> [B, K-1] (tests: an oracle or a deliberately wrong proposer)."""
+
+    block_size: int
+    fn: Callable[[SpecState, int], Any]
+
+    def __call__(self, models: Models, state: SpecState, span: int) -> jax.Array:
+        return jnp.asarray(self.fn(state, self.block_size), jnp.int32)
+
+
+# ----------------------------------------------------------------------------- requests
 
 
 @dataclasses.dataclass
 class Completion:
-    """A finished (or running) request: its tokens and acceptance statistics."""
+    """A finished (or running) request: its tokens, timings and acceptance statistics.
+
+    accepted: drafts accepted per verify step (DFlash only); tau: mean tokens per step (accepted + 1, bonus
+    included), in [1, K]; accept_per_position[i]: share of steps whose draft i+1 was accepted."""
 
     request_id: int
     prompt_ids: list[int]
@@ -84,6 +109,7 @@ class Completion:
     seed: int
     sampling: SamplingConfig | None = None  # None: greedy
     stop_strings: tuple[str, ...] = ()
+    block_size: int = 1
     token_ids: list[int] = dataclasses.field(default_factory=list)
     accepted: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
@@ -96,15 +122,27 @@ class Completion:
     def tau(self) -> float:
         return float(np.mean([a + 1 for a in self.accepted])) if self.accepted else 0.0
 
+    @property
+    def accept_per_position(self) -> list[float]:
+        acc = np.asarray(self.accepted)
+        return [float(np.mean(acc > i)) if acc.size else 0.0 for i in range(self.block_size - 1)]
 
-def _stand_in_drafter(target_cfg: DecoderConfig) -> DFlashDrafter:
-    """The smallest drafter (one layer, one feature, one kv head of width 2): in AR mode the batch state still
-    holds a draft cache, but nothing ever drafts, so its weights never matter."""
-    from models.drafter import DrafterConfig, resolve_drafter
+    @property
+    def stopped(self) -> bool:
+        return self.finish_reason == "stop"
 
-    arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=1, block_size=2, num_heads=1, num_kv_heads=1,
-                                         head_dim=2, intermediate_size=2), target_cfg, mask_token_id=0)
-    return DFlashDrafter(arch, nnx.Rngs(0))
+    @property
+    def prefill_s(self) -> float:
+        return (self.first_token_s or self.submitted_s) - self.submitted_s
+
+    @property
+    def decode_s(self) -> float:
+        return (self.finished_s or self.first_token_s or 0.0) - (self.first_token_s or 0.0)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.token_ids) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -114,33 +152,38 @@ def _set_active(state: SpecState, active_B: jax.Array) -> SpecState:
     return dataclasses.replace(state, target=target, lengths=jnp.where(active_B, state.lengths, 0), active=active_B)
 
 
+# ----------------------------------------------------------------------------- the engine
+
+
 class Engine:
     """DFlash (or AR) decoding of many requests over `slots` sequence slots."""
 
-    def __init__(self, target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter | None, *, slots: int,
-                 max_len: int, block_size: int | None = None, sampling: SamplingConfig | None = None,
+    def __init__(self, target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter | None = None, *,
+                 slots: int, max_len: int, block_size: int | None = None,
+                 draft_fn: Callable[[SpecState, int], Any] | None = None, sampling: SamplingConfig | None = None,
                  page_size: int = 16, num_pages: int | None = None,
                  detokenize: Callable[[Sequence[int]], str] | None = None):
-        """sampling: the default rule of requests that bring none (None: greedy); page_size: tokens per page
-        of the target cache; num_pages: pages in the pool, the null page included (default: every slot at
-        max_len, plus the null page); detokenize: ids -> text, needed for stop strings."""
+        """block_size: K per step with `drafter` (None: AR mode, the drafter unused); draft_fn: replaces the
+        drafter's proposals (tests); sampling: the default rule of requests that bring none (None: greedy);
+        page_size / num_pages: the target cache's pages (default: every slot at max_len, plus the null
+        page); detokenize: ids -> text, needed for stop strings."""
         if slots < 1:
             raise ValueError(f"slots must be >= 1; received {slots}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1; received {page_size}")
-        if drafter is None:
-            if block_size is not None:
-                raise ValueError(f"a drafter is needed for block_size={block_size}; received None (None is for AR "
-                                 "mode, block_size=None)")
-            drafter = _stand_in_drafter(target_cfg)
-        arch = drafter.arch
-        self.ar = block_size is None
-        self.k = 2 if self.ar else block_size
-        if not self.ar and not 2 <= self.k <= arch.block_size:
-            raise ValueError(f"block_size must lie in [2, {arch.block_size}] (the drafter's training K) or be None "
-                             f"for AR mode; received {block_size}")
-        self.target_params, self.target_cfg = target_params, target_cfg
-        self.graphdef, self.drafter_params = nnx.split(drafter, nnx.Param)
+        if block_size is None:
+            drafter, self.proposer = None, NoDrafts()
+        elif drafter is None:
+            raise ValueError(f"a drafter is needed for block_size={block_size}; received None (None is for AR "
+                             "mode, block_size=None)")
+        elif not 2 <= block_size <= drafter.arch.block_size:
+            raise ValueError(f"block_size must lie in [2, {drafter.arch.block_size}] (the drafter's training K) or "
+                             f"be None for AR mode; received {block_size}")
+        else:
+            self.proposer = GivenProposals(block_size, draft_fn) if draft_fn else DrafterProposals(block_size)
+        self.models = Models.of(target_params, target_cfg, drafter)
+        self.arch = None if drafter is None else drafter.arch
+        self.k = self.proposer.block_size
         self.slots, self.max_len = slots, max_len
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.detokenize = detokenize
@@ -156,15 +199,18 @@ class Engine:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the reserved null page); received {num_pages}")
         self._fresh_state()
 
+    @property
+    def ar(self) -> bool:
+        return self.k == 1
+
     def _fresh_state(self) -> None:
         """Empty slots: all pages free, a zeroed batch state, lengths 0."""
         self.pool = PagePool(self.num_pages, self.page_size)
         self.max_pages = -(-self.max_len // self.page_size)  # page-table entries per slot
         self.table = PageTable(self.pool, self.slots, self.max_pages)
         self.lengths = np.zeros(self.slots, np.int64)  # committed tokens per slot, mirrored on the host
-        arch = nnx.merge(self.graphdef, self.drafter_params).arch
-        self.state: SpecState = empty_state(self.target_cfg, arch, self.slots, self.max_len, self.num_pages,
-                                            self.page_size, self.target_params["embed"].dtype)
+        self.state: SpecState = empty_state(self.models.target_cfg, self.arch, self.slots, self.max_len,
+                                            self.num_pages, self.page_size, self.models.target_params["embed"].dtype)
         self._table_version = 0  # the table version on the device
 
     def reset(self) -> None:
@@ -206,7 +252,7 @@ class Engine:
             raise ValueError(f"stop_strings must be non-empty strings; received {stop_strings!r}")
         sampling = self.sampling if sampling is None else sampling
         request = Completion(next(self._ids), [int(t) for t in prompt_ids], max_new_tokens, tuple(stop_ids), seed,
-                             None if sampling is None or sampling.greedy else sampling, stop_strings,
+                             None if sampling is None or sampling.greedy else sampling, stop_strings, self.k,
                              submitted_s=time.perf_counter())
         pages = self.pool.pages_for(self._worst_case_tokens(request))
         if pages > self.pool.num_usable:
@@ -232,9 +278,9 @@ class Engine:
             tokens[0, :n] = request.prompt_ids
             self._sync_table()
             self._note_shape("prefill", tokens.shape)
-            self.state = prefill(self.target_params, self.target_cfg, self.graphdef, self.drafter_params, self.state,
-                                 jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
-                                 jax.random.PRNGKey(request.seed)[None], SamplingRows.of([request.sampling]))
+            new = Admission(jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
+                            jax.random.PRNGKey(request.seed)[None], SamplingRows.of([request.sampling]))
+            self.state = prefill(self.models, self.state, new)
             self.lengths[slot] = n
             request.first_token_s = time.perf_counter()
             self.running[slot] = request
@@ -282,27 +328,22 @@ class Engine:
         raise AssertionError("unreachable: the full text holds a stop string")  # pragma: no cover
 
     def step(self) -> None:
-        """Admit what fits, then one decoding step over every running request."""
+        """Admit what fits, then one propose + verify over every running request."""
         self._admit()
         if not self.running:
             return
         active = np.zeros(self.slots, bool)
         active[list(self.running)] = True
         self.state = _set_active(self.state, jnp.asarray(active))
-        # Verify appends K tokens (1 in AR mode) per active slot; admission already reserved them, so this
-        # only raises on a bookkeeping bug.
+        # Verify appends K tokens per active slot; admission already reserved them, so this only raises on a
+        # bookkeeping bug.
         self.table.ensure_batch(np.where(active, self.lengths + self.k, 0))
         self._sync_table()
         # Attention sees only the pages in use, bucketed to a power of two (a bounded number of shapes).
         pages = span_pages(int(self.lengths[active].max()) + self.k, self.page_size, self.max_pages)
-        self._note_shape("verify", (self.slots, self.k if not self.ar else 1, pages))
-        if self.ar:
-            drafts = jnp.zeros((self.slots, 0), jnp.int32)
-        else:
-            drafts = propose(self.target_params, self.target_cfg, self.graphdef, self.drafter_params, self.state,
-                             self.k, pages * self.page_size)
-        self.state, out, n = verify(self.target_params, self.target_cfg, self.graphdef, self.drafter_params,
-                                    self.state, drafts, pages)
+        self._note_shape("verify", (self.slots, self.k, pages))
+        drafts = self.proposer(self.models, self.state, pages * self.page_size)
+        self.state, out, n = verify(self.models, self.state, drafts, pages)
         out, n = np.asarray(out), np.asarray(n)
         self.lengths = np.where(active, self.lengths + n + 1, self.lengths)
         self.steps += 1
@@ -318,4 +359,38 @@ class Engine:
         return self.done
 
 
-__all__ = ["Completion", "Engine"]
+def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+           *, max_len: int, drafter: DFlashDrafter | None = None, block_size: int | None = None,
+           stop_ids: Sequence[int] = (), sampling: SamplingConfig | None = None, seeds: Sequence[int] | None = None,
+           draft_fn: Callable[[SpecState, int], Any] | None = None,
+           on_token: Callable[[int], None] | None = None) -> list[Completion]:
+    """Decode `prompts` together, one slot each, through the engine: AR without a drafter, else DFlash at
+    `block_size` (default: the drafter's training K). Greedy DFlash equals AR token for token; sampled
+    DFlash has AR sampling's distribution.
+
+    seeds: one per prompt (default: sampling.seed + index); on_token: called with each new token of a
+    single prompt as the engine emits it (streaming)."""
+    if not prompts:
+        raise ValueError("prompts must be a non-empty list of non-empty token lists; received none")
+    if on_token is not None and len(prompts) != 1:
+        raise ValueError(f"on_token streams one prompt; received {len(prompts)}")
+    k = None if drafter is None else (block_size or drafter.arch.block_size)
+    seeds = [(sampling.seed if sampling else 0) + i for i in range(len(prompts))] if seeds is None else seeds
+    if len(seeds) != len(prompts):
+        raise ValueError(f"seeds must hold one seed per prompt ({len(prompts)}); received {len(seeds)}")
+    engine = Engine(target_params, target_cfg, drafter, slots=len(prompts), max_len=max_len, block_size=k,
+                    draft_fn=draft_fn, sampling=sampling)
+    for prompt, seed in zip(prompts, seeds, strict=True):
+        engine.submit(prompt, max_new_tokens, stop_ids, seed=int(seed))
+    requests = list(engine.queue)
+    streamed = 0
+    while engine.busy:
+        engine.step()
+        if on_token is not None:
+            for token in requests[0].token_ids[streamed:]:
+                on_token(token)
+            streamed = len(requests[0].token_ids)
+    return requests
+
+
+__all__ = ["Completion", "DrafterProposals", "Engine", "GivenProposals", "NoDrafts", "Proposer", "decode"]

@@ -1,5 +1,5 @@
 """The data stages end to end on the embedded target: `dflash data regenerate` -> `capture` -> `inspect` ->
-`dflash train train.data.features=offline`; online and offline batches equal; bad captures refused before
+`dflash train data.features=offline`; online and offline batches equal; bad captures refused before
 the first step, naming what is wrong."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from configs.recipe import load_recipe
+from data.examples import build_examples
 from data.online import make_batches
 from data.shards import ManifestMismatchError
 from launch.cli import main
-from models.drafter import default_mask_token_id, resolve_drafter
-from train.loop import _offline_batches, build_examples
-from train.step import online_features
+from models.drafter import online_features
+from train.loop import _offline_batches
 
-ONLINE = ["train.data.source=regenerated"]
+ONLINE = ["data.source=regenerated"]
 
 
 def _args(data_dir, *extra: str) -> list[str]:
@@ -66,9 +66,9 @@ def test_online_and_offline_batches_are_equal(data_dir, smollm2_target):
     features of the batch within bf16 rounding on every real position."""
     recipe = load_recipe("tiny", [f"data.dir={data_dir}", *ONLINE])
     target = smollm2_target
-    arch = resolve_drafter(recipe.drafter, target.cfg, default_mask_token_id(target.tokenizer, target.cfg))
-    examples, _ = build_examples(recipe, target)
-    online = make_batches([(t, m) for t, m, _ in examples], 4, recipe.train.data.seed)
+    arch = target.drafter_arch(recipe.drafter)
+    examples, _ = build_examples(recipe.data, target.tokenizer)
+    online = make_batches([(t, m) for t, m, _ in examples], 4, recipe.data.shuffle_seed)
     offline, fingerprint = _offline_batches(recipe, target, arch, per_host=4)
     assert fingerprint.startswith("offline:")
     feats = jax.jit(lambda p, t: online_features(p, target.cfg, t, arch.layer_ids))
@@ -90,7 +90,7 @@ def test_online_and_offline_batches_are_equal(data_dir, smollm2_target):
 
 @pytest.mark.e2e
 def test_offline_training_runs_and_a_mismatched_capture_is_refused(data_dir, tmp_path, capsys, caplog):
-    run = ["train", *_args(data_dir), "train.data.features=offline", f"train.run_dir={tmp_path / 'run'}",
+    run = ["train", *_args(data_dir), "data.features=offline", f"train.run_dir={tmp_path / 'run'}",
            "train.batch_size=8", "--no-progress"]  # the test process has 8 devices
     with caplog.at_level("INFO", logger="train.loop"):
         assert main(run) == 0
@@ -99,7 +99,7 @@ def test_offline_training_runs_and_a_mismatched_capture_is_refused(data_dir, tmp
 
     # Another layer choice and another row length: refused before any step, every field named.
     bad = [a if not a.startswith("train.run_dir") else f"train.run_dir={tmp_path / 'bad'}" for a in run]
-    assert main([*bad, "drafter.layer_ids=[1,4]", "train.data.seq_len=64"]) == 2
+    assert main([*bad, "drafter.layer_ids=[1,4]", "data.seq_len=64"]) == 2
     err = capsys.readouterr().err
     assert "2 field(s) differ: layer_ids: manifest (1, 3), run (1, 4); seq_len: manifest 128, run 64" in err
     assert not (tmp_path / "bad" / "checkpoints").exists()

@@ -31,8 +31,7 @@ from models.loading import _MATRICES, expected_shapes, layer_param_names
 from models.registry import default_gguf_path
 from models.target import Target
 from models.tokenizer import load_tokenizer
-from serve.generate import generate
-from serve.sampling import SamplingConfig
+from serve.engine import decode
 
 MAX_LEN = 256
 MAX_NEW = 24
@@ -142,8 +141,7 @@ def test_greedy_equals_direct_ar_turn_by_turn(target, engines, tmp_path, monkeyp
         for j, reason in zip(replies, record["finish_reasons"], strict=True):
             prompt = tok.encode(tok.apply_chat_template(messages[:j], add_generation_prompt=True))
             references.append(prompt)
-            ref = generate(target.params, target.cfg, prompt, SamplingConfig(max_new_tokens=MAX_NEW), MAX_LEN,
-                           stop_ids=tok.stop_token_ids)
+            [ref] = decode(target.params, target.cfg, [prompt], MAX_NEW, max_len=MAX_LEN, stop_ids=tok.stop_token_ids)
             tokens += len(ref.token_ids)
             assert reason == ("stop" if ref.stopped else "length")
             reply = ref.token_ids[:-1] if ref.stopped else ref.token_ids

@@ -38,8 +38,8 @@ from data.shards import (
     load_manifest,
     record_size,
 )
+from models.drafter import online_features
 from models.loading import load_hf_dir, weights_fingerprint
-from train.step import online_features
 
 LAYER_IDS = (1, 3)
 SEQ_LEN = 32

@@ -9,10 +9,8 @@ from flax import nnx
 
 from models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from models.loading import load_hf_dir
-from serve.engine import Engine
-from serve.generate import generate
+from serve.engine import Engine, decode
 from serve.sampling import SamplingConfig
-from serve.speculative import speculative_generate
 
 MAX_LEN = 128
 
@@ -31,7 +29,8 @@ def setup():
 
 def _ar(target_cfg, target_params, prompt, budget, stop_ids=()):
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=budget)
-    return generate(target_params, target_cfg, prompt, sampling, MAX_LEN, stop_ids=stop_ids).token_ids
+    [done] = decode(target_params, target_cfg, [prompt], budget, max_len=MAX_LEN, stop_ids=stop_ids, sampling=sampling)
+    return done.token_ids
 
 
 @pytest.mark.parametrize("block_size", [None, 4, 8])
@@ -70,8 +69,8 @@ def test_sampled_output_does_not_depend_on_the_batch(setup):
     ids = [engine.submit(p, budget, seed=100 + i) for i, (p, budget) in enumerate(requests)]
     done = engine.run()
     for i, (rid, (prompt, budget)) in enumerate(zip(ids, requests, strict=True)):
-        [alone] = speculative_generate(target_params, target_cfg, drafter, [prompt], budget, MAX_LEN, block_size=4,
-                                       sampling=sampling, seeds=[100 + i])
+        [alone] = decode(target_params, target_cfg, [prompt], budget, max_len=MAX_LEN, drafter=drafter, block_size=4,
+                         sampling=sampling, seeds=[100 + i])
         assert done[rid].token_ids == alone.token_ids, rid
 
 
@@ -105,8 +104,8 @@ def test_requests_with_different_sampling_rules_share_steps(setup):
         if rule is None:
             assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
         else:
-            [alone] = speculative_generate(target_params, target_cfg, drafter, [prompt], budget, MAX_LEN,
-                                           block_size=4, sampling=rule, seeds=[7 + i])
+            [alone] = decode(target_params, target_cfg, [prompt], budget, max_len=MAX_LEN, drafter=drafter,
+                             block_size=4, sampling=rule, seeds=[7 + i])
             assert done[rid].token_ids == alone.token_ids, rid
     sampled = [done[rid].token_ids for rid, rule in zip(ids, rules, strict=True) if rule is not None]
     greedy_of_same = [_ar(target_cfg, target_params, p, b) for (p, b), r in zip(requests, rules, strict=True) if r]

@@ -10,8 +10,7 @@ from flax import nnx
 from models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from models.loading import load_hf_dir
 from serve import speculative
-from serve.engine import Engine
-from serve.generate import generate
+from serve.engine import Engine, decode
 from serve.sampling import SamplingConfig
 
 MAX_LEN = 32
@@ -34,7 +33,8 @@ def _requests(n: int, seed: int) -> list[tuple[list[int], int]]:
 
 def _ar(target_cfg, target_params, prompt, budget):
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=budget)
-    return generate(target_params, target_cfg, prompt, sampling, MAX_LEN).token_ids
+    [done] = decode(target_params, target_cfg, [prompt], budget, max_len=MAX_LEN, sampling=sampling)
+    return done.token_ids
 
 
 def _all_pages_free(engine: Engine) -> bool:

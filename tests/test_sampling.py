@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from configs.schema import ConfigError
-from serve.generate import bucket
 from serve.sampling import SamplingConfig, filtered_logprobs, sample
+from serve.speculative import bucket
 
 
 def test_greedy_is_argmax():

@@ -12,9 +12,7 @@ import pytest
 from flax import nnx
 
 from models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
-from serve.engine import Engine
-from serve.generate import generate
-from serve.sampling import SamplingConfig
+from serve.engine import Engine, decode
 from serve.server import make_server
 
 MAX_LEN = 512
@@ -40,8 +38,9 @@ def server(smollm2_target):
 
 def _ar_text(target, question: str, max_tokens: int) -> str:
     ids = target.tokenizer.encode_chat([{"role": "user", "content": question}], add_generation_prompt=True)
-    out = generate(target.params, target.cfg, ids, SamplingConfig(max_new_tokens=max_tokens), MAX_LEN,
-                   stop_ids=target.tokenizer.stop_token_ids).token_ids
+    [done] = decode(target.params, target.cfg, [ids], max_tokens, max_len=MAX_LEN,
+                    stop_ids=target.tokenizer.stop_token_ids)
+    out = done.token_ids
     return target.tokenizer.decode([t for t in out if t not in target.tokenizer.stop_token_ids])
 
 

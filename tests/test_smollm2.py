@@ -12,8 +12,7 @@ import pytest
 from conftest import GOLDEN
 
 from models import decoder
-from serve.generate import generate
-from serve.sampling import SamplingConfig
+from serve.engine import decode
 
 CHATS = json.loads((GOLDEN / "smollm2_chat.json").read_text())["chats"]
 
@@ -30,8 +29,8 @@ def test_greedy_continuation_equals_transformers(smollm2_target, chat):
     t = smollm2_target
     prompt_ids = t.tokenizer.encode_chat(chat["messages"], add_generation_prompt=True)
     assert prompt_ids == chat["prompt_ids"]
-    result = generate(t.params, t.cfg, prompt_ids, SamplingConfig(max_new_tokens=len(chat["greedy_ids"])),
-                      max_seq_len=512)  # no stop ids: the golden ran exactly max_new_tokens
+    # no stop ids: the golden ran exactly max_new_tokens
+    [result] = decode(t.params, t.cfg, [prompt_ids], len(chat["greedy_ids"]), max_len=512)
     assert result.token_ids == chat["greedy_ids"]
 
 

@@ -17,9 +17,8 @@ from flax import nnx
 
 from models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from models.loading import load_hf_dir
-from serve.generate import generate
+from serve.engine import decode
 from serve.sampling import SamplingConfig
-from serve.speculative import speculative_generate
 
 TRAIN_K = 16
 MAX_LEN = 256
@@ -34,8 +33,8 @@ def setup():
     drafter = DFlashDrafter(arch, nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 255, size=n)) for n in (5, 17, 9, 30)]
-    ar = [generate(target_params, target_cfg, p, SamplingConfig(temperature=0.0, max_new_tokens=NEW), MAX_LEN).token_ids
-          for p in prompts]
+    ar = [decode(target_params, target_cfg, [p], NEW, max_len=MAX_LEN, sampling=SamplingConfig(temperature=0.0))[0]
+          .token_ids for p in prompts]
     return target_cfg, target_params, drafter, prompts, ar
 
 
@@ -46,6 +45,8 @@ def _oracle(prompts, ar, wrong: bool):
         out = np.zeros((len(prompts), k - 1), np.int32)
         for b, (p, ref) in enumerate(zip(prompts, ar, strict=True)):
             done = int(lengths[b]) - len(p)  # tokens of ref already committed; ref[done] is pending
+            if done < 0:
+                continue  # a finished (inactive) slot: its drafts are ignored
             nxt = [ref[done + i] if done + i < len(ref) else 0 for i in range(1, k)]
             out[b] = (np.asarray(nxt) + 1) % 256 if wrong else nxt
         return jnp.asarray(out)
@@ -55,7 +56,7 @@ def _oracle(prompts, ar, wrong: bool):
 @pytest.mark.parametrize("k", [2, 4, 8, 16])
 def test_greedy_dflash_equals_ar_batch_4(setup, k):
     target_cfg, target_params, drafter, prompts, ar = setup
-    results = speculative_generate(target_params, target_cfg, drafter, prompts, NEW, MAX_LEN, block_size=k)
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=k)
     for res, ref in zip(results, ar, strict=True):
         assert res.token_ids == ref
         assert 1.0 <= res.tau <= k and len(res.accept_per_position) == k - 1
@@ -64,14 +65,14 @@ def test_greedy_dflash_equals_ar_batch_4(setup, k):
 def test_greedy_dflash_equals_ar_batch_1(setup):
     target_cfg, target_params, drafter, prompts, ar = setup
     for p, ref in zip(prompts, ar, strict=True):
-        [res] = speculative_generate(target_params, target_cfg, drafter, [p], NEW, MAX_LEN, block_size=8)
+        [res] = decode(target_params, target_cfg, [p], NEW, max_len=MAX_LEN, drafter=drafter, block_size=8)
         assert res.token_ids == ref
 
 
 @pytest.mark.parametrize("k", [2, 8, 16])
 def test_full_acceptance_commits_k_tokens_per_step(setup, k):
     target_cfg, target_params, drafter, prompts, ar = setup
-    results = speculative_generate(target_params, target_cfg, drafter, prompts, NEW, MAX_LEN, block_size=k,
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=k,
                                    draft_fn=_oracle(prompts, ar, wrong=False))
     for res, ref in zip(results, ar, strict=True):
         assert res.token_ids == ref
@@ -82,7 +83,7 @@ def test_full_acceptance_commits_k_tokens_per_step(setup, k):
 
 def test_full_rejection_still_equals_ar(setup):
     target_cfg, target_params, drafter, prompts, ar = setup
-    results = speculative_generate(target_params, target_cfg, drafter, prompts, NEW, MAX_LEN, block_size=8,
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=8,
                                    draft_fn=_oracle(prompts, ar, wrong=True))
     for res, ref in zip(results, ar, strict=True):
         assert res.token_ids == ref
@@ -92,7 +93,7 @@ def test_full_rejection_still_equals_ar(setup):
 def test_stop_tokens_end_each_sequence(setup):
     target_cfg, target_params, drafter, prompts, ar = setup
     stop = ar[1][6]
-    results = speculative_generate(target_params, target_cfg, drafter, prompts, NEW, MAX_LEN, block_size=4,
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=4,
                                    stop_ids=[stop], draft_fn=_oracle(prompts, ar, wrong=False))
     for res, ref in zip(results, ar, strict=True):
         want = ref[: ref.index(stop) + 1] if stop in ref else ref
@@ -102,14 +103,14 @@ def test_stop_tokens_end_each_sequence(setup):
 def test_bad_block_size_is_refused(setup):
     target_cfg, target_params, drafter, prompts, _ = setup
     with pytest.raises(ValueError, match=r"block_size must lie in \[2, 16\]"):
-        speculative_generate(target_params, target_cfg, drafter, prompts, NEW, MAX_LEN, block_size=32)
+        decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=32)
 
 
 def test_a_trained_checkpoint_loads_into_the_engine(setup, tmp_path):
     """A drafter saved by the trainer's Checkpointer loads back exactly and decodes exactly alike."""
     import jax
 
-    from serve.speculative import load_drafter_checkpoint
+    from models.drafter_io import load_drafter
     from train.checkpoint import Checkpointer, CheckpointError
     from train.loop import arch_dict
     from train.step import init_state, make_optimizer
@@ -120,17 +121,17 @@ def test_a_trained_checkpoint_loads_into_the_engine(setup, tmp_path):
     ckpt = Checkpointer(tmp_path / "checkpoints", {"arch": arch_dict(drafter.arch)})
     ckpt.save(5, state, {"iterator": {"next_index": 5}})
     ckpt.close()
-    loaded = load_drafter_checkpoint(tmp_path, target_cfg)
+    loaded = load_drafter(tmp_path, target_cfg)
     want = nnx.to_flat_state(nnx.state(trained, nnx.Param))
     got = dict(nnx.to_flat_state(nnx.state(loaded, nnx.Param)))
     for keys, variable in want:
         np.testing.assert_array_equal(np.asarray(got[keys][...]), np.asarray(variable[...]))
-    a = speculative_generate(target_params, target_cfg, trained, prompts, NEW, MAX_LEN, block_size=8)
-    b = speculative_generate(target_params, target_cfg, loaded, prompts, NEW, MAX_LEN, block_size=8)
+    a = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=trained, block_size=8)
+    b = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=loaded, block_size=8)
     assert [r.accepted for r in a] == [r.accepted for r in b] and [r.token_ids for r in b] == ar
     other = dataclasses.replace(target_cfg, vocab_size=target_cfg.vocab_size + 1)
     with pytest.raises(CheckpointError, match=r"trained for another target \(vocab_size: drafter 256 vs target 257\)"):
-        load_drafter_checkpoint(tmp_path, other)
+        load_drafter(tmp_path, other)
 
 
 def test_sampled_dflash_has_the_target_distribution(setup):
@@ -164,7 +165,7 @@ def test_sampled_dflash_has_the_target_distribution(setup):
         return jnp.asarray(np.stack([first, np.full_like(first, 7)], axis=1)[:, : k - 1])
 
     n = 4000
-    results = speculative_generate(target_params, target_cfg, drafter, [prompt] * n, 2, 32, block_size=3,
+    results = decode(target_params, target_cfg, [prompt] * n, 2, max_len=32, drafter=drafter, block_size=3,
                                    draft_fn=draft, sampling=sampling, seeds=list(range(n)))
     pairs = [tuple(r.token_ids[:2]) for r in results]
     observed = np.array([sum(1 for p in pairs if p == c) for c in cells])
@@ -191,8 +192,8 @@ def test_zlab_directory_round_trip_decodes_identically(setup, tmp_path):
     assert config["model_type"] == target_cfg.family and config["num_target_layers"] == target_cfg.num_layers
     loaded = load_zlab(tmp_path / "zlab", target_cfg)
     assert loaded.arch == trained.arch
-    a = speculative_generate(target_params, target_cfg, trained, prompts, NEW, MAX_LEN, block_size=8)
-    b = speculative_generate(target_params, target_cfg, loaded, prompts, NEW, MAX_LEN, block_size=8)
+    a = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=trained, block_size=8)
+    b = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=loaded, block_size=8)
     assert [r.accepted for r in a] == [r.accepted for r in b] and [r.token_ids for r in b] == ar
     # A tensor set that does not match the config is refused, naming the tensor.
     from safetensors.numpy import load_file, save_file
@@ -217,7 +218,7 @@ def test_compiled_shapes_stay_bounded_over_a_long_generation(setup):
     rng = np.random.default_rng(1)
     lengths = [3, 9, 16, 17, 31, 33, 40]  # buckets 16, 32, 64
     for n in lengths:
-        speculative_generate(target_params, target_cfg, drafter, [list(rng.integers(0, 255, size=n))], 96, MAX_LEN,
+        decode(target_params, target_cfg, [list(rng.integers(0, 255, size=n))], 96, max_len=MAX_LEN, drafter=drafter,
                              block_size=4)
     grown = {f: getattr(speculative, f)._cache_size() - before[f] for f in before}
     assert grown["prefill"] <= 3, grown

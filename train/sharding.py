@@ -14,7 +14,6 @@ shapes of small models rarely divide 8 ways), so every rule is legal on every me
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs.schema import require
+from train.config import MeshConfig
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
@@ -50,21 +50,6 @@ TARGET_RULES: tuple[Rule, ...] = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Mesh axis sizes; one of them may be -1 (= all remaining devices). Their product must equal the
-    number of devices used."""
-
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-
-    def __post_init__(self) -> None:
-        sizes = (self.data, self.fsdp, self.tensor)
-        require(all(s == -1 or s >= 1 for s in sizes), "train.mesh", sizes, "hold sizes >= 1 or -1")
-        require(sum(s == -1 for s in sizes) <= 1, "train.mesh", sizes, "hold at most one -1")
-
-
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     """(data, fsdp, tensor) sizes for `num_devices`, the -1 filled in."""
     sizes = [cfg.data, cfg.fsdp, cfg.tensor]
@@ -78,8 +63,9 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     return sizes[0], sizes[1], sizes[2]
 
 
-def make_mesh(cfg: MeshConfig = MeshConfig(), devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
+    cfg = cfg or MeshConfig()
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(cfg, len(devices))
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES)

@@ -33,29 +33,12 @@ import optax
 from flax import nnx
 
 from models.config import DecoderConfig
-from models.decoder import embed, forward
-from models.drafter import BlockVisibility, DFlashDrafter, DrafterArch, concat_features, drafter_logits
+from models.decoder import Params, embed
+from models.drafter import BlockVisibility, DFlashDrafter, DrafterArch, drafter_logits, online_features
 from train.objective import Blocks, build_blocks_batch, dflash_loss, sample_anchors_batch
 
-Params = dict[str, Any]
 Metrics = dict[str, jax.Array]
 Batch = dict[str, jax.Array]
-
-
-# ----------------------------------------------------------------------------- features
-
-
-def online_features(target_params: Params, target_cfg: DecoderConfig, tokens_BxS: jax.Array,
-                    layer_ids: tuple[int, ...]) -> jax.Array:
-    """Frozen target features [B, S, F*D]: post-layer outputs of `layer_ids`, concatenated in id order.
-
-    Feature j of token s is the output of target decoder layer j (HF hidden_states[j+1]) at s, computed
-    causally over the whole sequence. No gradient flows into the target (stop_gradient on params and
-    output). A precomputed feature source must return the same array.
-    """
-    frozen = jax.lax.stop_gradient(target_params)
-    _, feats_FxBxSxD = forward(frozen, target_cfg, tokens_BxS, layer_ids=tuple(layer_ids), with_logits=False)
-    return jax.lax.stop_gradient(concat_features(feats_FxBxSxD))
 
 
 # ----------------------------------------------------------------------------- state and optimizer
@@ -277,7 +260,6 @@ __all__ = [
     "make_optimizer",
     "make_schedule",
     "make_train_step",
-    "online_features",
     "split_drafter",
     "train_step",
 ]

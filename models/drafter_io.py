@@ -1,0 +1,126 @@
+"""Drafters from disk: one `load_drafter(path, target_cfg)` for `dflash train` run dirs (Orbax) and z-lab
+HF directories, and the read side of the trainer's checkpoint format (`train.checkpoint` writes it).
+
+A trainer checkpoint `<run_dir>/checkpoints/<step>/` holds three Orbax items: `state` (the TrainState:
+params, optimizer, step, rng), `data` (the loader position, JSON) and `meta` (JSON: FORMAT, the drafter
+architecture, the recipe, the target fingerprint).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from models.config import DecoderConfig, RopeScaling
+from models.drafter import DFlashDrafter, DrafterArch, check_fits_target
+from models.zlab import load_zlab
+
+FORMAT = "dflash-train/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: unreadable, corrupt, or of another architecture."""
+
+
+def checkpoint_manager(directory: str | Path, keep: int | None = None, create: bool = False,
+                       asynchronous: bool = False) -> ocp.CheckpointManager:
+    """An Orbax manager over `directory` with the trainer's three items (state, data, meta)."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
+                                           enable_async_checkpointing=asynchronous)
+    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(Path(directory), options=options, item_handlers=handlers)
+
+
+def read_meta(manager: ocp.CheckpointManager, directory: Path, step: int) -> dict[str, Any]:
+    """The meta JSON of checkpoint `step`; CheckpointError if it is missing or unreadable."""
+    if not (directory / str(step) / "meta").is_dir():
+        raise CheckpointError(f"checkpoint {directory / str(step)} has no meta/ entry; it is not a "
+                              f"{FORMAT} checkpoint or it is incomplete")
+    try:
+        return dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+    except Exception as err:  # noqa: BLE001 - any failure to read means the same thing here
+        raise CheckpointError(f"checkpoint meta of {directory / str(step)} is unreadable "
+                              f"({type(err).__name__}: {err}); the checkpoint is corrupt: delete that step "
+                              "directory or use a new run_dir") from err
+
+
+def read_raw(manager: ocp.CheckpointManager, directory: Path, step: int) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """(state as saved: nested dicts of arrays on this process's first device, data state, meta) of
+    checkpoint `step`, whatever mesh and process count wrote it."""
+    meta = read_meta(manager, directory, step)
+    try:
+        local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        saved = manager.item_metadata(step)["state"]
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=local), saved)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
+        restored = manager.restore(step, args=args)
+    except Exception as err:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {directory / str(step)} could not be restored "
+                              f"({type(err).__name__}: {err}); it is corrupt") from err
+    return restored["state"], dict(restored["data"]), meta
+
+
+def arch_from_meta(fields: dict[str, Any]) -> DrafterArch:
+    """The DrafterArch recorded in a checkpoint's meta (`meta["arch"]`, JSON values)."""
+    fields = dict(fields)
+    fields["layer_ids"] = tuple(fields["layer_ids"])
+    if fields.get("rope_scaling") is not None:
+        scaling = dict(fields["rope_scaling"])
+        scaling["freq_factors"] = tuple(scaling.get("freq_factors", ()))
+        fields["rope_scaling"] = RopeScaling(**scaling)
+    return DrafterArch(**fields)
+
+
+def _load_checkpoint(path: Path, target_cfg: DecoderConfig, step: int | None) -> DFlashDrafter:
+    directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not directory.is_dir():
+        raise FileNotFoundError(f"drafter checkpoint directory {str(directory)!r} does not exist; pass a "
+                                "`dflash train` run dir (train.run_dir), its checkpoints/ directory, or a z-lab "
+                                "drafter directory (config.json + model.safetensors)")
+    directory = directory.resolve()
+    manager = checkpoint_manager(directory)
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"{directory} holds no finished checkpoint")
+        saved, _, meta = read_raw(manager, directory, step)
+    finally:
+        manager.close()
+    arch = arch_from_meta(meta["arch"])
+    try:
+        check_fits_target(arch, target_cfg, f"{directory} (step {step})")
+    except ValueError as err:
+        raise CheckpointError(str(err)) from err
+    drafter = DFlashDrafter(arch, nnx.Rngs(0))
+    flat = []
+    for keys, variable in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
+        node = saved["params"]
+        for key in (*keys, "value"):
+            node = node[str(key)]
+        if tuple(node.shape) != tuple(variable.shape):
+            raise CheckpointError(f"{directory} step {step}: parameter {'/'.join(map(str, keys))} has shape "
+                                  f"{tuple(node.shape)}, the architecture says {tuple(variable.shape)}")
+        flat.append((keys, variable.replace(jnp.asarray(node, jnp.float32))))
+    nnx.update(drafter, nnx.from_flat_state(flat))
+    return drafter
+
+
+def load_drafter(path: str | Path, target_cfg: DecoderConfig, step: int | None = None) -> DFlashDrafter:
+    """The drafter stored at `path`, checked against `target_cfg` (every mismatching field named).
+
+    path: a z-lab layout directory (config.json + model.safetensors), or a `dflash train` run dir or its
+    checkpoints/ directory (`step` defaults to the latest)."""
+    path = Path(path).expanduser()
+    if (path / "config.json").is_file():
+        return load_zlab(path, target_cfg)
+    return _load_checkpoint(path, target_cfg, step)
+
+
+__all__ = ["FORMAT", "CheckpointError", "arch_from_meta", "checkpoint_manager", "load_drafter", "read_meta",
+           "read_raw"]
