@@ -3,7 +3,7 @@ regenerated answers (DESIGN §2: the drafter should learn what the target says, 
 
     .venv/bin/python -m benchmarks.data_effect --reference runs/demo --regenerated runs/demo-regen --write
 
-Both drafters decode the same prompts greedily with the bundled DFlash decoder (`speculative_generate`,
+Both drafters decode the same prompts greedily through the bundled engine (`serve.engine.decode`,
 block K = the drafters' training K) against the same target; the script reports τ (tokens per verify
 step, pooled over all steps), acceptance by draft position, and the τ ratio, per prompt set: GSM8K test
 questions (the training domain) and MT-Bench first turns (out of domain). Greedy outputs must be equal
@@ -42,7 +42,7 @@ def main() -> None:
     from data.packaged import load_gsm8k, load_mtbench
     from models.drafter_io import load_drafter
     from models.target import load_target
-    from serve.speculative import speculative_generate
+    from serve.engine import decode
 
     t_start = time.perf_counter()
     recipe = load_recipe(args.config)
@@ -59,9 +59,9 @@ def main() -> None:
         prompts = [tok.encode_chat(c, add_generation_prompt=True) for c in conversations]
         taus = {}
         for name, drafter in drafters.items():
-            results = speculative_generate(target.params, target.cfg, drafter, prompts, args.new_tokens,
-                                           max(len(p) for p in prompts) + args.new_tokens + 64,
-                                           stop_ids=tok.stop_token_ids)
+            results = decode(target.params, target.cfg, prompts, args.new_tokens,
+                             max_len=max(len(p) for p in prompts) + args.new_tokens + 64, drafter=drafter,
+                             stop_ids=tok.stop_token_ids)
             outputs[set_name, name] = [r.token_ids for r in results]
             tau, per_pos, steps = _pooled(results)
             taus[name] = tau

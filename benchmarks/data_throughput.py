@@ -67,7 +67,8 @@ def record_bytes_per_token(features: int, hidden: int) -> int:
 def regen_rates(target: Any, slots: list[int], n_prompts: int, new_tokens: int, max_len: int,
                 tmp: Path) -> list[dict[str, Any]]:
     """Per slot count: warm-up (compile) seconds, then the timed regeneration's stats and replies."""
-    from data.regenerate import RegenConfig, make_regen_engine, regenerate
+    from data.config import RegenConfig
+    from data.regenerate import make_regen_engine, regenerate
     from data.sources import MixSpec, SourceSpec, mix
 
     items, _ = mix(MixSpec(sources=(SourceSpec(name="gsm8k"),), max_prompts=n_prompts, seed=0))

@@ -11,15 +11,15 @@ as the engine does), greedy.
    the drafter's feature capture and draft-cache update) per K and batch B, after a ~64-token prefill;
    every timed call starts from a fresh copy of the prefilled state (verify donates it; the copy is made
    outside the timed region). K=1 is `verify` with no drafts (always measured): the ratios are against
-   it at the same B, so every row is the same program. `serve.generate.decode_step` (the AR step: a
-   one-token forward_cached + argmax, no feature capture) is shown beside it for reference.
+   it at the same B, so every row is the same program. The engine's AR step (`verify` with no drafter: a
+   one-token forward + argmax, no feature capture) is shown beside it for reference.
 2. `propose` (one drafter forward over the block + the LM head) for the default 5-layer drafter, random
    init (cost only), over K and B, on the same prefilled state.
-3. End to end, batch 1: `serve.generate.generate` (AR) vs `serve.speculative.speculative_generate`
-   (DFlash, the drafter of `--drafter`, at its training K) on chat-templated GSM8K test questions, exactly
+3. End to end, batch 1, both through the engine (`serve.engine.decode`): AR vs DFlash (the drafter of
+   `--drafter`, at its training K) on chat-templated GSM8K test questions, exactly
    `--new-tokens` tokens each (no stop ids, so both sides emit the same count). Each prompt is run once
-   to compile, then timed. TPOT = decode seconds / (tokens - 1): prefill excluded (DFlash's prefill is
-   timed alone on the same prompt and subtracted). tau = tokens per verify step (accepted + bonus).
+   to compile, then timed. TPOT = decode seconds / (tokens - 1): prefill excluded (the engine stamps the
+   first token once its prefill is done). tau = tokens per verify step (accepted + bonus).
    Efficiency = measured speedup / (tau * t_AR / (t_draft + t_verify)), with t_AR the AR TPOT and
    t_draft, t_verify the drafter's own propose and verify at its K and B=1, timed as in 1 and 2: how
    much of the ideal speedup the host loop keeps. Without `--drafter` a random 2-layer K=8 drafter is
@@ -63,105 +63,86 @@ def median_s(fn: Any, fresh: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def prefilled(target: Any, drafter: Any, graphdef: Any, dparams: Any, tokens_BxT: Any, lengths_B: Any,
-              room: int = 80) -> Any:
-    """A SpecState (paged target cache) with B prompts prefilled, each slot holding pages for `room` more
-    tokens (verify writes K ahead)."""
+def prefilled(target: Any, drafter: Any, tokens_BxT: Any, lengths_B: Any, room: int = 80) -> Any:
+    """(Models, SpecState) with B prompts prefilled (`drafter` None: AR, no draft cache), each slot holding
+    pages for `room` more tokens (verify writes K ahead)."""
     import jax.numpy as jnp
     import numpy as np
 
     from serve.paged import PagePool, PageTable
-    from serve.speculative import empty_state, prefill, sync_page_table
+    from serve.sampling import SamplingRows
+    from serve.speculative import Admission, Models, empty_state, prefill, sync_page_table
 
     b, page = tokens_BxT.shape[0], 16
     max_pages = -(-MAX_LEN // page)
     pool = PagePool(b * max_pages + 1, page)
     table = PageTable(pool, b, max_pages)
-    state = empty_state(target.cfg, drafter.arch, b, MAX_LEN, pool.num_pages, page, target.params["embed"].dtype)
+    models = Models.of(target.params, target.cfg, drafter)
+    arch = None if drafter is None else drafter.arch
+    state = empty_state(target.cfg, arch, b, MAX_LEN, pool.num_pages, page, target.params["embed"].dtype)
     table.ensure_batch(np.asarray(lengths_B) + room)
     state, _ = sync_page_table(state, table, 0)
-    return prefill(target.params, target.cfg, graphdef, dparams, state, jnp.arange(b, dtype=jnp.int32),
-                   jnp.asarray(tokens_BxT), jnp.asarray(lengths_B, jnp.int32), jnp.zeros((b, 2), jnp.uint32))
+    new = Admission(jnp.arange(b, dtype=jnp.int32), jnp.asarray(tokens_BxT), jnp.asarray(lengths_B, jnp.int32),
+                    jnp.zeros((b, 2), jnp.uint32), SamplingRows.of([None] * b))
+    return models, prefill(models, state, new)
 
 
-def spec_state(target: Any, drafter: Any, graphdef: Any, dparams: Any, batch: int) -> Any:
-    """A SpecState after prefilling B random PROMPT_LEN-token prompts."""
+def spec_state(target: Any, drafter: Any, batch: int) -> Any:
+    """(Models, SpecState) after prefilling B random PROMPT_LEN-token prompts."""
     import numpy as np
 
     rng = np.random.default_rng(batch)
     tokens = rng.integers(100, 40000, size=(batch, PROMPT_LEN)).astype(np.int32)
-    return prefilled(target, drafter, graphdef, dparams, tokens, np.full((batch,), PROMPT_LEN, np.int32))
+    return prefilled(target, drafter, tokens, np.full((batch,), PROMPT_LEN, np.int32))
 
 
 def step_costs(target: Any, drafter: Any, batch: int, ks: list[int], propose_ks: list[int],
                repeats: int) -> dict[str, dict[int, float]]:
-    """Seconds of decode_step (key 'decode'), verify per K and propose per K at batch B for `drafter`."""
+    """Seconds of the AR step (key 'decode': `verify` with no drafter and no drafts, what the engine's AR
+    mode runs), verify per K and propose per K at batch B for `drafter`."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
-    from serve.generate import decode_step
-    from serve.sampling import SamplingConfig
     from serve.speculative import propose, span_pages, verify
 
-    graphdef, dparams = nnx.split(drafter, nnx.Param)
-    state = spec_state(target, drafter, graphdef, dparams, batch)
+    models, state = spec_state(target, drafter, batch)
+    ar_models, ar_state = spec_state(target, None, batch)
     copy = lambda: jax.tree.map(jnp.copy, state)  # noqa: E731
     out: dict[str, dict[int, float]] = {"decode": {}, "verify": {}, "propose": {}}
-    key, greedy = jax.random.PRNGKey(0), SamplingConfig()
     max_pages = state.target.page_table.shape[1]
     span = lambda k: span_pages(PROMPT_LEN + k, state.target.page_size, max_pages)  # noqa: E731 - as the engine
-    out["decode"][1] = median_s(
-        lambda c: decode_step(target.params, target.cfg, state.pending, c, key, greedy),
-        lambda: jax.tree.map(jnp.copy, state.target.view(span(1))), repeats)
+    none = jnp.zeros((batch, 0), jnp.int32)
+    out["decode"][1] = median_s(lambda s: verify(ar_models, s, none, span(1)),
+                                lambda: jax.tree.map(jnp.copy, ar_state), repeats)
     rng = np.random.default_rng(0)
     for k in ks:
         drafts = jnp.asarray(rng.integers(100, 40000, size=(batch, k - 1)), jnp.int32)
         pages = span(k)
-        out["verify"][k] = median_s(
-            lambda s, d=drafts, p=pages: verify(target.params, target.cfg, graphdef, dparams, s, d, p), copy,
-            repeats)
+        out["verify"][k] = median_s(lambda s, d=drafts, p=pages: verify(models, s, d, p), copy, repeats)
     for k in propose_ks:
-        out["propose"][k] = median_s(
-            lambda s, k=k: propose(target.params, target.cfg, graphdef, dparams, s, k,
-                                   span(k) * state.target.page_size), lambda: state, repeats)
+        out["propose"][k] = median_s(lambda s, k=k: propose(models, s, k, span(k) * state.target.page_size),
+                                     lambda: state, repeats)
     return out
 
 
 def end_to_end(target: Any, drafter: Any, n_prompts: int, new_tokens: int) -> list[dict[str, float]]:
-    """Per prompt: AR and DFlash decode seconds (prefill excluded), tokens, and DFlash steps/accepted."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
+    """Per prompt: AR and DFlash decode seconds (prefill excluded), tokens, and DFlash steps/accepted, both
+    through the engine at one slot (`serve.engine.decode`)."""
     from data.packaged import load_gsm8k
-    from serve.generate import bucket, generate
-    from serve.sampling import SamplingConfig
-    from serve.speculative import speculative_generate
+    from serve.engine import decode
 
-    graphdef, dparams = nnx.split(drafter, nnx.Param)
-    sampling = SamplingConfig(max_new_tokens=new_tokens)
     rows = []
     for conv in load_gsm8k("test", limit=n_prompts):
         prompt = target.tokenizer.encode_chat(conv[:1], add_generation_prompt=True)
-        padded = np.zeros((1, bucket(len(prompt))), np.int32)
-        padded[0, :len(prompt)] = prompt
         for _ in range(2):  # the first pass compiles; the second is timed
-            ar = generate(target.params, target.cfg, prompt, sampling, MAX_LEN)
-            spec = speculative_generate(target.params, target.cfg, drafter, [prompt], new_tokens, MAX_LEN)[0]
-        pre = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            st = prefilled(target, drafter, graphdef, dparams, padded, np.asarray([len(prompt)], np.int32))
-            int(st.pending[0])
-            pre.append(time.perf_counter() - t0)
-        jax.block_until_ready(st)
+            [ar] = decode(target.params, target.cfg, [prompt], new_tokens, max_len=MAX_LEN)
+            [spec] = decode(target.params, target.cfg, [prompt], new_tokens, max_len=MAX_LEN, drafter=drafter)
         if spec.token_ids != ar.token_ids:
             print(f"note: DFlash and AR outputs differ on a prompt of {len(prompt)} tokens (fp32 ties?)")
         rows.append({"prompt_len": len(prompt), "ar_tokens": len(ar.token_ids), "ar_decode_s": ar.decode_s,
                      "ar_prefill_s": ar.prefill_s, "spec_tokens": len(spec.token_ids),
-                     "spec_decode_s": spec.seconds - statistics.median(pre), "spec_total_s": spec.seconds,
+                     "spec_decode_s": spec.decode_s, "spec_total_s": spec.prefill_s + spec.decode_s,
                      "steps": len(spec.accepted), "accepted": sum(spec.accepted)})
     return rows
 
@@ -284,7 +265,7 @@ def main() -> None:
     head = "| K | " + " | ".join(f"B={b} ms | B={b} vs K=1 | B={b} target tok/s" for b in bs) + " |"
     kflat = [head, "|---|" + "---|---|---|" * len(bs)]
 
-    kflat.append("| 1 (`decode_step`, the AR step) | " + " | ".join(
+    kflat.append("| 1 (AR step: `verify`, no drafter) | " + " | ".join(
         f"{costs[b]['decode'][1] * 1e3:.1f} | {costs[b]['decode'][1] / costs[b]['verify'][1]:.2f}x | "
         f"{b / costs[b]['decode'][1]:.0f}" for b in bs) + " |")
     for k in sorted(costs[bs[0]]["verify"]):
@@ -301,8 +282,8 @@ def main() -> None:
             for b in bs) + " |")
     e2e = ["| decoder | TPOT (ms) | decode tok/s | end-to-end tok/s (prefill incl.) | tau | speedup |",
            "|---|---|---|---|---|---|",
-           f"| AR (`generate`) | {ar_tpot * 1e3:.1f} | {1 / ar_tpot:.1f} | {ar_tps:.1f} | 1 | 1.00x |",
-           f"| DFlash K={k_e2e} (`speculative_generate`) | {sp_tpot * 1e3:.1f} | {1 / sp_tpot:.1f} | {sp_tps:.1f} | "
+           f"| AR (engine, no drafter) | {ar_tpot * 1e3:.1f} | {1 / ar_tpot:.1f} | {ar_tps:.1f} | 1 | 1.00x |",
+           f"| DFlash K={k_e2e} (engine) | {sp_tpot * 1e3:.1f} | {1 / sp_tpot:.1f} | {sp_tps:.1f} | "
            f"{tau:.2f} | {speedup:.2f}x |"]
 
     b_lo, b_hi = bs[0], bs[-1]
@@ -336,8 +317,8 @@ def main() -> None:
         f"{PROMPT_LEN} random tokens for the micro-benchmarks. verify = `serve.speculative.verify` (target "
         "forward over the K-token chunk, feature capture, acceptance, draft-cache update), each call on a "
         "fresh copy of the prefilled state made outside the timed region; the ratios are against `verify` at "
-        "K=1 (no drafts) at the same B; `serve.generate.decode_step` (the AR step: one-token forward + greedy "
-        "pick, no feature capture) is shown for reference; target tok/s = B*K / verify.",
+        "K=1 (no drafts) at the same B; the engine's AR step (`verify` with no drafter: one-token forward + "
+        "greedy pick, no feature capture) is shown for reference; target tok/s = B*K / verify.",
         "",
         *kflat,
         "",

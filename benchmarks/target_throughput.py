@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/target_throughput.py [--torch-python PATH] [--write]
 
-Ours runs in this process. transformers runs the same workload on the same GGUF (dequantised, fp32,
-eager attention, same thread count) in a subprocess started with `--torch-python`, a Python that has
+Ours runs in this process, through the engine at one slot (AR, the serving path). transformers runs the
+same workload on the same GGUF (dequantised, fp32, eager attention, same thread count) in a subprocess started with `--torch-python`, a Python that has
 torch + transformers + gguf + accelerate (the golden-file environment, see README "Development");
 without it only our numbers are printed. Both sides use greedy decoding and the same prompt.
 `--write` records the table in docs/benchmarks.md.
@@ -18,7 +18,6 @@ import statistics
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,44 +28,23 @@ REPEATS = 3
 
 
 def ours(threads: int) -> dict:
-    import jax
-    import jax.numpy as jnp
+    """Prefill and decode tokens/s of our target through the engine at one slot (`serve.engine.decode`, AR)."""
     import numpy as np
 
     from models.config import TargetConfig
-    from models.decoder import DenseKVCache
     from models.target import load_target
-    from serve.generate import decode_step, prefill_step
-    from serve.sampling import SamplingConfig
+    from serve.engine import decode
 
     target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=1024))
     params, cfg = target.params, target.cfg
     rng = np.random.default_rng(0)
     out = {"prefill_tok_s": {}, "decode_tok_s": None}
     for n in PROMPT_LENS:
-        tokens = jnp.asarray(rng.integers(100, 40000, size=(1, n)), jnp.int32)
-        times = []
-        for _ in range(REPEATS + 1):
-            cache = DenseKVCache.create(cfg, 1, 1024)
-            t0 = time.perf_counter()
-            logits, cache = prefill_step(params, cfg, tokens, jnp.int32(n), cache)
-            logits.block_until_ready()
-            times.append(time.perf_counter() - t0)
+        prompt = [int(t) for t in rng.integers(100, 40000, size=n)]
+        times = [decode(params, cfg, [prompt], 1, max_len=1024)[0].prefill_s for _ in range(REPEATS + 1)]
         out["prefill_tok_s"][n] = n / statistics.median(times[1:])
-    sampling = SamplingConfig(max_new_tokens=DECODE_TOKENS)
-    tokens = jnp.asarray(rng.integers(100, 40000, size=(1, 128)), jnp.int32)
-    runs = []
-    for _ in range(REPEATS + 1):
-        cache = DenseKVCache.create(cfg, 1, 1024)
-        logits, cache = prefill_step(params, cfg, tokens, jnp.int32(128), cache)
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        key = jax.random.PRNGKey(0)
-        token.block_until_ready()
-        t0 = time.perf_counter()
-        for _ in range(DECODE_TOKENS):
-            token, cache = decode_step(params, cfg, token, cache, key, sampling)
-            int(token[0])  # the engine needs each token on the host (stop checks)
-        runs.append(time.perf_counter() - t0)
+    prompt = [int(t) for t in rng.integers(100, 40000, size=128)]
+    runs = [decode(params, cfg, [prompt], DECODE_TOKENS + 1, max_len=1024)[0].decode_s for _ in range(REPEATS + 1)]
     out["decode_tok_s"] = DECODE_TOKENS / statistics.median(runs[1:])
     return out
 

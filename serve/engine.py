@@ -282,9 +282,10 @@ class Engine:
                             jax.random.PRNGKey(request.seed)[None], SamplingRows.of([request.sampling]))
             self.state = prefill(self.models, self.state, new)
             self.lengths[slot] = n
+            first = int(self.state.pending[slot])  # waits for the prefill
             request.first_token_s = time.perf_counter()
             self.running[slot] = request
-            self._emit(slot, [int(self.state.pending[slot])])
+            self._emit(slot, [first])
 
     def _note_shape(self, program: str, shape: tuple[int, ...]) -> None:
         key = (program, *shape)
