@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/target_throughput.py [--torch-python PATH] [--write]
 
 Ours runs in this process, through the engine at one slot (AR, the serving path). transformers runs the
-same workload on the same GGUF (dequantised, fp32, eager attention, same thread count) in a subprocess started with `--torch-python`, a Python that has
-torch + transformers + gguf + accelerate (the golden-file environment, see README "Development");
+same workload on the same GGUF (dequantised, fp32, eager attention, same thread count) in a subprocess
+started with `--torch-python`, a Python that has torch + transformers + gguf + accelerate (the
+golden-file environment, see README "Development");
 without it only our numbers are printed. Both sides use greedy decoding and the same prompt.
 `--write` records the table in docs/benchmarks.md.
 """
