@@ -217,14 +217,13 @@ def main() -> None:
 
     from benchmarks._report import machine, write_section
     from models.config import TargetConfig
-    from models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, resolve_drafter
+    from models.drafter import DFlashDrafter, DrafterConfig
     from models.drafter_io import load_drafter
     from models.target import load_target
 
     t_start = time.perf_counter()
     target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=MAX_LEN))
-    mask = default_mask_token_id(target.tokenizer, target.cfg)
-    big = DFlashDrafter(resolve_drafter(DrafterConfig(block_size=max(args.propose_ks)), target.cfg, mask),
+    big = DFlashDrafter(target.drafter_arch(DrafterConfig(block_size=max(args.propose_ks))),
                         nnx.Rngs(0))
     costs = {}
     for b in args.batches:
@@ -236,7 +235,7 @@ def main() -> None:
     if args.drafter:
         drafter, source = load_drafter(args.drafter, target.cfg), f"the trained drafter `{args.drafter}`"
     else:
-        drafter = DFlashDrafter(resolve_drafter(DrafterConfig(num_layers=2, block_size=8), target.cfg, mask),
+        drafter = DFlashDrafter(target.drafter_arch(DrafterConfig(num_layers=2, block_size=8)),
                                 nnx.Rngs(0))
         source = "a RANDOM-init drafter (no `--drafter`; tau ~ 1, the worst case)"
     k_e2e = drafter.arch.block_size
@@ -245,7 +244,7 @@ def main() -> None:
     sweep_drafters = {k: drafter for k in (4, 8, 16) if k <= k_e2e}
     wide = [k for k in (4, 8, 16) if k > k_e2e]
     if wide:  # K beyond the trained drafter's K: a random drafter of that K (cost of the step; tau ~ 1)
-        rnd = DFlashDrafter(resolve_drafter(DrafterConfig(num_layers=2, block_size=max(wide)), target.cfg, mask),
+        rnd = DFlashDrafter(target.drafter_arch(DrafterConfig(num_layers=2, block_size=max(wide))),
                             nnx.Rngs(0))
         sweep_drafters.update({k: rnd for k in wide})
     sweep = engine_sweep(target, sweep_drafters, args.batches, args.prompts, max(2, args.new_tokens // 2))
