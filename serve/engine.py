@@ -99,8 +99,10 @@ class GivenProposals:
 class Completion:
     """A finished (or running) request: its tokens, timings and acceptance statistics.
 
-    accepted: drafts accepted per verify step (DFlash only); tau: mean tokens per step (accepted + 1, bonus
-    included), in [1, K]; accept_per_position[i]: share of steps whose draft i+1 was accepted."""
+    accepted: drafts accepted per verify step, counting only what was emitted (a stop token, a stop string or
+    the budget can cut a step short), DFlash only; tau: mean tokens per step (accepted + 1, bonus included),
+    in [1, K], so sum(accepted + 1) = len(token_ids) - 1 (the first token comes from the prefill);
+    accept_per_position[i]: share of steps whose draft i+1 was accepted."""
 
     request_id: int
     prompt_ids: list[int]
@@ -348,10 +350,11 @@ class Engine:
         out, n = np.asarray(out), np.asarray(n)
         self.lengths = np.where(active, self.lengths + n + 1, self.lengths)
         self.steps += 1
-        for slot in list(self.running):
-            if not self.ar:
-                self.running[slot].accepted.append(int(n[slot]))
+        for slot, request in list(self.running.items()):
+            before = len(request.token_ids)
             self._emit(slot, [int(t) for t in out[slot, : n[slot] + 1]])
+            if not self.ar:  # what was emitted: a stop or the budget may cut the step short of n + 1 tokens
+                request.accepted.append(len(request.token_ids) - before - 1)
 
     def run(self) -> dict[int, Completion]:
         """Step until every submitted request is done; returns all finished requests by id."""

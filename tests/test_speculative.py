@@ -100,6 +100,26 @@ def test_stop_tokens_end_each_sequence(setup):
         assert res.token_ids == want
 
 
+def test_acceptance_counts_only_what_was_emitted(setup):
+    """Oracle drafts (every draft right) with a stop token inside a block and budgets that end mid-block:
+    each step counts the tokens it emitted, so sum(accepted + 1) is the tokens after the first one and a
+    cut step counts fewer than K."""
+    target_cfg, target_params, drafter, prompts, ar = setup
+    stop = ar[1][6]  # inside the second block of prompt 1 at K=4
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=4,
+                     stop_ids=[stop], draft_fn=_oracle(prompts, ar, wrong=False))
+    for res, ref in zip(results, ar, strict=True):
+        want = ref[: ref.index(stop) + 1] if stop in ref else ref
+        assert res.token_ids == want
+        assert sum(a + 1 for a in res.accepted) == len(res.token_ids) - 1
+        assert all(a == 3 for a in res.accepted[:-1])
+    cut = results[1]  # 7 tokens: 1 from the prefill, then 4 + 2: the stop cuts the second step at 2 tokens
+    assert cut.accepted == [3, 1] and cut.tau == 3.0
+    budget = decode(target_params, target_cfg, prompts[:1], 7, max_len=MAX_LEN, drafter=drafter, block_size=4,
+                    draft_fn=_oracle(prompts[:1], ar[:1], wrong=False))[0]
+    assert len(budget.token_ids) == 7 and budget.accepted == [3, 1]
+
+
 def test_bad_block_size_is_refused(setup):
     target_cfg, target_params, drafter, prompts, _ = setup
     with pytest.raises(ValueError, match=r"block_size must lie in \[2, 16\]"):
