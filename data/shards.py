@@ -1,41 +1,13 @@
 """Stored target features (offline mode): the record format, the shard writer and reader, the manifest.
 
-A capture directory (DESIGN §2 offline branch, STYLE 8) holds
+A capture directory holds `manifest.json` (`Manifest`) and `shard-00000.array_record`, `shard-00001…`
+(shard i = samples [i*S, (i+1)*S), S = samples_per_shard), one ArrayRecord record per sample (`encode_record`).
 
-    manifest.json                    what was captured, from what, and every finished shard with its sha256
-    shard-00000.array_record         samples [0, S)        (S = samples_per_shard)
-    shard-00001.array_record         samples [S, 2S)
-    ...
+    writer = ShardWriter(out_dir, header)          # capture (data.capture): atomic per shard, resumes
+    with writer.shard(i) as shard: shard.write(tokens_N, loss_mask_N, features_NxFD)
+    source = RecordSource(out_dir, load_manifest(out_dir))     # training (data.offline): random access
 
-One ArrayRecord record per sample (group_size 1, so any sample is one random read). A record is a fixed
-32-byte little-endian header followed by three raw arrays, features first so they start 32-byte aligned:
-
-    offset 0   magic b"DFSR", u16 version (1), u16 header size (32), u32 n (tokens), u32 feature_dim (F*D),
-               u8 token dtype (1 = int32), u8 mask dtype (2 = uint8), u8 feature dtype (3 = bfloat16),
-               u8 reserved (0), u64 sample index (global), 4 bytes reserved (0)
-    offset 32  features  bfloat16[n, F*D]   `online_features` of the sample's padded row, first n positions
-               tokens    int32[n]            the real tokens (no padding)
-               loss_mask uint8[n]            the assistant-only mask, 0 or 1
-
-n is the sample's number of real tokens: padding is not stored (the loader pads again). Decoding checks
-the magic, version, dtypes, that the record length is exactly 32 + n*(2*F*D + 5), the feature width and
-the sample index against what the reader expects, and that the mask is 0/1; any failure is a
-`ShardError` naming the shard file and the record index. Riegeli (ArrayRecord's container) hashes every
-chunk, so a flipped byte inside a record surfaces as a read error, also turned into a `ShardError`.
-
-Crash safety (`ShardWriter`): a shard is written to `shard-XXXXX.array_record.tmp`, closed, fsynced,
-hashed (sha256, size) and renamed with `os.replace`; only then is the manifest rewritten (tmp + fsync +
-replace) with the shard's entry. A shard is therefore visible under its final name only when complete, and
-a crash loses at most the shard in progress. On restart the writer keeps the shards the manifest lists
-whose size (and, by default, sha256) still match, deletes `.tmp` leftovers and unlisted shard files, and
-reports which shards remain: samples are assigned to shards by index (shard i = samples [i*S, (i+1)*S)),
-so a rewritten shard is byte-identical to the one an uninterrupted capture would have written.
-
-ArrayRecord 0.8.6 behaviour this relies on: a reader of a truncated file reports 0 records and raises
-nothing, so shard sizes are checked against the manifest before any read (`load_manifest`), and each
-reader's record count against the manifest's when it opens. A file costs a fixed ~64-128 KiB of Riegeli
-block padding on top of its records; compression (`zstd`, `brotli`) is a writer option recorded in the
-manifest, `uncompressed` by default (bf16 features compress ~15%; random reads stay cheapest without it).
+Storage choices and ArrayRecord's quirks: docs/decisions.md D15.
 """
 
 from __future__ import annotations
@@ -113,10 +85,22 @@ class Sample:
 
 def encode_record(sample_index: int, tokens_N: np.ndarray, loss_mask_N: np.ndarray,
                   features_NxFD: np.ndarray) -> bytes:
-    """The record bytes of one sample (see the module docstring); arrays are validated, not converted.
+    """The record bytes of one sample; arrays are validated, not converted.
 
     `tokens_N` integer [n] (stored int32), `loss_mask_N` [n] of 0/1 values (stored uint8), `features_NxFD`
     bfloat16 [n, F*D] (any other dtype is an error: the cast belongs on device, before the transfer).
+
+    A record is a fixed 32-byte little-endian header followed by three raw arrays, features first so they
+    start 32-byte aligned:
+
+        offset 0   magic b"DFSR", u16 version (1), u16 header size (32), u32 n (tokens), u32 feature_dim
+                   (F*D), u8 token dtype (1 = int32), u8 mask dtype (2 = uint8), u8 feature dtype
+                   (3 = bfloat16), u8 reserved (0), u64 sample index (global), 4 bytes reserved (0)
+        offset 32  features  bfloat16[n, F*D]   `online_features` of the sample's padded row, first n positions
+                   tokens    int32[n]            the real tokens (no padding)
+                   loss_mask uint8[n]            the assistant-only mask, 0 or 1
+
+    n is the sample's number of real tokens: padding is not stored (the loader pads again).
     """
     tokens_N = np.asarray(tokens_N)
     loss_mask_N = np.asarray(loss_mask_N)
@@ -148,10 +132,12 @@ def record_size(n: int, feature_dim: int) -> int:
 
 def decode_record(record: bytes, *, feature_dim: int, sample_index: int | None = None,
                   where: str = "record") -> Sample:
-    """The `Sample` stored in `record`; raises ShardError (prefixed with `where`) on any inconsistency.
+    """The `Sample` stored in `record` (format: `encode_record`); raises ShardError (prefixed with `where`,
+    the shard file and record index) on any inconsistency.
 
-    `feature_dim` and `sample_index` (when given) must equal the header's. Arrays are zero-copy views of
-    `record` (read-only).
+    Checked: the magic, version, dtypes, that the record length is exactly 32 + n*(2*F*D + 5), the mask
+    is 0/1, and that `feature_dim` and `sample_index` (when given) equal the header's. Arrays are zero-copy
+    views of `record` (read-only).
     """
     if len(record) < HEADER_SIZE:
         raise ShardError(f"{where}: must be at least the {HEADER_SIZE}-byte header; received {len(record)} bytes")
@@ -441,6 +427,13 @@ class ShardWriter:
     Then `pending` lists the shard indices still to write; `with writer.shard(i) as shard:
     shard.write(tokens, loss_mask, features)` writes shard i (its exact sample count, or ShardError), and
     `finish()` marks the capture complete.
+
+    Crash safety: a shard is written to `shard-XXXXX.array_record.tmp`, closed, fsynced, hashed (sha256,
+    size) and renamed with `os.replace`; only then is the manifest rewritten (tmp + fsync + replace) with
+    the shard's entry. A shard is therefore visible under its final name only when complete, and a crash
+    loses at most the shard in progress. Samples are assigned to shards by index (shard i = samples
+    [i*S, (i+1)*S)), so a shard rewritten on resume is byte-identical to the one an uninterrupted capture
+    would have written.
     """
 
     def __init__(self, out_dir: str | Path, header: Manifest, *, verify: bool = True) -> None:

@@ -1,45 +1,11 @@
 """Prompt sources and the mix that feeds regeneration (DESIGN §2: prompts -> regenerate with the target).
 
-A source (`SourceSpec`) is exactly one of
-- `name`: a packaged preset (`PRESETS`: sharegpt, gsm8k, gsm8k_test, math, math_test, math500, humaneval,
-  mtbench, mbpp; see data/packaged.py for where each lives and how it is cleaned);
-- `path`: a local `.json` / `.jsonl` / `.parquet` file (also `.gz`), or a directory of one of those kinds
-  (datasets' split naming applies: `train.jsonl`, `test.jsonl`, … or everything is `train`), read with
-  `datasets.load_dataset("json" | "parquet", data_files=… | data_dir=…)`;
-- `hub`: a Hugging Face dataset id, `datasets.load_dataset(hub, subset, split=split)` (needs the network).
+    spec = parse_mix("sharegpt:3,gsm8k:1")        # or a MixSpec of SourceSpecs (presets, files, Hub ids)
+    items, stats = mix(dataclasses.replace(spec, max_prompts=2000, seed=0))
+    print(stats.summary())                        # items: [{"id", "source", "messages"}, ...]
 
-File and Hub records may be in any of three formats, chosen per dataset by its columns:
-- OpenAI `messages`: `[{"role", "content"}, …]`;
-- ShareGPT `conversations`: `[{"from", "value"}, …]` (`role`/`content` keys are accepted too);
-- a prompt column: `prompt_field`, else the first of `PROMPT_FIELDS` present; a record with `instruction`
-  and a non-blank `input` (Alpaca, CodeAlpaca) gets `instruction + "\\n\\n" + input`. Its reference answer,
-  if any, is `answer_field`, else the first of `ANSWER_FIELDS` present.
-Every record goes through `data.packaged.clean_conversation` (role aliases, leading assistant turns trimmed,
-drops counted by reason), as ShareGPT does.
-
-The mix (`MixSpec`, `mix(spec) -> (items, MixStats)`):
-1. Load every source in order; each conversation gets the id `f"{source}:{index}"`, `index` its position in
-   the source's cleaned list (before dedup and sampling), so ids are stable for the same data and code and
-   regeneration can resume by id. `source` is `SourceSpec.label`, else the preset name, the Hub id, or the
-   file/directory stem; names must be unique within a mix.
-2. Dedup (`dedup=True`): key = the user turns, each NFKC-normalized, case-folded and whitespace-collapsed.
-   The first occurrence wins, in source order then file order; later ones count as `duplicates`.
-3. Quotas. `available_i` = source i's unique conversations, capped by its `max_prompts` (0: no cap). With
-   `MixSpec.max_prompts` = 0, or >= the sum of `available`, every available conversation is taken (weights
-   do not matter). Otherwise (`allocate`): the total T is shared in proportion to the weights; a source whose
-   share is >= its `available` takes all of it and leaves the mix; the rest of T is shared again among
-   the others by their weights, until every remaining share fits. The remaining shares are rounded by
-   largest remainder (floors first; the units left go to the largest fractional parts, ties to the earlier
-   source), computed with exact fractions.
-4. Sampling: `rng = numpy.random.default_rng(seed)`; in source order, source i takes the first quota_i
-   entries of `rng.permutation(len(unique_i))` (a uniform sample without replacement of its whole unique
-   pool, not its first `max_prompts`), kept in pool order; then all items are shuffled with
-   `rng.permutation`. Same spec, same data -> same items in the same order.
-
-Items are `{"id", "source", "messages"}`, the input of `data.regenerate.regenerate`. With
-`MixSpec.with_answers=True` (default) conversations keep their reference assistant turns (regeneration
-drops and rewrites them; they also mark where each reply goes in multi-turn conversations); with False only
-system and user turns are kept.
+Sources: `SourceSpec` (and `load_source` for the record formats read); the mixing rules (ids, dedup,
+quotas, sampling): `mix`. Design: docs/decisions.md D15.
 """
 
 from __future__ import annotations
@@ -99,11 +65,17 @@ Item = dict[str, Any]  # {"id": str, "source": str, "messages": Conversation}
 
 @dataclasses.dataclass(frozen=True)
 class SourceSpec:
-    """One prompt source: exactly one of `name` (preset), `path` (local file/dir), `hub` (HF dataset id).
+    """One prompt source: exactly one of
+    - `name`: a packaged preset (`PRESETS`; `data.packaged` says where each lives and how it is cleaned);
+    - `path`: a local `.json` / `.jsonl` / `.parquet` file (also `.gz`), or a directory of one of those
+      kinds (datasets' split naming applies: `train.jsonl`, `test.jsonl`, … or everything is `train`), read
+      with `datasets.load_dataset("json" | "parquet", data_files=… | data_dir=…)`;
+    - `hub`: a Hugging Face dataset id, `datasets.load_dataset(hub, subset, split=split)` (needs the network).
 
     subset: Hub config name (hub only). split: path/hub split (default 'train'); presets have a fixed one.
     weight: share of the mix (> 0). max_prompts: cap on this source's conversations (0: no cap).
-    prompt_field / answer_field: column of the prompt / reference answer (path/hub; default: auto, see module).
+    prompt_field / answer_field: column of the prompt / reference answer (path/hub; default: auto, see
+    `load_source`).
     label: the source's name in ids and stats (default: preset name, Hub id or file stem).
     """
 
@@ -188,11 +160,12 @@ class SourceSpec:
 
 @dataclasses.dataclass(frozen=True)
 class MixSpec:
-    """A weighted mix of prompt sources (see the module docstring for the exact rules).
+    """A weighted mix of prompt sources (the exact rules: `mix`).
 
     max_prompts: total number of conversations (0: everything every source has). dedup: drop conversations
     whose user turns repeat an earlier one. seed: sampling and shuffling. with_answers: keep reference
-    assistant turns where sources have them.
+    assistant turns where sources have them (regeneration drops and rewrites them; they also mark where
+    each reply goes in multi-turn conversations); with False only system and user turns are kept.
     """
 
     sources: tuple[SourceSpec, ...]
@@ -279,7 +252,17 @@ class MixStats:
 def load_source(
     spec: SourceSpec, *, with_answers: bool = True, cache_dir: str | Path | None = None
 ) -> tuple[list[Conversation], CleanStats]:
-    """(conversations, stats) of one source, cleaned; `cache_dir` is datasets' cache (path/hub sources)."""
+    """(conversations, stats) of one source, cleaned; `cache_dir` is datasets' cache (path/hub sources).
+
+    File and Hub records may be in any of three formats, chosen per dataset by its columns:
+    - OpenAI `messages`: `[{"role", "content"}, …]`;
+    - ShareGPT `conversations`: `[{"from", "value"}, …]` (`role`/`content` keys are accepted too);
+    - a prompt column: `prompt_field`, else the first of `PROMPT_FIELDS` present; a record with
+      `instruction` and a non-blank `input` (Alpaca, CodeAlpaca) gets `instruction + "\\n\\n" + input`. Its
+      reference answer, if any, is `answer_field`, else the first of `ANSWER_FIELDS` present.
+    Every record goes through `data.packaged.clean_conversation` (role aliases, leading assistant turns
+    trimmed, drops counted by reason), as ShareGPT does.
+    """
     if spec.name is not None:
         return PRESETS[spec.name][1](with_answers)
     dataset = _load_dataset(spec, cache_dir)
@@ -299,8 +282,13 @@ def dedup_key(conversation: Conversation) -> bytes:
 
 
 def allocate(available: Sequence[int], weights: Sequence[float], total: int) -> list[int]:
-    """Per-source quotas: `total` shared by `weights`, capped by `available`, shortfalls redistributed
-    (rule in the module docstring, step 3). `total` 0 or >= sum(available): everything."""
+    """Per-source quotas: `total` shared by `weights`, capped by `available`, shortfalls redistributed.
+
+    `total` 0 or >= sum(available): everything. Otherwise `total` is shared in proportion to the weights;
+    a source whose share is >= its `available` takes all of it and leaves the mix; the rest is shared
+    again among the others by their weights, until every remaining share fits. The remaining shares are
+    rounded by largest remainder (floors first; the units left go to the largest fractional parts, ties
+    to the earlier source), computed with exact fractions."""
     if len(available) != len(weights):
         raise ValueError(
             f"available and weights must have the same length; received {len(available)} and {len(weights)}"
@@ -335,7 +323,20 @@ def allocate(available: Sequence[int], weights: Sequence[float], total: int) -> 
 
 
 def mix(spec: MixSpec, *, cache_dir: str | Path | None = None) -> tuple[list[Item], MixStats]:
-    """The mixed, deduplicated, shuffled items `{"id", "source", "messages"}` and per-source counts."""
+    """The mixed, deduplicated, shuffled items `{"id", "source", "messages"}` and per-source counts.
+
+    1. Every source is loaded in order; each conversation gets the id `f"{source}:{index}"`, `index` its
+       position in the source's cleaned list (before dedup and sampling), so ids are stable for the same
+       data and code and regeneration can resume by id. `source` is `SourceSpec.source_name`.
+    2. Dedup (`spec.dedup`, key `dedup_key`): the first occurrence wins, in source order then file order;
+       later ones count as `duplicates`.
+    3. Quotas (`allocate`) over `available_i` = source i's unique conversations, capped by its
+       `max_prompts` (0: no cap).
+    4. Sampling: `rng = numpy.random.default_rng(spec.seed)`; in source order, source i takes the first
+       quota_i entries of `rng.permutation(len(unique_i))` (a uniform sample without replacement of its
+       whole unique pool, not its first `max_prompts`), kept in pool order; then all items are shuffled
+       with `rng.permutation`. Same spec, same data -> same items in the same order.
+    """
     seen: set[bytes] = set()
     pools: list[list[tuple[int, Conversation]]] = []
     partial: list[tuple[str, CleanStats, int]] = []
@@ -479,7 +480,7 @@ class _Format:
 
 
 def _record_format(spec: SourceSpec, columns: Sequence[str]) -> _Format | None:
-    """How to read records with these columns (see the module docstring)."""
+    """How to read records with these columns (the formats: `load_source`)."""
     where = f"source {spec.source_name!r}"
     if spec.prompt_field is None and "messages" in columns:
         return _Format("messages")

@@ -1,21 +1,9 @@
 """The target decoder (Llama 3.x / Qwen2 / Qwen3 dense) as pure JAX functions over a params pytree.
 
-Params layout (ours is `x @ W`, i.e. HF weights transposed; layer weights stacked on a leading L axis
-so the layer loop is one `lax.scan` and compiles once):
-
-    embed        [V, D]                 final_norm [D]            lm_head [D, V] (untied only)
-    layers.attn_norm [L, D]   wq [L, D, H*Dh]   wk/wv [L, D, Hk*Dh]   wo [L, H*Dh, D]
-           bq/bk/bv [L, ·] (qkv_bias)   q_norm/k_norm [L, Dh] (qk_norm)
-           mlp_norm [L, D]   w_gate/w_up [L, D, F]   w_down [L, F, D]
-
-Two entry points:
-- `forward(params, cfg, tokens, positions, layer_ids=...)`: full causal forward; returns logits and the
-  post-layer hidden states at `layer_ids` (id j = output of decoder layer j = HF hidden_states[j+1]).
-  Only the layers up to the deepest requested id run when logits are not asked for.
-- `forward_cached(params, cfg, tokens, positions, cache, layer_ids=...)`: appends a chunk of T >= 1
-  tokens per sequence to a KV cache (any object implementing `KVCacheLike`, e.g. `DenseKVCache`; the
-  engine's paged cache implements the same two methods) and returns logits for every chunk token.
-  Rolling back is `cache.rollback(lengths)`.
+`forward` is the full causal pass (logits, and the post-layer features at chosen layer ids);
+`forward_cached` appends a chunk of T >= 1 tokens per sequence to any `KVCacheLike` cache (`DenseKVCache`
+here, the engine's paged cache) and returns the chunk's logits. Why pure functions over one layer scan,
+and the cache interface: docs/decisions.md D3, D4.
 """
 
 from __future__ import annotations
@@ -31,6 +19,12 @@ import numpy as np
 
 from models.config import DecoderConfig, check_layer_ids
 
+# Params layout (ours is `x @ W`, i.e. HF weights transposed; layer weights stacked on a leading L axis
+# so the layer loop is one `lax.scan` and compiles once):
+#     embed        [V, D]                 final_norm [D]            lm_head [D, V] (untied only)
+#     layers.attn_norm [L, D]   wq [L, D, H*Dh]   wk/wv [L, D, Hk*Dh]   wo [L, H*Dh, D]
+#            bq/bk/bv [L, ·] (qkv_bias)   q_norm/k_norm [L, Dh] (qk_norm)
+#            mlp_norm [L, D]   w_gate/w_up [L, D, I]   w_down [L, I, D]   (I = intermediate_size)
 Params = dict[str, Any]
 NEG_INF = -1e30
 
@@ -246,7 +240,9 @@ def forward(params: Params, cfg: DecoderConfig, tokens_BxS: jax.Array, positions
     """Full causal forward.
 
     Returns (logits [B, S, V] fp32 or None, features [F, B, S, D] or None) where features[i] is the
-    output of decoder layer layer_ids[i]. `key_valid_BxS` marks real (non-padding) tokens.
+    output of decoder layer layer_ids[i] (id j = output of layer j = HF hidden_states[j+1]). With
+    `with_logits=False` only the layers up to the deepest requested id run. `key_valid_BxS` marks real
+    (non-padding) tokens.
     """
     layer_ids = check_layer_ids(layer_ids, cfg.num_layers) if layer_ids else ()
     if not with_logits and not layer_ids:
@@ -281,8 +277,9 @@ def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxT: jax.Array, po
     `features` is [F, B, T, D] (outputs of decoder layers `layer_ids`) or None. With `logits_at_BxI`,
     logits are computed only at those chunk indices ([B, I, V]), e.g. the last prompt token in prefill.
 
-    Token i of sequence b lands at cache index cache.lengths[b] + i and is rotated at
-    positions_BxT[b, i]. The caller guarantees lengths + T <= capacity (see `check_capacity`).
+    `cache` is any `KVCacheLike` (`DenseKVCache`, the engine's `serve.paged.PagedKVCache`). Token i of
+    sequence b lands at cache index cache.lengths[b] + i and is rotated at positions_BxT[b, i]. The caller
+    guarantees lengths + T <= capacity (see `check_capacity`). Rolling back is `cache.rollback(lengths)`.
     """
     layer_ids = check_layer_ids(layer_ids, cfg.num_layers) if layer_ids else ()
     cos, sin = rope_tables(cfg, positions_BxT)

@@ -1,25 +1,9 @@
-"""The DFlash block-diffusion drafter (DESIGN §4.1) in Flax NNX.
+"""The DFlash block-diffusion drafter (DESIGN §4.1) in Flax NNX, and what it borrows from the frozen target:
+its features (`online_features`), its embedding table (`mask_token_embeds`) and its LM head (`drafter_logits`).
 
-Architecture, exactly:
-- fused context `c = hidden_norm(fc(concat_F target_feats))` (fc has no bias), once per context token;
-- `L_d` Qwen3-style layers (per-head RMSNorm on q and k, no biases, SwiGLU) at the target's hidden width
-  D, whatever the target's family;
-- in each layer the block stream x gives queries and block K/V after `input_layernorm`; the context gives
-  K/V through the SAME `k_proj`/`v_proj`/`k_norm` with NO `input_layernorm`, rotated at the context
-  tokens' own positions; keys/values are concatenated along tokens `[context | block]`; attention is
-  non-causal with a boolean visibility mask;
-- after the last layer `norm`; logits come from the target's (frozen) LM head, which the drafter does not
-  hold, just as it holds no embedding table (`mask_token_embeds` reads the target's).
-
-Who sees what:
-- `__call__` (training): Q block queries see exactly the keys `visible_BxQx(S+Q)` allows; the caller's
-  mask says block query of anchor a sees context key s iff s < a, and the keys of its own block only.
-- `draft_block` (inference): the K queries of one block see every valid cached context slot and all K
-  keys of their own block (bidirectional). Block K/V are never cached; `context_kv` is what the engine
-  caches.
-
-Parameter names map one-to-one to the z-lab HF tensor names (`hf_tensor_names`); an `nnx.Linear`
-`kernel` [in, out] is the HF `weight` [out, in] transposed.
+`DFlashDrafter.__call__` is the training forward over N packed blocks; `context_kv` + `draft_block` are the
+inference path (the engine caches the context K/V). Architecture and visibility: `DFlashDrafter`; z-lab
+tensor names: `hf_tensor_names`. Design notes: docs/decisions.md D8 (mask id: D12).
 """
 
 from __future__ import annotations
@@ -314,8 +298,19 @@ class DrafterLayer(nnx.Module):
 class DFlashDrafter(nnx.Module):
     """The DFlash drafter: fc + hidden_norm fusion, `num_layers` KV-injected layers, final `norm`.
 
+    - fused context `c = hidden_norm(fc(concat_F target_feats))` (fc has no bias), once per context token;
+    - `L_d` Qwen3-style layers (per-head RMSNorm on q and k, no biases, SwiGLU) at the target's hidden
+      width D, whatever the target's family;
+    - in each layer the block stream x gives queries and block K/V after `input_layernorm`; the context
+      gives K/V through the SAME `k_proj`/`v_proj`/`k_norm` with NO `input_layernorm`, rotated at the
+      context tokens' own positions; keys are `[context | block]`, attention non-causal under a boolean
+      visibility (`BlockVisibility`; who sees what: `__call__` for training, `draft_block` for inference);
+    - after the last layer `norm`.
+
     Holds no embedding and no LM head: block embeddings come from the target's table
-    (`mask_token_embeds`) and logits from the target's head (`drafter_logits`).
+    (`mask_token_embeds`) and logits from the target's head (`drafter_logits`). Parameter paths map one
+    to one onto the z-lab HF tensor names (`hf_tensor_names`; an `nnx.Linear` `kernel` [in, out] is the
+    HF `weight` [out, in] transposed).
     """
 
     def __init__(self, arch: DrafterArch, rngs: nnx.Rngs, dtype: Any = jnp.float32):

@@ -1,28 +1,11 @@
-"""The engine's paged target KV cache (DESIGN §4.4): a page pool, per-sequence page tables, paged attention.
+"""The engine's paged target KV cache (DESIGN §4.4): host-side page ownership, device-side paged attention.
 
-Layout and contract (the same semantics as `models.decoder.DenseKVCache`, which it replaces):
+    pool = PagePool(num_pages, page_size); table = PageTable(pool, batch, max_pages_per_seq)    # host
+    cache = PagedKVCache.create(cfg, batch, max_pages_per_seq, num_pages, page_size)             # device
+    table.ensure(slot, num_tokens); cache = cache.with_page_table(table.array())                 # before a step
 
-    k_pages, v_pages  [L, P, page_size, Hk, Dh]   one pool of P pages shared by all sequences and layers
-    page_table        [B, max_pages_per_seq] int32 page ids owned by each sequence slot
-    lengths           [B] int32                    tokens held per sequence
-
-Token t of sequence b lives in page `page_table[b, t // page_size]` at offset `t % page_size`. Tokens at
-or after `lengths[b]` are stale and invisible, so rolling back (rejected drafts) only lowers `lengths`;
-the pages stay owned by the sequence until the host releases them.
-
-Page 0 is the NULL page: never handed out by `PagePool`; every unused page-table entry points at it.
-Writes that land on it (a slot with no page assigned there, e.g. an inactive or released sequence) or
-past `capacity` are dropped, so it stays all zeros; reads of it are always masked.
-
-Split of work: the host (`PagePool`, `PageTable`) decides which pages a sequence owns and must make
-sure, before every jitted step that appends T tokens, that each active sequence owns pages for
-`lengths[b] + T` tokens (`PageTable.ensure`), then hands the new int32 table to the cache
-(`PagedKVCache.with_page_table`). The device side (`PagedKVCache`) only scatters and attends.
-
-Attention kernel hook: `PagedKVCache.attention` (a static field, default `reference_paged_attention`)
-is any function with the `PagedAttentionFn` signature; a TPU/GPU kernel (e.g. a Pallas ragged paged
-attention) is plugged in with `PagedKVCache.create(..., attention=kernel)`. Because it is static
-(part of the pytree structure), swapping it recompiles, and jitted steps see it as a constant.
+The host decides which pages a sequence owns; the cache only scatters and attends (layout, null page and
+the attention kernel hook: `PagedKVCache`). Admission and the attention span: docs/decisions.md D13.
 """
 
 from __future__ import annotations
@@ -39,11 +22,12 @@ import numpy as np
 from models.config import DecoderConfig
 from models.decoder import attend
 
+# Never allocated; unused page-table entries point here, and writes to it are dropped (see `PagedKVCache`).
 NULL_PAGE = 0
 
 
 class OutOfPagesError(RuntimeError):
-    """The page pool cannot supply the pages asked for (the engine may preempt or queue a sequence)."""
+    """The page pool cannot supply the pages asked for (the engine then keeps the request queued)."""
 
 
 # ----------------------------------------------------------------------------- host: pool and tables
@@ -170,7 +154,7 @@ class PageTable:
             self.ensure(slot, int(n))
 
     def release(self, slot: int) -> None:
-        """Return all of `slot`'s pages to the pool (the sequence finished or was preempted)."""
+        """Return all of `slot`'s pages to the pool (the sequence finished)."""
         self._check_slot(slot)
         if not self._pages[slot]:
             return
@@ -234,7 +218,29 @@ def reference_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages
                    meta_fields=["attention"])
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-    """Paged cache implementing `models.decoder.KVCacheLike` (see the module docstring for the layout)."""
+    """Paged cache implementing `models.decoder.KVCacheLike`, with `DenseKVCache`'s semantics.
+
+        k_pages, v_pages  [L, P, page_size, Hk, Dh]   one pool of P pages shared by all sequences and layers
+        page_table        [B, max_pages_per_seq] int32 page ids owned by each sequence slot
+        lengths           [B] int32                    tokens held per sequence
+
+    Token t of sequence b lives in page `page_table[b, t // page_size]` at offset `t % page_size`. Tokens
+    at or after `lengths[b]` are stale and invisible, so rolling back (rejected drafts) only lowers
+    `lengths`; the pages stay owned by the sequence until the host releases them.
+
+    Page 0 is the NULL page: never handed out by `PagePool`; every unused page-table entry points at it.
+    Writes that land on it (a slot with no page assigned there, e.g. an inactive or released sequence) or
+    past `capacity` are dropped, so it stays all zeros; reads of it are always masked.
+
+    The host (`PagePool`, `PageTable`) must make sure, before every jitted step that appends T tokens,
+    that each active sequence owns pages for `lengths[b] + T` tokens (`PageTable.ensure`; the engine
+    reserves a request's worst case at admission), then hand the table over with `with_page_table`.
+
+    `attention` (a static field, default `reference_paged_attention`) is any `PagedAttentionFn`; a TPU/GPU
+    kernel (e.g. a Pallas ragged paged attention) plugs in with `PagedKVCache.create(..., attention=kernel)`.
+    Being static (part of the pytree structure), swapping it recompiles, and jitted steps see it as a
+    constant.
+    """
 
     k_pages: jax.Array
     v_pages: jax.Array

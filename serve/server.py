@@ -1,20 +1,10 @@
-"""`dflash serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
+"""`dflash serve`: an OpenAI-compatible HTTP server (the stdlib's) over the continuous-batching engine.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true` as server-sent
-events), GET /v1/models, GET /health, GET /metrics (Prometheus text). Responses carry `usage` plus a
-`dflash` object with the request's acceptance statistics (τ, steps, accepted per step).
+    server = make_server(engine, tokenizer, "smollm2", port=8000)
+    server.serve_forever()          # from another thread: server.close() finishes the requests in flight
 
-Threads: HTTP handlers (one per connection, stdlib ThreadingHTTPServer) validate a request, hand it to
-the single engine thread and wait on its events; the engine thread admits requests between steps and
-publishes new tokens after every step. A bad request gets a 4xx JSON error
-(`{"error": {"message", "type", "param"}}`) and the server keeps serving. `shutdown()` stops accepting,
-finishes the requests in flight, then stops the engine thread.
-
-Sampling: each request may set `temperature` (0 = greedy), `top_p`, `top_k` (an extension, as in vLLM;
-0 or -1 = off) and `seed`; what it leaves out comes from the recipe's sampling section. The rules are
-per request inside one engine step (`serve.sampling.SamplingRows`), so a greedy and a sampled request
-share a batch without affecting each other. `stop` strings go to the engine, which ends the request (and
-frees its slot) at the token that completes one; the text is cut before the stop string.
+HTTP handler threads validate requests and hand them to the one engine thread (`EngineWorker`); routes,
+request fields and errors: `_Handler`. Design: docs/decisions.md D14.
 """
 
 from __future__ import annotations
@@ -66,7 +56,12 @@ class _Job:
 
 
 class EngineWorker:
-    """Runs the engine on its own thread; `submit` is safe to call from any thread."""
+    """Runs the engine on its own thread; `submit` is safe to call from any thread.
+
+    The engine thread admits submitted requests between steps and, after every step, publishes each
+    request's new tokens on its job's queue (then None when it finished), and updates the Prometheus
+    metrics served at /metrics.
+    """
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -219,6 +214,16 @@ class DFlashServer(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
+    """One connection's requests (a thread each, from `ThreadingHTTPServer`).
+
+    Routes: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true` as server-sent
+    events), GET /v1/models, GET /health, GET /metrics (Prometheus text). Responses carry `usage` plus a
+    `dflash` object with the request's acceptance statistics (τ, steps, accepted per step). A bad request
+    gets a 4xx JSON error (`{"error": {"message", "type", "param", "code"}}`) and the server keeps serving;
+    an engine failure ends the requests in flight with a 500. Sampling fields: `_sampling`; `stop`,
+    `max_tokens`, `seed`: `_options`.
+    """
+
     server: DFlashServer
     protocol_version = "HTTP/1.1"
 
@@ -305,7 +310,10 @@ class _Handler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------------ completion
 
     def _sampling(self, body: dict[str, Any]) -> SamplingConfig:
-        """The request's rule: its temperature / top_p / top_k, the server's default for the others."""
+        """The request's rule: its temperature / top_p / top_k, the server's default (the recipe's
+        `sampling:`) for the ones it leaves out. temperature 0 = greedy; top_k is an extension, as in vLLM
+        (0 or -1 = off). Rules are per request inside one engine step (`serve.sampling.SamplingRows`), so
+        a greedy and a sampled request share a batch without affecting each other."""
         default = self.server.sampling
 
         def number(name: str, value: Any, ok: bool, expected: str) -> None:
@@ -323,6 +331,9 @@ class _Handler(BaseHTTPRequestHandler):
                               top_k=default.top_k if top_k is None else max(top_k, 0))
 
     def _options(self, body: dict[str, Any]) -> tuple[int, int, tuple[str, ...], bool]:
+        """(max_tokens, seed, stop strings, stream). `seed` defaults to 0; `stop` strings go to the engine,
+        which ends the request (freeing its slot) at the token that completes one; the text is cut before
+        the stop string."""
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", self.server.default_max_tokens))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
             raise RequestError(f"max_tokens must be a positive integer; received {max_tokens!r}", "max_tokens")

@@ -1,22 +1,9 @@
-"""The DFlash training objective: anchors, blocks, the attention visibility contract, and the loss.
+"""The DFlash training objective (DESIGN §4.2) as plain, jit-friendly functions (static N and K, no
+data-dependent shapes): anchors (`sample_anchors`), same-position blocks (`Blocks`: which logit predicts
+which token), the attention visibility contract (`visible`: which key each query may see) and the
+decay-weighted loss (`dflash_loss`).
 
-DESIGN §4.2 as plain, jit-friendly functions (static N and K, no data-dependent shapes). Dimension
-alphabet: B batch, S sequence, K block, N anchors, Q = N*K block queries, V vocab.
-
-Which logit predicts which token (SAME-POSITION, DESIGN §4.1/§8.2):
-    block j starts at anchor a_j; its K slots hold ids [x_{a_j}, MASK x (K-1)] at positions a_j + 0..K-1.
-    The output at block index k >= 1 predicts x_{a_j + k} (the token AT that slot's position, not the
-    next one: no +1 shift). Index 0 is the known anchor token and has no label.
-
-Which key each query may see (see `visible`):
-    query of block j sees context key s  iff  s < a_j (STRICTLY) and s is a valid context token;
-    it sees every key of its own block j (bidirectional) and nothing of any other block;
-    padding blocks (keep=False, anchor -1) see nothing and carry no label.
-
-Why strictly: at inference the block's first token x_{a_j} is the token just accepted (the target's
-bonus token); the target has not yet read it, so the context holds target features only for s < a_j.
-In training the feature at s = a_j exists and encodes the target's read of x_{a_j} (its guess for
-x_{a_j+1}); letting the block see it (`<= anchor`) leaks information inference never has.
+Dimension alphabet: B batch, S sequence, K block, N anchors, Q = N*K block queries, V vocab.
 """
 
 from __future__ import annotations
@@ -87,6 +74,11 @@ def sample_anchors_batch(loss_mask_BxS: jax.Array, num_anchors: int, block_size:
 class Blocks:
     """N blocks of K slots flattened to Q = N*K queries (query q = j*K + k); a leading B when batched.
 
+    Which logit predicts which token (SAME-POSITION, DESIGN §4.1 and §8 pitfall 2): block j starts at
+    anchor a_j; its K slots hold ids [x_{a_j}, MASK x (K-1)] at positions a_j + 0..K-1. The output at block
+    index k >= 1 predicts x_{a_j + k} (the token AT that slot's position, not the next one: no +1 shift).
+    Index 0 is the known anchor token and has no label.
+
     block_ids            int32 [Q]  x_{a_j} at k = 0, mask_token_id at k >= 1
     block_pos            int32 [Q]  a_j + k (may exceed S-1: blocks run past the end)
     labels               int32 [Q]  x_{a_j+k} where k >= 1 and a_j+k < S, else 0 (read with label_mask)
@@ -107,7 +99,7 @@ class Blocks:
 
 def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Array, keep_N: jax.Array,
                  block_size: int, mask_token_id: int | jax.Array) -> Blocks:
-    """Build the N blocks of one sequence (contract in `Blocks` and the module docstring).
+    """Build the N blocks of one sequence (contract in `Blocks`).
 
     Labels are SAME-POSITION: slot k of the block at anchor a is labelled with tokens[a + k].
     """
@@ -160,7 +152,10 @@ def visible(anchor_of_query_Q: jax.Array, block_of_query_Q: jax.Array, ctx_valid
       - context key s (column s < S):      visible iff s < a_j STRICTLY and ctx_valid[s];
       - block key q' (column S + q'):      visible iff key_block[q'] == j (same block, bidirectional);
       - any key, padding query (a_j = -1): never visible (the row is all False).
-    `key_block_Q` is the block id of each block key (normally `block_of_query` itself).
+    `key_block_Q` is the block id of each block key (normally `block_of_query` itself). Strictly, because
+    at inference the context holds target features only for positions before the block's first token
+    (docs/decisions.md D10). This is the dense reference; the drafter's training forward uses the
+    block-local `models.drafter.BlockVisibility.from_anchors`, the same on every kept query.
     Built by broadcasting from O(S + Q) inputs; nothing of size Q x (S+Q) is stored per example.
     A row that is all False belongs to a padding block: the attention kernel must tolerate it (e.g. a
     finite NEG_INF bias gives a uniform, finite row whose output is never labelled). Every kept query

@@ -1,23 +1,10 @@
-"""One DFlash training step (DESIGN §4.2) as a module-level pure function, jitted once with state donated.
+"""One DFlash training step (DESIGN §4.2): `train_step` is a module-level pure function, `make_train_step`
+jits it once with the state donated.
 
-Data flow inside `train_step` (B batch, S sequence, N anchors, K block, Q = N*K, F captured layers,
-D hidden, V vocab):
+    anchors -> blocks -> target features and block embeddings (no gradient) -> drafter -> target LM head -> loss
 
-    rng -> (next rng, anchor rng)
-    anchors_BxN, keep_BxN   = sample_anchors_batch(loss_mask, N, K, anchor rng)
-    blocks [B, Q]           = build_blocks_batch(tokens, loss_mask, anchors, keep, K, MASK)
-    feats_BxSxFD            = online_features(frozen target, tokens, layer_ids)        (no gradient)
-    embeds_BxQxD            = target embedding of the block ids                        (no gradient)
-    visible                 = BlockVisibility [B, N, S] (context s < anchor strictly; own block only)
-    hidden_BxQxD            = drafter(embeds, block_pos, feats, ctx_pos, visible)
-    logits_BxQxV            = target LM head (frozen, full vocab)
-    loss, metrics           = dflash_loss(...)
-
-Only the drafter's parameters are differentiated and updated; the target's parameters are an argument
-of the step, never part of the state, and pass through `jax.lax.stop_gradient`.
-
-The frozen target is passed to the jitted step as a traced argument (not closed over): closing over
-it would bake every target weight into the compiled program as a constant.
+Only the drafter's parameters are differentiated and updated; the frozen target is a traced argument of
+the step, never part of the state. Design: docs/decisions.md D9, D10.
 """
 
 from __future__ import annotations
@@ -162,6 +149,17 @@ def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphd
                target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int, gamma: float,
                optimizer: optax.GradientTransformation, compute_dtype: Any = jnp.float32) -> StepOut:
     """One update of the drafter on `batch` = {tokens [B, S] int32, loss_mask [B, S]}; pure.
+
+    Data flow (F captured layers, D hidden, Q = N*K):
+
+        rng -> (next rng, anchor rng)
+        anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask, N, K, anchor rng)
+        blocks [B, Q]         = build_blocks_batch(tokens, loss_mask, anchors, keep, K, MASK)
+        feats_BxSxFD          = batch["features"] (offline) or online_features(target, tokens)   (no gradient)
+        embeds_BxQxD          = target embedding of the block ids                               (no gradient)
+        hidden_BxQxD          = drafter(embeds, block_pos, feats, ctx_pos, BlockVisibility.from_anchors(...))
+        logits_BxQxV          = target LM head (frozen, full vocab)
+        loss, metrics         = dflash_loss(...)
 
     Anchors are resampled from `state.rng` each step (new key per step). Gradients are taken w.r.t.
     `state.params` only. The forward runs in `compute_dtype` (params cast inside the differentiated
