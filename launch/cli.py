@@ -164,7 +164,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = Engine(target.params, target.cfg, drafter, slots=args.slots, max_len=recipe.target.max_seq_len,
                     block_size=block, sampling=recipe.sampling)
     server = make_server(engine, target.tokenizer, args.model_name or recipe.target.source, args.host, args.port,
-                         default_max_tokens=recipe.sampling.max_new_tokens)
+                         default_max_tokens=recipe.sampling.max_new_tokens,
+                         max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout or None,
+                         api_key=args.api_key or os.environ.get("DFLASH_API_KEY") or None,
+                         unknown_fields="reject" if args.strict_fields else "ignore")
     mode = "AR" if block is None else f"DFlash K={block} (drafter {source})"
     print(f"serving {server.model_name} on http://{args.host}:{server.server_address[1]}/v1 - {mode}, "
           f"{args.slots} slots; Ctrl-C stops", flush=True)
@@ -226,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="the model id clients send (default: target.source)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: env DFLASH_API_KEY; unset: open)")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get a 413 (default 4)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a connection may stay silent before it is cut (0: never; default 30)")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="refuse unknown request fields with a 400 (default: ignore them, one warning per name)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("config", help="print the resolved recipe (after overrides) as YAML")

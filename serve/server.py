@@ -4,12 +4,14 @@
     server.serve_forever()          # from another thread: server.close() finishes the requests in flight
 
 HTTP handler threads validate requests and hand them to the one engine thread (`EngineWorker`); routes,
-request fields and errors: `_Handler`. Design: docs/decisions.md D14.
+request fields and errors: `_Handler`; the OpenAI fields without a feature behind them: `_check_openai_fields`.
+Design: docs/decisions.md D14.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import logging
 import queue
@@ -32,6 +34,65 @@ COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "t
                      "user"}
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stream",
                "stop", "seed", "n", "user"}
+
+
+def _is_zero(v: Any) -> bool:
+    return v is None or (isinstance(v, int | float) and not isinstance(v, bool) and v == 0)
+
+
+def _is_empty(v: Any) -> bool:
+    return v is None or v == {} or v == [] or v == ""
+
+
+def _is_text_format(v: Any) -> bool:
+    return v is None or v == {"type": "text"}
+
+
+def _is_stream_options(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and set(v) <= {"include_usage", "include_obfuscation"}
+                         and all(isinstance(x, bool) for x in v.values()))
+
+
+# Documented OpenAI fields with no feature behind them here: (accepts the value, what is supported). A
+# neutral value (the API's default) is accepted and ignored; any other value is a 400 naming the field. None
+# as the test: any value is accepted and ignored (bookkeeping and hints that do not change the output).
+_NEUTRAL: dict[str, tuple[Any, str] | None] = {
+    "frequency_penalty": (_is_zero, "must be 0 (penalties are not supported)"),
+    "presence_penalty": (_is_zero, "must be 0 (penalties are not supported)"),
+    "logit_bias": (_is_empty, "must be empty (logit_bias is not supported)"),
+    "logprobs": (lambda v: v is None or v is False or _is_zero(v), "must be false, 0 or null (logprobs are not "
+                                                                   "supported)"),
+    "top_logprobs": (_is_zero, "must be 0 or null (logprobs are not supported)"),
+    "echo": (lambda v: v is None or v is False, "must be false (echo is not supported)"),
+    "best_of": (lambda v: v is None or (v == 1 and not isinstance(v, bool)), "must be 1 (one sample per request)"),
+    "suffix": (_is_empty, "must be empty or null (insertion is not supported)"),
+    "stream_options": (_is_stream_options, "must be null or {\"include_usage\": bool}"),
+    "response_format": (_is_text_format, 'must be {"type": "text"} (structured output is not supported)'),
+    "tools": (_is_empty, "must be empty (tool calling is not supported)"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), 'must be "none" or "auto" (tool calling is not '
+                                                           'supported)'),
+    "functions": (_is_empty, "must be empty (function calling is not supported)"),
+    "function_call": (lambda v: v in (None, "none", "auto"), 'must be "none" or "auto" (function calling is not '
+                                                             'supported)'),
+    "modalities": (lambda v: v is None or v == ["text"], 'must be ["text"] (text output only)'),
+    "audio": (lambda v: v is None, "must be null (audio output is not supported)"),
+    "web_search_options": (lambda v: v is None, "must be null (web search is not supported)"),
+    "parallel_tool_calls": None, "service_tier": None, "service_level": None, "store": None, "metadata": None,
+    "prediction": None, "reasoning_effort": None, "verbosity": None, "safety_identifier": None,
+    "prompt_cache_key": None, "prompt_cache_retention": None, "prompt_cache_options": None, "moderation": None,
+}
+_COMPLETION_OPENAI = {"frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "echo", "best_of", "suffix",
+                      "stream_options"}
+_CHAT_OPENAI = set(_NEUTRAL) - {"echo", "best_of", "suffix"}
+
+
+def _check_openai_fields(body: dict[str, Any], fields: set[str]) -> None:
+    """Accept the neutral values of the documented OpenAI fields this server has no feature for; refuse
+    the others with a 400 naming the field."""
+    for name in sorted(fields & set(body)):
+        rule = _NEUTRAL[name]
+        if rule is not None and not rule[0](body[name]):
+            raise RequestError(f"{name} {rule[1]}; received {body[name]!r}", name)
 
 
 class RequestError(ValueError):
@@ -177,9 +238,15 @@ class DFlashServer(ThreadingHTTPServer):
     request_queue_size = 256  # the listen backlog (the stdlib's 5 resets bursts of concurrent clients)
 
     def __init__(self, address: tuple[str, int], worker: EngineWorker, tokenizer: ChatTokenizer, model_name: str,
-                 max_len: int, default_max_tokens: int = 128):
+                 max_len: int, default_max_tokens: int = 128, *, max_body_bytes: int = 4 << 20,
+                 read_timeout: float | None = 30.0, api_key: str | None = None, unknown_fields: str = "reject"):
+        if unknown_fields not in ("reject", "ignore"):
+            raise ValueError(f"unknown_fields must be 'reject' or 'ignore'; received {unknown_fields!r}")
         self._connections: set[Any] = set()
         self._conn_lock = threading.Lock()
+        self.max_body_bytes, self.read_timeout = max_body_bytes, read_timeout
+        self.api_key, self.unknown_fields = api_key or None, unknown_fields
+        self._warned_fields: set[str] = set()
         super().__init__(address, _Handler)
         self.worker, self.tokenizer, self.model_name = worker, tokenizer, model_name
         self.max_len, self.default_max_tokens = max_len, default_max_tokens
@@ -187,6 +254,15 @@ class DFlashServer(ThreadingHTTPServer):
         worker.stop_ids = tuple(tokenizer.stop_token_ids)
         worker.engine.detokenize = tokenizer.decode
         self.created = int(time.time())
+
+    def warn_unknown(self, names: list[str]) -> None:
+        """Log one warning per unknown field name over the server's life (as vLLM does)."""
+        with self._conn_lock:
+            new = [n for n in names if n not in self._warned_fields]
+            self._warned_fields.update(new)
+        for name in new:
+            log.warning("ignoring the unknown request field %r (not an OpenAI field this server knows); further "
+                        "requests with it are not logged", name)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._conn_lock:
@@ -222,10 +298,19 @@ class _Handler(BaseHTTPRequestHandler):
     gets a 4xx JSON error (`{"error": {"message", "type", "param", "code"}}`) and the server keeps serving;
     an engine failure ends the requests in flight with a 500. Sampling fields: `_sampling`; `stop`,
     `max_tokens`, `seed`: `_options`.
+
+    Hardening: a bad or negative Content-Length is a 400, one over `max_body_bytes` a 413 (before the body
+    is read); a connection that sends nothing for `read_timeout` seconds is answered 408 (mid-body) or
+    closed; with `api_key`, /v1/* needs `Authorization: Bearer <key>` (else 401). After an error whose body
+    was not read the connection is closed.
     """
 
     server: DFlashServer
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        self.timeout = self.server.read_timeout  # StreamRequestHandler.setup sets it on the socket
+        super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
         pass
@@ -241,22 +326,60 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, err: RequestError) -> None:
-        kind = "invalid_request_error" if err.status < 500 else "server_error"
+        kind = {401: "authentication_error"}.get(err.status, "invalid_request_error" if err.status < 500
+                                                  else "server_error")
+        if self.command == "POST" and not getattr(self, "_body_read", True):
+            self.close_connection = True  # the unread body would be taken for the next request
         self._send_json(err.status, {"error": {"message": str(err), "type": kind, "param": err.param,
                                                "code": None}})
 
-    def _body(self, allowed: set[str]) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
+    def _authorize(self) -> None:
+        key = self.server.api_key
+        if key is None or not self.path.startswith("/v1/"):
+            return
+        given = self.headers.get("Authorization") or ""
+        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise RequestError("a valid API key is required: send 'Authorization: Bearer <key>'", status=401)
+
+    def _read_body(self) -> bytes:
+        """The request body, after checking Content-Length against the cap (nothing read before that)."""
+        header = self.headers.get("Content-Length")
+        if self.headers.get("Transfer-Encoding"):
+            raise RequestError("chunked request bodies are not supported; send a Content-Length")
+        try:
+            length = int(header) if header is not None else 0
+        except ValueError:
+            length = -1
+        if length < 0 or (header is not None and not (header.strip().isascii() and header.strip().isdigit())):
+            raise RequestError(f"Content-Length must be a non-negative integer; received {header!r}")
+        if length > self.server.max_body_bytes:
+            raise RequestError(f"the request body is {length} bytes; this server takes at most "
+                               f"{self.server.max_body_bytes}", status=413)
+        try:
+            raw = self.rfile.read(length) if length else b""
+        except TimeoutError as err:
+            raise RequestError(f"the request body did not arrive within {self.server.read_timeout} s",
+                               status=408) from err
+        if len(raw) < length:
+            raise RequestError(f"the request body ended after {len(raw)} of {length} bytes")
+        self._body_read = True
+        return raw
+
+    def _body(self, allowed: set[str], openai_fields: set[str]) -> dict[str, Any]:
+        raw = self._read_body()
         try:
             body = json.loads(raw or b"null")
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise RequestError(f"the request body must be JSON; {err}") from err
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
-        unknown = sorted(set(body) - allowed)
-        if unknown:
+        _check_openai_fields(body, openai_fields)
+        unknown = sorted(set(body) - allowed - openai_fields)
+        if unknown and self.server.unknown_fields == "reject":
             raise RequestError(f"unknown field(s) {unknown}; this endpoint takes {sorted(allowed)}", unknown[0])
+        if unknown:
+            self.server.warn_unknown(unknown)
         model = body.get("model", self.server.model_name)
         if model != self.server.model_name:
             raise RequestError(f"model {model!r} does not exist; this server serves {self.server.model_name!r}",
@@ -266,6 +389,11 @@ class _Handler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------------ routes
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        try:
+            self._authorize()
+        except RequestError as err:
+            self._error(err)
+            return
         if self.path == "/health":
             self._send_json(200, {"status": "ok"})
         elif self.path == "/v1/models":
@@ -282,9 +410,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(RequestError(f"no route GET {self.path}", status=404))
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib name
+        self._body_read = False
         try:
+            self._authorize()
             if self.path == "/v1/completions":
-                body = self._body(COMPLETION_FIELDS)
+                body = self._body(COMPLETION_FIELDS, _COMPLETION_OPENAI)
                 prompt = body.get("prompt")
                 if isinstance(prompt, str):
                     ids = self.server.tokenizer.encode(prompt)
@@ -294,7 +424,7 @@ class _Handler(BaseHTTPRequestHandler):
                     raise RequestError("prompt must be a non-empty string or a list of token ids", "prompt")
                 self._complete(body, ids, chat=False)
             elif self.path == "/v1/chat/completions":
-                body = self._body(CHAT_FIELDS)
+                body = self._body(CHAT_FIELDS, _CHAT_OPENAI)
                 messages = body.get("messages")
                 if not (isinstance(messages, list) and messages and all(
                         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -334,10 +464,11 @@ class _Handler(BaseHTTPRequestHandler):
         """(max_tokens, seed, stop strings, stream). `seed` defaults to 0; `stop` strings go to the engine,
         which ends the request (freeing its slot) at the token that completes one; the text is cut before
         the stop string."""
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", self.server.default_max_tokens))
+        max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
+                          self.server.default_max_tokens)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
             raise RequestError(f"max_tokens must be a positive integer; received {max_tokens!r}", "max_tokens")
-        if body.get("n", 1) != 1:
+        if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
             raise RequestError("n must be 1", "n")
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -353,7 +484,8 @@ class _Handler(BaseHTTPRequestHandler):
         job = self.server.worker.submit(_Job(ids, max_tokens, seed, stop, self._sampling(body)))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{id(job):x}"
         if stream:
-            self._stream(job, rid, chat)
+            options = body.get("stream_options") or {}
+            self._stream(job, rid, chat, include_usage=bool(options.get("include_usage")))
             return
         generated: list[int] = []
         while (chunk := job.tokens.get()) is not None:
@@ -389,7 +521,10 @@ class _Handler(BaseHTTPRequestHandler):
             return {"tau": None, "steps": 0}
         return {"tau": request.tau, "steps": len(request.accepted), "accepted_per_step": request.accepted}
 
-    def _stream(self, job: _Job, rid: str, chat: bool) -> None:
+    def _stream(self, job: _Job, rid: str, chat: bool, include_usage: bool = False) -> None:
+        """Server-sent events; the finishing chunk carries `usage` and `dflash`. With
+        `stream_options.include_usage`, as in OpenAI's API, every chunk has `"usage": null` and a last chunk
+        with empty `choices` carries the usage."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -408,7 +543,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 choice["text"] = delta
             payload = {"id": rid, "object": kind, "created": int(time.time()), "model": self.server.model_name,
-                       "choices": [choice], **(extra or {})}
+                       "choices": [choice], **({"usage": None} if include_usage else {}), **(extra or {})}
             self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
             self.wfile.flush()
 
@@ -431,16 +566,31 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps({'error': {'message': job.error}})}\n\n".encode())
         else:
             reason = reason or (job.request.finish_reason if job.request else "length")
-            event("", reason, {"usage": self._usage(job.prompt_ids, generated), "dflash": self._stats(job.request)})
+            usage = self._usage(job.prompt_ids, generated)
+            event("", reason, {"dflash": self._stats(job.request)} if include_usage else
+                  {"usage": usage, "dflash": self._stats(job.request)})
+            if include_usage:
+                payload = {"id": rid, "object": kind, "created": int(time.time()), "model": self.server.model_name,
+                           "choices": [], "usage": usage}
+                self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
 
 def make_server(engine: Engine, tokenizer: ChatTokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                default_max_tokens: int = 128) -> DFlashServer:
-    """A started engine thread and a bound (not yet serving) HTTP server; call `serve_forever()`."""
+                default_max_tokens: int = 128, *, max_body_bytes: int = 4 << 20, read_timeout: float | None = 30.0,
+                api_key: str | None = None, unknown_fields: str = "reject") -> DFlashServer:
+    """A started engine thread and a bound (not yet serving) HTTP server; call `serve_forever()`.
+
+    max_body_bytes: larger bodies get a 413 unread; read_timeout: seconds a connection may stay silent
+    (mid-request or idle between keep-alive requests); api_key: if set, /v1/* needs `Authorization: Bearer
+    <key>`; unknown_fields: "reject" (a 400) or "ignore" (one logged warning per field name) for fields that
+    are neither this server's nor documented OpenAI ones (OpenAI fields are always accepted at neutral values).
+    """
     worker = EngineWorker(engine).start()
-    return DFlashServer((host, port), worker, tokenizer, model_name, engine.max_len, default_max_tokens)
+    return DFlashServer((host, port), worker, tokenizer, model_name, engine.max_len, default_max_tokens,
+                        max_body_bytes=max_body_bytes, read_timeout=read_timeout, api_key=api_key,
+                        unknown_fields=unknown_fields)
 
 
 __all__ = ["DFlashServer", "EngineWorker", "RequestError", "make_server"]

@@ -1,0 +1,182 @@
+"""`dflash serve` with stock clients and hostile ones: documented OpenAI fields accepted at neutral values
+(refused with a 400 naming the field otherwise), unknown vendor fields ignored with one warning,
+`stream_options.include_usage`, bad / oversized Content-Length, a silent client cut off by the read
+timeout, and the API key. Every case is followed by a normal request that must still succeed."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve.engine import Engine
+from serve.server import make_server
+
+MAX_LEN = 256
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CAP = 4096
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_target):
+    target = smollm2_target
+    engine = Engine(target.params, target.cfg, None, slots=2, max_len=MAX_LEN)  # AR: the HTTP layer is under test
+    srv = make_server(engine, target.tokenizer, "smollm2", port=0, max_body_bytes=CAP, read_timeout=1.0,
+                      api_key=KEY, unknown_fields="ignore")
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv, f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.close()
+    thread.join(10)
+    assert not thread.is_alive() and not srv.worker.thread.is_alive()
+
+
+def _still_serves(url: str) -> None:
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, headers=AUTH, timeout=120)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def _raw(url: str, head: bytes, body: bytes = b"") -> tuple[int, bytes, float]:
+    """Send raw bytes and read until the server closes: (status, whole response, seconds)."""
+    port = int(url.rsplit(":", 1)[1])
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(head + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return int(data.split(b" ", 2)[1]), data, time.monotonic() - start
+
+
+def _post_head(length: str) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+def _client(url: str, key: str = KEY):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=0)
+
+
+@pytest.mark.e2e
+def test_stock_client_sends_neutral_openai_fields(server):
+    srv, url = server
+    with _client(url) as client:
+        plain = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=6)
+        chat = client.chat.completions.create(
+            model="smollm2", messages=QUESTION, max_completion_tokens=6, frequency_penalty=0, presence_penalty=0,
+            logit_bias={}, logprobs=False, top_logprobs=None, n=1, response_format={"type": "text"},
+            tool_choice="none", parallel_tool_calls=False, service_tier="auto", store=False, metadata={"k": "v"},
+            modalities=["text"], prediction=None, reasoning_effort=None, user="u1", seed=0, stop=None,
+            temperature=0, top_p=1)
+        assert chat.choices[0].message.content == plain.choices[0].message.content
+        text = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4,
+                                         best_of=1, echo=False, logprobs=0, suffix=None, frequency_penalty=0.0,
+                                         presence_penalty=0, logit_bias=None, n=1, user="u1")
+        assert text.choices[0].text and text.usage.completion_tokens == 4
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("path", "field", "value", "needle"), [
+    ("/v1/chat/completions", "presence_penalty", 0.5, "presence_penalty must be 0 (penalties are not supported); "
+                                                      "received 0.5"),
+    ("/v1/completions", "logprobs", 3, "logprobs are not supported"),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "tool calling"),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}, "structured output"),
+    ("/v1/completions", "best_of", 3, "best_of must be 1"),
+])
+def test_non_neutral_openai_fields_get_400_naming_the_field(server, path, field, value, needle):
+    srv, url = server
+    body = {"model": "smollm2", "max_tokens": 2, field: value,
+            **({"messages": QUESTION} if "chat" in path else {"prompt": "hi"})}
+    resp = httpx.post(f"{url}{path}", json=body, headers=AUTH, timeout=120)
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["param"] == field and needle in err["message"]
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_unknown_vendor_fields_are_ignored_with_one_warning(server, caplog):
+    srv, url = server
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "repetition_penalty": 1.0, "ignore_eos": False}
+    with caplog.at_level(logging.WARNING, logger="serve.server"):
+        for _ in range(3):
+            resp = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+            assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
+    warned = [r.getMessage() for r in caplog.records if "unknown request field" in r.getMessage()]
+    assert sum("'repetition_penalty'" in m for m in warned) == 1
+    assert sum("'ignore_eos'" in m for m in warned) == 1
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_stream_include_usage_ends_with_a_usage_chunk(server):
+    srv, url = server
+    with _client(url) as client:
+        plain = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=6)
+        chunks = list(client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=6, stream=True,
+                                                     stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("length", ["abc", "-5", "1e3"])
+def test_a_bad_content_length_gets_400(server, length):
+    srv, url = server
+    status, data, _ = _raw(url, _post_head(length), b"{}")
+    assert status == 400 and b"Content-Length must be a non-negative integer" in data
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_a_body_over_the_cap_gets_413_unread(server):
+    srv, url = server
+    status, data, _ = _raw(url, _post_head(str(CAP * 100)), b'{"prompt": "')
+    assert status == 413 and b"at most 4096" in data
+    too_big = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * (CAP + 10)}, headers=AUTH, timeout=60)
+    assert too_big.status_code == 413
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_a_silent_client_is_cut_off_after_the_read_timeout(server):
+    srv, url = server
+    status, data, seconds = _raw(url, _post_head("100"))
+    assert status == 408 and 0.5 < seconds < 10
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_the_api_key_guards_v1_but_not_health(server):
+    import openai
+
+    srv, url = server
+    body = {"prompt": [1, 2, 3], "max_tokens": 2}
+    missing = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert missing.status_code == 401 and "API key" in missing.json()["error"]["message"]
+    wrong = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}, timeout=60)
+    assert wrong.status_code == 401
+    assert httpx.get(f"{url}/v1/models", timeout=60).status_code == 401
+    assert httpx.get(f"{url}/health", timeout=60).json() == {"status": "ok"}
+    with _client(url, "nope") as bad, pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="smollm2", prompt="hi", max_tokens=2)
+    with _client(url) as client:
+        assert [m.id for m in client.models.list()] == ["smollm2"]
+        out = client.completions.create(model="smollm2", prompt="hi", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+    _still_serves(url)
+
