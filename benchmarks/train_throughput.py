@@ -5,9 +5,10 @@
 
 The default drafter (5 layers over 5 captured target layers) on the embedded SmolLM2 target, GSM8K
 sequences as `dflash train` builds them, one device. The target is loaded once; for every (K, N) the
-state is created sharded and the step is `train.step.make_train_step`'s own program (state
-donated), compiled ahead of time (compile time reported, never timed), warmed up, then timed for
-`--steps` steps with `jax.block_until_ready` on each; the median step is reported.
+state is created sharded by `train.loop.create_state` (as a fresh `dflash train` run creates it) and the
+step is `train.step.make_train_step`'s own program (state donated), compiled ahead of time (compile
+time reported, never timed), warmed up, then timed for `--steps` steps with `jax.block_until_ready` on
+each; the median step is reported.
 
 block tokens/s = B*N*K / step seconds (every block slot, padded anchors included); context tokens/s =
 B*S / step seconds. Memory: XLA's analysis of the compiled step (temp + argument + output bytes) and
@@ -79,13 +80,12 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
     """Build the state and the step for (K, N), compile, warm up, time; see the module docstring."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     from configs.recipe import load_recipe
-    from models.drafter import DFlashDrafter, drafter_logits
+    from models.drafter import drafter_logits
+    from train.loop import create_state, drafter_graphdef, make_train_optimizer
     from train.objective import build_blocks_batch, default_gamma, dflash_loss, sample_anchors_batch
-    from train.sharding import DRAFTER_RULES, tree_shardings
-    from train.step import init_state, make_optimizer, make_train_step
+    from train.step import make_train_step
 
     recipe = load_recipe("default", [f"drafter.num_layers={args.layers}", f"drafter.block_size={k}",
                                      f"train.num_anchors={n}", f"train.batch_size={args.batch_size}",
@@ -94,15 +94,9 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
     arch = target.drafter_arch(recipe.drafter)
     gamma = cfg.gamma or default_gamma(arch.block_size)
     compute_dtype = jnp.dtype(cfg.compute_dtype)
-    optimizer = make_optimizer(cfg.lr, cfg.steps, cfg.warmup_frac, cfg.clip, cfg.weight_decay)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
-
-    def fresh_state() -> Any:
-        params = nnx.state(DFlashDrafter(arch, nnx.Rngs(params=cfg.seed)), nnx.Param)
-        return init_state(params, optimizer, jax.random.PRNGKey(cfg.seed + 1))
-
-    shardings = tree_shardings(jax.eval_shape(fresh_state), DRAFTER_RULES, mesh)
-    state = jax.jit(fresh_state, out_shardings=shardings)()
+    optimizer = make_train_optimizer(cfg)
+    graphdef = drafter_graphdef(arch)
+    state, shardings = create_state(cfg.seed, arch, optimizer, mesh)  # what `dflash train` does on a fresh run
 
     # make_train_step's own jitted program, compiled once ahead of time so that the executable that is
     # timed is the one whose memory is analysed.

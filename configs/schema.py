@@ -39,18 +39,7 @@ def _convert(tp: Any, value: Any, field: str) -> Any:
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        options = get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _convert(option, value, field)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(f"{field} must be one of {[_type_name(o) for o in options]}; received {value!r}")
+        return _convert_union(get_args(tp), value, field)
     if origin is Literal:
         allowed = get_args(tp)
         require(value in allowed, field, value, f"be one of {list(allowed)}")
@@ -61,17 +50,40 @@ def _convert(tp: Any, value: Any, field: str) -> Any:
         require(isinstance(value, Mapping), field, value, f"be a mapping for section {tp.__name__}")
         return build(tp, value, prefix=field)
     if origin is tuple:
-        require(
-            isinstance(value, Sequence) and not isinstance(value, str), field, value, "be a list"
-        )
-        args = get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(args[0], v, f"{field}[{i}]") for i, v in enumerate(value))
-        require(len(value) == len(args), field, value, f"have {len(args)} items")
-        return tuple(_convert(a, v, f"{field}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+        return _convert_tuple(get_args(tp), value, field)
     if origin in (dict, Mapping) or tp is dict:
         require(isinstance(value, Mapping), field, value, "be a mapping")
         return dict(value)
+    if tp in (bool, int, float, str):
+        return _convert_scalar(tp, value, field)
+    raise ConfigError(f"{field} has an unsupported annotation {tp!r}")
+
+
+def _convert_union(options: tuple[Any, ...], value: Any, field: str) -> Any:
+    """`value` as the first of `options` that accepts it (None when the union allows it)."""
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if option is type(None):
+            continue
+        try:
+            return _convert(option, value, field)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{field} must be one of {[_type_name(o) for o in options]}; received {value!r}")
+
+
+def _convert_tuple(args: tuple[Any, ...], value: Any, field: str) -> tuple[Any, ...]:
+    """`value` (a list) as tuple[X, ...] or a fixed tuple[X, Y, ...], each item converted."""
+    require(isinstance(value, Sequence) and not isinstance(value, str), field, value, "be a list")
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_convert(args[0], v, f"{field}[{i}]") for i, v in enumerate(value))
+    require(len(value) == len(args), field, value, f"have {len(args)} items")
+    return tuple(_convert(a, v, f"{field}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+
+
+def _convert_scalar(tp: type, value: Any, field: str) -> Any:
+    """`value` as bool, int, float (ints and YAML strings like `1e-3` accepted) or str."""
     if tp is bool:
         require(isinstance(value, bool), field, value, "be true or false")
         return value
@@ -84,13 +96,10 @@ def _convert(tp: Any, value: Any, field: str) -> Any:
                 value = float(value)
             except ValueError:
                 pass
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        require(ok, field, value, "be a number")
+        require(isinstance(value, (int, float)) and not isinstance(value, bool), field, value, "be a number")
         return float(value)
-    if tp is str:
-        require(isinstance(value, str), field, value, "be a string")
-        return value
-    raise ConfigError(f"{field} has an unsupported annotation {tp!r}")
+    require(isinstance(value, str), field, value, "be a string")
+    return value
 
 
 def build[T](cls: type[T], data: Mapping[str, Any] | None, prefix: str = "") -> T:

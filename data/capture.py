@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -137,15 +137,8 @@ def capture(
         raise ValueError(f"batch_size, samples_per_shard and seq_len must be > 0; received {batch_size}, "
                          f"{samples_per_shard}, {seq_len}")
     pad_id = _check_examples(examples, seq_len)
-    num_samples = len(examples)
-    header = Manifest(
-        format_version=MANIFEST_VERSION, complete=False, target_name=provenance.target_name,
-        target_fingerprint=provenance.target_fingerprint, tokenizer_fingerprint=provenance.tokenizer_fingerprint,
-        chat_template_hash=provenance.chat_template_hash, layer_ids=layer_ids, hidden_size=target_cfg.hidden_size,
-        feature_dim=len(layer_ids) * target_cfg.hidden_size, feature_dtype=FEATURE_DTYPE, seq_len=seq_len,
-        pad_id=pad_id, examples_hash=examples_hash(examples), num_samples=num_samples,
-        samples_per_shard=samples_per_shard, num_shards=-(-num_samples // samples_per_shard),
-        writer_options=writer_options(compression), total_tokens=0, bytes_per_token=0.0, shards=(), created={})
+    header = _manifest_header(provenance, target_cfg, examples, layer_ids, seq_len=seq_len, pad_id=pad_id,
+                              samples_per_shard=samples_per_shard, compression=compression)
     start = time.perf_counter()
     writer = ShardWriter(out_dir, header, verify=verify_existing)
     pending = writer.pending
@@ -155,22 +148,13 @@ def capture(
     bar = tqdm(total=sum(shard_tokens), initial=sum(shard_tokens) - todo, disable=not progress, unit="tok",
                unit_scale=True, dynamic_ncols=True, desc="capture")
     filler = np.full(seq_len, pad_id if pad_id is not None else 0, np.int32)
+    featurize = partial(_features_bf16, target_params, target_cfg=target_cfg, layer_ids=layer_ids)
     try:
         for shard in pending:
             lo = shard * samples_per_shard
-            rows = list(range(lo, min(lo + samples_per_shard, num_samples)))
+            rows = list(range(lo, min(lo + samples_per_shard, len(examples))))
             with writer.shard(shard) as out:
-                in_flight: tuple[list[int], jax.Array] | None = None
-                for b in range(0, len(rows), batch_size):
-                    chunk = rows[b:b + batch_size]
-                    tokens_BxS = np.stack([np.asarray(examples[i][0], np.int32) for i in chunk]
-                                          + [filler] * (batch_size - len(chunk)))
-                    feats = _features_bf16(target_params, tokens_BxS, target_cfg=target_cfg, layer_ids=layer_ids)
-                    if in_flight is not None:
-                        bar.update(_write_batch(out, examples, *in_flight))
-                    in_flight = (chunk, feats)
-                if in_flight is not None:
-                    bar.update(_write_batch(out, examples, *in_flight))
+                _capture_shard(out, examples, rows, featurize, filler, batch_size, bar)
         manifest = writer.finish()
     finally:
         bar.close()
@@ -178,6 +162,39 @@ def capture(
     return CaptureReport(manifest=manifest, shards_written=len(pending), shards_kept=len(writer.kept), tokens=todo,
                          seconds=seconds, tokens_per_s=todo / seconds if seconds > 0 else 0.0,
                          bytes_per_token=manifest.bytes_per_token)
+
+
+def _manifest_header(provenance: Provenance, target_cfg: DecoderConfig, examples: Sequence[Example],
+                     layer_ids: tuple[int, ...], *, seq_len: int, pad_id: int | None, samples_per_shard: int,
+                     compression: str) -> Manifest:
+    """The manifest of this capture before any shard is written (incomplete, no shards, no totals)."""
+    num_samples = len(examples)
+    return Manifest(
+        format_version=MANIFEST_VERSION, complete=False, target_name=provenance.target_name,
+        target_fingerprint=provenance.target_fingerprint, tokenizer_fingerprint=provenance.tokenizer_fingerprint,
+        chat_template_hash=provenance.chat_template_hash, layer_ids=layer_ids, hidden_size=target_cfg.hidden_size,
+        feature_dim=len(layer_ids) * target_cfg.hidden_size, feature_dtype=FEATURE_DTYPE, seq_len=seq_len,
+        pad_id=pad_id, examples_hash=examples_hash(examples), num_samples=num_samples,
+        samples_per_shard=samples_per_shard, num_shards=-(-num_samples // samples_per_shard),
+        writer_options=writer_options(compression), total_tokens=0, bytes_per_token=0.0, shards=(), created={})
+
+
+def _capture_shard(out: Any, examples: Sequence[Example], rows: list[int], featurize: Callable[[np.ndarray], jax.Array],
+                   filler: np.ndarray,
+                   batch_size: int, bar: Any) -> None:
+    """Write the samples `rows` of one shard: batches of `batch_size` rows (the last padded with `filler`),
+    one batch's features computed on device while the previous one is fetched and written."""
+    in_flight: tuple[list[int], jax.Array] | None = None
+    for b in range(0, len(rows), batch_size):
+        chunk = rows[b:b + batch_size]
+        tokens_BxS = np.stack([np.asarray(examples[i][0], np.int32) for i in chunk]
+                              + [filler] * (batch_size - len(chunk)))
+        feats = featurize(tokens_BxS)
+        if in_flight is not None:
+            bar.update(_write_batch(out, examples, *in_flight))
+        in_flight = (chunk, feats)
+    if in_flight is not None:
+        bar.update(_write_batch(out, examples, *in_flight))
 
 
 def _write_batch(out: Any, examples: Sequence[Example], chunk: list[int], feats_BxSxFD: jax.Array) -> int:

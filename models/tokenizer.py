@@ -164,42 +164,60 @@ def load_tokenizer_from_gguf(path: str | Path) -> ChatTokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist; expected a .gguf model file")
     reader = gguf.GGUFReader(str(path))
+    family, tokens, merges, token_types = _gguf_vocabulary(reader, path.name)
+    backend = _gguf_backend(family, tokens, merges, token_types, path.name)
+    bos_id = _optional_id(_field(reader, "tokenizer.ggml.bos_token_id"), len(tokens), "tokenizer.ggml.bos_token_id")
+    eos_id = _optional_id(_field(reader, "tokenizer.ggml.eos_token_id"), len(tokens), "tokenizer.ggml.eos_token_id")
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+    backend.post_processor = _post_processor(tokens, bos_id if add_bos else None, eos_id if add_eos else None)
+    return _make(backend, _field(reader, "tokenizer.chat_template"), bos_id, eos_id, extra_stop_ids=())
 
-    def field(key: str, default: Any = None) -> Any:
-        entry = reader.fields.get(key)
-        return default if entry is None else entry.contents()
 
-    model = field("tokenizer.ggml.model")
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    """The value of GGUF metadata `key`, or `default` when the file lacks it."""
+    entry = reader.fields.get(key)
+    return default if entry is None else entry.contents()
+
+
+def _gguf_vocabulary(reader: Any, name: str) -> tuple[str, list[str], list[str], list[int]]:
+    """(pre-tokenizer family, tokens, merges, token types) of a GGUF, each checked (`name`: the file's)."""
+    model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(
             f"tokenizer.ggml.model must be 'gpt2' (byte-level BPE, the only kind supported); "
-            f"received {model!r} in {path.name}; load the model's Hugging Face directory instead"
+            f"received {model!r} in {name}; load the model's Hugging Face directory instead"
         )
-    pre = field("tokenizer.ggml.pre")
+    pre = _field(reader, "tokenizer.ggml.pre")
     if pre not in _PRE_FAMILIES:
         raise ValueError(
-            f"tokenizer.ggml.pre must be one of {sorted(_PRE_FAMILIES)}; received {pre!r} in {path.name}; "
+            f"tokenizer.ggml.pre must be one of {sorted(_PRE_FAMILIES)}; received {pre!r} in {name}; "
             "load the model's Hugging Face directory instead"
         )
-    tokens = field("tokenizer.ggml.tokens")
-    merges = field("tokenizer.ggml.merges")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = _field(reader, "tokenizer.ggml.merges")
     if not tokens or merges is None:
         raise ValueError(
-            f"tokenizer.ggml.tokens and tokenizer.ggml.merges must be present; missing in {path.name}"
+            f"tokenizer.ggml.tokens and tokenizer.ggml.merges must be present; missing in {name}"
         )
-    token_types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    token_types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(token_types) != len(tokens):
         raise ValueError(
             f"tokenizer.ggml.token_type must have one entry per token ({len(tokens)}); "
             f"received {len(token_types)}"
         )
+    return _PRE_FAMILIES[pre], tokens, merges, token_types
 
+
+def _gguf_backend(
+    family: str, tokens: list[str], merges: list[str], token_types: list[int], name: str
+) -> tokenizers.Tokenizer:
+    """The byte-level BPE tokenizer of a GGUF vocabulary, its control and user-defined tokens added."""
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError(
-            f"tokenizer.ggml.tokens must be unique; {len(tokens) - len(vocab)} duplicates in {path.name}"
+            f"tokenizer.ggml.tokens must be unique; {len(tokens) - len(vocab)} duplicates in {name}"
         )
-    family = _PRE_FAMILIES[pre]
     backend = tokenizers.Tokenizer(
         tokenizers.models.BPE(
             vocab=vocab, merges=[_split_merge(m) for m in merges], ignore_merges=family == "llama3"
@@ -228,15 +246,9 @@ def load_tokenizer_from_gguf(path: str | Path) -> ChatTokenizer:
     )
     if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
         raise ValueError(
-            f"GGUF special tokens must be in tokenizer.ggml.tokens; the vocabulary grew in {path.name}"
+            f"GGUF special tokens must be in tokenizer.ggml.tokens; the vocabulary grew in {name}"
         )
-
-    bos_id = _optional_id(field("tokenizer.ggml.bos_token_id"), len(tokens), "tokenizer.ggml.bos_token_id")
-    eos_id = _optional_id(field("tokenizer.ggml.eos_token_id"), len(tokens), "tokenizer.ggml.eos_token_id")
-    add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(field("tokenizer.ggml.add_eos_token", False))
-    backend.post_processor = _post_processor(tokens, bos_id if add_bos else None, eos_id if add_eos else None)
-    return _make(backend, field("tokenizer.chat_template"), bos_id, eos_id, extra_stop_ids=())
+    return backend
 
 
 def load_tokenizer_from_hf_dir(path: str | Path) -> ChatTokenizer:

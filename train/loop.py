@@ -1,26 +1,14 @@
-"""The training loop: target + data + sharded state + jitted step + async checkpoints + metrics.
+"""The training loop: the whole `dflash train` stage, `run_training(recipe)`, in three parts.
 
-`run_training(recipe)` is the whole `dflash train` stage:
-
-    target (frozen, cast to compute dtype, placed by TARGET_RULES)
-    online:  examples = conversations (packaged GSM8K, or data.dir/regenerated.jsonl) -> chat tokens +
-             assistant-only mask; batches = Grain iterator (seeded, per-host slice)   (data.online)
-    offline: batches = Grain iterator over data.dir/shards (tokens, mask, stored bf16 features), after
-             the manifest is checked against this run's target, tokenizer, layer ids and seq_len
-             (data.offline); the same seed gives the same rows in the same order as online mode
-    state    = TrainState created sharded by DRAFTER_RULES, or restored from <run_dir>/checkpoints
-    loop:    batch -> step (donated state) -> metrics of the PREVIOUS step fetched (the device never
-             waits on the host) -> NaN/Inf check -> logs -> async checkpoint every save_every steps
-    end:     held-out teacher-forced acceptance on GSM8K test; wait for the last checkpoint
-
-Resume is automatic: when `<run_dir>/checkpoints` holds a checkpoint, the state and the iterator position
-are restored and the run continues to `train.steps`. Steps are deterministic functions of (state, batch),
-so a run killed at any point and resumed ends bit-identical to an uninterrupted one.
+`build_run` loads what a run trains against (target placed on the mesh, batches, optimizer, drafter graph);
+`create_or_restore_state` creates the sharded TrainState or resumes it from `<run_dir>/checkpoints`;
+`train_loop` steps, logs and checkpoints. Mechanics and the resume guarantees: docs/decisions.md D9/D10.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -31,11 +19,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from configs.recipe import Recipe
 from configs.schema import ConfigError, require, to_dict
+from data.config import DataConfig
 from data.examples import build_examples
 from data.offline import make_offline_batches
 from data.online import make_batches
@@ -43,6 +34,7 @@ from data.shards import chat_template_hash, check_manifest, load_manifest
 from models.drafter import DFlashDrafter, DrafterArch
 from models.target import Target, load_target
 from train.checkpoint import Checkpointer
+from train.config import TrainConfig
 from train.metrics import MetricsWriter, check_finite, read_metrics
 from train.objective import default_gamma
 from train.sharding import (
@@ -59,6 +51,7 @@ from train.step import TrainState, cast_floats, init_state, make_eval_step, make
 log = logging.getLogger(__name__)
 
 EVAL_EXAMPLES = 32  # held-out GSM8K test conversations for the final teacher-forced evaluation
+THROUGHPUT_WINDOW = 20  # finished steps over which block tokens/s is measured
 
 
 @dataclasses.dataclass
@@ -74,27 +67,248 @@ class TrainResult:
     seconds: float
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainRun:
+    """What a run trains against (`build_run`): the frozen target with its params cast to the compute dtype
+    and placed by TARGET_RULES, the drafter's architecture and graph, the optimizer, the loss decay gamma,
+    this host's batch iterator and the fingerprint of its data (checked on resume)."""
+
+    target: Target
+    target_params: Any
+    arch: DrafterArch
+    mesh: Mesh
+    optimizer: optax.GradientTransformation
+    graphdef: nnx.GraphDef
+    gamma: float
+    compute_dtype: Any
+    batches: Any
+    data_fingerprint: str
+
+
 def arch_dict(arch: DrafterArch) -> dict[str, Any]:
     """The architecture as JSON-able values (recorded in checkpoints and compared on resume)."""
     return json.loads(json.dumps(to_dict(arch)))
 
 
-def _offline_batches(recipe: Recipe, target: Target, arch: DrafterArch, per_host: int) -> tuple[Any, str]:
+def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> TrainResult:
+    """Train (or resume) the drafter of `recipe`; see the module docstring."""
+    t_start = time.time()
+    cfg = recipe.train
+    run_dir = _run_dir(cfg)
+    is_main = jax.process_index() == 0
+    target = target if target is not None else load_target(recipe.target)
+    run = build_run(cfg, recipe.data, target, target.drafter_arch(recipe.drafter))
+    meta = {"arch": arch_dict(run.arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
+    ckpt = Checkpointer(run_dir / "checkpoints", meta, keep=cfg.keep_checkpoints)
+    state, shardings, start = create_or_restore_state(cfg, run.arch, run.optimizer, run.mesh, ckpt, run.batches,
+                                                      run.data_fingerprint)
+    writer = MetricsWriter(run_dir, config=to_dict(recipe), wandb_mode=cfg.wandb, tensorboard=cfg.tensorboard,
+                           enabled=is_main)
+    metrics = StepMetrics(cfg, writer, block_tokens=cfg.batch_size * cfg.num_anchors * run.arch.block_size,
+                          start=start, show=progress and is_main)
+    try:
+        state = train_loop(cfg, run, state, shardings, start, ckpt, metrics)
+        eval_metrics = evaluate(recipe.data, cfg.num_anchors, run, state.params)
+        if eval_metrics and is_main:
+            writer.write(cfg.steps, {f"eval/{k}": v for k, v in eval_metrics.items()})
+    finally:
+        metrics.close()
+        ckpt.close()
+        writer.close()
+        if hasattr(run.batches, "close"):
+            run.batches.close()  # offline loader: stop its worker processes
+    return TrainResult(run_dir=run_dir, arch=run.arch, start_step=start, final_step=int(jax.device_get(state.step)),
+                       last=metrics.last, eval=eval_metrics, seconds=time.time() - t_start)
+
+
+# --- build -------------------------------------------------------------------------------------------------
+
+
+def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterArch) -> TrainRun:
+    """The mesh of `train.mesh` (the global batch size checked against it), the target placed on it in the
+    compute dtype, this host's batches of `data`, the optimizer and the drafter's graph."""
+    mesh = make_mesh(cfg.mesh)
+    require(cfg.batch_size % batch_divisor(mesh) == 0, "train.batch_size", cfg.batch_size,
+            f"be a multiple of mesh data x fsdp = {batch_divisor(mesh)}")
+    require(cfg.batch_size % jax.process_count() == 0, "train.batch_size", cfg.batch_size,
+            f"be a multiple of the process count {jax.process_count()}")
+    compute_dtype = jnp.dtype(cfg.compute_dtype)
+    target_params = place(cast_floats(target.params, compute_dtype), TARGET_RULES, mesh)
+    batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count())
+    return TrainRun(target=target, target_params=target_params, arch=arch, mesh=mesh,
+                    optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch),
+                    gamma=cfg.gamma or default_gamma(arch.block_size), compute_dtype=compute_dtype,
+                    batches=batches, data_fingerprint=data_fingerprint)
+
+
+def build_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int) -> tuple[Any, str]:
+    """This host's Grain iterator of `per_host`-row batches and the data fingerprint: online (conversations
+    tokenised with the target's chat template) or offline (stored features, `data.features`)."""
+    if data.features == "offline":
+        return _offline_batches(data, target, arch, per_host)
+    examples, fingerprint = build_examples(data, target.tokenizer)
+    batches = make_batches([(t, m) for t, m, _ in examples], per_host, data.shuffle_seed,
+                           shard_index=jax.process_index(), shard_count=jax.process_count())
+    return batches, fingerprint
+
+
+def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int) -> tuple[Any, str]:
     """The Grain iterator over data.dir/shards, after checking the capture against this run (every differing
     field named), and the fingerprint of the stored examples (their manifest's examples_hash)."""
-    shard_dir = recipe.data.shard_dir
-    manifest = load_manifest(shard_dir, verify=recipe.data.verify_shards)
+    shard_dir = data.shard_dir
+    manifest = load_manifest(shard_dir, verify=data.verify_shards)
     check_manifest(manifest, target_fingerprint=target.fingerprint,
                    tokenizer_fingerprint=target.tokenizer.fingerprint(),
                    chat_template_hash=chat_template_hash(target.tokenizer.chat_template), layer_ids=arch.layer_ids,
-                   hidden_size=target.cfg.hidden_size, seq_len=recipe.data.seq_len)
-    batches = make_offline_batches(shard_dir, per_host, recipe.data.shuffle_seed, recipe.data.seq_len,
+                   hidden_size=target.cfg.hidden_size, seq_len=data.seq_len)
+    batches = make_offline_batches(shard_dir, per_host, data.shuffle_seed, data.seq_len,
                                    shard_index=jax.process_index(), shard_count=jax.process_count(),
-                                   worker_count=recipe.data.loader_workers,
-                                   skip_bad_records=recipe.data.skip_bad_records)
+                                   worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records)
     log.info("offline features: %d samples, %d tokens in %d shards under %s (%.0f bytes/token)",
              manifest.num_samples, manifest.total_tokens, manifest.num_shards, shard_dir, manifest.bytes_per_token)
     return batches, f"offline:{manifest.examples_hash}"
+
+
+def make_train_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW on warmup + cosine with global-norm clipping, as `train` configures it."""
+    return make_optimizer(cfg.lr, cfg.steps, cfg.warmup_frac, cfg.clip, cfg.weight_decay)
+
+
+def drafter_graphdef(arch: DrafterArch) -> nnx.GraphDef:
+    """The drafter's graph (built abstractly, no arrays); its params travel in the TrainState."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
+    return graphdef
+
+
+# --- state -------------------------------------------------------------------------------------------------
+
+
+def fresh_state(seed: int, arch: DrafterArch, optimizer: optax.GradientTransformation) -> TrainState:
+    """A new TrainState: drafter params initialised from `seed`, RNG key `seed + 1`. Traced by
+    `create_state` under jit, so that no full copy ever sits on one device."""
+    params = nnx.state(DFlashDrafter(arch, nnx.Rngs(params=seed)), nnx.Param)
+    return init_state(params, optimizer, jax.random.PRNGKey(seed + 1))
+
+
+def state_layout(seed: int, arch: DrafterArch, optimizer: optax.GradientTransformation,
+                 mesh: Mesh) -> tuple[Any, Any]:
+    """The TrainState's abstract tree (shapes and dtypes, nothing allocated) and its DRAFTER_RULES shardings."""
+    abstract = jax.eval_shape(functools.partial(fresh_state, seed, arch, optimizer))
+    return abstract, tree_shardings(abstract, DRAFTER_RULES, mesh)
+
+
+def create_state(seed: int, arch: DrafterArch, optimizer: optax.GradientTransformation,
+                 mesh: Mesh) -> tuple[TrainState, Any]:
+    """A fresh TrainState created sharded by DRAFTER_RULES (jit with out_shardings), and its shardings."""
+    _, shardings = state_layout(seed, arch, optimizer, mesh)
+    state = jax.jit(functools.partial(fresh_state, seed, arch, optimizer), out_shardings=shardings)()
+    return state, shardings
+
+
+def create_or_restore_state(cfg: TrainConfig, arch: DrafterArch, optimizer: optax.GradientTransformation,
+                            mesh: Mesh, ckpt: Checkpointer, batches: Any,
+                            data_fingerprint: str) -> tuple[TrainState, Any, int]:
+    """(state, its shardings, the step it is at): restored from the latest checkpoint of `ckpt` (its data
+    fingerprint checked, `batches` moved to the saved position) or, when there is none, created fresh.
+    Process 0 drops the metrics.jsonl records after that step (logged by a run that died before its next
+    checkpoint)."""
+    run_dir = _run_dir(cfg)
+    latest = ckpt.latest_step()
+    if latest is None:
+        state, shardings = create_state(cfg.seed, arch, optimizer, mesh)
+    else:
+        abstract, shardings = state_layout(cfg.seed, arch, optimizer, mesh)
+        state, data_state = ckpt.restore(latest, abstract, shardings)
+        if data_state.get("data_fingerprint") != data_fingerprint:
+            raise ConfigError(f"checkpoint step {latest} in {ckpt.directory} was trained on other data (its "
+                              "examples hash differs: data or the tokenizer changed); resume with the same "
+                              "data settings or use a new train.run_dir")
+        batches.set_state(data_state["iterator"])
+    if jax.process_index() == 0:
+        _truncate_metrics(run_dir, 0 if latest is None else latest)
+    if latest is not None:
+        log.info("resumed %s from step %d", run_dir, latest)
+    return state, shardings, int(jax.device_get(state.step))
+
+
+def _run_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.run_dir).expanduser().resolve()
+
+
+def _truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics.jsonl records after `step`."""
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        keep = [r for r in read_metrics(run_dir) if r["step"] <= step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+
+# --- loop --------------------------------------------------------------------------------------------------
+
+
+def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: Any, start: int, ckpt: Checkpointer,
+               metrics: StepMetrics) -> TrainState:
+    """Steps start+1 .. train.steps: batch -> jitted step (state donated) -> the previous step's metrics ->
+    an async checkpoint every save_every steps and at the last, once that step's metrics proved finite."""
+    step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
+                              arch=run.arch, num_anchors=cfg.num_anchors, gamma=run.gamma, optimizer=run.optimizer,
+                              compute_dtype=run.compute_dtype, state_shardings=shardings)
+    for step in range(start + 1, cfg.steps + 1):
+        batch = shard_batch(next(run.batches), run.mesh)
+        state, device_metrics = step_fn(state, batch)
+        metrics.push(step, device_metrics)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            metrics.flush()  # never checkpoint a state whose step went non-finite
+            ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
+                                    "data_fingerprint": run.data_fingerprint})
+    metrics.flush()
+    return state
+
+
+class StepMetrics:
+    """The host side of the loop. A step's metrics are fetched one step late (the device never waits on the
+    host), checked finite (NonFiniteMetricError names the step), given the block tokens/s over the last
+    THROUGHPUT_WINDOW finished steps, shown on the progress bar, and written every log_every steps and at
+    the last one. `last` holds the latest finished step's host metrics."""
+
+    def __init__(self, cfg: TrainConfig, writer: MetricsWriter, *, block_tokens: int, start: int, show: bool):
+        self.writer = writer
+        self.log_every, self.final_step, self.block_tokens = cfg.log_every, cfg.steps, block_tokens
+        self.bar = tqdm(total=cfg.steps, initial=start, disable=not show, unit="step", dynamic_ncols=True,
+                        desc="train")
+        self.last: dict[str, Any] = {}
+        self._pending: tuple[int, Any] | None = None
+        self._window: list[tuple[float, int]] = []
+
+    def push(self, step: int, device_metrics: Any) -> None:
+        """Take `step`'s metrics (still on device) and finish the previous step's."""
+        self.flush()
+        self._pending = (step, device_metrics)
+
+    def flush(self) -> None:
+        """Finish the pending step, if any."""
+        if self._pending is not None:
+            step, device_metrics = self._pending
+            self._pending = None
+            self._finish(step, device_metrics)
+
+    def _finish(self, step: int, device_metrics: Any) -> None:
+        metrics = _host(device_metrics)
+        check_finite(metrics, step)
+        self.last = metrics
+        self._window.append((time.time(), step))
+        del self._window[:-THROUGHPUT_WINDOW]
+        if len(self._window) > 1:
+            (t0, s0), (t1, s1) = self._window[0], self._window[-1]
+            metrics["block_tokens_per_s"] = (s1 - s0) * self.block_tokens / max(t1 - t0, 1e-9)
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['acceptance_length']:.2f}",
+                             tok_s=f"{metrics.get('block_tokens_per_s', 0):.0f}", refresh=False)
+        if step % self.log_every == 0 or step == self.final_step:
+            self.writer.write(step, metrics)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _host(tree: Any) -> dict[str, Any]:
@@ -103,14 +317,6 @@ def _host(tree: Any) -> dict[str, Any]:
         arr = np.asarray(value, np.float64)
         out[name] = float(arr) if arr.ndim == 0 else arr.tolist()
     return out
-
-
-def _truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop metrics.jsonl records after `step` (logged by a run that died before its next checkpoint)."""
-    path = run_dir / "metrics.jsonl"
-    if path.is_file():
-        keep = [r for r in read_metrics(run_dir) if r["step"] <= step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _iterator_state(batches: Any) -> dict[str, Any]:
@@ -124,130 +330,21 @@ def _iterator_state(batches: Any) -> dict[str, Any]:
     return state
 
 
-def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> TrainResult:
-    """Train (or resume) the drafter of `recipe`; see the module docstring."""
-    t_start = time.time()
-    cfg = recipe.train
-    run_dir = Path(cfg.run_dir).expanduser().resolve()
-    is_main = jax.process_index() == 0
-    target = target if target is not None else load_target(recipe.target)
-    arch = target.drafter_arch(recipe.drafter)
-    gamma = cfg.gamma or default_gamma(arch.block_size)
-    compute_dtype = jnp.dtype(cfg.compute_dtype)
-
-    mesh = make_mesh(cfg.mesh)
-    require(cfg.batch_size % batch_divisor(mesh) == 0, "train.batch_size", cfg.batch_size,
-            f"be a multiple of mesh data x fsdp = {batch_divisor(mesh)}")
-    require(cfg.batch_size % jax.process_count() == 0, "train.batch_size", cfg.batch_size,
-            f"be a multiple of the process count {jax.process_count()}")
-    target_params = place(cast_floats(target.params, compute_dtype), TARGET_RULES, mesh)
-
-    per_host = cfg.batch_size // jax.process_count()
-    if recipe.data.features == "offline":
-        batches, data_fp = _offline_batches(recipe, target, arch, per_host)
-    else:
-        examples, data_fp = build_examples(recipe.data, target.tokenizer)
-        batches = make_batches([(t, m) for t, m, _ in examples], per_host, recipe.data.shuffle_seed,
-                               shard_index=jax.process_index(), shard_count=jax.process_count())
-
-    optimizer = make_optimizer(cfg.lr, cfg.steps, cfg.warmup_frac, cfg.clip, cfg.weight_decay)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
-
-    def fresh_state() -> TrainState:
-        params = nnx.state(DFlashDrafter(arch, nnx.Rngs(params=cfg.seed)), nnx.Param)
-        return init_state(params, optimizer, jax.random.PRNGKey(cfg.seed + 1))
-
-    abstract = jax.eval_shape(fresh_state)
-    shardings = tree_shardings(abstract, DRAFTER_RULES, mesh)
-    meta = {"arch": arch_dict(arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
-    ckpt = Checkpointer(run_dir / "checkpoints", meta, keep=cfg.keep_checkpoints)
-    latest = ckpt.latest_step()
-    if latest is None:
-        state = jax.jit(fresh_state, out_shardings=shardings)()
-        if is_main:
-            _truncate_metrics(run_dir, 0)  # records of a run killed before its first checkpoint
-    else:
-        state, data_state = ckpt.restore(latest, abstract, shardings)
-        if data_state.get("data_fingerprint") != data_fp:
-            raise ConfigError(f"checkpoint step {latest} in {ckpt.directory} was trained on other data (its "
-                              "examples hash differs: data or the tokenizer changed); resume with the same "
-                              "data settings or use a new train.run_dir")
-        batches.set_state(data_state["iterator"])
-        if is_main:
-            _truncate_metrics(run_dir, latest)
-        log.info("resumed %s from step %d", run_dir, latest)
-    start = int(jax.device_get(state.step))
-
-    step_fn = make_train_step(graphdef=graphdef, target_params=target_params, target_cfg=target.cfg, arch=arch,
-                              num_anchors=cfg.num_anchors, gamma=gamma, optimizer=optimizer,
-                              compute_dtype=compute_dtype, state_shardings=shardings)
-    writer = MetricsWriter(run_dir, config=to_dict(recipe), wandb_mode=cfg.wandb, tensorboard=cfg.tensorboard,
-                           enabled=is_main)
-    block_tokens = cfg.batch_size * cfg.num_anchors * arch.block_size
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and is_main), unit="step",
-               dynamic_ncols=True, desc="train")
-    last: dict[str, Any] = {}
-    pending: tuple[int, Any] | None = None
-    window: list[tuple[float, int]] = []
-
-    def finish(step: int, device_metrics: Any) -> None:
-        nonlocal last
-        metrics = _host(device_metrics)
-        check_finite(metrics, step)
-        last = metrics
-        now = time.time()
-        window.append((now, step))
-        del window[:-20]
-        if len(window) > 1:
-            (t0, s0), (t1, s1) = window[0], window[-1]
-            metrics["block_tokens_per_s"] = (s1 - s0) * block_tokens / max(t1 - t0, 1e-9)
-        bar.update(step - bar.n)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['acceptance_length']:.2f}",
-                        tok_s=f"{metrics.get('block_tokens_per_s', 0):.0f}", refresh=False)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            writer.write(step, metrics)
-
-    try:
-        for step in range(start + 1, cfg.steps + 1):
-            batch = shard_batch(next(batches), mesh)
-            state, metrics = step_fn(state, batch)
-            if pending is not None:
-                finish(*pending)
-            pending = (step, metrics)
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                finish(*pending)  # never checkpoint a state whose step went non-finite
-                pending = None
-                ckpt.save(step, state, {"iterator": _iterator_state(batches), "data_fingerprint": data_fp})
-        if pending is not None:
-            finish(*pending)
-        eval_metrics = evaluate(recipe, target, arch, graphdef, state.params, target_params, gamma, compute_dtype,
-                                mesh)
-        if eval_metrics and is_main:
-            writer.write(cfg.steps, {f"eval/{k}": v for k, v in eval_metrics.items()})
-    finally:
-        bar.close()
-        ckpt.close()
-        writer.close()
-        if hasattr(batches, "close"):
-            batches.close()  # offline loader: stop its worker processes
-    return TrainResult(run_dir=run_dir, arch=arch, start_step=start, final_step=int(jax.device_get(state.step)),
-                       last=last, eval=eval_metrics, seconds=time.time() - t_start)
-
-
-def evaluate(recipe: Recipe, target: Target, arch: DrafterArch, graphdef: nnx.GraphDef, params: Any,
-             target_params: Any, gamma: float, compute_dtype: Any, mesh: Any) -> dict[str, Any]:
-    """Teacher-forced metrics on the first EVAL_EXAMPLES GSM8K test conversations (fixed anchors)."""
-    cfg = recipe.train
-    examples, _ = build_examples(recipe.data, target.tokenizer, split="test", limit=EVAL_EXAMPLES)
-    unit = math.lcm(batch_divisor(mesh), jax.process_count())  # same global rows whatever the process count
+def evaluate(data: DataConfig, num_anchors: int, run: TrainRun, params: Any) -> dict[str, Any]:
+    """Teacher-forced metrics of `params` on the first EVAL_EXAMPLES GSM8K test conversations (fixed anchors)."""
+    examples, _ = build_examples(data, run.target.tokenizer, split="test", limit=EVAL_EXAMPLES)
+    unit = math.lcm(batch_divisor(run.mesh), jax.process_count())  # same global rows whatever the process count
     rows = len(examples) // unit * unit // jax.process_count()
     if rows == 0:
         return {}
-    eval_step = make_eval_step(graphdef=graphdef, target_params=target_params, target_cfg=target.cfg, arch=arch,
-                               num_anchors=cfg.num_anchors, gamma=gamma, compute_dtype=compute_dtype)
+    eval_step = make_eval_step(graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
+                               arch=run.arch, num_anchors=num_anchors, gamma=run.gamma,
+                               compute_dtype=run.compute_dtype)
     mine = examples[jax.process_index() * rows:(jax.process_index() + 1) * rows]
     batch = {"tokens": np.stack([t for t, _, _ in mine]), "loss_mask": np.stack([m for _, m, _ in mine])}
-    return _host(eval_step(params, shard_batch(batch, mesh), jax.random.PRNGKey(1234)))
+    return _host(eval_step(params, shard_batch(batch, run.mesh), jax.random.PRNGKey(1234)))
 
 
-__all__ = ["TrainResult", "arch_dict", "evaluate", "run_training"]
+__all__ = ["StepMetrics", "TrainResult", "TrainRun", "arch_dict", "build_batches", "build_run",
+           "create_or_restore_state", "create_state", "drafter_graphdef", "evaluate", "fresh_state",
+           "make_train_optimizer", "run_training", "state_layout", "train_loop"]
