@@ -141,6 +141,44 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _step(text: str | None) -> int | str | None:
+    """--step: a checkpoint step, `best` (the best real-τ drafter of a run), or None (the latest)."""
+    if text is None or text == "best":
+        return text
+    if not text.isdigit():
+        raise ConfigError(f"--step must be a checkpoint step or 'best'; received {text!r}")
+    return int(text)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as err:
+        raise ConfigError(f"--concurrency must be comma-separated integers like 1,4,16; received {text!r}") from err
+    return values
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from eval.client import ServerError
+    from eval.report import headline_line
+    from eval.run import EvalSettings, run_eval
+
+    settings = EvalSettings(sets=tuple(s for s in args.sets.split(",") if s), limit=args.limit,
+                            max_new_tokens=args.max_new_tokens, concurrency=_int_list(args.concurrency))
+    _recipe(args)  # the recipe and overrides must be valid before servers start with them
+    try:
+        results, paths = run_eval(settings, args.out, url=args.url, ar_url=args.ar_url, drafter=args.drafter,
+                                  step=args.step, block_size=args.block_size, config=args.config,
+                                  overrides=args.overrides, api_key=args.api_key, progress=not args.no_progress)
+    except ServerError as err:
+        print(f"dflash eval: error: {err}", file=sys.stderr)
+        return 2
+    mismatches = results["headline"]["mismatches"]
+    print(f"report: {paths['report.md']}\n{headline_line(results)}"
+          + (f"\nERROR: {mismatches} greedy replies differ from AR (see results.json)" if mismatches else ""))
+    return 1 if mismatches else 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
@@ -159,7 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         from models.drafter_io import load_drafter
 
-        drafter = load_drafter(source, target.cfg)
+        drafter = load_drafter(source, target.cfg, step=_step(args.step))
     block = None if args.ar else (args.block_size or drafter.arch.block_size)
     engine = Engine(target.params, target.cfg, drafter, slots=args.slots, max_len=recipe.target.max_seq_len,
                     block_size=block, sampling=recipe.sampling)
@@ -223,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server: target + DFlash drafter (or AR)")
     _add_config_args(p)
     p.add_argument("--drafter", help="a `dflash train` run dir or a z-lab HF drafter dir (default: train.run_dir)")
+    p.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
     p.add_argument("--ar", action="store_true", help="serve the target alone (no drafter)")
     p.add_argument("--block-size", type=int, default=0, help="K at inference (default: the drafter's training K)")
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences per step (continuous batching)")
@@ -237,6 +276,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict-fields", action="store_true",
                    help="refuse unknown request fields with a 400 (default: ignore them, one warning per name)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("eval", help="evaluate a drafter against the served engine: tau, acceptance, DFlash vs AR "
+                                    "speed, output equality; writes results.json, report.md and plots")
+    _add_config_args(p)
+    p.add_argument("--url", help="a running `dflash serve` (DFlash) to evaluate, e.g. http://127.0.0.1:8000")
+    p.add_argument("--drafter", help="a run dir or an exported drafter: its server is started here")
+    p.add_argument("--step", default=None, help="with --drafter: a checkpoint step or 'best' (default: latest)")
+    p.add_argument("--ar-url", help="a running `dflash serve --ar` of the same target (default: started here)")
+    p.add_argument("--sets", default="gsm8k,mtbench",
+                   help="comma-separated: gsm8k, math500, humaneval, mbpp, mtbench, a .json/.jsonl file, hf:ID")
+    p.add_argument("--limit", type=int, default=8, help="conversations per set (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per turn (default 256)")
+    p.add_argument("--concurrency", default="1", help="client concurrencies, e.g. 1,4,16 (default 1)")
+    p.add_argument("--block-size", type=int, default=0, help="K at inference (default: the drafter's training K)")
+    p.add_argument("--out", default="runs/eval", help="output directory; a rerun resumes it (default runs/eval)")
+    p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("config", help="print the resolved recipe (after overrides) as YAML")
     _add_config_args(p)

@@ -1,0 +1,1 @@
+"""Evaluation against the served engine: `dflash eval`."""

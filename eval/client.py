@@ -1,0 +1,125 @@
+"""A small OpenAI-compatible chat client for `dflash serve`: one streamed request, timed on the client side."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import time
+import urllib.parse
+from typing import Any
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error or could not be reached."""
+
+
+@dataclasses.dataclass
+class Reply:
+    """One streamed chat reply: text, token count, client-side times, and the server's DFlash statistics
+    (`accepted`: drafts accepted per verify step; empty for an AR server)."""
+
+    text: str
+    tokens: int
+    finish_reason: str | None
+    sent_s: float
+    first_s: float
+    last_s: float
+    accepted: list[int]
+
+    @property
+    def latency_s(self) -> float:
+        return self.last_s - self.sent_s
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_s - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Seconds per output token after the first (None with fewer than two tokens)."""
+        return (self.last_s - self.first_s) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+class Client:
+    """Requests to one server (`url` like http://127.0.0.1:8000); greedy chat completions, streamed."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0):
+        parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        if parsed.scheme != "http" or not parsed.hostname:
+            raise ValueError(f"url must look like http://HOST:PORT; received {url!r}")
+        self.host, self.port, self.timeout = parsed.hostname, parsed.port or 80, timeout
+        self.prefix = parsed.path.rstrip("/").removesuffix("/v1")
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.url = f"http://{self.host}:{self.port}{self.prefix}"
+
+    def _conn(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+    def get(self, path: str) -> Any:
+        conn = self._conn()
+        try:
+            conn.request("GET", self.prefix + path, headers=self.headers)
+            response = conn.getresponse()
+            body = response.read()
+        except OSError as err:
+            raise ServerError(f"{self.url}{path} could not be reached ({err})") from err
+        finally:
+            conn.close()
+        if response.status != 200:
+            raise ServerError(f"GET {self.url}{path} answered {response.status}: {body[:300]!r}")
+        return json.loads(body)
+
+    def model(self) -> str:
+        """The id of the served model (`GET /v1/models`)."""
+        return self.get("/v1/models")["data"][0]["id"]
+
+    def chat(self, model: str, messages: list[dict[str, str]], max_tokens: int) -> Reply:
+        """One greedy streamed chat completion."""
+        body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                           "stream": True})
+        conn = self._conn()
+        sent = time.perf_counter()
+        try:
+            conn.request("POST", self.prefix + "/v1/chat/completions", body=body, headers=self.headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                raise ServerError(f"POST {self.url}/v1/chat/completions answered {response.status}: "
+                                  f"{response.read()[:300]!r}")
+            return _read_stream(response, sent)
+        except OSError as err:
+            raise ServerError(f"{self.url} failed mid-request ({err})") from err
+        finally:
+            conn.close()
+
+
+def _read_stream(response: http.client.HTTPResponse, sent: float) -> Reply:
+    parts: list[str] = []
+    first = last = None
+    finish, tokens, accepted = None, 0, []
+    for raw in response:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[5:])
+        if "error" in event:
+            raise ServerError(f"the server failed the request: {event['error']}")
+        for choice in event.get("choices", []):
+            content = (choice.get("delta") or {}).get("content") or ""
+            if content:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                parts.append(content)
+            finish = choice.get("finish_reason") or finish
+        if event.get("usage"):
+            tokens = int(event["usage"]["completion_tokens"])
+        if event.get("dflash"):
+            accepted = list(event["dflash"].get("accepted_per_step") or [])
+    end = time.perf_counter()
+    return Reply("".join(parts), tokens, finish, sent, first or end, last or end, accepted)
+
+
+__all__ = ["Client", "Reply", "ServerError"]

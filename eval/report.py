@@ -1,0 +1,214 @@
+"""Numbers, report and plots of an evaluation: `results.json` (schema `dflash-eval/1`), `report.md`, PNGs.
+
+Per set, from the first concurrency level: τ (accepted + 1 per verify step, bonus included, pooled over
+steps), acceptance by draft position and the histogram of accepted drafts per step, mean TPOT and tokens/s
+of DFlash and AR, speedup = mean AR TPOT / mean DFlash TPOT, greedy replies that differ from AR (must be
+0), GSM8K / MATH-500 answer accuracy; per concurrency level: throughput and p50 / p95 latency of each.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "dflash-eval/1"
+_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_answer(text: str) -> str | None:
+    """The last \\boxed{...} of a reply, else its last number; normalised (no spaces, commas, $ or trailing .0)."""
+    boxed = _BOXED.findall(text)
+    found = boxed[-1] if boxed else (_NUMBER.findall(text) or [None])[-1]
+    if found is None:
+        return None
+    answer = found.replace(" ", "").replace(",", "").replace("$", "").rstrip(".")
+    return answer[:-2] if answer.endswith(".0") else answer
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _mode_stats(replies: list[dict[str, Any]]) -> dict[str, Any]:
+    tpots = [r["tpot_s"] for r in replies if r["tpot_s"] is not None]
+    tokens = sum(r["tokens"] for r in replies)
+    latency = sum(r["latency_s"] for r in replies)
+    return {"replies": len(replies), "tokens": tokens,
+            "tpot_ms": statistics.mean(tpots) * 1e3 if tpots else None,
+            "decode_tok_s": 1.0 / statistics.mean(tpots) if tpots else None,
+            "tok_s": tokens / latency if latency > 0 else None,
+            "ttft_ms": statistics.mean(r["ttft_s"] for r in replies) * 1e3 if replies else None}
+
+
+def _acceptance(replies: list[dict[str, Any]], block_size: int) -> dict[str, Any]:
+    steps = [a for r in replies for a in r["accepted"]]
+    if not steps:
+        return {"tau": None, "steps": 0, "accept_per_position": [], "accept_hist": []}
+    width = max(block_size - 1, max(steps))
+    return {"tau": sum(a + 1 for a in steps) / len(steps), "steps": len(steps),
+            "accept_per_position": [sum(a > i for a in steps) / len(steps) for i in range(width)],
+            "accept_hist": [sum(a == j for a in steps) / len(steps) for j in range(width + 1)]}
+
+
+def _accuracy(replies: list[dict[str, Any]], answers: dict[str, str]) -> float | None:
+    graded = [r for r in replies if r["turn"] == 0 and answers.get(r["id"])]
+    if not graded:
+        return None
+    return sum(final_answer(r["text"]) == final_answer(answers[r["id"]]) or
+               final_answer(r["text"]) == answers[r["id"]].replace(" ", "") for r in graded) / len(graded)
+
+
+def _set_summary(replies: list[dict[str, Any]], c0: int, block_size: int, answers: dict[str, str]) -> dict[str, Any]:
+    first = {m: [r for r in replies if r["mode"] == m and r["concurrency"] == c0] for m in ("dflash", "ar")}
+    ar_text = {(r["id"], r["turn"]): r["text"] for r in first["ar"]}
+    mismatched = sorted(f"{r['id']}#{r['turn']}" for r in first["dflash"]
+                        if (r["id"], r["turn"]) in ar_text and r["text"] != ar_text[r["id"], r["turn"]])
+    dflash, ar = _mode_stats(first["dflash"]), _mode_stats(first["ar"])
+    speedup = ar["tpot_ms"] / dflash["tpot_ms"] if dflash["tpot_ms"] and ar["tpot_ms"] else None
+    return {**_acceptance(first["dflash"], block_size), "dflash": dflash, "ar": ar, "speedup": speedup,
+            "mismatches": len(mismatched), "mismatched": mismatched[:20],
+            "accuracy": {m: _accuracy(first[m], answers) for m in ("dflash", "ar")}}
+
+
+def _concurrency(records: list[dict[str, Any]], levels: Sequence[int]) -> dict[str, Any]:
+    out = {}
+    for c in levels:
+        row = {}
+        for mode in ("dflash", "ar"):
+            wall = next((r for r in records if r["kind"] == "wall" and r["mode"] == mode and r["concurrency"] == c),
+                        None)
+            lat = [r["latency_s"] for r in records if r["kind"] == "reply" and r["mode"] == mode
+                   and r["concurrency"] == c]
+            row[mode] = {"throughput_tok_s": wall["tokens"] / wall["seconds"] if wall and wall["seconds"] else None,
+                         "p50_latency_s": _pct(lat, 0.5), "p95_latency_s": _pct(lat, 0.95)}
+        d, a = row["dflash"]["throughput_tok_s"], row["ar"]["throughput_tok_s"]
+        row["throughput_ratio"] = d / a if d and a else None
+        out[str(c)] = row
+    return out
+
+
+def summarize(records: list[dict[str, Any]], sets: Sequence[str], concurrency: Sequence[int], block_size: int,
+              answers: dict[str, str], meta: dict[str, Any]) -> dict[str, Any]:
+    """The results.json document of `records` (see the module docstring)."""
+    replies = [r for r in records if r["kind"] == "reply"]
+    by_set = {}
+    for name in sets:
+        mine = [r for r in replies if r["set"] == Path(name).stem or r["set"] == name]
+        by_set[name] = _set_summary(mine, concurrency[0], block_size, answers)
+    headline = _set_summary(replies, concurrency[0], block_size, answers)
+    return {"schema": SCHEMA, **meta, "sets": by_set,
+            "headline": {k: headline[k] for k in ("tau", "steps", "speedup", "mismatches", "dflash", "ar",
+                                                  "accept_per_position")},
+            "concurrency": _concurrency(records, concurrency)}
+
+
+def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def headline_line(results: dict[str, Any]) -> str:
+    h = results["headline"]
+    return (f"DFlash vs AR: {_fmt(h['speedup'])}x tokens/s (tau {_fmt(h['tau'])}, "
+            f"K={results['settings']['block_size']})")
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    h, s = results["headline"], results["settings"]
+    lines = [f"# DFlash evaluation: {results['target'].get('model', '?')}", "",
+             f"**{headline_line(results)}**; greedy replies differing from AR: {h['mismatches']}"
+             + (" (must be 0: an engine error)" if h["mismatches"] else ""), "",
+             f"Drafter: `{results['drafter'].get('path', '?')}`; sets {', '.join(s['sets'])}, {s['limit']} items "
+             f"each, {s['max_new_tokens']} new tokens per turn, concurrency {s['concurrency']}; "
+             f"{results['environment'].get('machine', '')}.", "",
+             "| set | tau | DFlash TPOT ms | AR TPOT ms | speedup | DFlash tok/s | AR tok/s | accuracy (AR) "
+             "| differ from AR |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results["sets"].items():
+        lines.append(f"| {name} | {_fmt(r['tau'])} | {_fmt(r['dflash']['tpot_ms'], '.1f')} | "
+                     f"{_fmt(r['ar']['tpot_ms'], '.1f')} | {_fmt(r['speedup'], '.2f', 'x')} | "
+                     f"{_fmt(r['dflash']['tok_s'], '.1f')} | {_fmt(r['ar']['tok_s'], '.1f')} | "
+                     f"{_fmt(r['accuracy']['ar'], '.2f')} | {r['mismatches']} |")
+    lines += ["", "| concurrency | DFlash tok/s | AR tok/s | ratio | DFlash p50 / p95 s | AR p50 / p95 s |",
+              "|---|---|---|---|---|---|"]
+    for c, r in results["concurrency"].items():
+        d, a = r["dflash"], r["ar"]
+        lines.append(f"| {c} | {_fmt(d['throughput_tok_s'], '.1f')} | {_fmt(a['throughput_tok_s'], '.1f')} | "
+                     f"{_fmt(r['throughput_ratio'], '.2f', 'x')} | {_fmt(d['p50_latency_s'])} / "
+                     f"{_fmt(d['p95_latency_s'])} | {_fmt(a['p50_latency_s'])} / {_fmt(a['p95_latency_s'])} |")
+    lines += ["", "Acceptance by draft position (share of verify steps whose draft i was accepted):", "",
+              "| set | " + " | ".join(f"d{i + 1}" for i in range(len(h["accept_per_position"]))) + " |",
+              "|---|" + "---|" * len(h["accept_per_position"])]
+    for name, r in results["sets"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{a:.2f}" for a in r["accept_per_position"]) + " |")
+    lines += ["", "Plots: `acceptance_by_position.png`, `tau_per_set.png`, `concurrency.png`.", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """The three PNGs of the report."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in results["sets"].items():
+        if r["accept_per_position"]:
+            ax.plot(range(1, len(r["accept_per_position"]) + 1), r["accept_per_position"], marker="o", label=name)
+    ax.set(xlabel="draft position", ylabel="share of steps accepted", ylim=(0, 1.02),
+           title="Acceptance by draft position")
+    ax.legend()
+    paths.append(_save(fig, out_dir / "acceptance_by_position.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(results["sets"])
+    ax.bar(names, [results["sets"][n]["tau"] or 0 for n in names])
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(ylabel="tau (tokens per verify step)", title=f"tau per set (K={results['settings']['block_size']})")
+    paths.append(_save(fig, out_dir / "tau_per_set.png"))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    levels = [int(c) for c in results["concurrency"]]
+    rows = [results["concurrency"][str(c)] for c in levels]
+    for mode in ("dflash", "ar"):
+        left.plot(levels, [r[mode]["throughput_tok_s"] or 0 for r in rows], marker="o", label=mode)
+    left.set(xlabel="concurrency", ylabel="tokens/s", title="Throughput", xscale="log", xticks=levels)
+    left.set_xticklabels([str(c) for c in levels])
+    left.legend()
+    right.plot(levels, [r["throughput_ratio"] or 0 for r in rows], marker="o", color="C2")
+    right.axhline(1.0, color="gray", lw=0.8)
+    right.set(xlabel="concurrency", ylabel="DFlash / AR tokens/s", title="Speedup", xscale="log", xticks=levels)
+    right.set_xticklabels([str(c) for c in levels])
+    paths.append(_save(fig, out_dir / "concurrency.png"))
+    return paths
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """results.json, report.md and the PNGs in `out_dir` (each written to a temporary name, then renamed)."""
+    written = {}
+    for name, text in (("results.json", json.dumps(results, indent=2)), ("report.md", render_markdown(results))):
+        tmp = out_dir / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out_dir / name)
+        written[name] = out_dir / name
+    for path in plot(results, out_dir):
+        written[path.name] = path
+    return written
+
+
+__all__ = ["SCHEMA", "final_answer", "headline_line", "plot", "render_markdown", "summarize", "write_outputs"]

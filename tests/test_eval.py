@@ -1,0 +1,136 @@
+"""`dflash eval` against the served engine: the CLI over server subprocesses writes results.json, report.md and
+the plots; τ reported through HTTP equals the in-process engine's; an interrupted eval resumes; the report's
+statistics on known records."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from flax import nnx
+
+from configs.recipe import load_recipe
+from eval.report import final_answer, summarize
+from eval.run import EvalSettings, RecordStore, evaluate
+from eval.servers import serve_in_process
+from models.drafter import DFlashDrafter
+from models.target import load_target
+from models.zlab import save_zlab
+from serve.engine import decode
+
+ROOT = Path(__file__).resolve().parents[1]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    recipe = load_recipe("tiny")
+    target = load_target(recipe.target)
+    drafter = DFlashDrafter(target.drafter_arch(recipe.drafter), nnx.Rngs(0))
+    directory = tmp_path_factory.mktemp("drafter")
+    save_zlab(drafter, directory)
+    return recipe, target, drafter, directory
+
+
+@pytest.fixture(scope="module")
+def served(tiny, tmp_path_factory):
+    """An in-process evaluation over real HTTP (DFlash and AR servers in threads); its output directory."""
+    recipe, target, drafter, _ = tiny
+    out = tmp_path_factory.mktemp("eval")
+    settings = EvalSettings(sets=("gsm8k", "mtbench"), limit=2, max_new_tokens=NEW, concurrency=(1,))
+    with serve_in_process(target, drafter, slots=2, max_len=recipe.target.max_seq_len) as url, \
+            serve_in_process(target, None, slots=2, max_len=recipe.target.max_seq_len) as ar_url:
+        results, paths = evaluate(url, ar_url, settings, out, progress=False)
+        yield results, paths, out, (url, ar_url, settings)
+
+
+@pytest.mark.e2e
+def test_cli_over_server_subprocesses_writes_the_report(tiny, tmp_path):
+    _, _, _, directory = tiny
+    out = tmp_path / "eval"
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--config", "tiny", "--drafter", str(directory),
+                           "--sets", "gsm8k,mtbench", "--limit", "1", "--max-new-tokens", "6", "--out", str(out),
+                           "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"DFlash vs AR: [\d.]+x tokens/s \(tau [\d.]+, K=8\)$", done.stdout.strip()), done.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["schema"] == "dflash-eval/1" and set(results["sets"]) == {"gsm8k", "mtbench"}
+    assert results["headline"]["mismatches"] == 0 and results["settings"]["block_size"] == 8
+    assert 1.0 <= results["headline"]["tau"] <= 8.0
+    assert "DFlash vs AR:" in (out / "report.md").read_text()
+    for name in ("acceptance_by_position.png", "tau_per_set.png", "concurrency.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert "serving" in (out / "server-dflash.log").read_text() and (out / "server-ar.log").is_file()
+
+
+def test_served_tau_equals_the_in_process_engine(tiny, served):
+    """Every DFlash reply's per-step acceptance, as the server reported it, equals a decode of the same prompt
+    in this process (MT-Bench's second turn on the first turn's reply)."""
+    recipe, target, drafter, _ = tiny
+    results, _, out, _ = served
+    records = [r for r in RecordStore(out / "records.jsonl").records.values() if r["kind"] == "reply"]
+    dflash = {(r["id"], r["turn"]): r for r in records if r["mode"] == "dflash"}
+    from data.eval_sets import load_eval_set
+
+    items = {i.id: i for name in ("gsm8k", "mtbench") for i in load_eval_set(name, 2)}
+    assert len(dflash) == sum(len(i.turns) for i in items.values()) == 6
+    tok = target.tokenizer
+    for (item_id, turn), record in dflash.items():
+        messages = []
+        for t in range(turn + 1):
+            messages.append({"role": "user", "content": items[item_id].turns[t]})
+            if t < turn:
+                messages.append({"role": "assistant", "content": dflash[item_id, t]["text"]})
+        prompt = tok.encode_chat(messages, add_generation_prompt=True)
+        [local] = decode(target.params, target.cfg, [prompt], NEW, max_len=recipe.target.max_seq_len,
+                         drafter=drafter, stop_ids=tok.stop_token_ids)
+        assert record["accepted"] == local.accepted and record["tokens"] == len(local.token_ids), (item_id, turn)
+    pooled = [a for r in dflash.values() for a in r["accepted"]]
+    assert results["headline"]["tau"] == pytest.approx(sum(a + 1 for a in pooled) / len(pooled))
+    assert results["headline"]["mismatches"] == 0
+
+
+def test_an_interrupted_eval_resumes_sending_only_what_is_missing(served):
+    _, _, out, (url, ar_url, settings) = served
+    path = out / "records.jsonl"
+    lines = path.read_text().splitlines()
+    again, _ = evaluate(url, ar_url, settings, out, progress=False)
+    assert path.read_text().splitlines() == lines, "a complete eval resent requests"
+    # Lose the DFlash record of MT-Bench item 1's second turn and leave a torn line, as a kill would.
+    dropped = [i for i, line in enumerate(lines) if json.loads(line).get("id") == "mtbench:1"
+               and json.loads(line)["mode"] == "dflash" and json.loads(line)["turn"] == 1]
+    kept = [line for i, line in enumerate(lines) if i not in dropped]
+    path.write_text("\n".join(kept) + '\n{"kind": "reply", "mo')
+    resumed, _ = evaluate(url, ar_url, settings, out, progress=False)
+    added = [json.loads(line) for line in path.read_text().splitlines()[len(kept):]]
+    assert [(r["kind"], r.get("id"), r.get("turn")) for r in added] == [
+        ("reply", "mtbench:1", 0), ("reply", "mtbench:1", 1), ("wall", None, None)]
+    assert resumed["headline"]["tau"] == again["headline"]["tau"]
+
+
+def _reply(mode, item, turn, text, accepted, tpot):
+    return {"kind": "reply", "mode": mode, "concurrency": 1, "id": item, "set": item.split(":")[0], "turn": turn,
+            "text": text, "tokens": 10, "finish": "length", "latency_s": 1.0, "ttft_s": 0.1, "tpot_s": tpot,
+            "accepted": accepted}
+
+
+def test_report_statistics_on_known_records():
+    records = [_reply("dflash", "gsm8k:0", 0, "so \\boxed{1,234}", [3, 0, 1], 0.05),
+               _reply("ar", "gsm8k:0", 0, "so \\boxed{1,234}", [], 0.10),
+               _reply("dflash", "gsm8k:1", 0, "the answer is 7", [2], 0.05),
+               _reply("ar", "gsm8k:1", 0, "the answer is 8", [], 0.10),
+               {"kind": "wall", "mode": "dflash", "concurrency": 1, "seconds": 2.0, "tokens": 20},
+               {"kind": "wall", "mode": "ar", "concurrency": 1, "seconds": 4.0, "tokens": 20}]
+    meta = {"environment": {}, "target": {"model": "m"}, "drafter": {}, "settings": {"block_size": 4}}
+    r = summarize(records, ["gsm8k"], [1], 4, {"gsm8k:0": "1234", "gsm8k:1": "8"}, meta)
+    s = r["sets"]["gsm8k"]
+    assert s["tau"] == pytest.approx((4 + 1 + 2 + 3) / 4) and s["steps"] == 4
+    assert s["accept_per_position"] == [0.75, 0.5, 0.25] and s["accept_hist"] == [0.25, 0.25, 0.25, 0.25]
+    assert s["speedup"] == pytest.approx(2.0) and s["mismatches"] == 1 and s["mismatched"] == ["gsm8k:1#0"]
+    assert s["accuracy"] == {"dflash": 0.5, "ar": 1.0}
+    assert r["concurrency"]["1"]["throughput_ratio"] == pytest.approx(2.0)
+    assert final_answer("x = \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}" and final_answer("no digits") is None
