@@ -5,8 +5,9 @@
    checkpointed under `train.run_dir` (a rerun resumes there; it trains nothing once the run is complete)
    and evaluated teacher-forced on held-out GSM8K test conversations;
 3. chat with the target (AR decoding) and report decode tokens/s;
-4. decode the same prompts with greedy DFlash speculative decoding and the drafter just trained (loaded
-   back from its checkpoint), reporting τ, acceptance by position and whether the output equals AR.
+4. evaluate the drafter just trained (loaded back from its checkpoint) against the served engine: greedy
+   DFlash vs AR over HTTP on a few GSM8K and MT-Bench prompts, reporting τ, acceptance by position, whether
+   the output equals AR, and as the last line `DFlash vs AR: <speedup>x tokens/s (tau <τ>, K=<K>)`.
 The server (`dflash serve`) and the data stages (`dflash data`) are separate commands.
 """
 
@@ -15,12 +16,14 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from typing import TextIO
+from pathlib import Path
+from typing import Any, TextIO
 
 from configs.recipe import Recipe
 from models.target import load_target
 from serve.chat import ChatTurn, chat
 
+EVAL_SETS = ("gsm8k", "mtbench")
 DEMO_PROMPTS = (
     "What is speculative decoding, in two sentences?",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -58,26 +61,32 @@ def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO 
     out.write(f"\nAR: {len(turns)} prompts, {total} tokens generated, "
               f"{rate:.1f} decode tokens/s overall (first call includes compile)\n")
     if train:
-        speculative_rerun(recipe, target, turns, out)
-    out.write("\ndemo done\n")
+        short_eval(recipe, target, out, progress)
     return turns
 
 
-def speculative_rerun(recipe: Recipe, target, turns: Sequence[ChatTurn], out: TextIO) -> None:
-    """Decode the same prompts again with DFlash speculative decoding and the drafter just trained."""
+def short_eval(recipe: Recipe, target: Any, out: TextIO, progress: bool = True) -> dict[str, Any]:
+    """Evaluate the drafter just trained against the served engine (DFlash and AR servers in this process,
+    real HTTP) on a few prompts of two kinds; the report goes to <run_dir>/eval (a rerun resumes it)."""
+    from eval.report import headline_line
+    from eval.run import EvalSettings, evaluate
+    from eval.servers import serve_in_process
     from models.drafter_io import load_drafter
-    from serve.engine import decode
 
     drafter = load_drafter(recipe.train.run_dir, target.cfg)
-    k = drafter.arch.block_size
-    out.write(f"\n== the same prompts with DFlash speculative decoding (greedy, block {k}, drafter from "
-              f"{recipe.train.run_dir})\n")
-    for turn in turns:
-        [res] = decode(target.params, target.cfg, [turn.result.prompt_ids], recipe.sampling.max_new_tokens,
-                       max_len=recipe.target.max_seq_len, drafter=drafter, block_size=k,
-                       stop_ids=target.tokenizer.stop_token_ids)
-        same = res.token_ids == turn.result.token_ids
-        per_pos = " ".join(f"{a:.2f}" for a in res.accept_per_position)
-        out.write(f">>> {turn.prompt}\n[{len(res.token_ids)} tokens in {len(res.accepted)} verify steps: "
-                  f"tau {res.tau:.2f}; identical to AR: {'yes' if same else 'NO'}; acceptance by position: "
-                  f"{per_pos}]\n")
+    settings = EvalSettings(sets=EVAL_SETS, limit=2, max_new_tokens=recipe.sampling.max_new_tokens)
+    out.write(f"\n== evaluation against the served engine: greedy DFlash (block {drafter.arch.block_size}) vs AR "
+              f"on {settings.limit} prompts each of {', '.join(EVAL_SETS)}\n")
+    out.flush()
+    max_len = recipe.target.max_seq_len
+    with serve_in_process(target, drafter, slots=1, max_len=max_len) as url, \
+            serve_in_process(target, None, slots=1, max_len=max_len) as ar_url:
+        results, paths = evaluate(url, ar_url, settings, Path(recipe.train.run_dir) / "eval",
+                                  drafter={"path": recipe.train.run_dir}, progress=progress)
+    for name, r in results["sets"].items():
+        per_pos = " ".join(f"{a:.2f}" for a in r["accept_per_position"])
+        out.write(f"{name}: tau {r['tau']:.2f}, DFlash {r['dflash']['decode_tok_s']:.1f} vs AR "
+                  f"{r['ar']['decode_tok_s']:.1f} decode tokens/s, identical to AR: "
+                  f"{'yes' if r['mismatches'] == 0 else 'NO'}; acceptance by position: {per_pos}\n")
+    out.write(f"report: {paths['report.md']}\n{headline_line(results)}\n")
+    return results

@@ -1,5 +1,6 @@
 """End to end through the real entry point (`dflash …`) on the tiny preset."""
 
+import re
 import subprocess
 import sys
 
@@ -19,7 +20,10 @@ def test_demo_runs_on_the_tiny_preset(capsys, tmp_path):
     assert (tmp_path / "checkpoints" / "8").is_dir()
     assert ">>> What is 2+2?" in out
     assert "decode tokens/s overall" in out
-    assert "identical to AR: yes" in out and "demo done" in out
+    assert "identical to AR: yes" in out and "identical to AR: NO" not in out
+    lines = out.strip().splitlines()
+    assert re.fullmatch(r"DFlash vs AR: [\d.]+x tokens/s \(tau [\d.]+, K=8\)", lines[-1]), lines[-3:]
+    assert lines[-2] == f"report: {tmp_path / 'eval' / 'report.md'}" and (tmp_path / "eval" / "results.json").is_file()
 
 
 @pytest.mark.e2e

@@ -41,7 +41,7 @@ def served(tiny, tmp_path_factory):
     """An in-process evaluation over real HTTP (DFlash and AR servers in threads); its output directory."""
     recipe, target, drafter, _ = tiny
     out = tmp_path_factory.mktemp("eval")
-    settings = EvalSettings(sets=("gsm8k", "mtbench"), limit=2, max_new_tokens=NEW, concurrency=(1,))
+    settings = EvalSettings(sets=("gsm8k", "mtbench"), limit=1, max_new_tokens=NEW, concurrency=(1,))
     with serve_in_process(target, drafter, slots=2, max_len=recipe.target.max_seq_len) as url, \
             serve_in_process(target, None, slots=2, max_len=recipe.target.max_seq_len) as ar_url:
         results, paths = evaluate(url, ar_url, settings, out, progress=False)
@@ -76,8 +76,8 @@ def test_served_tau_equals_the_in_process_engine(tiny, served):
     dflash = {(r["id"], r["turn"]): r for r in records if r["mode"] == "dflash"}
     from data.eval_sets import load_eval_set
 
-    items = {i.id: i for name in ("gsm8k", "mtbench") for i in load_eval_set(name, 2)}
-    assert len(dflash) == sum(len(i.turns) for i in items.values()) == 6
+    items = {i.id: i for name in ("gsm8k", "mtbench") for i in load_eval_set(name, 1)}
+    assert len(dflash) == sum(len(i.turns) for i in items.values()) == 3
     tok = target.tokenizer
     for (item_id, turn), record in dflash.items():
         messages = []
@@ -100,15 +100,15 @@ def test_an_interrupted_eval_resumes_sending_only_what_is_missing(served):
     lines = path.read_text().splitlines()
     again, _ = evaluate(url, ar_url, settings, out, progress=False)
     assert path.read_text().splitlines() == lines, "a complete eval resent requests"
-    # Lose the DFlash record of MT-Bench item 1's second turn and leave a torn line, as a kill would.
-    dropped = [i for i, line in enumerate(lines) if json.loads(line).get("id") == "mtbench:1"
+    # Lose the DFlash record of MT-Bench's second turn and leave a torn line, as a kill would.
+    dropped = [i for i, line in enumerate(lines) if json.loads(line).get("id") == "mtbench:0"
                and json.loads(line)["mode"] == "dflash" and json.loads(line)["turn"] == 1]
     kept = [line for i, line in enumerate(lines) if i not in dropped]
     path.write_text("\n".join(kept) + '\n{"kind": "reply", "mo')
     resumed, _ = evaluate(url, ar_url, settings, out, progress=False)
     added = [json.loads(line) for line in path.read_text().splitlines()[len(kept):]]
     assert [(r["kind"], r.get("id"), r.get("turn")) for r in added] == [
-        ("reply", "mtbench:1", 0), ("reply", "mtbench:1", 1), ("wall", None, None)]
+        ("reply", "mtbench:0", 0), ("reply", "mtbench:0", 1), ("wall", None, None)]
     assert resumed["headline"]["tau"] == again["headline"]["tau"]
 
 
