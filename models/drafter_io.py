@@ -111,12 +111,30 @@ def _load_checkpoint(path: Path, target_cfg: DecoderConfig, step: int | None) ->
     return drafter
 
 
-def load_drafter(path: str | Path, target_cfg: DecoderConfig, step: int | None = None) -> DFlashDrafter:
+def _best_dir(path: Path) -> Path:
+    """`<run_dir>/best` of a run dir (or of its checkpoints/ directory); FileNotFoundError when absent."""
+    run_dir = path.parent if path.name == "checkpoints" and not (path / "best").is_dir() else path
+    best = run_dir / "best"
+    if not (best / "config.json").is_file():
+        raise FileNotFoundError(f"{best} holds no best drafter: a run keeps <run_dir>/best/ (the best drafter "
+                                "by real τ) only when it evaluates real τ during training; set train.eval_every "
+                                "(e.g. train.eval_every=100) and train, or load a checkpoint step instead")
+    return best
+
+
+def load_drafter(path: str | Path, target_cfg: DecoderConfig, step: int | str | None = None) -> DFlashDrafter:
     """The drafter stored at `path`, checked against `target_cfg` (every mismatching field named).
 
-    path: a z-lab layout directory (config.json + model.safetensors), or a `dflash train` run dir or its
-    checkpoints/ directory (`step` defaults to the latest)."""
+    path: a z-lab layout directory (config.json + model.safetensors, e.g. `<run_dir>/best`), or a
+    `dflash train` run dir or its checkpoints/ directory. step: a checkpoint step (int or digits; default:
+    the latest), or "best": the run's best drafter by real τ (`<run_dir>/best`, kept when train.eval_every > 0)."""
     path = Path(path).expanduser()
+    if isinstance(step, str) and step.isdigit():
+        step = int(step)
+    if isinstance(step, str):
+        if step != "best":
+            raise ValueError(f"step must be a checkpoint step (int), 'best' or None; received {step!r}")
+        return load_zlab(_best_dir(path), target_cfg)
     if (path / "config.json").is_file():
         return load_zlab(path, target_cfg)
     return _load_checkpoint(path, target_cfg, step)

@@ -37,6 +37,10 @@ class TrainConfig:
     save_every / keep_checkpoints: checkpoint cadence (the last step is always saved) and retention.
     log_every: metrics cadence (metrics.jsonl, TensorBoard, wandb).
     wandb: `offline` (default; files under run_dir/wandb, no network), `online`, or `disabled`.
+    eval_every: steps between real-τ evaluations (0 = off; when on, the last step is always evaluated): the
+             current drafter decodes `eval_prompts` held-out prompts of each of `eval_sets` (first turns,
+             greedy, `eval_tokens` new tokens each) with the engine; the best drafter by real τ is kept in
+             run_dir/best (z-lab layout + best.json).
     """
 
     run_dir: str = "runs/default"
@@ -55,6 +59,10 @@ class TrainConfig:
     log_every: int = 10
     wandb: Literal["offline", "online", "disabled"] = "offline"
     tensorboard: bool = True
+    eval_every: int = 0
+    eval_prompts: int = 2
+    eval_sets: tuple[str, ...] = ("gsm8k", "mtbench", "humaneval")
+    eval_tokens: int = 48
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
@@ -69,6 +77,13 @@ class TrainConfig:
         require(self.save_every >= 1, "train.save_every", self.save_every, "be at least 1")
         require(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "be at least 1")
         require(self.log_every >= 1, "train.log_every", self.log_every, "be at least 1")
+        require(self.eval_every >= 0, "train.eval_every", self.eval_every, "be >= 0 (0 = no real-τ evaluation)")
+        require(self.eval_prompts >= 1, "train.eval_prompts", self.eval_prompts, "be at least 1")
+        require(len(self.eval_sets) >= 1 and all(isinstance(s, str) and s for s in self.eval_sets),
+                "train.eval_sets", self.eval_sets, "hold at least one evaluation set name")
+        require(len(set(self.eval_sets)) == len(self.eval_sets), "train.eval_sets", self.eval_sets,
+                "name each set once")
+        require(self.eval_tokens >= 1, "train.eval_tokens", self.eval_tokens, "be at least 1")
 
 
 __all__ = ["MeshConfig", "TrainConfig"]

@@ -2,7 +2,8 @@
 
 `build_run` loads what a run trains against (target placed on the mesh, batches, optimizer, drafter graph);
 `create_or_restore_state` creates the sharded TrainState or resumes it from `<run_dir>/checkpoints`;
-`train_loop` steps, logs and checkpoints. Mechanics and the resume guarantees: docs/decisions.md D9/D10.
+`train_loop` steps, logs and checkpoints, and every `train.eval_every` steps measures real τ with the engine
+(`train.real_eval`: keeps `<run_dir>/best/`). Mechanics and the resume guarantees: docs/decisions.md D9/D10.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.metrics import MetricsWriter, check_finite, read_metrics
 from train.objective import default_gamma
+from train.real_eval import RealTauEval
 from train.sharding import (
     DRAFTER_RULES,
     TARGET_RULES,
@@ -56,7 +58,8 @@ THROUGHPUT_WINDOW = 20  # finished steps over which block tokens/s is measured
 
 @dataclasses.dataclass
 class TrainResult:
-    """What a run did. `last` / `eval` hold host metrics (floats; lists for per-position values)."""
+    """What a run did. `last` / `eval` hold host metrics (floats; lists for per-position values); `best` is
+    `<run_dir>/best/best.json` (the best drafter by real τ) or None when none was kept."""
 
     run_dir: Path
     arch: DrafterArch
@@ -65,6 +68,7 @@ class TrainResult:
     last: dict[str, Any]
     eval: dict[str, Any]
     seconds: float
+    best: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +102,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     is_main = jax.process_index() == 0
     target = target if target is not None else load_target(recipe.target)
     run = build_run(cfg, recipe.data, target, target.drafter_arch(recipe.drafter))
+    real_eval = RealTauEval(cfg, target, run.graphdef, run_dir) if is_main else None  # prompts built once
     meta = {"arch": arch_dict(run.arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
     ckpt = Checkpointer(run_dir / "checkpoints", meta, keep=cfg.keep_checkpoints)
     state, shardings, start = create_or_restore_state(cfg, run.arch, run.optimizer, run.mesh, ckpt, run.batches,
@@ -107,7 +112,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     metrics = StepMetrics(cfg, writer, block_tokens=cfg.batch_size * cfg.num_anchors * run.arch.block_size,
                           start=start, show=progress and is_main)
     try:
-        state = train_loop(cfg, run, state, shardings, start, ckpt, metrics)
+        state = train_loop(cfg, run, state, shardings, start, ckpt, metrics, real_eval)
         eval_metrics = evaluate(recipe.data, cfg.num_anchors, run, state.params)
         if eval_metrics and is_main:
             writer.write(cfg.steps, {f"eval/{k}": v for k, v in eval_metrics.items()})
@@ -118,7 +123,8 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
         if hasattr(run.batches, "close"):
             run.batches.close()  # offline loader: stop its worker processes
     return TrainResult(run_dir=run_dir, arch=run.arch, start_step=start, final_step=int(jax.device_get(state.step)),
-                       last=metrics.last, eval=eval_metrics, seconds=time.time() - t_start)
+                       last=metrics.last, eval=eval_metrics, seconds=time.time() - t_start,
+                       best=real_eval.best if real_eval is not None else None)
 
 
 # --- build -------------------------------------------------------------------------------------------------
@@ -247,9 +253,11 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
 
 
 def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: Any, start: int, ckpt: Checkpointer,
-               metrics: StepMetrics) -> TrainState:
+               metrics: StepMetrics, real_eval: RealTauEval | None = None) -> TrainState:
     """Steps start+1 .. train.steps: batch -> jitted step (state donated) -> the previous step's metrics ->
-    an async checkpoint every save_every steps and at the last, once that step's metrics proved finite."""
+    an async checkpoint every save_every steps and at the last, once that step's metrics proved finite ->
+    real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
+    neither the state nor the data, so training results are the same with it or without)."""
     step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
                               arch=run.arch, num_anchors=cfg.num_anchors, gamma=run.gamma, optimizer=run.optimizer,
                               compute_dtype=run.compute_dtype, state_shardings=shardings)
@@ -261,6 +269,9 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
             metrics.flush()  # never checkpoint a state whose step went non-finite
             ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
                                     "data_fingerprint": run.data_fingerprint})
+        if real_eval is not None and real_eval.due(step):
+            metrics.flush()
+            metrics.write_eval(step, real_eval(step, state.params))
     metrics.flush()
     return state
 
@@ -277,7 +288,9 @@ class StepMetrics:
         self.bar = tqdm(total=cfg.steps, initial=start, disable=not show, unit="step", dynamic_ncols=True,
                         desc="train")
         self.last: dict[str, Any] = {}
+        self.real_tau: float | None = None  # the latest in-loop real τ, shown beside the teacher-forced one
         self._pending: tuple[int, Any] | None = None
+        self._fields: dict[str, str] = {}
         self._window: list[tuple[float, int]] = []
 
     def push(self, step: int, device_metrics: Any) -> None:
@@ -302,10 +315,21 @@ class StepMetrics:
             (t0, s0), (t1, s1) = self._window[0], self._window[-1]
             metrics["block_tokens_per_s"] = (s1 - s0) * self.block_tokens / max(t1 - t0, 1e-9)
         self.bar.update(step - self.bar.n)
-        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['acceptance_length']:.2f}",
-                             tok_s=f"{metrics.get('block_tokens_per_s', 0):.0f}", refresh=False)
+        self._postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['acceptance_length']:.2f}",
+                      tok_s=f"{metrics.get('block_tokens_per_s', 0):.0f}")
         if step % self.log_every == 0 or step == self.final_step:
             self.writer.write(step, metrics)
+
+    def write_eval(self, step: int, metrics: dict[str, Any]) -> None:
+        """Log an in-loop real-τ evaluation (`eval/...` metrics) at `step` and show its τ on the bar."""
+        self.real_tau = metrics["eval/tau"]
+        self.writer.write(step, metrics)
+        self._postfix(**self._fields)
+
+    def _postfix(self, **fields: str) -> None:
+        self._fields = fields
+        real = {} if self.real_tau is None else {"real_tau": f"{self.real_tau:.2f}"}
+        self.bar.set_postfix({**fields, **real}, refresh=False)
 
     def close(self) -> None:
         self.bar.close()

@@ -1,0 +1,127 @@
+"""Real τ inside training (train.eval_every): engine-decoded τ logged at its steps, the best drafter kept in
+<run_dir>/best and loadable as step="best", and training results unchanged by it (tiny recipe, fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs.recipe import load_recipe
+from models.drafter_io import load_drafter
+from train.checkpoint import Checkpointer
+from train.loop import drafter_graphdef, run_training
+from train.metrics import read_metrics
+from train.real_eval import RealTauEval, eval_prompts, real_tau
+from train.sharding import path_str
+
+STEPS, EVERY, TOKENS = 8, 4, 8
+COMMON = [f"train.steps={STEPS}", "train.batch_size=8", f"train.eval_tokens={TOKENS}", "train.eval_prompts=1"]
+
+
+def _recipe(run_dir, every: int):
+    return load_recipe("tiny", [*COMMON, f"train.eval_every={every}", f"train.run_dir={run_dir}"])
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2_target, tmp_path_factory):
+    """(with real τ every EVERY steps, without it): the same tiny run twice."""
+    with_eval, without = tmp_path_factory.mktemp("with_eval"), tmp_path_factory.mktemp("without")
+    result = run_training(_recipe(with_eval, EVERY), target=smollm2_target, progress=False)
+    plain = run_training(_recipe(without, 0), target=smollm2_target, progress=False)
+    return result, plain
+
+
+def _checkpoint_params(run_dir, step: int):
+    ckpt = Checkpointer(run_dir / "checkpoints", {})
+    state, _, _ = ckpt.restore_raw(step)
+    ckpt.close()
+    return state["params"]
+
+
+def _flat(tree) -> dict[str, np.ndarray]:
+    """Leaves by path ('value' steps of nnx Variables and of saved params dropped), on the host."""
+    return {path_str(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(
+        jax.device_get(tree))[0]}
+
+
+def _assert_trees_equal(got, want, what: str) -> None:
+    got, want = _flat(got), _flat(want)
+    assert sorted(got) == sorted(want), what
+    for path, value in got.items():
+        assert np.array_equal(value, want[path]), f"{path} differs ({what})"
+
+
+@pytest.mark.e2e
+def test_real_tau_is_logged_at_its_steps_and_the_best_drafter_is_kept(runs, smollm2_target):
+    result, _ = runs
+    k = result.arch.block_size
+    logged = {r["step"]: r for r in read_metrics(result.run_dir) if "eval/tau" in r}
+    assert sorted(logged) == [4, 8]
+    for record in logged.values():
+        assert 1.0 <= record["eval/tau"] <= k
+        assert {f"eval/tau/{s}" for s in ("gsm8k", "mtbench", "humaneval")} <= set(record)
+        assert [f"eval/accept_pos_{i}" in record for i in range(k - 1)] == [True] * (k - 1)
+    best = json.loads((result.run_dir / "best" / "best.json").read_text())
+    assert best == result.best
+    assert best["step"] == max(logged, key=lambda s: (logged[s]["eval/tau"], -s))  # the first highest τ
+    assert best["tau"] == logged[best["step"]]["eval/tau"]
+    assert set(best["tau_per_set"]) == {"gsm8k", "mtbench", "humaneval"} and len(best["accept_per_position"]) == k - 1
+    assert not [p.name for p in result.run_dir.iterdir() if p.name.startswith("best.")]  # no temporary left
+
+    # The kept drafter is the one decoded at that step: its params equal that step's checkpoint, and a fresh
+    # decode gives the logged τ.
+    drafter = load_drafter(result.run_dir, smollm2_target.cfg, step="best")
+    _assert_trees_equal(nnx.state(drafter, nnx.Param), _checkpoint_params(result.run_dir, best["step"]),
+                        "best vs its checkpoint")
+    prompts = eval_prompts(smollm2_target.tokenizer, ("gsm8k", "mtbench", "humaneval"), 1)
+    again = real_tau(smollm2_target, drafter, prompts, TOKENS)
+    assert again["tau"] == best["tau"] and again["accept_per_position"] == best["accept_per_position"]
+
+
+@pytest.mark.e2e
+def test_real_tau_does_not_change_training(runs):
+    result, plain = runs
+    assert result.final_step == plain.final_step == STEPS and plain.best is None
+    _assert_trees_equal(_checkpoint_params(result.run_dir, STEPS), _checkpoint_params(plain.run_dir, STEPS),
+                        "eval_every=4 vs 0")
+    losses = {r["step"]: r["loss"] for r in read_metrics(plain.run_dir) if "loss" in r}
+    assert {r["step"]: r["loss"] for r in read_metrics(result.run_dir) if "loss" in r} == losses
+
+
+@pytest.mark.e2e
+def test_a_resumed_run_compares_with_the_recorded_best_and_replaces_it_whole(runs, smollm2_target, tmp_path):
+    run_dir = shutil.copytree(runs[0].run_dir, tmp_path / "run")
+    recipe = _recipe(run_dir, EVERY)
+    graphdef = drafter_graphdef(smollm2_target.drafter_arch(recipe.drafter))
+    path = run_dir / "best" / "best.json"
+    recorded = json.loads(path.read_text())
+    path.write_text(json.dumps({**recorded, "tau": 99.0}))
+    evaluator = RealTauEval(recipe.train, smollm2_target, graphdef, run_dir)
+    assert evaluator.best["tau"] == 99.0  # read back, as on resume
+    params = nnx.state(load_drafter(run_dir, smollm2_target.cfg, step=STEPS), nnx.Param)
+    evaluator(STEPS, params)
+    assert json.loads(path.read_text())["tau"] == 99.0  # not beaten: best/ untouched
+
+    path.write_text(json.dumps({**recorded, "tau": 0.5}))
+    metrics = RealTauEval(recipe.train, smollm2_target, graphdef, run_dir)(STEPS, params)
+    assert json.loads(path.read_text())["step"] == STEPS
+    assert json.loads(path.read_text())["tau"] == metrics["eval/tau"]
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith("best.")]  # no temporary left
+    _assert_trees_equal(nnx.state(load_drafter(run_dir / "best", smollm2_target.cfg), nnx.Param),
+                        _checkpoint_params(run_dir, STEPS), "new best")
+
+
+def test_a_missing_best_drafter_says_to_set_eval_every(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "best")) + r".*train\.eval_every"):
+        load_drafter(tmp_path, None, step="best")
+    with pytest.raises(FileNotFoundError, match=r"train\.eval_every"):
+        load_drafter(tmp_path / "checkpoints", None, step="best")
+    with pytest.raises(ValueError, match="'latest'"):
+        load_drafter(tmp_path, None, step="latest")
