@@ -114,7 +114,7 @@ class Completion:
     block_size: int = 1
     token_ids: list[int] = dataclasses.field(default_factory=list)
     accepted: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     stop_string: str | None = None  # the stop string that ended the request, if one did
     submitted_s: float = 0.0
     first_token_s: float | None = None
@@ -264,6 +264,28 @@ class Engine:
         self.queue.append(request)
         return request.request_id
 
+    def cancel(self, request_id: int) -> bool:
+        """End a queued or running request now (finish_reason "cancelled"), freeing its slot and pages; it
+        moves to `done` with the tokens it has. Returns False when the request is not queued or running."""
+        for request in self.queue:
+            if request.request_id == request_id:
+                self.queue.remove(request)
+                request.finish_reason, request.finished_s = "cancelled", time.perf_counter()
+                self.done[request_id] = request
+                return True
+        for slot, request in self.running.items():
+            if request.request_id == request_id:
+                request.finish_reason, request.finished_s = "cancelled", time.perf_counter()
+                self._finish(slot)
+                return True
+        return False
+
+    def _finish(self, slot: int) -> None:
+        request = self.running.pop(slot)
+        self.done[request.request_id] = request
+        self.table.release(slot)  # uploaded before the next jitted step (`_sync_table`)
+        self.lengths[slot] = 0
+
     def _admit(self) -> None:
         """Admit queued requests in order while a slot is free and the pool holds the head's worst case."""
         free = [s for s in range(self.slots) if s not in self.running]
@@ -310,9 +332,7 @@ class Engine:
         if reason is not None:
             request.finish_reason = reason
             request.finished_s = time.perf_counter()
-            self.done[request.request_id] = self.running.pop(slot)
-            self.table.release(slot)  # uploaded before the next jitted step (`_sync_table`)
-            self.lengths[slot] = 0
+            self._finish(slot)
 
     def _cut_at_stop_string(self, request: Completion, start: int) -> bool:
         """If the text now holds a stop string, keep the tokens up to the first one whose text completes it

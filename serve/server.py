@@ -114,6 +114,7 @@ class _Job:
     tokens: queue.Queue = dataclasses.field(default_factory=queue.Queue)  # lists of new ids, then None
     error: str | None = None
     status: int = 400  # of `error`: 400 for a request the engine refused, 500 for an engine failure
+    cancelled: bool = False  # the client went away: the engine thread ends the request and frees its slot
 
 
 class EngineWorker:
@@ -151,6 +152,16 @@ class EngineWorker:
         self.thread.start()
         return self
 
+    def cancel(self, job: _Job) -> None:
+        """End `job` (its client disconnected): the engine thread frees its slot and pages before its next step."""
+        job.cancelled = True
+
+    def _cancel_gone(self) -> None:
+        cancelled = [rid for rid, job in list(self.jobs.items()) if job.cancelled and self.engine.cancel(rid)]
+        if cancelled:
+            log.info("cancelled request(s) %s: their clients disconnected", cancelled)
+            self._publish()  # hands them back (and forgets them) even when no step follows
+
     def submit(self, job: _Job) -> _Job:
         if self.stopping.is_set():
             raise RequestError("the server is shutting down", status=503)
@@ -175,6 +186,7 @@ class EngineWorker:
                     job = self.inbox.get_nowait()
                 except queue.Empty:
                     job = None
+            self._cancel_gone()
             if self.engine.busy:
                 try:
                     self.engine.step()
@@ -486,7 +498,11 @@ class _Handler(BaseHTTPRequestHandler):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{id(job):x}"
         if stream:
             options = body.get("stream_options") or {}
-            self._stream(job, rid, chat, include_usage=bool(options.get("include_usage")))
+            try:
+                self._stream(job, rid, chat, include_usage=bool(options.get("include_usage")))
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client went away mid-stream
+                self.server.worker.cancel(job)
+                self.close_connection = True
             return
         generated: list[int] = []
         while (chunk := job.tokens.get()) is not None:

@@ -147,3 +147,16 @@ def test_compiled_shapes_are_logged_and_bounded(setup, caplog):
     assert {s[1:3] for s in engine.compiled_shapes if s[0] == "verify"} == {(3, 4)}
     assert set(spans) <= {1, 2, 4} and 4 in spans
     assert sum("engine: first" in r.message for r in caplog.records) == len(engine.compiled_shapes) == 3 + len(spans)
+
+
+def test_cancel_frees_the_slot_and_its_pages_and_spares_the_neighbours(setup):
+    target_cfg, target_params, drafter, requests = setup
+    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=4)
+    ids = [engine.submit(p, budget) for p, budget in requests[:3]]
+    engine.step()  # requests 0 and 1 run, 2 waits
+    assert engine.cancel(ids[1]) and engine.cancel(ids[2]) and not engine.cancel(12345)
+    assert ids[1] not in [r.request_id for r in engine.running.values()] and not engine.queue
+    done = engine.run()
+    assert done[ids[1]].finish_reason == done[ids[2]].finish_reason == "cancelled" and not done[ids[2]].token_ids
+    assert done[ids[0]].token_ids == _ar(target_cfg, target_params, *requests[0])
+    assert engine.pool.num_free == engine.pool.num_usable

@@ -180,3 +180,28 @@ def test_the_api_key_guards_v1_but_not_health(server):
         assert out.usage.completion_tokens == 2
     _still_serves(url)
 
+
+
+def test_a_client_gone_mid_stream_frees_its_slot_without_a_traceback(server, caplog):
+    srv, url = server
+    engine = srv.worker.engine
+    port = int(url.rsplit(":", 1)[1])
+    body = (b'{"messages": [{"role": "user", "content": "Write a long story about a dragon and a knight."}], '
+            b'"max_tokens": 200, "stream": true}')
+    head = _post_head(str(len(body))).replace(b"/v1/completions", b"/v1/chat/completions")
+    with caplog.at_level(logging.INFO):
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(head + body)
+            seen = b""
+            while b"data: " not in seen:  # streaming has begun
+                chunk = sock.recv(65536)
+                assert chunk, seen
+                seen += chunk
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (engine.running or engine.queue or srv.worker.jobs):
+            time.sleep(0.05)
+        assert not engine.running and not engine.queue and not srv.worker.jobs, "the request kept decoding"
+        assert engine.pool.num_free == engine.pool.num_usable, "its pages were not given back"
+    assert any("client" in r.getMessage() and "cancelled" in r.getMessage() for r in caplog.records)
+    assert not any(r.levelno >= logging.ERROR or r.exc_info for r in caplog.records), "a traceback was logged"
+    _still_serves(url)
