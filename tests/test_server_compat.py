@@ -205,3 +205,36 @@ def test_a_client_gone_mid_stream_frees_its_slot_without_a_traceback(server, cap
     assert any("client" in r.getMessage() and "cancelled" in r.getMessage() for r in caplog.records)
     assert not any(r.levelno >= logging.ERROR or r.exc_info for r in caplog.records), "a traceback was logged"
     _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_lm_eval_local_chat_completions_runs_a_local_task(server, tmp_path):
+    """A third-party client as users run it: lm-evaluation-harness's `local-chat-completions` model on a local
+    generate_until task (offline: the data is a local JSONL file), with the API key."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    _, url = server
+    (tmp_path / "qa.jsonl").write_text(
+        '{"question": "What is 2+3? Answer with a number only.", "answer": "5"}\n'
+        '{"question": "What is the capital of France? Answer with one word.", "answer": "Paris"}\n')
+    (tmp_path / "dflash_qa.yaml").write_text(
+        f"task: dflash_qa\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'qa.jsonl'}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['\\n\\n']\n  max_gen_toks: 8\nmetric_list:\n  - metric: exact_match\n"
+        "    aggregation: mean\n    higher_is_better: true\n")
+    args = f"model=smollm2,base_url={url}/v1/chat/completions,num_concurrent=1,max_retries=1"
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": KEY}  # its key source
+    done = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-chat-completions", "--model_args", args,
+                           "--tasks", "dflash_qa", "--include_path", str(tmp_path), "--apply_chat_template",
+                           "--output_path", str(tmp_path / "out"), "--log_samples"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [results] = (tmp_path / "out").rglob("results_*.json")
+    assert 0.0 <= json.loads(results.read_text())["results"]["dflash_qa"]["exact_match,none"] <= 1.0
+    [samples] = (tmp_path / "out").rglob("samples_dflash_qa_*.jsonl")
+    replies = [json.loads(line)["resps"][0][0] for line in samples.read_text().splitlines()]
+    assert len(replies) == 2 and all(isinstance(r, str) and r.strip() for r in replies), replies
+    _still_serves(url)
