@@ -379,11 +379,12 @@ def _write_atomic(path: Path, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -533,7 +534,7 @@ class ShardWriter:
         entry = ShardEntry(file=shard_name(index), samples=samples, tokens=tokens, bytes=tmp.stat().st_size,
                            sha256=file_sha256(tmp))
         os.replace(tmp, self.out_dir / entry.file)
-        _fsync_dir(self.out_dir)
+        fsync_path(self.out_dir)
         self._entries[index] = entry
         self._write_manifest()
 

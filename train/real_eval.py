@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from data.eval_sets import load_eval_set
+from data.shards import fsync_path
 from models.drafter import DFlashDrafter
 from models.target import Target
 from models.tokenizer import ChatTokenizer
@@ -118,22 +118,14 @@ def save_best(run_dir: str | Path, drafter: DFlashDrafter, step: int, metrics: d
     save_zlab(drafter, tmp)
     (tmp / BEST_JSON).write_text(json.dumps(record, indent=2) + "\n")
     for path in [*tmp.iterdir(), tmp]:
-        _fsync(path)
+        fsync_path(path)
     shutil.rmtree(old, ignore_errors=True)
     if best.exists():
         best.rename(old)
     tmp.rename(best)
-    _fsync(run_dir)
+    fsync_path(run_dir)
     shutil.rmtree(old, ignore_errors=True)
     return record
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class RealTauEval:
