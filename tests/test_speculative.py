@@ -184,8 +184,8 @@ def test_sampled_dflash_has_the_target_distribution(setup):
         first = best2[np.asarray(state.pending)]
         return jnp.asarray(np.stack([first, np.full_like(first, 7)], axis=1)[:, : k - 1])
 
-    n = 4000
-    results = decode(target_params, target_cfg, [prompt] * n, 2, max_len=32, drafter=drafter, block_size=3,
+    n = 4000  # a budget of 3: the first step can emit 2 tokens, so its acceptance of d_1 shows in the statistics
+    results = decode(target_params, target_cfg, [prompt] * n, 3, max_len=32, drafter=drafter, block_size=3,
                                    draft_fn=draft, sampling=sampling, seeds=list(range(n)))
     pairs = [tuple(r.token_ids[:2]) for r in results]
     observed = np.array([sum(1 for p in pairs if p == c) for c in cells])
