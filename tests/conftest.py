@@ -1,5 +1,6 @@
 """Test setup: simulated 8-device CPU mesh, set once here before JAX starts (STYLE 11)."""
 
+import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -28,3 +29,12 @@ def smollm2_target():
     from models.target import load_target
 
     return load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=512))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop JAX's compiled programs and collect garbage: one pytest process runs the
+    whole suite, and the programs of finished modules would otherwise accumulate."""
+    yield
+    jax.clear_caches()
+    gc.collect()
