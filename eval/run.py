@@ -1,6 +1,6 @@
 """`dflash eval`: drive a DFlash server and an AR server with the same prompts, record every reply, resume.
 
-    records = collect(dflash_client, ar_client, settings, out_dir)      # out_dir/records.jsonl (resumable)
+    records = collect(dflash_client, ar_client, settings, out_dir, items)   # out_dir/records.jsonl (resumable)
     results = summarize(records, ...); write_outputs(results, out_dir)   # eval.report
 
 A warm-up request per set (not recorded) lets each server compile first. Each conversation's turns go one
@@ -126,11 +126,10 @@ def warm_up(client: Client, items: Sequence[EvalItem], max_new_tokens: int) -> N
         client.chat(model, [{"role": "user", "content": item.turns[0]}], max_new_tokens)
 
 
-def collect(dflash: Client, ar: Client, settings: EvalSettings, out_dir: Path, progress: bool = True
-            ) -> list[dict[str, Any]]:
-    """Send every set's conversations to both servers at every concurrency; the records, old and new."""
+def collect(dflash: Client, ar: Client, settings: EvalSettings, out_dir: Path, items: Sequence[EvalItem],
+            progress: bool = True) -> list[dict[str, Any]]:
+    """Send `items` (the sets' conversations) to both servers at every concurrency; the records, old and new."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    items = [item for name in settings.sets for item in load_eval_set(name, settings.limit)]
     store = RecordStore(out_dir / "records.jsonl")
     if any(not store.has_conversation(m, c, i) for m in MODES for c in settings.concurrency for i in items):
         for client in (dflash, ar):
@@ -164,9 +163,9 @@ def evaluate(dflash_url: str, ar_url: str, settings: EvalSettings, out_dir: str 
     if ar.model() != served["id"]:
         raise ValueError(f"the AR server serves {ar.model()!r} and the DFlash server {served['id']!r}; both must "
                          "serve the same target")
-    records = collect(dflash, ar, settings, out_dir, progress)
-    answers = {item.id: item.answer for name in settings.sets for item in load_eval_set(name, settings.limit)
-               if item.answer}
+    items = [item for name in settings.sets for item in load_eval_set(name, settings.limit)]
+    records = collect(dflash, ar, settings, out_dir, items, progress)
+    answers = {item.id: item.answer for item in items if item.answer}
     block_size = int(served.get("block_size") or 0)
     meta = {"environment": environment(), "target": {"model": served["id"]},
             "drafter": {"url": dflash_url, **(drafter or {})},

@@ -52,11 +52,6 @@ class Models:
     def drafter(self) -> DFlashDrafter | None:
         return None if self.graphdef is None else nnx.merge(self.graphdef, self.drafter_params)
 
-    @property
-    def arch(self) -> DrafterArch | None:
-        drafter = self.drafter()
-        return None if drafter is None else drafter.arch
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
