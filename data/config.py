@@ -91,7 +91,7 @@ class DataConfig:
     max_examples: use at most this many training conversations (0 = all).
     shuffle_seed: the training loader's shuffling seed (each epoch is a different permutation).
     prompts:     the prompt mix of `regenerate`, `SOURCE[:WEIGHT],...`: presets (sharegpt, gsm8k, gsm8k_test,
-                 math, math_test, math500, humaneval, mtbench, mbpp), `hf:<dataset id>`, or a local
+                 math, math_test, math500, humaneval, mtbench, mbpp, mbpp_train), `hf:<dataset id>`, or a local
                  json / jsonl / parquet file (`data.sources.parse_mix`).
     max_prompts / dedup / seed: total prompts (0 = all), duplicate removal by user text, sampling seed.
     regen:       regeneration settings (system prompt, template kwargs, sampling, token budgets, slots).

@@ -58,6 +58,8 @@ PRESETS: dict[str, tuple[str, _Loader]] = {
     "humaneval": ("HumanEval, 164 code prompts", _plain(lambda a: packaged.load_humaneval())),
     "mtbench": ("MT-Bench, 80 two-turn questions", _plain(lambda a: packaged.load_mtbench())),
     "mbpp": ("MBPP sanitized, 427 tasks", _plain(lambda a: packaged.load_mbpp())),
+    "mbpp_train": ("MBPP sanitized train + validation + prompt splits, 170 tasks (not in the eval's test split)",
+                   _plain(lambda a: [c for s in ("train", "validation", "prompt") for c in packaged.load_mbpp(s)])),
 }
 
 Item = dict[str, Any]  # {"id": str, "source": str, "messages": Conversation}

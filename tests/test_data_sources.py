@@ -129,6 +129,7 @@ PRESET_COUNTS = {
     "humaneval": 164,
     "mtbench": 80,
     "mbpp": 427,
+    "mbpp_train": 170,
 }
 
 
