@@ -82,9 +82,9 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
     import jax.numpy as jnp
 
     from configs.recipe import load_recipe
-    from models.drafter import drafter_logits
-    from train.loop import create_state, drafter_graphdef, make_train_optimizer
-    from train.objective import build_blocks_batch, default_gamma, dflash_loss, sample_anchors_batch
+    from models.decoder import head_matrix
+    from train.loop import create_state, drafter_graphdef, make_objective, make_train_optimizer
+    from train.objective import build_blocks_batch, head_loss, sample_anchors_batch
     from train.step import make_train_step
 
     recipe = load_recipe("default", [f"drafter.num_layers={args.layers}", f"drafter.block_size={k}",
@@ -92,16 +92,16 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
                                      f"data.seq_len={args.seq_len}", f"train.compute_dtype={args.dtype}"])
     cfg = recipe.train
     arch = target.drafter_arch(recipe.drafter)
-    gamma = cfg.gamma or default_gamma(arch.block_size)
+    objective = make_objective(cfg, arch)
     compute_dtype = jnp.dtype(cfg.compute_dtype)
     optimizer = make_train_optimizer(cfg)
-    graphdef = drafter_graphdef(arch)
+    graphdef = drafter_graphdef(arch, compute_dtype)
     state, shardings = create_state(cfg.seed, arch, optimizer, mesh)  # what `dflash train` does on a fresh run
 
     # make_train_step's own jitted program, compiled once ahead of time so that the executable that is
     # timed is the one whose memory is analysed.
     step = make_train_step(graphdef=graphdef, target_params=target_params, target_cfg=target.cfg, arch=arch,
-                           num_anchors=cfg.num_anchors, gamma=gamma, optimizer=optimizer,
+                           num_anchors=cfg.num_anchors, objective=objective, optimizer=optimizer,
                            compute_dtype=compute_dtype, state_shardings=shardings)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
@@ -125,9 +125,8 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
         blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, k, arch.mask_token_id)
 
         def loss(h: jax.Array) -> jax.Array:
-            logits_BxQxV = drafter_logits(jax.lax.stop_gradient(target_params), target.cfg, h)
-            return dflash_loss(logits_BxQxV, blocks.labels, blocks.label_mask, blocks.block_index_in_block, k,
-                               gamma)[0]
+            head, vocab_major = head_matrix(jax.lax.stop_gradient(target_params), target.cfg)
+            return head_loss(h, head, blocks.labels, blocks.label_mask, k, objective, vocab_major=vocab_major)[0]
 
         return jax.value_and_grad(loss)(hidden_BxQxD)
 

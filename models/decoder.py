@@ -206,6 +206,13 @@ def lm_head(params: Params, cfg: DecoderConfig, hidden_BxSxD: jax.Array) -> jax.
     return logits_from_normed(params, cfg, h)
 
 
+def head_matrix(params: Params, cfg: DecoderConfig) -> tuple[jax.Array, bool]:
+    """(the LM head's weight, vocab_major): the tied embedding [V, D] (True) or the untied head [D, V]."""
+    if cfg.tie_word_embeddings:
+        return params["embed"], True
+    return params["lm_head"], False
+
+
 def logits_from_normed(params: Params, cfg: DecoderConfig, normed_BxSxD: jax.Array) -> jax.Array:
     """Project already-normed hidden states to full-vocabulary logits (the drafter reuses this)."""
     if cfg.tie_word_embeddings:

@@ -9,11 +9,14 @@ import pytest
 
 from train.objective import (
     Blocks,
+    Objective,
     build_blocks,
     build_blocks_batch,
     decay_weights,
     default_gamma,
     dflash_loss,
+    dpace_weights,
+    head_loss,
     sample_anchors,
     sample_anchors_batch,
     valid_anchor_positions,
@@ -303,3 +306,95 @@ def test_pipeline_under_jit_matches_eager():
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-6)
     assert got[2].shape == (2, N * K, len(tokens) + N * K)
     assert isinstance(got[3], Blocks)
+
+
+# ----------------------------------------------------------------------------- chunked head + D-PACE
+
+
+def _head_case(vocab_major: bool, seed: int = 0):
+    B_, N_, K_, D_, V_ = 2, 3, 4, 16, 50
+    r = np.random.default_rng(seed)
+    h = jnp.asarray(r.normal(size=(B_, N_ * K_, D_)), jnp.float32)
+    w_VxD = jnp.asarray(r.normal(size=(V_, D_)), jnp.float32)
+    labels = jnp.asarray(r.integers(0, V_, (B_, N_ * K_)), jnp.int32)
+    mask = jnp.asarray(r.integers(0, 2, (B_, N_ * K_)), jnp.float32).at[:, ::K_].set(0.0)
+    k_index = jnp.broadcast_to(jnp.arange(N_ * K_) % K_, (B_, N_ * K_))
+    return h, (w_VxD if vocab_major else w_VxD.T), w_VxD, labels, mask, k_index, K_
+
+
+@pytest.mark.parametrize("vocab_major", [True, False])
+@pytest.mark.parametrize("chunk", [1, 5, 0])
+def test_head_loss_equals_dense_loss_value_grad_and_metrics(vocab_major: bool, chunk: int):
+    """The chunked head + CE (slot 0 skipped, gradient formed in the forward) is the dense reference
+    `dflash_loss(h @ W, ...)`: loss, d loss / d h and every metric, whatever the chunk (5 does not divide
+    the 18 rows: padding)."""
+    h, head, w_VxD, labels, mask, k_index, K_ = _head_case(vocab_major)
+    gamma = 3.0
+
+    def dense(x):
+        return dflash_loss(jnp.einsum("bqd,vd->bqv", x, w_VxD), labels, mask, k_index, K_, gamma)
+
+    def chunked(x):
+        return head_loss(x, head, labels, mask, K_, Objective(gamma=gamma, head_chunk=chunk),
+                         vocab_major=vocab_major)
+
+    (l0, m0), g0 = jax.value_and_grad(dense, has_aux=True)(h)
+    (l1, m1), g1 = jax.jit(jax.value_and_grad(chunked, has_aux=True))(h)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), atol=1e-6)
+    assert float(jnp.abs(g0).max()) > 1e-3  # the comparison is not between zeros
+    for name in m0:
+        np.testing.assert_allclose(np.asarray(m1[name]), np.asarray(m0[name]), rtol=1e-6, err_msg=name)
+
+
+def _numpy_dpace(nll, mask, alpha):
+    """D-PACE weights by the definition, loop by loop: w_k = sum_{j>=k, labelled} prod_{i<=j} q~_i."""
+    q = np.where(mask > 0, (1 - alpha) * np.exp(-nll) + alpha, 1.0)
+    w = np.zeros_like(nll)
+    for idx in np.ndindex(*nll.shape[:-1]):
+        for k in range(nll.shape[-1]):
+            if mask[idx][k] > 0:
+                w[idx][k] = sum(np.prod(q[idx][: j + 1]) for j in range(k, nll.shape[-1]) if mask[idx][j] > 0)
+    return w
+
+
+def test_dpace_weights_match_definition_and_limits():
+    r = np.random.default_rng(1)
+    nll = r.exponential(1.0, (2, 3, 5)).astype(np.float32)
+    mask = r.integers(0, 2, (2, 3, 5)).astype(np.float32)
+    got = np.asarray(dpace_weights(jnp.asarray(nll), jnp.asarray(mask), 0.5))
+    np.testing.assert_allclose(got, _numpy_dpace(nll, mask, 0.5), rtol=1e-5)
+    assert np.all(got[mask == 0] == 0)
+    # A perfectly confident drafter: weights fall linearly K-1 .. 1 over a fully labelled block.
+    ones = np.ones((1, 1, 5), np.float32)
+    np.testing.assert_allclose(np.asarray(dpace_weights(jnp.zeros((1, 1, 5)), jnp.asarray(ones), 0.5))[0, 0],
+                               [5, 4, 3, 2, 1], rtol=1e-6)
+    # alpha = 1 ignores confidence entirely (same linear ramp whatever the nll).
+    np.testing.assert_allclose(np.asarray(dpace_weights(jnp.asarray(nll[:1, :1]), jnp.asarray(ones), 1.0))[0, 0],
+                               [5, 4, 3, 2, 1], rtol=1e-6)
+
+
+def test_dpace_loss_is_weighted_ce_with_no_gradient_through_weights():
+    """loss = sum w CE / sum w with w = dpace_weights(stop_gradient(CE)): the gradient is the weighted CE's."""
+    h, head, w_VxD, labels, mask, k_index, K_ = _head_case(True, seed=3)
+    obj = Objective(kind="dpace", dpace_alpha=0.4)
+    B_, Q_, _ = h.shape
+
+    def reference(x):
+        logp = jax.nn.log_softmax(jnp.einsum("bqd,vd->bqv", x, w_VxD), axis=-1)
+        nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0].reshape(B_, Q_ // K_, K_)[..., 1:]
+        m = mask.reshape(B_, Q_ // K_, K_)[..., 1:]
+        w = dpace_weights(jax.lax.stop_gradient(nll), m, 0.4)
+        return jnp.sum(w * nll) / jnp.sum(w)
+
+    l_ref, g_ref = jax.value_and_grad(reference)(h)
+    (l_new, _), g_new = jax.value_and_grad(lambda x: head_loss(x, head, labels, mask, K_, obj, vocab_major=True),
+                                           has_aux=True)(h)
+    np.testing.assert_allclose(float(l_new), float(l_ref), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g_new), np.asarray(g_ref), atol=1e-6)
+
+
+def test_objective_rejects_bad_settings():
+    for bad in ({"kind": "focal"}, {"gamma": 0.0}, {"dpace_alpha": 0.0}, {"dpace_alpha": 1.5}, {"head_chunk": -1}):
+        with pytest.raises(ValueError):
+            Objective(**bad)

@@ -20,7 +20,7 @@ from models.drafter import (
     resolve_drafter,
 )
 from models.loading import load_hf_dir
-from train.objective import build_blocks_batch, default_gamma, sample_anchors_batch
+from train.objective import Objective, build_blocks_batch, default_gamma, sample_anchors_batch
 from train.step import (
     TrainState,
     drafter_loss,
@@ -82,7 +82,7 @@ def test_train_step_runs_under_jit_with_finite_metrics(setup):
     optimizer = make_optimizer(1e-3, total_steps=10)
     graphdef, state = _new_state(arch, optimizer)
     step = make_train_step(graphdef=graphdef, target_params=target_params, target_cfg=target_cfg, arch=arch,
-                           num_anchors=N, gamma=default_gamma(K), optimizer=optimizer)
+                           num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer)
     batch = _greedy_batch(target_cfg, target_params)
     before = jax.tree.map(np.asarray, state.params)
     target_before = jax.tree.map(np.asarray, target_params)
@@ -115,7 +115,7 @@ def _eval(graphdef, params, target_cfg, target_params, batch, arch) -> tuple[flo
     blocks = build_blocks_batch(batch["tokens"], batch["loss_mask"], anchors, keep, K, arch.mask_token_id)
     feats = online_features(target_params, target_cfg, batch["tokens"], arch.layer_ids)
     loss, metrics = drafter_loss(params, graphdef, target_params, target_cfg, embed(target_params, blocks.block_ids),
-                                 blocks, feats, K, default_gamma(K))
+                                 blocks, feats, K, Objective(gamma=default_gamma(K)))
     return float(loss), float(metrics["acceptance_length"])
 
 
@@ -126,7 +126,7 @@ def test_overfits_a_fixed_batch(setup):
     optimizer = make_optimizer(3e-3, total_steps=steps)
     graphdef, state = _new_state(arch, optimizer)
     step = make_train_step(graphdef=graphdef, target_params=target_params, target_cfg=target_cfg, arch=arch,
-                           num_anchors=N, gamma=default_gamma(K), optimizer=optimizer)
+                           num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer)
     batch = _greedy_batch(target_cfg, target_params)
     loss0, accept0 = _eval(graphdef, state.params, target_cfg, target_params, batch, arch)
     for _ in range(steps):
@@ -155,7 +155,8 @@ def test_mask_through_gradients(setup):
     feats = online_features(target_params, target_cfg, tokens, LAYER_IDS)
 
     def loss(e, f):
-        return drafter_loss(params, graphdef, target_params, target_cfg, e, one_block, f, K, default_gamma(K))[0]
+        return drafter_loss(params, graphdef, target_params, target_cfg, e, one_block, f, K,
+                            Objective(gamma=default_gamma(K)))[0]
 
     g_embeds, g_feats = (np.asarray(g) for g in jax.grad(loss, argnums=(0, 1))(embeds, feats))
     assert np.all(g_embeds[~own] == 0.0)

@@ -19,7 +19,7 @@ from models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, 
 from models.loading import load_hf_dir
 from train.checkpoint import Checkpointer, CheckpointError
 from train.metrics import NonFiniteMetricError, check_finite, flatten
-from train.objective import default_gamma
+from train.objective import Objective, default_gamma
 from train.sharding import (
     DRAFTER_RULES,
     TARGET_RULES,
@@ -72,7 +72,7 @@ def _train(tiny, mesh, steps: int, seed: int = 0):
     state = jax.jit(fresh, out_shardings=shardings)()
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
     step = make_train_step(graphdef=graphdef, target_params=place(target_params, TARGET_RULES, mesh),
-                           target_cfg=target_cfg, arch=arch, num_anchors=N, gamma=default_gamma(K),
+                           target_cfg=target_cfg, arch=arch, num_anchors=N, objective=Objective(gamma=default_gamma(K)),
                            optimizer=optimizer, state_shardings=shardings)
     history = []
     for batch in _batches(steps):
@@ -228,7 +228,7 @@ def test_bf16_compute_keeps_fp32_master_params(tiny):
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
     bf16_target = jax.tree.map(lambda x: x.astype(jnp.bfloat16), target_params)
     step = make_train_step(graphdef=graphdef, target_params=bf16_target, target_cfg=target_cfg, arch=arch,
-                           num_anchors=N, gamma=default_gamma(K), optimizer=optimizer, compute_dtype=jnp.bfloat16)
+                           num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer, compute_dtype=jnp.bfloat16)
     state, metrics = step(state, shard_batch(_batches(1)[0], mesh))
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
     assert np.isfinite(float(metrics["loss"]))

@@ -32,7 +32,10 @@ class TrainConfig:
     steps / batch_size / num_anchors: updates, sequences per update (global), anchors (blocks) per
              sequence (N).
     lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping.
-    gamma: loss decay of DESIGN §4.2 (0 = chosen from the block size).
+    loss: `decay` (the paper's fixed weights exp(-(k-1)/gamma)) or `dpace` (D-PACE: weights from the
+             drafter's own per-slot confidence, `train.objective.dpace_weights`); docs/decisions.md D19.
+    gamma: loss decay of DESIGN §4.2 (0 = chosen from the block size). dpace_alpha: D-PACE's confidence floor.
+    head_chunk: rows per chunk of the LM head + cross-entropy (0 = about 128 MiB of fp32 logits per chunk).
     compute_dtype: forward dtype (master params and optimizer state are always fp32).
     save_every / keep_checkpoints: checkpoint cadence (the last step is always saved) and retention.
     log_every: metrics cadence (metrics.jsonl, TensorBoard, wandb).
@@ -51,7 +54,10 @@ class TrainConfig:
     warmup_frac: float = 0.04
     clip: float = 1.0
     weight_decay: float = 0.0
+    loss: Literal["decay", "dpace"] = "decay"
     gamma: float = 0.0
+    dpace_alpha: float = 0.5
+    head_chunk: int = 0
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     seed: int = 0
     save_every: int = 200
@@ -74,6 +80,8 @@ class TrainConfig:
         require(self.clip > 0, "train.clip", self.clip, "be > 0")
         require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "be >= 0")
         require(self.gamma >= 0, "train.gamma", self.gamma, "be >= 0 (0 = chosen from the block size)")
+        require(0 < self.dpace_alpha <= 1, "train.dpace_alpha", self.dpace_alpha, "lie in (0, 1]")
+        require(self.head_chunk >= 0, "train.head_chunk", self.head_chunk, "be >= 0 (0 = automatic)")
         require(self.save_every >= 1, "train.save_every", self.save_every, "be at least 1")
         require(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "be at least 1")
         require(self.log_every >= 1, "train.log_every", self.log_every, "be at least 1")

@@ -37,7 +37,7 @@ from models.target import Target, load_target
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.metrics import MetricsWriter, check_finite, read_metrics
-from train.objective import default_gamma
+from train.objective import Objective, default_gamma
 from train.real_eval import RealTauEval
 from train.sharding import (
     DRAFTER_RULES,
@@ -83,7 +83,7 @@ class TrainRun:
     mesh: Mesh
     optimizer: optax.GradientTransformation
     graphdef: nnx.GraphDef
-    gamma: float
+    objective: Objective
     compute_dtype: Any
     batches: Any
     data_fingerprint: str
@@ -102,7 +102,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     is_main = jax.process_index() == 0
     target = target if target is not None else load_target(recipe.target)
     run = build_run(cfg, recipe.data, target, target.drafter_arch(recipe.drafter))
-    real_eval = RealTauEval(cfg, target, run.graphdef, run_dir) if is_main else None  # prompts built once
+    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir) if is_main else None  # prompts built once
     meta = {"arch": arch_dict(run.arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
     ckpt = Checkpointer(run_dir / "checkpoints", meta, keep=cfg.keep_checkpoints)
     state, shardings, start = create_or_restore_state(cfg, run.arch, run.optimizer, run.mesh, ckpt, run.batches,
@@ -142,8 +142,8 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
     target_params = place(cast_floats(target.params, compute_dtype), TARGET_RULES, mesh)
     batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count())
     return TrainRun(target=target, target_params=target_params, arch=arch, mesh=mesh,
-                    optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch),
-                    gamma=cfg.gamma or default_gamma(arch.block_size), compute_dtype=compute_dtype,
+                    optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),
+                    objective=make_objective(cfg, arch), compute_dtype=compute_dtype,
                     batches=batches, data_fingerprint=data_fingerprint)
 
 
@@ -180,9 +180,17 @@ def make_train_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return make_optimizer(cfg.lr, cfg.steps, cfg.warmup_frac, cfg.clip, cfg.weight_decay)
 
 
-def drafter_graphdef(arch: DrafterArch) -> nnx.GraphDef:
-    """The drafter's graph (built abstractly, no arrays); its params travel in the TrainState."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
+def make_objective(cfg: TrainConfig, arch: DrafterArch) -> Objective:
+    """The loss `train` configures (gamma 0 = by block size)."""
+    return Objective(kind=cfg.loss, gamma=cfg.gamma or default_gamma(arch.block_size), dpace_alpha=cfg.dpace_alpha,
+                     head_chunk=cfg.head_chunk)
+
+
+def drafter_graphdef(arch: DrafterArch, compute_dtype: Any = jnp.float32) -> nnx.GraphDef:
+    """The drafter's graph (built abstractly, no arrays), its matmuls computing in `compute_dtype` (the params
+    stay fp32 masters, cast per step); its params travel in the TrainState."""
+    model = nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0), dtype=compute_dtype))
+    graphdef, _ = nnx.split(model, nnx.Param)
     return graphdef
 
 
@@ -259,7 +267,8 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
     real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
     neither the state nor the data, so training results are the same with it or without)."""
     step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
-                              arch=run.arch, num_anchors=cfg.num_anchors, gamma=run.gamma, optimizer=run.optimizer,
+                              arch=run.arch, num_anchors=cfg.num_anchors, objective=run.objective,
+                              optimizer=run.optimizer,
                               compute_dtype=run.compute_dtype, state_shardings=shardings)
     for step in range(start + 1, cfg.steps + 1):
         batch = shard_batch(next(run.batches), run.mesh)
@@ -362,7 +371,7 @@ def evaluate(data: DataConfig, num_anchors: int, run: TrainRun, params: Any) -> 
     if rows == 0:
         return {}
     eval_step = make_eval_step(graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
-                               arch=run.arch, num_anchors=num_anchors, gamma=run.gamma,
+                               arch=run.arch, num_anchors=num_anchors, objective=run.objective,
                                compute_dtype=run.compute_dtype)
     mine = examples[jax.process_index() * rows:(jax.process_index() + 1) * rows]
     batch = {"tokens": np.stack([t for t, _, _ in mine]), "loss_mask": np.stack([m for _, m, _ in mine])}
@@ -370,5 +379,5 @@ def evaluate(data: DataConfig, num_anchors: int, run: TrainRun, params: Any) -> 
 
 
 __all__ = ["StepMetrics", "TrainResult", "TrainRun", "arch_dict", "build_batches", "build_run",
-           "create_or_restore_state", "create_state", "drafter_graphdef", "evaluate", "fresh_state",
+           "create_or_restore_state", "create_state", "drafter_graphdef", "evaluate", "fresh_state", "make_objective",
            "make_train_optimizer", "run_training", "state_layout", "train_loop"]

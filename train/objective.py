@@ -9,6 +9,7 @@ Dimension alphabet: B batch, S sequence, K block, N anchors, Q = N*K block queri
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -213,26 +214,52 @@ def decay_weights(block_size: int, gamma: float) -> jax.Array:
     return jnp.asarray(w_K, jnp.float32)
 
 
+def block_metrics(correct_BxQ: jax.Array, mask_BxQ: jax.Array, block_size: int) -> dict[str, jax.Array]:
+    """Teacher-forced metrics from per-query top-1 hits (`correct`, already masked) and the label mask, queries
+    laid out as N blocks of K slots (q = j*K + k).
+
+    accuracy_per_position [K]: top-1 accuracy over labelled slots with index k (k = 0 is always 0);
+    acceptance_length: mean over kept blocks (any labelled slot) of 1 + sum_{k>=1} prod_{1<=i<=k} c_i,
+      where c_i = 1 iff slot i is labelled AND its argmax equals the label. An unlabelled slot (past the
+      end of the sequence, or a non-assistant token) STOPS the chain: we only credit tokens we can check,
+      so a block cut by the sequence end scores at most 1 + its labelled prefix;
+    num_labels: sum m; num_blocks: kept blocks.
+    """
+    B, Q = mask_BxQ.shape
+    K = block_size
+    correct_BxNxK = jax.lax.stop_gradient(correct_BxQ).reshape(B, Q // K, K)
+    mask_BxNxK = mask_BxQ.reshape(B, Q // K, K)
+    hits_K = jnp.sum(correct_BxNxK, axis=(0, 1))  # slot k of every block (layout q = j*K + k)
+    count_K = jnp.sum(mask_BxNxK, axis=(0, 1))
+    chain_BxN = jnp.sum(jnp.cumprod(correct_BxNxK[..., 1:], axis=-1), axis=-1)
+    kept_BxN = (jnp.sum(mask_BxNxK, axis=-1) > 0).astype(jnp.float32)
+    num_blocks = jnp.sum(kept_BxN)
+    return {
+        "accuracy_per_position": hits_K / jnp.maximum(count_K, 1.0),
+        "acceptance_length": jnp.sum(kept_BxN * (1.0 + chain_BxN)) / jnp.maximum(num_blocks, 1.0),
+        "num_labels": jnp.sum(mask_BxQ),
+        "num_blocks": num_blocks,
+    }
+
+
+def _check_blocks(Q: int, K: int) -> None:
+    if Q % K:
+        raise ValueError(f"queries Q must be a multiple of block_size K; received Q={Q}, K={K}")
+
+
 def dflash_loss(logits_BxQxV: jax.Array, labels_BxQ: jax.Array, label_mask_BxQ: jax.Array,
                 k_index_BxQ: jax.Array, block_size: int, gamma: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Decay-weighted cross-entropy over the full vocab, in fp32, and teacher-forced metrics.
+    """Decay-weighted cross-entropy over the full vocab from materialised logits, in fp32: the dense
+    reference of `head_loss` (which the train step uses), and the teacher-forced metrics.
 
     loss = sum_q w_{k(q)} m_q CE_q / sum_q w_{k(q)} m_q (0 when nothing is labelled), where
     CE_q = -log_softmax(logits_q)[label_q] and m = label_mask. Queries must be laid out as N blocks of
-    K consecutive slots (q = j*K + k), as `build_blocks` does.
-
-    metrics (gradient-free):
-      accuracy_per_position [K]: top-1 accuracy over labelled slots with index k (k = 0 is always 0);
-      acceptance_length: mean over kept blocks (any labelled slot) of 1 + sum_{k>=1} prod_{1<=i<=k} c_i,
-        where c_i = 1 iff slot i is labelled AND its argmax equals the label. An unlabelled slot (past the
-        end of the sequence, or a non-assistant token) STOPS the chain: we only credit tokens we can
-        check, so a block cut by the sequence end scores at most 1 + its labelled prefix;
-      num_labels: sum m; weighted_count: sum w m; num_blocks: kept blocks.
+    K consecutive slots (q = j*K + k), as `build_blocks` does. Metrics: `block_metrics`, plus
+    weighted_count = sum w m.
     """
     B, Q, _ = logits_BxQxV.shape
     K = block_size
-    if Q % K:
-        raise ValueError(f"queries Q must be a multiple of block_size K; received Q={Q}, K={K}")
+    _check_blocks(Q, K)
     logp_BxQxV = jax.nn.log_softmax(logits_BxQxV.astype(jnp.float32), axis=-1)
     labels_BxQ = jnp.asarray(labels_BxQ, jnp.int32)
     nll_BxQ = -jnp.take_along_axis(logp_BxQxV, labels_BxQ[..., None], axis=-1)[..., 0]
@@ -241,38 +268,172 @@ def dflash_loss(logits_BxQxV: jax.Array, labels_BxQ: jax.Array, label_mask_BxQ: 
     wm_BxQ = decay_weights(K, gamma)[k_BxQ] * mask_BxQ
     weighted_count = jnp.sum(wm_BxQ)
     loss = jnp.sum(wm_BxQ * nll_BxQ) / jnp.maximum(weighted_count, 1e-9)
+    correct_BxQ = (jnp.argmax(logits_BxQxV, axis=-1) == labels_BxQ).astype(jnp.float32) * mask_BxQ
+    return loss, {**block_metrics(correct_BxQ, mask_BxQ, K), "weighted_count": weighted_count}
 
-    correct_BxQ = jax.lax.stop_gradient(
-        (jnp.argmax(logits_BxQxV, axis=-1) == labels_BxQ).astype(jnp.float32) * mask_BxQ)
-    onehot_BxQxK = jax.nn.one_hot(k_BxQ, K, dtype=jnp.float32)
-    hits_K = jnp.einsum("bq,bqk->k", correct_BxQ, onehot_BxQxK)
-    count_K = jnp.einsum("bq,bqk->k", mask_BxQ, onehot_BxQxK)
-    accuracy_K = hits_K / jnp.maximum(count_K, 1.0)
 
-    correct_BxNxK = correct_BxQ.reshape(B, Q // K, K)
-    chain_BxN = jnp.sum(jnp.cumprod(correct_BxNxK[..., 1:], axis=-1), axis=-1)
-    kept_BxN = (jnp.sum(mask_BxQ.reshape(B, Q // K, K), axis=-1) > 0).astype(jnp.float32)
-    num_blocks = jnp.sum(kept_BxN)
-    acceptance = jnp.sum(kept_BxN * (1.0 + chain_BxN)) / jnp.maximum(num_blocks, 1.0)
+# ----------------------------------------------------------------------------- the chunked LM head + CE
 
-    metrics = {
-        "accuracy_per_position": accuracy_K,
-        "acceptance_length": acceptance,
-        "num_labels": jnp.sum(mask_BxQ),
-        "weighted_count": weighted_count,
-        "num_blocks": num_blocks,
-    }
-    return loss, metrics
+
+def auto_head_chunk(vocab_size: int, budget_elements: int = 1 << 25) -> int:
+    """Rows per LM-head chunk so one chunk's fp32 logits hold about `budget_elements` (default 2^25:
+    128 MiB), a multiple of 8, at least 8."""
+    return max(8, (budget_elements // max(vocab_size, 1)) // 8 * 8)
+
+
+def _head_chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Array, vocab_major: bool,
+                      with_grad: bool) -> tuple[jax.Array, ...]:
+    """nll [C] f32, top-1 hit [C] f32, and (with_grad) d nll / d h [C, D] f32 of one chunk of rows.
+
+    Logits are h @ head in the compute dtype with fp32 accumulation; the softmax is fp32. The head's own
+    gradient is never formed (the target is frozen)."""
+    spec = "cd,vd->cv" if vocab_major else "cd,dv->cv"
+    logits_CxV = jnp.einsum(spec, h_CxD, head.astype(h_CxD.dtype), preferred_element_type=jnp.float32)
+    lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
+    picked_C = jnp.take_along_axis(logits_CxV, labels_C[:, None], axis=-1)[:, 0]
+    nll_C = lse_C - picked_C
+    hit_C = (jnp.argmax(logits_CxV, axis=-1) == labels_C).astype(jnp.float32)
+    if not with_grad:
+        return nll_C, hit_C
+    dlogits_CxV = jnp.exp(logits_CxV - lse_C[:, None])
+    dlogits_CxV = dlogits_CxV - jax.nn.one_hot(labels_C, logits_CxV.shape[-1], dtype=jnp.float32)
+    back = "cv,vd->cd" if vocab_major else "cv,dv->cd"
+    dh_CxD = jnp.einsum(back, dlogits_CxV.astype(h_CxD.dtype), head.astype(h_CxD.dtype),
+                        preferred_element_type=jnp.float32)
+    return nll_C, hit_C, dh_CxD
+
+
+def _over_chunks(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, vocab_major: bool, chunk: int,
+                 with_grad: bool) -> tuple[jax.Array, ...]:
+    """`_head_chunk_stats` over T rows in chunks of `chunk` rows (a sequential `lax.map`, so only one
+    chunk's [chunk, V] logits are live at a time); rows are zero-padded to a multiple of `chunk`."""
+    t, d = h_TxD.shape
+    chunk = min(chunk, t)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(h_TxD, ((0, pad), (0, 0))).reshape(n, chunk, d)
+    lab = jnp.pad(labels_T, (0, pad)).reshape(n, chunk)
+    out = jax.lax.map(lambda xs: _head_chunk_stats(xs[0], head, xs[1], vocab_major, with_grad), (h, lab))
+    return tuple(o.reshape(n * chunk, *o.shape[2:])[:t] for o in out)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def head_nll(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, vocab_major: bool,
+             chunk: int) -> tuple[jax.Array, jax.Array]:
+    """(nll [T] f32, top-1 hit [T] f32) of rows `h_TxD` through the frozen LM head, in chunks of rows.
+
+    `head` is [V, D] (`vocab_major`, a tied embedding) or [D, V]. Differentiable in `h` only: the forward
+    under `jax.grad` also forms d nll_t / d h_t per chunk (softmax - onehot, times the head) and keeps that
+    [T, D] array instead of any [T, V] one, so the backward is a rescale: one head matmul forward and one
+    back, no recomputation, temporary memory O(chunk * V) whatever T (SpecForge's checkpointed chunks
+    recompute the forward). The hit output carries no gradient.
+    """
+    return _over_chunks(h_TxD, head, labels_T, vocab_major, chunk, with_grad=False)
+
+
+def _head_nll_fwd(h_TxD, head, labels_T, vocab_major, chunk):  # noqa: ANN001, ANN202 (custom_vjp rule)
+    nll_T, hit_T, dh_TxD = _over_chunks(h_TxD, head, labels_T, vocab_major, chunk, with_grad=True)
+    return (nll_T, hit_T), dh_TxD.astype(h_TxD.dtype)
+
+
+def _head_nll_bwd(vocab_major, chunk, res, cotangents):  # noqa: ANN001, ANN202 (custom_vjp rule)
+    g_nll_T, _ = cotangents
+    return (g_nll_T[:, None].astype(res.dtype) * res), None, None
+
+
+head_nll.defvjp(_head_nll_fwd, _head_nll_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The training loss (static: it is part of the compiled step).
+
+    kind: `decay`, the paper's fixed weights w_k = exp(-(k-1)/gamma) (`decay_weights`), or `dpace`
+      (D-PACE, arXiv 2605.18810, `dpace_weights`): weights from the drafter's own confidence, recomputed
+      every step without gradient.
+    gamma: decay of `decay`. dpace_alpha: confidence floor of `dpace`, in (0, 1].
+    head_chunk: rows of the LM head + CE per chunk (0: `auto_head_chunk(V)`).
+    """
+
+    kind: str = "decay"
+    gamma: float = 4.0
+    dpace_alpha: float = 0.5
+    head_chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("decay", "dpace"):
+            raise ValueError(f"kind must be 'decay' or 'dpace'; received {self.kind!r}")
+        if self.gamma <= 0:
+            raise ValueError(f"gamma must be > 0; received {self.gamma}")
+        if not 0 < self.dpace_alpha <= 1:
+            raise ValueError(f"dpace_alpha must lie in (0, 1]; received {self.dpace_alpha}")
+        if self.head_chunk < 0:
+            raise ValueError(f"head_chunk must be >= 0 (0: automatic); received {self.head_chunk}")
+
+
+def dpace_weights(nll_BxNxJ: jax.Array, mask_BxNxJ: jax.Array, alpha: float) -> jax.Array:
+    """D-PACE position weights [B, N, J] over the J = K-1 labelled slots of each block (no gradient).
+
+    q_i = exp(-CE_i) is the drafter's probability of the label, smoothed to q~_i = (1-alpha) q_i + alpha
+    (1 on unlabelled slots, so they do not break the chain); C_j = prod_{i<=j} q~_i is the chance the
+    block's prefix up to j is accepted; w_k = sum_{j>=k, labelled} C_j (0 on unlabelled slots): how many
+    accepted tokens ride on slot k. With q = 1 the weights fall linearly, K-1 .. 1; the less confident
+    the early slots, the steeper they fall.
+    """
+    q = jnp.exp(-jax.lax.stop_gradient(nll_BxNxJ))
+    q_smooth = jnp.where(mask_BxNxJ > 0, (1.0 - alpha) * q + alpha, 1.0)
+    c = jnp.cumprod(q_smooth, axis=-1) * mask_BxNxJ
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(c, axis=-1), axis=-1), axis=-1)
+    return jax.lax.stop_gradient(suffix * mask_BxNxJ)
+
+
+def head_loss(hidden_BxQxD: jax.Array, head: jax.Array, labels_BxQ: jax.Array, label_mask_BxQ: jax.Array,
+              block_size: int, objective: Objective, *, vocab_major: bool,
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The weighted CE of `objective` from the drafter's normed hidden states and the frozen LM head `head`
+    ([V, D] when `vocab_major`, else [D, V]), without materialising [B, Q, V] logits:
+    loss = sum_q w_q m_q CE_q / sum_q w_q m_q.
+
+    Slot 0 of each block (the anchor, never labelled) is skipped before the head, so the head runs on
+    B*N*(K-1) rows, `objective.head_chunk` rows at a time; see `head_nll`. With `decay`, the same loss,
+    gradient and metrics as `dflash_loss(head logits, ...)` (tests/test_objective.py).
+    """
+    B, Q, D = hidden_BxQxD.shape
+    K = block_size
+    _check_blocks(Q, K)
+    vocab = head.shape[0] if vocab_major else head.shape[1]
+    rows = lambda x: x.reshape(B, Q // K, K, *x.shape[2:])[:, :, 1:].reshape(-1, *x.shape[2:])  # noqa: E731
+    labels_BxQ = jnp.asarray(labels_BxQ, jnp.int32)
+    mask_BxQ = jnp.asarray(label_mask_BxQ, jnp.float32)
+    nll_T, hit_T = head_nll(rows(hidden_BxQxD), jax.lax.stop_gradient(head), rows(labels_BxQ), vocab_major,
+                            objective.head_chunk or auto_head_chunk(vocab))
+    k_BxQ = jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32) % K, (B, Q))
+    if objective.kind == "dpace":
+        m_BxNxJ = rows(mask_BxQ).reshape(B, Q // K, K - 1)
+        wm_T = dpace_weights(nll_T.reshape(B, Q // K, K - 1), m_BxNxJ, objective.dpace_alpha).reshape(-1)
+    else:
+        wm_T = rows(decay_weights(K, objective.gamma)[k_BxQ] * mask_BxQ)
+    weighted_count = jnp.sum(wm_T)
+    loss = jnp.sum(wm_T * nll_T) / jnp.maximum(weighted_count, 1e-9)
+    zeros_BxNx1 = jnp.zeros((B, Q // K, 1), jnp.float32)
+    hit_BxQ = jnp.concatenate([zeros_BxNx1, hit_T.reshape(B, Q // K, K - 1)], axis=-1).reshape(B, Q)
+    return loss, {**block_metrics(hit_BxQ * mask_BxQ, mask_BxQ, K), "weighted_count": weighted_count}
 
 
 __all__ = [
     "PAPER_GAMMA",
     "Blocks",
+    "Objective",
+    "dpace_weights",
+    "auto_head_chunk",
+    "block_metrics",
     "build_blocks",
     "build_blocks_batch",
     "decay_weights",
     "default_gamma",
     "dflash_loss",
+    "head_loss",
+    "head_nll",
     "sample_anchors",
     "sample_anchors_batch",
     "valid_anchor_positions",

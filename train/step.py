@@ -20,9 +20,9 @@ import optax
 from flax import nnx
 
 from models.config import DecoderConfig
-from models.decoder import Params, embed
-from models.drafter import BlockVisibility, DFlashDrafter, DrafterArch, drafter_logits, online_features
-from train.objective import Blocks, build_blocks_batch, dflash_loss, sample_anchors_batch
+from models.decoder import Params, embed, head_matrix
+from models.drafter import BlockVisibility, DFlashDrafter, DrafterArch, online_features
+from train.objective import Blocks, Objective, build_blocks_batch, head_loss, sample_anchors_batch
 
 Metrics = dict[str, jax.Array]
 Batch = dict[str, jax.Array]
@@ -98,13 +98,14 @@ def init_state(params: nnx.State, optimizer: optax.GradientTransformation, rng: 
 
 def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
                  block_embeds_BxQxD: jax.Array, blocks: Blocks, ctx_feats_BxSxFD: jax.Array, block_size: int,
-                 gamma: float) -> tuple[jax.Array, Metrics]:
+                 objective: Objective) -> tuple[jax.Array, Metrics]:
     """DFlash loss of the drafter on explicit inputs (so gradients w.r.t. embeds and features exist).
 
     Context positions are 0..S-1 and every context token is valid; `BlockVisibility.from_anchors` gives
     block j the context keys s < a_j and its own block's keys only (block-local attention, no dense
-    Q x (S+Q) mask). Logits come from the frozen target head.
-    Returns (loss, dflash_loss metrics).
+    Q x (S+Q) mask). The frozen target head and the CE run in chunks (`head_loss`), in the dtype of the
+    drafter's output (the compute dtype) with fp32 accumulation and softmax.
+    Returns (loss, head_loss metrics).
     """
     b, s, _ = ctx_feats_BxSxFD.shape
     drafter = nnx.merge(graphdef, params)
@@ -112,9 +113,9 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Param
     anchor_BxN = blocks.anchor_of_query.reshape(b, -1, block_size)[:, :, 0]  # -1 for padding blocks
     visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool))
     hidden_BxQxD = drafter(block_embeds_BxQxD, blocks.block_pos, ctx_feats_BxSxFD, ctx_pos_BxS, visible)
-    logits_BxQxV = drafter_logits(jax.lax.stop_gradient(target_params), target_cfg, hidden_BxQxD)
-    return dflash_loss(logits_BxQxV, blocks.labels, blocks.label_mask, blocks.block_index_in_block,
-                       block_size, gamma)
+    head, vocab_major = head_matrix(jax.lax.stop_gradient(target_params), target_cfg)
+    return head_loss(hidden_BxQxD, head, blocks.labels, blocks.label_mask, block_size, objective,
+                     vocab_major=vocab_major)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -146,7 +147,7 @@ def block_inputs(batch: Batch, target_params: Params, target_cfg: DecoderConfig,
 
 
 def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphdef: nnx.GraphDef,
-               target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int, gamma: float,
+               target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int, objective: Objective,
                optimizer: optax.GradientTransformation, compute_dtype: Any = jnp.float32) -> StepOut:
     """One update of the drafter on `batch` = {tokens [B, S] int32, loss_mask [B, S]}; pure.
 
@@ -159,7 +160,7 @@ def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphd
         embeds_BxQxD          = target embedding of the block ids                               (no gradient)
         hidden_BxQxD          = drafter(embeds, block_pos, feats, ctx_pos, BlockVisibility.from_anchors(...))
         logits_BxQxV          = target LM head (frozen, full vocab)
-        loss, metrics         = dflash_loss(...)
+        loss, metrics         = head_loss(...)   (chunked head + weighted CE)
 
     Anchors are resampled from `state.rng` each step (new key per step). Gradients are taken w.r.t.
     `state.params` only. The forward runs in `compute_dtype` (params cast inside the differentiated
@@ -174,7 +175,7 @@ def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphd
 
     def loss_fn(params: nnx.State) -> tuple[jax.Array, Metrics]:
         return drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
-                            embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, gamma)
+                            embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, objective)
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -193,8 +194,8 @@ def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphd
 
 
 def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
-                    arch: DrafterArch, num_anchors: int, gamma: float, optimizer: optax.GradientTransformation,
-                    compute_dtype: Any = jnp.float32,
+                    arch: DrafterArch, num_anchors: int, objective: Objective,
+                    optimizer: optax.GradientTransformation, compute_dtype: Any = jnp.float32,
                     state_shardings: Any = None) -> Callable[[TrainState, Batch], StepOut]:
     """`(state, batch) -> (state, metrics)`: `train_step` jitted once with the state donated.
 
@@ -206,7 +207,7 @@ def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg
     same jitted program (for ahead-of-time compilation and XLA memory analysis).
     """
     body = partial(train_step, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
-                   gamma=float(gamma), optimizer=optimizer, compute_dtype=compute_dtype)
+                   objective=objective, optimizer=optimizer, compute_dtype=compute_dtype)
     if state_shardings is None:
         jitted = jax.jit(body, donate_argnums=0)
     else:
@@ -223,21 +224,21 @@ def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg
 
 def eval_metrics(params: nnx.State, batch: Batch, target_params: Params, rng: jax.Array, *,
                  graphdef: nnx.GraphDef, target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int,
-                 gamma: float, compute_dtype: Any = jnp.float32) -> Metrics:
+                 objective: Objective, compute_dtype: Any = jnp.float32) -> Metrics:
     """The step's loss and teacher-forced metrics on `batch` with anchors drawn from `rng`; no update."""
     blocks, embeds_BxQxD, feats_BxSxFD = block_inputs(batch, target_params, target_cfg, arch, num_anchors, rng)
     loss, aux = drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
-                             embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, gamma)
+                             embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, objective)
     return {"loss": loss, "acceptance_length": aux["acceptance_length"],
             "accuracy_per_position": aux["accuracy_per_position"], "num_labels": aux["num_labels"]}
 
 
 def make_eval_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
-                   arch: DrafterArch, num_anchors: int, gamma: float,
+                   arch: DrafterArch, num_anchors: int, objective: Objective,
                    compute_dtype: Any = jnp.float32) -> Callable[[nnx.State, Batch, jax.Array], Metrics]:
     """`(params, batch, rng) -> metrics`: `eval_metrics` jitted (nothing donated)."""
     body = partial(eval_metrics, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
-                   gamma=float(gamma), compute_dtype=compute_dtype)
+                   objective=objective, compute_dtype=compute_dtype)
     jitted = jax.jit(body)
 
     def run(params: nnx.State, batch: Batch, rng: jax.Array) -> Metrics:
