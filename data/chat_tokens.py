@@ -77,6 +77,7 @@ def tokenize_rows(
     seq_len: int,
     *,
     pad_id: int | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[tuple[np.ndarray, np.ndarray, int]], int]:
     """(rows, num_skipped): each conversation tokenized, truncated to `seq_len` and padded to it, as
     (tokens int32[S], loss_mask float32[S], n real tokens). The one tokenisation of training rows: online
@@ -84,7 +85,9 @@ def tokenize_rows(
 
     A conversation whose loss mask is all zero after truncation (no assistant token left) is skipped and
     counted in `num_skipped`. `pad_id` defaults to the first stop token (ChatML `<|im_end|>`); padding has
-    loss mask 0, so its id only matters to what the target sees after the text.
+    loss mask 0, so its id only matters to what the target sees after the text. `template_kwargs` are the
+    chat-template variables the prompts are served with (`data.regen.template_kwargs`, e.g. Qwen3's
+    `enable_thinking=False`, whose empty think block is then prompt, not loss).
     """
     if pad_id is None:
         if not tok.stop_token_ids:
@@ -93,7 +96,7 @@ def tokenize_rows(
     rows: list[tuple[np.ndarray, np.ndarray, int]] = []
     num_skipped = 0
     for messages in conversations:
-        ids, mask = tokenize_conversation(tok, messages, seq_len)
+        ids, mask = tokenize_conversation(tok, messages, seq_len, **dict(template_kwargs or {}))
         if not mask.any():
             num_skipped += 1
             continue

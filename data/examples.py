@@ -35,10 +35,12 @@ def training_conversations(cfg: DataConfig, limit: int | None = None) -> list[li
 def build_examples(cfg: DataConfig, tokenizer: Any, split: str = "train",
                    limit: int | None = None) -> tuple[list[Example], str]:
     """(examples, sha256 identifying them): `data.source`'s conversations (split "train") or GSM8K test
-    (split "test", the held-out set), tokenised to `data.seq_len`."""
+    (split "test", the held-out set), tokenised to `data.seq_len` with the serving template variables
+    (`data.regen.template_kwargs`): a row's prompt ids are the ids the engine is served."""
     limit = limit if limit is not None else (cfg.max_examples or None)
     conversations = training_conversations(cfg, limit) if split == "train" else load_gsm8k(split, limit=limit)
-    examples, skipped = tokenize_rows(tokenizer, conversations, cfg.seq_len)
+    examples, skipped = tokenize_rows(tokenizer, conversations, cfg.seq_len,
+                                      template_kwargs=cfg.regen.template_kwargs)
     if skipped:
         log.info("skipped %d of %d conversations with no assistant token within seq_len=%d", skipped,
                  len(conversations), cfg.seq_len)

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stream", "stop", "seed", "n",
                      "user"}
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stream",
-               "stop", "seed", "n", "user"}
+               "stop", "seed", "n", "user", "chat_template_kwargs"}
 
 
 def _is_zero(v: Any) -> bool:
@@ -443,7 +443,11 @@ class _Handler(BaseHTTPRequestHandler):
                         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                         for m in messages)):
                     raise RequestError("messages must be a non-empty list of {role, content} strings", "messages")
-                ids = self.server.tokenizer.encode_chat(messages, add_generation_prompt=True)
+                kwargs = body.get("chat_template_kwargs") or {}
+                if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+                    raise RequestError("chat_template_kwargs must be an object of template variables, e.g. "
+                                       '{"enable_thinking": false}', "chat_template_kwargs")
+                ids = self.server.tokenizer.encode_chat(messages, add_generation_prompt=True, **kwargs)
                 self._complete(body, ids, chat=True)
             else:
                 raise RequestError(f"no route POST {self.path}", status=404)

@@ -31,6 +31,8 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
 from data.chat_tokens import tokenize_conversation
+from data.config import DataConfig, RegenConfig
+from data.examples import build_examples
 from models.registry import default_gguf_path
 from models.tokenizer import ChatTokenizer, load_tokenizer, load_tokenizer_from_hf_dir
 
@@ -329,3 +331,49 @@ def test_truncation_keeps_the_mask_aligned(llama3: ChatTokenizer) -> None:
     cut_ids, cut_mask = tokenize_conversation(llama3, conversation, len(ids) - 5)
     np.testing.assert_array_equal(cut_ids, ids[:-5])
     np.testing.assert_array_equal(cut_mask, mask[:-5])
+
+
+def _regenerated_dir(tmp_path: Path, conversations: list[list[dict[str, str]]]) -> Path:
+    rows = [{"id": f"t:{i}", "source": "t", "messages": c} for i, c in enumerate(conversations)]
+    (tmp_path / "regenerated.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path
+
+
+def test_training_rows_use_the_serving_template_variables(qwen3: ChatTokenizer, tmp_path: Path) -> None:
+    """With data.regen.template_kwargs = {enable_thinking: False} (how Qwen3 targets are served and
+    regenerated), a training row starts with exactly the served prompt ids (empty think block included, loss
+    0) and its first loss token is the answer's first token; without them the think block would be loss."""
+    conversation = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "It is 5."}]
+    data_dir = _regenerated_dir(tmp_path, [conversation])
+    served = qwen3.encode_chat(conversation[:1], add_generation_prompt=True, enable_thinking=False)
+    answer = qwen3.encode("It is 5.<|im_end|>")
+    for kwargs, think_is_loss in (({"enable_thinking": False}, False), ({}, True)):
+        cfg = DataConfig(dir=str(data_dir), source="regenerated", seq_len=64, regen=RegenConfig(template_kwargs=kwargs))
+        (tokens, mask, n), = build_examples(cfg, qwen3)[0]
+        p = len(served)
+        assert tokens[:p].tolist() == served  # the think block renders identically either way
+        if think_is_loss:
+            assert mask[p - 1] == 1  # the empty think block was trained as if the model wrote it
+        else:
+            assert not mask[:p].any() and mask[p] == 1
+            assert tokens[p:p + len(answer)].tolist() == answer and mask[p:p + len(answer)].all()
+            assert n == p + len(answer) + 1  # + the template's trailing newline (loss 0)
+
+
+def test_training_row_prompt_is_the_engine_prompt_and_first_loss_token_is_generated(smollm2_target,
+                                                                                     tmp_path: Path) -> None:
+    """The embedded target: its engine's greedy reply to a chat prompt, stored as a regenerated conversation,
+    tokenises back to the served prompt ids followed by exactly the generated ids, loss from the first one."""
+    from serve.engine import decode
+
+    tok = smollm2_target.tokenizer
+    user = [{"role": "user", "content": "Name a prime number between 10 and 20."}]
+    prompt = tok.encode_chat(user, add_generation_prompt=True)
+    completion, = decode(smollm2_target.params, smollm2_target.cfg, [prompt], 12, max_len=256)
+    generated = completion.token_ids
+    conversation = user + [{"role": "assistant", "content": tok.decode(generated)}]
+    cfg = DataConfig(dir=str(_regenerated_dir(tmp_path, [conversation])), source="regenerated", seq_len=128)
+    (tokens, mask, _), = build_examples(cfg, tok)[0]
+    p = len(prompt)
+    assert tokens[:p].tolist() == prompt and not mask[:p].any()
+    assert tokens[p:p + len(generated)].tolist() == generated and mask[p:p + len(generated)].all()
