@@ -2,7 +2,7 @@
 down the order below, and the module graph has no cycle.
 
     configs.schema  ->  section configs (<pkg>/config.py)  ->  configs.recipe  ->  models  ->  serve  ->  data
-    ->  train  ->  eval  ->  launch  ->  benchmarks
+    ->  train  ->  eval  ->  export  ->  launch  ->  benchmarks
 
 A module may import a module of a lower layer, or one of its own package in the same layer. Section configs
 may import each other (a section may embed another's dataclass), but nothing heavier than configs.schema.
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("configs", "models", "serve", "data", "train", "eval", "launch", "benchmarks")
+PACKAGES = ("configs", "models", "serve", "data", "train", "eval", "export", "launch", "benchmarks")
 CONFIG_LEAVES = {f"{p}.config" for p in PACKAGES}
-ORDER = ("models", "serve", "data", "train", "eval", "launch", "benchmarks")
+ORDER = ("models", "serve", "data", "train", "eval", "export", "launch", "benchmarks")
 
 
 def layer(module: str) -> int:
