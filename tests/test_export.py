@@ -1,0 +1,368 @@
+"""`dflash-export` (issue 13): a `dflash train` run dir (Orbax, written by the trainer's Checkpointer) -> the
+z-lab and speculators layouts and back, bit-exact in fp32 and within bf16 rounding in bf16; the engine decodes
+identically from the export; config fields, tensor names and shapes of Qwen3-8B- and Llama-3.1-8B-sized
+drafters (built abstractly); the model card; atomic writes; refusals with messages that name the problem.
+The Hub upload is tested in test_export_hub.py, numeric parity with the reference models in
+test_export_parity.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import GOLDEN
+from flax import nnx
+
+from configs.recipe import load_recipe
+from configs.schema import to_dict
+from export.cli import main as export_main
+from export.run import export_run
+from models.config import DecoderConfig, DrafterConfig, RopeScaling
+from models.drafter import DFlashDrafter, hf_tensor_names, resolve_drafter
+from models.drafter_io import CheckpointError, load_drafter
+from models.loading import WeightsError, load_hf_dir
+from models.speculators import speculators_config
+from models.zlab import zlab_config
+from serve.engine import decode
+
+TARGET_DIR = GOLDEN / "tiny" / "llama3_scaled_untied"
+STEP = 3
+
+
+def _params(drafter: DFlashDrafter) -> dict:
+    return {keys: np.asarray(v[...]) for keys, v in nnx.to_flat_state(nnx.state(drafter, nnx.Param))}
+
+
+def _make_run(run_dir: Path, drafter: DFlashDrafter, results: bool = True) -> Path:
+    from train.checkpoint import Checkpointer
+    from train.loop import arch_dict
+    from train.step import init_state, make_optimizer
+
+    recipe = load_recipe("tiny", [f"target.source={TARGET_DIR}", f"train.run_dir={run_dir}"])
+    state = init_state(nnx.state(drafter, nnx.Param), make_optimizer(1e-3, 10), jax.random.PRNGKey(0))
+    ckpt = Checkpointer(run_dir / "checkpoints", {"arch": arch_dict(drafter.arch), "recipe": to_dict(recipe),
+                                                  "target_fingerprint": "0" * 64})
+    ckpt.save(STEP, state, {"iterator": {"next_index": STEP}})
+    ckpt.close()
+    if results:
+        (run_dir / "eval").mkdir()
+        (run_dir / "eval" / "results.json").write_text(json.dumps({
+            "schema": "dflash-eval/1", "environment": {"machine": "test box"}, "target": {"model": "t"},
+            "drafter": {"path": str(run_dir)}, "settings": {"sets": ["gsm8k"], "limit": 2, "max_new_tokens": 8,
+                                                             "concurrency": [1], "block_size": 4},
+            "sets": {"gsm8k": {"tau": 2.5, "speedup": 1.7, "mismatches": 0, "dflash": {"tok_s": 30.0},
+                               "ar": {"tok_s": 20.0}}},
+            "headline": {"tau": 2.5, "speedup": 1.7, "mismatches": 0}}))
+    return run_dir
+
+
+REPEATED = 123  # the tiny target's greedy continuation of the second test prompt repeats this token
+
+
+def _drafter_that_drafts(arch, target_params, token: int) -> DFlashDrafter:
+    """A random drafter whose attention and MLP outputs are scaled down (o_proj, down_proj x 0.01) and whose
+    final norm is set so that the MASK positions (input: the MASK embedding) draft `token` through the target's
+    head: its drafts are accepted wherever the target repeats `token`, so τ > 1 and acceptance is exercised."""
+    drafter = DFlashDrafter(arch, nnx.Rngs(5))
+    x = np.asarray(target_params["embed"][arch.mask_token_id], np.float64)
+    x_hat = x / np.sqrt(np.mean(x * x) + arch.rms_norm_eps)
+    head_row = np.asarray(target_params["lm_head"][:, token], np.float64)
+    for layer in drafter.layers:
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            proj.kernel.value = proj.kernel.value * 0.01
+    drafter.norm.weight.value = jax.numpy.asarray(head_row / x_hat, jax.numpy.float32)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    target_cfg, target_params = load_hf_dir(TARGET_DIR)
+    arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(1, 2), block_size=4,
+                                         mask_token_id=255), target_cfg)
+    drafter = _drafter_that_drafts(arch, target_params, REPEATED)
+    run_dir = _make_run(tmp_path_factory.mktemp("runs") / "tiny_run", drafter)
+    return target_cfg, target_params, drafter, run_dir
+
+
+@pytest.mark.parametrize("fmt", ["zlab", "speculators"])
+def test_export_then_import_is_bit_exact_in_fp32(setup, tmp_path, fmt):
+    target_cfg, _, drafter, run_dir = setup
+    result = export_run(run_dir, fmt=fmt, out=tmp_path / "out", say=lambda _: None)
+    assert result.step == STEP and [n for n, _ in result.files] == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary directory left beside it
+    loaded = load_drafter(tmp_path / "out", target_cfg)
+    assert loaded.arch == drafter.arch
+    want, got = _params(drafter), _params(loaded)
+    assert want.keys() == got.keys()
+    for keys in want:
+        np.testing.assert_array_equal(got[keys], want[keys])
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    if fmt == "zlab":
+        assert config["model_type"] == "qwen3" and target_cfg.family == "llama"
+        assert config["dflash_config"] == {"mask_token_id": 255, "target_layer_ids": [1, 2]}
+        assert config["rope_scaling"]["rope_type"] == "llama3" and config["rope_parameters"]["rope_theta"] == 500000.0
+    else:
+        assert config["aux_hidden_state_layer_ids"] == [2, 3] and config["architectures"] == ["DFlashSpeculator"]
+        assert config["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_bf16_export_is_the_fp32_weights_rounded_to_bf16(setup, tmp_path):
+    target_cfg, _, drafter, run_dir = setup
+    export_run(run_dir, fmt="zlab", out=tmp_path / "bf16", dtype="bfloat16", say=lambda _: None)
+    header = (tmp_path / "bf16" / "model.safetensors").read_bytes()
+    header = json.loads(header[8:8 + int.from_bytes(header[:8], "little")])
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    want, got = _params(drafter), _params(load_drafter(tmp_path / "bf16", target_cfg))
+    for keys, value in want.items():
+        rounded = value.astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(got[keys], rounded)
+        assert np.all(np.abs(got[keys] - value) <= 2.0 ** -8 * np.abs(value))
+    assert any(not np.array_equal(got[k], want[k]) for k in want)  # bf16 really rounded something
+
+
+def test_the_engine_decodes_identically_from_the_export(setup, tmp_path):
+    """The same accepted counts per step, the same τ (> 1: this drafter's drafts are often right) and the same
+    tokens from the Orbax checkpoint and from both exported layouts."""
+    target_cfg, target_params, _, run_dir = setup
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, 255, size=n)) for n in (6, 13)]
+    runs = {}
+    for name, path in (("orbax", run_dir), ("zlab", tmp_path / "z"), ("speculators", tmp_path / "s")):
+        if name != "orbax":
+            export_run(run_dir, fmt=name, out=path, say=lambda _: None)
+        drafter = load_drafter(path, target_cfg)
+        runs[name] = decode(target_params, target_cfg, prompts, 20, max_len=128, drafter=drafter, block_size=4)
+    assert REPEATED in runs["orbax"][1].token_ids and runs["orbax"][1].tau > 1.5  # drafts are accepted
+    for name, results in runs.items():
+        assert [r.token_ids for r in results] == [r.token_ids for r in runs["orbax"]], name
+        assert [r.accepted for r in results] == [r.accepted for r in runs["orbax"]], name
+        assert [r.tau for r in results] == [r.tau for r in runs["orbax"]], name
+
+
+QWEN3_8B = DecoderConfig(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                         max_position_embeddings=40960, qk_norm=True)
+LLAMA31_8B = DecoderConfig(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                           num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                           rope_theta=5e5, max_position_embeddings=131072,
+                           rope_scaling=RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0,
+                                                    high_freq_factor=4.0, original_max_position_embeddings=8192))
+
+
+@pytest.mark.parametrize("target, mask, ids", [(QWEN3_8B, 151669, [1, 9, 17, 25, 33]),
+                                               (LLAMA31_8B, 128002, [1, 8, 15, 22, 29])])
+def test_8b_sized_drafters_have_the_released_fields_names_and_shapes(target, mask, ids):
+    """Built abstractly (nnx.eval_shape: no weight is allocated): 58 tensors with the z-lab names and
+    PyTorch [out, in] shapes, and the config fields of z-lab's released 8B b16 drafters."""
+    arch = resolve_drafter(DrafterConfig(num_layers=5, num_features=5, block_size=16, mask_token_id=mask), target)
+    abstract = nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0)))
+    leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    shapes = hf_tensor_names(abstract)
+    assert len(shapes) == 58
+    h, f = 4096, target.intermediate_size
+    assert shapes["fc.weight"] == (h, 5 * h) and shapes["hidden_norm.weight"] == (h,) and shapes["norm.weight"] == (h,)
+    for i in range(5):
+        p = f"layers.{i}."
+        assert shapes[p + "self_attn.q_proj.weight"] == (32 * 128, h)
+        assert shapes[p + "self_attn.k_proj.weight"] == shapes[p + "self_attn.v_proj.weight"] == (8 * 128, h)
+        assert shapes[p + "self_attn.o_proj.weight"] == (h, 32 * 128)
+        assert shapes[p + "self_attn.q_norm.weight"] == shapes[p + "self_attn.k_norm.weight"] == (128,)
+        assert shapes[p + "mlp.gate_proj.weight"] == shapes[p + "mlp.up_proj.weight"] == (f, h)
+        assert shapes[p + "mlp.down_proj.weight"] == (h, f)
+        assert shapes[p + "input_layernorm.weight"] == shapes[p + "post_attention_layernorm.weight"] == (h,)
+    assert not any("embed" in n or "lm_head" in n or n.startswith("model.") for n in shapes)
+    config = zlab_config(arch, "bfloat16")
+    expected = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+                "num_target_layers": target.num_layers,
+                "dflash_config": {"mask_token_id": mask, "target_layer_ids": ids}, "hidden_size": h,
+                "intermediate_size": f, "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope_theta,
+                "max_position_embeddings": target.max_position_embeddings, "vocab_size": target.vocab_size,
+                "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+                "layer_types": ["full_attention"] * 5, "torch_dtype": "bfloat16",
+                "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}}
+    assert {k: config[k] for k in expected} == expected
+    if target is LLAMA31_8B:
+        want = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+        assert config["rope_scaling"] == want and config["rope_parameters"] == {**want, "rope_theta": 5e5}
+    else:
+        assert config["rope_scaling"] is None and config["rope_parameters"] == {"rope_type": "default",
+                                                                                "rope_theta": 1e6}
+    spec = speculators_config(arch, "org/target")
+    assert spec["aux_hidden_state_layer_ids"] == [j + 1 for j in ids] and spec["target_hidden_size"] == h
+    assert spec["transformer_layer_config"]["num_hidden_layers"] == 5 and spec["draft_vocab_size"] == target.vocab_size
+    assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 15
+
+
+def test_eps_is_written_as_the_number_it_was_meant_to_be():
+    """A GGUF stores eps as float32: 1e-5 arrives as 9.999999747378752e-06 and must be written 1e-05 (the
+    same float32, so the drafter computes the same); a float64 eps is kept as it is."""
+    arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=1, block_size=4, mask_token_id=3),
+                           dataclasses.replace(QWEN3_8B, rms_norm_eps=float(np.float32(1e-5))))
+    assert arch.rms_norm_eps == 9.999999747378752e-06
+    assert zlab_config(arch)["rms_norm_eps"] == 1e-05
+    assert zlab_config(dataclasses.replace(arch, rms_norm_eps=1e-6))["rms_norm_eps"] == 1e-6
+
+
+def test_model_card_names_target_training_eval_and_serving_lines(setup, tmp_path):
+    _, _, _, run_dir = setup
+    export_run(run_dir, fmt="zlab", out=tmp_path / "card", target="org/tiny-llama", say=lambda _: None)
+    card = (tmp_path / "card" / "README.md").read_text()
+    assert "base_model: org/tiny-llama" in card and "step 3 of `train.steps=" in card
+    assert "| gsm8k | 2.50 | 1.70x | 30.0 | 20.0 | 0 |" in card  # the eval table of <run_dir>/eval/results.json
+    assert "DFlash vs AR: 1.70x tokens/s (tau 2.50, K=4)" in card
+    assert ("vllm serve org/tiny-llama --speculative-config '{\"method\": \"dflash\", \"model\": \""
+            + str(tmp_path / "card") + "\", \"num_speculative_tokens\": 3}'") in card
+    assert "--speculative-algorithm DFLASH" in card and "--speculative-num-draft-tokens 4" in card
+    assert "Data: `gsm8k`" in card and "[1, 2] of 4" in card
+
+
+def test_an_interrupted_export_leaves_nothing_that_looks_complete(setup, tmp_path, monkeypatch):
+    _, _, _, run_dir = setup
+    import export.run
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(export.run, "render_card", boom)
+    with pytest.raises(KeyboardInterrupt):
+        export_run(run_dir, fmt="zlab", out=tmp_path / "out", say=lambda _: None)
+    assert list(tmp_path.iterdir()) == []  # neither out nor its temporary directory
+    monkeypatch.undo()
+    # A temporary directory left by a killed export (its pid gone) is removed by the next export there.
+    stale = tmp_path / ".out.tmp-999999999"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    export_run(run_dir, fmt="zlab", out=tmp_path / "out", say=lambda _: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_existing_out_dir_is_refused_unless_overwrite(setup, tmp_path, capsys):
+    _, _, _, run_dir = setup
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert export_main([str(run_dir), "--format", "zlab", "--out", str(out)]) == 2
+    assert "--out " + str(out) + " exists; pass --overwrite" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert export_main([str(run_dir), "--format", "speculators", "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_dry_run_lists_the_files_and_the_upload_and_writes_nothing(setup, tmp_path, capsys):
+    _, _, _, run_dir = setup
+    code = export_main([str(run_dir), "--format", "zlab", "--out", str(tmp_path / "o"), "--push-to-hub",
+                        "someone/tiny-dflash", "--private", "--revision", "v1", "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    for name in ("README.md", "config.json", "model.safetensors"):
+        assert name in out
+    assert " kB" in out  # sizes listed
+    assert "would upload 3 files" in out and "someone/tiny-dflash (revision v1, private)" in out
+    assert "nothing was written or sent" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refusals_name_the_problem(setup, tmp_path, capsys):
+    target_cfg, _, drafter, run_dir = setup
+    # No checkpoint: a directory that is no run dir, and a run dir whose checkpoints/ is empty.
+    (tmp_path / "empty").mkdir()
+    assert export_main([str(tmp_path / "empty"), "--format", "zlab", "--out", str(tmp_path / "x")]) == 2
+    assert "has no checkpoints/ directory" in capsys.readouterr().err
+    (tmp_path / "norun" / "checkpoints").mkdir(parents=True)
+    assert export_main([str(tmp_path / "norun"), "--format", "zlab", "--out", str(tmp_path / "x")]) == 2
+    assert "holds no finished checkpoint" in capsys.readouterr().err
+    assert export_main([str(run_dir), "--step", "9", "--format", "zlab", "--out", str(tmp_path / "x")]) == 2
+    assert "has no checkpoint step 9; its steps are [3]" in capsys.readouterr().err
+    # A corrupt checkpoint.
+    broken = tmp_path / "broken"
+    shutil.copytree(run_dir, broken)
+    for path in (broken / "checkpoints" / str(STEP) / "state").rglob("*"):
+        if path.is_file() and path.stat().st_size > 1000:
+            path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="is corrupt"):
+        export_run(broken, fmt="zlab", out=tmp_path / "x", say=lambda _: None)
+    # A drafter reading the target's last layer cannot be exported.
+    last = dataclasses.replace(drafter.arch, layer_ids=(1, 3))
+    lastrun = _make_run(tmp_path / "lastrun", DFlashDrafter(last, nnx.Rngs(0)), results=False)
+    assert export_main([str(lastrun), "--format", "zlab", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "layer_ids must not include 3, the target's last layer" in err and "hidden_states[4]" in err
+    assert not (tmp_path / "x").exists()
+    # --step best without a best drafter; a bad --results file.
+    assert export_main([str(run_dir), "--step", "best", "--format", "zlab", "--out", str(tmp_path / "x")]) == 2
+    assert "holds no best drafter" in capsys.readouterr().err
+    (tmp_path / "r.json").write_text('{"schema": "other"}')
+    assert export_main([str(run_dir), "--format", "zlab", "--out", str(tmp_path / "x"), "--results",
+                        str(tmp_path / "r.json")]) == 2
+    assert "schema 'dflash-eval/1'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_mismatched_import_names_every_mismatch(setup, tmp_path):
+    target_cfg, _, drafter, run_dir = setup
+    export_run(run_dir, fmt="zlab", out=tmp_path / "z", say=lambda _: None)
+    export_run(run_dir, fmt="speculators", out=tmp_path / "s", say=lambda _: None)
+    other = dataclasses.replace(target_cfg, hidden_size=128, vocab_size=300, num_layers=6)
+    for layout in ("z", "s"):
+        with pytest.raises(ValueError) as err:
+            load_drafter(tmp_path / layout, other)
+        assert "hidden_size: drafter 64 vs target 128" in str(err.value)
+        assert "vocab_size: drafter 256 vs target 300" in str(err.value)
+    with pytest.raises(ValueError, match="num_layers: drafter 4 vs target 6"):
+        load_drafter(tmp_path / "z", other)
+    expect = dataclasses.replace(drafter.arch, layer_ids=(0, 2), mask_token_id=7, block_size=8)
+    with pytest.raises(ValueError) as err:
+        load_drafter(tmp_path / "s", target_cfg, expect=expect)
+    for part in ("layer_ids: drafter (1, 2) vs expected (0, 2)", "mask_token_id: drafter 255 vs expected 7",
+                 "block_size: drafter 4 vs expected 8"):
+        assert part in str(err.value)
+    small = dataclasses.replace(target_cfg, vocab_size=200)
+    with pytest.raises(ValueError, match=r"mask_token_id 255 lies outside the target's vocab \[0, 200\)"):
+        load_drafter(tmp_path / "z", small)
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    config.update(draft_vocab_size=128, sample_from_anchor=True)
+    (tmp_path / "s" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsError) as err:
+        load_drafter(tmp_path / "s", target_cfg)
+    assert "draft_vocab_size must equal" in str(err.value) and "sample_from_anchor must be false" in str(err.value)
+
+
+def test_released_configs_import_block_size_and_speculators_defaults(setup, tmp_path):
+    """A newer z-lab config keeps block_size inside dflash_config; a speculators config written by speculators
+    itself lists only the fields that differ from Qwen3Config(); both load."""
+    target_cfg, _, drafter, run_dir = setup
+    export_run(run_dir, fmt="zlab", out=tmp_path / "z", say=lambda _: None)
+    config = json.loads((tmp_path / "z" / "config.json").read_text())
+    config["dflash_config"]["block_size"] = config.pop("block_size")
+    (tmp_path / "z" / "config.json").write_text(json.dumps(config))
+    assert load_drafter(tmp_path / "z", target_cfg).arch.block_size == 4
+    export_run(run_dir, fmt="speculators", out=tmp_path / "s", say=lambda _: None)
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    layer = config["transformer_layer_config"]
+    for key in ("rms_norm_eps", "hidden_act", "attention_bias", "tie_word_embeddings"):
+        layer.pop(key)  # equal to Qwen3Config's defaults: speculators' to_diff_dict leaves them out
+    (tmp_path / "s" / "config.json").write_text(json.dumps(config))
+    loaded = load_drafter(tmp_path / "s", target_cfg)
+    assert loaded.arch == drafter.arch
+
+
+def test_the_console_script_is_installed():
+    script = Path(sys.executable).parent / "dflash-export"
+    assert script.is_file(), "reinstall the project (pip install -e .) so that dflash-export exists"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0 and "--push-to-hub REPO" in done.stdout and "zlab,speculators" in done.stdout
