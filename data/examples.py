@@ -12,7 +12,7 @@ import numpy as np
 
 from data.chat_tokens import tokenize_rows
 from data.config import DataConfig
-from data.packaged import load_gsm8k
+from data.packaged import PACKAGED_REGENERATED, load_gsm8k, packaged_regenerated_path
 from data.regenerate import read_regenerated
 
 log = logging.getLogger(__name__)
@@ -22,9 +22,12 @@ Example = tuple[np.ndarray, np.ndarray, int]
 
 
 def training_conversations(cfg: DataConfig, limit: int | None = None) -> list[list[dict[str, str]]]:
-    """The conversations of `data.source`: packaged GSM8K train, or data.dir/regenerated.jsonl."""
+    """The conversations of `data.source`: packaged GSM8K train, a packaged regenerated set, or
+    data.dir/regenerated.jsonl."""
     if cfg.source == "gsm8k":
         return load_gsm8k("train", limit=limit)
+    if cfg.source in PACKAGED_REGENERATED:
+        return read_regenerated(packaged_regenerated_path(cfg.source), limit=limit)
     path = cfg.regenerated_path
     if not path.is_file():
         raise FileNotFoundError(f"data.source=regenerated reads {path}, which does not exist; run "
@@ -51,4 +54,19 @@ def build_examples(cfg: DataConfig, tokenizer: Any, split: str = "train",
     return examples, digest.hexdigest()
 
 
-__all__ = ["Example", "build_examples", "training_conversations"]
+def training_vocab(examples: list[Example], size: int, vocab_size: int, always: tuple[int, ...] = ()) -> np.ndarray:
+    """The `size` token ids a training softmax covers (sorted): first `always` (e.g. the stop tokens), then by
+    count as a label (loss-mask tokens of `examples`), then by count anywhere in the rows, then by id."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"size must lie in [1, {vocab_size}]; received {size}")
+    labels = np.bincount(np.concatenate([t[m > 0] for t, m, _ in examples] or [np.zeros(0, np.int64)]),
+                         minlength=vocab_size)
+    anywhere = np.bincount(np.concatenate([t[:n] for t, _, n in examples] or [np.zeros(0, np.int64)]),
+                           minlength=vocab_size)
+    pinned = np.zeros(vocab_size, bool)
+    pinned[list(always)] = True
+    order = np.lexsort((np.arange(vocab_size), -anywhere[:vocab_size], -labels[:vocab_size], ~pinned))
+    return np.sort(order[:size]).astype(np.int32)
+
+
+__all__ = ["Example", "build_examples", "training_conversations", "training_vocab"]

@@ -50,6 +50,11 @@ GSM8K_SPLITS = ("train", "test")
 MATH_SPLITS = ("train", "test", "500")
 _MATH_FILES = {"train": ("math", "train.jsonl"), "test": ("math", "test.jsonl"), "500": ("math_oai", "test.jsonl")}
 
+# Regenerated training sets shipped in data/assets/regenerated (name -> file): a target's own greedy answers,
+# each with its producing command, settings and sha256 in that directory's README.md.
+PACKAGED_REGENERATED = {"smollm2_mix": "smollm2-mix.jsonl.xz"}
+_REGENERATED_DIR = Path(__file__).resolve().parent / "assets" / "regenerated"
+
 MBPP_DIR_ENV = "DFLASH_MBPP_DIR"
 MBPP_FILE = "sanitized-mbpp.json"
 _DEFAULT_MBPP_DIR = Path(__file__).resolve().parent / "assets" / "mbpp"  # the bundled copy (see its README)
@@ -197,6 +202,18 @@ def load_mtbench(limit: int | None = None) -> list[Conversation]:
             )
         conversations.append([{"role": "user", "content": turn.strip()} for turn in turns])
     return conversations
+
+
+def packaged_regenerated_path(name: str) -> Path:
+    """The file of the packaged regenerated set `name` (`PACKAGED_REGENERATED`)."""
+    if name not in PACKAGED_REGENERATED:
+        raise ValueError(f"name must be one of the packaged regenerated sets {sorted(PACKAGED_REGENERATED)}; "
+                         f"received {name!r}")
+    path = _REGENERATED_DIR / PACKAGED_REGENERATED[name]
+    if not path.is_file():
+        raise FileNotFoundError(f"the packaged regenerated set {name!r} should be at {path}; reinstall the "
+                                "package (it ships as package data)")
+    return path
 
 
 def mbpp_path(directory: str | Path | None = None) -> Path:

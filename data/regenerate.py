@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import lzma
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -152,9 +153,10 @@ def _complete_records(path: Path, data: bytes) -> list[dict[str, Any]]:
 def read_regenerated(path: str | Path, limit: int | None = None) -> list[list[dict[str, str]]]:
     """The regenerated conversations of `path` (a `regenerate` output), ordered by id, so the training rows
     do not depend on the order replies finished in (which varies with `slots`); at most `limit` of them.
-    A partial last line (a run still writing, or interrupted) is ignored, not repaired: this only reads."""
+    A partial last line (a run still writing, or interrupted) is ignored, not repaired: this only reads.
+    A `.xz` file (the packaged sets of `data.packaged_regenerated`) is decompressed first."""
     path = Path(path)
-    data = path.read_bytes()
+    data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
     records = _complete_records(path, data[: data.rfind(b"\n") + 1])
     for record in records:
         if not isinstance(record.get("messages"), list):

@@ -398,3 +398,27 @@ def test_objective_rejects_bad_settings():
     for bad in ({"kind": "focal"}, {"gamma": 0.0}, {"dpace_alpha": 0.0}, {"dpace_alpha": 1.5}, {"head_chunk": -1}):
         with pytest.raises(ValueError):
             Objective(**bad)
+
+
+def test_head_loss_over_a_vocabulary_subset_is_the_subset_softmax():
+    """label_map: the softmax runs over the subset's rows only and labels outside it leave the loss."""
+    h, _, w_VxD, labels, mask, k_index, K_ = _head_case(True, seed=5)
+    ids = np.arange(0, 50, 2)  # even tokens only
+    label_map = np.full(50, -1, np.int32)
+    label_map[ids] = np.arange(ids.size)
+    sub_labels = np.where(label_map[np.asarray(labels)] >= 0, label_map[np.asarray(labels)], 0)
+    sub_mask = np.asarray(mask) * (label_map[np.asarray(labels)] >= 0)
+    assert 0 < sub_mask.sum() < np.asarray(mask).sum()  # some labels are outside, some inside
+
+    def dense(x):
+        return dflash_loss(jnp.einsum("bqd,vd->bqv", x, w_VxD[ids]), sub_labels, sub_mask, k_index, K_, 2.0)
+
+    def subset(x):
+        return head_loss(x, w_VxD[ids], labels, mask, K_, Objective(gamma=2.0), vocab_major=True,
+                         label_map=jnp.asarray(label_map))
+
+    (l0, m0), g0 = jax.value_and_grad(dense, has_aux=True)(h)
+    (l1, m1), g1 = jax.value_and_grad(subset, has_aux=True)(h)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), atol=1e-6)
+    np.testing.assert_allclose(float(m1["num_labels"]), float(m0["num_labels"]))

@@ -84,3 +84,23 @@ def test_chunked_head_memory_does_not_grow_with_block_tokens_times_vocab():
     logits_bytes = 512 * 16 * QWEN3_VOCAB * 4
     assert temps[QWEN3_VOCAB] - temps[4096] < logits_bytes / 16, (temps, logits_bytes)
     assert temps[QWEN3_VOCAB] < logits_bytes / 2, (temps, logits_bytes)
+
+
+def test_training_vocab_orders_by_label_count_and_keeps_pinned_tokens():
+    import numpy as np
+
+    from data.examples import training_vocab
+    from train.step import TRAIN_HEAD, TRAIN_LABEL_MAP, with_train_vocab
+
+    tokens = np.array([5, 5, 5, 7, 7, 9, 3, 3, 3, 3, 0, 0], np.int32)
+    mask = np.array([0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0], np.float32)  # labels: 5 x2, 7 x2, 9 x1; 3 only prompt
+    examples = [(tokens, mask, 10)]  # the last two tokens are padding
+    assert training_vocab(examples, 3, 12).tolist() == [5, 7, 9]
+    assert training_vocab(examples, 4, 12).tolist() == [3, 5, 7, 9]  # then by count anywhere
+    assert training_vocab(examples, 3, 12, always=(11,)).tolist() == [5, 7, 11]  # pinned first, then 5 and 7
+    cfg = _target_cfg(12)
+    params = {"embed": jnp.arange(12 * 64, dtype=jnp.float32).reshape(12, 64),
+              "lm_head": jnp.arange(64 * 12, dtype=jnp.float32).reshape(64, 12)}
+    sub = with_train_vocab(params, cfg, [5, 7, 9])
+    np.testing.assert_array_equal(np.asarray(sub[TRAIN_HEAD]), np.asarray(params["lm_head"])[:, [5, 7, 9]].T)
+    assert np.asarray(sub[TRAIN_LABEL_MAP]).tolist() == [-1] * 5 + [0, -1, 1, -1, 2, -1, -1]

@@ -36,6 +36,8 @@ class TrainConfig:
              drafter's own per-slot confidence, `train.objective.dpace_weights`); docs/decisions.md D19.
     gamma: loss decay of DESIGN §4.2 (0 = chosen from the block size). dpace_alpha: D-PACE's confidence floor.
     head_chunk: rows per chunk of the LM head + cross-entropy (0 = about 128 MiB of fp32 logits per chunk).
+    head_vocab: train the softmax over the `head_vocab` most frequent tokens of the training answers (labels
+             outside it are left out), 0 = the full vocabulary; inference always uses the full head.
     compute_dtype: forward dtype (master params and optimizer state are always fp32).
     save_every / keep_checkpoints: checkpoint cadence (the last step is always saved) and retention.
     log_every: metrics cadence (metrics.jsonl, TensorBoard, wandb).
@@ -58,6 +60,7 @@ class TrainConfig:
     gamma: float = 0.0
     dpace_alpha: float = 0.5
     head_chunk: int = 0
+    head_vocab: int = 0
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     seed: int = 0
     save_every: int = 200
@@ -81,6 +84,7 @@ class TrainConfig:
         require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "be >= 0")
         require(self.gamma >= 0, "train.gamma", self.gamma, "be >= 0 (0 = chosen from the block size)")
         require(0 < self.dpace_alpha <= 1, "train.dpace_alpha", self.dpace_alpha, "lie in (0, 1]")
+        require(self.head_vocab >= 0, "train.head_vocab", self.head_vocab, "be >= 0 (0 = the full vocabulary)")
         require(self.head_chunk >= 0, "train.head_chunk", self.head_chunk, "be >= 0 (0 = automatic)")
         require(self.save_every >= 1, "train.save_every", self.save_every, "be at least 1")
         require(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "be at least 1")

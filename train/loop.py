@@ -28,7 +28,7 @@ from tqdm import tqdm
 from configs.recipe import Recipe
 from configs.schema import ConfigError, require, to_dict
 from data.config import DataConfig
-from data.examples import build_examples
+from data.examples import build_examples, training_vocab
 from data.offline import make_offline_batches
 from data.online import make_batches
 from data.shards import chat_template_hash, check_manifest, load_manifest
@@ -48,7 +48,15 @@ from train.sharding import (
     shard_batch,
     tree_shardings,
 )
-from train.step import TrainState, cast_floats, init_state, make_eval_step, make_optimizer, make_train_step
+from train.step import (
+    TrainState,
+    cast_floats,
+    init_state,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+    with_train_vocab,
+)
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +147,14 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
     require(cfg.batch_size % jax.process_count() == 0, "train.batch_size", cfg.batch_size,
             f"be a multiple of the process count {jax.process_count()}")
     compute_dtype = jnp.dtype(cfg.compute_dtype)
-    target_params = place(cast_floats(target.params, compute_dtype), TARGET_RULES, mesh)
+    target_params = cast_floats(target.params, compute_dtype)
+    if cfg.head_vocab:
+        examples, _ = build_examples(data, target.tokenizer)
+        ids = training_vocab(examples, min(cfg.head_vocab, target.cfg.vocab_size), target.cfg.vocab_size,
+                             tuple(target.tokenizer.stop_token_ids))
+        target_params = with_train_vocab(target_params, target.cfg, ids)
+        log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
+    target_params = place(target_params, TARGET_RULES, mesh)
     batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count())
     return TrainRun(target=target, target_params=target_params, arch=arch, mesh=mesh,
                     optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),

@@ -388,7 +388,7 @@ def dpace_weights(nll_BxNxJ: jax.Array, mask_BxNxJ: jax.Array, alpha: float) -> 
 
 
 def head_loss(hidden_BxQxD: jax.Array, head: jax.Array, labels_BxQ: jax.Array, label_mask_BxQ: jax.Array,
-              block_size: int, objective: Objective, *, vocab_major: bool,
+              block_size: int, objective: Objective, *, vocab_major: bool, label_map: jax.Array | None = None,
               ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The weighted CE of `objective` from the drafter's normed hidden states and the frozen LM head `head`
     ([V, D] when `vocab_major`, else [D, V]), without materialising [B, Q, V] logits:
@@ -397,6 +397,9 @@ def head_loss(hidden_BxQxD: jax.Array, head: jax.Array, labels_BxQ: jax.Array, l
     Slot 0 of each block (the anchor, never labelled) is skipped before the head, so the head runs on
     B*N*(K-1) rows, `objective.head_chunk` rows at a time; see `head_nll`. With `decay`, the same loss,
     gradient and metrics as `dflash_loss(head logits, ...)` (tests/test_objective.py).
+
+    `label_map` (int32 [V]) trains over a vocabulary subset: `head` then holds the subset's rows and
+    label_map[token] is the token's row in it, or -1 (that label is left out of the loss and the metrics).
     """
     B, Q, D = hidden_BxQxD.shape
     K = block_size
@@ -405,6 +408,10 @@ def head_loss(hidden_BxQxD: jax.Array, head: jax.Array, labels_BxQ: jax.Array, l
     rows = lambda x: x.reshape(B, Q // K, K, *x.shape[2:])[:, :, 1:].reshape(-1, *x.shape[2:])  # noqa: E731
     labels_BxQ = jnp.asarray(labels_BxQ, jnp.int32)
     mask_BxQ = jnp.asarray(label_mask_BxQ, jnp.float32)
+    if label_map is not None:
+        labels_BxQ = jnp.asarray(label_map, jnp.int32)[labels_BxQ]
+        mask_BxQ = mask_BxQ * (labels_BxQ >= 0)
+        labels_BxQ = jnp.maximum(labels_BxQ, 0)
     nll_T, hit_T = head_nll(rows(hidden_BxQxD), jax.lax.stop_gradient(head), rows(labels_BxQ), vocab_major,
                             objective.head_chunk or auto_head_chunk(vocab))
     k_BxQ = jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32) % K, (B, Q))

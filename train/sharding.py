@@ -43,6 +43,7 @@ DRAFTER_RULES: tuple[Rule, ...] = (
 TARGET_RULES: tuple[Rule, ...] = (
     (r"^embed$", ("tensor", "fsdp")),                                     # [V, D]
     (r"^lm_head$", ("fsdp", "tensor")),                                   # [D, V]
+    (r"^train_head$", ("tensor", "fsdp")),                                # [V', D] (train.head_vocab)
     (r"^layers/(wq|wk|wv|w_gate|w_up)$", (None, "fsdp", "tensor")),       # [L, D, heads | mlp]
     (r"^layers/(wo|w_down)$", (None, "tensor", "fsdp")),                  # [L, heads | mlp, D]
     (r"^layers/b[qkv]$", (None, "tensor")),                               # [L, heads]

@@ -93,6 +93,22 @@ def init_state(params: nnx.State, optimizer: optax.GradientTransformation, rng: 
     return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), rng=rng)
 
 
+# ----------------------------------------------------------------------------- training vocabulary
+
+TRAIN_HEAD, TRAIN_LABEL_MAP = "train_head", "train_label_map"
+
+
+def with_train_vocab(target_params: Params, target_cfg: DecoderConfig, token_ids: Any) -> Params:
+    """`target_params` plus the LM head restricted to `token_ids` ([V', D], vocab-major) and the label map
+    token -> row (-1 outside): the step's loss then runs its softmax over those V' tokens only
+    (`train.head_vocab`, docs/decisions.md D19). Inference always uses the full head."""
+    ids = jnp.asarray(token_ids, jnp.int32)
+    head, vocab_major = head_matrix(target_params, target_cfg)
+    rows = head[ids] if vocab_major else head[:, ids].T
+    label_map = jnp.full((target_cfg.vocab_size,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+    return {**target_params, TRAIN_HEAD: rows, TRAIN_LABEL_MAP: label_map}
+
+
 # ----------------------------------------------------------------------------- loss from explicit inputs
 
 
@@ -113,7 +129,11 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Param
     anchor_BxN = blocks.anchor_of_query.reshape(b, -1, block_size)[:, :, 0]  # -1 for padding blocks
     visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool))
     hidden_BxQxD = drafter(block_embeds_BxQxD, blocks.block_pos, ctx_feats_BxSxFD, ctx_pos_BxS, visible)
-    head, vocab_major = head_matrix(jax.lax.stop_gradient(target_params), target_cfg)
+    frozen = jax.lax.stop_gradient(target_params)
+    if TRAIN_HEAD in frozen:  # a training vocabulary (`with_train_vocab`)
+        return head_loss(hidden_BxQxD, frozen[TRAIN_HEAD], blocks.labels, blocks.label_mask, block_size, objective,
+                         vocab_major=True, label_map=frozen[TRAIN_LABEL_MAP])
+    head, vocab_major = head_matrix(frozen, target_cfg)
     return head_loss(hidden_BxQxD, head, blocks.labels, blocks.label_mask, block_size, objective,
                      vocab_major=vocab_major)
 
@@ -261,4 +281,5 @@ __all__ = [
     "make_train_step",
     "split_drafter",
     "train_step",
+    "with_train_vocab",
 ]
