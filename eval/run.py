@@ -175,7 +175,7 @@ def evaluate(dflash_url: str, ar_url: str, settings: EvalSettings, out_dir: str 
 
 
 def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = None, ar_url: str | None = None,
-             drafter: str | None = None, step: str | None = None, block_size: int = 0, config: str = "default",
+             drafter: str | None = None, step: str | None = None, block_size: int | str = 0, config: str = "default",
              overrides: Sequence[str] = (), api_key: str | None = None, progress: bool = True
              ) -> tuple[dict[str, Any], dict[str, Path]]:
     """`dflash eval`: against the server at `url`, or a `dflash serve` subprocess of `drafter` (a run dir or

@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 from configs.schema import ConfigError
 
@@ -141,6 +142,36 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _block_size(text: str) -> int | str:
+    """--block-size: a K >= 2, `auto` (`serve.autoblock`), or 0 (the drafter's training K)."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) == 1:
+        raise argparse.ArgumentTypeError(f"must be a block size >= 2, 0 (the training K) or 'auto'; received {text!r}")
+    return int(text)
+
+
+def _auto_block_size(target: Any, drafter: Any, source: Any, max_len: int) -> int:
+    """`--block-size auto`: acceptance per position from the run's best.json when it has one, else measured
+    here on held-out prompts (2 each of GSM8K, MT-Bench, HumanEval, 48 tokens, at the training K); step
+    costs measured here; the K with the most expected tokens per second (`serve.autoblock`)."""
+    from serve.autoblock import candidate_ks, format_table, pick_block_size, step_costs
+    from train.real_eval import eval_prompts, read_best, real_tau
+
+    prompts = eval_prompts(target.tokenizer, ("gsm8k", "mtbench", "humaneval"), 2)
+    best = read_best(source) if source.is_dir() else None
+    if best and len(best.get("accept_per_position", ())) == drafter.arch.block_size - 1:
+        accept, where = best["accept_per_position"], f"{source}/best/best.json (step {best.get('step')})"
+    else:
+        accept, where = real_tau(target, drafter, prompts, 48)["accept_per_position"], "6 held-out prompts"
+    costs = step_costs(target.params, target.cfg, drafter, candidate_ks(drafter.arch.block_size), prompts[0].ids,
+                       max_len=max_len)
+    k, table = pick_block_size(accept, costs)
+    print(f"--block-size auto: acceptance from {where}, step costs measured here\n{format_table(table, k)}",
+          flush=True)
+    return k
+
+
 def _step(text: str | None) -> int | str | None:
     """--step: a checkpoint step, `best` (the best real-τ drafter of a run), or None (the latest)."""
     if text is None or text == "best":
@@ -198,7 +229,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from models.drafter_io import load_drafter
 
         drafter = load_drafter(source, target.cfg, step=_step(args.step))
-    block = None if args.ar else (args.block_size or drafter.arch.block_size)
+    if args.ar:
+        block = None
+    elif args.block_size == "auto":
+        block = _auto_block_size(target, drafter, source, recipe.target.max_seq_len)
+    else:
+        block = args.block_size or drafter.arch.block_size
     engine = Engine(target.params, target.cfg, drafter, slots=args.slots, max_len=recipe.target.max_seq_len,
                     block_size=block, sampling=recipe.sampling)
     server = make_server(engine, target.tokenizer, args.model_name or recipe.target.source, args.host, args.port,
@@ -263,7 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", help="a `dflash train` run dir or a z-lab HF drafter dir (default: train.run_dir)")
     p.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
     p.add_argument("--ar", action="store_true", help="serve the target alone (no drafter)")
-    p.add_argument("--block-size", type=int, default=0, help="K at inference (default: the drafter's training K)")
+    p.add_argument("--block-size", type=_block_size, default=0,
+                   help="K at inference: a number, 'auto' (the K <= the training K with the most expected tokens "
+                   "per second, from measured acceptance and step cost), default the drafter's training K")
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences per step (continuous batching)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -289,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=8, help="conversations per set (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per turn (default 256)")
     p.add_argument("--concurrency", default="1", help="client concurrencies, e.g. 1,4,16 (default 1)")
-    p.add_argument("--block-size", type=int, default=0, help="K at inference (default: the drafter's training K)")
+    p.add_argument("--block-size", type=_block_size, default=0,
+                   help="K at inference: a number or 'auto' (see dflash serve --help); default the training K")
     p.add_argument("--out", default="runs/eval", help="output directory; a rerun resumes it (default runs/eval)")
     p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
