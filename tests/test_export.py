@@ -366,3 +366,22 @@ def test_the_console_script_is_installed():
     done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0 and "--push-to-hub REPO" in done.stdout and "zlab,speculators" in done.stdout
+
+
+def test_the_best_drafter_exports_with_its_step(setup, tmp_path):
+    """--step best exports <run_dir>/best (written by training's real-τ evaluation) with best.json's step and
+    the run's recipe in the card."""
+    from train.real_eval import save_best
+
+    target_cfg, _, drafter, run_dir = setup
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    best = DFlashDrafter(drafter.arch, nnx.Rngs(9))
+    save_best(copy, best, 2, {"tau": 1.5, "tau/gsm8k": 1.5, "accept_per_position": [0.5, 0.0, 0.0]})
+    result = export_run(copy, step="best", fmt="speculators", out=tmp_path / "out", say=lambda _: None)
+    assert result.step == 2
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "step 2 (the best drafter by real τ during training)" in card and "Data: `gsm8k`" in card
+    want, got = _params(best), _params(load_drafter(tmp_path / "out", target_cfg))
+    for keys in want:
+        np.testing.assert_array_equal(got[keys], want[keys])
