@@ -5,6 +5,7 @@ evaluation all read them from here, so online and offline train on the same rows
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from typing import Any
 
@@ -41,6 +42,8 @@ def build_examples(cfg: DataConfig, tokenizer: Any, split: str = "train",
     (split "test", the held-out set), tokenised to `data.seq_len` with the serving template variables
     (`data.regen.template_kwargs`): a row's prompt ids are the ids the engine is served."""
     limit = limit if limit is not None else (cfg.max_examples or None)
+    if split == "train" and cfg.source in PACKAGED_REGENERATED:
+        _check_packaged_tokenizer(cfg.source, tokenizer)
     conversations = training_conversations(cfg, limit) if split == "train" else load_gsm8k(split, limit=limit)
     examples, skipped = tokenize_rows(tokenizer, conversations, cfg.seq_len,
                                       template_kwargs=cfg.regen.template_kwargs)
@@ -52,6 +55,18 @@ def build_examples(cfg: DataConfig, tokenizer: Any, split: str = "train",
         digest.update(tokens.tobytes())
         digest.update(mask.tobytes())
     return examples, digest.hexdigest()
+
+
+def _check_packaged_tokenizer(name: str, tokenizer: Any) -> None:
+    """Warn when a packaged regenerated set was made by another target's tokenizer (then it is not this
+    target's own answers, which is what makes regenerated data worth training on)."""
+    meta_path = packaged_regenerated_path(name).with_name(PACKAGED_REGENERATED[name].removesuffix(".jsonl.xz")
+                                                          + ".meta.json")
+    made_by = json.loads(meta_path.read_text())["regeneration"]["tokenizer"] if meta_path.is_file() else None
+    if made_by is not None and hasattr(tokenizer, "fingerprint") and tokenizer.fingerprint() != made_by:
+        log.warning("data.source=%s holds another target's answers (tokenizer %s..., this target's %s...): "
+                    "regenerate with `dflash data regenerate` for this target", name, made_by[:12],
+                    tokenizer.fingerprint()[:12])
 
 
 def training_vocab(examples: list[Example], size: int, vocab_size: int, always: tuple[int, ...] = ()) -> np.ndarray:

@@ -249,3 +249,29 @@ def test_a_nan_stops_the_run_naming_the_step_and_saves_nothing(smollm2_target, t
     with pytest.raises(NonFiniteMetricError, match=r"at step 1: .*loss=nan"):
         run_training(recipe, target=target, progress=False)
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+
+
+def test_init_from_starts_a_fresh_run_from_another_drafter(tmp_path):
+    """train.init_from: the new run's step-0 params are the given drafter's (a run dir here); another
+    architecture is refused naming the field."""
+    from configs.recipe import load_recipe
+    from models.drafter_io import load_drafter
+    from models.target import load_target
+    from train.loop import run_training
+
+    common = ["train.batch_size=8", "train.wandb=disabled", "train.tensorboard=false", "train.eval_every=0"]
+    first = load_recipe("tiny", [f"train.run_dir={tmp_path / 'a'}", "train.steps=2", *common])
+    target = load_target(first.target)
+    run_training(first, target=target, progress=False)
+    source = load_drafter(tmp_path / "a", target.cfg)
+    second = load_recipe("tiny", [f"train.run_dir={tmp_path / 'b'}", "train.steps=1", "train.lr=1e-12",
+                                  f"train.init_from={tmp_path / 'a'}", *common])
+    run_training(second, target=target, progress=False)
+    continued = load_drafter(tmp_path / "b", target.cfg)
+    for a, b in zip(jax.tree.leaves(nnx.state(source, nnx.Param)), jax.tree.leaves(nnx.state(continued, nnx.Param)),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)  # lr ~ 0: one step moves nothing
+    other = load_recipe("tiny", [f"train.run_dir={tmp_path / 'c'}", "drafter.num_layers=2",
+                                 f"train.init_from={tmp_path / 'a'}", *common])
+    with pytest.raises(ConfigError, match="num_layers"):
+        run_training(other, target=target, progress=False)

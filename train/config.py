@@ -29,6 +29,9 @@ class TrainConfig:
 
     run_dir: checkpoints, metrics.jsonl, TensorBoard and wandb files; a run resumes from its latest
              checkpoint automatically.
+    init_from: a fresh run starts from this drafter's weights instead of a random init: a run dir (its latest
+             checkpoint), a z-lab or speculators export, or an HF Hub export downloaded locally; its
+             architecture must equal the recipe's (every differing field is named). Ignored on resume.
     steps / batch_size / num_anchors: updates, sequences per update (global), anchors (blocks) per
              sequence (N).
     lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping.
@@ -49,6 +52,7 @@ class TrainConfig:
     """
 
     run_dir: str = "runs/default"
+    init_from: str = ""
     steps: int = 2000
     batch_size: int = 8
     num_anchors: int = 16

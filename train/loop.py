@@ -114,7 +114,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     meta = {"arch": arch_dict(run.arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
     ckpt = Checkpointer(run_dir / "checkpoints", meta, keep=cfg.keep_checkpoints)
     state, shardings, start = create_or_restore_state(cfg, run.arch, run.optimizer, run.mesh, ckpt, run.batches,
-                                                      run.data_fingerprint)
+                                                      run.data_fingerprint, target)
     writer = MetricsWriter(run_dir, config=to_dict(recipe), wandb_mode=cfg.wandb, tensorboard=cfg.tensorboard,
                            enabled=is_main)
     metrics = StepMetrics(cfg, writer, block_tokens=cfg.batch_size * cfg.num_anchors * run.arch.block_size,
@@ -141,6 +141,10 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
 def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterArch) -> TrainRun:
     """The mesh of `train.mesh` (the global batch size checked against it), the target placed on it in the
     compute dtype, this host's batches of `data`, the optimizer and the drafter's graph."""
+    if target.cfg.num_layers - 1 in arch.layer_ids:
+        log.warning("drafter.layer_ids %s include the target's last layer %d: vLLM and SGLang feed HF "
+                    "hidden_states[L], which is post-final-norm, while this trainer uses the pre-norm output; "
+                    "dflash-export refuses such a drafter", arch.layer_ids, target.cfg.num_layers - 1)
     mesh = make_mesh(cfg.mesh)
     require(cfg.batch_size % batch_divisor(mesh) == 0, "train.batch_size", cfg.batch_size,
             f"be a multiple of mesh data x fsdp = {batch_divisor(mesh)}")
@@ -212,10 +216,12 @@ def drafter_graphdef(arch: DrafterArch, compute_dtype: Any = jnp.float32) -> nnx
 # --- state -------------------------------------------------------------------------------------------------
 
 
-def fresh_state(seed: int, arch: DrafterArch, optimizer: optax.GradientTransformation) -> TrainState:
-    """A new TrainState: drafter params initialised from `seed`, RNG key `seed + 1`. Traced by
-    `create_state` under jit, so that no full copy ever sits on one device."""
-    params = nnx.state(DFlashDrafter(arch, nnx.Rngs(params=seed)), nnx.Param)
+def fresh_state(seed: int, arch: DrafterArch, optimizer: optax.GradientTransformation,
+                init_params: Any = None) -> TrainState:
+    """A new TrainState: drafter params initialised from `seed` (or `init_params`, an nnx.State of the same
+    tree), RNG key `seed + 1`. Traced by `create_state` under jit, so that no full copy ever sits on one
+    device."""
+    params = nnx.state(DFlashDrafter(arch, nnx.Rngs(params=seed)), nnx.Param) if init_params is None else init_params
     return init_state(params, optimizer, jax.random.PRNGKey(seed + 1))
 
 
@@ -227,16 +233,36 @@ def state_layout(seed: int, arch: DrafterArch, optimizer: optax.GradientTransfor
 
 
 def create_state(seed: int, arch: DrafterArch, optimizer: optax.GradientTransformation,
-                 mesh: Mesh) -> tuple[TrainState, Any]:
-    """A fresh TrainState created sharded by DRAFTER_RULES (jit with out_shardings), and its shardings."""
+                 mesh: Mesh, init_params: Any = None) -> tuple[TrainState, Any]:
+    """A fresh TrainState created sharded by DRAFTER_RULES (jit with out_shardings), and its shardings;
+    `init_params`: start from these drafter params (`init_from_params`) instead of a random init."""
     _, shardings = state_layout(seed, arch, optimizer, mesh)
-    state = jax.jit(functools.partial(fresh_state, seed, arch, optimizer), out_shardings=shardings)()
+    state = jax.jit(functools.partial(fresh_state, seed, arch, optimizer), out_shardings=shardings)(init_params)
     return state, shardings
 
 
+def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
+    """The drafter params of `train.init_from` (a run dir or an export), checked against the recipe's `arch`
+    (ConfigError naming every differing field)."""
+    from models.drafter_io import load_drafter
+
+    loaded = load_drafter(Path(path).expanduser(), target.cfg)
+    mine = arch_dict(arch)
+
+    def same(a: Any, b: Any) -> bool:  # float fields may have been written in float32 by an export
+        return math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) and isinstance(b, float) else a == b
+
+    differ = [f"{k}: {v!r} there vs {mine[k]!r} in the recipe" for k, v in arch_dict(loaded.arch).items()
+              if not same(v, mine[k])]
+    if differ:
+        raise ConfigError(f"train.init_from {path} holds another drafter architecture (" + "; ".join(differ) + ")")
+    log.info("initialised the drafter from %s", path)
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.state(loaded, nnx.Param))  # host: jit places it
+
+
 def create_or_restore_state(cfg: TrainConfig, arch: DrafterArch, optimizer: optax.GradientTransformation,
-                            mesh: Mesh, ckpt: Checkpointer, batches: Any,
-                            data_fingerprint: str) -> tuple[TrainState, Any, int]:
+                            mesh: Mesh, ckpt: Checkpointer, batches: Any, data_fingerprint: str,
+                            target: Target | None = None) -> tuple[TrainState, Any, int]:
     """(state, its shardings, the step it is at): restored from the latest checkpoint of `ckpt` (its data
     fingerprint checked, `batches` moved to the saved position) or, when there is none, created fresh.
     Process 0 drops the metrics.jsonl records after that step (logged by a run that died before its next
@@ -244,7 +270,8 @@ def create_or_restore_state(cfg: TrainConfig, arch: DrafterArch, optimizer: opta
     run_dir = _run_dir(cfg)
     latest = ckpt.latest_step()
     if latest is None:
-        state, shardings = create_state(cfg.seed, arch, optimizer, mesh)
+        init = init_from_params(cfg.init_from, arch, target) if cfg.init_from else None
+        state, shardings = create_state(cfg.seed, arch, optimizer, mesh, init)
     else:
         abstract, shardings = state_layout(cfg.seed, arch, optimizer, mesh)
         state, data_state = ckpt.restore(latest, abstract, shardings)

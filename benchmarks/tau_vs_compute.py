@@ -1,0 +1,91 @@
+"""Real τ against training compute, from the in-loop evaluations of one or more `dflash train` runs.
+
+    .venv/bin/python benchmarks/tau_vs_compute.py runs/smollm2 [runs/smollm2-l1 ...] [--out docs/images] [--write]
+
+For each run dir: the recipe from its newest checkpoint's meta (drafter layers, K, batch, anchors) and every
+`eval/tau*` record of metrics.jsonl (real greedy τ of the engine on held-out prompts, `train.eval_every`).
+Compute is counted in block tokens (step x batch x anchors x K, padded anchors included) and in wall time
+(the step's position in the run's timeline is not recorded, so block tokens are the x axis). Writes
+tau_vs_compute.png (pooled τ and τ per prompt set, one line per run) and prints a markdown table;
+`--write` records it in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    """{label, block_tokens_per_step, points: [(step, {set: tau})]} of one run dir."""
+    steps = sorted((int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()), reverse=True)
+    if not steps:
+        raise SystemExit(f"{run_dir} has no checkpoints; pass a `dflash train` run dir")
+    meta = json.loads((run_dir / "checkpoints" / str(steps[0]) / "meta" / "metadata").read_text())
+    train, drafter = meta["recipe"]["train"], meta["recipe"]["drafter"]
+    per_step = train["batch_size"] * train["num_anchors"] * drafter["block_size"]
+    points = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        taus = {k.removeprefix("eval/tau/"): v for k, v in record.items() if k.startswith("eval/tau/")}
+        if "eval/tau" in record:
+            points.append((record["step"], {"all": record["eval/tau"], **taus}))
+    label = f"{run_dir.name}: {drafter['num_layers']} layers, K={drafter['block_size']}, {train['loss']}" \
+        if "loss" in train else f"{run_dir.name}: {drafter['num_layers']} layers, K={drafter['block_size']}"
+    return {"label": label, "per_step": per_step, "points": points}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("docs/images"))
+    parser.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    args = parser.parse_args()
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks._report import write_section
+
+    runs = [read_run(r) for r in args.runs]
+    sets = sorted({s for run in runs for _, taus in run["points"] for s in taus if s != "all"})
+    fig, axes = plt.subplots(1, 1 + len(sets), figsize=(4.2 * (1 + len(sets)), 3.6), sharey=True)
+    axes = axes if hasattr(axes, "__len__") else [axes]
+    for ax, name in zip(axes, ["all", *sets], strict=True):
+        for run in runs:
+            xs = [step * run["per_step"] / 1e6 for step, taus in run["points"] if name in taus]
+            ys = [taus[name] for _, taus in run["points"] if name in taus]
+            ax.plot(xs, ys, marker="o", label=run["label"])
+        ax.set_title("pooled" if name == "all" else name)
+        ax.set_xlabel("training block tokens (millions)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("real greedy τ (engine)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = args.out / "tau_vs_compute.png"
+    fig.savefig(png, dpi=110)
+    lines = ["| run | step | block tokens (M) | τ pooled | " + " | ".join(f"τ {s}" for s in sets) + " |",
+             "|---|---|---|---|" + "---|" * len(sets)]
+    for run in runs:
+        for step, taus in run["points"]:
+            lines.append(f"| {run['label']} | {step} | {step * run['per_step'] / 1e6:.2f} | {taus['all']:.2f} | "
+                         + " | ".join(f"{taus[s]:.2f}" if s in taus else "-" for s in sets) + " |")
+    body = "\n".join(["## Real τ against training compute", "",
+                      f"`.venv/bin/python benchmarks/tau_vs_compute.py {' '.join(str(r) for r in args.runs)}`: "
+                      "in-loop real τ (greedy engine decode of held-out prompts, `train.eval_every`) against "
+                      f"block tokens trained. Plot: `{png}`.", "", *lines])
+    print(body)
+    if args.write:
+        print(f"written to {write_section('tau_vs_compute', body)}")
+
+
+if __name__ == "__main__":
+    main()

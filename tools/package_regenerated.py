@@ -1,0 +1,63 @@
+"""Package a `dflash data regenerate` output as a training set shipped in the repo (data/assets/regenerated).
+
+    .venv/bin/python tools/package_regenerated.py runs/smollm2/data/regenerated.jsonl \
+        data/assets/regenerated/smollm2-mix.jsonl.xz --name smollm2_mix --command "dflash data regenerate --config smollm2"
+
+Writes NAME.jsonl.xz (the records sorted by id, so the file does not depend on the order replies finished in;
+xz preset 9) and NAME.meta.json beside it: the producing command, the regeneration settings and tokenizer
+fingerprint (from the output's .meta.json), counts per source, tokens, and the sha256 of both the
+uncompressed sorted JSONL and the .xz file. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import lzma
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", type=Path, help="a regenerated.jsonl written by `dflash data regenerate`")
+    parser.add_argument("out", type=Path, help="the .jsonl.xz to write")
+    parser.add_argument("--name", required=True, help="the set's name (data.source value)")
+    parser.add_argument("--command", required=True, help="the exact command that produced SOURCE")
+    args = parser.parse_args()
+    if args.out.suffixes[-2:] != [".jsonl", ".xz"]:
+        parser.error(f"out must end in .jsonl.xz; received {args.out}")
+    meta_in = args.source.with_name(args.source.name + ".meta.json")
+    if not args.source.is_file() or not meta_in.is_file():
+        parser.error(f"source must be a regenerate output with its .meta.json; missing {args.source} or {meta_in}")
+    data = args.source.read_bytes()
+    records = [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
+    records.sort(key=lambda r: r["id"])
+    text = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records).encode()
+    packed = lzma.compress(text, preset=9)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(packed)
+    turns = [m for r in records for m in r["messages"] if m["role"] == "assistant"]
+    meta = {
+        "name": args.name,
+        "command": args.command,
+        "regeneration": json.loads(meta_in.read_text()),
+        "conversations": len(records),
+        "assistant_turns": len(turns),
+        "by_source": dict(sorted(collections.Counter(r["source"] for r in records).items())),
+        "generated_tokens": sum(r.get("tokens", 0) for r in records),
+        "finish_reasons": dict(collections.Counter(f for r in records for f in r.get("finish_reasons", []))),
+        "jsonl_sha256": hashlib.sha256(text).hexdigest(),
+        "xz_sha256": hashlib.sha256(packed).hexdigest(),
+        "xz_bytes": len(packed),
+    }
+    meta_out = args.out.with_name(args.out.name.removesuffix(".jsonl.xz") + ".meta.json")
+    meta_out.write_text(json.dumps(meta, indent=1) + "\n")
+    print(json.dumps(meta, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
