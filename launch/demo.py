@@ -5,9 +5,11 @@
    checkpointed under `train.run_dir` (a rerun resumes there; it trains nothing once the run is complete)
    and evaluated teacher-forced on held-out GSM8K test conversations;
 3. chat with the target (AR decoding) and report decode tokens/s;
-4. evaluate the drafter just trained (loaded back from its checkpoint) against the served engine: greedy
-   DFlash vs AR over HTTP on a few GSM8K and MT-Bench prompts, reporting τ, acceptance by position, whether
-   the output equals AR, and as the last line `DFlash vs AR: <speedup>x tokens/s (tau <τ>, K=<K>)`.
+4. evaluate against the served engine: greedy DFlash vs AR over HTTP on a few prompts of four kinds (GSM8K,
+   MT-Bench, HumanEval, MATH-500), reporting τ, acceptance by position, whether the output equals AR, and as
+   the last line `DFlash vs AR: <speedup>x tokens/s (tau <τ>, K=<K>)`. The drafter evaluated is the one
+   shipped for the target in data/assets/drafters (trained by configs/smollm2.yaml for an hour: what
+   training in earnest gives) when there is one, else the drafter just trained.
 The server (`dflash serve`) and the data stages (`dflash data`) are separate commands.
 """
 
@@ -23,7 +25,7 @@ from configs.recipe import Recipe
 from models.target import load_target
 from serve.chat import ChatTurn, chat
 
-EVAL_SETS = ("gsm8k", "mtbench")
+EVAL_SETS = ("gsm8k", "mtbench", "humaneval", "math500")
 DEMO_PROMPTS = (
     "What is speculative decoding, in two sentences?",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -47,6 +49,10 @@ def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO 
         out.flush()
         result = run_training(recipe, target=target, progress=progress)
         out.write(f"trained steps {result.start_step}..{result.final_step} in {result.seconds:.0f}s\n")
+        if result.best:
+            per_set = ", ".join(f"{k} {v:.2f}" for k, v in result.best.get("tau_per_set", {}).items())
+            out.write(f"real tau of the drafter just trained (engine decode of held-out prompts, step "
+                      f"{result.best.get('step')}): {result.best.get('tau', 0):.2f} ({per_set})\n")
         if result.eval:
             ev = result.eval
             per_pos = " ".join(f"{a:.2f}" for a in ev["accuracy_per_position"][1:])
@@ -66,23 +72,29 @@ def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO 
 
 
 def short_eval(recipe: Recipe, target: Any, out: TextIO, progress: bool = True) -> dict[str, Any]:
-    """Evaluate the drafter just trained against the served engine (DFlash and AR servers in this process,
-    real HTTP) on a few prompts of two kinds; the report goes to <run_dir>/eval (a rerun resumes it)."""
+    """Evaluate a drafter against the served engine (DFlash and AR servers in this process, real HTTP) on a
+    few prompts of four kinds: the one shipped for the target when there is one, else the drafter just
+    trained; the report goes to <run_dir>/eval (a rerun resumes it)."""
     from eval.report import headline_line
     from eval.run import EvalSettings, evaluate
     from eval.servers import serve_in_process
     from models.drafter_io import load_drafter
+    from models.registry import shipped_drafter_path
 
-    drafter = load_drafter(recipe.train.run_dir, target.cfg)
-    settings = EvalSettings(sets=EVAL_SETS, limit=2, max_new_tokens=recipe.sampling.max_new_tokens)
-    out.write(f"\n== evaluation against the served engine: greedy DFlash (block {drafter.arch.block_size}) vs AR "
-              f"on {settings.limit} prompts each of {', '.join(EVAL_SETS)}\n")
+    shipped = shipped_drafter_path(recipe.target.source)
+    source = shipped if shipped is not None else Path(recipe.train.run_dir)
+    drafter = load_drafter(source, target.cfg)
+    settings = EvalSettings(sets=EVAL_SETS, limit=1, max_new_tokens=recipe.sampling.max_new_tokens)
+    which = (f"the drafter shipped for this target ({source}; see its README)" if shipped is not None
+             else f"the drafter just trained ({source})")
+    out.write(f"\n== evaluation against the served engine of {which}: greedy DFlash (block "
+              f"{drafter.arch.block_size}) vs AR on {settings.limit} prompt each of {', '.join(EVAL_SETS)}\n")
     out.flush()
     max_len = recipe.target.max_seq_len
     with serve_in_process(target, drafter, slots=1, max_len=max_len) as url, \
             serve_in_process(target, None, slots=1, max_len=max_len) as ar_url:
         results, paths = evaluate(url, ar_url, settings, Path(recipe.train.run_dir) / "eval",
-                                  drafter={"path": recipe.train.run_dir}, progress=progress)
+                                  drafter={"path": str(source)}, progress=progress)
     for name, r in results["sets"].items():
         per_pos = " ".join(f"{a:.2f}" for a in r["accept_per_position"])
         out.write(f"{name}: tau {r['tau']:.2f}, DFlash {r['dflash']['decode_tok_s']:.1f} vs AR "

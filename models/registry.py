@@ -40,3 +40,14 @@ def resolve_source(source: str) -> Path:
             "pass a .gguf file or a Hugging Face model directory (config.json + *.safetensors)"
         )
     return path
+
+
+SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "data" / "assets" / "drafters"
+
+
+def shipped_drafter_path(source: str) -> Path | None:
+    """The DFlash drafter shipped in the repo for the target `source` (z-lab layout, bf16; its README gives
+    the recipe, command, data hash and eval table), or None when there is none."""
+    path = SHIPPED_DRAFTERS / f"{source}-dflash"
+    return path if (path / "config.json").is_file() else None
+

@@ -391,3 +391,26 @@ def test_parse_mix_forms() -> None:
 def test_bad_specs_name_the_field(obj, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_mix(obj)
+
+
+def test_packaged_regenerated_set_matches_its_recorded_hashes() -> None:
+    """data.source=smollm2_mix: the shipped file is the one its meta records (sha256 of the .xz and of the
+    sorted JSONL), every record is a first-turn answer, and training reads all of them."""
+    import hashlib
+    import json
+    import lzma
+
+    from data.config import DataConfig
+    from data.examples import training_conversations
+
+    path = packaged.packaged_regenerated_path("smollm2_mix")
+    meta = json.loads(path.with_name("smollm2-mix.meta.json").read_text())
+    packed = path.read_bytes()
+    assert hashlib.sha256(packed).hexdigest() == meta["xz_sha256"]
+    assert hashlib.sha256(lzma.decompress(packed)).hexdigest() == meta["jsonl_sha256"]
+    conversations = training_conversations(DataConfig(source="smollm2_mix"))
+    assert len(conversations) == meta["conversations"] > 1000
+    assert all([m["role"] for m in c][-2:] == ["user", "assistant"] for c in conversations)
+    assert path.stat().st_size < 5 * 2**20
+    with pytest.raises(ValueError, match="packaged regenerated sets"):
+        packaged.packaged_regenerated_path("nope")
