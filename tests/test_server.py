@@ -92,6 +92,8 @@ def test_streaming_equals_the_plain_answer(server):
     ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model 'gpt-9' does not exist"),
     ("/v1/completions", {"prompt": "word " * 600, "max_tokens": 4}, 400, "must fit the context"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}, 400,
+     "chat_template_kwargs must be an object"),
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature must be a number in [0, 100]"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p must be a number in (0, 1]"),
     ("/v1/completions", {"prompt": "hi", "top_k": 2.5}, 400, "top_k must be an integer >= -1"),

@@ -1,23 +1,37 @@
 """Package a `dflash data regenerate` output as a training set shipped in the repo (data/assets/regenerated).
 
     .venv/bin/python tools/package_regenerated.py runs/smollm2/data/regenerated.jsonl \
-        data/assets/regenerated/smollm2-mix.jsonl.xz --name smollm2_mix --command "dflash data regenerate --config smollm2"
+        data/assets/regenerated/smollm2-mix.jsonl.xz --name smollm2_mix --recipe smollm2
 
 Writes NAME.jsonl.xz (the records sorted by id, so the file does not depend on the order replies finished in;
-xz preset 9) and NAME.meta.json beside it: the producing command, the regeneration settings and tokenizer
-fingerprint (from the output's .meta.json), counts per source, tokens, and the sha256 of both the
-uncompressed sorted JSONL and the .xz file. Standard library only.
+xz preset 9) and NAME.meta.json beside it: the producing command (`dflash data regenerate --config RECIPE`),
+the regeneration settings and tokenizer fingerprint (from the output's .meta.json), counts per source,
+tokens, and the sha256 of both the uncompressed sorted JSONL and the .xz file. Only the ids of the
+recipe's prompt mix are kept (an output directory reused across settings may hold others).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import hashlib
 import json
 import lzma
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from configs.recipe import load_recipe  # noqa: E402
+from data.sources import mix, parse_mix  # noqa: E402
+
+
+def mix_ids(recipe: str) -> set[str]:
+    """The item ids of the recipe's prompt mix (what `dflash data regenerate --config RECIPE` answers)."""
+    cfg = load_recipe(recipe).data
+    spec = dataclasses.replace(parse_mix(cfg.prompts), max_prompts=cfg.max_prompts, dedup=cfg.dedup, seed=cfg.seed)
+    return {item["id"] for item in mix(spec)[0]}
 
 
 def main() -> int:
@@ -25,7 +39,7 @@ def main() -> int:
     parser.add_argument("source", type=Path, help="a regenerated.jsonl written by `dflash data regenerate`")
     parser.add_argument("out", type=Path, help="the .jsonl.xz to write")
     parser.add_argument("--name", required=True, help="the set's name (data.source value)")
-    parser.add_argument("--command", required=True, help="the exact command that produced SOURCE")
+    parser.add_argument("--recipe", required=True, help="the recipe whose `dflash data regenerate` produced SOURCE")
     args = parser.parse_args()
     if args.out.suffixes[-2:] != [".jsonl", ".xz"]:
         parser.error(f"out must end in .jsonl.xz; received {args.out}")
@@ -34,7 +48,9 @@ def main() -> int:
         parser.error(f"source must be a regenerate output with its .meta.json; missing {args.source} or {meta_in}")
     data = args.source.read_bytes()
     records = [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
-    records.sort(key=lambda r: r["id"])
+    wanted = mix_ids(args.recipe)
+    dropped = sum(r["id"] not in wanted for r in records)
+    records = sorted((r for r in records if r["id"] in wanted), key=lambda r: r["id"])
     text = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records).encode()
     packed = lzma.compress(text, preset=9)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -42,7 +58,10 @@ def main() -> int:
     turns = [m for r in records for m in r["messages"] if m["role"] == "assistant"]
     meta = {
         "name": args.name,
-        "command": args.command,
+        "command": f"dflash data regenerate --config {args.recipe}",
+        "prompts": f"data.prompts={load_recipe(args.recipe).data.prompts!r}, data.max_prompts="
+                   f"{load_recipe(args.recipe).data.max_prompts}, data.seed={load_recipe(args.recipe).data.seed}",
+        "records_not_in_the_mix_dropped": dropped,
         "regeneration": json.loads(meta_in.read_text()),
         "conversations": len(records),
         "assistant_turns": len(turns),
