@@ -228,7 +228,8 @@ def test_bf16_compute_keeps_fp32_master_params(tiny):
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
     bf16_target = jax.tree.map(lambda x: x.astype(jnp.bfloat16), target_params)
     step = make_train_step(graphdef=graphdef, target_params=bf16_target, target_cfg=target_cfg, arch=arch,
-                           num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer, compute_dtype=jnp.bfloat16)
+                           num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer,
+                           compute_dtype=jnp.bfloat16)
     state, metrics = step(state, shard_batch(_batches(1)[0], mesh))
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
     assert np.isfinite(float(metrics["loss"]))

@@ -152,26 +152,28 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
             f"be a multiple of the process count {jax.process_count()}")
     compute_dtype = jnp.dtype(cfg.compute_dtype)
     target_params = cast_floats(target.params, compute_dtype)
+    examples = build_examples(data, target.tokenizer) if cfg.head_vocab or data.features == "online" else None
     if cfg.head_vocab:
-        examples, _ = build_examples(data, target.tokenizer)
-        ids = training_vocab(examples, min(cfg.head_vocab, target.cfg.vocab_size), target.cfg.vocab_size,
+        ids = training_vocab(examples[0], min(cfg.head_vocab, target.cfg.vocab_size), target.cfg.vocab_size,
                              tuple(target.tokenizer.stop_token_ids))
         target_params = with_train_vocab(target_params, target.cfg, ids)
         log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
     target_params = place(target_params, TARGET_RULES, mesh)
-    batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count())
+    batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples)
     return TrainRun(target=target, target_params=target_params, arch=arch, mesh=mesh,
                     optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),
                     objective=make_objective(cfg, arch), compute_dtype=compute_dtype,
                     batches=batches, data_fingerprint=data_fingerprint)
 
 
-def build_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int) -> tuple[Any, str]:
+def build_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int,
+                  examples: tuple[list[Any], str] | None = None) -> tuple[Any, str]:
     """This host's Grain iterator of `per_host`-row batches and the data fingerprint: online (conversations
-    tokenised with the target's chat template) or offline (stored features, `data.features`)."""
+    tokenised with the target's chat template; `examples`, when given, is `build_examples`' result, not
+    rebuilt) or offline (stored features, `data.features`)."""
     if data.features == "offline":
         return _offline_batches(data, target, arch, per_host)
-    examples, fingerprint = build_examples(data, target.tokenizer)
+    examples, fingerprint = examples if examples is not None else build_examples(data, target.tokenizer)
     batches = make_batches([(t, m) for t, m, _ in examples], per_host, data.shuffle_seed,
                            shard_index=jax.process_index(), shard_count=jax.process_count())
     return batches, fingerprint
