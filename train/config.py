@@ -32,6 +32,9 @@ class TrainConfig:
     init_from: a fresh run starts from this drafter's weights instead of a random init: a run dir (its latest
              checkpoint), a z-lab or speculators export, or an HF Hub export downloaded locally; its
              architecture must equal the recipe's (every differing field is named). Ignored on resume.
+    layer_init: how a fresh run (no init_from) starts the drafter: `random`, or `target`: its layers copy the
+             target's layers right after the deepest captured feature layer, fc selects that feature and the
+             norms are the target's (`models.drafter.init_from_target`; docs/decisions.md D25).
     steps / batch_size / num_anchors: updates, sequences per update (global), anchors (blocks) per
              sequence (N).
     lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping.
@@ -53,6 +56,7 @@ class TrainConfig:
 
     run_dir: str = "runs/default"
     init_from: str = ""
+    layer_init: Literal["random", "target"] = "random"
     steps: int = 2000
     batch_size: int = 8
     num_anchors: int = 16

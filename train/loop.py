@@ -32,7 +32,7 @@ from data.examples import build_examples, training_vocab
 from data.offline import make_offline_batches
 from data.online import make_batches
 from data.shards import chat_template_hash, check_manifest, load_manifest
-from models.drafter import DFlashDrafter, DrafterArch
+from models.drafter import DFlashDrafter, DrafterArch, init_from_target, target_init_layers
 from models.target import Target, load_target
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig
@@ -262,6 +262,14 @@ def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     return jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.state(loaded, nnx.Param))  # host: jit places it
 
 
+def target_layer_params(seed: int, arch: DrafterArch, target: Target) -> Any:
+    """Drafter params (host arrays) initialised from the target's upper layers (`train.layer_init=target`)."""
+    drafter = DFlashDrafter(arch, nnx.Rngs(params=seed))
+    init_from_target(drafter, target.params, target.cfg)
+    log.info("initialised the drafter's layers from target layers %s", list(target_init_layers(arch)))
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.state(drafter, nnx.Param))
+
+
 def create_or_restore_state(cfg: TrainConfig, arch: DrafterArch, optimizer: optax.GradientTransformation,
                             mesh: Mesh, ckpt: Checkpointer, batches: Any, data_fingerprint: str,
                             target: Target | None = None) -> tuple[TrainState, Any, int]:
@@ -272,7 +280,8 @@ def create_or_restore_state(cfg: TrainConfig, arch: DrafterArch, optimizer: opta
     run_dir = _run_dir(cfg)
     latest = ckpt.latest_step()
     if latest is None:
-        init = init_from_params(cfg.init_from, arch, target) if cfg.init_from else None
+        init = init_from_params(cfg.init_from, arch, target) if cfg.init_from else \
+            target_layer_params(cfg.seed, arch, target) if cfg.layer_init == "target" else None
         state, shardings = create_state(cfg.seed, arch, optimizer, mesh, init)
     else:
         abstract, shardings = state_layout(cfg.seed, arch, optimizer, mesh)
