@@ -29,9 +29,22 @@ def _recipe(args: argparse.Namespace):
 def _init_distributed() -> None:
     """Join a multi-process JAX run when JAX_COORDINATOR_ADDRESS (host:port of process 0's coordinator)
     is set, with JAX_NUM_PROCESSES and JAX_PROCESS_ID: every process runs the same command with its own id.
-    CPU processes exchange collectives through gloo (jax's default `jax_cpu_collectives_implementation`)."""
+    CPU processes exchange collectives through gloo (jax's default `jax_cpu_collectives_implementation`).
+
+    With DFLASH_DISTRIBUTED=auto instead (what `dflash launch xpk` sets on TPU pods), `jax.distributed.initialize()`
+    finds the coordinator, the process count and this process's id itself: on GKE from the variables the TPU
+    webhook and JobSet set (TPU_WORKER_HOSTNAMES, TPU_WORKER_ID, MEGASCALE_* across slices)."""
     address = os.environ.get("JAX_COORDINATOR_ADDRESS", "")
     count, index = os.environ.get("JAX_NUM_PROCESSES", ""), os.environ.get("JAX_PROCESS_ID", "")
+    mode = os.environ.get("DFLASH_DISTRIBUTED", "")
+    if mode not in ("", "auto", "off"):
+        raise ConfigError(f"DFLASH_DISTRIBUTED must be 'auto' (jax.distributed.initialize() finds the cluster) or "
+                          f"'off'; received {mode!r}")
+    if mode == "auto" and not address:
+        import jax
+
+        jax.distributed.initialize()
+        return
     if not address:
         if count or index:
             raise ConfigError(f"JAX_COORDINATOR_ADDRESS must be host:port of process 0 when JAX_NUM_PROCESSES "
@@ -256,6 +269,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch_xpk(args: argparse.Namespace) -> int:
+    import shlex
+
+    from launch.tpus import parse_tpu_type
+    from launch.xpk import XpkLaunch, launch
+
+    _recipe(args)  # the recipe and its overrides must load here before a pod tries them
+    image = args.image or os.environ.get("DFLASH_IMAGE") or ("dflash-tpu:latest" if args.dry_run else None)
+    if image is None:
+        raise ConfigError("--image (or DFLASH_IMAGE) must name the image built from docker/Dockerfile and pushed to "
+                          "a registry the cluster pulls from; received none")
+    plan = XpkLaunch(stage=args.stage, recipe=args.config, cluster=args.cluster, tpu=parse_tpu_type(args.tpu_type),
+                     run_dir=args.run_dir, image=image, num_slices=args.num_slices, data_dir=args.data_dir,
+                     overrides=tuple(args.overrides), stage_args=tuple(shlex.split(args.args)),
+                     workload=args.workload, project=args.project, zone=args.zone, max_restarts=args.max_restarts,
+                     priority=args.priority, spot=args.spot)
+    return launch(plan, dry_run=args.dry_run, xpk=args.xpk, manifest=args.manifest)
+
+
+def cmd_launch_compile(args: argparse.Namespace) -> int:
+    import json
+
+    from configs.recipe import load_recipe
+    from launch.compile import run_compile
+
+    load_recipe(args.recipe, args.overrides)  # a bad recipe or override stops here, not in the subprocess
+    report = run_compile(args.recipe, args.overrides, args.topology, args.num_slices, backend=args.backend,
+                         libtpu=args.libtpu, engine=not args.no_engine)
+    print(report.format(args.mfu))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+    return 0 if all(report.fits(p) for p in report.programs) else 3
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="DFlash drafter pipeline for JAX.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -334,6 +382,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("launch", help="run a stage on a TPU pod with xpk, or compile it ahead of time for one")
+    targets = p.add_subparsers(dest="target", required=True)
+    q = targets.add_parser("xpk", help="create an xpk workload running a stage on a TPU slice (see docs/pods.md)",
+                           description="Create an xpk workload that runs STAGE of a recipe on a GKE TPU slice; "
+                           "--dry-run prints the xpk command and the workload and runs nothing.")
+    q.add_argument("stage", choices=("regenerate", "capture", "train", "eval"))
+    _add_config_args(q)
+    q.add_argument("--cluster", required=True, help="the GKE cluster (made with `xpk cluster create`)")
+    q.add_argument("--tpu-type", required=True, help="the slice type, e.g. v5p-128 (train) or v5p-8 (other stages)")
+    q.add_argument("--num-slices", type=int, default=1, help="slices (multislice over DCN; train only)")
+    q.add_argument("--run-dir", required=True, help="gs://BUCKET/PATH: checkpoints, metrics, exports, eval")
+    q.add_argument("--data-dir", default="", help="gs://BUCKET/PATH of data.dir (default: RUN_DIR/data)")
+    q.add_argument("--image", default=None, help="the Docker image (docker/Dockerfile), e.g. "
+                   "us-docker.pkg.dev/PROJECT/REPO/dflash-tpu:TAG (env DFLASH_IMAGE)")
+    q.add_argument("--workload", default="", help="workload name (default: RECIPE-STAGE-RUNNAME)")
+    q.add_argument("--project", default="", help="GCP project (default: gcloud's)")
+    q.add_argument("--zone", default="", help="GCP zone (default: gcloud's)")
+    q.add_argument("--max-restarts", type=int, default=10, help="restarts after preemption or failure (default 10)")
+    q.add_argument("--priority", default="medium", help="very-low, low, medium (default), high, very-high")
+    q.add_argument("--spot", action="store_true", help="spot capacity")
+    q.add_argument("--args", default="", help="extra arguments of the stage's command, e.g. '--sets gsm8k --limit 80'")
+    q.add_argument("--xpk", default=None, help="the xpk executable (default: .venv-xpk/bin/xpk from "
+                   "tools/setup_xpk.sh, $XPK, or xpk on PATH)")
+    q.add_argument("--manifest", default=None, help="also write the JobSet that xpk would apply to this file "
+                   "(runs xpk's own dry run; needs --project and --zone)")
+    q.add_argument("--dry-run", action="store_true", help="print the xpk command and the workload; run nothing")
+    q.set_defaults(func=cmd_launch_xpk)
+    q = targets.add_parser("compile", help="compile the train step, propose and verify for a TPU topology and "
+                           "report memory per chip", description="Compile a recipe's train step (and the engine's "
+                           "propose and verify) ahead of time for a TPU slice from this machine; print memory per chip "
+                           "and whether it fits HBM, and the run's cost from the step's FLOPs.")
+    q.add_argument("--recipe", required=True, help="recipe name in configs/ or a YAML path")
+    q.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
+    q.add_argument("--topology", required=True, help="TPU slice type, e.g. v5p-128")
+    q.add_argument("--num-slices", type=int, default=1)
+    q.add_argument("--backend", default="auto", choices=("auto", "tpu", "cpu"),
+                   help="tpu: XLA's TPU compiler through libtpu (tools/setup_libtpu.sh); cpu: a simulated CPU mesh of "
+                   "the same shape; auto (default): tpu when libtpu is found, else cpu")
+    q.add_argument("--libtpu", default=None, help="path of libtpu.so (default: $TPU_LIBRARY_PATH or the cache of "
+                   "tools/setup_libtpu.sh)")
+    q.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the time estimate (0.4)")
+    q.add_argument("--no-engine", action="store_true", help="the train step only")
+    q.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    q.set_defaults(func=cmd_launch_compile)
+
     p = sub.add_parser("config", help="print the resolved recipe (after overrides) as YAML")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
@@ -358,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every save step at INFO
         logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU/proxy backend" notes
     try:
-        if args.command != "config":  # `config` never touches JAX: no need to wait for the other processes
+        if args.command not in ("config", "launch"):  # these never join a distributed run
             _init_distributed()
         return args.func(args)
     except (ConfigError, FileNotFoundError, ValueError) as err:  # ShardError, ManifestMismatchError included
