@@ -292,10 +292,14 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
     import json
 
     from configs.recipe import load_recipe
-    from launch.compile import run_compile
+    from launch.compile import recipe_topology, run_compile
 
     load_recipe(args.recipe, args.overrides)  # a bad recipe or override stops here, not in the subprocess
-    report = run_compile(args.recipe, args.overrides, args.topology, args.num_slices, backend=args.backend,
+    topology = args.topology or recipe_topology(args.recipe)
+    if topology is None:
+        raise ConfigError(f"--topology must name a TPU slice (e.g. v5p-128): recipe {args.recipe!r} names none in a "
+                          "`# Topology:` header line; received none")
+    report = run_compile(args.recipe, args.overrides, topology, args.num_slices, backend=args.backend,
                          libtpu=args.libtpu, engine=not args.no_engine)
     print(report.format(args.mfu))
     if args.json:
@@ -415,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "and whether it fits HBM, and the run's cost from the step's FLOPs.")
     q.add_argument("--recipe", required=True, help="recipe name in configs/ or a YAML path")
     q.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
-    q.add_argument("--topology", required=True, help="TPU slice type, e.g. v5p-128")
+    q.add_argument("--topology", default=None, help="TPU slice type, e.g. v5p-128 (default: the recipe header's "
+                   "`# Topology:` line)")
     q.add_argument("--num-slices", type=int, default=1)
     q.add_argument("--backend", default="auto", choices=("auto", "tpu", "cpu"),
                    help="tpu: XLA's TPU compiler through libtpu (tools/setup_libtpu.sh); cpu: a simulated CPU mesh of "

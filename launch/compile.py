@@ -214,7 +214,7 @@ def _compile(name: str, lowered: Any, devices: int, args: Any) -> ProgramMemory:
         m = _OOM.search(str(err))
         if "RESOURCE_EXHAUSTED" not in str(err) or m is None:
             raise
-        temp = int(float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024)
+        temp = round(float(m.group(1)) * 1024 ** ("KMGT".index(m.group(2)) + 1))
         message = str(err).splitlines()[0][:400]
         return ProgramMemory(name=name, devices=devices, argument_bytes=_shard_bytes(args), output_bytes=0,
                              alias_bytes=0, temp_bytes=temp, code_bytes=0, flops=0.0, error=message)
@@ -388,6 +388,14 @@ def _leaves(tree: Any) -> list[Any]:
 
 
 # ----------------------------------------------------------------------------- the subprocess (parent side)
+
+
+def recipe_topology(recipe: str) -> str | None:
+    """The slice a recipe file names in its header (`# Topology: v5p-128`), or None."""
+    from configs.recipe import resolve_config_path
+
+    m = re.search(r"^# Topology: (\S+)", resolve_config_path(recipe).read_text(), flags=re.M)
+    return m.group(1) if m else None
 
 
 def find_libtpu(explicit: str | None = None) -> Path | None:

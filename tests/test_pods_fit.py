@@ -1,0 +1,132 @@
+"""The pod recipes fit their slices (DESIGN §6; docs/decisions.md D22), built abstractly (nothing allocated):
+
+- the sharding rules leave no large array replicated: every target and drafter parameter and optimizer state of
+  a million elements or more is split across the fsdp axis at least, and the embedding and LM head [V, D] across
+  every chip (on an `AbstractMesh` of the recipe's topology, so no devices are needed);
+- params, optimizer state and a batch fit the chip's HBM (fast), and so do the train step's temporaries, from
+  XLA's memory analysis of the step compiled for a simulated CPU mesh of the slice's shape (slow);
+- `dflash launch compile` end to end on the tiny recipe, the FLOP count of a jaxpr, an out-of-memory compile
+  reported as not fitting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractMesh
+
+from configs.recipe import load_recipe
+from launch.cli import main
+from launch.compile import (
+    CompileReport,
+    ProgramMemory,
+    _compile,
+    abstract_train_inputs,
+    jaxpr_flops,
+    recipe_topology,
+    run_compile,
+)
+from launch.tpus import parse_tpu_type
+from train.sharding import AXES, mesh_shape
+
+POD_RECIPES = ("qwen3_8b", "qwen3_4b", "llama31_8b", "llama31_8b_widek")
+LARGE = 1 << 20  # elements
+
+
+def _abstract(name: str):
+    recipe = load_recipe(name)
+    tpu = parse_tpu_type(recipe_topology(name))
+    mesh = AbstractMesh(mesh_shape(recipe.train.mesh, tpu.chips), AXES)
+    return recipe, tpu, mesh, abstract_train_inputs(recipe, mesh)
+
+
+def _split(x) -> int:
+    """How many ways an abstract array is split (1 = replicated)."""
+    return math.prod(x.shape) // math.prod(x.sharding.shard_shape(x.shape))
+
+
+def _per_chip(tree) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("name", POD_RECIPES)
+def test_no_large_array_is_replicated(name):
+    recipe, tpu, mesh, ins = _abstract(name)
+    arrays = {f"target{jax.tree_util.keystr(p)}": x for p, x in jax.tree_util.tree_flatten_with_path(ins["target"])[0]}
+    arrays |= {f"state{jax.tree_util.keystr(p)}": x for p, x in jax.tree_util.tree_flatten_with_path(ins["state"])[0]}
+    large = {k: x for k, x in arrays.items() if math.prod(x.shape) >= LARGE}
+    assert len(large) > 20  # target layers, drafter kernels, and their two Adam moments
+    under = {k: (x.shape, x.sharding.spec) for k, x in large.items() if _split(x) < mesh.shape["fsdp"]}
+    assert not under, f"large arrays not split across fsdp={mesh.shape['fsdp']}: {under}"
+    vocab = ins["known"].cfg.vocab_size
+    heads = {k: x for k, x in large.items() if vocab in x.shape}
+    assert heads and all(_split(x) == tpu.chips for x in heads.values()), {k: x.sharding.spec for k, x in heads.items()}
+    # What each chip holds of the params, optimizer state and one batch: a small part of its HBM.
+    resident = _per_chip(ins["target"]) + _per_chip(ins["state"]) + _per_chip(ins["batch"])
+    total = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((ins["target"], ins["state"])))
+    assert resident < total / mesh.shape["fsdp"] * 1.05 and resident < 0.05 * tpu.hbm_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", POD_RECIPES)
+def test_the_train_step_fits_hbm_on_a_simulated_mesh_of_the_slice(name):
+    tpu_type = recipe_topology(name)
+    report = run_compile(name, [], tpu_type, backend="cpu", engine=False)
+    step = report.train
+    assert report.backend.startswith("XLA's CPU compiler on a simulated mesh of")
+    assert step.devices == parse_tpu_type(tpu_type).chips
+    assert step.temp_bytes > 1 << 30  # the step's activations are there (GiBs of them at 3072 tokens)
+    assert report.fits(step), report.format()
+
+
+def test_compile_report_end_to_end_on_the_tiny_recipe(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    code = main(["launch", "compile", "--recipe", "tiny", "--topology", "v5p-8", "--backend", "cpu",
+                 "--json", str(out), "train.batch_size=4", "train.mesh.data=1", "train.mesh.fsdp=4"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = CompileReport.from_json(json.loads(out.read_text()))
+    assert [p.name for p in report.programs] == ["train_step", "propose", "verify"]
+    assert report.mesh == {"data": 1, "fsdp": 4, "tensor": 1} and report.train.devices == 4
+    for p in report.programs:
+        assert p.argument_bytes > 0 and p.temp_bytes > 0 and not p.error and report.fits(p)
+    assert report.params["target params"] == 134_515_008  # SmolLM2-135M, tied head
+    assert report.step_flops > report.train.flops > 0
+    assert "train_step" in text and "yes" in text and "simulated mesh of 4 devices" in text
+    assert main(["launch", "compile", "--recipe", "tiny"]) == 2  # no topology given, none in the recipe
+    assert "--topology must name a TPU slice" in capsys.readouterr().err
+
+
+def test_jaxpr_flops_counts_matmuls_and_every_scan_iteration():
+    def f(x, w):
+        def body(h, _):
+            return jnp.tanh(h @ w), None
+        h, _ = jax.lax.scan(body, x, None, length=7)
+        return (h @ w.T).sum()
+
+    x, w = jax.ShapeDtypeStruct((3, 5), jnp.float32), jax.ShapeDtypeStruct((5, 5), jnp.float32)
+    assert jaxpr_flops(jax.make_jaxpr(f)(x, w).jaxpr) == 8 * 2 * 3 * 5 * 5
+    grad = jax.make_jaxpr(jax.grad(f, argnums=1))(x, w).jaxpr
+    assert jaxpr_flops(grad) == 3 * 8 * 2 * 3 * 5 * 5  # forward, and two matmuls per matmul backward
+
+
+def test_an_out_of_memory_compile_is_reported_as_not_fitting():
+    class Lowered:
+        def compile(self):
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required "
+                "for HLO temporaries (186.41G) exceeds available HBM (95.73G). HLO module: jit_train_step.")
+
+    args = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    program = _compile("train_step", Lowered(), 64, args)
+    assert program.error.startswith("RESOURCE_EXHAUSTED") and program.temp_bytes == round(186.41 * (1 << 30))
+    assert program.argument_bytes == 4 << 20
+    report = CompileReport(recipe="r", tpu_type="v5p-128", num_slices=1, backend="b", mesh={}, hbm_bytes=1 << 40,
+                           peak_flops=1.0, batch_size=1, seq_len=1, steps=1, params={}, programs=[program])
+    assert not report.fits(program)  # even under the HBM figure: the compiler refused it
+    ok = ProgramMemory("verify", 1, 10, 5, 5, 20, 1, 0.0)
+    assert ok.peak_bytes == 31 and report.fits(ok)
