@@ -124,13 +124,14 @@ class CompileReport:
             f"train mesh {mesh}; global batch {self.batch_size} x {self.seq_len} tokens; "
             + ", ".join(f"{k} {v / 1e6:,.1f}M" for k, v in self.params.items()),
             "",
+            "memory per chip in GiB:",
             f"{'program':<14}{'chips':>6}{'arguments':>11}{'outputs':>10}{'aliased':>10}{'temps':>10}{'peak':>10}"
-            f"  GiB per chip   fits",
+            f"{'fits':>6}",
         ]
         for p in self.programs:
             lines.append(f"{p.name:<14}{p.devices:>6}{gib(p.argument_bytes):>11}{gib(p.output_bytes):>10}"
                          f"{gib(p.alias_bytes):>10}{gib(p.temp_bytes):>10}{gib(p.peak_bytes):>10}"
-                         f"  {'':>12}   {'yes' if self.fits(p) else 'NO'}")
+                         f"{'yes' if self.fits(p) else 'NO':>6}")
             if p.error:
                 lines.append(f"  {p.name}: {p.error}")
         tokens = self.batch_size * self.seq_len
