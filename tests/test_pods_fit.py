@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -130,3 +131,38 @@ def test_an_out_of_memory_compile_is_reported_as_not_fitting():
     assert not report.fits(program)  # even under the HBM figure: the compiler refused it
     ok = ProgramMemory("verify", 1, 10, 5, 5, 20, 1, 0.0)
     assert ok.peak_bytes == 31 and report.fits(ok)
+
+
+def test_known_targets_match_what_the_loaders_build(smollm2_target, golden_dir):
+    from models.loading import load_hf_dir
+    from models.registry import KNOWN_TARGETS, known_target, target_param_shapes
+
+    known = known_target("smollm2")
+    assert known.cfg == dataclasses.replace(smollm2_target.cfg, rms_norm_eps=known.cfg.rms_norm_eps)
+    assert known.cfg.rms_norm_eps == pytest.approx(smollm2_target.cfg.rms_norm_eps, rel=1e-6)  # GGUF stores fp32
+    assert target_param_shapes(known.cfg) == jax.tree.map(lambda a: tuple(a.shape), smollm2_target.params)
+    assert known.mask_token_id == smollm2_target.drafter_arch(load_recipe("tiny").drafter).mask_token_id
+    for case in ("qwen3_untied", "llama3_scaled_untied", "qwen2_bias_untied"):
+        cfg, params = load_hf_dir(golden_dir / "tiny" / case)
+        assert known_target(str(golden_dir / "tiny" / case)).cfg == cfg
+        assert target_param_shapes(cfg) == jax.tree.map(lambda a: tuple(a.shape), params)
+    qwen8, llama = known_target("Qwen/Qwen3-8B").cfg, known_target("meta-llama/Llama-3.1-8B-Instruct").cfg
+    assert (qwen8.num_layers, qwen8.hidden_size, qwen8.qk_norm, qwen8.tie_word_embeddings) == (36, 4096, True, False)
+    assert llama.rope_scaling.kind == "llama3" and llama.rope_scaling.factor == 8.0
+    assert sum(math.prod(s) for s in jax.tree.leaves(target_param_shapes(qwen8), is_leaf=lambda x: isinstance(x, tuple))
+               ) == 8_190_735_360  # Qwen3-8B's published parameter count
+    assert set(KNOWN_TARGETS) >= {load_recipe(n).target.source for n in POD_RECIPES}
+    with pytest.raises(ValueError, match="must be one of"):
+        known_target("nowhere/none")
+
+
+def test_a_hub_repo_id_that_cannot_be_fetched_is_named(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from models.registry import resolve_source
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # the cache only, never the network
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError, match=r"'dflash-test/no-such-model' \(a Hugging Face repo id\) could not be "
+                                                r"fetched or found in the Hugging Face cache.*hf download"):
+        resolve_source("dflash-test/no-such-model")
