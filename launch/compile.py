@@ -135,16 +135,21 @@ class CompileReport:
             if p.error:
                 lines.append(f"  {p.name}: {p.error}")
         tokens = self.batch_size * self.seq_len
+        hours = self.hours(mfu)
         lines += [
             "",
-            f"train step: {self.step_flops / 1e15:,.2f} PFLOP (matmuls of its jaxpr, loops counted in full; XLA's "
-            f"cost analysis, which counts a loop body once, says {self.train.flops / 1e12:,.1f} TFLOP per chip); "
-            f"at {mfu:.0%} MFU {self.step_seconds(mfu):.2f} s/step",
-            f"run: {self.steps:,} steps x {tokens:,} tokens = {self.steps * tokens / 1e9:,.2f}B tokens; "
-            f"{self.hours(mfu):,.1f} h on {self.num_slices} x {self.tpu_type} "
-            f"({self.hours(mfu) * self.chips:,.0f} chip-hours) at {mfu:.0%} MFU",
+            f"train step: {_flops(self.step_flops)} (matmuls of its jaxpr, loops counted in full; XLA's cost "
+            f"analysis, which counts a loop body once, says {_flops(self.train.flops)} per chip); at {mfu:.0%} MFU "
+            f"{self.step_seconds(mfu) * 1e3:,.1f} ms/step",
+            f"run: {self.steps:,} steps x {tokens:,} tokens = {self.steps * tokens / 1e6:,.1f}M tokens; "
+            + (f"{hours:,.2f} h" if hours >= 0.01 else f"{hours * 3600:,.1f} s")
+            + f" on {self.num_slices} x {self.tpu_type} ({hours * self.chips:,.2f} chip-hours) at {mfu:.0%} MFU",
         ]
         return "\n".join(lines)
+
+
+def _flops(n: float) -> str:
+    return f"{n / 1e15:,.2f} PFLOP" if n >= 1e15 else f"{n / 1e12:,.2f} TFLOP" if n >= 1e12 else f"{n / 1e9:,.2f} GFLOP"
 
 
 # ----------------------------------------------------------------------------- building the programs (worker)
