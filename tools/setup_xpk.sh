@@ -9,6 +9,7 @@ XPK_VERSION=${XPK_VERSION:-1.16.0}
 venv=${XPK_VENV:-.venv-xpk}
 py=$(find_python)
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+echo '*' > "$venv/.gitignore"  # keep the venv out of git status
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q "xpk==$XPK_VERSION"
 "$venv/bin/xpk" version 2>/dev/null || true
