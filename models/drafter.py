@@ -9,8 +9,10 @@ tensor names: `hf_tensor_names`. Design notes: docs/decisions.md D8 (mask id: D1
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -74,6 +76,47 @@ class DrafterArch:
             rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             max_position_embeddings=self.max_position_embeddings, qk_norm=True,
         )
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftVocab:
+    """The draft vocabulary of a drafter trained with `train.head_vocab`: the target token ids [V'] its
+    softmax covered. Proposals are the argmax over these rows of the target's LM head only, so each propose
+    reads V'/V of the head (the head is most of a small drafter's step). Static (hashed by identity) on the
+    module: it never enters the parameter state."""
+
+    ids: np.ndarray
+
+    def __post_init__(self) -> None:
+        ids = np.asarray(self.ids)
+        require(ids.ndim == 1 and ids.size >= 1 and np.issubdtype(ids.dtype, np.integer), "draft_vocab",
+                f"shape {ids.shape} {ids.dtype}", "be a non-empty 1-D list of token ids")
+        require(len(np.unique(ids)) == ids.size and ids.min() >= 0, "draft_vocab", "ids",
+                "be distinct, non-negative token ids")
+        object.__setattr__(self, "ids", ids.astype(np.int32))
+
+    def check_fits(self, vocab_size: int, where: str) -> None:
+        require(int(self.ids.max()) < vocab_size, f"{where} draft_vocab", int(self.ids.max()),
+                f"lie inside the target's vocab [0, {vocab_size})")
+
+    def write(self, directory: str | Path) -> Path:
+        path = Path(directory) / DRAFT_VOCAB_FILE
+        path.write_text(json.dumps({"draft_vocab_size": int(self.ids.size), "ids": self.ids.tolist()}) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, directory: str | Path) -> DraftVocab | None:
+        """`<directory>/draft_vocab.json`, or None when the drafter has none (full-vocabulary proposals)."""
+        path = Path(directory) / DRAFT_VOCAB_FILE
+        if not path.is_file():
+            return None
+        record = json.loads(path.read_text())
+        require(record.get("draft_vocab_size") == len(record.get("ids", ())), str(path), record.get("draft_vocab_size"),
+                "equal the number of ids it lists")
+        return cls(np.asarray(record["ids"], np.int64))
 
 
 def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: int | None = None) -> DrafterArch:
@@ -320,6 +363,7 @@ class DFlashDrafter(nnx.Module):
         self.hidden_norm = RMSNorm(d, arch.rms_norm_eps)
         self.layers = nnx.List([DrafterLayer(arch, dtype, rngs) for _ in range(arch.num_layers)])
         self.norm = RMSNorm(d, arch.rms_norm_eps)
+        self.draft_vocab: DraftVocab | None = None  # set by the loaders for a drafter trained on a head vocabulary
 
     def fuse(self, ctx_feats_BxSxFD: jax.Array) -> jax.Array:
         """Fused context c [B, S, D] = hidden_norm(fc(concat_F feats)); features in layer-id order."""
@@ -392,8 +436,8 @@ def init_from_target(drafter: DFlashDrafter, target_params: Params, target_cfg: 
     The widths must match the target's (drafter.num_heads etc. left at 0 = follow the target)."""
     arch = drafter.arch
     differ = [f"{name}: drafter {mine} vs target {theirs}" for name, mine, theirs in (
-        ("num_heads", arch.num_heads, target_cfg.num_heads), ("num_kv_heads", arch.num_kv_heads, target_cfg.num_kv_heads),
-        ("head_dim", arch.head_dim, target_cfg.head_dim),
+        ("num_heads", arch.num_heads, target_cfg.num_heads),
+        ("num_kv_heads", arch.num_kv_heads, target_cfg.num_kv_heads), ("head_dim", arch.head_dim, target_cfg.head_dim),
         ("intermediate_size", arch.intermediate_size, target_cfg.intermediate_size)) if mine != theirs]
     require(not differ, "train.layer_init", "target", "be used with the target's own widths (" + "; ".join(differ)
             + "): leave drafter.num_heads / num_kv_heads / head_dim / intermediate_size at 0")
@@ -455,6 +499,14 @@ def mask_token_embeds(target_params: Params, start_tokens_B: jax.Array, block_si
                       mask_token_id: int) -> jax.Array:
     """Block embeddings [B, K, D] from the target's (frozen) embedding table."""
     return embed(target_params, block_token_ids(start_tokens_B, block_size, mask_token_id))
+
+
+def draft_head_rows(target_params: Params, target_cfg: DecoderConfig, vocab: DraftVocab) -> jax.Array:
+    """The target LM head's rows [V', D] of the draft vocabulary (gathered once, when the engine is built)."""
+    ids = jnp.asarray(vocab.ids)
+    if target_cfg.tie_word_embeddings:
+        return jnp.take(target_params["embed"], ids, axis=0)
+    return jnp.take(target_params["lm_head"], ids, axis=1).T
 
 
 def drafter_logits(target_params: Params, target_cfg: DecoderConfig, hidden_BxQxD: jax.Array) -> jax.Array:

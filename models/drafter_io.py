@@ -16,11 +16,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from models.config import DecoderConfig, RopeScaling
-from models.drafter import DFlashDrafter, DrafterArch, check_fits_target
+from models.drafter import DFlashDrafter, DrafterArch, DraftVocab, check_fits_target
 from models.speculators import is_speculators, load_speculators
 from models.zlab import load_zlab, read_config, read_zlab
 
@@ -115,6 +116,8 @@ def _read_checkpoint(path: Path, step: int | None) -> tuple[DFlashDrafter, int, 
                                   f"{tuple(node.shape)}, the architecture says {tuple(variable.shape)}")
         flat.append((keys, variable.replace(jnp.asarray(node, jnp.float32))))
     nnx.update(drafter, nnx.from_flat_state(flat))
+    if meta.get("draft_vocab"):
+        drafter.draft_vocab = DraftVocab(np.asarray(meta["draft_vocab"], np.int64))
     return drafter, step, meta, directory
 
 

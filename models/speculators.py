@@ -30,7 +30,7 @@ from typing import Any
 from safetensors.numpy import save_file
 
 from models.config import DecoderConfig
-from models.drafter import DFlashDrafter, DrafterArch
+from models.drafter import DFlashDrafter, DrafterArch, DraftVocab
 from models.loading import WeightsError
 from models.zlab import (
     check_import,
@@ -99,6 +99,8 @@ def save_speculators(drafter: DFlashDrafter, directory: str | Path, verifier: st
     config = speculators_config(drafter.arch, verifier, verifier_architectures, dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if drafter.draft_vocab is not None:
+        drafter.draft_vocab.write(directory)
     return directory
 
 
@@ -146,7 +148,11 @@ def load_speculators(directory: str | Path, target_cfg: DecoderConfig,
     arch = arch_from_speculators(read_config(directory), str(directory / "config.json"), target_cfg.family,
                                  target_cfg.num_layers)
     check_import(arch, target_cfg, str(directory), expect)
-    return drafter_from_tensors(arch, read_tensors(directory), str(directory), ignored=VERIFIER_FILLED)
+    drafter = drafter_from_tensors(arch, read_tensors(directory), str(directory), ignored=VERIFIER_FILLED)
+    drafter.draft_vocab = DraftVocab.read(directory)
+    if drafter.draft_vocab is not None:
+        drafter.draft_vocab.check_fits(target_cfg.vocab_size, str(directory))
+    return drafter
 
 
 __all__ = ["ARCHITECTURE", "MODEL_TYPE", "QWEN3_DEFAULTS", "SCHEMA_VERSION", "VERIFIER_FILLED", "arch_from_speculators",

@@ -31,7 +31,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from models.config import DecoderConfig
-from models.drafter import DFlashDrafter, DrafterArch, to_hf_tensors
+from models.drafter import DFlashDrafter, DrafterArch, DraftVocab, to_hf_tensors
 from models.loading import WeightsError, _rope_scaling_from_hf, _safetensors_files
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,8 @@ def save_zlab(drafter: DFlashDrafter, directory: str | Path, dtype: str = "float
     tensors = hf_tensors(drafter, dtype)
     (directory / "config.json").write_text(json.dumps(zlab_config(drafter.arch, dtype), indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if drafter.draft_vocab is not None:  # our side file: loaders that do not know it propose over the full head
+        drafter.draft_vocab.write(directory)
     return directory
 
 
@@ -246,7 +248,9 @@ def read_zlab(directory: str | Path, target_family: str = "qwen3") -> DFlashDraf
     """The drafter of a z-lab layout directory, unchecked against any target (see `load_zlab`)."""
     directory = Path(directory).expanduser()
     arch = arch_from_zlab(read_config(directory), str(directory / "config.json"), target_family)
-    return drafter_from_tensors(arch, read_tensors(directory), str(directory))
+    drafter = drafter_from_tensors(arch, read_tensors(directory), str(directory))
+    drafter.draft_vocab = DraftVocab.read(directory)
+    return drafter
 
 
 def check_import(arch: DrafterArch, target: DecoderConfig, where: str, expect: DrafterArch | None = None) -> None:
@@ -285,7 +289,11 @@ def load_zlab(directory: str | Path, target_cfg: DecoderConfig, expect: DrafterA
     directory = Path(directory).expanduser()
     arch = arch_from_zlab(read_config(directory), str(directory / "config.json"), target_cfg.family)
     check_import(arch, target_cfg, str(directory), expect)
-    return drafter_from_tensors(arch, read_tensors(directory), str(directory))
+    drafter = drafter_from_tensors(arch, read_tensors(directory), str(directory))
+    drafter.draft_vocab = DraftVocab.read(directory)
+    if drafter.draft_vocab is not None:
+        drafter.draft_vocab.check_fits(target_cfg.vocab_size, str(directory))
+    return drafter
 
 
 __all__ = ["ARCHITECTURE", "AUTO_MAP", "DTYPES", "MODELING_FILE", "arch_from_zlab", "check_exportable_ids",

@@ -22,7 +22,7 @@ from flax import nnx
 
 from models.config import DecoderConfig
 from models.decoder import Params, embed, forward_cached
-from models.drafter import KV, DFlashDrafter, DrafterArch, concat_features, drafter_logits
+from models.drafter import KV, DFlashDrafter, DrafterArch, concat_features, draft_head_rows, drafter_logits
 from serve.paged import PagedKVCache, PageTable
 from serve.sampling import SamplingRows, row_logprobs
 
@@ -35,19 +35,27 @@ def bucket(n: int, minimum: int = 16) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Models:
-    """What the kernels compute with: the frozen target, and the drafter (None in AR mode)."""
+    """What the kernels compute with: the frozen target, and the drafter (None in AR mode). A drafter with a
+    draft vocabulary (`DraftVocab`) brings its head rows [V', D] and their ids [V'], gathered once here."""
 
     target_params: Params
     drafter_params: nnx.State | None
     target_cfg: DecoderConfig = dataclasses.field(metadata={"static": True})
     graphdef: nnx.GraphDef | None = dataclasses.field(metadata={"static": True})
+    draft_head: jax.Array | None = None
+    draft_ids: jax.Array | None = None
 
     @classmethod
     def of(cls, target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter | None = None) -> Models:
         if drafter is None:
             return cls(target_params, None, target_cfg, None)
         graphdef, params = nnx.split(drafter, nnx.Param)
-        return cls(target_params, params, target_cfg, graphdef)
+        vocab = drafter.draft_vocab
+        if vocab is None:
+            return cls(target_params, params, target_cfg, graphdef)
+        vocab.check_fits(target_cfg.vocab_size, "the drafter's")
+        return cls(target_params, params, target_cfg, graphdef, draft_head_rows(target_params, target_cfg, vocab),
+                   jnp.asarray(vocab.ids))
 
     def drafter(self) -> DFlashDrafter | None:
         return None if self.graphdef is None else nnx.merge(self.graphdef, self.drafter_params)
@@ -200,8 +208,11 @@ def propose(models: Models, state: SpecState, block_size: int, span: int | None 
     ctx_valid = jnp.arange(span)[None, :] < state.lengths[:, None]
     ctx_kv = [(k_ctx[:, :span], v_ctx[:, :span]) for k_ctx, v_ctx in state.draft.kv()]
     hidden = drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
-    logits = drafter_logits(models.target_params, models.target_cfg, hidden)
-    return jnp.argmax(logits[:, 1:], axis=-1).astype(jnp.int32)
+    if models.draft_ids is not None:  # the argmax over the draft vocabulary's rows of the head only
+        logits = jnp.einsum("bkd,vd->bkv", hidden[:, 1:], models.draft_head).astype(jnp.float32)
+        return jnp.take(models.draft_ids, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    logits = drafter_logits(models.target_params, models.target_cfg, hidden[:, 1:])
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def accept_greedy(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -15,7 +15,7 @@ import pytest
 from conftest import GOLDEN
 from flax import nnx
 
-from models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
+from models.drafter import DFlashDrafter, DrafterConfig, DraftVocab, resolve_drafter
 from models.loading import load_hf_dir
 from serve.engine import decode
 from serve.sampling import SamplingConfig
@@ -244,3 +244,45 @@ def test_compiled_shapes_stay_bounded_over_a_long_generation(setup):
     assert grown["prefill"] <= 3, grown
     bound = int(np.log2(MAX_LEN // 16)) + 1  # spans of 1, 2, 4, ... 16 pages
     assert 1 <= grown["propose"] <= bound and 1 <= grown["verify"] <= bound, grown
+
+
+def test_draft_vocabulary_proposes_inside_it_and_stays_lossless(setup, tmp_path):
+    """A drafter with a draft vocabulary (`train.head_vocab`) proposes the argmax over those rows of the head
+    only: with every id in it (any order) the proposals equal the full head's; with half of the ids every
+    proposal lies inside it; greedy decoding equals AR either way; the vocabulary travels through the z-lab
+    layout."""
+    from models.zlab import load_zlab, save_zlab
+    from serve.engine import Engine
+    from serve.speculative import propose
+
+    target_cfg, target_params, drafter, prompts, ar = setup
+    trained = DFlashDrafter(drafter.arch, nnx.Rngs(5))
+    full = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=trained, block_size=8)
+    every = nnx.clone(trained)
+    every.draft_vocab = DraftVocab(np.random.default_rng(0).permutation(target_cfg.vocab_size))
+    same = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=every, block_size=8)
+    assert [r.accepted for r in same] == [r.accepted for r in full] and [r.token_ids for r in same] == ar
+
+    half = nnx.clone(trained)
+    keep = np.arange(0, target_cfg.vocab_size, 2)
+    half.draft_vocab = DraftVocab(keep)
+    engine = Engine(target_params, target_cfg, half, slots=len(prompts), max_len=MAX_LEN, block_size=8)
+    for p in prompts:
+        engine.submit(p, NEW)
+    engine.step()  # admit and prefill, one step
+    drafts = np.asarray(propose(engine.models, engine.state, 8))
+    assert np.isin(drafts, keep).all()
+    full_drafts = np.asarray(propose(Engine(target_params, target_cfg, trained, slots=len(prompts), max_len=MAX_LEN,
+                                            block_size=8).models, engine.state, 8))
+    assert not np.isin(full_drafts, keep).all()  # the full head would have proposed odd ids
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=half, block_size=8)
+    assert [r.token_ids for r in results] == ar
+
+    save_zlab(half, tmp_path / "zlab")
+    loaded = load_zlab(tmp_path / "zlab", target_cfg)
+    np.testing.assert_array_equal(loaded.draft_vocab.ids, keep)
+    small = dataclasses.replace(target_cfg, vocab_size=int(keep.max()))
+    with pytest.raises(ValueError, match="draft_vocab"):  # an id outside the target's vocab is refused
+        Engine(target_params, small, loaded, slots=1, max_len=MAX_LEN, block_size=8)
+    with pytest.raises(ValueError, match="draft_vocab"):
+        DraftVocab(np.array([3, 3]))

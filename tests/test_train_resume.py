@@ -51,7 +51,7 @@ def captured(tmp_path_factory) -> Path:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("features", ["online", "offline"])
+@pytest.mark.parametrize("features", ["online", pytest.param("offline", marks=pytest.mark.slow)])  # ~3 min each
 def test_sigkill_at_random_step_then_resume_is_bit_identical(tmp_path, features, request):
     """Killed mid-epoch (64 rows, 2 per step) and resumed: the same batches in the same order, so the same
     final state, whether the target runs in the step (online) or its features are read from shards."""

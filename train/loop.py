@@ -32,7 +32,7 @@ from data.examples import build_examples, training_vocab
 from data.offline import make_offline_batches
 from data.online import make_batches
 from data.shards import chat_template_hash, check_manifest, load_manifest
-from models.drafter import DFlashDrafter, DrafterArch, init_from_target, target_init_layers
+from models.drafter import DFlashDrafter, DrafterArch, DraftVocab, init_from_target, target_init_layers
 from models.target import Target, load_target
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig
@@ -95,6 +95,7 @@ class TrainRun:
     compute_dtype: Any
     batches: Any
     data_fingerprint: str
+    draft_vocab: DraftVocab | None = None  # train.head_vocab's tokens: the drafter proposes over these at serving
 
 
 def arch_dict(arch: DrafterArch) -> dict[str, Any]:
@@ -110,8 +111,10 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     is_main = jax.process_index() == 0
     target = target if target is not None else load_target(recipe.target)
     run = build_run(cfg, recipe.data, target, target.drafter_arch(recipe.drafter))
-    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir) if is_main else None  # prompts built once
+    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir, run.draft_vocab) if is_main else None
     meta = {"arch": arch_dict(run.arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
+    if run.draft_vocab is not None:
+        meta["draft_vocab"] = run.draft_vocab.ids.tolist()
     ckpt = Checkpointer(run_dir / "checkpoints", meta, keep=cfg.keep_checkpoints)
     state, shardings, start = create_or_restore_state(cfg, run.arch, run.optimizer, run.mesh, ckpt, run.batches,
                                                       run.data_fingerprint, target)
@@ -153,17 +156,19 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
     compute_dtype = jnp.dtype(cfg.compute_dtype)
     target_params = cast_floats(target.params, compute_dtype)
     examples = build_examples(data, target.tokenizer) if cfg.head_vocab or data.features == "online" else None
+    vocab = None
     if cfg.head_vocab:
         ids = training_vocab(examples[0], min(cfg.head_vocab, target.cfg.vocab_size), target.cfg.vocab_size,
                              tuple(target.tokenizer.stop_token_ids))
         target_params = with_train_vocab(target_params, target.cfg, ids)
+        vocab = DraftVocab(np.asarray(ids)) if len(ids) < target.cfg.vocab_size else None
         log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
     target_params = place(target_params, TARGET_RULES, mesh)
     batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples)
     return TrainRun(target=target, target_params=target_params, arch=arch, mesh=mesh,
                     optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),
                     objective=make_objective(cfg, arch), compute_dtype=compute_dtype,
-                    batches=batches, data_fingerprint=data_fingerprint)
+                    batches=batches, data_fingerprint=data_fingerprint, draft_vocab=vocab)
 
 
 def build_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int,

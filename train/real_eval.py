@@ -22,7 +22,7 @@ from flax import nnx
 
 from data.eval_sets import load_eval_set
 from data.shards import fsync_path
-from models.drafter import DFlashDrafter
+from models.drafter import DFlashDrafter, DraftVocab
 from models.target import Target
 from models.tokenizer import ChatTokenizer
 from models.zlab import save_zlab
@@ -133,8 +133,10 @@ class RealTauEval:
     decodes, keeps `best` (resumed from best.json) and returns the metrics to log under `eval/`. Runs only
     with a single process (logs one warning and stays off otherwise)."""
 
-    def __init__(self, cfg: TrainConfig, target: Target, graphdef: nnx.GraphDef, run_dir: Path):
+    def __init__(self, cfg: TrainConfig, target: Target, graphdef: nnx.GraphDef, run_dir: Path,
+                 draft_vocab: DraftVocab | None = None):
         self.every, self.final_step, self.new_tokens = cfg.eval_every, cfg.steps, cfg.eval_tokens
+        self.draft_vocab = draft_vocab  # proposals over the training vocabulary, as the served drafter's
         self.target, self.graphdef, self.run_dir = target, graphdef, run_dir
         if self.every and jax.process_count() > 1:
             log.warning("train.eval_every=%d: in-loop real τ needs a single process (%d here); skipped",
@@ -148,6 +150,7 @@ class RealTauEval:
 
     def __call__(self, step: int, params: Any) -> dict[str, Any]:
         drafter = drafter_from_state(self.graphdef, params)
+        drafter.draft_vocab = self.draft_vocab
         metrics = real_tau(self.target, drafter, self.prompts, self.new_tokens)
         if self.best is None or metrics["tau"] > self.best["tau"]:
             self.best = save_best(self.run_dir, drafter, step, metrics)
