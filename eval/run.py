@@ -1,7 +1,10 @@
 """`dflash eval`: drive a DFlash server and an AR server with the same prompts, record every reply, resume.
 
-    records = collect(dflash_client, ar_client, settings, out_dir, items)   # out_dir/records.jsonl (resumable)
+    records = collect({"dflash": dflash_client, "ar": ar_client}, settings, out_dir, items)  # records.jsonl
     results = summarize(records, ...); write_outputs(results, out_dir)   # eval.report
+
+`run_eval` (what `dflash eval` runs) starts the servers it needs ONE AT A TIME: the DFlash server serves all
+its requests and stops, then the AR server starts; on an accelerator host both would claim the same chips.
 
 A warm-up request per set (not recorded) lets each server compile first. Each conversation's turns go one
 after another (MT-Bench's second turn follows the model's own first answer); conversations run
@@ -126,16 +129,17 @@ def warm_up(client: Client, items: Sequence[EvalItem], max_new_tokens: int) -> N
         client.chat(model, [{"role": "user", "content": item.turns[0]}], max_new_tokens)
 
 
-def collect(dflash: Client, ar: Client, settings: EvalSettings, out_dir: Path, items: Sequence[EvalItem],
+def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, items: Sequence[EvalItem],
             progress: bool = True) -> list[dict[str, Any]]:
-    """Send `items` (the sets' conversations) to both servers at every concurrency; the records, old and new."""
+    """Send `items` (the sets' conversations) to the servers of `clients` (mode -> client: "dflash", "ar" or
+    both) at every concurrency; the records of both modes, old and new."""
     out_dir.mkdir(parents=True, exist_ok=True)
     store = RecordStore(out_dir / "records.jsonl")
-    if any(not store.has_conversation(m, c, i) for m in MODES for c in settings.concurrency for i in items):
-        for client in (dflash, ar):
+    for mode, client in clients.items():
+        if any(not store.has_conversation(mode, c, i) for c in settings.concurrency for i in items):
             warm_up(client, items, settings.max_new_tokens)
     for concurrency in settings.concurrency:
-        for mode, client in (("dflash", dflash), ("ar", ar)):
+        for mode, client in clients.items():
             _run_mode(client, mode, concurrency, items, settings, store, progress)
     wanted = {item.id for item in items}
     return [r for r in store.records.values()
@@ -155,16 +159,31 @@ def evaluate(dflash_url: str, ar_url: str, settings: EvalSettings, out_dir: str 
              ) -> tuple[dict[str, Any], dict[str, Path]]:
     """Evaluate the DFlash server at `dflash_url` against the AR server at `ar_url` (same target, same
     prompts); writes results.json, report.md and the plots into `out_dir`; returns (results, paths)."""
-    from eval.report import summarize, write_outputs
 
     out_dir = Path(out_dir).expanduser()
     dflash, ar = Client(dflash_url, api_key), Client(ar_url, api_key)
     served = dflash.get("/v1/models")["data"][0]
+    _check_same_target(ar, served)
+    items = eval_items(settings)
+    records = collect({"dflash": dflash, "ar": ar}, settings, out_dir, items, progress)
+    return _results(records, items, served, dflash_url, settings, out_dir, drafter)
+
+
+def eval_items(settings: EvalSettings) -> list[EvalItem]:
+    return [item for name in settings.sets for item in load_eval_set(name, settings.limit)]
+
+
+def _check_same_target(ar: Client, served: dict[str, Any]) -> None:
     if ar.model() != served["id"]:
         raise ValueError(f"the AR server serves {ar.model()!r} and the DFlash server {served['id']!r}; both must "
                          "serve the same target")
-    items = [item for name in settings.sets for item in load_eval_set(name, settings.limit)]
-    records = collect(dflash, ar, settings, out_dir, items, progress)
+
+
+def _results(records: list[dict[str, Any]], items: Sequence[EvalItem], served: dict[str, Any], dflash_url: str,
+             settings: EvalSettings, out_dir: Path, drafter: dict[str, Any] | None
+             ) -> tuple[dict[str, Any], dict[str, Path]]:
+    from eval.report import summarize, write_outputs
+
     answers = {item.id: item.answer for item in items if item.answer}
     block_size = int(served.get("block_size") or 0)
     meta = {"environment": environment(), "target": {"model": served["id"]},
@@ -183,22 +202,31 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
     subprocess of the same recipe. Subprocess logs go to out_dir/server-*.log; servers stop at the end."""
     import contextlib
 
-    from eval.servers import serve_subprocess
+    from eval import servers
 
     if (url is None) == (drafter is None):
         raise ValueError("pass exactly one of --url (a running dflash serve) and --drafter (a run dir or export)")
     out_dir = Path(out_dir).expanduser()
     common = ["--config", config, *(["--api-key", api_key] if api_key else []), *overrides]
-    slots = str(max(settings.concurrency))
+    slots = int(max(settings.concurrency))
+    items = eval_items(settings)
+    # One server at a time: the DFlash phase, then the AR phase (a server started here stops before the next).
     with contextlib.ExitStack() as stack:
         if url is None:
             args = ["--drafter", drafter, *(["--step", step] if step else []),
                     *(["--block-size", str(block_size)] if block_size else [])]
-            url = stack.enter_context(serve_subprocess([*args, *common], out_dir / "server-dflash.log", int(slots)))
+            url = stack.enter_context(servers.serve_subprocess([*args, *common], out_dir / "server-dflash.log", slots))
+        dflash = Client(url, api_key)
+        served = dflash.get("/v1/models")["data"][0]
+        collect({"dflash": dflash}, settings, out_dir, items, progress)
+    with contextlib.ExitStack() as stack:
         if ar_url is None:
-            ar_url = stack.enter_context(serve_subprocess(["--ar", *common], out_dir / "server-ar.log", int(slots)))
-        info = {"path": drafter, "step": step} if drafter else {}
-        return evaluate(url, ar_url, settings, out_dir, drafter=info, api_key=api_key, progress=progress)
+            ar_url = stack.enter_context(servers.serve_subprocess(["--ar", *common], out_dir / "server-ar.log", slots))
+        ar = Client(ar_url, api_key)
+        _check_same_target(ar, served)
+        records = collect({"ar": ar}, settings, out_dir, items, progress)
+    info = {"path": drafter, "step": step} if drafter else {}
+    return _results(records, items, served, url, settings, out_dir, info)
 
 
 __all__ = ["MODES", "EvalSettings", "RecordStore", "collect", "environment", "evaluate", "run_eval", "warm_up"]

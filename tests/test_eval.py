@@ -134,3 +134,36 @@ def test_report_statistics_on_known_records():
     assert s["accuracy"] == {"dflash": 0.5, "ar": 1.0}
     assert r["concurrency"]["1"]["throughput_ratio"] == pytest.approx(2.0)
     assert final_answer("x = \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}" and final_answer("no digits") is None
+
+
+def test_run_eval_starts_one_server_at_a_time(tiny, served, monkeypatch, tmp_path):
+    """`dflash eval --drafter` starts its DFlash server, sends it every request, stops it, and only then
+    starts the AR server: on an accelerator host two servers would claim the same chips. The results are
+    those of the servers side by side."""
+    import contextlib
+
+    from eval import servers
+    from eval.run import run_eval
+
+    recipe, target, drafter, directory = tiny
+    live, most, started = [0], [0], []
+
+    @contextlib.contextmanager
+    def fake_subprocess(args, log, slots):
+        ar = "--ar" in args
+        started.append("ar" if ar else "dflash")
+        live[0] += 1
+        most[0] = max(most[0], live[0])
+        try:
+            with serve_in_process(target, None if ar else drafter, slots=2, max_len=recipe.target.max_seq_len) as url:
+                yield url
+        finally:
+            live[0] -= 1
+
+    monkeypatch.setattr(servers, "serve_subprocess", fake_subprocess)
+    _, _, _, (_, _, settings) = served
+    results, _ = run_eval(settings, tmp_path / "eval", drafter=str(directory), config="tiny", progress=False)
+    assert started == ["dflash", "ar"] and most[0] == 1
+    reference, _, _, _ = served
+    assert results["headline"]["mismatches"] == 0
+    assert results["headline"]["tau"] == reference["headline"]["tau"]
