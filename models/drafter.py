@@ -29,6 +29,7 @@ from models.decoder import (
     attend,
     embed,
     forward,
+    head_matrix,
     logits_from_normed,
     rms_norm,
     rope_tables,
@@ -108,15 +109,19 @@ class DraftVocab:
         return path
 
     @classmethod
-    def read(cls, directory: str | Path) -> DraftVocab | None:
-        """`<directory>/draft_vocab.json`, or None when the drafter has none (full-vocabulary proposals)."""
+    def read(cls, directory: str | Path, vocab_size: int | None = None) -> DraftVocab | None:
+        """`<directory>/draft_vocab.json`, or None when the drafter has none (full-vocabulary proposals);
+        with `vocab_size`, checked to fit the target's vocabulary."""
         path = Path(directory) / DRAFT_VOCAB_FILE
         if not path.is_file():
             return None
         record = json.loads(path.read_text())
         require(record.get("draft_vocab_size") == len(record.get("ids", ())), str(path), record.get("draft_vocab_size"),
                 "equal the number of ids it lists")
-        return cls(np.asarray(record["ids"], np.int64))
+        vocab = cls(np.asarray(record["ids"], np.int64))
+        if vocab_size is not None:
+            vocab.check_fits(vocab_size, str(directory))
+        return vocab
 
 
 def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: int | None = None) -> DrafterArch:
@@ -444,7 +449,8 @@ def init_from_target(drafter: DFlashDrafter, target_params: Params, target_cfg: 
     layers = target_params["layers"]
     copy = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
             "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
-    for layer, src in zip(drafter.layers, target_init_layers(arch), strict=True):
+    sources = target_init_layers(arch)
+    for layer, src in zip(drafter.layers, sources, strict=True):
         for path, name in copy.items():
             module = layer
             for part in path.split("."):
@@ -457,7 +463,7 @@ def init_from_target(drafter: DFlashDrafter, target_params: Params, target_cfg: 
             layer.self_attn.k_norm.weight[...] = jnp.asarray(layers["k_norm"][src], jnp.float32)
     d, f = arch.hidden_size, arch.num_features
     drafter.fc.kernel[...] = jnp.zeros((f * d, d), jnp.float32).at[(f - 1) * d:].set(jnp.eye(d, dtype=jnp.float32))
-    drafter.hidden_norm.weight[...] = jnp.asarray(layers["attn_norm"][target_init_layers(arch)[0]], jnp.float32)
+    drafter.hidden_norm.weight[...] = jnp.asarray(layers["attn_norm"][sources[0]], jnp.float32)
     drafter.norm.weight[...] = jnp.asarray(target_params["final_norm"], jnp.float32)
 
 
@@ -501,12 +507,12 @@ def mask_token_embeds(target_params: Params, start_tokens_B: jax.Array, block_si
     return embed(target_params, block_token_ids(start_tokens_B, block_size, mask_token_id))
 
 
-def draft_head_rows(target_params: Params, target_cfg: DecoderConfig, vocab: DraftVocab) -> jax.Array:
-    """The target LM head's rows [V', D] of the draft vocabulary (gathered once, when the engine is built)."""
-    ids = jnp.asarray(vocab.ids)
-    if target_cfg.tie_word_embeddings:
-        return jnp.take(target_params["embed"], ids, axis=0)
-    return jnp.take(target_params["lm_head"], ids, axis=1).T
+def draft_head_rows(target_params: Params, target_cfg: DecoderConfig, token_ids: Any) -> jax.Array:
+    """The target LM head's rows [V', D] (vocab-major) of `token_ids`: the draft vocabulary's head, gathered
+    once (when the engine is built, or the training vocabulary's when a run starts)."""
+    ids = jnp.asarray(token_ids, jnp.int32)
+    head, vocab_major = head_matrix(target_params, target_cfg)
+    return head[ids] if vocab_major else head[:, ids].T
 
 
 def drafter_logits(target_params: Params, target_cfg: DecoderConfig, hidden_BxQxD: jax.Array) -> jax.Array:

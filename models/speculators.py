@@ -149,9 +149,7 @@ def load_speculators(directory: str | Path, target_cfg: DecoderConfig,
                                  target_cfg.num_layers)
     check_import(arch, target_cfg, str(directory), expect)
     drafter = drafter_from_tensors(arch, read_tensors(directory), str(directory), ignored=VERIFIER_FILLED)
-    drafter.draft_vocab = DraftVocab.read(directory)
-    if drafter.draft_vocab is not None:
-        drafter.draft_vocab.check_fits(target_cfg.vocab_size, str(directory))
+    drafter.draft_vocab = DraftVocab.read(directory, target_cfg.vocab_size)
     return drafter
 
 

@@ -290,9 +290,7 @@ def load_zlab(directory: str | Path, target_cfg: DecoderConfig, expect: DrafterA
     arch = arch_from_zlab(read_config(directory), str(directory / "config.json"), target_cfg.family)
     check_import(arch, target_cfg, str(directory), expect)
     drafter = drafter_from_tensors(arch, read_tensors(directory), str(directory))
-    drafter.draft_vocab = DraftVocab.read(directory)
-    if drafter.draft_vocab is not None:
-        drafter.draft_vocab.check_fits(target_cfg.vocab_size, str(directory))
+    drafter.draft_vocab = DraftVocab.read(directory, target_cfg.vocab_size)
     return drafter
 
 

@@ -54,7 +54,7 @@ class Models:
         if vocab is None:
             return cls(target_params, params, target_cfg, graphdef)
         vocab.check_fits(target_cfg.vocab_size, "the drafter's")
-        return cls(target_params, params, target_cfg, graphdef, draft_head_rows(target_params, target_cfg, vocab),
+        return cls(target_params, params, target_cfg, graphdef, draft_head_rows(target_params, target_cfg, vocab.ids),
                    jnp.asarray(vocab.ids))
 
     def drafter(self) -> DFlashDrafter | None:

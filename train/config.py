@@ -34,7 +34,7 @@ class TrainConfig:
              architecture must equal the recipe's (every differing field is named). Ignored on resume.
     layer_init: how a fresh run (no init_from) starts the drafter: `random`, or `target`: its layers copy the
              target's layers right after the deepest captured feature layer, fc selects that feature and the
-             norms are the target's (`models.drafter.init_from_target`; docs/decisions.md D25).
+             norms are the target's (`models.drafter.init_from_target`; docs/decisions.md D24).
     steps / batch_size / num_anchors: updates, sequences per update (global), anchors (blocks) per
              sequence (N).
     lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping.

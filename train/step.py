@@ -21,7 +21,7 @@ from flax import nnx
 
 from models.config import DecoderConfig
 from models.decoder import Params, embed, head_matrix
-from models.drafter import BlockVisibility, DFlashDrafter, DrafterArch, online_features
+from models.drafter import BlockVisibility, DFlashDrafter, DrafterArch, draft_head_rows, online_features
 from train.objective import Blocks, Objective, build_blocks_batch, head_loss, sample_anchors_batch
 
 Metrics = dict[str, jax.Array]
@@ -101,10 +101,9 @@ TRAIN_HEAD, TRAIN_LABEL_MAP = "train_head", "train_label_map"
 def with_train_vocab(target_params: Params, target_cfg: DecoderConfig, token_ids: Any) -> Params:
     """`target_params` plus the LM head restricted to `token_ids` ([V', D], vocab-major) and the label map
     token -> row (-1 outside): the step's loss then runs its softmax over those V' tokens only
-    (`train.head_vocab`, docs/decisions.md D19). Inference always uses the full head."""
+    (`train.head_vocab`, docs/decisions.md D19); the served drafter proposes over the same rows (D24)."""
     ids = jnp.asarray(token_ids, jnp.int32)
-    head, vocab_major = head_matrix(target_params, target_cfg)
-    rows = head[ids] if vocab_major else head[:, ids].T
+    rows = draft_head_rows(target_params, target_cfg, ids)
     label_map = jnp.full((target_cfg.vocab_size,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
     return {**target_params, TRAIN_HEAD: rows, TRAIN_LABEL_MAP: label_map}
 
