@@ -9,7 +9,7 @@ Each variant is `NAME:override,override,...` on top of the recipe (its offline f
 loss and the drafter depth do not change what is captured). Every variant trains the same number of block
 tokens (steps = block_tokens / (batch x anchors x K), so a wider K gets fewer anchors' worth of steps at the
 same compute), into runs/study/<NAME>, with the recipe's real-τ evaluation at the end (`train.eval_every` =
-the last step). Reported per variant: real τ pooled and per set, acceptance by draft position, wall time.
+the last step, or every `--eval-every` steps as well). Reported per variant: real τ pooled and per set, acceptance by draft position, wall time.
 A rerun resumes finished variants (their runs are complete). `--write` records the table in
 docs/benchmarks.md under a section named after the variants.
 """
@@ -33,6 +33,19 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, [o for o in overrides.split(",") if o]
 
 
+def last_eval(run_dir: Path, step: int) -> dict:
+    """The real-τ evaluation at `step` (the run's last) from its metrics.jsonl: {tau, tau_per_set,
+    accept_per_position} (equal compute: the last step, not the run's best)."""
+    for line in reversed((run_dir / "metrics.jsonl").read_text().splitlines()):
+        record = json.loads(line)
+        if record.get("step") == step and "eval/tau" in record:
+            sets = {k.removeprefix("eval/tau/"): v for k, v in record.items() if k.startswith("eval/tau/")}
+            accept = [record[k] for k in sorted((k for k in record if k.startswith("eval/accept_pos_")),
+                                                key=lambda k: int(k.rsplit("_", 1)[1]))]
+            return {"tau": record["eval/tau"], "tau_per_set": sets, "accept_per_position": accept}
+    raise SystemExit(f"{run_dir}: no real-τ evaluation at step {step} in metrics.jsonl")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="smollm2")
@@ -40,6 +53,9 @@ def main() -> None:
     parser.add_argument("--variant", type=parse_variant, action="append", required=True)
     parser.add_argument("--eval-prompts", type=int, default=2)
     parser.add_argument("--eval-tokens", type=int, default=64)
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="also evaluate every N steps (a τ-vs-compute curve per variant: "
+                             "benchmarks/tau_vs_compute.py runs/study/*); default: the last step only")
     parser.add_argument("--out", type=Path, default=Path("runs/study"))
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
@@ -56,15 +72,15 @@ def main() -> None:
         probe = load_recipe(args.recipe, overrides)
         per_step = probe.train.batch_size * probe.train.num_anchors * probe.drafter.block_size
         steps = max(1, args.block_tokens // per_step)
-        recipe = load_recipe(args.recipe, [*overrides, f"train.steps={steps}", f"train.eval_every={steps}",
+        every = args.eval_every if 0 < args.eval_every < steps else steps
+        recipe = load_recipe(args.recipe, [*overrides, f"train.steps={steps}", f"train.eval_every={every}",
                                            f"train.save_every={steps}", f"train.run_dir={args.out / name}",
                                            f"train.eval_prompts={args.eval_prompts}",
                                            f"train.eval_tokens={args.eval_tokens}"])
         t0 = time.perf_counter()
-        result = run_training(recipe, target=target, progress=True)
-        best = result.best or json.loads((args.out / name / "best" / "best.json").read_text())
+        run_training(recipe, target=target, progress=True)
         rows.append({"name": name, "overrides": overrides, "steps": steps, "block_tokens": steps * per_step,
-                     "seconds": time.perf_counter() - t0, **best})
+                     "seconds": time.perf_counter() - t0, **last_eval(args.out / name, steps)})
         print(json.dumps(rows[-1]), flush=True)
     sets = sorted({s for r in rows for s in r["tau_per_set"]})
     head = "| variant | overrides | steps | block tokens | wall (min) | real τ | "

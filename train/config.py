@@ -43,7 +43,8 @@ class TrainConfig:
     gamma: loss decay of DESIGN §4.2 (0 = chosen from the block size). dpace_alpha: D-PACE's confidence floor.
     head_chunk: rows per chunk of the LM head + cross-entropy (0 = about 128 MiB of fp32 logits per chunk).
     head_vocab: train the softmax over the `head_vocab` most frequent tokens of the training answers (labels
-             outside it are left out), 0 = the full vocabulary; inference always uses the full head.
+             outside it are left out), 0 = the full vocabulary; the served drafter proposes over the same
+             tokens (its draft vocabulary, `models.drafter.DraftVocab`; docs/decisions.md D24).
     compute_dtype: forward dtype (master params and optimizer state are always fp32).
     save_every / keep_checkpoints: checkpoint cadence (the last step is always saved) and retention.
     log_every: metrics cadence (metrics.jsonl, TensorBoard, wandb).
