@@ -393,9 +393,10 @@ def test_bad_specs_name_the_field(obj, message: str) -> None:
         parse_mix(obj)
 
 
-def test_packaged_regenerated_set_matches_its_recorded_hashes() -> None:
-    """data.source=smollm2_mix: the shipped file is the one its meta records (sha256 of the .xz and of the
-    sorted JSONL), every record is a first-turn answer, and training reads all of them."""
+@pytest.mark.parametrize("name", sorted(packaged.PACKAGED_REGENERATED))
+def test_packaged_regenerated_set_matches_its_recorded_hashes(name) -> None:
+    """data.source=smollm2_mix (and _mix2): the shipped file is the one its meta records (sha256 of the .xz
+    and of the sorted JSONL), every record is a first-turn answer, and training reads all of them."""
     import hashlib
     import json
     import lzma
@@ -403,14 +404,30 @@ def test_packaged_regenerated_set_matches_its_recorded_hashes() -> None:
     from data.config import DataConfig
     from data.examples import training_conversations
 
-    path = packaged.packaged_regenerated_path("smollm2_mix")
-    meta = json.loads(path.with_name("smollm2-mix.meta.json").read_text())
+    path = packaged.packaged_regenerated_path(name)
+    meta = json.loads(path.with_name(path.name.removesuffix(".jsonl.xz") + ".meta.json").read_text())
+    assert meta["name"] == name
     packed = path.read_bytes()
     assert hashlib.sha256(packed).hexdigest() == meta["xz_sha256"]
     assert hashlib.sha256(lzma.decompress(packed)).hexdigest() == meta["jsonl_sha256"]
-    conversations = training_conversations(DataConfig(source="smollm2_mix"))
+    conversations = training_conversations(DataConfig(source=name))
     assert len(conversations) == meta["conversations"] > 1000
     assert all([m["role"] for m in c][-2:] == ["user", "assistant"] for c in conversations)
     assert path.stat().st_size < 5 * 2**20
     with pytest.raises(ValueError, match="packaged regenerated sets"):
         packaged.packaged_regenerated_path("nope")
+
+
+def test_the_larger_packaged_set_extends_the_smaller_one() -> None:
+    """smollm2_mix2 answers the recipe's draw of 2,400 prompts, a superset of smollm2_mix's 1,200: every
+    conversation of smollm2_mix is in it unchanged (greedy regeneration resumed by id)."""
+    import json
+    import lzma
+
+    def records(name: str) -> dict[str, dict]:
+        text = lzma.decompress(packaged.packaged_regenerated_path(name).read_bytes()).decode()
+        return {r["id"]: r for r in map(json.loads, text.split("\n")[:-1])}
+
+    small, large = records("smollm2_mix"), records("smollm2_mix2")
+    assert len(large) >= 2 * len(small) - 100
+    assert all(large.get(key) == record for key, record in small.items())

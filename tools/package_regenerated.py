@@ -1,13 +1,14 @@
 """Package a `dflash data regenerate` output as a training set shipped in the repo (data/assets/regenerated).
 
     .venv/bin/python tools/package_regenerated.py runs/smollm2/data/regenerated.jsonl \
-        data/assets/regenerated/smollm2-mix.jsonl.xz --name smollm2_mix --recipe smollm2
+        data/assets/regenerated/smollm2-mix.jsonl.xz --name smollm2_mix --recipe smollm2 [data.max_prompts=2400 ...]
 
 Writes NAME.jsonl.xz (the records sorted by id, so the file does not depend on the order replies finished in;
 xz preset 9) and NAME.meta.json beside it: the producing command (`dflash data regenerate --config RECIPE`),
 the regeneration settings and tokenizer fingerprint (from the output's .meta.json), counts per source,
 tokens, and the sha256 of both the uncompressed sorted JSONL and the .xz file. Only the ids of the
-recipe's prompt mix are kept (an output directory reused across settings may hold others).
+recipe's prompt mix are kept (an output directory reused across settings may hold others); overrides
+(`section.key=value`, as given to `dflash data regenerate`) change the recipe's mix the same way.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from configs.recipe import load_recipe  # noqa: E402
 from data.sources import mix, parse_mix  # noqa: E402
 
 
-def mix_ids(recipe: str) -> set[str]:
-    """The item ids of the recipe's prompt mix (what `dflash data regenerate --config RECIPE` answers)."""
-    cfg = load_recipe(recipe).data
+def mix_ids(recipe: str, overrides: list[str]) -> set[str]:
+    """The item ids of the recipe's prompt mix (what `dflash data regenerate --config RECIPE [overrides]` answers)."""
+    cfg = load_recipe(recipe, overrides).data
     spec = dataclasses.replace(parse_mix(cfg.prompts), max_prompts=cfg.max_prompts, dedup=cfg.dedup, seed=cfg.seed)
     return {item["id"] for item in mix(spec)[0]}
 
@@ -40,7 +41,8 @@ def main() -> int:
     parser.add_argument("out", type=Path, help="the .jsonl.xz to write")
     parser.add_argument("--name", required=True, help="the set's name (data.source value)")
     parser.add_argument("--recipe", required=True, help="the recipe whose `dflash data regenerate` produced SOURCE")
-    args = parser.parse_args()
+    parser.add_argument("overrides", nargs="*", help="the section.key=value overrides that regeneration was given")
+    args = parser.parse_intermixed_args()
     if args.out.suffixes[-2:] != [".jsonl", ".xz"]:
         parser.error(f"out must end in .jsonl.xz; received {args.out}")
     meta_in = args.source.with_name(args.source.name + ".meta.json")
@@ -48,7 +50,8 @@ def main() -> int:
         parser.error(f"source must be a regenerate output with its .meta.json; missing {args.source} or {meta_in}")
     data = args.source.read_bytes()
     records = [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
-    wanted = mix_ids(args.recipe)
+    wanted = mix_ids(args.recipe, args.overrides)
+    data_cfg = load_recipe(args.recipe, args.overrides).data
     dropped = sum(r["id"] not in wanted for r in records)
     records = sorted((r for r in records if r["id"] in wanted), key=lambda r: r["id"])
     text = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records).encode()
@@ -58,9 +61,9 @@ def main() -> int:
     turns = [m for r in records for m in r["messages"] if m["role"] == "assistant"]
     meta = {
         "name": args.name,
-        "command": f"dflash data regenerate --config {args.recipe}",
-        "prompts": f"data.prompts={load_recipe(args.recipe).data.prompts!r}, data.max_prompts="
-                   f"{load_recipe(args.recipe).data.max_prompts}, data.seed={load_recipe(args.recipe).data.seed}",
+        "command": " ".join(["dflash data regenerate --config", args.recipe, *args.overrides]),
+        "prompts": f"data.prompts={data_cfg.prompts!r}, data.max_prompts={data_cfg.max_prompts}, "
+                   f"data.seed={data_cfg.seed}",
         "records_not_in_the_mix_dropped": dropped,
         "regeneration": json.loads(meta_in.read_text()),
         "conversations": len(records),
