@@ -29,12 +29,13 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     meta = json.loads((run_dir / "checkpoints" / str(steps[0]) / "meta" / "metadata").read_text())
     train, drafter = meta["recipe"]["train"], meta["recipe"]["drafter"]
     per_step = train["batch_size"] * train["num_anchors"] * drafter["block_size"]
+    from train.real_eval import eval_from_record
+
     points = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        taus = {k.removeprefix("eval/tau/"): v for k, v in record.items() if k.startswith("eval/tau/")}
-        if "eval/tau" in record:
-            points.append((record["step"], {"all": record["eval/tau"], **taus}))
+        if (found := eval_from_record(record)) is not None:
+            points.append((record["step"], {"all": found["tau"], **found["tau_per_set"]}))
     label = f"{run_dir.name}: {drafter['num_layers']} layers, K={drafter['block_size']}, {train['loss']}" \
         if "loss" in train else f"{run_dir.name}: {drafter['num_layers']} layers, K={drafter['block_size']}"
     return {"label": label, "per_step": per_step, "points": points}

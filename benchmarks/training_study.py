@@ -9,7 +9,8 @@ Each variant is `NAME:override,override,...` on top of the recipe (its offline f
 loss and the drafter depth do not change what is captured). Every variant trains the same number of block
 tokens (steps = block_tokens / (batch x anchors x K), so a wider K gets fewer anchors' worth of steps at the
 same compute), into runs/study/<NAME>, with the recipe's real-τ evaluation at the end (`train.eval_every` =
-the last step, or every `--eval-every` steps as well). Reported per variant: real τ pooled and per set, acceptance by draft position, wall time.
+the last step, or every `--eval-every` steps as well). Reported per variant: real τ pooled and per set,
+acceptance by draft position, wall time.
 A rerun resumes finished variants (their runs are complete). `--write` records the table in
 docs/benchmarks.md under a section named after the variants.
 """
@@ -36,13 +37,12 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 def last_eval(run_dir: Path, step: int) -> dict:
     """The real-τ evaluation at `step` (the run's last) from its metrics.jsonl: {tau, tau_per_set,
     accept_per_position} (equal compute: the last step, not the run's best)."""
+    from train.real_eval import eval_from_record
+
     for line in reversed((run_dir / "metrics.jsonl").read_text().splitlines()):
         record = json.loads(line)
-        if record.get("step") == step and "eval/tau" in record:
-            sets = {k.removeprefix("eval/tau/"): v for k, v in record.items() if k.startswith("eval/tau/")}
-            accept = [record[k] for k in sorted((k for k in record if k.startswith("eval/accept_pos_")),
-                                                key=lambda k: int(k.rsplit("_", 1)[1]))]
-            return {"tau": record["eval/tau"], "tau_per_set": sets, "accept_per_position": accept}
+        if record.get("step") == step and (found := eval_from_record(record)) is not None:
+            return found
     raise SystemExit(f"{run_dir}: no real-τ evaluation at step {step} in metrics.jsonl")
 
 

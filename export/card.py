@@ -79,9 +79,9 @@ def _eval_section(results: dict[str, Any] | None, source: str | None) -> list[st
     return lines + [""]
 
 
-
 def _examples(max_examples: object) -> str:
     return "every example" if not max_examples else f"up to {max_examples} examples"
+
 
 def _training_section(meta: dict[str, Any] | None, step: int | None, best: bool) -> list[str]:
     lines = ["## Training", ""]

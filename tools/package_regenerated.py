@@ -25,12 +25,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from configs.recipe import load_recipe  # noqa: E402
+from data.config import DataConfig  # noqa: E402
 from data.sources import mix, parse_mix  # noqa: E402
 
 
-def mix_ids(recipe: str, overrides: list[str]) -> set[str]:
-    """The item ids of the recipe's prompt mix (what `dflash data regenerate --config RECIPE [overrides]` answers)."""
-    cfg = load_recipe(recipe, overrides).data
+def mix_ids(cfg: DataConfig) -> set[str]:
+    """The item ids of a recipe's prompt mix (what `dflash data regenerate` answers with that data section)."""
     spec = dataclasses.replace(parse_mix(cfg.prompts), max_prompts=cfg.max_prompts, dedup=cfg.dedup, seed=cfg.seed)
     return {item["id"] for item in mix(spec)[0]}
 
@@ -50,8 +50,8 @@ def main() -> int:
         parser.error(f"source must be a regenerate output with its .meta.json; missing {args.source} or {meta_in}")
     data = args.source.read_bytes()
     records = [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
-    wanted = mix_ids(args.recipe, args.overrides)
     data_cfg = load_recipe(args.recipe, args.overrides).data
+    wanted = mix_ids(data_cfg)
     dropped = sum(r["id"] not in wanted for r in records)
     records = sorted((r for r in records if r["id"] in wanted), key=lambda r: r["id"])
     text = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records).encode()

@@ -164,5 +164,16 @@ class RealTauEval:
         return out
 
 
+def eval_from_record(record: dict[str, Any]) -> dict[str, Any] | None:
+    """A metrics.jsonl record's real-τ evaluation as {tau, tau_per_set, accept_per_position} (the inverse of
+    `RealTauEval`'s `eval/...` keys), or None for a record without one."""
+    if "eval/tau" not in record:
+        return None
+    sets = {k.removeprefix("eval/tau/"): v for k, v in record.items() if k.startswith("eval/tau/")}
+    positions = sorted(int(k.removeprefix("eval/accept_pos_")) for k in record if k.startswith("eval/accept_pos_"))
+    return {"tau": record["eval/tau"], "tau_per_set": sets,
+            "accept_per_position": [record[f"eval/accept_pos_{i}"] for i in positions]}
+
+
 __all__ = ["BEST_DIR", "BEST_JSON", "EvalPrompt", "RealTauEval", "decode_max_len", "drafter_from_state",
-           "eval_prompts", "read_best", "real_tau", "save_best"]
+           "eval_from_record", "eval_prompts", "read_best", "real_tau", "save_best"]
