@@ -125,3 +125,17 @@ def test_a_missing_best_drafter_says_to_set_eval_every(tmp_path):
         load_drafter(tmp_path / "checkpoints", None, step="best")
     with pytest.raises(ValueError, match="'latest'"):
         load_drafter(tmp_path, None, step="latest")
+
+
+def test_eval_prompts_skip_takes_the_items_after_the_first_ones():
+    """`skip` (benchmarks/drafter_tau.py's held-out items) offsets into each set, set by set, in order."""
+    from models.registry import default_gguf_path
+    from models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_gguf_path())
+    sets = ("gsm8k", "mtbench")
+    first = eval_prompts(tokenizer, sets, 3)
+    later = eval_prompts(tokenizer, sets, 2, skip=1)
+    assert [p.set for p in later] == ["gsm8k", "gsm8k", "mtbench", "mtbench"]
+    assert later == first[1:3] + first[4:6]
+    assert first[0] not in later and first[3] not in later

@@ -44,11 +44,12 @@ class EvalPrompt:
     ids: tuple[int, ...]
 
 
-def eval_prompts(tokenizer: ChatTokenizer, sets: Sequence[str], per_set: int) -> list[EvalPrompt]:
-    """The first `per_set` items of each evaluation set, first turn only, chat-templated for generation."""
+def eval_prompts(tokenizer: ChatTokenizer, sets: Sequence[str], per_set: int, skip: int = 0) -> list[EvalPrompt]:
+    """Items `skip` .. `skip + per_set - 1` of each evaluation set (default the first `per_set`), first turn
+    only, chat-templated for generation."""
     prompts = []
     for name in sets:
-        for item in load_eval_set(name, per_set):
+        for item in load_eval_set(name, skip + per_set)[skip:]:
             ids = tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}], add_generation_prompt=True)
             prompts.append(EvalPrompt(name, tuple(int(t) for t in ids)))
     return prompts

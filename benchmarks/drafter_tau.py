@@ -1,0 +1,87 @@
+"""Drafters side by side on the same held-out prompts: real greedy τ of the engine per set, per drafter.
+
+    .venv/bin/python benchmarks/drafter_tau.py --config smollm2 \
+        --drafter shipped=data/assets/drafters/smollm2-dflash --drafter mix2=runs/mix2 \
+        [--sets gsm8k,mtbench,humaneval,math500,mbpp] [--skip 8] [--per-set 6] [--tokens 128] [--write]
+
+A drafter is NAME=PATH[@STEP]: an exported directory, or a run dir (latest checkpoint, a step, or `best`).
+Every drafter decodes the same prompts (items `--skip` .. `--skip + --per-set - 1` of each set, first turn,
+greedy, in one batch) with the serving engine and the recipe's target, so the comparison holds the prompts,
+the target and the engine fixed. The default `--skip 8` leaves out the items that training's in-loop
+evaluation (`train.eval_prompts`, the first 2) and `dflash eval` (`--limit`, default 8) look at, so a
+drafter picked by either is not measured on the prompts it was picked on. τ is deterministic for greedy
+decoding, so unlike a speed ratio it can be compared across runs and machines. `--write` records the table
+in docs/benchmarks.md under a section named after the drafters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SETS = "gsm8k,mtbench,humaneval,math500,mbpp"
+
+
+def parse_drafter(text: str) -> tuple[str, str, str | None]:
+    name, sep, where = text.partition("=")
+    if not sep or not name or not where or not name.replace("-", "").replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"a drafter is NAME=PATH[@STEP]; received {text!r}")
+    path, _, step = where.partition("@")
+    return name, path, step or None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="smollm2", help="recipe whose target decodes (default smollm2)")
+    parser.add_argument("--drafter", type=parse_drafter, action="append", required=True)
+    parser.add_argument("--sets", default=SETS, help=f"comma-separated evaluation sets (default {SETS})")
+    parser.add_argument("--skip", type=int, default=8, help="items left out at the start of each set")
+    parser.add_argument("--per-set", type=int, default=6, help="prompts per set")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    if args.skip < 0 or args.per_set < 1 or args.tokens < 1:
+        parser.error("--skip must be >= 0, --per-set and --tokens >= 1")
+
+    from benchmarks._report import machine, write_section
+    from configs.recipe import load_recipe
+    from models.drafter_io import load_drafter
+    from models.target import load_target
+    from train.real_eval import eval_prompts, real_tau
+
+    recipe = load_recipe(args.config)
+    target = load_target(recipe.target)
+    sets = [s for s in args.sets.split(",") if s]
+    prompts = eval_prompts(target.tokenizer, sets, args.per_set, skip=args.skip)
+    rows = []
+    for name, path, step in args.drafter:
+        drafter = load_drafter(path, target.cfg, step=step)
+        found = real_tau(target, drafter, prompts, args.tokens)
+        rows.append({"name": name, "path": path, "step": step, "block_size": drafter.arch.block_size, **found})
+        print(json.dumps(rows[-1]), flush=True)
+
+    lines = ["| drafter | K | real τ | " + " | ".join(f"τ {s}" for s in sets) + " | acceptance by position |",
+             "|---|---|---|" + "---|" * len(sets) + "---|"]
+    for r in rows:
+        where = r["path"] + (f"@{r['step']}" if r["step"] else "")
+        accept = " ".join(f"{a:.2f}" for a in r["accept_per_position"])
+        lines.append(f"| {r['name']} (`{where}`) | {r['block_size']} | {r['tau']:.2f} | "
+                     + " | ".join(f"{r[f'tau/{s}']:.2f}" for s in sets) + f" | {accept} |")
+    command = shlex.join([".venv/bin/python", "benchmarks/drafter_tau.py", *sys.argv[1:]])
+    body = "\n".join([f"## Drafters on held-out prompts: {' vs '.join(r['name'] for r in rows)}", "",
+                      f"`{command}` on {machine()}; target of recipe `{args.config}`; items {args.skip}-"
+                      f"{args.skip + args.per_set - 1} of each set (first turn), greedy, {args.tokens} new tokens, "
+                      "one batch through the serving engine; τ = (accepted + 1) per verify step, pooled.", "",
+                      *lines])
+    print(body)
+    if args.write:
+        print(f"written to {write_section('drafter_tau_' + '_'.join(r['name'] for r in rows), body)}")
+
+
+if __name__ == "__main__":
+    main()
