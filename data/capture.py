@@ -16,6 +16,10 @@ positions < n do not depend on the padding after them (causal attention), so the
 the online features of the same row in any training batch, up to the floating-point effects of a
 different batch shape (none on the CPU backend in our test).
 
+With `target_labels` the same forward also runs the LM head, and each record stores the target's greedy
+token after every position (`Sample.next_ids`): the labels of `data.labels: target`, which make reference
+answers (not regenerated) teach the target's own choices.
+
 A rerun over the same examples into the same directory resumes at the first unfinished shard; a rerun with
 another target, tokenizer, layer ids, seq_len, shard size or other examples (`examples_hash`) raises a
 ManifestMismatchError naming every differing field. One process captures; on a pod, give each host its
@@ -47,7 +51,8 @@ from data.shards import (
     writer_options,
 )
 from models.config import DecoderConfig, check_layer_ids
-from models.drafter import online_features
+from models.decoder import forward
+from models.drafter import concat_features, online_features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +114,17 @@ def _features_bf16(target_params: Any, tokens_BxS: jax.Array, *, target_cfg: Dec
     return online_features(target_params, target_cfg, tokens_BxS, layer_ids).astype(jnp.bfloat16)
 
 
+@partial(jax.jit, static_argnames=("target_cfg", "layer_ids"))
+def _features_and_next_ids(target_params: Any, tokens_BxS: jax.Array, *, target_cfg: DecoderConfig,
+                           layer_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """(features [B, S, F*D] bf16 as `_features_bf16`, next ids int32 [B, S]: the target's greedy token after
+    each position, the argmax of its logits there) from one target forward."""
+    logits_BxSxV, feats_FxBxSxD = forward(jax.lax.stop_gradient(target_params), target_cfg, tokens_BxS,
+                                          layer_ids=layer_ids)
+    return (concat_features(feats_FxBxSxD).astype(jnp.bfloat16),
+            jnp.argmax(logits_BxSxV, axis=-1).astype(jnp.int32))
+
+
 def capture(
     target_params: Any,
     target_cfg: DecoderConfig,
@@ -123,6 +139,7 @@ def capture(
     compression: str = "uncompressed",
     verify_existing: bool = True,
     progress: bool = True,
+    target_labels: bool = False,
 ) -> CaptureReport:
     """Capture target features of `examples` into `out_dir` (resuming an interrupted capture); see module.
 
@@ -131,6 +148,8 @@ def capture(
     provenance: `Provenance.of_target(target)` (or `.of(name, weights fingerprint, tokenizer)`).
     examples: (tokens int32[S], loss_mask float32[S], n) rows with S == seq_len (`data.examples.build_examples`).
     verify_existing: on resume, re-hash kept shards (sha256) rather than only checking their sizes.
+    target_labels: also store the target's greedy next token at every position (`data.labels: target`;
+      the same forward, with the LM head).
     """
     layer_ids = check_layer_ids(tuple(layer_ids), target_cfg.num_layers)
     if batch_size <= 0 or samples_per_shard <= 0 or seq_len <= 0:
@@ -138,7 +157,8 @@ def capture(
                          f"{samples_per_shard}, {seq_len}")
     pad_id = _check_examples(examples, seq_len)
     header = _manifest_header(provenance, target_cfg, examples, layer_ids, seq_len=seq_len, pad_id=pad_id,
-                              samples_per_shard=samples_per_shard, compression=compression)
+                              samples_per_shard=samples_per_shard, compression=compression,
+                              target_labels=target_labels)
     start = time.perf_counter()
     writer = ShardWriter(out_dir, header, verify=verify_existing)
     pending = writer.pending
@@ -148,7 +168,8 @@ def capture(
     bar = tqdm(total=sum(shard_tokens), initial=sum(shard_tokens) - todo, disable=not progress, unit="tok",
                unit_scale=True, dynamic_ncols=True, desc="capture")
     filler = np.full(seq_len, pad_id if pad_id is not None else 0, np.int32)
-    featurize = partial(_features_bf16, target_params, target_cfg=target_cfg, layer_ids=layer_ids)
+    featurize = partial(_features_and_next_ids if target_labels else _features_bf16, target_params,
+                        target_cfg=target_cfg, layer_ids=layer_ids)
     try:
         for shard in pending:
             lo = shard * samples_per_shard
@@ -166,7 +187,7 @@ def capture(
 
 def _manifest_header(provenance: Provenance, target_cfg: DecoderConfig, examples: Sequence[Example],
                      layer_ids: tuple[int, ...], *, seq_len: int, pad_id: int | None, samples_per_shard: int,
-                     compression: str) -> Manifest:
+                     compression: str, target_labels: bool = False) -> Manifest:
     """The manifest of this capture before any shard is written (incomplete, no shards, no totals)."""
     num_samples = len(examples)
     return Manifest(
@@ -176,10 +197,11 @@ def _manifest_header(provenance: Provenance, target_cfg: DecoderConfig, examples
         feature_dim=len(layer_ids) * target_cfg.hidden_size, feature_dtype=FEATURE_DTYPE, seq_len=seq_len,
         pad_id=pad_id, examples_hash=examples_hash(examples), num_samples=num_samples,
         samples_per_shard=samples_per_shard, num_shards=-(-num_samples // samples_per_shard),
-        writer_options=writer_options(compression), total_tokens=0, bytes_per_token=0.0, shards=(), created={})
+        writer_options=writer_options(compression), total_tokens=0, bytes_per_token=0.0, shards=(), created={},
+        target_labels=target_labels)
 
 
-def _capture_shard(out: Any, examples: Sequence[Example], rows: list[int], featurize: Callable[[np.ndarray], jax.Array],
+def _capture_shard(out: Any, examples: Sequence[Example], rows: list[int], featurize: Callable[[np.ndarray], Any],
                    filler: np.ndarray,
                    batch_size: int, bar: Any) -> None:
     """Write the samples `rows` of one shard: batches of `batch_size` rows (the last padded with `filler`),
@@ -197,13 +219,17 @@ def _capture_shard(out: Any, examples: Sequence[Example], rows: list[int], featu
         bar.update(_write_batch(out, examples, *in_flight))
 
 
-def _write_batch(out: Any, examples: Sequence[Example], chunk: list[int], feats_BxSxFD: jax.Array) -> int:
-    """Fetch one batch's features and write its samples' first n positions; returns the tokens written."""
+def _write_batch(out: Any, examples: Sequence[Example], chunk: list[int], feats: Any) -> int:
+    """Fetch one batch's features (and next ids, with target labels) and write its samples' first n
+    positions; returns the tokens written."""
+    feats_BxSxFD, next_BxS = feats if isinstance(feats, tuple) else (feats, None)
     host = np.asarray(feats_BxSxFD)
+    next_host = None if next_BxS is None else np.asarray(next_BxS)
     written = 0
     for row, i in enumerate(chunk):
         tokens_S, loss_mask_S, n = examples[i]
         n = int(n)
-        out.write(np.asarray(tokens_S[:n], np.int32), np.asarray(loss_mask_S[:n]), host[row, :n])
+        out.write(np.asarray(tokens_S[:n], np.int32), np.asarray(loss_mask_S[:n]), host[row, :n],
+                  None if next_host is None else next_host[row, :n])
         written += n
     return written

@@ -92,6 +92,15 @@ class DataConfig:
                  against the run's target, tokenizer, layer ids and seq_len before the first step).
     seq_len:     tokens per training sequence (longer ones are truncated, shorter padded with an inert tail).
     max_examples: use at most this many training conversations (0 = all).
+    reference:   also train on this many further conversations of the `prompts` mix with their REFERENCE
+                 answers (drawn as `regenerate` draws, after its `max_prompts`, skipping any whose first user
+                 turn is already among the training conversations); 0 = none. With `labels: target` their
+                 labels are the target's own choices, so they teach what regenerated answers teach at the cost
+                 of a capture instead of a regeneration (docs/decisions.md D27).
+    labels:      `text`: each block slot is labelled with the conversation's token there. `target` (offline
+                 only): with the target's own greedy token there, stored by `dflash data capture` (the LM head
+                 runs in the same forward), and only while the block's text agrees with the target's choices
+                 (`train.objective.build_blocks`); on the target's own answers the two are the same.
     shuffle_seed: the training loader's shuffling seed (each epoch is a different permutation).
     prompts:     the prompt mix of `regenerate`, `SOURCE[:WEIGHT],...`: presets (sharegpt, gsm8k, gsm8k_test,
                  math, math_test, math500, humaneval, mtbench, mbpp, mbpp_train), `hf:<dataset id>`, or a local
@@ -109,6 +118,8 @@ class DataConfig:
     features: Literal["online", "offline"] = "online"
     seq_len: int = 512
     max_examples: int = 0
+    reference: int = 0
+    labels: Literal["text", "target"] = "text"
     shuffle_seed: int = 0
     prompts: str = "sharegpt:3,gsm8k:1"
     max_prompts: int = 0
@@ -126,6 +137,9 @@ class DataConfig:
         require(bool(self.prompts.strip()), "data.prompts", self.prompts, "name at least one source")
         require(self.seq_len >= 8, "data.seq_len", self.seq_len, "be at least 8")
         require(self.max_examples >= 0, "data.max_examples", self.max_examples, "be >= 0 (0 = all)")
+        require(self.reference >= 0, "data.reference", self.reference, "be >= 0 (0 = none)")
+        require(self.labels == "text" or self.features == "offline", "data.labels", self.labels,
+                "be 'text' with data.features=online (the target's labels are stored by `dflash data capture`)")
         require(self.max_prompts >= 0, "data.max_prompts", self.max_prompts, "be >= 0 (0 = all)")
         require(self.samples_per_shard >= 1, "data.samples_per_shard", self.samples_per_shard, "be at least 1")
         require(self.capture_batch_size >= 1, "data.capture_batch_size", self.capture_batch_size, "be at least 1")

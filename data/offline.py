@@ -74,12 +74,14 @@ class PadAndStack(grain.transforms.Map):
     seq_len: int
     pad_id: int
     feature_dim: int
+    next_ids: bool = False  # also "next_ids" int32 [B, S] (the target's labels; -1 on padding)
 
     def map(self, samples: list[Sample | None]) -> dict[str, np.ndarray]:
         b = len(samples)
         tokens_BxS = np.full((b, self.seq_len), self.pad_id, np.int32)
         loss_mask_BxS = np.zeros((b, self.seq_len), np.float32)
         features_BxSxFD = np.zeros((b, self.seq_len, self.feature_dim), BF16)
+        next_BxS = np.full((b, self.seq_len), -1, np.int32) if self.next_ids else None
         for i, sample in enumerate(samples):
             if sample is None:
                 continue
@@ -87,8 +89,13 @@ class PadAndStack(grain.transforms.Map):
             tokens_BxS[i, :n] = sample.tokens[:n]
             loss_mask_BxS[i, :n] = sample.loss_mask[:n]
             features_BxSxFD[i, :n] = sample.features[:n]
-        return {"tokens": tokens_BxS, "loss_mask": loss_mask_BxS, "features": features_BxSxFD,
-                _BAD: np.int64(sum(sample is None for sample in samples))}
+            if next_BxS is not None:
+                next_BxS[i, :n] = sample.next_ids[:n]
+        batch = {"tokens": tokens_BxS, "loss_mask": loss_mask_BxS, "features": features_BxSxFD,
+                 _BAD: np.int64(sum(sample is None for sample in samples))}
+        if next_BxS is not None:
+            batch["next_ids"] = next_BxS
+        return batch
 
 
 # ----------------------------------------------------------------------------- the iterator
@@ -173,6 +180,7 @@ def make_offline_batches(
     skip_bad_records: bool = False,
     pad_id: int | None = None,
     verify: bool = False,
+    next_ids: bool = False,
 ) -> OfflineBatches:
     """An endless iterator of `{"tokens": int32[B, S], "loss_mask": float32[B, S], "features": bfloat16[B, S,
     F*D]}` batches of `batch_size` rows for this host.
@@ -191,7 +199,9 @@ def make_offline_batches(
     `ShardError` naming the shard file and record index, or with `skip_bad_records` becomes a padding row
     counted in `OfflineBatches.bad_records`; a shard that cannot be opened at all, or whose record count
     differs from the manifest, always raises. `pad_id` defaults to the capture's padding id (the
-    manifest's `pad_id`).
+    manifest's `pad_id`). `next_ids`: batches also hold `"next_ids"` int32 [B, S], the target's greedy
+    token after each position (-1 on padding), for `data.labels: target`; the capture must have stored
+    them (`Manifest.target_labels`).
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0; received {batch_size}")
@@ -209,6 +219,9 @@ def make_offline_batches(
         if manifest.pad_id is None:
             raise ValueError(f"pad_id must be given: the capture in {shard_dir} has no padded row to take it from")
         pad_id = manifest.pad_id
+    if next_ids and not manifest.target_labels:
+        raise ValueError(f"data.labels=target reads the target's labels, which the capture in {shard_dir} does not "
+                         "hold: capture again with data.labels=target (into a new data.dir)")
     source = RecordSource(shard_dir, manifest)
     width = manifest.feature_dim
 
@@ -218,7 +231,7 @@ def make_offline_batches(
     dataset = dataset.batch(batch_size * shard_count, drop_remainder=True)
     dataset = dataset.map(HostRows(shard_index, batch_size))
     dataset = dataset.map(ReadSamples(source, skip_bad_records))
-    dataset = dataset.map(PadAndStack(seq_len, pad_id, width))
+    dataset = dataset.map(PadAndStack(seq_len, pad_id, width, next_ids))
     return OfflineBatches(dataset, manifest, worker_count)
 
 

@@ -4,7 +4,7 @@ A capture directory holds `manifest.json` (`Manifest`) and `shard-00000.array_re
 (shard i = samples [i*S, (i+1)*S), S = samples_per_shard), one ArrayRecord record per sample (`encode_record`).
 
     writer = ShardWriter(out_dir, header)          # capture (data.capture): atomic per shard, resumes
-    with writer.shard(i) as shard: shard.write(tokens_N, loss_mask_N, features_NxFD)
+    with writer.shard(i) as shard: shard.write(tokens_N, loss_mask_N, features_NxFD[, next_ids_N])
     source = RecordSource(out_dir, load_manifest(out_dir))     # training (data.offline): random access
 
 Storage choices and ArrayRecord's quirks: docs/decisions.md D15.
@@ -38,6 +38,7 @@ READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"  # random access (A
 _HEADER = struct.Struct("<4sHHIIBBBBQ4x")
 HEADER_SIZE = _HEADER.size  # 32
 _TOKENS_CODE, _MASK_CODE, _FEATURES_CODE = 1, 2, 3  # int32, uint8, bfloat16
+_NO_LABELS, _NEXT_IDS_CODE = 0, 1  # the header's labels byte: none, or int32 next ids (`Sample.next_ids`)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _SHARD_NAME = re.compile(r"shard-(\d{5})\.array_record")
 _COMPRESSIONS = re.compile(r"uncompressed|(zstd|brotli)(:-?\d+)?|snappy")
@@ -76,15 +77,17 @@ def file_sha256(path: str | Path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
-    """One stored sample: `tokens` int32[n], `loss_mask` uint8[n] (0/1), `features` bfloat16[n, F*D]."""
+    """One stored sample: `tokens` int32[n], `loss_mask` uint8[n] (0/1), `features` bfloat16[n, F*D], and
+    with target labels `next_ids` int32[n]: the target's greedy token after each position (None without)."""
 
     tokens: np.ndarray
     loss_mask: np.ndarray
     features: np.ndarray
+    next_ids: np.ndarray | None = None
 
 
 def encode_record(sample_index: int, tokens_N: np.ndarray, loss_mask_N: np.ndarray,
-                  features_NxFD: np.ndarray) -> bytes:
+                  features_NxFD: np.ndarray, next_ids_N: np.ndarray | None = None) -> bytes:
     """The record bytes of one sample; arrays are validated, not converted.
 
     `tokens_N` integer [n] (stored int32), `loss_mask_N` [n] of 0/1 values (stored uint8), `features_NxFD`
@@ -95,9 +98,11 @@ def encode_record(sample_index: int, tokens_N: np.ndarray, loss_mask_N: np.ndarr
 
         offset 0   magic b"DFSR", u16 version (1), u16 header size (32), u32 n (tokens), u32 feature_dim
                    (F*D), u8 token dtype (1 = int32), u8 mask dtype (2 = uint8), u8 feature dtype
-                   (3 = bfloat16), u8 reserved (0), u64 sample index (global), 4 bytes reserved (0)
+                   (3 = bfloat16), u8 labels (0 = none, 1 = int32 next ids), u64 sample index (global),
+                   4 bytes reserved (0)
         offset 32  features  bfloat16[n, F*D]   `online_features` of the sample's padded row, first n positions
                    tokens    int32[n]            the real tokens (no padding)
+                   next_ids  int32[n]            only with labels 1: the target's greedy token after each position
                    loss_mask uint8[n]            the assistant-only mask, 0 or 1
 
     n is the sample's number of real tokens: padding is not stored (the loader pads again).
@@ -119,19 +124,26 @@ def encode_record(sample_index: int, tokens_N: np.ndarray, loss_mask_N: np.ndarr
                          f"in [{tokens_N.min()}, {tokens_N.max()}]")
     if not np.isin(loss_mask_N, (0, 1)).all():
         raise ValueError(f"loss_mask must hold only 0 and 1; received values {np.unique(loss_mask_N)[:8].tolist()}")
+    labels = b""
+    if next_ids_N is not None:
+        next_ids_N = np.asarray(next_ids_N)
+        if next_ids_N.shape != (n,) or not np.issubdtype(next_ids_N.dtype, np.integer) or next_ids_N.min() < 0:
+            raise ValueError(f"next_ids must be non-negative integer ids of shape [{n}]; received "
+                             f"{next_ids_N.dtype}{list(next_ids_N.shape)}")
+        labels = next_ids_N.astype("<i4").tobytes()
     header = _HEADER.pack(RECORD_MAGIC, RECORD_VERSION, HEADER_SIZE, n, feature_dim, _TOKENS_CODE, _MASK_CODE,
-                          _FEATURES_CODE, 0, sample_index)
+                          _FEATURES_CODE, _NO_LABELS if next_ids_N is None else _NEXT_IDS_CODE, sample_index)
     return b"".join((header, np.ascontiguousarray(features_NxFD).tobytes(), tokens_N.astype("<i4").tobytes(),
-                     loss_mask_N.astype(np.uint8).tobytes()))
+                     labels, loss_mask_N.astype(np.uint8).tobytes()))
 
 
-def record_size(n: int, feature_dim: int) -> int:
-    """Bytes of one record of n tokens: 32 + n * (2 * F*D + 4 + 1)."""
-    return HEADER_SIZE + n * (2 * feature_dim + 5)
+def record_size(n: int, feature_dim: int, next_ids: bool = False) -> int:
+    """Bytes of one record of n tokens: 32 + n * (2 * F*D + 4 + 1), plus 4n with next ids."""
+    return HEADER_SIZE + n * (2 * feature_dim + 5 + (4 if next_ids else 0))
 
 
 def decode_record(record: bytes, *, feature_dim: int, sample_index: int | None = None,
-                  where: str = "record") -> Sample:
+                  where: str = "record", next_ids: bool | None = None) -> Sample:
     """The `Sample` stored in `record` (format: `encode_record`); raises ShardError (prefixed with `where`,
     the shard file and record index) on any inconsistency.
 
@@ -141,29 +153,35 @@ def decode_record(record: bytes, *, feature_dim: int, sample_index: int | None =
     """
     if len(record) < HEADER_SIZE:
         raise ShardError(f"{where}: must be at least the {HEADER_SIZE}-byte header; received {len(record)} bytes")
-    magic, version, header_size, n, width, tcode, mcode, fcode, _, index = _HEADER.unpack_from(record)
+    magic, version, header_size, n, width, tcode, mcode, fcode, lcode, index = _HEADER.unpack_from(record)
     if magic != RECORD_MAGIC:
         raise ShardError(f"{where}: must start with {RECORD_MAGIC!r}; received {magic!r} (not a feature record)")
     if version != RECORD_VERSION or header_size != HEADER_SIZE:
         raise ShardError(f"{where}: must be record version {RECORD_VERSION} with a {HEADER_SIZE}-byte header; "
                          f"received version {version}, header {header_size} bytes (written by another release?)")
-    if (tcode, mcode, fcode) != (_TOKENS_CODE, _MASK_CODE, _FEATURES_CODE):
-        raise ShardError(f"{where}: dtype codes must be (int32, uint8, bfloat16) = (1, 2, 3); "
-                         f"received {(tcode, mcode, fcode)}")
+    if (tcode, mcode, fcode) != (_TOKENS_CODE, _MASK_CODE, _FEATURES_CODE) or lcode not in (_NO_LABELS,
+                                                                                             _NEXT_IDS_CODE):
+        raise ShardError(f"{where}: dtype codes must be (int32, uint8, bfloat16) = (1, 2, 3) and labels 0 or 1; "
+                         f"received {(tcode, mcode, fcode)}, labels {lcode}")
     if width != feature_dim:
         raise ShardError(f"{where}: feature width must be {feature_dim} (the manifest's F*D); received {width}")
     if sample_index is not None and index != sample_index:
         raise ShardError(f"{where}: must hold sample {sample_index}; received sample {index} (shards out of order?)")
-    if n < 1 or len(record) != record_size(n, width):
-        raise ShardError(f"{where}: length must be {record_size(n, width)} bytes for n={n} tokens of width "
+    labelled = lcode == _NEXT_IDS_CODE
+    if next_ids is not None and labelled != next_ids:
+        raise ShardError(f"{where}: must {'' if next_ids else 'not '}hold target labels (next ids), as its "
+                         f"manifest says; received a record {'with' if labelled else 'without'} them")
+    if n < 1 or len(record) != record_size(n, width, labelled):
+        raise ShardError(f"{where}: length must be {record_size(n, width, labelled)} bytes for n={n} tokens of width "
                          f"{width}; received {len(record)} bytes (truncated or corrupt record)")
     features_end = HEADER_SIZE + 2 * n * width
     features = np.frombuffer(record, BF16, n * width, HEADER_SIZE).reshape(n, width)
     tokens = np.frombuffer(record, "<i4", n, features_end)
-    loss_mask = np.frombuffer(record, np.uint8, n, features_end + 4 * n)
+    next_ids = np.frombuffer(record, "<i4", n, features_end + 4 * n) if labelled else None
+    loss_mask = np.frombuffer(record, np.uint8, n, features_end + (8 if labelled else 4) * n)
     if loss_mask.max() > 1:
         raise ShardError(f"{where}: loss mask must hold only 0 and 1; received {sorted(set(loss_mask.tolist()))[:8]}")
-    return Sample(tokens=tokens, loss_mask=loss_mask, features=features)
+    return Sample(tokens=tokens, loss_mask=loss_mask, features=features, next_ids=next_ids)
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -221,6 +239,8 @@ class Manifest:
       (over finished shards), complete (all num_shards shards finished).
     Informative: target_name, pad_id (the capture rows' padding id, None if no row was padded), created
       (time, host, library versions of the first run).
+    target_labels (identity): every record also holds the target's greedy next token at each position
+      (`data.labels: target`); absent from manifests written before it existed (= False).
     """
 
     format_version: int
@@ -244,6 +264,7 @@ class Manifest:
     bytes_per_token: float
     shards: tuple[ShardEntry, ...]
     created: dict[str, Any]
+    target_labels: bool = False
 
     def shard_samples(self, index: int) -> int:
         """Number of samples shard `index` holds: samples_per_shard, less for the last shard."""
@@ -256,7 +277,8 @@ class Manifest:
     def from_dict(cls, raw: Mapping[str, Any], where: str) -> Manifest:
         """Parse a JSON object; unknown or missing keys and wrong types raise ShardError naming `where`."""
         names = [f.name for f in dataclasses.fields(cls)]
-        missing = sorted(set(names) - set(raw))
+        optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        missing = sorted(set(names) - set(raw) - optional)
         unknown = sorted(set(raw) - set(names))
         if missing or unknown:
             raise ShardError(f"{where}: must have exactly the manifest keys; missing {missing}, unknown {unknown}")
@@ -264,7 +286,8 @@ class Manifest:
             raise ShardError(f"{where}: format_version must be {MANIFEST_VERSION}; received {raw['format_version']!r} "
                              "(captured by another release: capture again)")
         wrong = [f"{name} ({type(raw[name]).__name__})" for name, kinds in _MANIFEST_TYPES.items()
-                 if not isinstance(raw[name], kinds) or (kinds is int and isinstance(raw[name], bool))]
+                 if name in raw
+                 and (not isinstance(raw[name], kinds) or (kinds is int and isinstance(raw[name], bool)))]
         if wrong:
             raise ShardError(f"{where}: manifest fields must have their JSON types; received wrong types for {wrong}")
         try:
@@ -289,11 +312,11 @@ _MANIFEST_TYPES: dict[str, Any] = {
     "tokenizer_fingerprint": str, "chat_template_hash": str, "layer_ids": list, "hidden_size": int,
     "feature_dim": int, "feature_dtype": str, "seq_len": int, "pad_id": (int, type(None)), "examples_hash": str,
     "num_samples": int, "samples_per_shard": int, "num_shards": int, "writer_options": str, "total_tokens": int,
-    "bytes_per_token": (int, float), "shards": list, "created": dict}
+    "bytes_per_token": (int, float), "shards": list, "created": dict, "target_labels": bool}
 
 IDENTITY_FIELDS = ("format_version", "target_fingerprint", "tokenizer_fingerprint", "chat_template_hash",
                    "layer_ids", "hidden_size", "feature_dim", "feature_dtype", "seq_len", "examples_hash",
-                   "num_samples", "samples_per_shard", "writer_options")
+                   "num_samples", "samples_per_shard", "writer_options", "target_labels")
 
 
 def _describe_differences(differences: Sequence[tuple[str, Any, Any]], left: str, right: str) -> str:
@@ -304,7 +327,7 @@ def check_manifest(manifest: Manifest, *, target_fingerprint: str | None = None,
                    tokenizer_fingerprint: str | None = None, chat_template_hash: str | None = None,
                    layer_ids: Sequence[int] | None = None, hidden_size: int | None = None,
                    seq_len: int | None = None, feature_dim: int | None = None,
-                   examples_hash: str | None = None) -> None:
+                   examples_hash: str | None = None, target_labels: bool | None = None) -> None:
     """Raise ManifestMismatchError naming EVERY given field whose run value differs from the manifest's.
 
     Fields left None are not compared. Call it with the run's target, tokenizer, layer ids and seq_len
@@ -314,7 +337,7 @@ def check_manifest(manifest: Manifest, *, target_fingerprint: str | None = None,
            "chat_template_hash": chat_template_hash,
            "layer_ids": None if layer_ids is None else tuple(int(j) for j in layer_ids),
            "hidden_size": hidden_size, "seq_len": seq_len, "feature_dim": feature_dim,
-           "examples_hash": examples_hash}
+           "examples_hash": examples_hash, "target_labels": target_labels}
     differences = [(name, getattr(manifest, name), value) for name, value in run.items()
                    if value is not None and getattr(manifest, name) != value]
     if differences:
@@ -561,14 +584,19 @@ class _OpenShard:
         self.tokens = 0
         self._first = index * writer._header.samples_per_shard
 
-    def write(self, tokens_N: np.ndarray, loss_mask_N: np.ndarray, features_NxFD: np.ndarray) -> None:
-        """Append the next sample of this shard (its global index is implied by the order of writes)."""
+    def write(self, tokens_N: np.ndarray, loss_mask_N: np.ndarray, features_NxFD: np.ndarray,
+              next_ids_N: np.ndarray | None = None) -> None:
+        """Append the next sample of this shard (its global index is implied by the order of writes);
+        `next_ids_N` exactly when the manifest has `target_labels`."""
         header = self._writer._header
+        if (next_ids_N is not None) != header.target_labels:
+            raise ValueError(f"next_ids must be given {'with' if header.target_labels else 'only with'} "
+                             "target_labels in the manifest")
         if features_NxFD.shape[-1] != header.feature_dim:
             raise ValueError(f"features must have width {header.feature_dim}; received {features_NxFD.shape}")
         if len(tokens_N) > header.seq_len:
             raise ValueError(f"a sample must have at most seq_len={header.seq_len} tokens; received {len(tokens_N)}")
-        self._file.write(encode_record(self._first + self.samples, tokens_N, loss_mask_N, features_NxFD))
+        self._file.write(encode_record(self._first + self.samples, tokens_N, loss_mask_N, features_NxFD, next_ids_N))
         self.samples += 1
         self.tokens += len(tokens_N)
 
@@ -653,7 +681,8 @@ class RecordSource:
             raise
         except Exception as err:  # noqa: BLE001 - Riegeli reports corruption as RuntimeError
             raise ShardError(f"{where}: must read back; received {type(err).__name__}: {err}") from err
-        return decode_record(raw, feature_dim=self.manifest.feature_dim, sample_index=int(index), where=where)
+        return decode_record(raw, feature_dim=self.manifest.feature_dim, sample_index=int(index), where=where,
+                             next_ids=self.manifest.target_labels)
 
     def read(self, indices: Sequence[int]) -> list[Sample]:
         """Decoded samples of `indices`, in order; raises the first record's ShardError."""
@@ -687,7 +716,7 @@ class RecordSource:
                     out.append(self.read_one(int(index)))
                 else:
                     out.append(decode_record(raw, feature_dim=self.manifest.feature_dim, sample_index=int(index),
-                                             where=self.where(int(index))))
+                                             where=self.where(int(index)), next_ids=self.manifest.target_labels))
             except ShardError as err:
                 out.append(err)
         return out

@@ -113,5 +113,28 @@ def test_offline_training_runs_and_a_mismatched_capture_is_refused(data_dir, tmp
     assert "shard-00001.array_record" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
+def test_target_labels_are_captured_and_trained_on(data_dir, tmp_path, capsys):
+    """data.labels=target: the capture also stores the target's next tokens, offline training reads them, a
+    capture without them is refused before any step, and online features cannot have them."""
+    labelled = tmp_path / "labelled"
+    labelled.mkdir()
+    shutil.copy(data_dir / "regenerated.jsonl", labelled)
+    shutil.copy(data_dir / "regenerated.jsonl.meta.json", labelled)
+    target = ["data.features=offline", "data.labels=target"]
+    assert main(["data", "capture", *_args(labelled), *target, "--no-progress"]) == 0
+    assert json.loads((labelled / "shards" / "manifest.json").read_text())["target_labels"] is True
+    run = ["train", *_args(labelled), *target, f"train.run_dir={tmp_path / 'run'}", "train.batch_size=8",
+           "train.steps=2", "--no-progress"]
+    assert main(run) == 0
+    assert "trained 2 steps (to step 2)" in capsys.readouterr().out
+
+    unlabelled = [a if not a.startswith("data.dir") else f"data.dir={data_dir}" for a in run]
+    assert main([*unlabelled[:-2], f"train.run_dir={tmp_path / 'bad'}", "--no-progress"]) == 2
+    assert "target_labels: manifest False, run True" in capsys.readouterr().err
+    assert main(["train", *_args(labelled), "data.labels=target", f"train.run_dir={tmp_path / 'bad'}"]) == 2
+    assert "data.labels must be 'text' with data.features=online" in capsys.readouterr().err
+
+
 def test_manifest_mismatch_error_is_a_value_error():
     assert issubclass(ManifestMismatchError, ValueError)  # the CLI maps ValueError to exit status 2

@@ -417,3 +417,66 @@ def test_state_round_trip_resumes_exact_batches(setup: Setup, workers: int) -> N
 
 def _equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)
+
+
+# ----------------------------------------------------------------------------- target labels (data.labels: target)
+
+
+def test_record_with_next_ids_round_trips_and_is_checked() -> None:
+    feats = np.ones((4, 8), BF16)
+    record = encode_record(3, np.arange(4), np.array([0, 1, 1, 1]), feats, np.array([9, 8, 7, 6]))
+    assert len(record) == record_size(4, 8, next_ids=True) == record_size(4, 8) + 4 * 4
+    sample = decode_record(record, feature_dim=8, sample_index=3, next_ids=True)
+    np.testing.assert_array_equal(sample.next_ids, [9, 8, 7, 6])
+    np.testing.assert_array_equal(sample.tokens, np.arange(4))
+    np.testing.assert_array_equal(sample.loss_mask, [0, 1, 1, 1])
+    assert decode_record(encode_record(3, np.arange(4), np.ones(4), feats), feature_dim=8).next_ids is None
+    with pytest.raises(ShardError, match="must not hold target labels"):
+        decode_record(record, feature_dim=8, next_ids=False)
+    with pytest.raises(ShardError, match="must hold target labels"):
+        decode_record(encode_record(3, np.arange(4), np.ones(4), feats), feature_dim=8, next_ids=True)
+    with pytest.raises(ValueError, match="next_ids must be non-negative integer ids of shape"):
+        encode_record(3, np.arange(4), np.ones(4), feats, np.arange(3))
+
+
+def test_capture_with_target_labels_stores_the_targets_argmax(setup: Setup, tmp_path: Path) -> None:
+    """With target_labels every record holds argmax(logits) at each position (the target's greedy next token),
+    the features are unchanged, and the loader hands them out as "next_ids" (-1 on padding) only when asked."""
+    from models.decoder import forward
+
+    out = tmp_path / "labelled"
+    _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out, target_labels=True)
+    manifest = load_manifest(out)
+    assert manifest.target_labels and not load_manifest(setup.capture_dir).target_labels
+    tokens_BxS = np.stack([t for t, _, _ in setup.examples])
+    logits = forward(setup.params, setup.cfg, jax.numpy.asarray(tokens_BxS))[0]
+    expected = np.asarray(jax.numpy.argmax(logits, -1))
+    stored = [s for shard in range(manifest.num_shards) for s in iter_shard(out, manifest, shard)]
+    before_manifest = load_manifest(setup.capture_dir)
+    plain = [s for shard in range(manifest.num_shards) for s in iter_shard(setup.capture_dir, before_manifest, shard)]
+    for (_, _, n), sample, want, before in zip(setup.examples, stored, expected, plain, strict=True):
+        np.testing.assert_array_equal(sample.next_ids, want[:n])
+        np.testing.assert_array_equal(sample.features.view(np.uint16), before.features.view(np.uint16))
+    batch = next(make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN, next_ids=True))
+    real = _real_positions(setup, batch["tokens"])
+    assert batch["next_ids"].dtype == np.int32 and (batch["next_ids"][~real] == -1).all()
+    rows = {int(t[0]): i for i, (t, _, _) in enumerate(setup.examples)}
+    for row, tokens in enumerate(batch["tokens"]):
+        n = int(real[row].sum())
+        np.testing.assert_array_equal(batch["next_ids"][row, :n], expected[rows[int(tokens[0])], :n])
+    assert "next_ids" not in next(make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN))
+    with pytest.raises(ValueError, match="does not hold"):
+        make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN, next_ids=True)
+    with pytest.raises(ManifestMismatchError, match="target_labels"):
+        check_manifest(load_manifest(setup.capture_dir), target_labels=True)
+    with pytest.raises(ManifestMismatchError, match="target_labels"):  # resuming with the other setting
+        _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
+
+
+def test_manifest_written_before_target_labels_still_loads(setup: Setup, tmp_path: Path) -> None:
+    out = _copy(setup, tmp_path)
+    raw = json.loads((out / MANIFEST_NAME).read_text())
+    del raw["target_labels"]
+    (out / MANIFEST_NAME).write_text(json.dumps(raw))
+    assert load_manifest(out).target_labels is False
+    assert next(make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN))["tokens"].shape == (B, SEQ_LEN)

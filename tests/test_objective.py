@@ -128,6 +128,40 @@ def test_blocks_same_position_labels():
     np.testing.assert_array_equal(b.label_mask[4 * K:], 0)
 
 
+def test_target_labels_follow_the_target_while_the_text_agrees():
+    """data.labels=target: slot k is labelled with the target's own pick at a+k (next_ids[a+k-1]) and only while
+    every earlier slot's text equals the target's pick; where they always agree the labels are the text's."""
+    tokens, mask = _example()
+    K = 4
+    anchors = np.array([6, 16, 10, 21, 0], np.int32)
+    keep = np.array([True, True, True, True, False])
+    agreeing = np.concatenate([tokens[1:], [-1]]).astype(np.int32)  # the target picks the text everywhere
+    plain = build_blocks(tokens, mask, anchors, keep, K, MASK)
+    same = build_blocks(tokens, mask, anchors, keep, K, MASK, agreeing)
+    for got, want in zip(jax.tree.leaves(same), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+    # The target disagrees with the text at position 18 (it would emit 999 there): the block at 16 keeps
+    # slot 1 (17, text agreed before it trivially) and slot 2 (18, now labelled 999), but not slot 3: the
+    # text at 18 is not the target's, so what the target emits at 19 is unknown.
+    picks = agreeing.copy()
+    picks[17] = 999
+    b = build_blocks(tokens, mask, anchors, keep, K, MASK, picks)
+    sl = slice(1 * K, 2 * K)
+    np.testing.assert_array_equal(b.labels[sl][:3], [0, tokens[17], 999])
+    np.testing.assert_array_equal(b.label_mask[sl], [0, 1, 1, 0])
+    np.testing.assert_array_equal(b.block_ids[sl], plain.block_ids[sl])  # inputs stay the text's
+    # Unknown picks (-1) are never labels; the other blocks are untouched.
+    picks[6] = -1
+    b = build_blocks(tokens, mask, anchors, keep, K, MASK, picks)
+    np.testing.assert_array_equal(b.label_mask[:K], [0, 0, 0, 0])
+    np.testing.assert_array_equal(b.label_mask[2 * K:], plain.label_mask[2 * K:])
+    bb = build_blocks_batch(np.stack([tokens] * 2), np.stack([mask] * 2), np.stack([anchors] * 2),
+                            np.stack([keep] * 2), K, MASK, np.stack([picks, agreeing]))
+    np.testing.assert_array_equal(bb.label_mask[0], b.label_mask)
+    np.testing.assert_array_equal(bb.label_mask[1], plain.label_mask)
+
+
 def test_blocks_batch_matches_rows():
     tokens, mask = _example()
     anchors, keep = sample_anchors_batch(np.stack([mask, mask]), 5, 4, jax.random.key(0))

@@ -192,13 +192,15 @@ def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_ho
     check_manifest(manifest, target_fingerprint=target.fingerprint,
                    tokenizer_fingerprint=target.tokenizer.fingerprint(),
                    chat_template_hash=chat_template_hash(target.tokenizer.chat_template), layer_ids=arch.layer_ids,
-                   hidden_size=target.cfg.hidden_size, seq_len=data.seq_len)
+                   hidden_size=target.cfg.hidden_size, seq_len=data.seq_len,
+                   target_labels=True if data.labels == "target" else None)
     batches = make_offline_batches(shard_dir, per_host, data.shuffle_seed, data.seq_len,
                                    shard_index=jax.process_index(), shard_count=jax.process_count(),
-                                   worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records)
+                                   worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records,
+                                   next_ids=data.labels == "target")
     log.info("offline features: %d samples, %d tokens in %d shards under %s (%.0f bytes/token)",
              manifest.num_samples, manifest.total_tokens, manifest.num_shards, shard_dir, manifest.bytes_per_token)
-    return batches, f"offline:{manifest.examples_hash}"
+    return batches, f"offline:{manifest.examples_hash}" + (":target-labels" if data.labels == "target" else "")
 
 
 def make_train_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

@@ -99,10 +99,18 @@ class Blocks:
 
 
 def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Array, keep_N: jax.Array,
-                 block_size: int, mask_token_id: int | jax.Array) -> Blocks:
+                 block_size: int, mask_token_id: int | jax.Array, next_ids_S: jax.Array | None = None) -> Blocks:
     """Build the N blocks of one sequence (contract in `Blocks`).
 
     Labels are SAME-POSITION: slot k of the block at anchor a is labelled with tokens[a + k].
+
+    next_ids_S (target labels, `data.labels: target`): the target's own greedy choice after each position
+    (next_ids[p] follows tokens[:p+1]; -1 where unknown). Then slot k is labelled with next_ids[a + k - 1],
+    the token the target itself would emit there, and only while the text inside the block agrees with the
+    target (tokens[a + j] == next_ids[a + j - 1] for 1 <= j < k): past the first disagreement the target's
+    own continuation is unknown. On the target's own greedy answers this gives the text's labels; on
+    reference answers every anchor still has its slot-1 label (the target's next token), which is exactly
+    what speculative decoding must predict.
     """
     K = block_size
     S = tokens_S.shape[0]
@@ -117,6 +125,13 @@ def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Arr
     at_NxK = tokens_S[jnp.clip(pos_NxK, 0, S - 1)]
     ids_NxK = jnp.where(k_1xK == 0, at_NxK, jnp.asarray(mask_token_id, jnp.int32))
     labelled_NxK = (k_1xK >= 1) & in_range_NxK
+    if next_ids_S is not None:
+        target_NxK = jnp.asarray(next_ids_S, jnp.int32)[jnp.clip(pos_NxK - 1, 0, S - 1)]  # the target's pick at a+k
+        agrees_NxK = (at_NxK == target_NxK) | (k_1xK == 0)  # slot j's text is the target's own choice
+        on_path_NxK = jnp.cumprod(jnp.concatenate([jnp.ones((N, 1), bool), agrees_NxK[:, :-1]], axis=1)
+                                  .astype(jnp.int32), axis=1) > 0  # slots 1..k-1 all agree
+        labelled_NxK = labelled_NxK & on_path_NxK & (target_NxK >= 0)
+        at_NxK = jnp.where(k_1xK >= 1, target_NxK, at_NxK)
     labels_NxK = jnp.where(labelled_NxK, at_NxK, 0)
     assistant_NxK = jnp.asarray(loss_mask_S)[jnp.clip(pos_NxK, 0, S - 1)] > 0
     label_mask_NxK = (labelled_NxK & assistant_NxK & keep_Nx1).astype(jnp.float32)
@@ -136,10 +151,14 @@ def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Arr
 
 
 def build_blocks_batch(tokens_BxS: jax.Array, loss_mask_BxS: jax.Array, anchors_BxN: jax.Array,
-                       keep_BxN: jax.Array, block_size: int, mask_token_id: int | jax.Array) -> Blocks:
+                       keep_BxN: jax.Array, block_size: int, mask_token_id: int | jax.Array,
+                       next_ids_BxS: jax.Array | None = None) -> Blocks:
     """`build_blocks` per row; every field gains a leading B."""
-    fn = lambda t, m, a, k: build_blocks(t, m, a, k, block_size, mask_token_id)
-    return jax.vmap(fn)(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN)
+    if next_ids_BxS is None:
+        fn = lambda t, m, a, k: build_blocks(t, m, a, k, block_size, mask_token_id)
+        return jax.vmap(fn)(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN)
+    fn = lambda t, m, a, k, n: build_blocks(t, m, a, k, block_size, mask_token_id, n)
+    return jax.vmap(fn)(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, next_ids_BxS)
 
 
 # ----------------------------------------------------------------------------- attention visibility

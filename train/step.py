@@ -151,12 +151,15 @@ def block_inputs(batch: Batch, target_params: Params, target_cfg: DecoderConfig,
     from `rng`: what the drafter's loss reads. Embeddings and features carry no gradient.
 
     Features come from `batch["features"]` when the batch holds them (offline mode: stored bf16 features,
-    cast to the target params' dtype, i.e. the compute dtype), else from the target's forward (online)."""
+    cast to the target params' dtype, i.e. the compute dtype), else from the target's forward (online).
+    With `batch["next_ids"]` (the target's own next tokens, `data.labels: target`) the labels are the
+    target's (`build_blocks`)."""
     tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
     loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
     anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, num_anchors, arch.block_size, rng)
+    next_ids_BxS = jnp.asarray(batch["next_ids"], jnp.int32) if "next_ids" in batch else None  # target labels
     blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, arch.block_size,
-                                arch.mask_token_id)
+                                arch.mask_token_id, next_ids_BxS)
     if "features" in batch:
         feats_BxSxFD = jax.lax.stop_gradient(jnp.asarray(batch["features"]).astype(target_params["embed"].dtype))
     else:
