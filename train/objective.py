@@ -154,11 +154,8 @@ def build_blocks_batch(tokens_BxS: jax.Array, loss_mask_BxS: jax.Array, anchors_
                        keep_BxN: jax.Array, block_size: int, mask_token_id: int | jax.Array,
                        next_ids_BxS: jax.Array | None = None) -> Blocks:
     """`build_blocks` per row; every field gains a leading B."""
-    if next_ids_BxS is None:
-        fn = lambda t, m, a, k: build_blocks(t, m, a, k, block_size, mask_token_id)
-        return jax.vmap(fn)(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN)
     fn = lambda t, m, a, k, n: build_blocks(t, m, a, k, block_size, mask_token_id, n)
-    return jax.vmap(fn)(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, next_ids_BxS)
+    return jax.vmap(fn)(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, next_ids_BxS)  # None: no leaves to map
 
 
 # ----------------------------------------------------------------------------- attention visibility
