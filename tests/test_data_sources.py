@@ -418,9 +418,11 @@ def test_packaged_regenerated_set_matches_its_recorded_hashes(name) -> None:
         packaged.packaged_regenerated_path("nope")
 
 
-def test_the_larger_packaged_set_extends_the_smaller_one() -> None:
-    """smollm2_mix2 answers the recipe's draw of 2,400 prompts, a superset of smollm2_mix's 1,200: every
-    conversation of smollm2_mix is in it unchanged (greedy regeneration resumed by id)."""
+@pytest.mark.parametrize("small_name, large_name", [("smollm2_mix", "smollm2_mix2"), ("smollm2_mix2", "smollm2_mix3")])
+def test_the_larger_packaged_set_extends_the_smaller_one(small_name: str, large_name: str) -> None:
+    """Each packaged set answers a draw of twice the prompts of the one before (1,200, 2,400, 4,800), a superset
+    of it: every conversation of the smaller set is in the larger one unchanged (greedy regeneration resumed by
+    id)."""
     import json
     import lzma
 
@@ -428,7 +430,7 @@ def test_the_larger_packaged_set_extends_the_smaller_one() -> None:
         text = lzma.decompress(packaged.packaged_regenerated_path(name).read_bytes()).decode()
         return {r["id"]: r for r in map(json.loads, text.split("\n")[:-1])}
 
-    small, large = records("smollm2_mix"), records("smollm2_mix2")
+    small, large = records(small_name), records(large_name)
     assert len(large) >= 2 * len(small) - 100
     assert all(large.get(key) == record for key, record in small.items())
 
