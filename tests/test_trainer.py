@@ -276,3 +276,43 @@ def test_init_from_starts_a_fresh_run_from_another_drafter(tmp_path):
                                  f"train.init_from={tmp_path / 'a'}", *common])
     with pytest.raises(ConfigError, match="num_layers"):
         run_training(other, target=target, progress=False)
+
+
+def test_k_curriculum_phases_and_a_run_through_them(tmp_path):
+    """train.curriculum_block_size: the first phase trains k-slot blocks on K/k times the sequences per update
+    (the same block tokens per step), then the drafter's K; both phases train one set of params; bad values
+    are named."""
+    import dataclasses
+
+    from configs.recipe import load_recipe
+    from models.target import load_target
+    from train.loop import curriculum_phases, run_training
+    from train.metrics import read_metrics
+
+    common = ["train.batch_size=8", "train.wandb=disabled", "train.tensorboard=false", "train.eval_every=0",
+              "train.log_every=1", "train.steps=4", "train.num_anchors=2"]
+    recipe = load_recipe("tiny", [f"train.run_dir={tmp_path}", "train.curriculum_block_size=2", *common])
+    target = load_target(recipe.target)
+    arch = target.drafter_arch(recipe.drafter)
+    assert arch.block_size == 8
+    first, second = curriculum_phases(recipe.train, arch)
+    assert (first.first, first.last, first.arch.block_size, first.batches_per_step) == (1, 2, 2, 4)
+    assert (second.first, second.last, second.arch, second.batches_per_step) == (3, 4, arch, 1)
+    assert dataclasses.replace(first.arch, block_size=8) == arch
+    plain = load_recipe("tiny", common)
+    assert [(p.first, p.last, p.arch, p.batches_per_step)
+            for p in curriculum_phases(plain.train, arch)] == [(1, 4, arch, 1)]
+    for bad, field in (("train.curriculum_block_size=3", "curriculum_block_size"),
+                       ("train.curriculum_block_size=8", "curriculum_block_size"),
+                       ("train.curriculum_frac=0.1", "curriculum_frac")):
+        with pytest.raises(ConfigError, match=field):
+            curriculum_phases(load_recipe("tiny", [*common, "train.curriculum_block_size=2", bad]).train, arch)
+
+    result = run_training(recipe, target=target, progress=False)
+    assert result.final_step == 4
+    steps = {r["step"]: r for r in read_metrics(tmp_path) if "loss" in r}
+    slots = {s: len(r["accuracy_per_position"]) for s, r in steps.items()}
+    assert slots == {1: 2, 2: 2, 3: 8, 4: 8}, slots
+    blocks = {s: r["num_blocks"] for s, r in steps.items()}  # 4x the sequences (2 anchors each) per update
+    assert min(blocks[1], blocks[2]) > 3 * max(blocks[3], blocks[4]), blocks
+    assert all(np.isfinite(steps[s]["loss"]) for s in range(1, 5))

@@ -37,6 +37,10 @@ class TrainConfig:
              norms are the target's (`models.drafter.init_from_target`; docs/decisions.md D24).
     steps / batch_size / num_anchors: updates, sequences per update (global), anchors (blocks) per
              sequence (N).
+    curriculum_block_size / curriculum_frac: a K curriculum (0 = off): the first `curriculum_frac` of the
+             steps train blocks of `curriculum_block_size` slots (it must divide drafter.block_size K) on
+             K / that many times batch_size sequences per update, the same block tokens per step; the rest
+             train the drafter's K (`train.loop.curriculum_phases`; docs/decisions.md D30).
     lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping.
     loss: `decay` (the paper's fixed weights exp(-(k-1)/gamma)) or `dpace` (D-PACE: weights from the
              drafter's own per-slot confidence, `train.objective.dpace_weights`); docs/decisions.md D19.
@@ -61,6 +65,8 @@ class TrainConfig:
     steps: int = 2000
     batch_size: int = 8
     num_anchors: int = 16
+    curriculum_block_size: int = 0
+    curriculum_frac: float = 0.5
     lr: float = 6e-4
     warmup_frac: float = 0.04
     clip: float = 1.0
@@ -87,6 +93,9 @@ class TrainConfig:
         require(self.steps >= 1, "train.steps", self.steps, "be at least 1")
         require(self.batch_size >= 1, "train.batch_size", self.batch_size, "be at least 1")
         require(self.num_anchors >= 1, "train.num_anchors", self.num_anchors, "be at least 1")
+        require(self.curriculum_block_size == 0 or self.curriculum_block_size >= 2, "train.curriculum_block_size",
+                self.curriculum_block_size, "be 0 (off) or at least 2")
+        require(0 < self.curriculum_frac < 1, "train.curriculum_frac", self.curriculum_frac, "lie in (0, 1)")
         require(self.lr > 0, "train.lr", self.lr, "be > 0")
         require(0 <= self.warmup_frac < 1, "train.warmup_frac", self.warmup_frac, "lie in [0, 1)")
         require(self.clip > 0, "train.clip", self.clip, "be > 0")

@@ -164,6 +164,7 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
         vocab = DraftVocab(np.asarray(ids)) if len(ids) < target.cfg.vocab_size else None
         log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
     target_params = place(target_params, TARGET_RULES, mesh)
+    curriculum_phases(cfg, arch)  # a bad K curriculum fails before any data is read
     batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples)
     return TrainRun(target=target, target_params=target_params, arch=arch, mesh=mesh,
                     optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),
@@ -206,6 +207,35 @@ def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_ho
 def make_train_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW on warmup + cosine with global-norm clipping, as `train` configures it."""
     return make_optimizer(cfg.lr, cfg.steps, cfg.warmup_frac, cfg.clip, cfg.weight_decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """Steps first .. last train blocks of `arch.block_size` slots on `batches_per_step` of the loader's
+    batches per update (concatenated)."""
+
+    first: int
+    last: int
+    arch: DrafterArch
+    batches_per_step: int = 1
+
+
+def curriculum_phases(cfg: TrainConfig, arch: DrafterArch) -> list[Phase]:
+    """The run's phases: one (the drafter's K) without a K curriculum; with `train.curriculum_block_size` k,
+    first round(steps x curriculum_frac) steps of k-slot blocks on K / k times the sequences per update (the
+    same block tokens per step, the same anchors per sequence: a recipe's anchors often cover nearly every
+    answer position, so more anchors per sequence would only add padding blocks), then the drafter's K. The
+    drafter's weights do not depend on the block size, so both phases train the same parameters; only the
+    jitted step differs."""
+    k, big = cfg.curriculum_block_size, arch.block_size
+    if not k:
+        return [Phase(1, cfg.steps, arch)]
+    require(k < big and big % k == 0, "train.curriculum_block_size", k,
+            f"be below drafter.block_size {big} and divide it")
+    switch = round(cfg.steps * cfg.curriculum_frac)
+    require(1 <= switch < cfg.steps, "train.curriculum_frac", cfg.curriculum_frac,
+            f"leave at least one step in each phase of the {cfg.steps} steps")
+    return [Phase(1, switch, dataclasses.replace(arch, block_size=k), big // k), Phase(switch + 1, cfg.steps, arch)]
 
 
 def make_objective(cfg: TrainConfig, arch: DrafterArch) -> Objective:
@@ -325,13 +355,28 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
     """Steps start+1 .. train.steps: batch -> jitted step (state donated) -> the previous step's metrics ->
     an async checkpoint every save_every steps and at the last, once that step's metrics proved finite ->
     real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
-    neither the state nor the data, so training results are the same with it or without)."""
-    step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
-                              arch=run.arch, num_anchors=cfg.num_anchors, objective=run.objective,
-                              optimizer=run.optimizer,
-                              compute_dtype=run.compute_dtype, state_shardings=shardings)
+    neither the state nor the data, so training results are the same with it or without). A K curriculum's
+    phases (`curriculum_phases`) each get their own jitted step, built when the phase starts."""
+    phases = curriculum_phases(cfg, run.arch)
+    step_fns: dict[int, Any] = {}
+
+    def step_fn_for(step: int) -> Any:
+        phase = next(p for p in phases if p.first <= step <= p.last)
+        if phase.first not in step_fns:
+            step_fns.clear()  # the earlier phase's program is not needed again
+            step_fns[phase.first] = make_train_step(
+                graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
+                arch=phase.arch, num_anchors=cfg.num_anchors,
+                objective=run.objective if phase.arch is run.arch else make_objective(cfg, phase.arch),
+                optimizer=run.optimizer, compute_dtype=run.compute_dtype, state_shardings=shardings)
+            if len(phases) > 1:
+                log.info("steps %d-%d: blocks of %d slots, %d sequences per update", phase.first, phase.last,
+                         phase.arch.block_size, phase.batches_per_step * cfg.batch_size)
+        return phase, step_fns[phase.first]
+
     for step in range(start + 1, cfg.steps + 1):
-        batch = shard_batch(next(run.batches), run.mesh)
+        phase, step_fn = step_fn_for(step)
+        batch = shard_batch(_next_batch(run.batches, phase.batches_per_step), run.mesh)
         state, device_metrics = step_fn(state, batch)
         metrics.push(step, device_metrics)
         if step % cfg.save_every == 0 or step == cfg.steps:
@@ -412,6 +457,15 @@ def _host(tree: Any) -> dict[str, Any]:
     return out
 
 
+def _next_batch(batches: Any, count: int) -> dict[str, np.ndarray]:
+    """The loader's next batch, or its next `count` batches concatenated row-wise (a K curriculum's first
+    phase)."""
+    if count == 1:
+        return next(batches)
+    parts = [next(batches) for _ in range(count)]
+    return {key: np.concatenate([np.asarray(p[key]) for p in parts]) for key in parts[0]}
+
+
 def _iterator_state(batches: Any) -> dict[str, Any]:
     """The data iterator's state. Orbax writes process 0's copy only, so every host's must be equal (it is:
     each host counts the same number of global batches); checked when there are several processes."""
@@ -438,6 +492,6 @@ def evaluate(data: DataConfig, num_anchors: int, run: TrainRun, params: Any) -> 
     return _host(eval_step(params, shard_batch(batch, run.mesh), jax.random.PRNGKey(1234)))
 
 
-__all__ = ["StepMetrics", "TrainResult", "TrainRun", "arch_dict", "build_batches", "build_run",
-           "create_or_restore_state", "create_state", "drafter_graphdef", "evaluate", "fresh_state", "make_objective",
-           "make_train_optimizer", "run_training", "state_layout", "train_loop"]
+__all__ = ["Phase", "StepMetrics", "TrainResult", "TrainRun", "arch_dict", "build_batches", "build_run",
+           "create_or_restore_state", "create_state", "curriculum_phases", "drafter_graphdef", "evaluate",
+           "fresh_state", "make_objective", "make_train_optimizer", "run_training", "state_layout", "train_loop"]
