@@ -355,37 +355,29 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
     """Steps start+1 .. train.steps: batch -> jitted step (state donated) -> the previous step's metrics ->
     an async checkpoint every save_every steps and at the last, once that step's metrics proved finite ->
     real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
-    neither the state nor the data, so training results are the same with it or without). A K curriculum's
-    phases (`curriculum_phases`) each get their own jitted step, built when the phase starts."""
-    phases = curriculum_phases(cfg, run.arch)
-    step_fns: dict[int, Any] = {}
-
-    def step_fn_for(step: int) -> Any:
-        phase = next(p for p in phases if p.first <= step <= p.last)
-        if phase.first not in step_fns:
-            step_fns.clear()  # the earlier phase's program is not needed again
-            step_fns[phase.first] = make_train_step(
-                graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
-                arch=phase.arch, num_anchors=cfg.num_anchors,
-                objective=run.objective if phase.arch is run.arch else make_objective(cfg, phase.arch),
-                optimizer=run.optimizer, compute_dtype=run.compute_dtype, state_shardings=shardings)
-            if len(phases) > 1:
-                log.info("steps %d-%d: blocks of %d slots, %d sequences per update", phase.first, phase.last,
-                         phase.arch.block_size, phase.batches_per_step * cfg.batch_size)
-        return phase, step_fns[phase.first]
-
-    for step in range(start + 1, cfg.steps + 1):
-        phase, step_fn = step_fn_for(step)
-        batch = shard_batch(_next_batch(run.batches, phase.batches_per_step), run.mesh)
-        state, device_metrics = step_fn(state, batch)
-        metrics.push(step, device_metrics)
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            metrics.flush()  # never checkpoint a state whose step went non-finite
-            ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
-                                    "data_fingerprint": run.data_fingerprint})
-        if real_eval is not None and real_eval.due(step):
-            metrics.flush()
-            metrics.write_eval(step, real_eval(step, state.params))
+    neither the state nor the data, so training results are the same with it or without). Each phase of a K
+    curriculum (`curriculum_phases`) gets its own jitted step, built when the phase starts."""
+    for phase in curriculum_phases(cfg, run.arch):
+        if phase.last <= start:
+            continue  # resumed past this phase
+        step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
+                                  arch=phase.arch, num_anchors=cfg.num_anchors,
+                                  objective=make_objective(cfg, phase.arch), optimizer=run.optimizer,
+                                  compute_dtype=run.compute_dtype, state_shardings=shardings)
+        if cfg.curriculum_block_size:
+            log.info("steps %d-%d: blocks of %d slots, %d sequences per update", phase.first, phase.last,
+                     phase.arch.block_size, phase.batches_per_step * cfg.batch_size)
+        for step in range(max(start + 1, phase.first), phase.last + 1):
+            batch = shard_batch(_next_batch(run.batches, phase.batches_per_step), run.mesh)
+            state, device_metrics = step_fn(state, batch)
+            metrics.push(step, device_metrics)
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                metrics.flush()  # never checkpoint a state whose step went non-finite
+                ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
+                                        "data_fingerprint": run.data_fingerprint})
+            if real_eval is not None and real_eval.due(step):
+                metrics.flush()
+                metrics.write_eval(step, real_eval(step, state.params))
     metrics.flush()
     return state
 
