@@ -9,13 +9,16 @@ its requests and stops, then the AR server starts; on an accelerator host both w
 A warm-up request per set (not recorded) lets each server compile first. Each conversation's turns go one
 after another (MT-Bench's second turn follows the model's own first answer); conversations run
 `concurrency` at a time. Every reply is one fsynced JSONL line keyed by (mode, concurrency, item id, turn),
-so a rerun into the same directory sends only what is missing.
+so a rerun into the same directory sends only what is missing. Each mode's records start with the setup they
+were made with (the server's model, K, drafter fingerprint and the token budget): a rerun against another
+drafter, or with another budget, drops that mode's old records instead of reporting them as its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import threading
 import time
@@ -30,6 +33,7 @@ from data.eval_sets import EvalItem, load_eval_set
 from eval.client import Client
 
 MODES = ("dflash", "ar")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,28 @@ class RecordStore:
     @staticmethod
     def key(record: dict[str, Any]) -> tuple:
         return record["kind"], record["mode"], record["concurrency"], record.get("id"), record.get("turn")
+
+    def begin(self, mode: str, setup: dict[str, Any]) -> None:
+        """Keep `mode`'s records only if they were made with `setup`; otherwise drop them (logged) and record
+        `setup`, so that replies of another drafter or budget are never reported as this run's."""
+        if self.records.get(("setup", mode, None, None, None), {}).get("setup") == setup:
+            return
+        stale = [key for key in self.records if key[1] == mode]
+        if any(key[0] == "reply" for key in stale):
+            log.warning("%s: the %s replies recorded there were made with another setup (%s, now %s); measuring "
+                        "them again", self.path, mode, self.records.get(("setup", mode, None, None, None),
+                                                                         {}).get("setup", "unrecorded"), setup)
+        with self._lock:
+            for key in stale:
+                del self.records[key]
+            record = {"kind": "setup", "mode": mode, "concurrency": None, "setup": setup}
+            self.records[self.key(record)] = record
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.records.values())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
 
     def has_conversation(self, mode: str, concurrency: int, item: EvalItem) -> bool:
         return all(("reply", mode, concurrency, item.id, t) in self.records for t in range(len(item.turns)))
@@ -136,6 +162,9 @@ def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, i
     out_dir.mkdir(parents=True, exist_ok=True)
     store = RecordStore(out_dir / "records.jsonl")
     for mode, client in clients.items():
+        served = client.get("/v1/models")["data"][0]
+        store.begin(mode, {"model": served["id"], "block_size": served.get("block_size"),
+                           "drafter": served.get("drafter"), "max_new_tokens": settings.max_new_tokens})
         if any(not store.has_conversation(mode, c, i) for c in settings.concurrency for i in items):
             warm_up(client, items, settings.max_new_tokens)
     for concurrency in settings.concurrency:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -204,6 +205,23 @@ class Engine:
     @property
     def ar(self) -> bool:
         return self.k == 1
+
+    @functools.cached_property
+    def drafter_fingerprint(self) -> str | None:
+        """sha256 (16 hex digits) of the drafter's weights and draft vocabulary; None in AR mode. What a client
+        that keeps results across runs (`dflash eval`'s records) checks it is still talking to the same drafter."""
+        if self.ar:
+            return None
+        digest = hashlib.sha256()
+        named = [(jax.tree_util.keystr(path), leaf)
+                 for path, leaf in jax.tree_util.tree_leaves_with_path(self.models.drafter_params)]
+        for name, leaf in [*named, ("draft_ids", self.models.draft_ids)]:
+            if leaf is None:
+                continue
+            array = np.asarray(jax.device_get(leaf))
+            digest.update(f"{name}:{array.dtype}:{array.shape}".encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return digest.hexdigest()[:16]
 
     def _fresh_state(self) -> None:
         """Empty slots: all pages free, a zeroed batch state, lengths 0."""

@@ -112,6 +112,43 @@ def test_an_interrupted_eval_resumes_sending_only_what_is_missing(served):
     assert resumed["headline"]["tau"] == again["headline"]["tau"]
 
 
+def test_a_rerun_against_another_drafter_measures_it_again(tiny, served, tmp_path):
+    """Records are kept per setup: the same directory evaluated against a server with other drafter weights
+    (or an old directory whose records carry no setup) sends the DFlash requests again and keeps AR's, so a
+    drafter is never reported with another drafter's replies."""
+    import shutil
+
+    recipe, target, _, _ = tiny
+    _, _, out, (_, ar_url, settings) = served
+    copy = tmp_path / "eval"
+    shutil.copytree(out, copy)
+    before = list(RecordStore(copy / "records.jsonl").records.values())
+    setups = {r["mode"]: r["setup"] for r in before if r["kind"] == "setup"}
+    assert set(setups) == {"dflash", "ar"} and setups["ar"]["drafter"] is None
+    assert setups["dflash"]["drafter"] and setups["dflash"]["max_new_tokens"] == NEW
+    other = DFlashDrafter(target.drafter_arch(recipe.drafter), nnx.Rngs(1))
+    with serve_in_process(target, other, slots=2, max_len=recipe.target.max_seq_len) as url:
+        evaluate(url, ar_url, settings, copy, progress=False)
+    after = list(RecordStore(copy / "records.jsonl").records.values())
+    new = {r["mode"]: r["setup"] for r in after if r["kind"] == "setup"}
+    assert new["ar"] == setups["ar"] and new["dflash"]["drafter"] != setups["dflash"]["drafter"]
+    replies = lambda records, mode: [r for r in records if r["kind"] == "reply" and r["mode"] == mode]  # noqa: E731
+    assert replies(after, "ar") == replies(before, "ar"), "AR's replies were sent again"
+    assert len(replies(after, "dflash")) == len(replies(before, "dflash")) == 3
+    # Sent again: the DFlash replies now follow AR's (the first run recorded DFlash's first).
+    where = lambda records, mode: [i for i, r in enumerate(records) if r["kind"] == "reply" and r["mode"] == mode]  # noqa: E731
+    assert min(where(before, "dflash")) < min(where(before, "ar"))
+    assert min(where(after, "dflash")) > max(where(after, "ar"))
+
+    # Records written before setups were recorded are not trusted either.
+    legacy = tmp_path / "legacy.jsonl"
+    legacy.write_text("".join(json.dumps(r) + "\n" for r in before if r["kind"] != "setup"))
+    store = RecordStore(legacy)
+    store.begin("ar", setups["ar"])
+    assert not [k for k in store.records if k[1] == "ar" and k[0] != "setup"]
+    assert len([k for k in RecordStore(legacy).records if k[1] == "dflash"]) == 4  # 3 replies and a wall
+
+
 def _reply(mode, item, turn, text, accepted, tpot):
     return {"kind": "reply", "mode": mode, "concurrency": 1, "id": item, "set": item.split(":")[0], "turn": turn,
             "text": text, "tokens": 10, "finish": "length", "latency_s": 1.0, "ttft_s": 0.1, "tpot_s": tpot,
