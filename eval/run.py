@@ -79,17 +79,17 @@ class RecordStore:
     def begin(self, mode: str, setup: dict[str, Any]) -> None:
         """Keep `mode`'s records only if they were made with `setup`; otherwise drop them (logged) and record
         `setup`, so that replies of another drafter or budget are never reported as this run's."""
-        if self.records.get(("setup", mode, None, None, None), {}).get("setup") == setup:
+        record = {"kind": "setup", "mode": mode, "concurrency": None, "setup": setup}
+        previous = self.records.get(self.key(record), {}).get("setup", "unrecorded")
+        if previous == setup:
             return
         stale = [key for key in self.records if key[1] == mode]
         if any(key[0] == "reply" for key in stale):
             log.warning("%s: the %s replies recorded there were made with another setup (%s, now %s); measuring "
-                        "them again", self.path, mode, self.records.get(("setup", mode, None, None, None),
-                                                                         {}).get("setup", "unrecorded"), setup)
+                        "them again", self.path, mode, previous, setup)
         with self._lock:
             for key in stale:
                 del self.records[key]
-            record = {"kind": "setup", "mode": mode, "concurrency": None, "setup": setup}
             self.records[self.key(record)] = record
             tmp = self.path.with_name(self.path.name + ".tmp")
             with open(tmp, "w") as f:

@@ -409,11 +409,11 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._send_json(200, {"status": "ok"})
         elif self.path == "/v1/models":
+            engine = self.server.worker.engine
             self._send_json(200, {"object": "list", "data": [{"id": self.server.model_name, "object": "model",
                                                               "created": self.server.created, "owned_by": "dflash",
-                                                              "block_size": self.server.worker.engine.k,
-                                                              "drafter": self.server.worker.engine.drafter_fingerprint
-                                                              }]})
+                                                              "block_size": engine.k,
+                                                              "drafter": engine.drafter_fingerprint}]})
         elif self.path == "/metrics":
             data = generate_latest(self.server.worker.registry)
             self.send_response(200)
