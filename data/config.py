@@ -91,6 +91,9 @@ class DataConfig:
                  `offline` reads the features `dflash data capture` stored under dir/shards (checked
                  against the run's target, tokenizer, layer ids and seq_len before the first step).
     seq_len:     tokens per training sequence (longer ones are truncated, shorter padded with an inert tail).
+    pack:        0, or (offline only) a row length >= seq_len: each training row then holds several whole
+                 conversations end to end (each cut to seq_len), attending and labelled within its own only,
+                 so a row of the batch is no longer one padded conversation (docs/decisions.md D32).
     max_examples: use at most this many training conversations (0 = all).
     reference:   also train on this many further conversations of the `prompts` mix with their REFERENCE
                  answers (drawn as `regenerate` draws, after its `max_prompts`, skipping any whose first user
@@ -117,6 +120,7 @@ class DataConfig:
     source: Literal["gsm8k", "regenerated", "smollm2_mix", "smollm2_mix2", "smollm2_mix3"] = "gsm8k"
     features: Literal["online", "offline"] = "online"
     seq_len: int = 512
+    pack: int = 0
     max_examples: int = 0
     reference: int = 0
     labels: Literal["text", "target"] = "text"
@@ -136,6 +140,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         require(bool(self.prompts.strip()), "data.prompts", self.prompts, "name at least one source")
         require(self.seq_len >= 8, "data.seq_len", self.seq_len, "be at least 8")
+        require(self.pack == 0 or self.pack >= self.seq_len, "data.pack", self.pack,
+                f"be 0 (one conversation per row) or a row length >= data.seq_len ({self.seq_len})")
+        require(self.pack == 0 or self.features == "offline", "data.pack", self.pack,
+                "be 0 with data.features=online (packing reads the stored features of `dflash data capture`)")
         require(self.max_examples >= 0, "data.max_examples", self.max_examples, "be >= 0 (0 = all)")
         require(self.reference >= 0, "data.reference", self.reference, "be >= 0 (0 = none)")
         require(self.labels == "text" or self.features == "offline", "data.labels", self.labels,

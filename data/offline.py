@@ -2,15 +2,18 @@
 and the stored target features, instead of running the target in the train step.
 
     indices -> shuffle(seed) -> repeat -> global batch -> HostRows -> ReadSamples -> PadAndStack [-> mp_prefetch]
+    packed:   PackedRows(seed) -> global batch of rows -> HostRows -> ReadPacked -> PackAndStack [-> mp_prefetch]
 
 The batches equal online mode's (`data.online.make_batches`) for the same examples, seed, batch size and
-sharding (contract: `make_offline_batches`; state: `OfflineBatches`). Design and the Grain behaviour
-relied on: docs/decisions.md D15.
+sharding (contract: `make_offline_batches`; state: `OfflineBatches`). Packed, each row holds as many whole
+conversations as fit, told apart by `segment_ids` (`PackedRows`, docs/decisions.md D32). Design and the Grain
+behaviour relied on: docs/decisions.md D15.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +35,9 @@ class HostRows(grain.transforms.Map):
     shard_index: int
     batch_size: int
 
-    def map(self, indices_G: np.ndarray) -> np.ndarray:
-        return np.asarray(indices_G)[self.shard_index * self.batch_size:(self.shard_index + 1) * self.batch_size]
+    def map(self, indices_G: Any) -> Any:
+        """Works on an index array and on a list of packed rows alike (a plain slice)."""
+        return indices_G[self.shard_index * self.batch_size:(self.shard_index + 1) * self.batch_size]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +99,141 @@ class PadAndStack(grain.transforms.Map):
                  _BAD: np.int64(sum(sample is None for sample in samples))}
         if next_BxS is not None:
             batch["next_ids"] = next_BxS
+        return batch
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+class PackedRows:
+    """An endless, random-access sequence of packed rows: row r is an int64 array of the sample indices it
+    holds, in order, whose lengths sum to at most `row_len` (cut the lengths to the training `seq_len` first).
+
+    Epoch e permutes every sample with `numpy.random.default_rng([seed, e])`, packs each window of `window`
+    consecutive samples of that order first-fit decreasing (longest first, each into the first open row it
+    fits), and shuffles that epoch's rows with the same generator; so every sample appears once per epoch,
+    a row never splits a conversation, and the rows depend only on (lengths, seq_len, seed, window). Epochs
+    are planned lazily when a row of theirs is first asked for (the plan of one epoch is kept at a time;
+    only the row counts of earlier epochs are stored), so `rows[k:]` for resume costs one plan per epoch
+    before k. Grain's worker processes each plan their own.
+    """
+
+    def __init__(self, lengths: np.ndarray, row_len: int, seed: int, window: int = 256) -> None:
+        lengths = np.asarray(lengths, np.int64)
+        if lengths.ndim != 1 or lengths.size == 0 or lengths.min() < 1 or lengths.max() > row_len:
+            raise ValueError(f"lengths must be a non-empty 1-D array of token counts in [1, row_len={row_len}]; "
+                             f"received {lengths!r}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1; received {window}")
+        self.lengths, self.row_len, self.seed, self.window = lengths, row_len, seed, window
+        self._starts = [0]  # first row of each planned epoch, then the end of the last one
+        self._plan: tuple[int, list[np.ndarray]] | None = None
+
+    def epoch(self, epoch: int) -> list[np.ndarray]:
+        """The rows of epoch `epoch`, in the order they are read."""
+        if self._plan is not None and self._plan[0] == epoch:
+            return self._plan[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(self.lengths.size)
+        rows: list[list[int]] = []
+        for start in range(0, order.size, self.window):
+            chunk = order[start:start + self.window]
+            chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+            open_rows: list[list[int]] = []
+            room: list[int] = []
+            for i in chunk.tolist():
+                n = int(self.lengths[i])
+                slot = next((j for j, free in enumerate(room) if free >= n), -1)
+                if slot < 0:
+                    open_rows.append([i])
+                    room.append(self.row_len - n)
+                else:
+                    open_rows[slot].append(i)
+                    room[slot] -= n
+            rows.extend(open_rows)
+        plan = [np.asarray(rows[j], np.int64) for j in rng.permutation(len(rows))]
+        self._plan = (epoch, plan)
+        return plan
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index < 0:
+            raise IndexError(f"row must be >= 0; received {index}")
+        while self._starts[-1] <= index:  # plan epochs until one holds the row
+            self._starts.append(self._starts[-1] + len(self.epoch(len(self._starts) - 1)))
+        epoch = next(e for e in range(len(self._starts) - 1) if self._starts[e + 1] > index)
+        return self.epoch(epoch)[index - self._starts[epoch]]
+
+    def rows_per_epoch(self, epoch: int = 0) -> int:
+        """How many rows epoch `epoch` packs its samples into."""
+        return len(self.epoch(epoch))
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalRows(grain.transforms.Map):
+    """Global batch index i -> the list of rows [i*G, (i+1)*G) of `rows` (G = rows per global batch)."""
+
+    rows: PackedRows
+    rows_per_batch: int
+
+    def map(self, index: int) -> list[np.ndarray]:
+        first = int(index) * self.rows_per_batch
+        return [self.rows[first + j] for j in range(self.rows_per_batch)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadPacked(grain.transforms.Map):
+    """Packed rows (arrays of sample indices) -> per row the list of its decoded samples (None for a bad
+    record, with `skip_bad_records`; otherwise the first bad record's ShardError propagates)."""
+
+    source: RecordSource
+    skip_bad_records: bool
+
+    def map(self, rows: list[np.ndarray]) -> list[list[Sample | None]]:
+        flat = ReadSamples(self.source, self.skip_bad_records).map(np.concatenate(rows))
+        out, start = [], 0
+        for row in rows:
+            out.append(flat[start:start + len(row)])
+            start += len(row)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PackAndStack(grain.transforms.Map):
+    """Packed rows of samples -> the batch dict of `PadAndStack` with rows of `row_len` tokens, plus
+    `segment_ids` int32 [B, row_len]: the conversations of a row laid end to end (each cut to `seq_len`; a
+    row's lengths sum to at most `row_len` by construction), numbered 1, 2, ... in row order, 0 on the
+    padding tail. A bad record (None) leaves no trace in its row and is counted under `bad_records`."""
+
+    seq_len: int
+    row_len: int
+    pad_id: int
+    feature_dim: int
+    next_ids: bool = False
+
+    def map(self, rows: list[list[Sample | None]]) -> dict[str, np.ndarray]:
+        b = len(rows)
+        batch = PadAndStack(self.row_len, self.pad_id, self.feature_dim, self.next_ids).map([None] * b)
+        segment_BxS = np.zeros((b, self.row_len), np.int32)
+        bad = 0
+        for i, samples in enumerate(rows):
+            at, segment = 0, 0
+            for sample in samples:
+                if sample is None:
+                    bad += 1
+                    continue
+                n = min(len(sample.tokens), self.seq_len)
+                if at + n > self.row_len:
+                    raise ValueError(f"a packed row must fit in row_len={self.row_len}; received {at + n} tokens")
+                segment += 1
+                batch["tokens"][i, at:at + n] = sample.tokens[:n]
+                batch["loss_mask"][i, at:at + n] = sample.loss_mask[:n]
+                batch["features"][i, at:at + n] = sample.features[:n]
+                if self.next_ids:
+                    batch["next_ids"][i, at:at + n] = sample.next_ids[:n]
+                segment_BxS[i, at:at + n] = segment
+                at += n
+        batch["segment_ids"] = segment_BxS
+        batch[_BAD] = np.int64(bad)
         return batch
 
 
@@ -181,6 +320,7 @@ def make_offline_batches(
     pad_id: int | None = None,
     verify: bool = False,
     next_ids: bool = False,
+    pack: int = 0,
 ) -> OfflineBatches:
     """An endless iterator of `{"tokens": int32[B, S], "loss_mask": float32[B, S], "features": bfloat16[B, S,
     F*D]}` batches of `batch_size` rows for this host.
@@ -202,6 +342,14 @@ def make_offline_batches(
     manifest's `pad_id`). `next_ids`: batches also hold `"next_ids"` int32 [B, S], the target's greedy
     token after each position (-1 on padding), for `data.labels: target`; the capture must have stored
     them (`Manifest.target_labels`).
+
+    `pack` > 0: rows of `pack` tokens (>= `seq_len`), each holding several whole conversations (each cut to
+    `seq_len`) end to end (`PackedRows`: first-fit decreasing over windows of a per-epoch permutation seeded
+    by `seed`; the sample lengths are read from the record headers once, before the first batch), and batches
+    also hold `"segment_ids"` int32 [B, pack] (1, 2, ... per conversation in the row, 0 on padding) so the
+    trainer keeps each conversation's attention and labels to itself. The chain is then `MapDataset.range`
+    (global batch indices) -> `GlobalRows` -> `HostRows` -> `ReadPacked` -> `PackAndStack`, resumed by
+    slicing as above.
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0; received {batch_size}")
@@ -224,6 +372,17 @@ def make_offline_batches(
                          "hold: capture again with data.labels=target (into a new data.dir)")
     source = RecordSource(shard_dir, manifest)
     width = manifest.feature_dim
+
+    if pack:
+        if pack < seq_len:
+            raise ValueError(f"pack must be 0 or a row length >= seq_len={seq_len}; received {pack}")
+        rows = PackedRows(np.minimum(source.lengths(progress=True), seq_len), pack, seed)
+        dataset = grain.MapDataset.range(sys.maxsize // (batch_size * shard_count))
+        dataset = dataset.map(GlobalRows(rows, batch_size * shard_count))
+        dataset = dataset.map(HostRows(shard_index, batch_size))
+        dataset = dataset.map(ReadPacked(source, skip_bad_records))
+        dataset = dataset.map(PackAndStack(seq_len, pack, pad_id, width, next_ids))
+        return OfflineBatches(dataset, manifest, worker_count)
 
     dataset = grain.MapDataset.range(manifest.num_samples)
     dataset = dataset.shuffle(seed=seed)

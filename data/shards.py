@@ -692,6 +692,24 @@ class RecordSource:
                 raise sample
         return samples  # type: ignore[return-value]
 
+    def lengths(self, progress: bool = False) -> np.ndarray:
+        """int64 [num_samples]: every sample's token count, read from the record headers (one scan of the
+        capture, shard by shard; a record that does not start with a valid header is a ShardError)."""
+        out = np.zeros(self.manifest.num_samples, np.int64)
+        shards: Any = range(self.manifest.num_shards)
+        if progress:
+            from tqdm import tqdm
+
+            shards = tqdm(shards, desc="sample lengths", unit="shard", leave=False)
+        for shard in shards:
+            first = shard * self.manifest.samples_per_shard
+            for record, raw in enumerate(self._reader(shard).read_all()):
+                if len(raw) < HEADER_SIZE or _HEADER.unpack_from(raw)[0] != RECORD_MAGIC:
+                    raise ShardError(f"{self.shard_dir / self.manifest.shards[shard].file}: record {record}: must "
+                                     f"start with a {RECORD_MAGIC!r} header; received {bytes(raw[:4])!r}")
+                out[first + record] = _HEADER.unpack_from(raw)[3]
+        return out
+
     def read_or_errors(self, indices: Sequence[int]) -> list[Sample | ShardError]:
         """Per index, its decoded sample or the ShardError naming its shard and record; one batched read per
         shard, and record by record only in a shard whose batched read failed (to name the bad record)."""

@@ -268,9 +268,11 @@ def abstract_train_inputs(recipe: Any, mesh: Any) -> dict[str, Any]:
     optimizer = make_train_optimizer(cfg)
     state, state_shardings = state_layout(cfg.seed, arch, optimizer, mesh)
     state = with_shardings(state, state_shardings)
-    b, s = cfg.batch_size, recipe.data.seq_len
+    b, s = cfg.batch_size, recipe.data.pack or recipe.data.seq_len  # a packed row holds `data.pack` tokens
     batch = {"tokens": jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=batch_sharding(mesh, 2)),
              "loss_mask": jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=batch_sharding(mesh, 2))}
+    if recipe.data.pack:
+        batch["segment_ids"] = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=batch_sharding(mesh, 2))
     if recipe.data.features == "offline":
         batch["features"] = jax.ShapeDtypeStruct((b, s, arch.num_features * arch.hidden_size), jnp.bfloat16,
                                                  sharding=batch_sharding(mesh, 3))

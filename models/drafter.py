@@ -201,11 +201,19 @@ class BlockVisibility:
     ctx_BxNxS: jax.Array
 
     @staticmethod
-    def from_anchors(anchor_BxN: jax.Array, ctx_valid_BxS: jax.Array) -> BlockVisibility:
-        """Context s < anchor STRICTLY and valid; a padding block (anchor < 0) sees no context."""
+    def from_anchors(anchor_BxN: jax.Array, ctx_valid_BxS: jax.Array,
+                     segment_BxS: jax.Array | None = None) -> BlockVisibility:
+        """Context s < anchor STRICTLY and valid; a padding block (anchor < 0) sees no context. With
+        `segment_BxS` (packed rows: which conversation each position belongs to), only context of the
+        anchor's own conversation."""
         s_1x1xS = jnp.arange(ctx_valid_BxS.shape[1])[None, None, :]
         a_BxNx1 = jnp.asarray(anchor_BxN)[:, :, None]
-        return BlockVisibility((s_1x1xS < a_BxNx1) & (jnp.asarray(ctx_valid_BxS)[:, None, :] > 0))
+        ctx_BxNxS = (s_1x1xS < a_BxNx1) & (jnp.asarray(ctx_valid_BxS)[:, None, :] > 0)
+        if segment_BxS is not None:
+            seg_BxS = jnp.asarray(segment_BxS)
+            own_BxNx1 = jnp.take_along_axis(seg_BxS, jnp.maximum(jnp.asarray(anchor_BxN), 0), axis=1)[:, :, None]
+            ctx_BxNxS = ctx_BxNxS & (seg_BxS[:, None, :] == own_BxNx1)
+        return BlockVisibility(ctx_BxNxS)
 
     def dense(self, block_size: int) -> jax.Array:
         """The equivalent dense mask bool [B, Q, S+Q] (tests and reference only)."""

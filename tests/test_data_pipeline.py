@@ -104,6 +104,18 @@ def test_offline_training_runs_and_a_mismatched_capture_is_refused(data_dir, tmp
     assert "2 field(s) differ: layer_ids: manifest (1, 3), run (1, 4); seq_len: manifest 128, run 64" in err
     assert not (tmp_path / "bad" / "checkpoints").exists()
 
+    # Packed rows (data.pack): several conversations per row; a row length below seq_len, or packing online
+    # features, is a config error.
+    packed = [a if not a.startswith("train.run_dir") else f"train.run_dir={tmp_path / 'packed'}" for a in run]
+    with caplog.at_level("INFO", logger="train.loop"):
+        assert main([*packed, "data.pack=384", "train.steps=2"]) == 0
+    assert "trained 2 steps (to step 2)" in capsys.readouterr().out
+    assert main([*bad, "data.pack=64"]) == 2
+    err = capsys.readouterr().err
+    assert "data.pack must be 0 (one conversation per row) or a row length >= data.seq_len (128)" in err
+    assert main([*bad, "data.pack=384", "data.features=online"]) == 2
+    assert "data.pack must be 0 with data.features=online" in capsys.readouterr().err
+
     # A truncated shard is named before training starts.
     broken = tmp_path / "broken"
     shutil.copytree(data_dir, broken)

@@ -19,7 +19,7 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 
 import data.capture as capture_module
 from data.capture import capture, examples_hash
-from data.offline import make_offline_batches
+from data.offline import PackedRows, make_offline_batches
 from data.online import make_batches
 from data.shards import (
     BF16,
@@ -28,6 +28,7 @@ from data.shards import (
     READER_OPTIONS,
     ManifestMismatchError,
     Provenance,
+    RecordSource,
     ShardError,
     chat_template_hash,
     check_manifest,
@@ -417,6 +418,70 @@ def test_state_round_trip_resumes_exact_batches(setup: Setup, workers: int) -> N
 
 def _equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)
+
+
+# ----------------------------------------------------------------------------- packed rows (data.pack)
+
+
+def test_packed_rows_hold_every_sample_once_per_epoch_whole_and_deterministic() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 33, 101)
+    rows = PackedRows(lengths, 64, seed=3, window=16)
+    for epoch in range(3):
+        plan = rows.epoch(epoch)
+        assert all(lengths[row].sum() <= 64 for row in plan)
+        np.testing.assert_array_equal(np.sort(np.concatenate(plan)), np.arange(101))
+    assert lengths.sum() / (64 * rows.rows_per_epoch()) > 0.85  # first-fit decreasing; each window leaves a tail
+    # Row r through __getitem__ = the epochs' rows laid end to end; another instance agrees (workers, resume).
+    flat = [row for epoch in range(3) for row in rows.epoch(epoch)]
+    again = PackedRows(lengths, 64, seed=3, window=16)
+    for r in [len(flat) - 1, 0, 5, rows.rows_per_epoch(0), len(flat) // 2]:
+        np.testing.assert_array_equal(again[r], flat[r])
+    assert not np.array_equal(np.concatenate(rows.epoch(0)), np.concatenate(rows.epoch(1)))  # reshuffled
+    assert not np.array_equal(np.concatenate(rows.epoch(0)),
+                              np.concatenate(PackedRows(lengths, 64, seed=4, window=16).epoch(0)))
+    with pytest.raises(ValueError, match=r"token counts in \[1, row_len=16\]"):
+        PackedRows(lengths, 16, seed=0)
+
+
+def test_packed_batches_lay_whole_samples_end_to_end_with_segment_ids(setup: Setup) -> None:
+    by_first = {int(t[0]): (i, t, m, n) for i, (t, m, n) in enumerate(setup.examples)}
+    source = RecordSource(setup.capture_dir, load_manifest(setup.capture_dir))
+    packed = make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN, pack=2 * SEQ_LEN)
+    seen: list[int] = []
+    for _ in range(6):
+        batch = next(packed)
+        assert set(batch) == {"tokens", "loss_mask", "features", "segment_ids"}
+        assert batch["tokens"].shape == batch["segment_ids"].shape == (B, 2 * SEQ_LEN)
+        assert batch["features"].shape == (B, 2 * SEQ_LEN, 128)
+        for row in range(B):
+            seg = batch["segment_ids"][row]
+            count = int(seg.max())
+            assert count >= 1 and np.all(np.diff(seg[seg > 0]) == 0) == (count == 1)
+            np.testing.assert_array_equal(seg[: (seg > 0).sum()], np.sort(seg[seg > 0]))  # 1, 2, ..., then padding
+            for k in range(1, count + 1):
+                span = np.flatnonzero(seg == k)
+                index, tokens, mask, n = by_first[int(batch["tokens"][row, span[0]])]
+                assert span.size == n and np.array_equal(span, np.arange(span[0], span[0] + n))
+                np.testing.assert_array_equal(batch["tokens"][row, span], tokens[:n])
+                np.testing.assert_array_equal(batch["loss_mask"][row, span], mask[:n])
+                stored = source.read([index])[0].features
+                np.testing.assert_array_equal(batch["features"][row, span].view(np.uint16), stored.view(np.uint16))
+                seen.append(int(tokens[0]))
+            pad = seg == 0
+            assert (batch["tokens"][row, pad] == PAD_ID).all() and not batch["loss_mask"][row, pad].any()
+    rows = PackedRows(np.array([n for _, _, n in setup.examples]), 2 * SEQ_LEN, seed=5)
+    first_epoch = rows.rows_per_epoch(0)
+    assert first_epoch < NUM_SAMPLES  # rows do hold several samples
+    assert sorted(seen[:sum(len(r) for r in rows.epoch(0))]) == sorted(by_first)  # each sample once per epoch
+    # Resume by state: the same batches as reading on.
+    state = packed.get_state()
+    expected = [next(packed) for _ in range(2)]
+    resumed = make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN, pack=2 * SEQ_LEN)
+    resumed.set_state(state)
+    assert all(_equal(a, next(resumed)) for a in expected)
+    with pytest.raises(ValueError, match="pack must be 0 or a row length >= seq_len=32"):
+        make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN, pack=16)
 
 
 # ----------------------------------------------------------------------------- target labels (data.labels: target)

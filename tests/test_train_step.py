@@ -164,3 +164,48 @@ def test_mask_through_gradients(setup):
     assert np.all(g_feats[row, anchor:] == 0.0)  # strictly before the anchor: s == anchor too
     assert np.all(g_feats[1 - row] == 0.0)
     assert np.all(np.abs(g_feats[row, :anchor]).sum(-1) > 0)
+
+
+def test_a_packed_row_trains_as_its_conversations_alone(setup):
+    """Two conversations packed into one row with segment ids give the loss, metrics and gradient of the same
+    blocks over the two conversations in rows of their own (fp32); without segment ids they would not (the
+    second conversation's blocks would see the first one's context, and a block at the end of the first
+    would be labelled with the second's tokens)."""
+    target_cfg, target_params, arch = setup
+    graphdef, params = split_drafter(DFlashDrafter(arch, nnx.Rngs(0)))
+    n1, n2 = 14, 12
+    convs = jax.random.randint(jax.random.key(5), (2, S), 0, MASK_ID)
+    tokens = jnp.zeros((2, S), jnp.int32).at[0, :n1].set(convs[0, :n1]).at[1, :n2].set(convs[1, :n2])
+    loss_mask = jnp.zeros((2, S), jnp.float32).at[0, 2:n1].set(1.0).at[1, :n2].set(1.0)  # conv 2 from its start
+    feats = online_features(target_params, target_cfg, tokens, LAYER_IDS)
+    anchors = jnp.array([[3, 12], [0, 6]], jnp.int32)  # 12: the block runs past conversation 1's end
+    keep = jnp.ones((2, 2), bool)
+    objective = Objective(gamma=default_gamma(K))
+
+    packed_tokens = jnp.concatenate([tokens[0, :n1], tokens[1, :n2], jnp.zeros(S - n1 - n2, jnp.int32)])[None]
+    packed_mask = jnp.concatenate([loss_mask[0, :n1], loss_mask[1, :n2], jnp.zeros(S - n1 - n2)])[None]
+    packed_feats = jnp.concatenate([feats[0, :n1], feats[1, :n2], jnp.zeros((S - n1 - n2, feats.shape[-1]))])[None]
+    segment = jnp.concatenate([jnp.ones(n1, jnp.int32), jnp.full(n2, 2, jnp.int32),
+                               jnp.zeros(S - n1 - n2, jnp.int32)])[None]
+    packed_anchors = jnp.array([[3, 12, n1 + 0, n1 + 6]], jnp.int32)
+
+    def loss_and_grad(tok, mask, f, a, k, seg):
+        blocks = build_blocks_batch(tok, mask, a, k, K, MASK_ID, segment_BxS=seg)
+
+        def loss(p):
+            return drafter_loss(p, graphdef, target_params, target_cfg, embed(target_params, blocks.block_ids),
+                                blocks, f, K, objective, seg)
+
+        (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(params)
+        return float(value), metrics, grad
+
+    alone = loss_and_grad(tokens, loss_mask, feats, anchors, keep, None)
+    packed = loss_and_grad(packed_tokens, packed_mask, packed_feats, packed_anchors, jnp.ones((1, 4), bool), segment)
+    assert float(alone[1]["num_labels"]) == float(packed[1]["num_labels"]) == 3 + 1 + 3 + 3
+    np.testing.assert_allclose(packed[0], alone[0], rtol=1e-6)
+    np.testing.assert_allclose(float(packed[1]["acceptance_length"]), float(alone[1]["acceptance_length"]), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7),
+                 packed[2], alone[2])
+    leaky = loss_and_grad(packed_tokens, packed_mask, packed_feats, packed_anchors, jnp.ones((1, 4), bool), None)
+    assert float(leaky[1]["num_labels"]) == 3 + 3 + 3 + 3  # the block at 12 labelled with conversation 2
+    assert abs(leaky[0] - alone[0]) > 1e-3

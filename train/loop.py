@@ -198,10 +198,11 @@ def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_ho
     batches = make_offline_batches(shard_dir, per_host, data.shuffle_seed, data.seq_len,
                                    shard_index=jax.process_index(), shard_count=jax.process_count(),
                                    worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records,
-                                   next_ids=data.labels == "target")
+                                   next_ids=data.labels == "target", pack=data.pack)
     log.info("offline features: %d samples, %d tokens in %d shards under %s (%.0f bytes/token)",
              manifest.num_samples, manifest.total_tokens, manifest.num_shards, shard_dir, manifest.bytes_per_token)
-    return batches, f"offline:{manifest.examples_hash}" + (":target-labels" if data.labels == "target" else "")
+    return batches, (f"offline:{manifest.examples_hash}" + (":target-labels" if data.labels == "target" else "")
+                     + (f":packed-{data.pack}" if data.pack else ""))
 
 
 def make_train_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

@@ -99,7 +99,8 @@ class Blocks:
 
 
 def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Array, keep_N: jax.Array,
-                 block_size: int, mask_token_id: int | jax.Array, next_ids_S: jax.Array | None = None) -> Blocks:
+                 block_size: int, mask_token_id: int | jax.Array, next_ids_S: jax.Array | None = None,
+                 segment_S: jax.Array | None = None) -> Blocks:
     """Build the N blocks of one sequence (contract in `Blocks`).
 
     Labels are SAME-POSITION: slot k of the block at anchor a is labelled with tokens[a + k].
@@ -111,6 +112,9 @@ def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Arr
     own continuation is unknown. On the target's own greedy answers this gives the text's labels; on
     reference answers every anchor still has its slot-1 label (the target's next token), which is exactly
     what speculative decoding must predict.
+
+    segment_S (packed rows, `data.pack`): the conversation of each position; a slot whose position belongs
+    to another conversation than its anchor's is not labelled (a block never runs into the next one).
     """
     K = block_size
     S = tokens_S.shape[0]
@@ -134,6 +138,9 @@ def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Arr
         at_NxK = jnp.where(k_1xK >= 1, target_NxK, at_NxK)
     labels_NxK = jnp.where(labelled_NxK, at_NxK, 0)
     assistant_NxK = jnp.asarray(loss_mask_S)[jnp.clip(pos_NxK, 0, S - 1)] > 0
+    if segment_S is not None:
+        seg_S = jnp.asarray(segment_S)
+        assistant_NxK = assistant_NxK & (seg_S[jnp.clip(pos_NxK, 0, S - 1)] == seg_S[a_Nx1])
     label_mask_NxK = (labelled_NxK & assistant_NxK & keep_Nx1).astype(jnp.float32)
 
     def flat(x_NxK: jax.Array) -> jax.Array:
@@ -152,10 +159,11 @@ def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Arr
 
 def build_blocks_batch(tokens_BxS: jax.Array, loss_mask_BxS: jax.Array, anchors_BxN: jax.Array,
                        keep_BxN: jax.Array, block_size: int, mask_token_id: int | jax.Array,
-                       next_ids_BxS: jax.Array | None = None) -> Blocks:
+                       next_ids_BxS: jax.Array | None = None, segment_BxS: jax.Array | None = None) -> Blocks:
     """`build_blocks` per row; every field gains a leading B."""
-    fn = lambda t, m, a, k, n: build_blocks(t, m, a, k, block_size, mask_token_id, n)
-    return jax.vmap(fn)(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, next_ids_BxS)  # None: no leaves to map
+    fn = lambda t, m, a, k, n, g: build_blocks(t, m, a, k, block_size, mask_token_id, n, g)
+    return jax.vmap(fn)(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, next_ids_BxS,
+                        segment_BxS)  # None: no leaves to map
 
 
 # ----------------------------------------------------------------------------- attention visibility

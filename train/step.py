@@ -113,20 +113,22 @@ def with_train_vocab(target_params: Params, target_cfg: DecoderConfig, token_ids
 
 def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
                  block_embeds_BxQxD: jax.Array, blocks: Blocks, ctx_feats_BxSxFD: jax.Array, block_size: int,
-                 objective: Objective) -> tuple[jax.Array, Metrics]:
+                 objective: Objective, segment_BxS: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
     """DFlash loss of the drafter on explicit inputs (so gradients w.r.t. embeds and features exist).
 
     Context positions are 0..S-1 and every context token is valid; `BlockVisibility.from_anchors` gives
     block j the context keys s < a_j and its own block's keys only (block-local attention, no dense
-    Q x (S+Q) mask). The frozen target head and the CE run in chunks (`head_loss`), in the dtype of the
-    drafter's output (the compute dtype) with fp32 accumulation and softmax.
+    Q x (S+Q) mask); with `segment_BxS` (packed rows) only those of a_j's own conversation. Positions stay
+    the row's: RoPE sees only differences, which are the same within a conversation wherever it sits. The
+    frozen target head and the CE run in chunks (`head_loss`), in the dtype of the drafter's output (the
+    compute dtype) with fp32 accumulation and softmax.
     Returns (loss, head_loss metrics).
     """
     b, s, _ = ctx_feats_BxSxFD.shape
     drafter = nnx.merge(graphdef, params)
     ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     anchor_BxN = blocks.anchor_of_query.reshape(b, -1, block_size)[:, :, 0]  # -1 for padding blocks
-    visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool))
+    visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool), segment_BxS)
     hidden_BxQxD = drafter(block_embeds_BxQxD, blocks.block_pos, ctx_feats_BxSxFD, ctx_pos_BxS, visible)
     frozen = jax.lax.stop_gradient(target_params)
     if TRAIN_HEAD in frozen:  # a training vocabulary (`with_train_vocab`)
@@ -145,6 +147,11 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+def segments(batch: Batch) -> jax.Array | None:
+    """The batch's `segment_ids` int32 [B, S] (packed rows, `data.pack`), or None for one conversation per row."""
+    return jnp.asarray(batch["segment_ids"], jnp.int32) if "segment_ids" in batch else None
+
+
 def block_inputs(batch: Batch, target_params: Params, target_cfg: DecoderConfig, arch: DrafterArch,
                  num_anchors: int, rng: jax.Array) -> tuple[Blocks, jax.Array, jax.Array]:
     """(blocks, block embeddings [B, Q, D], target features [B, S, F*D]) of `batch` with anchors drawn
@@ -153,13 +160,14 @@ def block_inputs(batch: Batch, target_params: Params, target_cfg: DecoderConfig,
     Features come from `batch["features"]` when the batch holds them (offline mode: stored bf16 features,
     cast to the target params' dtype, i.e. the compute dtype), else from the target's forward (online).
     With `batch["next_ids"]` (the target's own next tokens, `data.labels: target`) the labels are the
-    target's (`build_blocks`)."""
+    target's (`build_blocks`). With `batch["segment_ids"]` (packed rows) no block is labelled past its own
+    conversation (the drafter's context is kept to it by `drafter_loss`)."""
     tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
     loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
     anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, num_anchors, arch.block_size, rng)
     next_ids_BxS = jnp.asarray(batch["next_ids"], jnp.int32) if "next_ids" in batch else None  # target labels
     blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, arch.block_size,
-                                arch.mask_token_id, next_ids_BxS)
+                                arch.mask_token_id, next_ids_BxS, segments(batch))
     if "features" in batch:
         feats_BxSxFD = jax.lax.stop_gradient(jnp.asarray(batch["features"]).astype(target_params["embed"].dtype))
     else:
@@ -197,7 +205,7 @@ def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphd
 
     def loss_fn(params: nnx.State) -> tuple[jax.Array, Metrics]:
         return drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
-                            embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, objective)
+                            embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, objective, segments(batch))
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -250,7 +258,7 @@ def eval_metrics(params: nnx.State, batch: Batch, target_params: Params, rng: ja
     """The step's loss and teacher-forced metrics on `batch` with anchors drawn from `rng`; no update."""
     blocks, embeds_BxQxD, feats_BxSxFD = block_inputs(batch, target_params, target_cfg, arch, num_anchors, rng)
     loss, aux = drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
-                             embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, objective)
+                             embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, objective, segments(batch))
     return {"loss": loss, "acceptance_length": aux["acceptance_length"],
             "accuracy_per_position": aux["accuracy_per_position"], "num_labels": aux["num_labels"]}
 
@@ -281,6 +289,7 @@ __all__ = [
     "make_optimizer",
     "make_schedule",
     "make_train_step",
+    "segments",
     "split_drafter",
     "train_step",
     "with_train_vocab",
