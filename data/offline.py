@@ -12,6 +12,7 @@ behaviour relied on: docs/decisions.md D15.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import sys
 from pathlib import Path
@@ -81,25 +82,30 @@ class PadAndStack(grain.transforms.Map):
     next_ids: bool = False  # also "next_ids" int32 [B, S] (the target's labels; -1 on padding)
 
     def map(self, samples: list[Sample | None]) -> dict[str, np.ndarray]:
-        b = len(samples)
-        tokens_BxS = np.full((b, self.seq_len), self.pad_id, np.int32)
-        loss_mask_BxS = np.zeros((b, self.seq_len), np.float32)
-        features_BxSxFD = np.zeros((b, self.seq_len, self.feature_dim), BF16)
-        next_BxS = np.full((b, self.seq_len), -1, np.int32) if self.next_ids else None
+        batch = _empty_batch(len(samples), self.seq_len, self.pad_id, self.feature_dim, self.next_ids)
         for i, sample in enumerate(samples):
-            if sample is None:
-                continue
-            n = min(len(sample.tokens), self.seq_len)
-            tokens_BxS[i, :n] = sample.tokens[:n]
-            loss_mask_BxS[i, :n] = sample.loss_mask[:n]
-            features_BxSxFD[i, :n] = sample.features[:n]
-            if next_BxS is not None:
-                next_BxS[i, :n] = sample.next_ids[:n]
-        batch = {"tokens": tokens_BxS, "loss_mask": loss_mask_BxS, "features": features_BxSxFD,
-                 _BAD: np.int64(sum(sample is None for sample in samples))}
-        if next_BxS is not None:
-            batch["next_ids"] = next_BxS
+            if sample is not None:
+                _put(batch, i, 0, sample, min(len(sample.tokens), self.seq_len))
+        batch[_BAD] = np.int64(sum(sample is None for sample in samples))
         return batch
+
+
+def _empty_batch(b: int, length: int, pad_id: int, feature_dim: int, next_ids: bool) -> dict[str, np.ndarray]:
+    """A batch of `b` all-padding rows of `length` tokens (pad_id, mask 0, features 0, next ids -1)."""
+    batch = {"tokens": np.full((b, length), pad_id, np.int32), "loss_mask": np.zeros((b, length), np.float32),
+             "features": np.zeros((b, length, feature_dim), BF16)}
+    if next_ids:
+        batch["next_ids"] = np.full((b, length), -1, np.int32)
+    return batch
+
+
+def _put(batch: dict[str, np.ndarray], row: int, at: int, sample: Sample, n: int) -> None:
+    """Write the first n positions of `sample` into `row` of `batch` from position `at` (one copy of each)."""
+    batch["tokens"][row, at:at + n] = sample.tokens[:n]
+    batch["loss_mask"][row, at:at + n] = sample.loss_mask[:n]
+    batch["features"][row, at:at + n] = sample.features[:n]
+    if "next_ids" in batch:
+        batch["next_ids"][row, at:at + n] = sample.next_ids[:n]
 
 
 # ----------------------------------------------------------------------------- packing
@@ -112,7 +118,7 @@ class PackedRows:
     Epoch e permutes every sample with `numpy.random.default_rng([seed, e])`, packs each window of `window`
     consecutive samples of that order first-fit decreasing (longest first, each into the first open row it
     fits), and shuffles that epoch's rows with the same generator; so every sample appears once per epoch,
-    a row never splits a conversation, and the rows depend only on (lengths, seq_len, seed, window). Epochs
+    a row never splits a conversation, and the rows depend only on (lengths, row_len, seed, window). Epochs
     are planned lazily when a row of theirs is first asked for (the plan of one epoch is kept at a time;
     only the row counts of earlier epochs are stored), so `rows[k:]` for resume costs one plan per epoch
     before k. Grain's worker processes each plan their own.
@@ -160,7 +166,7 @@ class PackedRows:
             raise IndexError(f"row must be >= 0; received {index}")
         while self._starts[-1] <= index:  # plan epochs until one holds the row
             self._starts.append(self._starts[-1] + len(self.epoch(len(self._starts) - 1)))
-        epoch = next(e for e in range(len(self._starts) - 1) if self._starts[e + 1] > index)
+        epoch = bisect.bisect_right(self._starts, index) - 1
         return self.epoch(epoch)[index - self._starts[epoch]]
 
     def rows_per_epoch(self, epoch: int = 0) -> int:
@@ -212,7 +218,7 @@ class PackAndStack(grain.transforms.Map):
 
     def map(self, rows: list[list[Sample | None]]) -> dict[str, np.ndarray]:
         b = len(rows)
-        batch = PadAndStack(self.row_len, self.pad_id, self.feature_dim, self.next_ids).map([None] * b)
+        batch = _empty_batch(b, self.row_len, self.pad_id, self.feature_dim, self.next_ids)
         segment_BxS = np.zeros((b, self.row_len), np.int32)
         bad = 0
         for i, samples in enumerate(rows):
@@ -225,11 +231,7 @@ class PackAndStack(grain.transforms.Map):
                 if at + n > self.row_len:
                     raise ValueError(f"a packed row must fit in row_len={self.row_len}; received {at + n} tokens")
                 segment += 1
-                batch["tokens"][i, at:at + n] = sample.tokens[:n]
-                batch["loss_mask"][i, at:at + n] = sample.loss_mask[:n]
-                batch["features"][i, at:at + n] = sample.features[:n]
-                if self.next_ids:
-                    batch["next_ids"][i, at:at + n] = sample.next_ids[:n]
+                _put(batch, i, at, sample, n)
                 segment_BxS[i, at:at + n] = segment
                 at += n
         batch["segment_ids"] = segment_BxS

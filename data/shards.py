@@ -704,10 +704,11 @@ class RecordSource:
         for shard in shards:
             first = shard * self.manifest.samples_per_shard
             for record, raw in enumerate(self._reader(shard).read_all()):
-                if len(raw) < HEADER_SIZE or _HEADER.unpack_from(raw)[0] != RECORD_MAGIC:
+                header = _HEADER.unpack_from(raw) if len(raw) >= HEADER_SIZE else None
+                if header is None or header[0] != RECORD_MAGIC:
                     raise ShardError(f"{self.shard_dir / self.manifest.shards[shard].file}: record {record}: must "
                                      f"start with a {RECORD_MAGIC!r} header; received {bytes(raw[:4])!r}")
-                out[first + record] = _HEADER.unpack_from(raw)[3]
+                out[first + record] = header[3]
         return out
 
     def read_or_errors(self, indices: Sequence[int]) -> list[Sample | ShardError]:
