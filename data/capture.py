@@ -18,7 +18,9 @@ different batch shape (none on the CPU backend in our test).
 
 With `target_labels` the same forward also runs the LM head, and each record stores the target's greedy
 token after every position (`Sample.next_ids`): the labels of `data.labels: target`, which make reference
-answers (not regenerated) teach the target's own choices.
+answers (not regenerated) teach the target's own choices. With `target_topk` = k it also stores the
+target's k most likely next tokens and their probabilities there (`Sample.topk_ids`, `Sample.topk_probs`):
+the soft labels of `data.labels: soft`.
 
 A rerun over the same examples into the same directory resumes at the first unfinished shard; a rerun with
 another target, tokenizer, layer ids, seq_len, shard size or other examples (`examples_hash`) raises a
@@ -114,15 +116,23 @@ def _features_bf16(target_params: Any, tokens_BxS: jax.Array, *, target_cfg: Dec
     return online_features(target_params, target_cfg, tokens_BxS, layer_ids).astype(jnp.bfloat16)
 
 
-@partial(jax.jit, static_argnames=("target_cfg", "layer_ids"))
+@partial(jax.jit, static_argnames=("target_cfg", "layer_ids", "topk"))
 def _features_and_next_ids(target_params: Any, tokens_BxS: jax.Array, *, target_cfg: DecoderConfig,
-                           layer_ids: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+                           layer_ids: tuple[int, ...], topk: int = 0) -> tuple[jax.Array, ...]:
     """(features [B, S, F*D] bf16 as `_features_bf16`, next ids int32 [B, S]: the target's greedy token after
-    each position, the argmax of its logits there) from one target forward."""
+    each position, the argmax of its logits there) from one target forward; with `topk` = k > 0 also (ids
+    int32 [B, S, k], probabilities f32 [B, S, k]): the target's k most likely next tokens there (softmax at
+    temperature 1, most likely first, so ids[..., 0] is the next id)."""
     logits_BxSxV, feats_FxBxSxD = forward(jax.lax.stop_gradient(target_params), target_cfg, tokens_BxS,
                                           layer_ids=layer_ids)
-    return (concat_features(feats_FxBxSxD).astype(jnp.bfloat16),
-            jnp.argmax(logits_BxSxV, axis=-1).astype(jnp.int32))
+    feats = concat_features(feats_FxBxSxD).astype(jnp.bfloat16)
+    next_BxS = jnp.argmax(logits_BxSxV, axis=-1).astype(jnp.int32)
+    if not topk:
+        return feats, next_BxS
+    logits_BxSxV = logits_BxSxV.astype(jnp.float32)
+    top_BxSxK, ids_BxSxK = jax.lax.top_k(logits_BxSxV, topk)
+    probs_BxSxK = jnp.exp(top_BxSxK - jax.nn.logsumexp(logits_BxSxV, axis=-1, keepdims=True))
+    return feats, next_BxS, ids_BxSxK.astype(jnp.int32), probs_BxSxK
 
 
 def capture(
@@ -140,6 +150,7 @@ def capture(
     verify_existing: bool = True,
     progress: bool = True,
     target_labels: bool = False,
+    target_topk: int = 0,
 ) -> CaptureReport:
     """Capture target features of `examples` into `out_dir` (resuming an interrupted capture); see module.
 
@@ -150,7 +161,12 @@ def capture(
     verify_existing: on resume, re-hash kept shards (sha256) rather than only checking their sizes.
     target_labels: also store the target's greedy next token at every position (`data.labels: target`;
       the same forward, with the LM head).
+    target_topk: also store the target's k most likely next tokens and their probabilities at every position
+      (`data.labels: soft`; implies target_labels).
     """
+    if target_topk < 0:
+        raise ValueError(f"target_topk must be >= 0; received {target_topk}")
+    target_labels = target_labels or target_topk > 0
     layer_ids = check_layer_ids(tuple(layer_ids), target_cfg.num_layers)
     if batch_size <= 0 or samples_per_shard <= 0 or seq_len <= 0:
         raise ValueError(f"batch_size, samples_per_shard and seq_len must be > 0; received {batch_size}, "
@@ -158,7 +174,7 @@ def capture(
     pad_id = _check_examples(examples, seq_len)
     header = _manifest_header(provenance, target_cfg, examples, layer_ids, seq_len=seq_len, pad_id=pad_id,
                               samples_per_shard=samples_per_shard, compression=compression,
-                              target_labels=target_labels)
+                              target_labels=target_labels, target_topk=target_topk)
     start = time.perf_counter()
     writer = ShardWriter(out_dir, header, verify=verify_existing)
     pending = writer.pending
@@ -168,8 +184,9 @@ def capture(
     bar = tqdm(total=sum(shard_tokens), initial=sum(shard_tokens) - todo, disable=not progress, unit="tok",
                unit_scale=True, dynamic_ncols=True, desc="capture")
     filler = np.full(seq_len, pad_id if pad_id is not None else 0, np.int32)
-    featurize = partial(_features_and_next_ids if target_labels else _features_bf16, target_params,
-                        target_cfg=target_cfg, layer_ids=layer_ids)
+    featurize = (partial(_features_and_next_ids, target_params, target_cfg=target_cfg, layer_ids=layer_ids,
+                         topk=target_topk) if target_labels
+                 else partial(_features_bf16, target_params, target_cfg=target_cfg, layer_ids=layer_ids))
     try:
         for shard in pending:
             lo = shard * samples_per_shard
@@ -187,7 +204,7 @@ def capture(
 
 def _manifest_header(provenance: Provenance, target_cfg: DecoderConfig, examples: Sequence[Example],
                      layer_ids: tuple[int, ...], *, seq_len: int, pad_id: int | None, samples_per_shard: int,
-                     compression: str, target_labels: bool = False) -> Manifest:
+                     compression: str, target_labels: bool = False, target_topk: int = 0) -> Manifest:
     """The manifest of this capture before any shard is written (incomplete, no shards, no totals)."""
     num_samples = len(examples)
     return Manifest(
@@ -198,7 +215,7 @@ def _manifest_header(provenance: Provenance, target_cfg: DecoderConfig, examples
         pad_id=pad_id, examples_hash=examples_hash(examples), num_samples=num_samples,
         samples_per_shard=samples_per_shard, num_shards=-(-num_samples // samples_per_shard),
         writer_options=writer_options(compression), total_tokens=0, bytes_per_token=0.0, shards=(), created={},
-        target_labels=target_labels)
+        target_labels=target_labels, target_topk=target_topk)
 
 
 def _capture_shard(out: Any, examples: Sequence[Example], rows: list[int], featurize: Callable[[np.ndarray], Any],
@@ -220,16 +237,18 @@ def _capture_shard(out: Any, examples: Sequence[Example], rows: list[int], featu
 
 
 def _write_batch(out: Any, examples: Sequence[Example], chunk: list[int], feats: Any) -> int:
-    """Fetch one batch's features (and next ids, with target labels) and write its samples' first n
-    positions; returns the tokens written."""
-    feats_BxSxFD, next_BxS = feats if isinstance(feats, tuple) else (feats, None)
+    """Fetch one batch's features (and next ids, with target labels; and the top-k) and write its samples'
+    first n positions; returns the tokens written."""
+    feats_BxSxFD, next_BxS, *topk = feats if isinstance(feats, tuple) else (feats, None)
     host = np.asarray(feats_BxSxFD)
     next_host = None if next_BxS is None else np.asarray(next_BxS)
+    ids_host, probs_host = (np.asarray(a) for a in topk) if topk else (None, None)
     written = 0
     for row, i in enumerate(chunk):
         tokens_S, loss_mask_S, n = examples[i]
         n = int(n)
         out.write(np.asarray(tokens_S[:n], np.int32), np.asarray(loss_mask_S[:n]), host[row, :n],
-                  None if next_host is None else next_host[row, :n])
+                  None if next_host is None else next_host[row, :n],
+                  None if ids_host is None else (ids_host[row, :n], probs_host[row, :n]))
         written += n
     return written

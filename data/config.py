@@ -104,6 +104,11 @@ class DataConfig:
                  only): with the target's own greedy token there, stored by `dflash data capture` (the LM head
                  runs in the same forward), and only while the block's text agrees with the target's choices
                  (`train.objective.build_blocks`); on the target's own answers the two are the same.
+                 `soft` (offline only): `target`'s labels, and the loss is the cross-entropy against the
+                 target's whole next-token distribution there, cut to its `soft_topk` most likely tokens and
+                 renormalised (stored by `dflash data capture`), instead of against its argmax alone
+                 (knowledge distillation; docs/decisions.md D33).
+    soft_topk:   how many of the target's most likely next tokens `labels: soft` stores and trains on.
     shuffle_seed: the training loader's shuffling seed (each epoch is a different permutation).
     prompts:     the prompt mix of `regenerate`, `SOURCE[:WEIGHT],...`: presets (sharegpt, gsm8k, gsm8k_test,
                  math, math_test, math500, humaneval, mtbench, mbpp, mbpp_train), `hf:<dataset id>`, or a local
@@ -123,7 +128,8 @@ class DataConfig:
     pack: int = 0
     max_examples: int = 0
     reference: int = 0
-    labels: Literal["text", "target"] = "text"
+    labels: Literal["text", "target", "soft"] = "text"
+    soft_topk: int = 8
     shuffle_seed: int = 0
     prompts: str = "sharegpt:3,gsm8k:1"
     max_prompts: int = 0
@@ -148,6 +154,7 @@ class DataConfig:
         require(self.reference >= 0, "data.reference", self.reference, "be >= 0 (0 = none)")
         require(self.labels == "text" or self.features == "offline", "data.labels", self.labels,
                 "be 'text' with data.features=online (the target's labels are stored by `dflash data capture`)")
+        require(1 <= self.soft_topk <= 1024, "data.soft_topk", self.soft_topk, "lie in [1, 1024]")
         require(self.max_prompts >= 0, "data.max_prompts", self.max_prompts, "be >= 0 (0 = all)")
         require(self.samples_per_shard >= 1, "data.samples_per_shard", self.samples_per_shard, "be at least 1")
         require(self.capture_batch_size >= 1, "data.capture_batch_size", self.capture_batch_size, "be at least 1")

@@ -80,9 +80,11 @@ class PadAndStack(grain.transforms.Map):
     pad_id: int
     feature_dim: int
     next_ids: bool = False  # also "next_ids" int32 [B, S] (the target's labels; -1 on padding)
+    soft_topk: int = 0  # also "soft_ids" int32 [B, S, k] and "soft_probs" float32 [B, S, k] (0 on padding)
 
     def map(self, samples: list[Sample | None]) -> dict[str, np.ndarray]:
-        batch = _empty_batch(len(samples), self.seq_len, self.pad_id, self.feature_dim, self.next_ids)
+        batch = _empty_batch(len(samples), self.seq_len, self.pad_id, self.feature_dim, self.next_ids,
+                             self.soft_topk)
         for i, sample in enumerate(samples):
             if sample is not None:
                 _put(batch, i, 0, sample, min(len(sample.tokens), self.seq_len))
@@ -90,12 +92,17 @@ class PadAndStack(grain.transforms.Map):
         return batch
 
 
-def _empty_batch(b: int, length: int, pad_id: int, feature_dim: int, next_ids: bool) -> dict[str, np.ndarray]:
-    """A batch of `b` all-padding rows of `length` tokens (pad_id, mask 0, features 0, next ids -1)."""
+def _empty_batch(b: int, length: int, pad_id: int, feature_dim: int, next_ids: bool,
+                 soft_topk: int = 0) -> dict[str, np.ndarray]:
+    """A batch of `b` all-padding rows of `length` tokens (pad_id, mask 0, features 0, next ids -1, soft
+    ids and probabilities 0)."""
     batch = {"tokens": np.full((b, length), pad_id, np.int32), "loss_mask": np.zeros((b, length), np.float32),
              "features": np.zeros((b, length, feature_dim), BF16)}
     if next_ids:
         batch["next_ids"] = np.full((b, length), -1, np.int32)
+    if soft_topk:
+        batch["soft_ids"] = np.zeros((b, length, soft_topk), np.int32)
+        batch["soft_probs"] = np.zeros((b, length, soft_topk), np.float32)
     return batch
 
 
@@ -106,6 +113,9 @@ def _put(batch: dict[str, np.ndarray], row: int, at: int, sample: Sample, n: int
     batch["features"][row, at:at + n] = sample.features[:n]
     if "next_ids" in batch:
         batch["next_ids"][row, at:at + n] = sample.next_ids[:n]
+    if "soft_ids" in batch:
+        batch["soft_ids"][row, at:at + n] = sample.topk_ids[:n]
+        batch["soft_probs"][row, at:at + n] = sample.topk_probs[:n]
 
 
 # ----------------------------------------------------------------------------- packing
@@ -215,10 +225,11 @@ class PackAndStack(grain.transforms.Map):
     pad_id: int
     feature_dim: int
     next_ids: bool = False
+    soft_topk: int = 0
 
     def map(self, rows: list[list[Sample | None]]) -> dict[str, np.ndarray]:
         b = len(rows)
-        batch = _empty_batch(b, self.row_len, self.pad_id, self.feature_dim, self.next_ids)
+        batch = _empty_batch(b, self.row_len, self.pad_id, self.feature_dim, self.next_ids, self.soft_topk)
         segment_BxS = np.zeros((b, self.row_len), np.int32)
         bad = 0
         for i, samples in enumerate(rows):
@@ -323,6 +334,7 @@ def make_offline_batches(
     verify: bool = False,
     next_ids: bool = False,
     pack: int = 0,
+    soft_topk: int = 0,
 ) -> OfflineBatches:
     """An endless iterator of `{"tokens": int32[B, S], "loss_mask": float32[B, S], "features": bfloat16[B, S,
     F*D]}` batches of `batch_size` rows for this host.
@@ -343,7 +355,10 @@ def make_offline_batches(
     differs from the manifest, always raises. `pad_id` defaults to the capture's padding id (the
     manifest's `pad_id`). `next_ids`: batches also hold `"next_ids"` int32 [B, S], the target's greedy
     token after each position (-1 on padding), for `data.labels: target`; the capture must have stored
-    them (`Manifest.target_labels`).
+    them (`Manifest.target_labels`). `soft_topk` = k > 0 (`data.labels: soft`, with `next_ids`): batches also
+    hold `"soft_ids"` int32 [B, S, k] and `"soft_probs"` float32 [B, S, k], the target's k most likely next
+    tokens after each position and their probabilities (0 on padding); the capture must have stored exactly
+    that top-k (`Manifest.target_topk`).
 
     `pack` > 0: rows of `pack` tokens (>= `seq_len`), each holding several whole conversations (each cut to
     `seq_len`) end to end (`PackedRows`: first-fit decreasing over windows of a per-epoch permutation seeded
@@ -372,6 +387,10 @@ def make_offline_batches(
     if next_ids and not manifest.target_labels:
         raise ValueError(f"data.labels=target reads the target's labels, which the capture in {shard_dir} does not "
                          "hold: capture again with data.labels=target (into a new data.dir)")
+    if soft_topk and (not next_ids or manifest.target_topk != soft_topk):
+        raise ValueError(f"data.labels=soft with data.soft_topk={soft_topk} reads the target's top-{soft_topk}, "
+                         f"which the capture in {shard_dir} does not hold (it stores the top-{manifest.target_topk}): "
+                         f"capture again with data.labels=soft data.soft_topk={soft_topk} (into a new data.dir)")
     source = RecordSource(shard_dir, manifest)
     width = manifest.feature_dim
 
@@ -383,7 +402,7 @@ def make_offline_batches(
         dataset = dataset.map(GlobalRows(rows, batch_size * shard_count))
         dataset = dataset.map(HostRows(shard_index, batch_size))
         dataset = dataset.map(ReadPacked(source, skip_bad_records))
-        dataset = dataset.map(PackAndStack(seq_len, pack, pad_id, width, next_ids))
+        dataset = dataset.map(PackAndStack(seq_len, pack, pad_id, width, next_ids, soft_topk))
         return OfflineBatches(dataset, manifest, worker_count)
 
     dataset = grain.MapDataset.range(manifest.num_samples)
@@ -392,7 +411,7 @@ def make_offline_batches(
     dataset = dataset.batch(batch_size * shard_count, drop_remainder=True)
     dataset = dataset.map(HostRows(shard_index, batch_size))
     dataset = dataset.map(ReadSamples(source, skip_bad_records))
-    dataset = dataset.map(PadAndStack(seq_len, pad_id, width, next_ids))
+    dataset = dataset.map(PadAndStack(seq_len, pad_id, width, next_ids, soft_topk))
     return OfflineBatches(dataset, manifest, worker_count)
 
 

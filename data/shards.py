@@ -4,7 +4,7 @@ A capture directory holds `manifest.json` (`Manifest`) and `shard-00000.array_re
 (shard i = samples [i*S, (i+1)*S), S = samples_per_shard), one ArrayRecord record per sample (`encode_record`).
 
     writer = ShardWriter(out_dir, header)          # capture (data.capture): atomic per shard, resumes
-    with writer.shard(i) as shard: shard.write(tokens_N, loss_mask_N, features_NxFD[, next_ids_N])
+    with writer.shard(i) as shard: shard.write(tokens_N, loss_mask_N, features_NxFD[, next_ids_N[, topk]])
     source = RecordSource(out_dir, load_manifest(out_dir))     # training (data.offline): random access
 
 Storage choices and ArrayRecord's quirks: docs/decisions.md D15.
@@ -35,10 +35,13 @@ FEATURE_DTYPE = "bfloat16"
 TMP_SUFFIX = ".tmp"
 READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"  # random access (ArrayRecord's advice)
 
-_HEADER = struct.Struct("<4sHHIIBBBBQ4x")
+_HEADER = struct.Struct("<4sHHIIBBBBQH2x")
 HEADER_SIZE = _HEADER.size  # 32
 _TOKENS_CODE, _MASK_CODE, _FEATURES_CODE = 1, 2, 3  # int32, uint8, bfloat16
-_NO_LABELS, _NEXT_IDS_CODE = 0, 1  # the header's labels byte: none, or int32 next ids (`Sample.next_ids`)
+# the header's labels byte: none, int32 next ids (`Sample.next_ids`), or next ids and the target's top-k
+# next-token distribution (`Sample.topk_ids`, `Sample.topk_probs`; k in the header's u16 after the index)
+_NO_LABELS, _NEXT_IDS_CODE, _TOPK_CODE = 0, 1, 2
+TOPK_PROB_DTYPE = np.dtype("<f2")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _SHARD_NAME = re.compile(r"shard-(\d{5})\.array_record")
 _COMPRESSIONS = re.compile(r"uncompressed|(zstd|brotli)(:-?\d+)?|snappy")
@@ -78,31 +81,40 @@ def file_sha256(path: str | Path) -> str:
 @dataclasses.dataclass(frozen=True)
 class Sample:
     """One stored sample: `tokens` int32[n], `loss_mask` uint8[n] (0/1), `features` bfloat16[n, F*D], and
-    with target labels `next_ids` int32[n]: the target's greedy token after each position (None without)."""
+    with target labels `next_ids` int32[n]: the target's greedy token after each position (None without);
+    with the target's top-k (`data.labels: soft`) also `topk_ids` int32[n, k] and `topk_probs` float16[n, k]:
+    its k most likely next tokens after each position, most likely first, and their probabilities."""
 
     tokens: np.ndarray
     loss_mask: np.ndarray
     features: np.ndarray
     next_ids: np.ndarray | None = None
+    topk_ids: np.ndarray | None = None
+    topk_probs: np.ndarray | None = None
 
 
 def encode_record(sample_index: int, tokens_N: np.ndarray, loss_mask_N: np.ndarray,
-                  features_NxFD: np.ndarray, next_ids_N: np.ndarray | None = None) -> bytes:
+                  features_NxFD: np.ndarray, next_ids_N: np.ndarray | None = None,
+                  topk: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
     """The record bytes of one sample; arrays are validated, not converted.
 
     `tokens_N` integer [n] (stored int32), `loss_mask_N` [n] of 0/1 values (stored uint8), `features_NxFD`
     bfloat16 [n, F*D] (any other dtype is an error: the cast belongs on device, before the transfer).
+    `topk` (with `next_ids_N`): (ids integer [n, k], probabilities [n, k] in [0, 1], stored float16), the
+    target's k most likely next tokens after each position.
 
     A record is a fixed 32-byte little-endian header followed by three raw arrays, features first so they
     start 32-byte aligned:
 
         offset 0   magic b"DFSR", u16 version (1), u16 header size (32), u32 n (tokens), u32 feature_dim
                    (F*D), u8 token dtype (1 = int32), u8 mask dtype (2 = uint8), u8 feature dtype
-                   (3 = bfloat16), u8 labels (0 = none, 1 = int32 next ids), u64 sample index (global),
-                   4 bytes reserved (0)
+                   (3 = bfloat16), u8 labels (0 = none, 1 = int32 next ids, 2 = next ids and top-k), u64
+                   sample index (global), u16 k (top-k width, 0 unless labels 2), 2 bytes reserved (0)
         offset 32  features  bfloat16[n, F*D]   `online_features` of the sample's padded row, first n positions
                    tokens    int32[n]            the real tokens (no padding)
-                   next_ids  int32[n]            only with labels 1: the target's greedy token after each position
+                   next_ids  int32[n]            only with labels 1 or 2: the target's greedy token after each position
+                   topk_ids  int32[n, k]         only with labels 2: the target's k most likely next tokens
+                   topk_prob float16[n, k]       only with labels 2: their probabilities
                    loss_mask uint8[n]            the assistant-only mask, 0 or 1
 
     n is the sample's number of real tokens: padding is not stored (the loader pads again).
@@ -131,57 +143,79 @@ def encode_record(sample_index: int, tokens_N: np.ndarray, loss_mask_N: np.ndarr
             raise ValueError(f"next_ids must be non-negative integer ids of shape [{n}]; received "
                              f"{next_ids_N.dtype}{list(next_ids_N.shape)}")
         labels = next_ids_N.astype("<i4").tobytes()
+    code, k = (_NO_LABELS if next_ids_N is None else _NEXT_IDS_CODE), 0
+    if topk is not None:
+        ids_NxK, probs_NxK = (np.asarray(a) for a in topk)
+        if next_ids_N is None or ids_NxK.ndim != 2 or ids_NxK.shape[0] != n or probs_NxK.shape != ids_NxK.shape:
+            raise ValueError(f"topk must come with next_ids as (ids, probs) of one shape [{n}, k]; received "
+                             f"{list(ids_NxK.shape)} and {list(probs_NxK.shape)}")
+        k = ids_NxK.shape[1]
+        if not 1 <= k < 2**16 or not np.issubdtype(ids_NxK.dtype, np.integer) or ids_NxK.min() < 0:
+            raise ValueError(f"topk ids must be non-negative integers, 1 <= k < 65536; received {ids_NxK.dtype}, k={k}")
+        if not (np.all(probs_NxK >= 0) and np.all(probs_NxK <= 1)):
+            raise ValueError("topk probabilities must lie in [0, 1]")
+        labels += ids_NxK.astype("<i4").tobytes() + probs_NxK.astype(TOPK_PROB_DTYPE).tobytes()
+        code = _TOPK_CODE
     header = _HEADER.pack(RECORD_MAGIC, RECORD_VERSION, HEADER_SIZE, n, feature_dim, _TOKENS_CODE, _MASK_CODE,
-                          _FEATURES_CODE, _NO_LABELS if next_ids_N is None else _NEXT_IDS_CODE, sample_index)
+                          _FEATURES_CODE, code, sample_index, k)
     return b"".join((header, np.ascontiguousarray(features_NxFD).tobytes(), tokens_N.astype("<i4").tobytes(),
                      labels, loss_mask_N.astype(np.uint8).tobytes()))
 
 
-def record_size(n: int, feature_dim: int, next_ids: bool = False) -> int:
-    """Bytes of one record of n tokens: 32 + n * (2 * F*D + 4 + 1), plus 4n with next ids."""
-    return HEADER_SIZE + n * (2 * feature_dim + 5 + (4 if next_ids else 0))
+def record_size(n: int, feature_dim: int, next_ids: bool = False, topk: int = 0) -> int:
+    """Bytes of one record of n tokens: 32 + n * (2 * F*D + 4 + 1), plus 4n with next ids, plus 6nk with the
+    top-k."""
+    return HEADER_SIZE + n * (2 * feature_dim + 5 + (4 if next_ids else 0) + 6 * topk)
 
 
 def decode_record(record: bytes, *, feature_dim: int, sample_index: int | None = None,
-                  where: str = "record", next_ids: bool | None = None) -> Sample:
+                  where: str = "record", next_ids: bool | None = None, topk: int | None = None) -> Sample:
     """The `Sample` stored in `record` (format: `encode_record`); raises ShardError (prefixed with `where`,
     the shard file and record index) on any inconsistency.
 
     Checked: the magic, version, dtypes, that the record length is exactly 32 + n*(2*F*D + 5), the mask
-    is 0/1, and that `feature_dim` and `sample_index` (when given) equal the header's. Arrays are zero-copy
-    views of `record` (read-only).
+    is 0/1, and that `feature_dim`, `sample_index`, `next_ids` (labels present) and `topk` (its width, 0 =
+    none) equal the header's when given. Arrays are zero-copy views of `record` (read-only).
     """
     if len(record) < HEADER_SIZE:
         raise ShardError(f"{where}: must be at least the {HEADER_SIZE}-byte header; received {len(record)} bytes")
-    magic, version, header_size, n, width, tcode, mcode, fcode, lcode, index = _HEADER.unpack_from(record)
+    magic, version, header_size, n, width, tcode, mcode, fcode, lcode, index, k = _HEADER.unpack_from(record)
     if magic != RECORD_MAGIC:
         raise ShardError(f"{where}: must start with {RECORD_MAGIC!r}; received {magic!r} (not a feature record)")
     if version != RECORD_VERSION or header_size != HEADER_SIZE:
         raise ShardError(f"{where}: must be record version {RECORD_VERSION} with a {HEADER_SIZE}-byte header; "
                          f"received version {version}, header {header_size} bytes (written by another release?)")
-    if (tcode, mcode, fcode) != (_TOKENS_CODE, _MASK_CODE, _FEATURES_CODE) or lcode not in (_NO_LABELS,
-                                                                                             _NEXT_IDS_CODE):
-        raise ShardError(f"{where}: dtype codes must be (int32, uint8, bfloat16) = (1, 2, 3) and labels 0 or 1; "
-                         f"received {(tcode, mcode, fcode)}, labels {lcode}")
+    if ((tcode, mcode, fcode) != (_TOKENS_CODE, _MASK_CODE, _FEATURES_CODE)
+            or lcode not in (_NO_LABELS, _NEXT_IDS_CODE, _TOPK_CODE) or (k > 0) != (lcode == _TOPK_CODE)):
+        raise ShardError(f"{where}: dtype codes must be (int32, uint8, bfloat16) = (1, 2, 3), labels 0, 1 or 2 "
+                         f"and a top-k width exactly with labels 2; received {(tcode, mcode, fcode)}, labels {lcode}, "
+                         f"k {k}")
     if width != feature_dim:
         raise ShardError(f"{where}: feature width must be {feature_dim} (the manifest's F*D); received {width}")
     if sample_index is not None and index != sample_index:
         raise ShardError(f"{where}: must hold sample {sample_index}; received sample {index} (shards out of order?)")
-    labelled = lcode == _NEXT_IDS_CODE
+    labelled = lcode in (_NEXT_IDS_CODE, _TOPK_CODE)
     if next_ids is not None and labelled != next_ids:
         raise ShardError(f"{where}: must {'' if next_ids else 'not '}hold target labels (next ids), as its "
                          f"manifest says; received a record {'with' if labelled else 'without'} them")
-    if n < 1 or len(record) != record_size(n, width, labelled):
-        raise ShardError(f"{where}: length must be {record_size(n, width, labelled)} bytes for n={n} tokens of width "
-                         f"{width}; received {len(record)} bytes (truncated or corrupt record)")
+    if topk is not None and k != topk:
+        raise ShardError(f"{where}: must hold the target's top-{topk} as its manifest says; received top-{k}")
+    if n < 1 or len(record) != record_size(n, width, labelled, k):
+        raise ShardError(f"{where}: length must be {record_size(n, width, labelled, k)} bytes for n={n} tokens of "
+                         f"width {width}; received {len(record)} bytes (truncated or corrupt record)")
     features_end = HEADER_SIZE + 2 * n * width
     features = np.frombuffer(record, BF16, n * width, HEADER_SIZE).reshape(n, width)
     tokens = np.frombuffer(record, "<i4", n, features_end)
     next_ids = np.frombuffer(record, "<i4", n, features_end + 4 * n) if labelled else None
-    loss_mask = np.frombuffer(record, np.uint8, n, features_end + (8 if labelled else 4) * n)
+    topk_ids = topk_probs = None
+    if k:
+        topk_ids = np.frombuffer(record, "<i4", n * k, features_end + 8 * n).reshape(n, k)
+        topk_probs = np.frombuffer(record, TOPK_PROB_DTYPE, n * k, features_end + (8 + 4 * k) * n).reshape(n, k)
+    loss_mask = np.frombuffer(record, np.uint8, n, features_end + (8 if labelled else 4) * n + 6 * k * n)
     if loss_mask.max() > 1:
         raise ShardError(f"{where}: loss mask must hold only 0 and 1; received {sorted(set(loss_mask.tolist()))[:8]}")
-    return Sample(tokens=tokens, loss_mask=loss_mask, features=features, next_ids=next_ids)
+    return Sample(tokens=tokens, loss_mask=loss_mask, features=features, next_ids=next_ids, topk_ids=topk_ids,
+                  topk_probs=topk_probs)
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -241,6 +275,8 @@ class Manifest:
       (time, host, library versions of the first run).
     target_labels (identity): every record also holds the target's greedy next token at each position
       (`data.labels: target`); absent from manifests written before it existed (= False).
+    target_topk (identity): every record also holds the target's k most likely next tokens and their
+      probabilities at each position (`data.labels: soft`, with target_labels); 0 = none (and when absent).
     """
 
     format_version: int
@@ -265,6 +301,7 @@ class Manifest:
     shards: tuple[ShardEntry, ...]
     created: dict[str, Any]
     target_labels: bool = False
+    target_topk: int = 0
 
     def shard_samples(self, index: int) -> int:
         """Number of samples shard `index` holds: samples_per_shard, less for the last shard."""
@@ -312,11 +349,12 @@ _MANIFEST_TYPES: dict[str, Any] = {
     "tokenizer_fingerprint": str, "chat_template_hash": str, "layer_ids": list, "hidden_size": int,
     "feature_dim": int, "feature_dtype": str, "seq_len": int, "pad_id": (int, type(None)), "examples_hash": str,
     "num_samples": int, "samples_per_shard": int, "num_shards": int, "writer_options": str, "total_tokens": int,
-    "bytes_per_token": (int, float), "shards": list, "created": dict, "target_labels": bool}
+    "bytes_per_token": (int, float), "shards": list, "created": dict, "target_labels": bool,
+    "target_topk": int}
 
 IDENTITY_FIELDS = ("format_version", "target_fingerprint", "tokenizer_fingerprint", "chat_template_hash",
                    "layer_ids", "hidden_size", "feature_dim", "feature_dtype", "seq_len", "examples_hash",
-                   "num_samples", "samples_per_shard", "writer_options", "target_labels")
+                   "num_samples", "samples_per_shard", "writer_options", "target_labels", "target_topk")
 
 
 def _describe_differences(differences: Sequence[tuple[str, Any, Any]], left: str, right: str) -> str:
@@ -327,7 +365,8 @@ def check_manifest(manifest: Manifest, *, target_fingerprint: str | None = None,
                    tokenizer_fingerprint: str | None = None, chat_template_hash: str | None = None,
                    layer_ids: Sequence[int] | None = None, hidden_size: int | None = None,
                    seq_len: int | None = None, feature_dim: int | None = None,
-                   examples_hash: str | None = None, target_labels: bool | None = None) -> None:
+                   examples_hash: str | None = None, target_labels: bool | None = None,
+                   target_topk: int | None = None) -> None:
     """Raise ManifestMismatchError naming EVERY given field whose run value differs from the manifest's.
 
     Fields left None are not compared. Call it with the run's target, tokenizer, layer ids and seq_len
@@ -337,7 +376,7 @@ def check_manifest(manifest: Manifest, *, target_fingerprint: str | None = None,
            "chat_template_hash": chat_template_hash,
            "layer_ids": None if layer_ids is None else tuple(int(j) for j in layer_ids),
            "hidden_size": hidden_size, "seq_len": seq_len, "feature_dim": feature_dim,
-           "examples_hash": examples_hash, "target_labels": target_labels}
+           "examples_hash": examples_hash, "target_labels": target_labels, "target_topk": target_topk}
     differences = [(name, getattr(manifest, name), value) for name, value in run.items()
                    if value is not None and getattr(manifest, name) != value]
     if differences:
@@ -585,18 +624,24 @@ class _OpenShard:
         self._first = index * writer._header.samples_per_shard
 
     def write(self, tokens_N: np.ndarray, loss_mask_N: np.ndarray, features_NxFD: np.ndarray,
-              next_ids_N: np.ndarray | None = None) -> None:
+              next_ids_N: np.ndarray | None = None, topk: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Append the next sample of this shard (its global index is implied by the order of writes);
-        `next_ids_N` exactly when the manifest has `target_labels`."""
+        `next_ids_N` exactly when the manifest has `target_labels`, `topk` (ids, probs [n, k]) exactly when it
+        has `target_topk` = k > 0."""
         header = self._writer._header
         if (next_ids_N is not None) != header.target_labels:
             raise ValueError(f"next_ids must be given {'with' if header.target_labels else 'only with'} "
                              "target_labels in the manifest")
+        width = 0 if topk is None else np.shape(topk[0])[-1]
+        if width != header.target_topk:
+            raise ValueError(f"topk must have the manifest's width target_topk={header.target_topk} (0 = none); "
+                             f"received {width}")
         if features_NxFD.shape[-1] != header.feature_dim:
             raise ValueError(f"features must have width {header.feature_dim}; received {features_NxFD.shape}")
         if len(tokens_N) > header.seq_len:
             raise ValueError(f"a sample must have at most seq_len={header.seq_len} tokens; received {len(tokens_N)}")
-        self._file.write(encode_record(self._first + self.samples, tokens_N, loss_mask_N, features_NxFD, next_ids_N))
+        self._file.write(encode_record(self._first + self.samples, tokens_N, loss_mask_N, features_NxFD, next_ids_N,
+                                       topk))
         self.samples += 1
         self.tokens += len(tokens_N)
 
@@ -682,7 +727,7 @@ class RecordSource:
         except Exception as err:  # noqa: BLE001 - Riegeli reports corruption as RuntimeError
             raise ShardError(f"{where}: must read back; received {type(err).__name__}: {err}") from err
         return decode_record(raw, feature_dim=self.manifest.feature_dim, sample_index=int(index), where=where,
-                             next_ids=self.manifest.target_labels)
+                             next_ids=self.manifest.target_labels, topk=self.manifest.target_topk)
 
     def read(self, indices: Sequence[int]) -> list[Sample]:
         """Decoded samples of `indices`, in order; raises the first record's ShardError."""
@@ -735,7 +780,8 @@ class RecordSource:
                     out.append(self.read_one(int(index)))
                 else:
                     out.append(decode_record(raw, feature_dim=self.manifest.feature_dim, sample_index=int(index),
-                                             where=self.where(int(index)), next_ids=self.manifest.target_labels))
+                                             where=self.where(int(index)), next_ids=self.manifest.target_labels,
+                                             topk=self.manifest.target_topk))
             except ShardError as err:
                 out.append(err)
         return out

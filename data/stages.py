@@ -60,7 +60,7 @@ def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool 
     return capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
                    cfg.shard_dir, seq_len=recipe.data.seq_len, batch_size=cfg.capture_batch_size,
                    samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress,
-                   target_labels=cfg.labels == "target")
+                   target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0)
 
 
 def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:
@@ -120,7 +120,9 @@ def _manifest_lines(m: Manifest) -> list[str]:
         f"{m.tokenizer_fingerprint[:12]}, chat template {m.chat_template_hash[:12]}",
         f"  layer_ids {list(m.layer_ids)}, hidden {m.hidden_size}, feature_dim {m.feature_dim} ({m.feature_dtype}), "
         f"seq_len {m.seq_len}, pad_id {m.pad_id}, {m.writer_options}",
-        f"  examples sha256 {m.examples_hash[:12]}, format v{m.format_version}",
+        f"  examples sha256 {m.examples_hash[:12]}, format v{m.format_version}, labels: "
+        + (f"the target's top-{m.target_topk} (data.labels=soft)" if m.target_topk
+           else "the target's next ids (data.labels=target)" if m.target_labels else "none (data.labels=text)"),
     ]
 
 

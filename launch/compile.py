@@ -273,6 +273,12 @@ def abstract_train_inputs(recipe: Any, mesh: Any) -> dict[str, Any]:
              "loss_mask": jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=batch_sharding(mesh, 2))}
     if recipe.data.pack:
         batch["segment_ids"] = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=batch_sharding(mesh, 2))
+    if recipe.data.labels != "text":  # the target's labels (and with `soft` its top-k), stored at capture
+        batch["next_ids"] = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=batch_sharding(mesh, 2))
+    if recipe.data.labels == "soft":
+        t = recipe.data.soft_topk
+        batch["soft_ids"] = jax.ShapeDtypeStruct((b, s, t), jnp.int32, sharding=batch_sharding(mesh, 3))
+        batch["soft_probs"] = jax.ShapeDtypeStruct((b, s, t), jnp.float32, sharding=batch_sharding(mesh, 3))
     if recipe.data.features == "offline":
         batch["features"] = jax.ShapeDtypeStruct((b, s, arch.num_features * arch.hidden_size), jnp.bfloat16,
                                                  sharding=batch_sharding(mesh, 3))

@@ -148,5 +148,30 @@ def test_target_labels_are_captured_and_trained_on(data_dir, tmp_path, capsys):
     assert "data.labels must be 'text' with data.features=online" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
+def test_soft_labels_are_captured_and_trained_on(data_dir, tmp_path, capsys):
+    """data.labels=soft: the capture stores the target's top-k, offline training (padded and packed rows)
+    distils it, and a capture of another k or without it is refused before any step."""
+    soft_dir = tmp_path / "soft"
+    soft_dir.mkdir()
+    shutil.copy(data_dir / "regenerated.jsonl", soft_dir)
+    shutil.copy(data_dir / "regenerated.jsonl.meta.json", soft_dir)
+    soft = ["data.features=offline", "data.labels=soft", "data.soft_topk=4"]
+    assert main(["data", "capture", *_args(soft_dir), *soft, "--no-progress"]) == 0
+    manifest = json.loads((soft_dir / "shards" / "manifest.json").read_text())
+    assert manifest["target_labels"] is True and manifest["target_topk"] == 4
+    for extra in ([], ["data.pack=256"]):
+        run = ["train", *_args(soft_dir), *soft, *extra, f"train.run_dir={tmp_path / ('run' + str(len(extra)))}",
+               "train.batch_size=8", "train.steps=2", "--no-progress"]
+        assert main(run) == 0
+        assert "trained 2 steps (to step 2)" in capsys.readouterr().out
+    assert main(["train", *_args(soft_dir), "data.features=offline", "data.labels=soft", "data.soft_topk=8",
+                 f"train.run_dir={tmp_path / 'bad'}", "train.batch_size=8", "--no-progress"]) == 2
+    assert "target_topk: manifest 4, run 8" in capsys.readouterr().err
+    assert main(["train", *_args(data_dir), *soft, f"train.run_dir={tmp_path / 'bad2'}", "train.batch_size=8",
+                 "--no-progress"]) == 2
+    assert "target_labels: manifest False, run True" in capsys.readouterr().err
+
+
 def test_manifest_mismatch_error_is_a_value_error():
     assert issubclass(ManifestMismatchError, ValueError)  # the CLI maps ValueError to exit status 2

@@ -545,3 +545,65 @@ def test_manifest_written_before_target_labels_still_loads(setup: Setup, tmp_pat
     (out / MANIFEST_NAME).write_text(json.dumps(raw))
     assert load_manifest(out).target_labels is False
     assert next(make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN))["tokens"].shape == (B, SEQ_LEN)
+
+
+# ----------------------------------------------------------------------------- soft labels (data.labels: soft)
+
+
+def test_record_with_the_targets_top_k_round_trips_and_is_checked() -> None:
+    feats = np.ones((4, 8), BF16)
+    ids = np.arange(12).reshape(4, 3) + 100
+    probs = np.array([[0.5, 0.25, 0.125]] * 4)
+    record = encode_record(3, np.arange(4), np.array([0, 1, 1, 1]), feats, np.array([9, 8, 7, 6]), (ids, probs))
+    assert len(record) == record_size(4, 8, next_ids=True, topk=3) == record_size(4, 8, next_ids=True) + 4 * 3 * 6
+    sample = decode_record(record, feature_dim=8, sample_index=3, next_ids=True, topk=3)
+    np.testing.assert_array_equal(sample.next_ids, [9, 8, 7, 6])
+    np.testing.assert_array_equal(sample.topk_ids, ids)
+    np.testing.assert_array_equal(sample.topk_probs, probs)  # exact in float16
+    np.testing.assert_array_equal(sample.loss_mask, [0, 1, 1, 1])
+    assert decode_record(encode_record(3, np.arange(4), np.ones(4), feats, np.arange(4)), feature_dim=8,
+                         topk=0).topk_ids is None
+    with pytest.raises(ShardError, match="must hold the target's top-2"):
+        decode_record(record, feature_dim=8, topk=2)
+    with pytest.raises(ShardError, match="length must be"):
+        decode_record(record[:-1], feature_dim=8)
+    with pytest.raises(ValueError, match="topk must come with next_ids"):
+        encode_record(3, np.arange(4), np.ones(4), feats, None, (ids, probs))
+    with pytest.raises(ValueError, match="probabilities must lie in"):
+        encode_record(3, np.arange(4), np.ones(4), feats, np.arange(4), (ids, probs * 3))
+
+
+def test_capture_with_the_targets_top_k_stores_its_distribution(setup: Setup, tmp_path: Path) -> None:
+    """With target_topk = k every record holds the target's k most likely next tokens after each position and
+    their softmax probabilities (argmax first, so next_ids are the first column); the loader hands them out as
+    "soft_ids" / "soft_probs" [B, S, k], zero on padding, in the padded and the packed layout."""
+    from models.decoder import forward
+
+    k = 4
+    out = tmp_path / "soft"
+    _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out, target_topk=k)
+    manifest = load_manifest(out)
+    assert manifest.target_labels and manifest.target_topk == k
+    tokens_BxS = np.stack([t for t, _, _ in setup.examples])
+    logits = np.asarray(forward(setup.params, setup.cfg, jax.numpy.asarray(tokens_BxS))[0], np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    stored = [s for shard in range(manifest.num_shards) for s in iter_shard(out, manifest, shard)]
+    for (_, _, n), sample, p in zip(setup.examples, stored, probs, strict=True):
+        order = np.argsort(-p[:n], axis=-1)[:, :k]
+        np.testing.assert_array_equal(sample.topk_ids, order)
+        np.testing.assert_array_equal(sample.next_ids, order[:, 0])
+        np.testing.assert_allclose(sample.topk_probs, np.take_along_axis(p[:n], order, -1), rtol=2e-3, atol=1e-6)
+    for pack in (0, 2 * SEQ_LEN):
+        batch = next(make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN, next_ids=True, soft_topk=k, pack=pack))
+        assert batch["soft_ids"].shape == batch["soft_probs"].shape == (B, pack or SEQ_LEN, k)
+        assert batch["soft_ids"].dtype == np.int32 and batch["soft_probs"].dtype == np.float32
+        pad = batch["next_ids"] < 0
+        assert pad.any() and not batch["soft_probs"][pad].any() and not batch["soft_ids"][pad].any()
+        real = ~pad
+        np.testing.assert_array_equal(batch["soft_ids"][real][:, 0], batch["next_ids"][real])
+    with pytest.raises(ValueError, match="does not hold"):
+        make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN, next_ids=True, soft_topk=k + 1)
+    with pytest.raises(ManifestMismatchError, match="target_topk"):
+        check_manifest(manifest, target_topk=k + 1)
+    assert "soft_ids" not in next(make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN, next_ids=True))

@@ -456,3 +456,120 @@ def test_head_loss_over_a_vocabulary_subset_is_the_subset_softmax():
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), atol=1e-6)
     np.testing.assert_allclose(float(m1["num_labels"]), float(m0["num_labels"]))
+
+
+# ----------------------------------------------------------------------------- soft labels (data.labels: soft)
+
+
+def test_soft_labels_ride_with_the_slot_they_label():
+    """Slot k of the block at anchor a carries the top-T distribution stored at a+k-1 (the one its hard label
+    is the argmax of), and zeros wherever it is not labelled; the rest of the blocks is unchanged."""
+    tokens, mask = _example()
+    K, T = 4, 3
+    S = tokens.shape[0]
+    anchors = np.array([6, 16, 10, 21, 0], np.int32)
+    keep = np.array([True, True, True, True, False])
+    picks = np.concatenate([tokens[1:], [-1]]).astype(np.int32)
+    ids = np.arange(S * T, dtype=np.int32).reshape(S, T) + 1000  # distinct per position
+    probs = np.linspace(0.1, 0.9, S * T, dtype=np.float32).reshape(S, T)
+    hard = build_blocks(tokens, mask, anchors, keep, K, MASK, picks)
+    soft = build_blocks(tokens, mask, anchors, keep, K, MASK, picks, soft=(ids, probs))
+    for name in ("block_ids", "block_pos", "labels", "label_mask", "anchor_of_query"):
+        np.testing.assert_array_equal(getattr(soft, name), getattr(hard, name))
+    assert hard.soft_ids is None and soft.soft_ids.shape == soft.soft_probs.shape == (5 * K, T)
+    for q in range(5 * K):
+        if soft.label_mask[q] > 0:
+            p = int(soft.block_pos[q])
+            np.testing.assert_array_equal(soft.soft_ids[q], ids[p - 1])
+            np.testing.assert_allclose(soft.soft_probs[q], probs[p - 1])
+        else:
+            assert not np.any(soft.soft_ids[q]) and not np.any(soft.soft_probs[q])
+    batched = build_blocks_batch(np.stack([tokens] * 2), np.stack([mask] * 2), np.stack([anchors] * 2),
+                                 np.stack([keep] * 2), K, MASK, np.stack([picks] * 2),
+                                 soft_BxS=(np.stack([ids] * 2), np.stack([probs] * 2)))
+    np.testing.assert_array_equal(batched.soft_ids[1], soft.soft_ids)
+
+
+def _soft_case(seed: int, V_: int = 50, T: int = 5):
+    h, head, w_VxD, labels, mask, k_index, K_ = _head_case(True, seed=seed)
+    r = np.random.default_rng(seed + 100)
+    B_, Q_ = labels.shape
+    ids = np.stack([[r.permutation(V_)[:T] for _ in range(Q_)] for _ in range(B_)]).astype(np.int32)
+    probs = r.dirichlet(np.ones(T), (B_, Q_)).astype(np.float32) * 0.9  # a top-T cut: mass below 1
+    return h, w_VxD, labels, mask, K_, ids, probs
+
+
+@pytest.mark.parametrize("kind", ["decay", "dpace"])
+@pytest.mark.parametrize("chunk", [1, 7, 0])
+def test_soft_head_loss_is_the_cross_entropy_against_the_renormalised_top_k(kind: str, chunk: int):
+    """loss = sum_q w_q m_q CE_q / sum w m with CE_q = -sum_t q_qt log softmax(h_q W)[id_qt], q the stored
+    top-T renormalised to 1; its value and d loss / d h equal the dense fp32 reference, and the weights and
+    metrics read the hard labels (D-PACE's confidence is the drafter's probability of the label)."""
+    h, w_VxD, labels, mask, K_, ids, probs = _soft_case(seed=11)
+    B_, Q_, _ = h.shape
+    obj = Objective(kind=kind, gamma=2.0, head_chunk=chunk)
+
+    def reference(x):
+        logp = jax.nn.log_softmax(jnp.einsum("bqd,vd->bqv", x, w_VxD), axis=-1)
+        q = probs / probs.sum(-1, keepdims=True)
+        ce = -jnp.sum(q * jnp.take_along_axis(logp, ids, axis=-1), axis=-1)
+        nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+        split = lambda a: a.reshape(B_, Q_ // K_, K_)[..., 1:]  # noqa: E731
+        if kind == "dpace":
+            w = dpace_weights(jax.lax.stop_gradient(split(nll)), split(mask), 0.5)
+        else:
+            w = split(decay_weights(K_, 2.0)[jnp.arange(Q_) % K_][None] * mask)
+        return jnp.sum(w * split(ce)) / jnp.sum(w)
+
+    l_ref, g_ref = jax.value_and_grad(reference)(h)
+    hard = lambda x: head_loss(x, w_VxD, labels, mask, K_, obj, vocab_major=True)  # noqa: E731
+    soft = lambda x: head_loss(x, w_VxD, labels, mask, K_, obj, vocab_major=True, soft=(ids, probs))  # noqa: E731
+    (l_soft, m_soft), g_soft = jax.jit(jax.value_and_grad(soft, has_aux=True))(h)
+    np.testing.assert_allclose(float(l_soft), float(l_ref), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g_soft), np.asarray(g_ref), atol=1e-6)
+    assert float(jnp.abs(g_ref).max()) > 1e-3
+    (l_hard, m_hard), _ = jax.value_and_grad(hard, has_aux=True)(h)
+    assert abs(float(l_hard) - float(l_soft)) > 1e-3  # the soft targets change the loss ...
+    for name in m_hard:  # ... but not what the metrics measure
+        np.testing.assert_allclose(np.asarray(m_soft[name]), np.asarray(m_hard[name]), rtol=1e-6, err_msg=name)
+
+
+def test_soft_head_loss_with_one_hot_targets_is_the_hard_loss():
+    h, w_VxD, labels, mask, K_, ids, _ = _soft_case(seed=12)
+    ids = np.asarray(ids).copy()
+    ids[..., 0] = np.asarray(labels)
+    one_hot = np.zeros(ids.shape, np.float32)
+    one_hot[..., 0] = 0.7  # any mass: renormalised to 1
+    obj = Objective(kind="dpace")
+    hard = lambda x: head_loss(x, w_VxD, labels, mask, K_, obj, vocab_major=True)[0]  # noqa: E731
+    soft = lambda x: head_loss(x, w_VxD, labels, mask, K_, obj, vocab_major=True, soft=(ids, one_hot))[0]  # noqa: E731
+    np.testing.assert_allclose(float(soft(h)), float(hard(h)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(soft)(h)), np.asarray(jax.grad(hard)(h)), atol=1e-6)
+
+
+def test_soft_head_loss_over_a_vocabulary_subset_drops_and_renormalises():
+    """With a training vocabulary, top-T tokens outside it leave the distribution, which is renormalised over
+    the rest; a slot none of whose tokens the head holds leaves the loss."""
+    h, w_VxD, labels, mask, K_, ids, probs = _soft_case(seed=13)
+    keep_ids = np.arange(0, 50, 2)
+    label_map = np.full(50, -1, np.int32)
+    label_map[keep_ids] = np.arange(keep_ids.size)
+    mapped = label_map[ids]
+    q = np.where(mapped >= 0, probs, 0.0)
+    m = np.asarray(mask) * (q.sum(-1) > 0) * (label_map[np.asarray(labels)] >= 0)
+    q = q / np.maximum(q.sum(-1, keepdims=True), 1e-20)
+    B_, Q_, _ = h.shape
+    obj = Objective(gamma=2.0)
+
+    def reference(x):
+        logp = jax.nn.log_softmax(jnp.einsum("bqd,vd->bqv", x, w_VxD[keep_ids]), axis=-1)
+        ce = -jnp.sum(q * jnp.take_along_axis(logp, np.maximum(mapped, 0), axis=-1), axis=-1)
+        w = (decay_weights(K_, 2.0)[jnp.arange(Q_) % K_][None] * m).reshape(B_, Q_ // K_, K_)[..., 1:]
+        return jnp.sum(w * ce.reshape(B_, Q_ // K_, K_)[..., 1:]) / jnp.sum(w)
+
+    def subset(x):
+        return head_loss(x, w_VxD[keep_ids], labels, mask, K_, obj, vocab_major=True,
+                         label_map=jnp.asarray(label_map), soft=(ids, probs))[0]
+
+    np.testing.assert_allclose(float(subset(h)), float(reference(h)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(subset)(h)), np.asarray(jax.grad(reference)(h)), atol=1e-6)

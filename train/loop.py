@@ -194,14 +194,17 @@ def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_ho
                    tokenizer_fingerprint=target.tokenizer.fingerprint(),
                    chat_template_hash=chat_template_hash(target.tokenizer.chat_template), layer_ids=arch.layer_ids,
                    hidden_size=target.cfg.hidden_size, seq_len=data.seq_len,
-                   target_labels=True if data.labels == "target" else None)
+                   target_labels=True if data.labels != "text" else None,
+                   target_topk=data.soft_topk if data.labels == "soft" else None)
     batches = make_offline_batches(shard_dir, per_host, data.shuffle_seed, data.seq_len,
                                    shard_index=jax.process_index(), shard_count=jax.process_count(),
                                    worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records,
-                                   next_ids=data.labels == "target", pack=data.pack)
+                                   next_ids=data.labels != "text", pack=data.pack,
+                                   soft_topk=data.soft_topk if data.labels == "soft" else 0)
     log.info("offline features: %d samples, %d tokens in %d shards under %s (%.0f bytes/token)",
              manifest.num_samples, manifest.total_tokens, manifest.num_shards, shard_dir, manifest.bytes_per_token)
-    return batches, (f"offline:{manifest.examples_hash}" + (":target-labels" if data.labels == "target" else "")
+    labels = {"text": "", "target": ":target-labels", "soft": f":soft-labels-{data.soft_topk}"}[data.labels]
+    return batches, (f"offline:{manifest.examples_hash}" + labels
                      + (f":packed-{data.pack}" if data.pack else ""))
 
 

@@ -87,6 +87,9 @@ class Blocks:
     block_index_in_block int32 [Q]  k
     anchor_of_query      int32 [Q]  a_j, or -1 for padding blocks (keep=False)
     block_of_query       int32 [Q]  j
+    soft_ids             int32 [Q, T] or None  with soft labels (`data.labels: soft`): the target's T most
+                                    likely tokens at a_j+k (after tokens[:a_j+k]), 0 where label_mask is 0
+    soft_probs           f32   [Q, T] or None  their probabilities, 0 where label_mask is 0
     """
 
     block_ids: jax.Array
@@ -96,11 +99,13 @@ class Blocks:
     block_index_in_block: jax.Array
     anchor_of_query: jax.Array
     block_of_query: jax.Array
+    soft_ids: jax.Array | None = None
+    soft_probs: jax.Array | None = None
 
 
 def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Array, keep_N: jax.Array,
                  block_size: int, mask_token_id: int | jax.Array, next_ids_S: jax.Array | None = None,
-                 segment_S: jax.Array | None = None) -> Blocks:
+                 segment_S: jax.Array | None = None, soft: tuple[jax.Array, jax.Array] | None = None) -> Blocks:
     """Build the N blocks of one sequence (contract in `Blocks`).
 
     Labels are SAME-POSITION: slot k of the block at anchor a is labelled with tokens[a + k].
@@ -115,6 +120,10 @@ def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Arr
 
     segment_S (packed rows, `data.pack`): the conversation of each position; a slot whose position belongs
     to another conversation than its anchor's is not labelled (a block never runs into the next one).
+
+    soft (soft labels, `data.labels: soft`, with next_ids_S): (ids int32 [S, T], probs [S, T]), the target's T
+    most likely tokens after each position and their probabilities; slot k then also carries those stored
+    at a + k - 1 (the distribution its hard label is the argmax of), zeroed where it is not labelled.
     """
     K = block_size
     S = tokens_S.shape[0]
@@ -146,6 +155,13 @@ def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Arr
     def flat(x_NxK: jax.Array) -> jax.Array:
         return jnp.broadcast_to(x_NxK, (N, K)).reshape(N * K).astype(x_NxK.dtype)
 
+    soft_ids = soft_probs = None
+    if soft is not None:
+        at_NxK = jnp.clip(pos_NxK - 1, 0, S - 1)
+        on_NxKx1 = (label_mask_NxK > 0)[..., None]
+        soft_ids = jnp.where(on_NxKx1, jnp.asarray(soft[0], jnp.int32)[at_NxK], 0).reshape(N * K, -1)
+        soft_probs = jnp.where(on_NxKx1, jnp.asarray(soft[1], jnp.float32)[at_NxK], 0.0).reshape(N * K, -1)
+
     return Blocks(
         block_ids=flat(ids_NxK.astype(jnp.int32)),
         block_pos=flat(pos_NxK),
@@ -154,16 +170,19 @@ def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Arr
         block_index_in_block=flat(k_1xK),
         anchor_of_query=flat(jnp.where(keep_Nx1, a_Nx1, -1)),
         block_of_query=flat(jnp.arange(N, dtype=jnp.int32)[:, None]),
+        soft_ids=soft_ids,
+        soft_probs=soft_probs,
     )
 
 
 def build_blocks_batch(tokens_BxS: jax.Array, loss_mask_BxS: jax.Array, anchors_BxN: jax.Array,
                        keep_BxN: jax.Array, block_size: int, mask_token_id: int | jax.Array,
-                       next_ids_BxS: jax.Array | None = None, segment_BxS: jax.Array | None = None) -> Blocks:
+                       next_ids_BxS: jax.Array | None = None, segment_BxS: jax.Array | None = None,
+                       soft_BxS: tuple[jax.Array, jax.Array] | None = None) -> Blocks:
     """`build_blocks` per row; every field gains a leading B."""
-    fn = lambda t, m, a, k, n, g: build_blocks(t, m, a, k, block_size, mask_token_id, n, g)
+    fn = lambda t, m, a, k, n, g, f: build_blocks(t, m, a, k, block_size, mask_token_id, n, g, f)
     return jax.vmap(fn)(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, next_ids_BxS,
-                        segment_BxS)  # None: no leaves to map
+                        segment_BxS, soft_BxS)  # None: no leaves to map
 
 
 # ----------------------------------------------------------------------------- attention visibility
@@ -368,6 +387,71 @@ def _head_nll_bwd(vocab_major, chunk, res, cotangents):  # noqa: ANN001, ANN202 
 head_nll.defvjp(_head_nll_fwd, _head_nll_bwd)
 
 
+def _soft_chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Array, ids_CxT: jax.Array,
+                      probs_CxT: jax.Array, vocab_major: bool, with_grad: bool) -> tuple[jax.Array, ...]:
+    """soft CE [C] f32, hard nll [C] f32, top-1 hit [C] f32 and (with_grad) d soft CE / d h [C, D] f32 of one
+    chunk: CE_c = logsumexp(logits_c) - sum_t probs_ct logits_c[ids_ct] (probs summing to 1 or to 0, the
+    latter a row without loss), so d CE / d logits = softmax * sum_t probs - scatter(probs)."""
+    spec = "cd,vd->cv" if vocab_major else "cd,dv->cv"
+    logits_CxV = jnp.einsum(spec, h_CxD, head.astype(h_CxD.dtype), preferred_element_type=jnp.float32)
+    lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
+    nll_C = lse_C - jnp.take_along_axis(logits_CxV, labels_C[:, None], axis=-1)[:, 0]
+    hit_C = (jnp.argmax(logits_CxV, axis=-1) == labels_C).astype(jnp.float32)
+    mass_C = jnp.sum(probs_CxT, axis=-1)
+    ce_C = lse_C * mass_C - jnp.sum(probs_CxT * jnp.take_along_axis(logits_CxV, ids_CxT, axis=-1), axis=-1)
+    if not with_grad:
+        return ce_C, nll_C, hit_C
+    rows_Cx1 = jnp.arange(logits_CxV.shape[0])[:, None]
+    dlogits_CxV = jnp.exp(logits_CxV - lse_C[:, None]) * mass_C[:, None]
+    dlogits_CxV = dlogits_CxV.at[rows_Cx1, ids_CxT].add(-probs_CxT)
+    back = "cv,vd->cd" if vocab_major else "cv,dv->cd"
+    dh_CxD = jnp.einsum(back, dlogits_CxV.astype(h_CxD.dtype), head.astype(h_CxD.dtype),
+                        preferred_element_type=jnp.float32)
+    return ce_C, nll_C, hit_C, dh_CxD
+
+
+def _soft_over_chunks(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, ids_TxK: jax.Array,
+                      probs_TxK: jax.Array, vocab_major: bool, chunk: int, with_grad: bool) -> tuple[jax.Array, ...]:
+    """`_soft_chunk_stats` over T rows in chunks of `chunk` rows, as `_over_chunks` does."""
+    t, d = h_TxD.shape
+    chunk = min(chunk, t)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(h_TxD, ((0, pad), (0, 0))).reshape(n, chunk, d)
+    lab = jnp.pad(labels_T, (0, pad)).reshape(n, chunk)
+    ids = jnp.pad(ids_TxK, ((0, pad), (0, 0))).reshape(n, chunk, -1)
+    probs = jnp.pad(probs_TxK, ((0, pad), (0, 0))).reshape(n, chunk, -1)
+    out = jax.lax.map(lambda xs: _soft_chunk_stats(*xs[:1], head, *xs[1:], vocab_major, with_grad),
+                      (h, lab, ids, probs))
+    return tuple(o.reshape(n * chunk, *o.shape[2:])[:t] for o in out)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def head_soft_ce(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, ids_TxK: jax.Array, probs_TxK: jax.Array,
+                 vocab_major: bool, chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(soft CE [T] f32, hard nll [T] f32, top-1 hit [T] f32) of rows `h_TxD` through the frozen LM head, in
+    chunks of rows, as `head_nll` does: the soft CE is against the distribution `probs_TxK` over the head's
+    rows `ids_TxK` (each row's probabilities summing to 1, or all 0 for a row without loss); the hard nll
+    and hit are against `labels_T` (D-PACE's confidences and the teacher-forced metrics). Differentiable
+    in `h` through the soft CE only (the forward keeps d CE / d h, [T, D]; no [T, V] array outlives a
+    chunk); the nll and hit carry no gradient."""
+    return _soft_over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, with_grad=False)
+
+
+def _head_soft_ce_fwd(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk):  # noqa: ANN001, ANN202
+    ce_T, nll_T, hit_T, dh_TxD = _soft_over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk,
+                                                   with_grad=True)
+    return (ce_T, nll_T, hit_T), dh_TxD.astype(h_TxD.dtype)
+
+
+def _head_soft_ce_bwd(vocab_major, chunk, res, cotangents):  # noqa: ANN001, ANN202 (custom_vjp rule)
+    g_ce_T = cotangents[0]
+    return (g_ce_T[:, None].astype(res.dtype) * res), None, None, None, None
+
+
+head_soft_ce.defvjp(_head_soft_ce_fwd, _head_soft_ce_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """The training loss (static: it is part of the compiled step).
@@ -413,7 +497,7 @@ def dpace_weights(nll_BxNxJ: jax.Array, mask_BxNxJ: jax.Array, alpha: float) -> 
 
 def head_loss(hidden_BxQxD: jax.Array, head: jax.Array, labels_BxQ: jax.Array, label_mask_BxQ: jax.Array,
               block_size: int, objective: Objective, *, vocab_major: bool, label_map: jax.Array | None = None,
-              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+              soft: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The weighted CE of `objective` from the drafter's normed hidden states and the frozen LM head `head`
     ([V, D] when `vocab_major`, else [D, V]), without materialising [B, Q, V] logits:
     loss = sum_q w_q m_q CE_q / sum_q w_q m_q.
@@ -424,6 +508,11 @@ def head_loss(hidden_BxQxD: jax.Array, head: jax.Array, labels_BxQ: jax.Array, l
 
     `label_map` (int32 [V]) trains over a vocabulary subset: `head` then holds the subset's rows and
     label_map[token] is the token's row in it, or -1 (that label is left out of the loss and the metrics).
+
+    `soft` (ids int32 [B, Q, T], probs [B, Q, T]: `Blocks.soft_ids`, `Blocks.soft_probs`): CE_q is then the
+    cross-entropy against the target's top-T distribution at q, renormalised over the tokens the head holds
+    (`head_soft_ce`; a slot none of whose T tokens it holds is left out), instead of against label_q alone;
+    the weights (D-PACE's confidences) and the metrics still read label_q, the distribution's argmax.
     """
     B, Q, D = hidden_BxQxD.shape
     K = block_size
@@ -436,8 +525,23 @@ def head_loss(hidden_BxQxD: jax.Array, head: jax.Array, labels_BxQ: jax.Array, l
         labels_BxQ = jnp.asarray(label_map, jnp.int32)[labels_BxQ]
         mask_BxQ = mask_BxQ * (labels_BxQ >= 0)
         labels_BxQ = jnp.maximum(labels_BxQ, 0)
-    nll_T, hit_T = head_nll(rows(hidden_BxQxD), jax.lax.stop_gradient(head), rows(labels_BxQ), vocab_major,
-                            objective.head_chunk or auto_head_chunk(vocab))
+    chunk = objective.head_chunk or auto_head_chunk(vocab)
+    if soft is None:
+        nll_T, hit_T = head_nll(rows(hidden_BxQxD), jax.lax.stop_gradient(head), rows(labels_BxQ), vocab_major,
+                                chunk)
+        ce_T = nll_T
+    else:
+        ids_BxQxT = jnp.asarray(soft[0], jnp.int32)
+        probs_BxQxT = jnp.asarray(soft[1], jnp.float32)
+        if label_map is not None:
+            ids_BxQxT = jnp.asarray(label_map, jnp.int32)[ids_BxQxT]
+            probs_BxQxT = jnp.where(ids_BxQxT >= 0, probs_BxQxT, 0.0)
+            ids_BxQxT = jnp.maximum(ids_BxQxT, 0)
+        mass_BxQ = jnp.sum(probs_BxQxT, axis=-1)
+        mask_BxQ = mask_BxQ * (mass_BxQ > 0)
+        probs_BxQxT = probs_BxQxT * (mask_BxQ / jnp.maximum(mass_BxQ, 1e-20))[..., None]
+        ce_T, nll_T, hit_T = head_soft_ce(rows(hidden_BxQxD), jax.lax.stop_gradient(head), rows(labels_BxQ),
+                                          rows(ids_BxQxT), rows(probs_BxQxT), vocab_major, chunk)
     k_BxQ = jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32) % K, (B, Q))
     if objective.kind == "dpace":
         m_BxNxJ = rows(mask_BxQ).reshape(B, Q // K, K - 1)
@@ -445,7 +549,7 @@ def head_loss(hidden_BxQxD: jax.Array, head: jax.Array, labels_BxQ: jax.Array, l
     else:
         wm_T = rows(decay_weights(K, objective.gamma)[k_BxQ] * mask_BxQ)
     weighted_count = jnp.sum(wm_T)
-    loss = jnp.sum(wm_T * nll_T) / jnp.maximum(weighted_count, 1e-9)
+    loss = jnp.sum(wm_T * ce_T) / jnp.maximum(weighted_count, 1e-9)
     zeros_BxNx1 = jnp.zeros((B, Q // K, 1), jnp.float32)
     hit_BxQ = jnp.concatenate([zeros_BxNx1, hit_T.reshape(B, Q // K, K - 1)], axis=-1).reshape(B, Q)
     return loss, {**block_metrics(hit_BxQ * mask_BxQ, mask_BxQ, K), "weighted_count": weighted_count}
@@ -465,6 +569,7 @@ __all__ = [
     "dflash_loss",
     "head_loss",
     "head_nll",
+    "head_soft_ce",
     "sample_anchors",
     "sample_anchors_batch",
     "valid_anchor_positions",

@@ -131,12 +131,13 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Param
     visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool), segment_BxS)
     hidden_BxQxD = drafter(block_embeds_BxQxD, blocks.block_pos, ctx_feats_BxSxFD, ctx_pos_BxS, visible)
     frozen = jax.lax.stop_gradient(target_params)
+    soft = None if blocks.soft_ids is None else (blocks.soft_ids, blocks.soft_probs)
     if TRAIN_HEAD in frozen:  # a training vocabulary (`with_train_vocab`)
         return head_loss(hidden_BxQxD, frozen[TRAIN_HEAD], blocks.labels, blocks.label_mask, block_size, objective,
-                         vocab_major=True, label_map=frozen[TRAIN_LABEL_MAP])
+                         vocab_major=True, label_map=frozen[TRAIN_LABEL_MAP], soft=soft)
     head, vocab_major = head_matrix(frozen, target_cfg)
     return head_loss(hidden_BxQxD, head, blocks.labels, blocks.label_mask, block_size, objective,
-                     vocab_major=vocab_major)
+                     vocab_major=vocab_major, soft=soft)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -160,14 +161,17 @@ def block_inputs(batch: Batch, target_params: Params, target_cfg: DecoderConfig,
     Features come from `batch["features"]` when the batch holds them (offline mode: stored bf16 features,
     cast to the target params' dtype, i.e. the compute dtype), else from the target's forward (online).
     With `batch["next_ids"]` (the target's own next tokens, `data.labels: target`) the labels are the
-    target's (`build_blocks`). With `batch["segment_ids"]` (packed rows) no block is labelled past its own
-    conversation (the drafter's context is kept to it by `drafter_loss`)."""
+    target's (`build_blocks`); with `batch["soft_ids"]` and `batch["soft_probs"]` (`data.labels: soft`) the
+    blocks also carry the target's top-k distributions, and the loss is against them. With
+    `batch["segment_ids"]` (packed rows) no block is labelled past its own conversation (the drafter's context
+    is kept to it by `drafter_loss`)."""
     tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
     loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
     anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, num_anchors, arch.block_size, rng)
     next_ids_BxS = jnp.asarray(batch["next_ids"], jnp.int32) if "next_ids" in batch else None  # target labels
+    soft_BxS = (batch["soft_ids"], batch["soft_probs"]) if "soft_ids" in batch else None  # soft labels
     blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, arch.block_size,
-                                arch.mask_token_id, next_ids_BxS, segments(batch))
+                                arch.mask_token_id, next_ids_BxS, segments(batch), soft_BxS)
     if "features" in batch:
         feats_BxSxFD = jax.lax.stop_gradient(jnp.asarray(batch["features"]).astype(target_params["embed"].dtype))
     else:
