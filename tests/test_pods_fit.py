@@ -30,6 +30,7 @@ from launch.compile import (
     jaxpr_flops,
     recipe_topology,
     run_compile,
+    train_step_flops,
 )
 from launch.tpus import parse_tpu_type
 from train.sharding import AXES, mesh_shape
@@ -166,3 +167,21 @@ def test_a_hub_repo_id_that_cannot_be_fetched_is_named(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"'dflash-test/no-such-model' \(a Hugging Face repo id\) could not be "
                                                 r"fetched or found in the Hugging Face cache.*hf download"):
         resolve_source("dflash-test/no-such-model")
+
+
+def test_the_compiled_batch_holds_what_the_labels_need():
+    """`dflash compile` builds the batch the loader hands out: the target's next ids with `data.labels=target`,
+    and its top-k ids and probabilities too with `soft`; the step traces on them, and soft labels cost the
+    head no extra matmul."""
+    mesh = AbstractMesh(mesh_shape(load_recipe("smollm2").train.mesh, 1), AXES)
+    flops = {}
+    for labels in ("text", "target", "soft"):
+        recipe = load_recipe("smollm2", [f"data.labels={labels}", "data.soft_topk=8"])
+        ins = abstract_train_inputs(recipe, mesh)
+        b, s = recipe.train.batch_size, recipe.data.pack
+        assert ("next_ids" in ins["batch"]) == (labels != "text")
+        assert ("soft_ids" in ins["batch"]) == ("soft_probs" in ins["batch"]) == (labels == "soft")
+        if labels == "soft":
+            assert ins["batch"]["soft_ids"].shape == ins["batch"]["soft_probs"].shape == (b, s, 8)
+        flops[labels] = train_step_flops(recipe, ins)
+    assert flops["text"] == flops["target"] == flops["soft"] > 0
