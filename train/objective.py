@@ -9,6 +9,7 @@ Dimension alphabet: B batch, S sequence, K block, N anchors, Q = N*K block queri
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -346,18 +347,23 @@ def _head_chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Array, vo
     return nll_C, hit_C, dh_CxD
 
 
-def _over_chunks(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, vocab_major: bool, chunk: int,
-                 with_grad: bool) -> tuple[jax.Array, ...]:
-    """`_head_chunk_stats` over T rows in chunks of `chunk` rows (a sequential `lax.map`, so only one
-    chunk's [chunk, V] logits are live at a time); rows are zero-padded to a multiple of `chunk`."""
-    t, d = h_TxD.shape
+def _map_chunks(fn: Callable[..., tuple[jax.Array, ...]], chunk: int, *rows: jax.Array) -> tuple[jax.Array, ...]:
+    """`fn(*chunk_rows)` over the T rows of `rows` (each [T, ...]) in chunks of `chunk` rows (a sequential
+    `lax.map`, so only one chunk's [chunk, V] logits are live at a time); rows are zero-padded to a multiple of
+    `chunk` and the padding is cut from every output."""
+    t = rows[0].shape[0]
     chunk = min(chunk, t)
     n = -(-t // chunk)
     pad = n * chunk - t
-    h = jnp.pad(h_TxD, ((0, pad), (0, 0))).reshape(n, chunk, d)
-    lab = jnp.pad(labels_T, (0, pad)).reshape(n, chunk)
-    out = jax.lax.map(lambda xs: _head_chunk_stats(xs[0], head, xs[1], vocab_major, with_grad), (h, lab))
+    split = [jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(n, chunk, *x.shape[1:]) for x in rows]
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(split))
     return tuple(o.reshape(n * chunk, *o.shape[2:])[:t] for o in out)
+
+
+def _over_chunks(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, vocab_major: bool, chunk: int,
+                 with_grad: bool) -> tuple[jax.Array, ...]:
+    """`_head_chunk_stats` over T rows in chunks of `chunk` rows (`_map_chunks`)."""
+    return _map_chunks(lambda h, lab: _head_chunk_stats(h, head, lab, vocab_major, with_grad), chunk, h_TxD, labels_T)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -412,18 +418,9 @@ def _soft_chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Array, id
 
 def _soft_over_chunks(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, ids_TxK: jax.Array,
                       probs_TxK: jax.Array, vocab_major: bool, chunk: int, with_grad: bool) -> tuple[jax.Array, ...]:
-    """`_soft_chunk_stats` over T rows in chunks of `chunk` rows, as `_over_chunks` does."""
-    t, d = h_TxD.shape
-    chunk = min(chunk, t)
-    n = -(-t // chunk)
-    pad = n * chunk - t
-    h = jnp.pad(h_TxD, ((0, pad), (0, 0))).reshape(n, chunk, d)
-    lab = jnp.pad(labels_T, (0, pad)).reshape(n, chunk)
-    ids = jnp.pad(ids_TxK, ((0, pad), (0, 0))).reshape(n, chunk, -1)
-    probs = jnp.pad(probs_TxK, ((0, pad), (0, 0))).reshape(n, chunk, -1)
-    out = jax.lax.map(lambda xs: _soft_chunk_stats(*xs[:1], head, *xs[1:], vocab_major, with_grad),
-                      (h, lab, ids, probs))
-    return tuple(o.reshape(n * chunk, *o.shape[2:])[:t] for o in out)
+    """`_soft_chunk_stats` over T rows in chunks of `chunk` rows (`_map_chunks`)."""
+    return _map_chunks(lambda h, lab, ids, probs: _soft_chunk_stats(h, head, lab, ids, probs, vocab_major, with_grad),
+                       chunk, h_TxD, labels_T, ids_TxK, probs_TxK)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
