@@ -99,7 +99,7 @@ def _alive(pid: int) -> bool:
 
 def _finalize(staging: Path, out: Path) -> None:
     """fsync everything, then swap `staging` in as `out` (an existing `out` is replaced only now)."""
-    for path in [*staging.iterdir(), staging]:
+    for path in [*sorted(staging.rglob("*"), reverse=True), staging]:  # files before their directories
         fsync_path(path)
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     if out.exists():
@@ -126,7 +126,8 @@ def write_export(run: RunDrafter, directory: Path, *, fmt: str, dtype: str, targ
                        results_source=str(results_path) if results_path else None,
                        param_count=param_count(drafter), has_modeling_file=modeling_file is not None)
     (directory / "README.md").write_text(card)
-    return [(p.name, p.stat().st_size) for p in sorted(directory.iterdir())]
+    return [(p.relative_to(directory).as_posix(), p.stat().st_size) for p in sorted(directory.rglob("*"))
+            if p.is_file()]
 
 
 def export_run(run_dir: str | Path, *, fmt: str, out: str | Path | None = None, step: int | str | None = None,

@@ -99,6 +99,10 @@ class DrafterConfig:
     block_size: K, tokens per block (1 anchor + K-1 masks, K-1 draft tokens).
     mask_token_id: the MASK id inside the target's vocab; -1 = resolved from the target's default.
     num_heads / num_kv_heads / head_dim / intermediate_size: 0 = follow the target.
+    markov_rank: width r of the Markov head (0 = none, plain DFlash): a small SwiGLU that adds to each block
+      position's hidden state a function of the previous token of the block (the anchor, then the token drafted
+      before it) and of the position's own hidden state, so slot k's proposal depends on slot k-1's
+      (`models.drafter.MarkovHead`; DSpark's semi-autoregressive head, docs/decisions.md D34).
     """
 
     num_layers: int = 5
@@ -110,8 +114,10 @@ class DrafterConfig:
     num_kv_heads: int = 0
     head_dim: int = 0
     intermediate_size: int = 0
+    markov_rank: int = 0
 
     def __post_init__(self) -> None:
+        require(self.markov_rank >= 0, "drafter.markov_rank", self.markov_rank, "be >= 0 (0 = no Markov head)")
         require(self.num_layers >= 1, "drafter.num_layers", self.num_layers, "be at least 1")
         require(self.num_features >= 1, "drafter.num_features", self.num_features, "be at least 1")
         require(not self.layer_ids or len(self.layer_ids) == self.num_features, "drafter.layer_ids",

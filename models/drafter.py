@@ -66,6 +66,7 @@ class DrafterArch:
     target_family: str
     target_vocab_size: int
     target_num_layers: int
+    markov_rank: int = 0
 
     @property
     def rope_config(self) -> DecoderConfig:
@@ -151,7 +152,7 @@ def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: in
         intermediate_size=cfg.intermediate_size or target.intermediate_size,
         rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
         max_position_embeddings=target.max_position_embeddings, target_family=target.family,
-        target_vocab_size=target.vocab_size, target_num_layers=target.num_layers,
+        target_vocab_size=target.vocab_size, target_num_layers=target.num_layers, markov_rank=cfg.markov_rank,
     )
 
 
@@ -331,6 +332,35 @@ class DrafterMLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class MarkovHead(nnx.Module):
+    """The semi-autoregressive head (`drafter.markov_rank` = r > 0; DSpark's idea, docs/decisions.md D34).
+
+    A DFlash block predicts its K-1 positions in parallel, so slot k never sees which token slot k-1 proposed
+    and two plausible continuations can be mixed ("of problem" for "of course"). This head adds to slot k's
+    normed hidden state h_k a SwiGLU of [norm(e_prev), h_k], where e_prev is the target's embedding of the
+    block's previous token (the anchor for slot 1, the token drafted at slot k-1 after it):
+
+        h'_k = h_k + down(silu(gate(x)) * up(x)),   x = [markov_norm(e_prev) | h_k]   (gate, up: 2D -> r)
+
+    `down` starts at zero, so a new head is plain DFlash. Training feeds the previous slot's label (teacher
+    forcing, exact for greedy acceptance: a slot only counts when every slot before it was right); the
+    engine drafts the K-1 slots one after another through this head only (`serve.speculative.propose`),
+    the drafter's layers still run once per block.
+    """
+
+    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
+        d, r = arch.hidden_size, arch.markov_rank
+        self.markov_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.gate_proj = _linear(2 * d, r, dtype, rngs)
+        self.up_proj = _linear(2 * d, r, dtype, rngs)
+        self.down_proj = _linear(r, d, dtype, rngs)
+        self.down_proj.kernel.set_value(jnp.zeros_like(self.down_proj.kernel.get_value()))
+
+    def __call__(self, hidden_xD: jax.Array, prev_embeds_xD: jax.Array) -> jax.Array:
+        x = jnp.concatenate([self.markov_norm(prev_embeds_xD.astype(hidden_xD.dtype)), hidden_xD], axis=-1)
+        return hidden_xD + self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class DrafterLayer(nnx.Module):
     """One Qwen3-style layer with KV injection of the fused context."""
 
@@ -361,7 +391,9 @@ class DFlashDrafter(nnx.Module):
       gives K/V through the SAME `k_proj`/`v_proj`/`k_norm` with NO `input_layernorm`, rotated at the
       context tokens' own positions; keys are `[context | block]`, attention non-causal under a boolean
       visibility (`BlockVisibility`; who sees what: `__call__` for training, `draft_block` for inference);
-    - after the last layer `norm`.
+    - after the last layer `norm`;
+    - with `arch.markov_rank` > 0, a `MarkovHead` (`markov`) on the normed output: slot k's hidden state also
+      sees the block's previous token (`with_previous`).
 
     Holds no embedding and no LM head: block embeddings come from the target's table
     (`mask_token_embeds`) and logits from the target's head (`drafter_logits`). Parameter paths map one
@@ -376,6 +408,7 @@ class DFlashDrafter(nnx.Module):
         self.hidden_norm = RMSNorm(d, arch.rms_norm_eps)
         self.layers = nnx.List([DrafterLayer(arch, dtype, rngs) for _ in range(arch.num_layers)])
         self.norm = RMSNorm(d, arch.rms_norm_eps)
+        self.markov = MarkovHead(arch, dtype, rngs) if arch.markov_rank else None
         self.draft_vocab: DraftVocab | None = None  # set by the loaders for a drafter trained on a head vocabulary
 
     def fuse(self, ctx_feats_BxSxFD: jax.Array) -> jax.Array:
@@ -412,6 +445,11 @@ class DFlashDrafter(nnx.Module):
         """
         fused = self.fuse(ctx_feats_BxSxFD)
         return self.blocks(block_embeds_BxQxD, block_pos_BxQ, self.context_kv(fused, ctx_pos_BxS), visible)
+
+    def with_previous(self, hidden_xD: jax.Array, prev_embeds_xD: jax.Array) -> jax.Array:
+        """The hidden states the LM head reads: `hidden` itself without a Markov head, else `markov(hidden,
+        prev)` with prev_embeds the target's embeddings of each slot's previous token."""
+        return hidden_xD if self.markov is None else self.markov(hidden_xD, prev_embeds_xD)
 
     def draft_block(self, block_embeds_BxKxD: jax.Array, block_pos_BxK: jax.Array, ctx_kv: list[KV],
                     ctx_valid_BxS: jax.Array) -> jax.Array:

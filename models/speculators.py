@@ -40,6 +40,8 @@ from models.zlab import (
     qwen3_fields,
     read_config,
     read_tensors,
+    with_markov,
+    write_markov,
 )
 
 MODEL_TYPE = "dflash"
@@ -95,7 +97,7 @@ def save_speculators(drafter: DFlashDrafter, directory: str | Path, verifier: st
     """Write `config.json` and `model.safetensors` (`dtype`) of `drafter` into `directory`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = hf_tensors(drafter, dtype)
+    tensors = write_markov(hf_tensors(drafter, dtype), directory)
     config = speculators_config(drafter.arch, verifier, verifier_architectures, dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -145,10 +147,11 @@ def load_speculators(directory: str | Path, target_cfg: DecoderConfig,
                      expect: DrafterArch | None = None) -> DFlashDrafter:
     """A drafter from a speculators layout directory, checked against `target_cfg` (and `expect`)."""
     directory = Path(directory).expanduser()
-    arch = arch_from_speculators(read_config(directory), str(directory / "config.json"), target_cfg.family,
-                                 target_cfg.num_layers)
+    arch, markov = with_markov(arch_from_speculators(read_config(directory), str(directory / "config.json"),
+                                                     target_cfg.family, target_cfg.num_layers), directory)
     check_import(arch, target_cfg, str(directory), expect)
-    drafter = drafter_from_tensors(arch, read_tensors(directory), str(directory), ignored=VERIFIER_FILLED)
+    drafter = drafter_from_tensors(arch, {**read_tensors(directory), **markov}, str(directory),
+                                   ignored=VERIFIER_FILLED)
     drafter.draft_vocab = DraftVocab.read(directory, target_cfg.vocab_size)
     return drafter
 

@@ -14,11 +14,14 @@ Layer ids: id j is the output of target decoder layer j (0-based), which Hugging
 `hidden_states[L]` is taken after the final norm, our feature j = L-1 before it (`check_exportable_ids`).
 
 Tensors: the names of `models.drafter.hf_tensor_names`, PyTorch [out, in], no `model.` prefix, no
-embedding, no LM head; float32 or bfloat16.
+embedding, no LM head; float32 or bfloat16. A drafter with a Markov head (`drafter.markov_rank`) keeps the
+head's `markov.*` tensors in a side directory, `markov_head/model.safetensors` (`MARKOV_DIR`), where loaders
+that glob the top directory's `*.safetensors` never see them; those loaders run the drafter without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -134,11 +137,44 @@ def hf_tensors(drafter: DFlashDrafter, dtype: str = "float32") -> dict[str, np.n
             for name, value in to_hf_tensors(drafter).items()}
 
 
+MARKOV_DIR = "markov_head"
+MARKOV_PREFIX = "markov."
+
+
+def write_markov(tensors: dict[str, np.ndarray], directory: Path) -> dict[str, np.ndarray]:
+    """Move the Markov head's tensors (`markov.*`) of `tensors` into `directory/markov_head/model.safetensors`
+    (removing a stale one when there are none); returns the others, for the layout's own weights file."""
+    markov = {name: value for name, value in tensors.items() if name.startswith(MARKOV_PREFIX)}
+    side = directory / MARKOV_DIR / "model.safetensors"
+    if markov:
+        side.parent.mkdir(parents=True, exist_ok=True)
+        save_file(markov, str(side), metadata={"format": "pt"})
+    elif side.is_file():
+        side.unlink()
+    return {name: value for name, value in tensors.items() if name not in markov}
+
+
+def with_markov(arch: DrafterArch, directory: Path) -> tuple[DrafterArch, dict[str, np.ndarray]]:
+    """(`arch` with the Markov head's rank, its tensors) when `directory` holds `markov_head/`, else (`arch`,
+    {}). The rank is the height of `markov.gate_proj.weight` [r, 2 * hidden]."""
+    side = directory / MARKOV_DIR / "model.safetensors"
+    if not side.is_file():
+        return arch, {}
+    tensors = load_file(str(side))
+    gate = tensors.get(MARKOV_PREFIX + "gate_proj.weight")
+    if gate is None or gate.ndim != 2 or gate.shape[1] != 2 * arch.hidden_size:
+        raise WeightsError(f"{side}: a Markov head must hold {MARKOV_PREFIX}gate_proj.weight of shape "
+                           f"[rank, {2 * arch.hidden_size}]; received "
+                           f"{None if gate is None else tuple(gate.shape)}")
+    return dataclasses.replace(arch, markov_rank=int(gate.shape[0])), tensors
+
+
 def save_zlab(drafter: DFlashDrafter, directory: str | Path, dtype: str = "float32") -> Path:
-    """Write `config.json` and `model.safetensors` (`dtype`: float32 or bfloat16) of `drafter` into `directory`."""
+    """Write `config.json` and `model.safetensors` (`dtype`: float32 or bfloat16) of `drafter` into `directory`
+    (and `markov_head/` for a drafter with a Markov head)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = hf_tensors(drafter, dtype)
+    tensors = write_markov(hf_tensors(drafter, dtype), directory)
     (directory / "config.json").write_text(json.dumps(zlab_config(drafter.arch, dtype), indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if drafter.draft_vocab is not None:  # our side file: loaders that do not know it propose over the full head
@@ -247,8 +283,9 @@ def drafter_from_tensors(arch: DrafterArch, tensors: dict[str, np.ndarray], wher
 def read_zlab(directory: str | Path, target_family: str = "qwen3") -> DFlashDrafter:
     """The drafter of a z-lab layout directory, unchecked against any target (see `load_zlab`)."""
     directory = Path(directory).expanduser()
-    arch = arch_from_zlab(read_config(directory), str(directory / "config.json"), target_family)
-    drafter = drafter_from_tensors(arch, read_tensors(directory), str(directory))
+    arch, markov = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"), target_family),
+                               directory)
+    drafter = drafter_from_tensors(arch, {**read_tensors(directory), **markov}, str(directory))
     drafter.draft_vocab = DraftVocab.read(directory)
     return drafter
 
@@ -287,13 +324,15 @@ def load_zlab(directory: str | Path, target_cfg: DecoderConfig, expect: DrafterA
     """A drafter from a z-lab layout directory, checked against `target_cfg` (and `expect`; every mismatch
     named in one error)."""
     directory = Path(directory).expanduser()
-    arch = arch_from_zlab(read_config(directory), str(directory / "config.json"), target_cfg.family)
+    arch, markov = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"),
+                                              target_cfg.family), directory)
     check_import(arch, target_cfg, str(directory), expect)
-    drafter = drafter_from_tensors(arch, read_tensors(directory), str(directory))
+    drafter = drafter_from_tensors(arch, {**read_tensors(directory), **markov}, str(directory))
     drafter.draft_vocab = DraftVocab.read(directory, target_cfg.vocab_size)
     return drafter
 
 
-__all__ = ["ARCHITECTURE", "AUTO_MAP", "DTYPES", "MODELING_FILE", "arch_from_zlab", "check_exportable_ids",
-           "check_import", "decoder_arch", "drafter_from_tensors", "hf_rope", "hf_tensors", "json_float", "load_zlab",
-           "qwen3_fields", "read_config", "read_tensors", "read_zlab", "save_zlab", "zlab_config"]
+__all__ = ["ARCHITECTURE", "AUTO_MAP", "DTYPES", "MARKOV_DIR", "MODELING_FILE", "arch_from_zlab",
+           "check_exportable_ids", "check_import", "decoder_arch", "drafter_from_tensors", "hf_rope", "hf_tensors",
+           "json_float", "load_zlab", "qwen3_fields", "read_config", "read_tensors", "read_zlab", "save_zlab",
+           "with_markov", "write_markov", "zlab_config"]

@@ -208,10 +208,23 @@ def propose(models: Models, state: SpecState, block_size: int, span: int | None 
     ctx_valid = jnp.arange(span)[None, :] < state.lengths[:, None]
     ctx_kv = [(k_ctx[:, :span], v_ctx[:, :span]) for k_ctx, v_ctx in state.draft.kv()]
     hidden = drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
-    if models.draft_ids is not None:  # the argmax over the draft vocabulary's rows of the head only
-        logits = jnp.einsum("bkd,vd->bkv", hidden[:, 1:], models.draft_head).astype(jnp.float32)
+    if drafter.markov is None:
+        return _argmax_drafts(models, hidden[:, 1:])
+    drafts, prev = [], state.pending
+    for slot in range(1, k):  # the Markov head: slot k reads the token drafted at k-1 (the anchor for slot 1)
+        h = drafter.with_previous(hidden[:, slot:slot + 1], embed(models.target_params, prev[:, None]))
+        prev = _argmax_drafts(models, h)[:, 0]
+        drafts.append(prev)
+    return jnp.stack(drafts, axis=1)
+
+
+def _argmax_drafts(models: Models, hidden_BxTxD: jax.Array) -> jax.Array:
+    """Greedy token ids [B, T] from the drafter's final hidden states: the argmax over the draft vocabulary's
+    rows of the target's head when the drafter has one, else over the full head."""
+    if models.draft_ids is not None:
+        logits = jnp.einsum("bkd,vd->bkv", hidden_BxTxD, models.draft_head).astype(jnp.float32)
         return jnp.take(models.draft_ids, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-    logits = drafter_logits(models.target_params, models.target_cfg, hidden[:, 1:])
+    logits = drafter_logits(models.target_params, models.target_cfg, hidden_BxTxD)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 

@@ -276,6 +276,20 @@ def test_init_from_starts_a_fresh_run_from_another_drafter(tmp_path):
                                  f"train.init_from={tmp_path / 'a'}", *common])
     with pytest.raises(ConfigError, match="num_layers"):
         run_training(other, target=target, progress=False)
+    # a recipe with a Markov head may start from a drafter without one: the rest is the source's, and the new
+    # head's output starts at zero (so it drafts what the source does)
+    markov = load_recipe("tiny", [f"train.run_dir={tmp_path / 'd'}", "train.steps=1", "train.lr=1e-12",
+                                  "drafter.markov_rank=8", f"train.init_from={tmp_path / 'a'}", *common])
+    run_training(markov, target=target, progress=False)
+    headed = load_drafter(tmp_path / "d", target.cfg)
+    assert headed.arch.markov_rank == 8
+    theirs = dict(nnx.to_flat_state(nnx.state(source, nnx.Param)))
+    for keys, value in nnx.to_flat_state(nnx.state(headed, nnx.Param)):
+        if keys in theirs:
+            np.testing.assert_allclose(np.asarray(value[...]), np.asarray(theirs[keys][...]), atol=1e-6)
+        else:
+            assert keys[0] == "markov"
+    np.testing.assert_allclose(np.asarray(headed.markov.down_proj.kernel[...]), 0.0, atol=1e-6)
 
 
 def test_k_curriculum_phases_and_a_run_through_them(tmp_path):

@@ -13,12 +13,14 @@ temporary directory that is never picked up as a checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from models.drafter import DrafterArch
 from models.drafter_io import FORMAT, CheckpointError, checkpoint_manager, read_meta, read_raw
 
 
@@ -57,7 +59,9 @@ class Checkpointer:
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {self.directory / str(step)} has format {meta.get('format')!r}; "
                                   f"this trainer reads {FORMAT!r}")
-        ours, theirs = self.meta.get("arch", {}), meta.get("arch", {})
+        # fields added since a checkpoint was written hold their defaults in it (e.g. markov_rank 0)
+        defaults = {f.name: f.default for f in dataclasses.fields(DrafterArch) if f.default is not dataclasses.MISSING}
+        ours, theirs = self.meta.get("arch", {}), {**defaults, **meta.get("arch", {})}
         diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs run {ours.get(k)!r}"
                  for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
         if diffs:

@@ -111,6 +111,18 @@ def with_train_vocab(target_params: Params, target_cfg: DecoderConfig, token_ids
 # ----------------------------------------------------------------------------- loss from explicit inputs
 
 
+def previous_ids(blocks: Blocks, block_size: int) -> jax.Array:
+    """int32 [B, Q]: each block slot's previous token as the Markov head reads it in training: the anchor for
+    slots 0 and 1, the label of slot k-1 for k >= 2 (what the target emitted there; when that slot is not
+    labelled, neither is slot k, so whatever stands there is never scored)."""
+    b = blocks.block_ids.shape[0]
+    ids_BxNxK = blocks.block_ids.reshape(b, -1, block_size)
+    labels_BxNxK = blocks.labels.reshape(b, -1, block_size)
+    anchor = ids_BxNxK[..., :1]
+    return jnp.concatenate([anchor, anchor, labels_BxNxK[..., 1:-1]], axis=-1).reshape(b, -1).astype(jnp.int32)
+
+
+
 def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
                  block_embeds_BxQxD: jax.Array, blocks: Blocks, ctx_feats_BxSxFD: jax.Array, block_size: int,
                  objective: Objective, segment_BxS: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
@@ -131,6 +143,8 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Param
     visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool), segment_BxS)
     hidden_BxQxD = drafter(block_embeds_BxQxD, blocks.block_pos, ctx_feats_BxSxFD, ctx_pos_BxS, visible)
     frozen = jax.lax.stop_gradient(target_params)
+    if drafter.markov is not None:  # slot k also sees the block's token before it (teacher-forced: its label)
+        hidden_BxQxD = drafter.with_previous(hidden_BxQxD, embed(frozen, previous_ids(blocks, block_size)))
     soft = None if blocks.soft_ids is None else (blocks.soft_ids, blocks.soft_probs)
     if TRAIN_HEAD in frozen:  # a training vocabulary (`with_train_vocab`)
         return head_loss(hidden_BxQxD, frozen[TRAIN_HEAD], blocks.labels, blocks.label_mask, block_size, objective,
@@ -293,6 +307,7 @@ __all__ = [
     "make_optimizer",
     "make_schedule",
     "make_train_step",
+    "previous_ids",
     "segments",
     "split_drafter",
     "train_step",
