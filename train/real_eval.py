@@ -118,7 +118,7 @@ def save_best(run_dir: str | Path, drafter: DFlashDrafter, step: int, metrics: d
     shutil.rmtree(tmp, ignore_errors=True)
     save_zlab(drafter, tmp)
     (tmp / BEST_JSON).write_text(json.dumps(record, indent=2) + "\n")
-    for path in [*tmp.iterdir(), tmp]:
+    for path in [*sorted(tmp.rglob("*"), reverse=True), tmp]:  # markov_head/ too: files before their directory
         fsync_path(path)
     shutil.rmtree(old, ignore_errors=True)
     if best.exists():
