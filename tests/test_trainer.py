@@ -182,6 +182,13 @@ def test_checkpoint_of_another_architecture_is_refused(tiny, tmp_path):
     other = Checkpointer(tmp_path / "ck", {"arch": {"tag": "a", "layers": 5}})
     with pytest.raises(CheckpointError, match=r"another architecture \(layers: checkpoint 2 vs run 5\)"):
         other.restore(1, state, shardings)
+    # a field added since the checkpoint was written (its meta lacks it) compares at its default ...
+    same = Checkpointer(tmp_path / "ck", {"arch": {"tag": "a", "layers": 2, "markov_rank": 0}})
+    same.restore(1, state, shardings)
+    # ... so a run that sets it otherwise is refused naming it
+    headed = Checkpointer(tmp_path / "ck", {"arch": {"tag": "a", "layers": 2, "markov_rank": 8}})
+    with pytest.raises(CheckpointError, match=r"markov_rank: checkpoint 0 vs run 8"):
+        headed.restore(1, state, shardings)
 
 
 def test_corrupt_checkpoint_gives_a_clear_error(tiny, tmp_path):
