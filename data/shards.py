@@ -453,6 +453,13 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root`, then `root` itself (deepest first: files before their
+    directories), so a directory about to be renamed into place is durable whole."""
+    for path in [*sorted(root.rglob("*"), reverse=True), root]:
+        fsync_path(path)
+
+
 def _created_info() -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.shards import fsync_path
+from data.shards import fsync_path, fsync_tree
 from export.card import find_results, read_results, render_card, target_id
 from export.hub import Upload, plan_upload, upload_folder
 from models.drafter import hf_tensor_names, param_count
@@ -99,8 +99,7 @@ def _alive(pid: int) -> bool:
 
 def _finalize(staging: Path, out: Path) -> None:
     """fsync everything, then swap `staging` in as `out` (an existing `out` is replaced only now)."""
-    for path in [*sorted(staging.rglob("*"), reverse=True), staging]:  # files before their directories
-        fsync_path(path)
+    fsync_tree(staging)
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     if out.exists():
         out.rename(old)

@@ -39,7 +39,6 @@ from models.zlab import (
     hf_tensors,
     qwen3_fields,
     read_config,
-    read_tensors,
     with_markov,
     write_markov,
 )
@@ -147,11 +146,10 @@ def load_speculators(directory: str | Path, target_cfg: DecoderConfig,
                      expect: DrafterArch | None = None) -> DFlashDrafter:
     """A drafter from a speculators layout directory, checked against `target_cfg` (and `expect`)."""
     directory = Path(directory).expanduser()
-    arch, markov = with_markov(arch_from_speculators(read_config(directory), str(directory / "config.json"),
-                                                     target_cfg.family, target_cfg.num_layers), directory)
+    arch, tensors = with_markov(arch_from_speculators(read_config(directory), str(directory / "config.json"),
+                                                      target_cfg.family, target_cfg.num_layers), directory)
     check_import(arch, target_cfg, str(directory), expect)
-    drafter = drafter_from_tensors(arch, {**read_tensors(directory), **markov}, str(directory),
-                                   ignored=VERIFIER_FILLED)
+    drafter = drafter_from_tensors(arch, tensors, str(directory), ignored=VERIFIER_FILLED)
     drafter.draft_vocab = DraftVocab.read(directory, target_cfg.vocab_size)
     return drafter
 

@@ -141,11 +141,15 @@ MARKOV_DIR = "markov_head"
 MARKOV_PREFIX = "markov."
 
 
+def _markov_file(directory: Path) -> Path:
+    return directory / MARKOV_DIR / "model.safetensors"
+
+
 def write_markov(tensors: dict[str, np.ndarray], directory: Path) -> dict[str, np.ndarray]:
     """Move the Markov head's tensors (`markov.*`) of `tensors` into `directory/markov_head/model.safetensors`
     (removing a stale one when there are none); returns the others, for the layout's own weights file."""
     markov = {name: value for name, value in tensors.items() if name.startswith(MARKOV_PREFIX)}
-    side = directory / MARKOV_DIR / "model.safetensors"
+    side = _markov_file(directory)
     if markov:
         side.parent.mkdir(parents=True, exist_ok=True)
         save_file(markov, str(side), metadata={"format": "pt"})
@@ -155,18 +159,18 @@ def write_markov(tensors: dict[str, np.ndarray], directory: Path) -> dict[str, n
 
 
 def with_markov(arch: DrafterArch, directory: Path) -> tuple[DrafterArch, dict[str, np.ndarray]]:
-    """(`arch` with the Markov head's rank, its tensors) when `directory` holds `markov_head/`, else (`arch`,
-    {}). The rank is the height of `markov.gate_proj.weight` [r, 2 * hidden]."""
-    side = directory / MARKOV_DIR / "model.safetensors"
+    """(`arch`, every tensor of the layout in `directory`), with the Markov head's rank and tensors added when
+    it holds `markov_head/` (the rank is the height of `markov.gate_proj.weight` [r, 2 * hidden])."""
+    side = _markov_file(directory)
     if not side.is_file():
-        return arch, {}
+        return arch, read_tensors(directory)
     tensors = load_file(str(side))
     gate = tensors.get(MARKOV_PREFIX + "gate_proj.weight")
     if gate is None or gate.ndim != 2 or gate.shape[1] != 2 * arch.hidden_size:
         raise WeightsError(f"{side}: a Markov head must hold {MARKOV_PREFIX}gate_proj.weight of shape "
                            f"[rank, {2 * arch.hidden_size}]; received "
                            f"{None if gate is None else tuple(gate.shape)}")
-    return dataclasses.replace(arch, markov_rank=int(gate.shape[0])), tensors
+    return dataclasses.replace(arch, markov_rank=int(gate.shape[0])), {**read_tensors(directory), **tensors}
 
 
 def save_zlab(drafter: DFlashDrafter, directory: str | Path, dtype: str = "float32") -> Path:
@@ -283,9 +287,9 @@ def drafter_from_tensors(arch: DrafterArch, tensors: dict[str, np.ndarray], wher
 def read_zlab(directory: str | Path, target_family: str = "qwen3") -> DFlashDrafter:
     """The drafter of a z-lab layout directory, unchecked against any target (see `load_zlab`)."""
     directory = Path(directory).expanduser()
-    arch, markov = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"), target_family),
-                               directory)
-    drafter = drafter_from_tensors(arch, {**read_tensors(directory), **markov}, str(directory))
+    arch, tensors = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"), target_family),
+                                directory)
+    drafter = drafter_from_tensors(arch, tensors, str(directory))
     drafter.draft_vocab = DraftVocab.read(directory)
     return drafter
 
@@ -324,10 +328,10 @@ def load_zlab(directory: str | Path, target_cfg: DecoderConfig, expect: DrafterA
     """A drafter from a z-lab layout directory, checked against `target_cfg` (and `expect`; every mismatch
     named in one error)."""
     directory = Path(directory).expanduser()
-    arch, markov = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"),
-                                              target_cfg.family), directory)
+    arch, tensors = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"),
+                                               target_cfg.family), directory)
     check_import(arch, target_cfg, str(directory), expect)
-    drafter = drafter_from_tensors(arch, {**read_tensors(directory), **markov}, str(directory))
+    drafter = drafter_from_tensors(arch, tensors, str(directory))
     drafter.draft_vocab = DraftVocab.read(directory, target_cfg.vocab_size)
     return drafter
 

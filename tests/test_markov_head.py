@@ -33,6 +33,12 @@ def setup():
     return target_cfg, target_params, arch, prompts
 
 
+def _plain(target_cfg, seed: int) -> DFlashDrafter:
+    """The fixture's drafter architecture without a Markov head."""
+    return DFlashDrafter(resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=K),
+                                         target_cfg, mask_token_id=255), nnx.Rngs(seed))
+
+
 def _live(arch, seed: int) -> DFlashDrafter:
     """A drafter whose Markov head is not the identity (its down projection drawn at random)."""
     drafter = DFlashDrafter(arch, nnx.Rngs(seed))
@@ -45,8 +51,7 @@ def test_a_new_markov_head_is_plain_dflash(setup):
     """down_proj starts at zero: the same weights without the head propose the same tokens."""
     target_cfg, target_params, arch, prompts = setup
     drafter = DFlashDrafter(arch, nnx.Rngs(3))
-    plain = DFlashDrafter(resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=K),
-                                          target_cfg, mask_token_id=255), nnx.Rngs(3))
+    plain = _plain(target_cfg, 3)
     assert drafter.markov is not None and plain.markov is None
     with_head = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=K)
     without = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=plain, block_size=K)
@@ -144,7 +149,6 @@ def test_the_markov_head_travels_beside_the_layout(setup, tmp_path, layout):
     got = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=loaded, block_size=K)
     assert [r.accepted for r in got] == [r.accepted for r in want]
     # exporting a plain drafter into the same directory removes the stale head
-    plain = DFlashDrafter(resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=K),
-                                          target_cfg, mask_token_id=255), nnx.Rngs(0))
+    plain = _plain(target_cfg, 0)
     (save_zlab if layout == "zlab" else lambda d, p: save_speculators(d, p, verifier="tiny"))(plain, directory)
     assert not (directory / MARKOV_DIR / "model.safetensors").exists()

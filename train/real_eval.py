@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from data.eval_sets import load_eval_set
-from data.shards import fsync_path
+from data.shards import fsync_path, fsync_tree
 from models.drafter import DFlashDrafter, DraftVocab
 from models.target import Target
 from models.tokenizer import ChatTokenizer
@@ -118,8 +118,7 @@ def save_best(run_dir: str | Path, drafter: DFlashDrafter, step: int, metrics: d
     shutil.rmtree(tmp, ignore_errors=True)
     save_zlab(drafter, tmp)
     (tmp / BEST_JSON).write_text(json.dumps(record, indent=2) + "\n")
-    for path in [*sorted(tmp.rglob("*"), reverse=True), tmp]:  # markov_head/ too: files before their directory
-        fsync_path(path)
+    fsync_tree(tmp)  # markov_head/ too
     shutil.rmtree(old, ignore_errors=True)
     if best.exists():
         best.rename(old)
