@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -23,9 +24,11 @@ from models.loading import load_hf_dir
 from train.objective import Objective, build_blocks_batch, default_gamma, sample_anchors_batch
 from train.step import (
     TrainState,
+    current_lr,
     drafter_loss,
     init_state,
     make_optimizer,
+    make_schedule,
     make_train_step,
     split_drafter,
 )
@@ -107,6 +110,32 @@ def test_drafter_holds_no_embedding_or_lm_head(setup):
     _, _, arch = setup
     names = hf_tensor_names(DFlashDrafter(arch, nnx.Rngs(0)))
     assert not any("embed" in n or "lm_head" in n for n in names), names
+
+
+def test_weight_decay_shrinks_kernels_only_and_zero_decay_keeps_the_state_layout(setup):
+    _, _, arch = setup
+    _, params = split_drafter(DFlashDrafter(arch, nnx.Rngs(0)))
+    params = jax.tree.map(lambda x: x + 0.5, params)  # norm scales start at 1; every leaf is non-zero
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    optimizer = make_optimizer(1e-2, total_steps=4, warmup_frac=0.0, weight_decay=0.5)
+    opt_state, new = optimizer.init(params), params
+    for _ in range(2):  # the warmup's first update runs at learning rate 0, the second at the peak 1e-2
+        updates, opt_state = optimizer.update(zero_grads, opt_state, new)
+        new = optax.apply_updates(new, updates)
+    assert float(current_lr(opt_state)) == pytest.approx(1e-2)
+    flat_old, flat_new = jax.tree.leaves(params), jax.tree.leaves(new)
+    kernels = [np.asarray(a).ndim >= 2 for a in flat_old]
+    assert any(kernels) and not all(kernels)
+    for is_kernel, before, after in zip(kernels, flat_old, flat_new, strict=True):
+        if is_kernel:  # AdamW's decoupled decay alone: x (1 - lr * wd)
+            np.testing.assert_allclose(np.asarray(after), np.asarray(before) * (1 - 1e-2 * 0.5), rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+    # without decay the optimizer state is adamw's own (checkpoints written before the mask restore)
+    plain = optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(
+        learning_rate=make_schedule(1e-3, 4, 0.04), weight_decay=0.0))
+    assert (jax.tree.structure(make_optimizer(1e-3, total_steps=4).init(params))
+            == jax.tree.structure(plain.init(params)))
 
 
 def _eval(graphdef, params, target_cfg, target_params, batch, arch) -> tuple[float, float]:

@@ -41,7 +41,8 @@ class TrainConfig:
              steps train blocks of `curriculum_block_size` slots (it must divide drafter.block_size K) on
              K / that many times batch_size sequences per update, the same block tokens per step; the rest
              train the drafter's K (`train.loop.curriculum_phases`; docs/decisions.md D30).
-    lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping.
+    lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping; the
+             decay applies to kernels only, not to the RMSNorm scales (`train.step.decays`).
     loss: `decay` (the paper's fixed weights exp(-(k-1)/gamma)) or `dpace` (D-PACE: weights from the
              drafter's own per-slot confidence, `train.objective.dpace_weights`); docs/decisions.md D19.
     gamma: loss decay of DESIGN §4.2 (0 = chosen from the block size). dpace_alpha: D-PACE's confidence floor.

@@ -66,13 +66,23 @@ def make_optimizer(lr: float, total_steps: int, warmup_frac: float = 0.04, clip:
     """clip_by_global_norm(clip) then AdamW on the warmup+cosine schedule (`make_schedule`).
 
     The learning rate is injected as a hyperparameter, so the rate used by the latest update can be read
-    from the optimizer state (`current_lr`).
+    from the optimizer state (`current_lr`). Weight decay applies to matrices only (`decays`): the RMSNorm
+    scales are left alone, as is usual, since decaying them pulls every normed activation towards zero.
     """
     if clip <= 0:
         raise ValueError(f"clip must be > 0; received {clip}")
-    adamw = optax.inject_hyperparams(optax.adamw)(
-        learning_rate=make_schedule(lr, total_steps, warmup_frac), weight_decay=weight_decay)
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0; received {weight_decay}")
+    # without decay the state keeps adamw's unmasked layout, so runs and checkpoints from before the mask resume
+    mask = {"mask": decays} if weight_decay > 0 else {}
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        learning_rate=make_schedule(lr, total_steps, warmup_frac), weight_decay=weight_decay, **mask)
     return optax.chain(optax.clip_by_global_norm(clip), adamw)
+
+
+def decays(params: Any) -> Any:
+    """The weight-decay mask of `make_optimizer`: True for a parameter of 2 or more dimensions (kernels)."""
+    return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
 
 
 def current_lr(opt_state: optax.OptState) -> jax.Array:
@@ -304,6 +314,7 @@ __all__ = [
     "make_eval_step",
     "drafter_loss",
     "init_state",
+    "decays",
     "make_optimizer",
     "make_schedule",
     "make_train_step",
