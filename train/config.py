@@ -43,6 +43,8 @@ class TrainConfig:
              train the drafter's K (`train.loop.curriculum_phases`; docs/decisions.md D30).
     lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping; the
              decay applies to kernels only, not to the RMSNorm scales (`train.step.decays`).
+    feature_noise: sigma of Gaussian noise added to the target features at every training step, relative to
+             each captured layer's RMS at that position (`train.objective.noisy_features`; 0 = none).
     loss: `decay` (the paper's fixed weights exp(-(k-1)/gamma)) or `dpace` (D-PACE: weights from the
              drafter's own per-slot confidence, `train.objective.dpace_weights`); docs/decisions.md D19.
     gamma: loss decay of DESIGN §4.2 (0 = chosen from the block size). dpace_alpha: D-PACE's confidence floor.
@@ -72,6 +74,7 @@ class TrainConfig:
     warmup_frac: float = 0.04
     clip: float = 1.0
     weight_decay: float = 0.0
+    feature_noise: float = 0.0
     loss: Literal["decay", "dpace"] = "decay"
     gamma: float = 0.0
     dpace_alpha: float = 0.5
@@ -101,6 +104,7 @@ class TrainConfig:
         require(0 <= self.warmup_frac < 1, "train.warmup_frac", self.warmup_frac, "lie in [0, 1)")
         require(self.clip > 0, "train.clip", self.clip, "be > 0")
         require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "be >= 0")
+        require(self.feature_noise >= 0, "train.feature_noise", self.feature_noise, "be >= 0")
         require(self.gamma >= 0, "train.gamma", self.gamma, "be >= 0 (0 = chosen from the block size)")
         require(0 < self.dpace_alpha <= 1, "train.dpace_alpha", self.dpace_alpha, "lie in (0, 1]")
         require(self.head_vocab >= 0, "train.head_vocab", self.head_vocab, "be >= 0 (0 = the full vocabulary)")

@@ -245,7 +245,7 @@ def curriculum_phases(cfg: TrainConfig, arch: DrafterArch) -> list[Phase]:
 def make_objective(cfg: TrainConfig, arch: DrafterArch) -> Objective:
     """The loss `train` configures (gamma 0 = by block size)."""
     return Objective(kind=cfg.loss, gamma=cfg.gamma or default_gamma(arch.block_size), dpace_alpha=cfg.dpace_alpha,
-                     head_chunk=cfg.head_chunk)
+                     head_chunk=cfg.head_chunk, feature_noise=cfg.feature_noise)
 
 
 def drafter_graphdef(arch: DrafterArch, compute_dtype: Any = jnp.float32) -> nnx.GraphDef:

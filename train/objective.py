@@ -458,12 +458,14 @@ class Objective:
       every step without gradient.
     gamma: decay of `decay`. dpace_alpha: confidence floor of `dpace`, in (0, 1].
     head_chunk: rows of the LM head + CE per chunk (0: `auto_head_chunk(V)`).
+    feature_noise: sigma of the training-time noise on the target features (`noisy_features`; 0 = none).
     """
 
     kind: str = "decay"
     gamma: float = 4.0
     dpace_alpha: float = 0.5
     head_chunk: int = 0
+    feature_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("decay", "dpace"):
@@ -474,6 +476,23 @@ class Objective:
             raise ValueError(f"dpace_alpha must lie in (0, 1]; received {self.dpace_alpha}")
         if self.head_chunk < 0:
             raise ValueError(f"head_chunk must be >= 0 (0: automatic); received {self.head_chunk}")
+        if self.feature_noise < 0:
+            raise ValueError(f"feature_noise must be >= 0; received {self.feature_noise}")
+
+
+def noisy_features(feats_BxSxFD: jax.Array, num_features: int, sigma: float, rng: jax.Array) -> jax.Array:
+    """The target features with Gaussian noise scaled per captured layer and position: f + sigma * rms(f) * eps.
+
+    A regulariser for offline training, which shows the drafter the same stored features every epoch (EAGLE
+    perturbs its features with noise too). Each of the F layers' D-vectors gets noise in proportion to its own
+    root mean square, so layers of different scale are perturbed alike. No gradient flows into the features.
+    """
+    b, s, fd = feats_BxSxFD.shape
+    f_BxSxFxD = feats_BxSxFD.reshape(b, s, num_features, fd // num_features).astype(jnp.float32)
+    rms_BxSxFx1 = jnp.sqrt(jnp.mean(jnp.square(f_BxSxFxD), axis=-1, keepdims=True))
+    eps = jax.random.normal(rng, f_BxSxFxD.shape, jnp.float32)
+    out = f_BxSxFxD + sigma * rms_BxSxFx1 * eps
+    return jax.lax.stop_gradient(out.reshape(b, s, fd).astype(feats_BxSxFD.dtype))
 
 
 def dpace_weights(nll_BxNxJ: jax.Array, mask_BxNxJ: jax.Array, alpha: float) -> jax.Array:
@@ -567,6 +586,7 @@ __all__ = [
     "head_loss",
     "head_nll",
     "head_soft_ce",
+    "noisy_features",
     "sample_anchors",
     "sample_anchors_batch",
     "valid_anchor_positions",

@@ -22,7 +22,7 @@ from flax import nnx
 from models.config import DecoderConfig
 from models.decoder import Params, embed, head_matrix
 from models.drafter import BlockVisibility, DFlashDrafter, DrafterArch, draft_head_rows, online_features
-from train.objective import Blocks, Objective, build_blocks_batch, head_loss, sample_anchors_batch
+from train.objective import Blocks, Objective, build_blocks_batch, head_loss, noisy_features, sample_anchors_batch
 
 Metrics = dict[str, jax.Array]
 Batch = dict[str, jax.Array]
@@ -230,6 +230,9 @@ def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphd
     rng, anchor_rng = jax.random.split(state.rng)
     blocks, embeds_BxQxD, feats_BxSxFD = block_inputs(batch, target_params, target_cfg, arch, num_anchors,
                                                       anchor_rng)
+    if objective.feature_noise > 0:  # its own key, derived so that the anchor stream is the noiseless run's
+        feats_BxSxFD = noisy_features(feats_BxSxFD, len(arch.layer_ids), objective.feature_noise,
+                                      jax.random.fold_in(anchor_rng, 1))
 
     def loss_fn(params: nnx.State) -> tuple[jax.Array, Metrics]:
         return drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
