@@ -7,14 +7,21 @@ through `data.shards.ShardWriter` (format, atomicity and resume rules are in tha
 
     examples (tokens int32[S], loss_mask float32[S], n)      `data.examples.build_examples` makes them
       -> shard i = samples [i*P, (i+1)*P)                      P = samples_per_shard; finished shards skipped
-      -> batches of `batch_size` rows within the shard          the last one padded with copies of a pad row
-      -> jit(online_features(...).astype(bfloat16))             params traced, not baked in; one compile
-      -> host: rows[:n] -> one record per sample                one batch in flight while the last is written
+      -> windows of 8 batches' rows, sorted by length          longest first; samples keep their order on disk
+      -> batches of `batch_size` rows, cut to `length_bucket`   the batch's longest n rounded up (<= S); the
+         multiples                                              last batch padded with copies of a pad row
+      -> jit(online_features(...).astype(bfloat16))             params traced, not baked in; one compile per
+                                                                batch length (S / length_bucket at most)
+      -> host: rows[:n] -> one record per sample, in order      one batch in flight while the last is written
 
 Feature rows do not depend on which other rows share their batch (the target has no cross-row op), and
 positions < n do not depend on the padding after them (causal attention), so the stored features equal
 the online features of the same row in any training batch, up to the floating-point effects of a
-different batch shape (none on the CPU backend in our test).
+different batch shape (none for SmolLM2 on the CPU backend; rare 1-2 bf16 ulps on the tiny test model when
+its batches are cut shorter). That is also why a batch need not run at the
+full seq_len: rows of similar length batched together and cut to the batch's longest (rounded up to
+`length_bucket`) skip the padding's compute, which on the default recipe's answers (245 of 448 tokens on
+average) is nearly half of it (docs/benchmarks.md `capture_bucketed`).
 
 With `target_labels` the same forward also runs the LM head, and each record stores the target's greedy
 token after every position (`Sample.next_ids`): the labels of `data.labels: target`, which make reference
@@ -151,6 +158,7 @@ def capture(
     progress: bool = True,
     target_labels: bool = False,
     target_topk: int = 0,
+    length_bucket: int = 64,
 ) -> CaptureReport:
     """Capture target features of `examples` into `out_dir` (resuming an interrupted capture); see module.
 
@@ -163,9 +171,14 @@ def capture(
       the same forward, with the LM head).
     target_topk: also store the target's k most likely next tokens and their probabilities at every position
       (`data.labels: soft`; implies target_labels).
+    length_bucket: a batch runs at its longest row's length rounded up to a multiple of this (at most seq_len),
+      with rows of similar length batched together; 0 = every batch at seq_len. The stored records are the
+      same up to the rounding of another batch shape (docs/decisions.md D36).
     """
     if target_topk < 0:
         raise ValueError(f"target_topk must be >= 0; received {target_topk}")
+    if length_bucket < 0:
+        raise ValueError(f"length_bucket must be >= 0 (0 = every batch at seq_len); received {length_bucket}")
     target_labels = target_labels or target_topk > 0
     layer_ids = check_layer_ids(tuple(layer_ids), target_cfg.num_layers)
     if batch_size <= 0 or samples_per_shard <= 0 or seq_len <= 0:
@@ -192,7 +205,7 @@ def capture(
             lo = shard * samples_per_shard
             rows = list(range(lo, min(lo + samples_per_shard, len(examples))))
             with writer.shard(shard) as out:
-                _capture_shard(out, examples, rows, featurize, filler, batch_size, bar)
+                _capture_shard(out, examples, rows, featurize, filler, batch_size, bar, length_bucket)
         manifest = writer.finish()
     finally:
         bar.close()
@@ -218,37 +231,72 @@ def _manifest_header(provenance: Provenance, target_cfg: DecoderConfig, examples
         target_labels=target_labels, target_topk=target_topk)
 
 
+SORT_WINDOW_BATCHES = 8  # rows are sorted by length within windows of this many batches (bounds the host buffer)
+
+
+def _length_batches(examples: Sequence[Example], rows: list[int], batch_size: int, seq_len: int,
+                    length_bucket: int) -> list[tuple[list[int], int]]:
+    """(rows, length) of each batch of one shard: within each window of SORT_WINDOW_BATCHES batches' rows, the
+    rows longest first (ties in order), cut into batches of `batch_size` that run at their longest row's n
+    rounded up to a multiple of `length_bucket` (at most seq_len). length_bucket 0: the rows in order, at
+    seq_len."""
+    if not length_bucket:
+        return [(rows[b:b + batch_size], seq_len) for b in range(0, len(rows), batch_size)]
+    window = SORT_WINDOW_BATCHES * batch_size
+    plan = []
+    for w in range(0, len(rows), window):
+        ordered = sorted(rows[w:w + window], key=lambda i: -int(examples[i][2]))
+        for b in range(0, len(ordered), batch_size):
+            chunk = ordered[b:b + batch_size]
+            longest = max(int(examples[i][2]) for i in chunk)
+            plan.append((chunk, min(seq_len, -(-longest // length_bucket) * length_bucket)))
+    return plan
+
+
 def _capture_shard(out: Any, examples: Sequence[Example], rows: list[int], featurize: Callable[[np.ndarray], Any],
-                   filler: np.ndarray,
-                   batch_size: int, bar: Any) -> None:
-    """Write the samples `rows` of one shard: batches of `batch_size` rows (the last padded with `filler`),
-    one batch's features computed on device while the previous one is fetched and written."""
-    in_flight: tuple[list[int], jax.Array] | None = None
-    for b in range(0, len(rows), batch_size):
-        chunk = rows[b:b + batch_size]
-        tokens_BxS = np.stack([np.asarray(examples[i][0], np.int32) for i in chunk]
-                              + [filler] * (batch_size - len(chunk)))
-        feats = featurize(tokens_BxS)
+                   filler: np.ndarray, batch_size: int, bar: Any, length_bucket: int = 0) -> None:
+    """Write the samples `rows` of one shard, in order: batches of `_length_batches` (the last padded with
+    `filler`), one batch's features computed on device while the previous one is fetched; a fetched row waits
+    on the host until every row before it is written."""
+    ready: dict[int, tuple] = {}
+    written = 0
+
+    def fetched(chunk: list[int], feats: Any) -> None:
+        nonlocal written
+        ready.update(_fetch_batch(examples, chunk, feats))
+        while written < len(rows) and rows[written] in ready:
+            i = rows[written]
+            tokens_S, loss_mask_S, n = examples[i]
+            n = int(n)
+            out.write(np.asarray(tokens_S[:n], np.int32), np.asarray(loss_mask_S[:n]), *ready.pop(i))
+            bar.update(n)
+            written += 1
+
+    in_flight: tuple[list[int], Any] | None = None
+    for chunk, length in _length_batches(examples, rows, batch_size, len(filler), length_bucket):
+        tokens_BxL = np.stack([np.asarray(examples[i][0][:length], np.int32) for i in chunk]
+                              + [filler[:length]] * (batch_size - len(chunk)))
+        feats = featurize(tokens_BxL)
         if in_flight is not None:
-            bar.update(_write_batch(out, examples, *in_flight))
+            fetched(*in_flight)
         in_flight = (chunk, feats)
     if in_flight is not None:
-        bar.update(_write_batch(out, examples, *in_flight))
+        fetched(*in_flight)
+    if written != len(rows):  # unreachable: every row is in exactly one batch
+        raise AssertionError(f"capture wrote {written} of {len(rows)} rows of a shard")
 
 
-def _write_batch(out: Any, examples: Sequence[Example], chunk: list[int], feats: Any) -> int:
-    """Fetch one batch's features (and next ids, with target labels; and the top-k) and write its samples'
-    first n positions; returns the tokens written."""
-    feats_BxSxFD, next_BxS, *topk = feats if isinstance(feats, tuple) else (feats, None)
-    host = np.asarray(feats_BxSxFD)
-    next_host = None if next_BxS is None else np.asarray(next_BxS)
+def _fetch_batch(examples: Sequence[Example], chunk: list[int], feats: Any) -> dict[int, tuple]:
+    """One batch's features (and next ids, with target labels; and the top-k) on the host: for each of its
+    rows, the (features, next ids, top-k) of its first n positions, as `out.write` takes them after the
+    tokens and mask."""
+    feats_BxLxFD, next_BxL, *topk = feats if isinstance(feats, tuple) else (feats, None)
+    host = np.asarray(feats_BxLxFD)
+    next_host = None if next_BxL is None else np.asarray(next_BxL)
     ids_host, probs_host = (np.asarray(a) for a in topk) if topk else (None, None)
-    written = 0
+    rows = {}
     for row, i in enumerate(chunk):
-        tokens_S, loss_mask_S, n = examples[i]
-        n = int(n)
-        out.write(np.asarray(tokens_S[:n], np.int32), np.asarray(loss_mask_S[:n]), host[row, :n],
-                  None if next_host is None else next_host[row, :n],
-                  None if ids_host is None else (ids_host[row, :n], probs_host[row, :n]))
-        written += n
-    return written
+        n = int(examples[i][2])
+        rows[i] = (host[row, :n], None if next_host is None else next_host[row, :n],
+                   None if ids_host is None else (ids_host[row, :n], probs_host[row, :n]))
+    return rows

@@ -116,6 +116,9 @@ class DataConfig:
     max_prompts / dedup / seed: total prompts (0 = all), duplicate removal by user text, sampling seed.
     regen:       regeneration settings (system prompt, template kwargs, sampling, token budgets, slots).
     samples_per_shard / capture_batch_size / compression: offline capture (ArrayRecord shards).
+    capture_bucket: capture batches rows of similar length and runs each batch at its longest row rounded up
+                 to a multiple of this (at most seq_len), instead of at seq_len; 0 = every batch at seq_len.
+                 The stored shards are the same either way; each length is one compile.
     loader_workers: Grain worker processes reading shards in offline training (0 = in the trainer process).
     skip_bad_records: offline training skips (and counts) unreadable records instead of stopping.
     verify_shards: check every shard's sha256 before offline training (slow on large captures).
@@ -138,6 +141,7 @@ class DataConfig:
     regen: RegenConfig = dataclasses.field(default_factory=RegenConfig)
     samples_per_shard: int = 256
     capture_batch_size: int = 8
+    capture_bucket: int = 64
     compression: Literal["uncompressed", "zstd"] = "uncompressed"
     loader_workers: int = 0
     skip_bad_records: bool = False
@@ -158,6 +162,8 @@ class DataConfig:
         require(self.max_prompts >= 0, "data.max_prompts", self.max_prompts, "be >= 0 (0 = all)")
         require(self.samples_per_shard >= 1, "data.samples_per_shard", self.samples_per_shard, "be at least 1")
         require(self.capture_batch_size >= 1, "data.capture_batch_size", self.capture_batch_size, "be at least 1")
+        require(self.capture_bucket >= 0, "data.capture_bucket", self.capture_bucket,
+                "be >= 0 (0 = every capture batch at data.seq_len)")
         require(self.loader_workers >= 0, "data.loader_workers", self.loader_workers, "be >= 0")
 
     @property

@@ -60,7 +60,8 @@ def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool 
     return capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
                    cfg.shard_dir, seq_len=recipe.data.seq_len, batch_size=cfg.capture_batch_size,
                    samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress,
-                   target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0)
+                   target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0,
+                   length_bucket=cfg.capture_bucket)
 
 
 def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:

@@ -39,6 +39,7 @@ from data.shards import (
     load_manifest,
     record_size,
 )
+from models.decoder import forward
 from models.drafter import online_features
 from models.loading import load_hf_dir, weights_fingerprint
 
@@ -77,7 +78,9 @@ def _examples(seed: int = 0, count: int = NUM_SAMPLES) -> list[tuple[np.ndarray,
 
 
 def _capture(setup_or_cfg, params, provenance, examples, out_dir, **kwargs):
-    defaults = dict(seq_len=SEQ_LEN, batch_size=CAPTURE_BATCH, samples_per_shard=PER_SHARD, progress=False)
+    # Full-length batches (the trainer's online shape) unless a test asks for length buckets.
+    defaults = dict(seq_len=SEQ_LEN, batch_size=CAPTURE_BATCH, samples_per_shard=PER_SHARD, progress=False,
+                    length_bucket=0)
     return capture(params, setup_or_cfg, provenance, examples, kwargs.pop("layer_ids", LAYER_IDS), out_dir,
                    **(defaults | kwargs))
 
@@ -151,6 +154,48 @@ def test_round_trip_equals_online_features(setup: Setup) -> None:
         np.testing.assert_array_equal(sample.features.view(np.uint16), expected[:n].view(np.uint16))
 
 
+def test_length_buckets_skip_padding_and_store_the_same_shards(setup: Setup, tmp_path: Path) -> None:
+    """Bucketed batches (rows of similar length together, each batch cut to its longest row rounded up) cover
+    every row once at a length that holds it, in far fewer positions; the records keep the samples' order and
+    hold the same tokens, mask and target labels as full-length batches, and the features up to the rounding of
+    a different shape."""
+    rows = list(range(NUM_SAMPLES))
+    lengths = [int(n) for _, _, n in setup.examples]
+    for bucket, batch in ((8, 4), (5, 3), (64, 4), (1, 2)):
+        plan = capture_module._length_batches(setup.examples, rows, batch, SEQ_LEN, bucket)
+        assert sorted(i for chunk, _ in plan for i in chunk) == rows
+        for chunk, length in plan:
+            longest = max(lengths[i] for i in chunk)
+            assert len(chunk) <= batch and longest <= length <= SEQ_LEN
+            assert length == SEQ_LEN or (length % bucket == 0 and length - longest < bucket)
+    plan = capture_module._length_batches(setup.examples, rows, 4, SEQ_LEN, 8)
+    assert sum(len(chunk) * length for chunk, length in plan) < 0.9 * NUM_SAMPLES * SEQ_LEN  # padding skipped
+    assert capture_module._length_batches(setup.examples, rows, 4, SEQ_LEN, 0) == [
+        (rows[b:b + 4], SEQ_LEN) for b in range(0, NUM_SAMPLES, 4)]
+
+    bucketed = tmp_path / "bucketed"
+    _capture(setup.cfg, setup.params, setup.provenance, setup.examples, bucketed, target_labels=True,
+             length_bucket=8)
+    manifest = load_manifest(bucketed, verify=True)
+    assert manifest.examples_hash == load_manifest(setup.capture_dir).examples_hash
+    stored = [s for shard in range(manifest.num_shards) for s in iter_shard(bucketed, manifest, shard)]
+    tokens_BxS = np.stack([t for t, _, _ in setup.examples])
+    online = _online_bf16(setup, tokens_BxS)  # full-length rows, as the trainer computes them online
+    next_ids = np.asarray(jax.numpy.argmax(forward(setup.params, setup.cfg, jax.numpy.asarray(tokens_BxS))[0], -1))
+    differing = 0
+    for (tokens, mask, n), sample, expected, want in zip(setup.examples, stored, online, next_ids, strict=True):
+        np.testing.assert_array_equal(sample.tokens, tokens[:n])
+        np.testing.assert_array_equal(sample.loss_mask, mask[:n].astype(np.uint8))
+        np.testing.assert_array_equal(sample.next_ids, want[:n])
+        # A shorter shape may round differently (XLA picks other kernels): within 2 bf16 ulps, and rarely.
+        got, ref = sample.features.astype(np.float32), expected[:n].astype(np.float32)
+        np.testing.assert_allclose(got, ref, rtol=2 ** -6, atol=1e-6)
+        differing += int((got != ref).sum())
+    assert differing <= 1e-3 * sum(n for _, _, n in setup.examples) * len(LAYER_IDS) * 64
+    with pytest.raises(ValueError, match="length_bucket must be >= 0"):
+        _capture(setup.cfg, setup.params, setup.provenance, setup.examples, tmp_path / "bad", length_bucket=-1)
+
+
 def test_manifest_fields(setup: Setup) -> None:
     manifest = load_manifest(setup.capture_dir, verify=True)
     raw = json.loads((setup.capture_dir / MANIFEST_NAME).read_text())
@@ -187,20 +232,22 @@ def test_manifest_fields(setup: Setup) -> None:
 def test_resume_after_crash_matches_uninterrupted(setup: Setup, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "resumed"
-    real_write = capture_module._write_batch
+    real_fetch = capture_module._fetch_batch
+    calls = []
 
     class Crash(Exception):
         pass
 
-    def crashing_write(shard_out, *args):
-        if shard_out.index == 2:
+    def crashing_fetch(*args):
+        calls.append(1)
+        if len(calls) == 6:  # shards of 6 rows are 2 batches: shard 2's second batch, its first rows written
             raise Crash
-        return real_write(shard_out, *args)
+        return real_fetch(*args)
 
-    monkeypatch.setattr(capture_module, "_write_batch", crashing_write)
+    monkeypatch.setattr(capture_module, "_fetch_batch", crashing_fetch)
     with pytest.raises(Crash):
         _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
-    monkeypatch.setattr(capture_module, "_write_batch", real_write)
+    monkeypatch.setattr(capture_module, "_fetch_batch", real_fetch)
     partial = json.loads((out / MANIFEST_NAME).read_text())
     assert partial["complete"] is False and [e["file"] for e in partial["shards"]] == [
         "shard-00000.array_record", "shard-00001.array_record"]
@@ -507,7 +554,6 @@ def test_record_with_next_ids_round_trips_and_is_checked() -> None:
 def test_capture_with_target_labels_stores_the_targets_argmax(setup: Setup, tmp_path: Path) -> None:
     """With target_labels every record holds argmax(logits) at each position (the target's greedy next token),
     the features are unchanged, and the loader hands them out as "next_ids" (-1 on padding) only when asked."""
-    from models.decoder import forward
 
     out = tmp_path / "labelled"
     _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out, target_labels=True)
@@ -577,7 +623,6 @@ def test_capture_with_the_targets_top_k_stores_its_distribution(setup: Setup, tm
     """With target_topk = k every record holds the target's k most likely next tokens after each position and
     their softmax probabilities (argmax first, so next_ids are the first column); the loader hands them out as
     "soft_ids" / "soft_probs" [B, S, k], zero on padding, in the padded and the packed layout."""
-    from models.decoder import forward
 
     k = 4
     out = tmp_path / "soft"
