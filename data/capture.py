@@ -18,10 +18,10 @@ Feature rows do not depend on which other rows share their batch (the target has
 positions < n do not depend on the padding after them (causal attention), so the stored features equal
 the online features of the same row in any training batch, up to the floating-point effects of a
 different batch shape (none for SmolLM2 on the CPU backend; rare 1-2 bf16 ulps on the tiny test model when
-its batches are cut shorter). That is also why a batch need not run at the
-full seq_len: rows of similar length batched together and cut to the batch's longest (rounded up to
-`length_bucket`) skip the padding's compute, which on the default recipe's answers (245 of 448 tokens on
-average) is nearly half of it (docs/benchmarks.md `capture_bucketed`).
+its batches are cut shorter). That is also why a batch need not run at the full seq_len: rows of similar
+length batched together and cut to the batch's longest (rounded up to `length_bucket`) skip the padding's
+compute, nearly half of it on the default recipe's answers (245 of 448 tokens on average; docs/benchmarks.md
+`capture_bucketed`).
 
 With `target_labels` the same forward also runs the LM head, and each record stores the target's greedy
 token after every position (`Sample.next_ids`): the labels of `data.labels: target`, which make reference
@@ -254,7 +254,7 @@ def _length_batches(examples: Sequence[Example], rows: list[int], batch_size: in
 
 
 def _capture_shard(out: Any, examples: Sequence[Example], rows: list[int], featurize: Callable[[np.ndarray], Any],
-                   filler: np.ndarray, batch_size: int, bar: Any, length_bucket: int = 0) -> None:
+                   filler: np.ndarray, batch_size: int, bar: Any, length_bucket: int) -> None:
     """Write the samples `rows` of one shard, in order: batches of `_length_batches` (the last padded with
     `filler`), one batch's features computed on device while the previous one is fetched; a fetched row waits
     on the host until every row before it is written."""
@@ -282,8 +282,6 @@ def _capture_shard(out: Any, examples: Sequence[Example], rows: list[int], featu
         in_flight = (chunk, feats)
     if in_flight is not None:
         fetched(*in_flight)
-    if written != len(rows):  # unreachable: every row is in exactly one batch
-        raise AssertionError(f"capture wrote {written} of {len(rows)} rows of a shard")
 
 
 def _fetch_batch(examples: Sequence[Example], chunk: list[int], feats: Any) -> dict[int, tuple]:

@@ -118,7 +118,7 @@ class DataConfig:
     samples_per_shard / capture_batch_size / compression: offline capture (ArrayRecord shards).
     capture_bucket: capture batches rows of similar length and runs each batch at its longest row rounded up
                  to a multiple of this (at most seq_len), instead of at seq_len; 0 = every batch at seq_len.
-                 The stored shards are the same either way; each length is one compile.
+                 The stored shards are the same up to the rounding of another shape; each length is one compile.
     loader_workers: Grain worker processes reading shards in offline training (0 = in the trainer process).
     skip_bad_records: offline training skips (and counts) unreadable records instead of stopping.
     verify_shards: check every shard's sha256 before offline training (slow on large captures).
