@@ -1,13 +1,14 @@
 """Real τ against training compute, from the in-loop evaluations of one or more `dflash train` runs.
 
     .venv/bin/python benchmarks/tau_vs_compute.py runs/smollm2 [runs/smollm2-l1 ...] [--out docs/images] [--write]
+        [--name tau_vs_compute] [--title "Real τ against training compute"]
 
 For each run dir: the recipe from its newest checkpoint's meta (drafter layers, K, batch, anchors) and every
 `eval/tau*` record of metrics.jsonl (real greedy τ of the engine on held-out prompts, `train.eval_every`).
 Compute is counted in block tokens (step x batch x anchors x K, padded anchors included) and in wall time
 (the step's position in the run's timeline is not recorded, so block tokens are the x axis). Writes
-tau_vs_compute.png (pooled τ and τ per prompt set, one line per run) and prints a markdown table;
-`--write` records it in docs/benchmarks.md.
+NAME.png (pooled τ and τ per prompt set, one line per run) and prints a markdown table; `--write` records it
+in docs/benchmarks.md as section NAME (another --name keeps an earlier study's plot and table beside it).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=Path("docs/images"))
     parser.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    parser.add_argument("--name", default="tau_vs_compute", help="the plot's file stem and the section's name")
+    parser.add_argument("--title", default="Real τ against training compute", help="the section's heading")
     args = parser.parse_args()
 
     import matplotlib
@@ -71,7 +74,7 @@ def main() -> None:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / "tau_vs_compute.png"
+    png = args.out / f"{args.name}.png"
     fig.savefig(png, dpi=110)
     lines = ["| run | step | block tokens (M) | τ pooled | " + " | ".join(f"τ {s}" for s in sets) + " |",
              "|---|---|---|---|" + "---|" * len(sets)]
@@ -79,13 +82,16 @@ def main() -> None:
         for step, taus in run["points"]:
             lines.append(f"| {run['label']} | {step} | {step * run['per_step'] / 1e6:.2f} | {taus['all']:.2f} | "
                          + " | ".join(f"{taus[s]:.2f}" if s in taus else "-" for s in sets) + " |")
-    body = "\n".join(["## Real τ against training compute", "",
-                      f"`.venv/bin/python benchmarks/tau_vs_compute.py {' '.join(str(r) for r in args.runs)}`: "
+    named = [f"--name {args.name}"] if args.name != parser.get_default("name") else []
+    named += [f"--title '{args.title}'"] if args.title != parser.get_default("title") else []
+    command = " ".join([*(str(r) for r in args.runs), *named])
+    body = "\n".join([f"## {args.title}", "",
+                      f"`.venv/bin/python benchmarks/tau_vs_compute.py {command}`: "
                       "in-loop real τ (greedy engine decode of held-out prompts, `train.eval_every`) against "
                       f"block tokens trained. Plot: `{png}`.", "", *lines])
     print(body)
     if args.write:
-        print(f"written to {write_section('tau_vs_compute', body)}")
+        print(f"written to {write_section(args.name, body)}")
 
 
 if __name__ == "__main__":
