@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/drafter_tau.py --config smollm2 \
         --drafter shipped=data/assets/drafters/smollm2-dflash --drafter mix2=runs/mix2 \
-        [--sets gsm8k,mtbench,humaneval,math500,mbpp] [--skip 8] [--per-set 6] [--tokens 128] [--write]
+        [--sets gsm8k,mtbench,humaneval,math500,mbpp] [--skip 8] [--per-set 6] [--tokens 128] [--write] [--json F]
 
 A drafter is NAME=PATH[@STEP]: an exported directory, or a run dir (latest checkpoint, a step, or `best`).
 Every drafter decodes the same prompts (items `--skip` .. `--skip + --per-set - 1` of each set, first turn,
@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--per-set", type=int, default=6, help="prompts per set")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON (benchmarks/tau_vs_compute.py "
+                        "--held-out plots those of run-dir steps)")
     args = parser.parse_args()
     if args.skip < 0 or args.per_set < 1 or args.tokens < 1:
         parser.error("--skip must be >= 0, --per-set and --tokens >= 1")
@@ -65,6 +67,10 @@ def main() -> None:
         rows.append({"name": name, "path": path, "step": step, "block_size": drafter.arch.block_size, **found})
         print(json.dumps(rows[-1]), flush=True)
 
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"sets": sets, "skip": args.skip, "per_set": args.per_set,
+                                         "tokens": args.tokens, "rows": rows}, indent=1) + "\n")
     lines = ["| drafter | K | real τ | " + " | ".join(f"τ {s}" for s in sets) + " | acceptance by position |",
              "|---|---|---|" + "---|" * len(sets) + "---|"]
     for r in rows:

@@ -1,7 +1,7 @@
 """Real τ against training compute, from the in-loop evaluations of one or more `dflash train` runs.
 
     .venv/bin/python benchmarks/tau_vs_compute.py runs/smollm2 [runs/smollm2-l1 ...] [--out docs/images] [--write]
-        [--name tau_vs_compute] [--title "Real τ against training compute"]
+        [--held-out drafter_tau.json] [--name tau_vs_compute] [--title "Real τ against training compute"]
 
 For each run dir: the recipe from its newest checkpoint's meta (drafter layers, K, batch, anchors) and every
 `eval/tau*` record of metrics.jsonl (real greedy τ of the engine on held-out prompts, `train.eval_every`).
@@ -9,12 +9,15 @@ Compute is counted in block tokens (step x batch x anchors x K, padded anchors i
 (the step's position in the run's timeline is not recorded, so block tokens are the x axis). Writes
 NAME.png (pooled τ and τ per prompt set, one line per run) and prints a markdown table; `--write` records it
 in docs/benchmarks.md as section NAME (another --name keeps an earlier study's plot and table beside it).
+The in-loop τ is a few prompts (`train.eval_prompts` per set, ±0.05 between neighbouring evaluations);
+`--held-out` adds the same run's checkpoints measured on more prompts by `benchmarks/drafter_tau.py --json`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,7 +42,24 @@ def read_run(run_dir: Path) -> dict[str, Any]:
             points.append((record["step"], {"all": found["tau"], **found["tau_per_set"]}))
     label = f"{run_dir.name}: {drafter['num_layers']} layers, K={drafter['block_size']}, {train['loss']}" \
         if "loss" in train else f"{run_dir.name}: {drafter['num_layers']} layers, K={drafter['block_size']}"
-    return {"label": label, "per_step": per_step, "points": points}
+    return {"label": label, "dir": run_dir, "per_step": per_step, "points": points, "held_out": []}
+
+
+def read_held_out(path: Path, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Attach the rows of a `benchmarks/drafter_tau.py --json` file that name a step of one of `runs` to it."""
+    found = json.loads(path.read_text())
+    for row in found["rows"]:
+        if row["step"] is None or not row["step"].isdigit():
+            continue
+        for run in runs:
+            if Path(row["path"]).resolve() == run["dir"].resolve():
+                run["held_out"].append((int(row["step"]), {"all": row["tau"], **{
+                    s: row[f"tau/{s}"] for s in found["sets"]}}, row["accept_per_position"]))
+    if not any(run["held_out"] for run in runs):
+        raise SystemExit(f"{path} has no drafter of the form NAME=RUN_DIR@STEP for the runs given")
+    for run in runs:
+        run["held_out"].sort(key=lambda point: point[0])
+    return found
 
 
 def main() -> None:
@@ -49,6 +69,8 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
     parser.add_argument("--name", default="tau_vs_compute", help="the plot's file stem and the section's name")
     parser.add_argument("--title", default="Real τ against training compute", help="the section's heading")
+    parser.add_argument("--held-out", type=Path, help="a `benchmarks/drafter_tau.py --json` file whose drafters "
+                        "are steps of these runs (NAME=RUN_DIR@STEP): plotted dashed beside the in-loop τ")
     args = parser.parse_args()
 
     import matplotlib
@@ -59,14 +81,21 @@ def main() -> None:
     from benchmarks._report import write_section
 
     runs = [read_run(r) for r in args.runs]
-    sets = sorted({s for run in runs for _, taus in run["points"] for s in taus if s != "all"})
+    held = read_held_out(args.held_out, runs) if args.held_out else None
+    sets = sorted({s for run in runs for _, taus in run["points"] for s in taus if s != "all"}
+                  | set(held["sets"] if held else []))
     fig, axes = plt.subplots(1, 1 + len(sets), figsize=(4.2 * (1 + len(sets)), 3.6), sharey=True)
     axes = axes if hasattr(axes, "__len__") else [axes]
     for ax, name in zip(axes, ["all", *sets], strict=True):
         for run in runs:
             xs = [step * run["per_step"] / 1e6 for step, taus in run["points"] if name in taus]
             ys = [taus[name] for _, taus in run["points"] if name in taus]
-            ax.plot(xs, ys, marker="o", label=run["label"])
+            line, = ax.plot(xs, ys, marker="o", label=f"{run['label']}: in-loop")
+            held_points = [(step, taus[name]) for step, taus, _ in run["held_out"] if name in taus]
+            if held_points:
+                ax.plot([step * run["per_step"] / 1e6 for step, _ in held_points],
+                        [tau for _, tau in held_points], marker="s", linestyle="--",
+                        color=line.get_color(), label=f"{run['label']}: held-out, {held['per_set']} per set")
         ax.set_title("pooled" if name == "all" else name)
         ax.set_xlabel("training block tokens (millions)")
         ax.grid(alpha=0.3)
@@ -76,22 +105,33 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / f"{args.name}.png"
     fig.savefig(png, dpi=110)
-    lines = ["| run | step | block tokens (M) | τ pooled | " + " | ".join(f"τ {s}" for s in sets) + " |",
-             "|---|---|---|---|" + "---|" * len(sets)]
-    for run in runs:
-        for step, taus in run["points"]:
-            lines.append(f"| {run['label']} | {step} | {step * run['per_step'] / 1e6:.2f} | {taus['all']:.2f} | "
-                         + " | ".join(f"{taus[s]:.2f}" if s in taus else "-" for s in sets) + " |")
-    named = [f"--name {args.name}"] if args.name != parser.get_default("name") else []
-    named += [f"--title '{args.title}'"] if args.title != parser.get_default("title") else []
-    command = " ".join([*(str(r) for r in args.runs), *named])
-    body = "\n".join([f"## {args.title}", "",
-                      f"`.venv/bin/python benchmarks/tau_vs_compute.py {command}`: "
-                      "in-loop real τ (greedy engine decode of held-out prompts, `train.eval_every`) against "
-                      f"block tokens trained. Plot: `{png}`.", "", *lines])
-    print(body)
+
+    def table(points_of: str, extra: str = "") -> list[str]:
+        rows = ["| run | step | block tokens (M) | τ pooled | " + " | ".join(f"τ {s}" for s in sets) + " |"
+                + (f" {extra} |" if extra else ""),
+                "|---|---|---|---|" + "---|" * (len(sets) + bool(extra))]
+        for run in runs:
+            for step, taus, *rest in run[points_of]:
+                rows.append(f"| {run['label']} | {step} | {step * run['per_step'] / 1e6:.2f} | {taus['all']:.2f} | "
+                            + " | ".join(f"{taus[s]:.2f}" if s in taus else "-" for s in sets) + " |"
+                            + (" " + " ".join(f"{a:.2f}" for a in rest[0]) + " |" if extra else ""))
+        return rows
+
+    options = ["--held-out", str(args.held_out)] if args.held_out else []
+    options += ["--name", args.name] if args.name != parser.get_default("name") else []
+    options += ["--title", args.title] if args.title != parser.get_default("title") else []
+    command = shlex.join([".venv/bin/python", "benchmarks/tau_vs_compute.py", *(str(r) for r in args.runs), *options])
+    body = [f"## {args.title}", "", f"`{command}`: in-loop real τ (greedy engine decode of held-out prompts, "
+            f"`train.eval_every`) against block tokens trained. Plot: `{png}`.", "", *table("points")]
+    if held:
+        body += ["", f"Held-out (dashed in the plot): the same steps' checkpoints through `benchmarks/drafter_tau.py`, "
+                 f"items {held['skip']}-{held['skip'] + held['per_set'] - 1} of each set (first turn), greedy, "
+                 f"{held['tokens']} new tokens, one batch through the serving engine.", "",
+                 *table("held_out", "acceptance by position")]
+    text = "\n".join(body)
+    print(text)
     if args.write:
-        print(f"written to {write_section(args.name, body)}")
+        print(f"written to {write_section(args.name, text)}")
 
 
 if __name__ == "__main__":
