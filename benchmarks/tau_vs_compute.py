@@ -106,15 +106,16 @@ def main() -> None:
     png = args.out / f"{args.name}.png"
     fig.savefig(png, dpi=110)
 
-    def table(points_of: str, extra: str = "") -> list[str]:
+    def table(points_of: str, accept: bool = False) -> list[str]:
+        """Markdown rows of each run's `points` or `held_out`; `accept` adds held-out acceptance by position."""
         rows = ["| run | step | block tokens (M) | τ pooled | " + " | ".join(f"τ {s}" for s in sets) + " |"
-                + (f" {extra} |" if extra else ""),
-                "|---|---|---|---|" + "---|" * (len(sets) + bool(extra))]
+                + (" acceptance by position |" if accept else ""),
+                "|---|---|---|---|" + "---|" * (len(sets) + accept)]
         for run in runs:
-            for step, taus, *rest in run[points_of]:
+            for step, taus, *by_position in run[points_of]:
                 rows.append(f"| {run['label']} | {step} | {step * run['per_step'] / 1e6:.2f} | {taus['all']:.2f} | "
                             + " | ".join(f"{taus[s]:.2f}" if s in taus else "-" for s in sets) + " |"
-                            + (" " + " ".join(f"{a:.2f}" for a in rest[0]) + " |" if extra else ""))
+                            + (" " + " ".join(f"{a:.2f}" for a in by_position[0]) + " |" if accept else ""))
         return rows
 
     options = ["--held-out", str(args.held_out)] if args.held_out else []
@@ -127,7 +128,7 @@ def main() -> None:
         body += ["", f"Held-out (dashed in the plot): the same steps' checkpoints through `benchmarks/drafter_tau.py`, "
                  f"items {held['skip']}-{held['skip'] + held['per_set'] - 1} of each set (first turn), greedy, "
                  f"{held['tokens']} new tokens, one batch through the serving engine.", "",
-                 *table("held_out", "acceptance by position")]
+                 *table("held_out", accept=True)]
     text = "\n".join(body)
     print(text)
     if args.write:

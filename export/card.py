@@ -79,6 +79,10 @@ def _eval_section(results: dict[str, Any] | None, source: str | None) -> list[st
     return lines + [""]
 
 
+def _packed(pack: Any) -> str:
+    return f" packed end to end into rows of {pack}" if pack else ""
+
+
 def _examples(max_examples: object) -> str:
     return "every example" if not max_examples else f"up to {max_examples} examples"
 
@@ -99,7 +103,8 @@ def _training_section(meta: dict[str, Any] | None, step: int | None, best: bool)
               f"{train.get('weight_decay')}, loss {train.get('loss', 'decay')} (γ {train.get('gamma')}, 0 = by K), "
               f"compute {train.get('compute_dtype')}, seed {train.get('seed')}.",
               f"- Data: `{data.get('source')}` (prompts `{data.get('prompts')}`), sequences of {data.get('seq_len')} "
-              f"tokens, {_examples(data.get('max_examples'))}, target features computed {data.get('features')}.",
+              f"tokens{_packed(data.get('pack'))}, {_examples(data.get('max_examples'))}, target features computed "
+              f"{data.get('features')}.",
               ""]
     return lines
 
