@@ -45,11 +45,11 @@ def main() -> None:
         parser.error("--rows, --rounds and --bucket must be >= 1, and --rows >= --rounds")
 
     from benchmarks._report import machine, write_section
-    from configs.recipe import load_recipe
-    from data.capture import _length_batches, capture
-    from data.examples import build_examples
-    from data.shards import Provenance, iter_shard, load_manifest
-    from models.target import load_target
+    from dflash.configs.recipe import load_recipe
+    from dflash.data.capture import _length_batches, capture
+    from dflash.data.examples import build_examples
+    from dflash.data.shards import Provenance, iter_shard, load_manifest
+    from dflash.models.target import load_target
 
     recipe = load_recipe(args.config)
     target = load_target(recipe.target)

@@ -38,11 +38,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks._report import machine, write_section
-    from configs.recipe import load_recipe
-    from data.packaged import load_gsm8k, load_mtbench
-    from models.drafter_io import load_drafter
-    from models.target import load_target
-    from serve.engine import decode
+    from dflash.configs.recipe import load_recipe
+    from dflash.data.packaged import load_gsm8k, load_mtbench
+    from dflash.models.drafter_io import load_drafter
+    from dflash.models.target import load_target
+    from dflash.serve.engine import decode
 
     t_start = time.perf_counter()
     recipe = load_recipe(args.config)

@@ -67,9 +67,9 @@ def record_bytes_per_token(features: int, hidden: int) -> int:
 def regen_rates(target: Any, slots: list[int], n_prompts: int, new_tokens: int, max_len: int,
                 tmp: Path) -> list[dict[str, Any]]:
     """Per slot count: warm-up (compile) seconds, then the timed regeneration's stats and replies."""
-    from data.config import RegenConfig
-    from data.regenerate import make_regen_engine, regenerate
-    from data.sources import MixSpec, SourceSpec, mix
+    from dflash.data.config import RegenConfig
+    from dflash.data.regenerate import make_regen_engine, regenerate
+    from dflash.data.sources import MixSpec, SourceSpec, mix
 
     items, _ = mix(MixSpec(sources=(SourceSpec(name="gsm8k"),), max_prompts=n_prompts, seed=0))
     rows = []
@@ -97,11 +97,11 @@ def capture_costs(target: Any, args: argparse.Namespace, tmp: Path) -> dict[str,
     import jax
     import numpy as np
 
-    from configs.recipe import load_recipe
-    from data.capture import capture
-    from data.examples import build_examples
-    from data.shards import Provenance, record_size
-    from models.drafter import online_features
+    from dflash.configs.recipe import load_recipe
+    from dflash.data.capture import capture
+    from dflash.data.examples import build_examples
+    from dflash.data.shards import Provenance, record_size
+    from dflash.models.drafter import online_features
 
     recipe = load_recipe("default", [f"data.seq_len={args.seq_len}"])
     arch = target.drafter_arch(recipe.drafter)
@@ -147,7 +147,7 @@ def capture_costs(target: Any, args: argparse.Namespace, tmp: Path) -> dict[str,
 
 def loader_rates(shard_dir: Path, args: argparse.Namespace) -> list[dict[str, float]]:
     """Per worker count: seconds to the first batch, and the timed batches after `--skip` untimed ones."""
-    from data.offline import make_offline_batches
+    from dflash.data.offline import make_offline_batches
 
     rows = []
     for w in args.workers:
@@ -252,8 +252,8 @@ def main() -> None:
         parser.error(f"--slots must be >= 1 and --workers >= 0; received {args.slots} and {args.workers}")
 
     from benchmarks._report import machine, write_section
-    from configs.recipe import load_recipe
-    from models.target import load_target
+    from dflash.configs.recipe import load_recipe
+    from dflash.models.target import load_target
 
     load_before = os.getloadavg()[0]
     t_start = time.perf_counter()
@@ -342,7 +342,7 @@ def main() -> None:
 
 
 def _qwen_layer_ids() -> tuple[int, ...]:
-    from models.config import default_layer_ids
+    from dflash.models.config import default_layer_ids
 
     return default_layer_ids(QWEN3_8B["layers"], QWEN3_8B["features"])
 

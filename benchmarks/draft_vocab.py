@@ -33,8 +33,8 @@ def propose_ms(target, drafter, k: int, repeats: int = 20) -> float:
     import jax
     import numpy as np
 
-    from serve.engine import Engine
-    from serve.speculative import propose
+    from dflash.serve.engine import Engine
+    from dflash.serve.speculative import propose
 
     engine = Engine(target.params, target.cfg, drafter, slots=1, max_len=MAX_LEN, block_size=k)
     engine.submit(list(np.random.default_rng(0).integers(0, 10000, 96)), 8)
@@ -62,11 +62,11 @@ def main() -> None:
 
 
     from benchmarks._report import machine, write_section
-    from models.config import TargetConfig
-    from models.drafter_io import load_drafter
-    from models.target import load_target
-    from serve.engine import decode
-    from train.real_eval import eval_prompts
+    from dflash.models.config import TargetConfig
+    from dflash.models.drafter_io import load_drafter
+    from dflash.models.target import load_target
+    from dflash.serve.engine import decode
+    from dflash.train.real_eval import eval_prompts
 
     started = time.time()
     target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=MAX_LEN))

@@ -1,7 +1,7 @@
 """Drafters side by side on the same held-out prompts: real greedy τ of the engine per set, per drafter.
 
     .venv/bin/python benchmarks/drafter_tau.py --config smollm2 \
-        --drafter shipped=data/assets/drafters/smollm2-dflash --drafter mix2=runs/mix2 \
+        --drafter shipped=dflash/data/assets/drafters/smollm2-dflash --drafter mix2=runs/mix2 \
         [--sets gsm8k,mtbench,humaneval,math500,mbpp] [--skip 8] [--per-set 6] [--tokens 128] [--write] [--json F]
 
 A drafter is NAME=PATH[@STEP]: an exported directory, or a run dir (latest checkpoint, a step, or `best`).
@@ -51,10 +51,10 @@ def main() -> None:
         parser.error("--skip must be >= 0, --per-set and --tokens >= 1")
 
     from benchmarks._report import machine, write_section
-    from configs.recipe import load_recipe
-    from models.drafter_io import load_drafter
-    from models.target import load_target
-    from train.real_eval import eval_prompts, real_tau
+    from dflash.configs.recipe import load_recipe
+    from dflash.models.drafter_io import load_drafter
+    from dflash.models.target import load_target
+    from dflash.train.real_eval import eval_prompts, real_tau
 
     recipe = load_recipe(args.config)
     target = load_target(recipe.target)

@@ -32,10 +32,10 @@ WORKLOAD = textwrap.dedent("""
     import json, statistics, sys, time
     sys.path.insert(0, sys.argv[1])
     from flax import nnx
-    from models.config import TargetConfig
-    from models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, resolve_drafter
-    from models.target import load_target
-    from serve.engine import Engine
+    from dflash.models.config import TargetConfig
+    from dflash.models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, resolve_drafter
+    from dflash.models.target import load_target
+    from dflash.serve.engine import Engine
     new_tokens = int(sys.argv[2])
     target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=1024))
     mask = default_mask_token_id(target.tokenizer, target.cfg)

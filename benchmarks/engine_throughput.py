@@ -69,9 +69,9 @@ def prefilled(target: Any, drafter: Any, tokens_BxT: Any, lengths_B: Any, room: 
     import jax.numpy as jnp
     import numpy as np
 
-    from serve.paged import PagePool, PageTable
-    from serve.sampling import SamplingRows
-    from serve.speculative import Admission, Models, empty_state, prefill, sync_page_table
+    from dflash.serve.paged import PagePool, PageTable
+    from dflash.serve.sampling import SamplingRows
+    from dflash.serve.speculative import Admission, Models, empty_state, prefill, sync_page_table
 
     b, page = tokens_BxT.shape[0], 16
     max_pages = -(-MAX_LEN // page)
@@ -104,7 +104,7 @@ def step_costs(target: Any, drafter: Any, batch: int, ks: list[int], propose_ks:
     import jax.numpy as jnp
     import numpy as np
 
-    from serve.speculative import propose, span_pages, verify
+    from dflash.serve.speculative import propose, span_pages, verify
 
     models, state = spec_state(target, drafter, batch)
     ar_models, ar_state = spec_state(target, None, batch)
@@ -129,8 +129,8 @@ def step_costs(target: Any, drafter: Any, batch: int, ks: list[int], propose_ks:
 def end_to_end(target: Any, drafter: Any, n_prompts: int, new_tokens: int) -> list[dict[str, float]]:
     """Per prompt: AR and DFlash decode seconds (prefill excluded), tokens, and DFlash steps/accepted, both
     through the engine at one slot (`serve.engine.decode`)."""
-    from data.packaged import load_gsm8k
-    from serve.engine import decode
+    from dflash.data.packaged import load_gsm8k
+    from dflash.serve.engine import decode
 
     rows = []
     for conv in load_gsm8k("test", limit=n_prompts):
@@ -154,8 +154,8 @@ def engine_sweep(target: Any, drafters: dict[int, Any], batches: list[int], n_pr
     configuration (compiles), then one timed run. Wall time includes the prefills."""
     import numpy as np
 
-    from data.packaged import load_gsm8k
-    from serve.engine import Engine
+    from dflash.data.packaged import load_gsm8k
+    from dflash.serve.engine import Engine
 
     convs = load_gsm8k("test", limit=max(n_prompts, max(batches)))
     prompts = [target.tokenizer.encode_chat(c[:1], add_generation_prompt=True) for c in convs]
@@ -216,10 +216,10 @@ def main() -> None:
     from flax import nnx
 
     from benchmarks._report import machine, write_section
-    from models.config import TargetConfig
-    from models.drafter import DFlashDrafter, DrafterConfig
-    from models.drafter_io import load_drafter
-    from models.target import load_target
+    from dflash.models.config import TargetConfig
+    from dflash.models.drafter import DFlashDrafter, DrafterConfig
+    from dflash.models.drafter_io import load_drafter
+    from dflash.models.target import load_target
 
     t_start = time.perf_counter()
     target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=MAX_LEN))

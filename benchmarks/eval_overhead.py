@@ -25,9 +25,9 @@ MAX_LEN = 1024
 
 def measure(target, drafter, prompts, messages, new_tokens: int) -> dict[str, float]:
     """Decode tokens/s in-process and over HTTP for one decoder (`drafter` None: AR)."""
-    from eval.client import Client
-    from eval.servers import serve_in_process
-    from serve.engine import decode
+    from dflash.eval.client import Client
+    from dflash.eval.servers import serve_in_process
+    from dflash.serve.engine import decode
 
     def local(prompt):
         [c] = decode(target.params, target.cfg, [prompt], new_tokens, max_len=MAX_LEN, drafter=drafter)
@@ -62,11 +62,11 @@ def main() -> None:
     from flax import nnx
 
     from benchmarks._report import machine, write_section
-    from data.packaged import load_gsm8k
-    from models.config import DrafterConfig, TargetConfig
-    from models.drafter import DFlashDrafter
-    from models.drafter_io import load_drafter
-    from models.target import load_target
+    from dflash.data.packaged import load_gsm8k
+    from dflash.models.config import DrafterConfig, TargetConfig
+    from dflash.models.drafter import DFlashDrafter
+    from dflash.models.drafter_io import load_drafter
+    from dflash.models.target import load_target
 
     t0 = time.perf_counter()
     target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=MAX_LEN))

@@ -32,9 +32,9 @@ def ours(threads: int) -> dict:
     """Prefill and decode tokens/s of our target through the engine at one slot (`serve.engine.decode`, AR)."""
     import numpy as np
 
-    from models.config import TargetConfig
-    from models.target import load_target
-    from serve.engine import decode
+    from dflash.models.config import TargetConfig
+    from dflash.models.target import load_target
+    from dflash.serve.engine import decode
 
     target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=1024))
     params, cfg = target.params, target.cfg
@@ -88,7 +88,7 @@ TORCH_SCRIPT = textwrap.dedent("""
 
 
 def reference(torch_python: str, threads: int) -> dict:
-    from models.registry import default_gguf_path
+    from dflash.models.registry import default_gguf_path
 
     cmd = [torch_python, "-c", TORCH_SCRIPT, str(default_gguf_path()), str(threads), json.dumps(PROMPT_LENS),
            str(DECODE_TOKENS), str(REPEATS)]

@@ -33,7 +33,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     meta = json.loads((run_dir / "checkpoints" / str(steps[0]) / "meta" / "metadata").read_text())
     train, drafter = meta["recipe"]["train"], meta["recipe"]["drafter"]
     per_step = train["batch_size"] * train["num_anchors"] * drafter["block_size"]
-    from train.real_eval import eval_from_record
+    from dflash.train.real_eval import eval_from_record
 
     points = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():

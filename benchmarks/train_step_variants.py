@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/train_step_variants.py [--layers 2] [--block-size 8] [--anchors 64]
         [--batch-size 4] [--seq-len 448] [--rounds 7] [--write]
 
-What is timed is the differentiated part of a train step with offline features (what configs/smollm2.yaml
+What is timed is the differentiated part of a train step with offline features (what dflash/configs/smollm2.yaml
 runs): block embeddings + drafter forward + frozen LM head + loss, and the gradient w.r.t. the drafter's
 fp32 master params, on the embedded SmolLM2 target's head (V = 49,152). Variants:
   dense fp32    the previous path: [B, N*K, V] fp32 logits materialised, then `dflash_loss`;
@@ -37,12 +37,12 @@ def build(args: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, ...]]:
     import numpy as np
     from flax import nnx
 
-    from configs.recipe import load_recipe
-    from models.drafter import BlockVisibility, DFlashDrafter, drafter_logits
-    from models.target import load_target
-    from train.loop import drafter_graphdef, make_objective
-    from train.objective import dflash_loss
-    from train.step import block_inputs, cast_floats, drafter_loss
+    from dflash.configs.recipe import load_recipe
+    from dflash.models.drafter import BlockVisibility, DFlashDrafter, drafter_logits
+    from dflash.models.target import load_target
+    from dflash.train.loop import drafter_graphdef, make_objective
+    from dflash.train.objective import dflash_loss
+    from dflash.train.step import block_inputs, cast_floats, drafter_loss
 
     recipe = load_recipe("smollm2", [f"drafter.num_layers={args.layers}", f"drafter.block_size={args.block_size}",
                                      f"train.num_anchors={args.anchors}"])

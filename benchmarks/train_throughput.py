@@ -81,11 +81,11 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
     import jax
     import jax.numpy as jnp
 
-    from configs.recipe import load_recipe
-    from models.decoder import head_matrix
-    from train.loop import create_state, drafter_graphdef, make_objective, make_train_optimizer
-    from train.objective import build_blocks_batch, head_loss, sample_anchors_batch
-    from train.step import make_train_step
+    from dflash.configs.recipe import load_recipe
+    from dflash.models.decoder import head_matrix
+    from dflash.train.loop import create_state, drafter_graphdef, make_objective, make_train_optimizer
+    from dflash.train.objective import build_blocks_batch, head_loss, sample_anchors_batch
+    from dflash.train.step import make_train_step
 
     recipe = load_recipe("default", [f"drafter.num_layers={args.layers}", f"drafter.block_size={k}",
                                      f"train.num_anchors={n}", f"train.batch_size={args.batch_size}",
@@ -228,12 +228,12 @@ def main() -> None:
     from tqdm import tqdm
 
     from benchmarks._report import machine, write_section
-    from configs.recipe import load_recipe
-    from data.examples import build_examples
-    from models.drafter import online_features
-    from models.target import load_target
-    from train.sharding import TARGET_RULES, MeshConfig, make_mesh, place, shard_batch
-    from train.step import cast_floats
+    from dflash.configs.recipe import load_recipe
+    from dflash.data.examples import build_examples
+    from dflash.models.drafter import online_features
+    from dflash.models.target import load_target
+    from dflash.train.sharding import TARGET_RULES, MeshConfig, make_mesh, place, shard_batch
+    from dflash.train.step import cast_floats
 
     recipe = load_recipe("default", [f"data.seq_len={args.seq_len}", f"drafter.num_layers={args.layers}"])
     target = load_target(recipe.target)

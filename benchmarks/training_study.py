@@ -37,7 +37,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 def last_eval(run_dir: Path, step: int) -> dict:
     """The real-τ evaluation at `step` (the run's last) from its metrics.jsonl: {tau, tau_per_set,
     accept_per_position} (equal compute: the last step, not the run's best)."""
-    from train.real_eval import eval_from_record
+    from dflash.train.real_eval import eval_from_record
 
     for line in reversed((run_dir / "metrics.jsonl").read_text().splitlines()):
         record = json.loads(line)
@@ -61,9 +61,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks._report import machine, write_section
-    from configs.recipe import load_recipe
-    from models.target import load_target
-    from train.loop import run_training
+    from dflash.configs.recipe import load_recipe
+    from dflash.models.target import load_target
+    from dflash.train.loop import run_training
 
     base = load_recipe(args.recipe)
     target = load_target(base.target)

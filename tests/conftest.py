@@ -25,8 +25,8 @@ def golden_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_target():
     """The embedded default target, loaded once per session (fp32)."""
-    from models.config import TargetConfig
-    from models.target import load_target
+    from dflash.models.config import TargetConfig
+    from dflash.models.target import load_target
 
     return load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=512))
 

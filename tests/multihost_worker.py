@@ -40,17 +40,17 @@ def _init() -> None:
 
 
 def _mesh():
-    from train.config import MeshConfig
-    from train.sharding import make_mesh
+    from dflash.train.config import MeshConfig
+    from dflash.train.sharding import make_mesh
 
     return make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))  # every device of every process on fsdp
 
 
 def _arch_and_optimizer():
-    from configs.recipe import load_recipe
-    from models.drafter import resolve_drafter
-    from models.registry import known_target
-    from train.loop import make_train_optimizer
+    from dflash.configs.recipe import load_recipe
+    from dflash.models.drafter import resolve_drafter
+    from dflash.models.registry import known_target
+    from dflash.train.loop import make_train_optimizer
 
     recipe = load_recipe("tiny")
     known = known_target(recipe.target.source)
@@ -60,7 +60,7 @@ def _arch_and_optimizer():
 def _expected_state(mesh):
     """The tiny drafter's fresh state (seed 5), created sharded on `mesh`, then params * 1.5 + 0.25 and step 3:
     the same values whatever the mesh (jax's partitionable threefry)."""
-    from train.loop import create_state
+    from dflash.train.loop import create_state
 
     arch, optimizer = _arch_and_optimizer()
     state, shardings = create_state(5, arch, optimizer, mesh)
@@ -70,7 +70,7 @@ def _expected_state(mesh):
 
 
 def write(directory: Path) -> None:
-    from train.checkpoint import Checkpointer
+    from dflash.train.checkpoint import Checkpointer
 
     state, _, _, _ = _expected_state(_mesh())
     ckpt = Checkpointer(directory, META, keep=2)
@@ -79,8 +79,8 @@ def write(directory: Path) -> None:
 
 
 def read(directory: Path) -> None:
-    from train.checkpoint import Checkpointer
-    from train.loop import state_layout
+    from dflash.train.checkpoint import Checkpointer
+    from dflash.train.loop import state_layout
 
     mesh = _mesh()
     want, _, arch, optimizer = _expected_state(mesh)
@@ -111,8 +111,8 @@ def read(directory: Path) -> None:
 def data() -> None:
     from jax.experimental import multihost_utils
 
-    from data.online import make_batches
-    from train.sharding import shard_batch
+    from dflash.data.online import make_batches
+    from dflash.train.sharding import shard_batch
 
     examples = [(np.full(6, i, np.int32), np.ones(6, np.float32)) for i in range(12)]
     hosts, me = jax.process_count(), jax.process_index()

@@ -6,6 +6,7 @@ down the order below, and the module graph has no cycle.
 
 A module may import a module of a lower layer, or one of its own package in the same layer. Section configs
 may import each other (a section may embed another's dataclass), but nothing heavier than configs.schema.
+Modules are named here without the installed namespace (`train.loop` is `dflash.train.loop`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def layer(module: str) -> int:
 def project_modules() -> dict[str, Path]:
     modules = {}
     for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+        base = ROOT if package == "benchmarks" else ROOT / "dflash"
+        for path in (base / package).rglob("*.py"):
+            parts = path.relative_to(base).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             modules[name] = path
     return modules
@@ -52,6 +54,7 @@ def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         for name in names:
+            name = name.removeprefix("dflash.")
             while name and name not in modules:
                 name = name.rpartition(".")[0]
             if name and name.split(".")[0] in PACKAGES and name not in ("configs", *ORDER):
@@ -98,16 +101,16 @@ def test_the_module_graph_has_no_cycle():
 def test_the_checker_sees_a_violation(tmp_path):
     """The walk finds lazy imports inside functions and names the edge."""
     path = tmp_path / "m.py"
-    path.write_text("def f():\n    from train.loop import run_training\n    from serve import engine\n")
+    path.write_text("def f():\n    from dflash.train.loop import run_training\n    from dflash.serve import engine\n")
     modules = project_modules()
     assert imports_of(path, modules) == {"train.loop", "serve.engine"}
     assert layer("train.loop") > layer("serve.engine") > layer("models.drafter") > layer("configs.recipe")
 
 
 def test_loading_a_recipe_imports_neither_engine_nor_trainer_nor_jax():
-    code = ("import sys; from configs.recipe import load_recipe; load_recipe('tiny'); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+    code = ("import sys; from dflash.configs.recipe import load_recipe; load_recipe('tiny'); "
+            "print(sorted(m for m in sys.modules if m.removeprefix('dflash.').split('.')[0] in "
             "('serve', 'train', 'data', 'models', 'jax', 'flax') and not m.endswith('.config') "
-            "and m not in ('serve', 'train', 'data', 'models')))")
+            "and m.removeprefix('dflash.') not in ('serve', 'train', 'data', 'models')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

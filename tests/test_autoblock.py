@@ -1,4 +1,4 @@
-"""`--block-size auto` (serve/autoblock.py): expected tokens from acceptance, the pick, and measured costs."""
+"""`--block-size auto` (dflash/serve/autoblock.py): expected tokens from acceptance, the pick, and measured costs."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import argparse
 import pytest
 from flax import nnx
 
-from launch.cli import _block_size
-from models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
-from models.loading import load_hf_dir
-from serve.autoblock import candidate_ks, expected_tokens, pick_block_size, step_costs
+from dflash.launch.cli import _block_size
+from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
+from dflash.models.loading import load_hf_dir
+from dflash.serve.autoblock import candidate_ks, expected_tokens, pick_block_size, step_costs
 
 
 def test_candidates_and_expected_tokens():

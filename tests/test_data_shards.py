@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-import data.capture as capture_module
-from data.capture import capture, examples_hash
-from data.offline import PackedRows, make_offline_batches
-from data.online import make_batches
-from data.shards import (
+import dflash.data.capture as capture_module
+from dflash.data.capture import capture, examples_hash
+from dflash.data.offline import PackedRows, make_offline_batches
+from dflash.data.online import make_batches
+from dflash.data.shards import (
     BF16,
     HEADER_SIZE,
     MANIFEST_NAME,
@@ -39,9 +39,9 @@ from data.shards import (
     load_manifest,
     record_size,
 )
-from models.decoder import forward
-from models.drafter import online_features
-from models.loading import load_hf_dir, weights_fingerprint
+from dflash.models.decoder import forward
+from dflash.models.drafter import online_features
+from dflash.models.loading import load_hf_dir, weights_fingerprint
 
 LAYER_IDS = (1, 3)
 SEQ_LEN = 32

@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from configs.schema import ConfigError
-from data import packaged
-from data.packaged import CleanStats, clean_conversation, load_sharegpt, read_json_array_prefix
-from data.sources import PRESETS, MixSpec, SourceSpec, allocate, dedup_key, load_source, mix, parse_mix
+from dflash.configs.schema import ConfigError
+from dflash.data import packaged
+from dflash.data.packaged import CleanStats, clean_conversation, load_sharegpt, read_json_array_prefix
+from dflash.data.sources import PRESETS, MixSpec, SourceSpec, allocate, dedup_key, load_source, mix, parse_mix
 
 ROLES = {"system", "user", "assistant"}
 
@@ -401,8 +401,8 @@ def test_packaged_regenerated_set_matches_its_recorded_hashes(name) -> None:
     import json
     import lzma
 
-    from data.config import DataConfig
-    from data.examples import training_conversations
+    from dflash.data.config import DataConfig
+    from dflash.data.examples import training_conversations
 
     path = packaged.packaged_regenerated_path(name)
     meta = json.loads(path.with_name(path.name.removesuffix(".jsonl.xz") + ".meta.json").read_text())
@@ -440,8 +440,8 @@ def test_reference_conversations_extend_the_regenerated_set_without_repeating_it
     max_turns, none of whose first user turn is among the regenerated conversations; the same each time."""
     import dataclasses
 
-    from configs.recipe import load_recipe
-    from data.examples import reference_conversations, training_conversations
+    from dflash.configs.recipe import load_recipe
+    from dflash.data.examples import reference_conversations, training_conversations
 
     cfg = load_recipe("smollm2", ["data.reference=40"]).data
     regenerated = training_conversations(cfg)

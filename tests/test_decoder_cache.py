@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import GOLDEN
 
-from models import decoder
-from models.loading import load_hf_dir
+from dflash.models import decoder
+from dflash.models.loading import load_hf_dir
 
 TOL = 1e-4
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from conftest import GOLDEN, TINY_CASES
 
-from models import decoder
-from models.config import default_layer_ids
-from models.loading import load_hf_dir
+from dflash.models import decoder
+from dflash.models.config import default_layer_ids
+from dflash.models.loading import load_hf_dir
 
 TOL = 1e-4
 

@@ -11,10 +11,10 @@ import pytest
 from conftest import GOLDEN
 from flax import nnx
 
-from configs.schema import ConfigError
-from models import decoder
-from models.config import DecoderConfig
-from models.drafter import (
+from dflash.configs.schema import ConfigError
+from dflash.models import decoder
+from dflash.models.config import DecoderConfig
+from dflash.models.drafter import (
     BlockVisibility,
     DFlashDrafter,
     DrafterConfig,
@@ -30,7 +30,7 @@ from models.drafter import (
     target_init_layers,
     to_hf_tensors,
 )
-from models.loading import load_hf_dir
+from dflash.models.loading import load_hf_dir
 
 TOL = 1e-5
 ROPE_SHIFT_TOL = 1e-4  # relative-position invariance at shifted absolute positions (fp32 sin/cos error)

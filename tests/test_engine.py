@@ -7,10 +7,10 @@ import pytest
 from conftest import GOLDEN
 from flax import nnx
 
-from models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
-from models.loading import load_hf_dir
-from serve.engine import Engine, decode
-from serve.sampling import SamplingConfig
+from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
+from dflash.models.loading import load_hf_dir
+from dflash.serve.engine import Engine, decode
+from dflash.serve.sampling import SamplingConfig
 
 MAX_LEN = 128
 
@@ -135,7 +135,7 @@ def test_stop_strings_end_the_request_at_the_completing_token(setup, block_size)
 def test_compiled_shapes_are_logged_and_bounded(setup, caplog):
     target_cfg, target_params, drafter, requests = setup
     engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=4)
-    with caplog.at_level("INFO", logger="serve.engine"):
+    with caplog.at_level("INFO", logger="dflash.serve.engine"):
         for prompt, budget in requests:
             engine.submit(prompt, budget)
         engine.run()

@@ -7,11 +7,11 @@ import pytest
 from conftest import GOLDEN
 from flax import nnx
 
-from models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
-from models.loading import load_hf_dir
-from serve import speculative
-from serve.engine import Engine, decode
-from serve.sampling import SamplingConfig
+from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
+from dflash.models.loading import load_hf_dir
+from dflash.serve import speculative
+from dflash.serve.engine import Engine, decode
+from dflash.serve.sampling import SamplingConfig
 
 MAX_LEN = 32
 K = 4

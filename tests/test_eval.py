@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from configs.recipe import load_recipe
-from eval.report import final_answer, summarize
-from eval.run import EvalSettings, RecordStore, evaluate
-from eval.servers import serve_in_process
-from models.drafter import DFlashDrafter
-from models.target import load_target
-from models.zlab import save_zlab
-from serve.engine import decode
+from dflash.configs.recipe import load_recipe
+from dflash.eval.report import final_answer, summarize
+from dflash.eval.run import EvalSettings, RecordStore, evaluate
+from dflash.eval.servers import serve_in_process
+from dflash.models.drafter import DFlashDrafter
+from dflash.models.target import load_target
+from dflash.models.zlab import save_zlab
+from dflash.serve.engine import decode
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW = 8
@@ -52,7 +52,8 @@ def served(tiny, tmp_path_factory):
 def test_cli_over_server_subprocesses_writes_the_report(tiny, tmp_path):
     _, _, _, directory = tiny
     out = tmp_path / "eval"
-    done = subprocess.run([sys.executable, "-m", "launch.cli", "eval", "--config", "tiny", "--drafter", str(directory),
+    done = subprocess.run([sys.executable, "-m", "dflash.launch.cli", "eval", "--config", "tiny",
+                           "--drafter", str(directory),
                            "--sets", "gsm8k,mtbench", "--limit", "1", "--max-new-tokens", "6", "--out", str(out),
                            "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -74,7 +75,7 @@ def test_served_tau_equals_the_in_process_engine(tiny, served):
     results, _, out, _ = served
     records = [r for r in RecordStore(out / "records.jsonl").records.values() if r["kind"] == "reply"]
     dflash = {(r["id"], r["turn"]): r for r in records if r["mode"] == "dflash"}
-    from data.eval_sets import load_eval_set
+    from dflash.data.eval_sets import load_eval_set
 
     items = {i.id: i for name in ("gsm8k", "mtbench") for i in load_eval_set(name, 1)}
     assert len(dflash) == sum(len(i.turns) for i in items.values()) == 3
@@ -179,8 +180,8 @@ def test_run_eval_starts_one_server_at_a_time(tiny, served, monkeypatch, tmp_pat
     those of the servers side by side."""
     import contextlib
 
-    from eval import servers
-    from eval.run import run_eval
+    from dflash.eval import servers
+    from dflash.eval.run import run_eval
 
     recipe, target, drafter, directory = tiny
     live, most, started = [0], [0], []

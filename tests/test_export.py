@@ -22,17 +22,17 @@ import pytest
 from conftest import GOLDEN
 from flax import nnx
 
-from configs.recipe import load_recipe
-from configs.schema import to_dict
-from export.cli import main as export_main
-from export.run import export_run
-from models.config import DecoderConfig, DrafterConfig, RopeScaling
-from models.drafter import DFlashDrafter, hf_tensor_names, resolve_drafter
-from models.drafter_io import CheckpointError, load_drafter
-from models.loading import WeightsError, load_hf_dir
-from models.speculators import speculators_config
-from models.zlab import zlab_config
-from serve.engine import decode
+from dflash.configs.recipe import load_recipe
+from dflash.configs.schema import to_dict
+from dflash.export.cli import main as export_main
+from dflash.export.run import export_run
+from dflash.models.config import DecoderConfig, DrafterConfig, RopeScaling
+from dflash.models.drafter import DFlashDrafter, hf_tensor_names, resolve_drafter
+from dflash.models.drafter_io import CheckpointError, load_drafter
+from dflash.models.loading import WeightsError, load_hf_dir
+from dflash.models.speculators import speculators_config
+from dflash.models.zlab import zlab_config
+from dflash.serve.engine import decode
 
 TARGET_DIR = GOLDEN / "tiny" / "llama3_scaled_untied"
 STEP = 3
@@ -43,9 +43,9 @@ def _params(drafter: DFlashDrafter) -> dict:
 
 
 def _make_run(run_dir: Path, drafter: DFlashDrafter, results: bool = True) -> Path:
-    from train.checkpoint import Checkpointer
-    from train.loop import arch_dict
-    from train.step import init_state, make_optimizer
+    from dflash.train.checkpoint import Checkpointer
+    from dflash.train.loop import arch_dict
+    from dflash.train.step import init_state, make_optimizer
 
     recipe = load_recipe("tiny", [f"target.source={TARGET_DIR}", f"train.run_dir={run_dir}"])
     state = init_state(nnx.state(drafter, nnx.Param), make_optimizer(1e-3, 10), jax.random.PRNGKey(0))
@@ -231,12 +231,12 @@ def test_model_card_names_target_training_eval_and_serving_lines(setup, tmp_path
 
 def test_an_interrupted_export_leaves_nothing_that_looks_complete(setup, tmp_path, monkeypatch):
     _, _, _, run_dir = setup
-    import export.run
+    import dflash.export.run as export_run_module
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt("killed while writing")
 
-    monkeypatch.setattr(export.run, "render_card", boom)
+    monkeypatch.setattr(export_run_module, "render_card", boom)
     with pytest.raises(KeyboardInterrupt):
         export_run(run_dir, fmt="zlab", out=tmp_path / "out", say=lambda _: None)
     assert list(tmp_path.iterdir()) == []  # neither out nor its temporary directory
@@ -371,7 +371,7 @@ def test_the_console_script_is_installed():
 def test_the_best_drafter_exports_with_its_step(setup, tmp_path):
     """--step best exports <run_dir>/best (written by training's real-τ evaluation) with best.json's step and
     the run's recipe in the card."""
-    from train.real_eval import save_best
+    from dflash.train.real_eval import save_best
 
     target_cfg, _, drafter, run_dir = setup
     copy = tmp_path / "run"

@@ -21,8 +21,8 @@ from urllib.parse import unquote
 import pytest
 from test_export import _drafter_that_drafts, _make_run
 
-from export.hub import HubError
-from export.run import export_run
+from dflash.export.hub import HubError
+from dflash.export.run import export_run
 
 GOOD_TOKEN = "hf_good_token_for_the_stand_in"
 
@@ -160,8 +160,8 @@ def run_dir(tmp_path_factory):
     from flax import nnx  # noqa: F401
     from test_export import REPEATED, TARGET_DIR
 
-    from models.drafter import DrafterConfig, resolve_drafter
-    from models.loading import load_hf_dir
+    from dflash.models.drafter import DrafterConfig, resolve_drafter
+    from dflash.models.loading import load_hf_dir
 
     target_cfg, target_params = load_hf_dir(TARGET_DIR)
     arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(1, 2), block_size=4,

@@ -20,11 +20,11 @@ from conftest import GOLDEN
 from flax import nnx
 from safetensors.numpy import load_file
 
-from models.drafter import BlockVisibility, DFlashDrafter, hf_tensor_names
-from models.drafter_io import load_drafter
-from models.loading import load_hf_dir
-from models.speculators import speculators_config
-from models.zlab import hf_tensors, zlab_config
+from dflash.models.drafter import BlockVisibility, DFlashDrafter, hf_tensor_names
+from dflash.models.drafter_io import load_drafter
+from dflash.models.loading import load_hf_dir
+from dflash.models.speculators import speculators_config
+from dflash.models.zlab import hf_tensors, zlab_config
 
 FIXTURE = GOLDEN / "export"
 TOL = 1e-4

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import ConfigError
-from launch.cli import build_parser, main
-from launch.tpus import parse_tpu_type
-from launch.xpk import XpkLaunch, mount_path
+from dflash.configs.schema import ConfigError
+from dflash.launch.cli import build_parser, main
+from dflash.launch.tpus import parse_tpu_type
+from dflash.launch.xpk import XpkLaunch, mount_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "gs://team-bucket/runs/qwen3-8b-a"
@@ -119,7 +119,7 @@ def test_tpu_types(name, chips, hosts, topology):
 def test_dflash_distributed_auto_calls_jax_distributed_initialize_without_arguments(monkeypatch, capsys):
     import jax
 
-    from launch import cli
+    from dflash.launch import cli
 
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import GOLDEN
 
-from models import decoder
-from models.loading import (
+from dflash.models import decoder
+from dflash.models.loading import (
     WeightsError,
     load_gguf,
     load_hf_dir,
@@ -20,7 +20,7 @@ from models.loading import (
     permute_llama_rows,
     unpermute_llama_rows,
 )
-from models.registry import resolve_source
+from dflash.models.registry import resolve_source
 
 TOL = 1e-4
 

@@ -10,13 +10,13 @@ import pytest
 from conftest import GOLDEN
 from flax import nnx
 
-from models.decoder import embed
-from models.drafter import DFlashDrafter, DrafterConfig, drafter_logits, online_features, resolve_drafter
-from models.loading import load_hf_dir
-from serve.engine import Engine, decode
-from serve.speculative import propose
-from train.objective import Objective, build_blocks_batch
-from train.step import drafter_loss, previous_ids, split_drafter
+from dflash.models.decoder import embed
+from dflash.models.drafter import DFlashDrafter, DrafterConfig, drafter_logits, online_features, resolve_drafter
+from dflash.models.loading import load_hf_dir
+from dflash.serve.engine import Engine, decode
+from dflash.serve.speculative import propose
+from dflash.train.objective import Objective, build_blocks_batch
+from dflash.train.step import drafter_loss, previous_ids, split_drafter
 
 K = 4
 MAX_LEN = 128
@@ -129,9 +129,9 @@ def test_markov_rank_is_validated():
 def test_the_markov_head_travels_beside_the_layout(setup, tmp_path, layout):
     """Exports keep `markov.*` out of the layout's own weights (loaders that glob `*.safetensors` see a plain
     drafter) in markov_head/model.safetensors; our loaders read it back and decode the same steps."""
-    from models.loading import _safetensors_files
-    from models.speculators import load_speculators, save_speculators
-    from models.zlab import MARKOV_DIR, load_zlab, read_tensors, save_zlab
+    from dflash.models.loading import _safetensors_files
+    from dflash.models.speculators import load_speculators, save_speculators
+    from dflash.models.zlab import MARKOV_DIR, load_zlab, read_tensors, save_zlab
 
     target_cfg, target_params, arch, prompts = setup
     drafter = _live(arch, 6)

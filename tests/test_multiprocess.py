@@ -14,9 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from launch.cli import main
-from train.checkpoint import Checkpointer
-from train.metrics import read_metrics
+from dflash.launch.cli import main
+from dflash.train.checkpoint import Checkpointer
+from dflash.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -33,7 +33,8 @@ def _start(run_dir: Path, devices: int, log: Path, **dist: str) -> subprocess.Po
     """`dflash train --config tiny` in the background on `devices` simulated CPU devices; output to `log`.out/.err."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu", **dist}
-    cmd = [sys.executable, "-m", "launch.cli", "train", "--config", "tiny", "--no-progress", f"train.run_dir={run_dir}",
+    cmd = [sys.executable, "-m", "dflash.launch.cli", "train", "--config", "tiny", "--no-progress",
+           f"train.run_dir={run_dir}",
            f"train.steps={STEPS}", "train.save_every=2", "train.log_every=1", "train.wandb=disabled",
            "train.batch_size=4"]  # 2 rows per host: the hosts' blocks must assemble in global order
     # Files, not pipes: a process blocked on a full pipe would stall its peer inside a collective.

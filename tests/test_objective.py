@@ -1,4 +1,4 @@
-"""The DFlash objective (train/objective.py): anchors, same-position labels, strict mask, decayed loss."""
+"""The DFlash objective (dflash/train/objective.py): anchors, same-position labels, strict mask, decayed loss."""
 
 import functools
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train.objective import (
+from dflash.train.objective import (
     Blocks,
     Objective,
     build_blocks,

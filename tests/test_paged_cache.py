@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from conftest import GOLDEN
 
-from models import decoder
-from models.loading import load_hf_dir
-from serve.paged import NULL_PAGE, OutOfPagesError, PagedKVCache, PagePool, PageTable
+from dflash.models import decoder
+from dflash.models.loading import load_hf_dir
+from dflash.serve.paged import NULL_PAGE, OutOfPagesError, PagedKVCache, PagePool, PageTable
 
 TOL = 1e-5
 

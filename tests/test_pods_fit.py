@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh
 
-from configs.recipe import load_recipe
-from launch.cli import main
-from launch.compile import (
+from dflash.configs.recipe import load_recipe
+from dflash.launch.cli import main
+from dflash.launch.compile import (
     CompileReport,
     ProgramMemory,
     _compile,
@@ -32,8 +32,8 @@ from launch.compile import (
     run_compile,
     train_step_flops,
 )
-from launch.tpus import parse_tpu_type
-from train.sharding import AXES, mesh_shape
+from dflash.launch.tpus import parse_tpu_type
+from dflash.train.sharding import AXES, mesh_shape
 
 POD_RECIPES = ("qwen3_8b", "qwen3_4b", "llama31_8b", "llama31_8b_widek")
 LARGE = 1 << 20  # elements
@@ -135,8 +135,8 @@ def test_an_out_of_memory_compile_is_reported_as_not_fitting():
 
 
 def test_known_targets_match_what_the_loaders_build(smollm2_target, golden_dir):
-    from models.loading import load_hf_dir
-    from models.registry import KNOWN_TARGETS, known_target, target_param_shapes
+    from dflash.models.loading import load_hf_dir
+    from dflash.models.registry import KNOWN_TARGETS, known_target, target_param_shapes
 
     known = known_target("smollm2")
     assert known.cfg == dataclasses.replace(smollm2_target.cfg, rms_norm_eps=known.cfg.rms_norm_eps)
@@ -160,7 +160,7 @@ def test_known_targets_match_what_the_loaders_build(smollm2_target, golden_dir):
 def test_a_hub_repo_id_that_cannot_be_fetched_is_named(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from models.registry import resolve_source
+    from dflash.models.registry import resolve_source
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # the cache only, never the network
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs.schema import ConfigError
-from serve.sampling import SamplingConfig, filtered_logprobs, sample
-from serve.speculative import bucket
+from dflash.configs.schema import ConfigError
+from dflash.serve.sampling import SamplingConfig, filtered_logprobs, sample
+from dflash.serve.speculative import bucket
 
 
 def test_greedy_is_argmax():
@@ -47,7 +47,7 @@ def test_prefill_buckets_are_powers_of_two_at_least_16():
 
 def test_rows_apply_each_sequences_own_rule():
     """One batch, four rules: each row's filtered distribution equals that rule applied alone."""
-    from serve.sampling import SamplingRows, row_logprobs
+    from dflash.serve.sampling import SamplingRows, row_logprobs
 
     logits = jax.random.normal(jax.random.PRNGKey(3), (4, 3, 50)) * 3.0
     rules = [SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.3, top_k=5),
@@ -64,7 +64,7 @@ def test_rows_apply_each_sequences_own_rule():
 
 
 def test_top_k_ties_and_top_k_past_the_vocabulary():
-    from serve.sampling import SamplingRows, row_logprobs
+    from dflash.serve.sampling import SamplingRows, row_logprobs
 
     logits = jnp.array([[1.0, 3.0, 3.0, 0.5], [1.0, 3.0, 2.0, 0.5]])
     rows = SamplingRows.of([SamplingConfig(temperature=1.0, top_k=1), SamplingConfig(temperature=1.0, top_k=10)])

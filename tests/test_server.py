@@ -11,9 +11,9 @@ import httpx
 import pytest
 from flax import nnx
 
-from models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
-from serve.engine import Engine, decode
-from serve.server import make_server
+from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
+from dflash.serve.engine import Engine, decode
+from dflash.serve.server import make_server
 
 MAX_LEN = 512
 QUESTIONS = ["What is 2+2?", "Name a color.", "Say hi.", "What is the capital of France?", "Count to three.",

@@ -1,4 +1,4 @@
-"""The drafter shipped for the embedded default target (data/assets/drafters/smollm2-dflash): it is the file its
+"""The drafter shipped for the embedded default target (dflash/data/assets/drafters/smollm2-dflash): it is the file its
 README records, small enough to ship, fits the target, decodes losslessly and accepts drafts (it was trained)."""
 
 import hashlib
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from models.registry import SHIPPED_DRAFTERS, shipped_drafter_path
+from dflash.models.registry import SHIPPED_DRAFTERS, shipped_drafter_path
 
 SHIPPED = SHIPPED_DRAFTERS / "smollm2-dflash"
 
@@ -27,9 +27,9 @@ def test_the_default_target_has_a_shipped_drafter_whose_files_match_its_readme()
 def test_the_shipped_drafter_is_lossless_and_accepts_drafts_on_held_out_prompts(smollm2_target):
     """Greedy DFlash with the shipped drafter emits AR's tokens, and it accepts drafts on GSM8K test questions
     (a random drafter's τ is about 1.0; the README's table reports what the recipe's drafter reaches)."""
-    from models.drafter_io import load_drafter
-    from serve.engine import decode
-    from train.real_eval import eval_prompts
+    from dflash.models.drafter_io import load_drafter
+    from dflash.serve.engine import decode
+    from dflash.train.real_eval import eval_prompts
 
     target = smollm2_target
     drafter = load_drafter(SHIPPED, target.cfg)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import GOLDEN
 
-from models import decoder
-from serve.engine import decode
+from dflash.models import decoder
+from dflash.serve.engine import decode
 
 CHATS = json.loads((GOLDEN / "smollm2_chat.json").read_text())["chats"]
 

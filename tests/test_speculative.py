@@ -15,10 +15,10 @@ import pytest
 from conftest import GOLDEN
 from flax import nnx
 
-from models.drafter import DFlashDrafter, DrafterConfig, DraftVocab, resolve_drafter
-from models.loading import load_hf_dir
-from serve.engine import decode
-from serve.sampling import SamplingConfig
+from dflash.models.drafter import DFlashDrafter, DrafterConfig, DraftVocab, resolve_drafter
+from dflash.models.loading import load_hf_dir
+from dflash.serve.engine import decode
+from dflash.serve.sampling import SamplingConfig
 
 TRAIN_K = 16
 MAX_LEN = 256
@@ -130,10 +130,10 @@ def test_a_trained_checkpoint_loads_into_the_engine(setup, tmp_path):
     """A drafter saved by the trainer's Checkpointer loads back exactly and decodes exactly alike."""
     import jax
 
-    from models.drafter_io import load_drafter
-    from train.checkpoint import Checkpointer, CheckpointError
-    from train.loop import arch_dict
-    from train.step import init_state, make_optimizer
+    from dflash.models.drafter_io import load_drafter
+    from dflash.train.checkpoint import Checkpointer, CheckpointError
+    from dflash.train.loop import arch_dict
+    from dflash.train.step import init_state, make_optimizer
 
     target_cfg, target_params, drafter, prompts, ar = setup
     trained = DFlashDrafter(drafter.arch, nnx.Rngs(7))
@@ -160,8 +160,8 @@ def test_sampled_dflash_has_the_target_distribution(setup):
     most likely second token, so drafts are accepted and rejected often and both branches are exercised."""
     from scipy.stats import chisquare
 
-    from models.decoder import forward
-    from serve.sampling import filtered_logprobs
+    from dflash.models.decoder import forward
+    from dflash.serve.sampling import filtered_logprobs
 
     target_cfg, target_params, drafter, _, _ = setup
     sampling = SamplingConfig(temperature=1.0, top_k=4)
@@ -200,8 +200,8 @@ def test_zlab_directory_round_trip_decodes_identically(setup, tmp_path):
     """The same weights through the z-lab HF layout give the same drafter and the same outputs."""
     import json
 
-    from models.loading import WeightsError
-    from models.zlab import load_zlab, save_zlab
+    from dflash.models.loading import WeightsError
+    from dflash.models.zlab import load_zlab, save_zlab
 
     target_cfg, target_params, drafter, prompts, ar = setup
     trained = DFlashDrafter(drafter.arch, nnx.Rngs(3))
@@ -231,7 +231,7 @@ def test_compiled_shapes_stay_bounded_over_a_long_generation(setup):
     """Prompts of many lengths compile one prefill per power-of-two bucket; a long generation compiles
     propose and verify once per power-of-two attention span for a fixed (batch, K): at most
     log2(MAX_LEN / 16) + 1 of them, however long it runs."""
-    from serve import speculative
+    from dflash.serve import speculative
 
     target_cfg, target_params, drafter, _, _ = setup
     before = {f: getattr(speculative, f)._cache_size() for f in ("prefill", "propose", "verify")}
@@ -251,9 +251,9 @@ def test_draft_vocabulary_proposes_inside_it_and_stays_lossless(setup, tmp_path)
     only: with every id in it (any order) the proposals equal the full head's; with half of the ids every
     proposal lies inside it; greedy decoding equals AR either way; the vocabulary travels through the z-lab
     layout."""
-    from models.zlab import load_zlab, save_zlab
-    from serve.engine import Engine
-    from serve.speculative import propose
+    from dflash.models.zlab import load_zlab, save_zlab
+    from dflash.serve.engine import Engine
+    from dflash.serve.speculative import propose
 
     target_cfg, target_params, drafter, prompts, ar = setup
     trained = DFlashDrafter(drafter.arch, nnx.Rngs(5))

@@ -19,8 +19,8 @@ import gguf
 import jinja2
 import pytest
 
-from models.registry import default_gguf_path
-from models.tokenizer import (
+from dflash.models.registry import default_gguf_path
+from dflash.models.tokenizer import (
     ChatTokenizer,
     load_tokenizer,
     load_tokenizer_from_gguf,

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from models.config import DecoderConfig, DrafterConfig
-from models.drafter import resolve_drafter
-from train.loop import drafter_graphdef, fresh_state
-from train.objective import Objective
-from train.step import make_optimizer, make_train_step, train_step
+from dflash.models.config import DecoderConfig, DrafterConfig
+from dflash.models.drafter import resolve_drafter
+from dflash.train.loop import drafter_graphdef, fresh_state
+from dflash.train.objective import Objective
+from dflash.train.step import make_optimizer, make_train_step, train_step
 
 QWEN3_VOCAB = 151_936
 
@@ -89,8 +89,8 @@ def test_chunked_head_memory_does_not_grow_with_block_tokens_times_vocab():
 def test_training_vocab_orders_by_label_count_and_keeps_pinned_tokens():
     import numpy as np
 
-    from data.examples import training_vocab
-    from train.step import TRAIN_HEAD, TRAIN_LABEL_MAP, with_train_vocab
+    from dflash.data.examples import training_vocab
+    from dflash.train.step import TRAIN_HEAD, TRAIN_LABEL_MAP, with_train_vocab
 
     tokens = np.array([5, 5, 5, 7, 7, 9, 3, 3, 3, 3, 0, 0], np.int32)
     mask = np.array([0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0], np.float32)  # labels: 5 x2, 7 x2, 9 x1; 3 only prompt

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs.recipe import load_recipe
-from models.drafter_io import load_drafter
-from train.checkpoint import Checkpointer
-from train.loop import drafter_graphdef, run_training
-from train.metrics import read_metrics
-from train.real_eval import RealTauEval, eval_prompts, real_tau
-from train.sharding import path_str
+from dflash.configs.recipe import load_recipe
+from dflash.models.drafter_io import load_drafter
+from dflash.train.checkpoint import Checkpointer
+from dflash.train.loop import drafter_graphdef, run_training
+from dflash.train.metrics import read_metrics
+from dflash.train.real_eval import RealTauEval, eval_prompts, real_tau
+from dflash.train.sharding import path_str
 
 STEPS, EVERY, TOKENS = 8, 4, 8
 COMMON = [f"train.steps={STEPS}", "train.batch_size=8", f"train.eval_tokens={TOKENS}", "train.eval_prompts=1"]
@@ -129,8 +129,8 @@ def test_a_missing_best_drafter_says_to_set_eval_every(tmp_path):
 
 def test_eval_prompts_skip_takes_the_items_after_the_first_ones():
     """`skip` (benchmarks/drafter_tau.py's held-out items) offsets into each set, set by set, in order."""
-    from models.registry import default_gguf_path
-    from models.tokenizer import load_tokenizer
+    from dflash.models.registry import default_gguf_path
+    from dflash.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_gguf_path())
     sets = ("gsm8k", "mtbench")

@@ -15,15 +15,15 @@ import jax
 import numpy as np
 import pytest
 
-from train.checkpoint import Checkpointer
-from train.metrics import read_metrics
+from dflash.train.checkpoint import Checkpointer
+from dflash.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
 
 
 def _cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "launch.cli", "train", "--config", "tiny", "--no-progress",
+    return [sys.executable, "-m", "dflash.launch.cli", "train", "--config", "tiny", "--no-progress",
             f"train.run_dir={run_dir}", f"train.steps={STEPS}", "train.save_every=3", "train.log_every=1", *extra]
 
 
@@ -44,7 +44,8 @@ def _final_state(run_dir: Path) -> tuple[object, dict]:
 def captured(tmp_path_factory) -> Path:
     """data.dir of the tiny recipe's GSM8K rows with their target features captured (offline mode)."""
     data_dir = tmp_path_factory.mktemp("data")
-    done = subprocess.run([sys.executable, "-m", "launch.cli", "data", "capture", "--config", "tiny", "--no-progress",
+    done = subprocess.run([sys.executable, "-m", "dflash.launch.cli", "data", "capture", "--config", "tiny",
+                           "--no-progress",
                            f"data.dir={data_dir}"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return data_dir

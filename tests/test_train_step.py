@@ -11,8 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from models.decoder import embed, forward
-from models.drafter import (
+from dflash.models.decoder import embed, forward
+from dflash.models.drafter import (
     DFlashDrafter,
     DrafterConfig,
     concat_features,
@@ -20,9 +20,9 @@ from models.drafter import (
     online_features,
     resolve_drafter,
 )
-from models.loading import load_hf_dir
-from train.objective import Objective, build_blocks_batch, default_gamma, sample_anchors_batch
-from train.step import (
+from dflash.models.loading import load_hf_dir
+from dflash.train.objective import Objective, build_blocks_batch, default_gamma, sample_anchors_batch
+from dflash.train.step import (
     TrainState,
     current_lr,
     drafter_loss,

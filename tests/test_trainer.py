@@ -14,13 +14,13 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from configs.schema import ConfigError
-from models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, resolve_drafter
-from models.loading import load_hf_dir
-from train.checkpoint import Checkpointer, CheckpointError
-from train.metrics import NonFiniteMetricError, check_finite, flatten
-from train.objective import Objective, default_gamma
-from train.sharding import (
+from dflash.configs.schema import ConfigError
+from dflash.models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, resolve_drafter
+from dflash.models.loading import load_hf_dir
+from dflash.train.checkpoint import Checkpointer, CheckpointError
+from dflash.train.metrics import NonFiniteMetricError, check_finite, flatten
+from dflash.train.objective import Objective, default_gamma
+from dflash.train.sharding import (
     DRAFTER_RULES,
     TARGET_RULES,
     MeshConfig,
@@ -31,7 +31,7 @@ from train.sharding import (
     spec_for,
     tree_shardings,
 )
-from train.step import init_state, make_optimizer, make_train_step
+from dflash.train.step import init_state, make_optimizer, make_train_step
 
 K, N, S, B = 4, 4, 32, 4
 LAYER_IDS = (1, 3)
@@ -246,8 +246,8 @@ def test_bf16_compute_keeps_fp32_master_params(tiny):
 def test_a_nan_stops_the_run_naming_the_step_and_saves_nothing(smollm2_target, tmp_path):
     import dataclasses
 
-    from configs.recipe import load_recipe
-    from train.loop import run_training
+    from dflash.configs.recipe import load_recipe
+    from dflash.train.loop import run_training
 
     poisoned = dict(smollm2_target.params)
     poisoned["layers"] = dict(poisoned["layers"], w_up=jnp.full_like(poisoned["layers"]["w_up"], jnp.nan))
@@ -262,10 +262,10 @@ def test_a_nan_stops_the_run_naming_the_step_and_saves_nothing(smollm2_target, t
 def test_init_from_starts_a_fresh_run_from_another_drafter(tmp_path):
     """train.init_from: the new run's step-0 params are the given drafter's (a run dir here); another
     architecture is refused naming the field."""
-    from configs.recipe import load_recipe
-    from models.drafter_io import load_drafter
-    from models.target import load_target
-    from train.loop import run_training
+    from dflash.configs.recipe import load_recipe
+    from dflash.models.drafter_io import load_drafter
+    from dflash.models.target import load_target
+    from dflash.train.loop import run_training
 
     common = ["train.batch_size=8", "train.wandb=disabled", "train.tensorboard=false", "train.eval_every=0"]
     first = load_recipe("tiny", [f"train.run_dir={tmp_path / 'a'}", "train.steps=2", *common])
@@ -305,10 +305,10 @@ def test_k_curriculum_phases_and_a_run_through_them(tmp_path):
     are named."""
     import dataclasses
 
-    from configs.recipe import load_recipe
-    from models.target import load_target
-    from train.loop import curriculum_phases, run_training
-    from train.metrics import read_metrics
+    from dflash.configs.recipe import load_recipe
+    from dflash.models.target import load_target
+    from dflash.train.loop import curriculum_phases, run_training
+    from dflash.train.metrics import read_metrics
 
     common = ["train.batch_size=8", "train.wandb=disabled", "train.tensorboard=false", "train.eval_every=0",
               "train.log_every=1", "train.steps=4", "train.num_anchors=2"]

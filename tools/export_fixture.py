@@ -37,9 +37,9 @@ def build_drafter():
     import numpy as np
     from flax import nnx
 
-    from models.config import DrafterConfig
-    from models.drafter import DFlashDrafter, resolve_drafter
-    from models.loading import load_hf_dir
+    from dflash.models.config import DrafterConfig
+    from dflash.models.drafter import DFlashDrafter, resolve_drafter
+    from dflash.models.loading import load_hf_dir
 
     target_cfg, _ = load_hf_dir(ROOT / TARGET)
     arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 2), block_size=4,
@@ -64,10 +64,10 @@ def main() -> int:
     import jax
     from flax import nnx
 
-    from export.run import export_run
-    from train.checkpoint import Checkpointer
-    from train.loop import arch_dict
-    from train.step import init_state, make_optimizer
+    from dflash.export.run import export_run
+    from dflash.train.checkpoint import Checkpointer
+    from dflash.train.loop import arch_dict
+    from dflash.train.step import init_state, make_optimizer
 
     drafter, _ = build_drafter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,8 @@
-"""Package a `dflash data regenerate` output as a training set shipped in the repo (data/assets/regenerated).
+"""Package a `dflash data regenerate` output as a training set shipped in the repo (dflash/data/assets/regenerated).
 
     .venv/bin/python tools/package_regenerated.py runs/smollm2/data/regenerated.jsonl \
-        data/assets/regenerated/smollm2-mix.jsonl.xz --name smollm2_mix --recipe smollm2 [data.max_prompts=2400 ...]
+        dflash/data/assets/regenerated/smollm2-mix.jsonl.xz --name smollm2_mix --recipe smollm2 \
+        [data.max_prompts=2400 ...]
 
 Writes NAME.jsonl.xz (the records sorted by id, so the file does not depend on the order replies finished in;
 xz preset 9) and NAME.meta.json beside it: the producing command (`dflash data regenerate --config RECIPE`),
@@ -24,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from configs.recipe import load_recipe  # noqa: E402
-from data.config import DataConfig  # noqa: E402
-from data.sources import mix, parse_mix  # noqa: E402
+from dflash.configs.recipe import load_recipe  # noqa: E402
+from dflash.data.config import DataConfig  # noqa: E402
+from dflash.data.sources import mix, parse_mix  # noqa: E402
 
 
 def mix_ids(cfg: DataConfig) -> set[str]:

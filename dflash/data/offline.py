@@ -1,0 +1,424 @@
+"""The offline-mode input pipeline: captured shards (`data.shards`) -> a Grain batch iterator of tokens, mask
+and the stored target features, instead of running the target in the train step.
+
+    indices -> shuffle(seed) -> repeat -> global batch -> HostRows -> ReadSamples -> PadAndStack [-> mp_prefetch]
+    packed:   PackedRows(seed) -> global batch of rows -> HostRows -> ReadPacked -> PackAndStack [-> mp_prefetch]
+
+The batches equal online mode's (`data.online.make_batches`) for the same examples, seed, batch size and
+sharding (contract: `make_offline_batches`; state: `OfflineBatches`). Packed, each row holds as many whole
+conversations as fit, told apart by `segment_ids` (`PackedRows`, docs/decisions.md D32). Design and the Grain
+behaviour relied on: docs/decisions.md D15.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+
+from dflash.data.shards import BF16, Manifest, RecordSource, Sample, ShardError, load_manifest
+
+_BAD = "bad_records"
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRows(grain.transforms.Map):
+    """Global batch of sample indices int64[B * hosts] -> this host's contiguous rows [i*B, (i+1)*B)."""
+
+    shard_index: int
+    batch_size: int
+
+    def map(self, indices_G: Any) -> Any:
+        """Works on an index array and on a list of packed rows alike (a plain slice)."""
+        return indices_G[self.shard_index * self.batch_size:(self.shard_index + 1) * self.batch_size]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadSamples(grain.transforms.Map):
+    """Sample indices [B] -> list of decoded `Sample`s (or, with `skip_bad_records`, None for a bad record).
+
+    Without skipping, the first bad record's ShardError (shard file and record index) propagates.
+    """
+
+    source: RecordSource
+    skip_bad_records: bool
+
+    def map(self, indices_B: np.ndarray) -> list[Sample | None]:
+        samples = self.source.read_or_errors([int(i) for i in indices_B])
+        out: list[Sample | None] = []
+        for sample in samples:
+            if isinstance(sample, ShardError):
+                if not self.skip_bad_records:
+                    raise sample
+                out.append(None)
+            else:
+                out.append(sample)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PadAndStack(grain.transforms.Map):
+    """Samples -> the batch dict, each sample cut to `seq_len` and padded after its n tokens (pad_id, mask 0,
+    features 0), written straight into the batch arrays (one copy of the features). A bad record (None)
+    becomes a whole padding row (no anchor, no loss) and is counted under `bad_records` (popped by
+    `OfflineBatches`).
+
+    Online mode would hold the target's features of the pad tokens there; no loss term reads them (anchors
+    need loss_mask = 1, context keys are strictly before the anchor: DESIGN §4.2), so the two modes train
+    identically. A `seq_len` below the capture's cuts rows exactly as tokenizing with that max_len would
+    (features are causal)."""
+
+    seq_len: int
+    pad_id: int
+    feature_dim: int
+    next_ids: bool = False  # also "next_ids" int32 [B, S] (the target's labels; -1 on padding)
+    soft_topk: int = 0  # also "soft_ids" int32 [B, S, k] and "soft_probs" float32 [B, S, k] (0 on padding)
+
+    def map(self, samples: list[Sample | None]) -> dict[str, np.ndarray]:
+        batch = _empty_batch(len(samples), self.seq_len, self.pad_id, self.feature_dim, self.next_ids,
+                             self.soft_topk)
+        for i, sample in enumerate(samples):
+            if sample is not None:
+                _put(batch, i, 0, sample, min(len(sample.tokens), self.seq_len))
+        batch[_BAD] = np.int64(sum(sample is None for sample in samples))
+        return batch
+
+
+def _empty_batch(b: int, length: int, pad_id: int, feature_dim: int, next_ids: bool,
+                 soft_topk: int = 0) -> dict[str, np.ndarray]:
+    """A batch of `b` all-padding rows of `length` tokens (pad_id, mask 0, features 0, next ids -1, soft
+    ids and probabilities 0)."""
+    batch = {"tokens": np.full((b, length), pad_id, np.int32), "loss_mask": np.zeros((b, length), np.float32),
+             "features": np.zeros((b, length, feature_dim), BF16)}
+    if next_ids:
+        batch["next_ids"] = np.full((b, length), -1, np.int32)
+    if soft_topk:
+        batch["soft_ids"] = np.zeros((b, length, soft_topk), np.int32)
+        batch["soft_probs"] = np.zeros((b, length, soft_topk), np.float32)
+    return batch
+
+
+def _put(batch: dict[str, np.ndarray], row: int, at: int, sample: Sample, n: int) -> None:
+    """Write the first n positions of `sample` into `row` of `batch` from position `at` (one copy of each)."""
+    batch["tokens"][row, at:at + n] = sample.tokens[:n]
+    batch["loss_mask"][row, at:at + n] = sample.loss_mask[:n]
+    batch["features"][row, at:at + n] = sample.features[:n]
+    if "next_ids" in batch:
+        batch["next_ids"][row, at:at + n] = sample.next_ids[:n]
+    if "soft_ids" in batch:
+        batch["soft_ids"][row, at:at + n] = sample.topk_ids[:n]
+        batch["soft_probs"][row, at:at + n] = sample.topk_probs[:n]
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+class PackedRows:
+    """An endless, random-access sequence of packed rows: row r is an int64 array of the sample indices it
+    holds, in order, whose lengths sum to at most `row_len` (cut the lengths to the training `seq_len` first).
+
+    Epoch e permutes every sample with `numpy.random.default_rng([seed, e])`, packs each window of `window`
+    consecutive samples of that order first-fit decreasing (longest first, each into the first open row it
+    fits), and shuffles that epoch's rows with the same generator; so every sample appears once per epoch,
+    a row never splits a conversation, and the rows depend only on (lengths, row_len, seed, window). Epochs
+    are planned lazily when a row of theirs is first asked for (the plan of one epoch is kept at a time;
+    only the row counts of earlier epochs are stored), so `rows[k:]` for resume costs one plan per epoch
+    before k. Grain's worker processes each plan their own.
+    """
+
+    def __init__(self, lengths: np.ndarray, row_len: int, seed: int, window: int = 256) -> None:
+        lengths = np.asarray(lengths, np.int64)
+        if lengths.ndim != 1 or lengths.size == 0 or lengths.min() < 1 or lengths.max() > row_len:
+            raise ValueError(f"lengths must be a non-empty 1-D array of token counts in [1, row_len={row_len}]; "
+                             f"received {lengths!r}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1; received {window}")
+        self.lengths, self.row_len, self.seed, self.window = lengths, row_len, seed, window
+        self._starts = [0]  # first row of each planned epoch, then the end of the last one
+        self._plan: tuple[int, list[np.ndarray]] | None = None
+
+    def epoch(self, epoch: int) -> list[np.ndarray]:
+        """The rows of epoch `epoch`, in the order they are read."""
+        if self._plan is not None and self._plan[0] == epoch:
+            return self._plan[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(self.lengths.size)
+        rows: list[list[int]] = []
+        for start in range(0, order.size, self.window):
+            chunk = order[start:start + self.window]
+            chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+            open_rows: list[list[int]] = []
+            room: list[int] = []
+            for i in chunk.tolist():
+                n = int(self.lengths[i])
+                slot = next((j for j, free in enumerate(room) if free >= n), -1)
+                if slot < 0:
+                    open_rows.append([i])
+                    room.append(self.row_len - n)
+                else:
+                    open_rows[slot].append(i)
+                    room[slot] -= n
+            rows.extend(open_rows)
+        plan = [np.asarray(rows[j], np.int64) for j in rng.permutation(len(rows))]
+        self._plan = (epoch, plan)
+        return plan
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index < 0:
+            raise IndexError(f"row must be >= 0; received {index}")
+        while self._starts[-1] <= index:  # plan epochs until one holds the row
+            self._starts.append(self._starts[-1] + len(self.epoch(len(self._starts) - 1)))
+        epoch = bisect.bisect_right(self._starts, index) - 1
+        return self.epoch(epoch)[index - self._starts[epoch]]
+
+    def rows_per_epoch(self, epoch: int = 0) -> int:
+        """How many rows epoch `epoch` packs its samples into."""
+        return len(self.epoch(epoch))
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalRows(grain.transforms.Map):
+    """Global batch index i -> the list of rows [i*G, (i+1)*G) of `rows` (G = rows per global batch)."""
+
+    rows: PackedRows
+    rows_per_batch: int
+
+    def map(self, index: int) -> list[np.ndarray]:
+        first = int(index) * self.rows_per_batch
+        return [self.rows[first + j] for j in range(self.rows_per_batch)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadPacked(grain.transforms.Map):
+    """Packed rows (arrays of sample indices) -> per row the list of its decoded samples (None for a bad
+    record, with `skip_bad_records`; otherwise the first bad record's ShardError propagates)."""
+
+    source: RecordSource
+    skip_bad_records: bool
+
+    def map(self, rows: list[np.ndarray]) -> list[list[Sample | None]]:
+        flat = ReadSamples(self.source, self.skip_bad_records).map(np.concatenate(rows))
+        out, start = [], 0
+        for row in rows:
+            out.append(flat[start:start + len(row)])
+            start += len(row)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PackAndStack(grain.transforms.Map):
+    """Packed rows of samples -> the batch dict of `PadAndStack` with rows of `row_len` tokens, plus
+    `segment_ids` int32 [B, row_len]: the conversations of a row laid end to end (each cut to `seq_len`; a
+    row's lengths sum to at most `row_len` by construction), numbered 1, 2, ... in row order, 0 on the
+    padding tail. A bad record (None) leaves no trace in its row and is counted under `bad_records`."""
+
+    seq_len: int
+    row_len: int
+    pad_id: int
+    feature_dim: int
+    next_ids: bool = False
+    soft_topk: int = 0
+
+    def map(self, rows: list[list[Sample | None]]) -> dict[str, np.ndarray]:
+        b = len(rows)
+        batch = _empty_batch(b, self.row_len, self.pad_id, self.feature_dim, self.next_ids, self.soft_topk)
+        segment_BxS = np.zeros((b, self.row_len), np.int32)
+        bad = 0
+        for i, samples in enumerate(rows):
+            at, segment = 0, 0
+            for sample in samples:
+                if sample is None:
+                    bad += 1
+                    continue
+                n = min(len(sample.tokens), self.seq_len)
+                if at + n > self.row_len:
+                    raise ValueError(f"a packed row must fit in row_len={self.row_len}; received {at + n} tokens")
+                segment += 1
+                _put(batch, i, at, sample, n)
+                segment_BxS[i, at:at + n] = segment
+                at += n
+        batch["segment_ids"] = segment_BxS
+        batch[_BAD] = np.int64(bad)
+        return batch
+
+
+# ----------------------------------------------------------------------------- the iterator
+
+
+class OfflineBatches:
+    """An endless iterator of offline batches with a JSON state (`make_offline_batches` builds it).
+
+    State: `get_state()` is `{"next_index": k, "bad_records": c}` (k batches returned; plain JSON, the same
+    `next_index` key as online mode). `set_state` rebuilds the Grain iterator over the chain sliced at
+    `[k:]`, so a state restores the exact batch sequence whatever `worker_count` was when it was saved
+    (Grain's own multiprocess state is per worker and differs between worker counts). Like online mode's,
+    it does not identify the pipeline: checkpoint the data config (and the manifest's examples_hash) beside it.
+
+    bad_records: number of records skipped (replaced by padding rows) in the batches returned so far, on
+      this host (hosts read different rows; a checkpoint keeps process 0's count, which is informational).
+    manifest: the capture's manifest (check it against the run with `data.shards.check_manifest`).
+    Close it (or use it as a context manager) to stop prefetch worker processes.
+    """
+
+    def __init__(self, dataset: grain.MapDataset, manifest: Manifest, worker_count: int) -> None:
+        self._dataset = dataset
+        self.manifest = manifest
+        self._worker_count = worker_count
+        self._iter: Any = None
+        self.next_index = 0
+        self.bad_records = 0
+        self._start(0)
+
+    def _start(self, next_index: int) -> None:
+        self.close()
+        dataset = self._dataset[next_index:] if next_index else self._dataset
+        iter_dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        if self._worker_count > 0:
+            _mark_absl_flags_parsed()
+            iter_dataset = iter_dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=self._worker_count))
+        self._iter = iter(iter_dataset)
+        self.next_index = next_index
+
+    def __iter__(self) -> OfflineBatches:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = next(self._iter)
+        self.bad_records += int(batch.pop(_BAD))
+        self.next_index += 1
+        return batch
+
+    def get_state(self) -> dict[str, int]:
+        """`{"next_index": batches returned, "bad_records": records skipped so far}` (JSON)."""
+        return {"next_index": self.next_index, _BAD: self.bad_records}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Resume after `state["next_index"]` batches (restarts prefetch workers)."""
+        next_index = state.get("next_index")
+        if not isinstance(next_index, int) or next_index < 0:
+            raise ValueError(f"state must hold a 'next_index' >= 0; received {state!r}")
+        self._start(next_index)
+        self.bad_records = int(state.get(_BAD, 0))
+
+    def close(self) -> None:
+        if self._iter is not None and hasattr(self._iter, "close"):
+            self._iter.close()
+        self._iter = None
+
+    def __enter__(self) -> OfflineBatches:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def make_offline_batches(
+    shard_dir: str | Path,
+    batch_size: int,
+    seed: int,
+    seq_len: int,
+    *,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    worker_count: int = 0,
+    skip_bad_records: bool = False,
+    pad_id: int | None = None,
+    verify: bool = False,
+    next_ids: bool = False,
+    pack: int = 0,
+    soft_topk: int = 0,
+) -> OfflineBatches:
+    """An endless iterator of `{"tokens": int32[B, S], "loss_mask": float32[B, S], "features": bfloat16[B, S,
+    F*D]}` batches of `batch_size` rows for this host.
+
+    For the same examples in the same order, seed, batch size and sharding, the (tokens, loss_mask) batches
+    are identical to `data.online.make_batches`', and the features are the online features of those rows
+    (bf16) on every real position; padding is `PadAndStack`'s. The chain, each step a named Grain transform:
+    `MapDataset.range(num_samples)` (global sample indices) -> `.shuffle(seed)` (the permutation online's
+    `source(examples).shuffle(seed)` makes) -> `.repeat()` -> `.batch(B * hosts)` (the GLOBAL batch of
+    indices) -> `HostRows` (host i keeps rows [i*B, (i+1)*B) and reads only those records) -> `ReadSamples`
+    -> `PadAndStack`; `OfflineBatches` then slices it for resume and adds `mp_prefetch` when
+    `worker_count` > 0.
+
+    The capture must be complete; shard sizes (and sha256 when `verify`) are checked before the first
+    batch, so a truncated shard is named up front. A record that fails to read or decode raises
+    `ShardError` naming the shard file and record index, or with `skip_bad_records` becomes a padding row
+    counted in `OfflineBatches.bad_records`; a shard that cannot be opened at all, or whose record count
+    differs from the manifest, always raises. `pad_id` defaults to the capture's padding id (the
+    manifest's `pad_id`). `next_ids`: batches also hold `"next_ids"` int32 [B, S], the target's greedy
+    token after each position (-1 on padding), for `data.labels: target`; the capture must have stored
+    them (`Manifest.target_labels`). `soft_topk` = k > 0 (`data.labels: soft`, with `next_ids`): batches also
+    hold `"soft_ids"` int32 [B, S, k] and `"soft_probs"` float32 [B, S, k], the target's k most likely next
+    tokens after each position and their probabilities (0 on padding); the capture must have stored exactly
+    that top-k (`Manifest.target_topk`).
+
+    `pack` > 0: rows of `pack` tokens (>= `seq_len`), each holding several whole conversations (each cut to
+    `seq_len`) end to end (`PackedRows`: first-fit decreasing over windows of a per-epoch permutation seeded
+    by `seed`; the sample lengths are read from the record headers once, before the first batch), and batches
+    also hold `"segment_ids"` int32 [B, pack] (1, 2, ... per conversation in the row, 0 on padding) so the
+    trainer keeps each conversation's attention and labels to itself. The chain is then `MapDataset.range`
+    (global batch indices) -> `GlobalRows` -> `HostRows` -> `ReadPacked` -> `PackAndStack`, resumed by
+    slicing as above.
+    """
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be > 0; received {batch_size}")
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be > 0; received {seq_len}")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32) (grain's shuffle seed); received {seed}")
+    if shard_count <= 0 or not 0 <= shard_index < shard_count:
+        raise ValueError(f"shard_index must be in [0, shard_count) with shard_count > 0; "
+                         f"received shard_index={shard_index}, shard_count={shard_count}")
+    if worker_count < 0:
+        raise ValueError(f"worker_count must be >= 0; received {worker_count}")
+    manifest = load_manifest(shard_dir, verify=verify)
+    if pad_id is None:
+        if manifest.pad_id is None:
+            raise ValueError(f"pad_id must be given: the capture in {shard_dir} has no padded row to take it from")
+        pad_id = manifest.pad_id
+    if next_ids and not manifest.target_labels:
+        raise ValueError(f"data.labels=target reads the target's labels, which the capture in {shard_dir} does not "
+                         "hold: capture again with data.labels=target (into a new data.dir)")
+    if soft_topk and (not next_ids or manifest.target_topk != soft_topk):
+        raise ValueError(f"data.labels=soft with data.soft_topk={soft_topk} reads the target's top-{soft_topk}, "
+                         f"which the capture in {shard_dir} does not hold (it stores the top-{manifest.target_topk}): "
+                         f"capture again with data.labels=soft data.soft_topk={soft_topk} (into a new data.dir)")
+    source = RecordSource(shard_dir, manifest)
+    width = manifest.feature_dim
+
+    if pack:
+        if pack < seq_len:
+            raise ValueError(f"pack must be 0 or a row length >= seq_len={seq_len}; received {pack}")
+        rows = PackedRows(np.minimum(source.lengths(progress=True), seq_len), pack, seed)
+        dataset = grain.MapDataset.range(sys.maxsize // (batch_size * shard_count))
+        dataset = dataset.map(GlobalRows(rows, batch_size * shard_count))
+        dataset = dataset.map(HostRows(shard_index, batch_size))
+        dataset = dataset.map(ReadPacked(source, skip_bad_records))
+        dataset = dataset.map(PackAndStack(seq_len, pack, pad_id, width, next_ids, soft_topk))
+        return OfflineBatches(dataset, manifest, worker_count)
+
+    dataset = grain.MapDataset.range(manifest.num_samples)
+    dataset = dataset.shuffle(seed=seed)
+    dataset = dataset.repeat()
+    dataset = dataset.batch(batch_size * shard_count, drop_remainder=True)
+    dataset = dataset.map(HostRows(shard_index, batch_size))
+    dataset = dataset.map(ReadSamples(source, skip_bad_records))
+    dataset = dataset.map(PadAndStack(seq_len, pad_id, width, next_ids, soft_topk))
+    return OfflineBatches(dataset, manifest, worker_count)
+
+
+def _mark_absl_flags_parsed() -> None:
+    """grain's profiler flag is read through absl: a program that did not run `absl.app` would fail on its
+    first multiprocess batch unless the absl flags are marked parsed."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()

@@ -1,0 +1,418 @@
+"""Regenerate the assistant turns of conversations with the TARGET (DESIGN §2: a drafter trained on the
+target's own outputs is accepted more often), through the engine's AR mode with continuous batching.
+
+    target = load_target(recipe.target)
+    cfg = RegenConfig(max_new_tokens=512, temperature=0.7, top_p=0.9, seed=0, slots=16, max_len=2048)
+    engine = make_regen_engine(target, slots=cfg.slots, max_len=cfg.max_len)
+    stats = regenerate(engine, target.tokenizer, items, "regen/gsm8k.jsonl", cfg)   # items: data.sources.mix
+
+Turn splitting: `split_turns`; output, errors and resume: `regenerate`. `dflash data regenerate` runs it
+(`data.stages.run_regenerate`). Design: docs/decisions.md D15.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import lzma
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from dflash.data.config import RegenConfig
+from dflash.serve.config import SamplingConfig
+from dflash.serve.engine import Completion, Engine
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclasses.dataclass
+class RegenStats:
+    """What one `regenerate` call did (skipped items were done by an earlier run)."""
+
+    succeeded: int = 0
+    errors: int = 0
+    dropped: int = 0  # first reply truncated with drop_truncated (written to the errors file)
+    skipped: int = 0
+    turns: int = 0  # replies written
+    truncated_turns: int = 0  # replies written with finish_reason "length"
+    turns_cut: int = 0  # conversations ended early (later prompt too long, or a truncated later reply dropped)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    repaired_bytes: int = 0  # partial last lines removed from the output files on resume
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"regenerated {self.succeeded} conversations ({self.turns} turns, {self.truncated_turns} hit "
+                f"max_new_tokens, {self.turns_cut} cut short); {self.errors} errors, {self.dropped} dropped, "
+                f"{self.skipped} skipped (already done); {self.prompt_tokens} prompt tokens, "
+                f"{self.generated_tokens} generated in {self.wall_s:.1f}s = {self.tokens_per_s:.1f} tokens/s"
+                + (f"; repaired a partial last line ({self.repaired_bytes} bytes)" if self.repaired_bytes else ""))
+
+
+class ItemError(ValueError):
+    """An item cannot be regenerated; `kind` is the errors-file category."""
+
+    def __init__(self, kind: str, message: str, turn: int | None = None):
+        super().__init__(message)
+        self.kind, self.turn = kind, turn
+
+
+def request_seed(seed: int, item_id: str, turn: int) -> int:
+    """The seed of one turn's request: stable across processes (sha256, not the salted `hash`), in [0, 2^31)."""
+    digest = hashlib.sha256(f"{seed}\x00{item_id}\x00{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def split_turns(messages: Any, system_prompt: str | None = None, max_turns: int = 0) -> list[list[dict[str, str]]]:
+    """The prompt segments of a conversation: segment t is appended (after reply t-1) to form prompt t.
+
+    Assistant turns are dropped; each one (and the end of the conversation) closes a segment when the
+    segment holds a user turn; system turns are kept where they are. A conversation with no assistant
+    turn at all (prompt sets such as MT-Bench: [user, user]) gets a reply after every user turn. Raises
+    ItemError("invalid") on an unknown role, non-string content, an empty user turn, or no user turn.
+    """
+    if not isinstance(messages, Sequence) or isinstance(messages, str):
+        raise ItemError("invalid", f"messages must be a list of {{role, content}}; received {type(messages).__name__}")
+    segments: list[list[dict[str, str]]] = []
+    current: list[dict[str, str]] = []
+    has_system = False
+    unanswered = not any(isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages)
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise ItemError("invalid", f"messages[{i}] must be {{role: one of {list(ROLES)}, content: str}}; "
+                                       f"received {m!r:.200}")
+        role, content = m["role"], m["content"]
+        if role == "user" and not content.strip():
+            raise ItemError("invalid", f"messages[{i}] is an empty user turn; every user turn must hold text")
+        has_system |= role == "system"
+        if role == "assistant":
+            if any(x["role"] == "user" for x in current):
+                segments.append(current)
+                current = []
+            continue  # an assistant turn without a user turn before it has nothing to answer
+        current.append({"role": role, "content": content})
+        if unanswered and role == "user":
+            segments.append(current)
+            current = []
+    if any(x["role"] == "user" for x in current):
+        segments.append(current)
+    if not segments:
+        raise ItemError("invalid", "messages must hold at least one user turn; received none")
+    if system_prompt is not None and not has_system:
+        segments[0].insert(0, {"role": "system", "content": system_prompt})
+    return segments[:max_turns] if max_turns else segments
+
+
+def repair_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The records of a JSONL file written line by line, after truncating a partial last line (a crash
+    mid-write); returns (records, bytes removed). A malformed complete line is an error, not repaired."""
+    if not path.exists():
+        return [], 0
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    removed = len(data) - keep
+    if removed:
+        log.warning("%s: removing a partial last line (%d bytes) left by an interrupted run", path, removed)
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+    return _complete_records(path, data[:keep]), removed
+
+
+def _complete_records(path: Path, data: bytes) -> list[dict[str, Any]]:
+    """The JSON objects of the complete lines in `data` (each must have a string 'id')."""
+    records = []
+    for number, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number} must be one JSON object per line; received {line[:80]!r} ({err}); "
+                             "only a partial LAST line is repaired automatically") from err
+        if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+            raise ValueError(f"{path}:{number} must be an object with a string 'id'; received {line[:80]!r}")
+        records.append(record)
+    return records
+
+
+def read_regenerated(path: str | Path, limit: int | None = None) -> list[list[dict[str, str]]]:
+    """The regenerated conversations of `path` (a `regenerate` output), ordered by id, so the training rows
+    do not depend on the order replies finished in (which varies with `slots`); at most `limit` of them.
+    A partial last line (a run still writing, or interrupted) is ignored, not repaired: this only reads.
+    A `.xz` file (the packaged sets of `data.packaged_regenerated`) is decompressed first."""
+    path = Path(path)
+    data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
+    records = _complete_records(path, data[: data.rfind(b"\n") + 1])
+    for record in records:
+        if not isinstance(record.get("messages"), list):
+            raise ValueError(f"{path}: record {record['id']!r} must have a 'messages' list")
+    if not records:
+        raise ValueError(f"{path} must hold at least one regenerated conversation; received none")
+    records.sort(key=lambda r: r["id"])
+    return [r["messages"] for r in records[:limit]]
+
+
+def _append(f, record: Mapping[str, Any]) -> None:
+    """One line in one write, then flush + fsync: a crash leaves at most a partial last line."""
+    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _check_meta(path: Path, cfg: RegenConfig, tokenizer: Any) -> None:
+    """Write the run's settings next to the output, or refuse to resume it under different ones."""
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "slots"}
+    fingerprint = getattr(tokenizer, "fingerprint", None)
+    meta = {"config": settings, "tokenizer": fingerprint() if callable(fingerprint) else None}
+    meta = json.loads(json.dumps(meta))  # normalise (tuples -> lists) for the comparison
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != meta:
+            fields = sorted(k for k in settings if old.get("config", {}).get(k) != meta["config"][k])
+            if old.get("tokenizer") != meta["tokenizer"]:
+                fields.append("tokenizer")
+            raise ValueError(f"{path} records other regeneration settings than this run's (differing: {fields}); "
+                             "resume with the same config, or write to a new out_path")
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1, ensure_ascii=False))
+    os.replace(tmp, path)
+
+
+@dataclasses.dataclass
+class _Conversation:
+    item_id: str
+    source: str
+    segments: list[list[dict[str, str]]]
+    messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)
+    tokens: int = 0
+
+    @property
+    def turn(self) -> int:
+        return len(self.finish_reasons)
+
+    def record(self) -> dict[str, Any]:
+        return {"id": self.item_id, "source": self.source, "messages": self.messages,
+                "finish_reasons": self.finish_reasons, "tokens": self.tokens}
+
+
+class _Regenerator:
+    """The host loop: keeps `engine.slots` conversations in flight, one request each."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, cfg: RegenConfig, out, errors, stats: RegenStats):
+        self.engine, self.tok, self.cfg, self.out, self.errors, self.stats = engine, tokenizer, cfg, out, errors, stats
+        self.stop_ids = tuple(tokenizer.stop_token_ids)
+        self.in_flight: dict[int, _Conversation] = {}  # engine request id -> conversation
+        self.finished = 0  # conversations finished (any outcome) in this call, for the progress bar
+
+    def start(self, item: Any, done: set[str]) -> bool:
+        """Begin one item (False when it ended at once: skipped or an error)."""
+        item_id = item.get("id") if isinstance(item, Mapping) else None
+        source = str(item.get("source", "")) if isinstance(item, Mapping) else ""
+        if not isinstance(item_id, str) or not item_id:
+            self.fail(_Conversation(repr(item_id), source, []), ItemError(
+                "invalid", f"item must be a mapping with a non-empty string 'id'; received {item!r:.200}"))
+            return False
+        if item_id in done:
+            self.stats.skipped += 1
+            return False
+        done.add(item_id)
+        conv = _Conversation(item_id, source, [])
+        try:
+            conv.segments = split_turns(item.get("messages"), self.cfg.system_prompt, self.cfg.max_turns)
+            self.submit_next(conv)
+        except ItemError as err:
+            self.fail(conv, err)
+            return False
+        return True
+
+    def submit_next(self, conv: _Conversation) -> None:
+        """Submit the conversation's next turn; ItemError when it cannot be."""
+        turn = conv.turn
+        messages = conv.messages + conv.segments[turn]
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, **self.cfg.template_kwargs)
+            prompt_ids = self.tok.encode(text)
+        except Exception as err:  # noqa: BLE001 - any template failure is this item's error
+            raise ItemError("template", f"the chat template failed: {type(err).__name__}: {err}", turn) from err
+        limit = self.cfg.max_prompt_tokens
+        if limit and len(prompt_ids) > limit:
+            raise ItemError("too_long", f"the prompt ({len(prompt_ids)} tokens) must be at most max_prompt_tokens "
+                                        f"({limit})", turn)
+        try:
+            rid = self.engine.submit(prompt_ids, max_new_tokens=self.cfg.max_new_tokens, stop_ids=self.stop_ids,
+                                     seed=request_seed(self.cfg.seed, conv.item_id, turn), sampling=self.cfg.sampling)
+        except ValueError as err:
+            raise ItemError("too_long", str(err), turn) from err
+        conv.messages = messages
+        self.stats.prompt_tokens += len(prompt_ids)
+        self.in_flight[rid] = conv
+
+    def finish_turn(self, conv: _Conversation, completion: Completion) -> None:
+        self.stats.generated_tokens += len(completion.token_ids)
+        reason = completion.finish_reason or "length"
+        if reason == "length" and self.cfg.drop_truncated:
+            if conv.turn == 0:
+                self.fail(conv, ItemError("truncated", f"the reply hit max_new_tokens ({self.cfg.max_new_tokens}) "
+                                                       "and drop_truncated is set", 0))
+            else:
+                self.cut(conv)
+            return
+        ids = completion.token_ids
+        if reason == "stop" and ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        conv.messages = conv.messages + [{"role": "assistant", "content": self.tok.decode(ids)}]
+        conv.finish_reasons.append(reason)
+        conv.tokens += len(completion.token_ids)
+        if conv.turn == len(conv.segments):
+            self.write(conv)
+            return
+        try:
+            self.submit_next(conv)
+        except ItemError as err:
+            if err.kind == "too_long":
+                self.cut(conv)
+            else:
+                self.fail(conv, err)
+
+    def cut(self, conv: _Conversation) -> None:
+        """End the conversation after the replies it has: drop the unanswered segment."""
+        self.stats.turns_cut += 1
+        conv.messages = conv.messages[: _answered_length(conv)]
+        self.write(conv)
+
+    def write(self, conv: _Conversation) -> None:
+        _append(self.out, conv.record())
+        self.stats.succeeded += 1
+        self.stats.turns += conv.turn
+        self.stats.truncated_turns += conv.finish_reasons.count("length")
+        self.finished += 1
+
+    def fail(self, conv: _Conversation, err: ItemError) -> None:
+        _append(self.errors, {"id": conv.item_id, "source": conv.source, "turn": err.turn, "kind": err.kind,
+                              "error": str(err)})
+        if err.kind == "truncated":
+            self.stats.dropped += 1
+        else:
+            self.stats.errors += 1
+        self.finished += 1
+
+    def collect(self) -> None:
+        """Handle every request of ours that the last step finished."""
+        for rid in [r for r in self.engine.done if r in self.in_flight]:
+            self.finish_turn(self.in_flight.pop(rid), self.engine.done.pop(rid))
+
+
+def _answered_length(conv: _Conversation) -> int:
+    """Messages up to and including the last reply."""
+    last = max((i for i, m in enumerate(conv.messages) if m["role"] == "assistant"), default=-1)
+    return last + 1
+
+
+def regenerate(engine: Engine, tokenizer: Any, items: Iterable[Mapping[str, Any]], out_path: str | Path,
+               cfg: RegenConfig, *, progress: bool = True) -> RegenStats:
+    """Regenerate every item's assistant turns with the engine's target into `out_path`; resumes a previous
+    run on the same `out_path`. Returns this call's stats.
+
+    Items: `{"id": str, "source": str, "messages": [{"role", "content"}, ...]}`. Assistant turns are dropped
+    and regenerated turn by turn (segments: `split_turns`): for [user1, (assistant1), user2, (assistant2)]
+    the reply a1' is generated from [system?, user1], then a2' from [system?, user1, a1', user2].
+    `cfg.system_prompt` is prepended when the conversation has no system turn. Up to `engine.slots`
+    conversations are in flight, one request each; a conversation's next turn is submitted as soon as its
+    previous reply finishes, with the seed `request_seed(cfg.seed, id, turn)`, so a conversation's output
+    depends neither on its batch neighbours nor on `slots` nor on resuming.
+
+    Files:
+    - `out_path` (JSONL, one line per finished conversation, written with flush + fsync):
+      `{"id", "source", "messages": [system?, user1, a1', user2, a2', ...], "finish_reasons":
+      ["stop"|"length", ...], "tokens": generated tokens over all turns (stop tokens included)}`;
+    - `<out_path>.errors.jsonl`: `{"id", "source", "turn", "kind", "error"}`, kind one of "invalid" (bad
+      item, empty user turn), "template" (the chat template failed), "too_long" (the first prompt does not
+      fit), "truncated" (the first reply hit max_new_tokens while `drop_truncated`). A later turn whose
+      prompt no longer fits the context, or (with `drop_truncated`) whose reply hit max_new_tokens, ends
+      the conversation after the turns already regenerated (counted as `turns_cut`);
+    - `<out_path>.meta.json`: the config (all but `slots`) and the tokenizer fingerprint; a rerun with
+      different ones is refused, so one file never mixes two regeneration settings.
+
+    Resume: a rerun reads both JSONL files and skips every id already in either (counted as skipped). A
+    crash can leave at most a partial last line (each line is one write); the rerun truncates it (logged,
+    counted in `RegenStats.repaired_bytes`) and never drops a complete line.
+    """
+    if engine.busy:
+        raise ValueError("engine must be idle (no queued or running requests) when regenerate starts")
+    out_path = Path(out_path)
+    errors_path = out_path.with_name(out_path.name + ".errors.jsonl")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _check_meta(out_path.with_name(out_path.name + ".meta.json"), cfg, tokenizer)
+    stats = RegenStats()
+    done: set[str] = set()
+    for path in (out_path, errors_path):
+        records, removed = repair_jsonl(path)
+        stats.repaired_bytes += removed
+        done.update(r["id"] for r in records)
+    total = len(items) if hasattr(items, "__len__") else None
+    t0 = time.perf_counter()
+    with (open(out_path, "a", encoding="utf-8") as out, open(errors_path, "a", encoding="utf-8") as errors,
+          tqdm(total=total, disable=not progress, unit="conv", desc="regenerate", dynamic_ncols=True) as bar):
+        regen = _Regenerator(engine, tokenizer, cfg, out, errors, stats)
+        source = iter(items)
+        exhausted = False
+        shown = 0
+        while True:
+            while not exhausted and len(regen.in_flight) < engine.slots:
+                item = next(source, _END)
+                if item is _END:
+                    exhausted = True
+                else:
+                    regen.start(item, done)
+            if not regen.in_flight:
+                break
+            engine.step()
+            regen.collect()
+            stats.wall_s = time.perf_counter() - t0
+            advanced = regen.finished + stats.skipped - shown
+            if advanced:
+                shown += advanced
+                bar.set_postfix(ok=stats.succeeded, err=stats.errors + stats.dropped, skip=stats.skipped,
+                                tok_s=f"{stats.tokens_per_s:.0f}", refresh=False)
+                bar.update(advanced)
+        bar.update(regen.finished + stats.skipped - shown)
+    stats.wall_s = time.perf_counter() - t0
+    if progress:
+        tqdm.write(stats.summary())
+    log.info("%s", stats.summary())
+    return stats
+
+
+_END = object()
+
+
+def make_regen_engine(target: Any, *, slots: int, max_len: int, sampling: SamplingConfig | None = None,
+                      page_size: int = 16) -> Engine:
+    """The AR-mode engine over a loaded `models.target.Target` (the target alone decodes).
+
+    `sampling` is the engine's default rule; `regenerate` sends its config's rule with every request anyway.
+    """
+    return Engine(target.params, target.cfg, None, slots=slots, max_len=max_len, block_size=None,
+                  sampling=sampling, page_size=page_size)
+
+
+__all__ = ["ItemError", "RegenConfig", "RegenStats", "make_regen_engine", "read_regenerated", "regenerate",
+           "repair_jsonl",
+           "request_seed", "split_turns"]

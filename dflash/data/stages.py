@@ -1,0 +1,142 @@
+"""The `dflash data` stages, one function each: regenerate, capture, inspect (DESIGN §2).
+
+    dflash data regenerate   prompts (data.prompts mix) -> the target answers every user turn (engine AR
+                             mode) -> data.dir/regenerated.jsonl                  (resumable, item by item)
+    dflash data capture      data.source conversations -> chat tokens + assistant-only mask ->
+                             target features of the drafter's layer ids -> data.dir/shards (resumable,
+                             shard by shard); then `dflash train data.features=offline` reads them
+    dflash data inspect      the manifest, the counts, one decoded sample with its loss mask shown
+
+Each takes the whole recipe and returns what it did; the CLI prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash.configs.recipe import Recipe
+from dflash.data.capture import CaptureReport, capture
+from dflash.data.examples import build_examples
+from dflash.data.regenerate import RegenStats, make_regen_engine, regenerate
+from dflash.data.shards import Manifest, Provenance, RecordSource, load_manifest
+from dflash.data.sources import MixStats, mix, parse_mix
+from dflash.models.target import Target, load_target
+
+log = logging.getLogger(__name__)
+
+LOSS_OPEN, LOSS_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧ around the tokens the loss reads, in `inspect`
+
+
+def run_regenerate(recipe: Recipe, *, target: Target | None = None,
+                   progress: bool = True) -> tuple[MixStats, RegenStats, Path]:
+    """Mix the prompts of `data.prompts`, then regenerate their answers with the target into
+    data.dir/regenerated.jsonl (a rerun continues where the last one stopped)."""
+    cfg = recipe.data
+    spec = dataclasses.replace(parse_mix(cfg.prompts), max_prompts=cfg.max_prompts, dedup=cfg.dedup, seed=cfg.seed)
+    items, mix_stats = mix(spec)
+    log.info("prompt mix:\n%s", mix_stats.summary())
+    target = target if target is not None else load_target(recipe.target)
+    engine = make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len)
+    out = cfg.regenerated_path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stats = regenerate(engine, target.tokenizer, items, out, cfg.regen, progress=progress)
+    return mix_stats, stats, out
+
+
+def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> CaptureReport:
+    """Store the target features of `data.source`'s rows (and `data.reference`'s; the drafter's layer ids,
+    seq_len) in data.dir/shards, with the target's next-token labels when `data.labels` is `target`; a
+    rerun resumes at the first unfinished shard."""
+    target = target if target is not None else load_target(recipe.target)
+    arch = target.drafter_arch(recipe.drafter)
+    examples, _ = build_examples(recipe.data, target.tokenizer)  # the trainer's rows
+    cfg = recipe.data
+    return capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
+                   cfg.shard_dir, seq_len=recipe.data.seq_len, batch_size=cfg.capture_batch_size,
+                   samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress,
+                   target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0,
+                   length_bucket=cfg.capture_bucket)
+
+
+def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:
+    """A report of data.dir: regeneration counts, the capture manifest, and sample `sample` of the capture
+    decoded with the loss-masked tokens between ⟦ ⟧."""
+    cfg = recipe.data
+    lines = [f"data.dir: {cfg.dir}"]
+    regen = cfg.regenerated_path
+    if regen.is_file():
+        done = sum(1 for line in regen.read_text().splitlines() if line.strip())
+        errors_path = regen.with_name(regen.name + ".errors.jsonl")
+        kinds: dict[str, int] = {}
+        if errors_path.is_file():
+            for line in errors_path.read_text().splitlines():
+                if line.strip():
+                    kind = json.loads(line).get("kind", "?")
+                    kinds[kind] = kinds.get(kind, 0) + 1
+        lines.append(f"regenerated: {done} conversations in {regen.name}; errors: "
+                     + (", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"))
+    else:
+        lines.append(f"regenerated: none ({regen.name} not written yet: dflash data regenerate)")
+    if not (cfg.shard_dir / "manifest.json").is_file():
+        lines.append(f"capture: none ({cfg.shard_dir} has no manifest.json: dflash data capture)")
+        return "\n".join(lines)
+    manifest = load_manifest(cfg.shard_dir, allow_incomplete=True)
+    lines += _manifest_lines(manifest)
+    if not manifest.shards:
+        return "\n".join(lines)
+    if tokenizer is None:
+        from dflash.models.registry import resolve_source
+        from dflash.models.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(resolve_source(recipe.target.source))
+    finished = sum(e.samples for e in manifest.shards)
+    if not 0 <= sample < finished:
+        raise ValueError(f"sample must lie in [0, {finished}) (the captured samples); received {sample}")
+    source = RecordSource(cfg.shard_dir, manifest)
+    try:
+        record = source.read_one(sample)
+    finally:
+        source.close()
+    magnitude = float(np.abs(record.features.astype(np.float32)).mean())
+    lines.append(f"sample {sample} ({source.where(sample)}): {len(record.tokens)} tokens, "
+                 f"{int(record.loss_mask.sum())} in the loss (between {LOSS_OPEN} {LOSS_CLOSE}), features "
+                 f"{record.features.shape[1]} wide, mean |feature| {magnitude:.3f}")
+    lines.append(render_masked(tokenizer, record.tokens, record.loss_mask))
+    return "\n".join(lines)
+
+
+def _manifest_lines(m: Manifest) -> list[str]:
+    size = sum(e.bytes for e in m.shards)
+    return [
+        f"capture: {'complete' if m.complete else 'INCOMPLETE'}, {sum(e.samples for e in m.shards)} of "
+        f"{m.num_samples} samples in {len(m.shards)} of {m.num_shards} shards, {m.total_tokens} tokens, "
+        f"{size / 2**20:.1f} MiB ({m.bytes_per_token:.0f} bytes/token)",
+        f"  target {m.target_name} (weights sha256 {m.target_fingerprint[:12]}), tokenizer "
+        f"{m.tokenizer_fingerprint[:12]}, chat template {m.chat_template_hash[:12]}",
+        f"  layer_ids {list(m.layer_ids)}, hidden {m.hidden_size}, feature_dim {m.feature_dim} ({m.feature_dtype}), "
+        f"seq_len {m.seq_len}, pad_id {m.pad_id}, {m.writer_options}",
+        f"  examples sha256 {m.examples_hash[:12]}, format v{m.format_version}, labels: "
+        + (f"the target's top-{m.target_topk} (data.labels=soft)" if m.target_topk
+           else "the target's next ids (data.labels=target)" if m.target_labels else "none (data.labels=text)"),
+    ]
+
+
+def render_masked(tokenizer: Any, tokens: np.ndarray, loss_mask: np.ndarray) -> str:
+    """The text of `tokens` with each run of loss-masked tokens between ⟦ ⟧ (special tokens shown)."""
+    out, start = [], 0
+    mask = np.asarray(loss_mask).astype(bool)
+    for i in range(1, len(tokens) + 1):
+        if i == len(tokens) or mask[i] != mask[start]:
+            text = tokenizer.decode([int(t) for t in tokens[start:i]], skip_special_tokens=False)
+            out.append(f"{LOSS_OPEN}{text}{LOSS_CLOSE}" if mask[start] else text)
+            start = i
+    return "".join(out)
+
+
+__all__ = ["inspect_data", "render_masked", "run_capture", "run_regenerate"]

@@ -1,0 +1,261 @@
+"""`dflash eval`: drive a DFlash server and an AR server with the same prompts, record every reply, resume.
+
+    records = collect({"dflash": dflash_client, "ar": ar_client}, settings, out_dir, items)  # records.jsonl
+    results = summarize(records, ...); write_outputs(results, out_dir)   # eval.report
+
+`run_eval` (what `dflash eval` runs) starts the servers it needs ONE AT A TIME: the DFlash server serves all
+its requests and stops, then the AR server starts; on an accelerator host both would claim the same chips.
+
+A warm-up request per set (not recorded) lets each server compile first. Each conversation's turns go one
+after another (MT-Bench's second turn follows the model's own first answer); conversations run
+`concurrency` at a time. Every reply is one fsynced JSONL line keyed by (mode, concurrency, item id, turn),
+so a rerun into the same directory sends only what is missing. Each mode's records start with the setup they
+were made with (the server's model, K, drafter fingerprint and the token budget): a rerun against another
+drafter, or with another budget, drops that mode's old records instead of reporting them as its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from dflash.data.eval_sets import EvalItem, load_eval_set
+from dflash.eval.client import Client
+
+MODES = ("dflash", "ar")
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """What to send: prompt sets, items per set, new tokens per turn, client concurrencies."""
+
+    sets: tuple[str, ...] = ("gsm8k", "mtbench")
+    limit: int = 8
+    max_new_tokens: int = 256
+    concurrency: tuple[int, ...] = (1,)
+
+    def __post_init__(self) -> None:
+        if not self.sets:
+            raise ValueError("sets must name at least one prompt set")
+        if self.limit < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"limit and max_new_tokens must be >= 1; received {self.limit}, {self.max_new_tokens}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"concurrency must list integers >= 1; received {self.concurrency}")
+
+
+class RecordStore:
+    """The replies collected so far (`records.jsonl`), appended one fsynced line at a time."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: dict[tuple, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        if path.is_file():
+            data = path.read_bytes()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):  # a partial last line from an interrupted run
+                with open(path, "r+b") as f:
+                    f.truncate(end)
+            for line in data[:end].decode("utf-8").splitlines():
+                if line.strip():
+                    record = json.loads(line)
+                    self.records[self.key(record)] = record
+
+    @staticmethod
+    def key(record: dict[str, Any]) -> tuple:
+        return record["kind"], record["mode"], record["concurrency"], record.get("id"), record.get("turn")
+
+    def begin(self, mode: str, setup: dict[str, Any]) -> None:
+        """Keep `mode`'s records only if they were made with `setup`; otherwise drop them (logged) and record
+        `setup`, so that replies of another drafter or budget are never reported as this run's."""
+        record = {"kind": "setup", "mode": mode, "concurrency": None, "setup": setup}
+        previous = self.records.get(self.key(record), {}).get("setup", "unrecorded")
+        if previous == setup:
+            return
+        stale = [key for key in self.records if key[1] == mode]
+        if any(key[0] == "reply" for key in stale):
+            log.warning("%s: the %s replies recorded there were made with another setup (%s, now %s); measuring "
+                        "them again", self.path, mode, previous, setup)
+        with self._lock:
+            for key in stale:
+                del self.records[key]
+            self.records[self.key(record)] = record
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.records.values())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+
+    def has_conversation(self, mode: str, concurrency: int, item: EvalItem) -> bool:
+        return all(("reply", mode, concurrency, item.id, t) in self.records for t in range(len(item.turns)))
+
+    def add(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self.records[self.key(record)] = record
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+
+def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurrency: int, max_new_tokens: int,
+                  store: RecordStore, bar: tqdm) -> None:
+    messages: list[dict[str, str]] = []
+    for turn, text in enumerate(item.turns):
+        messages.append({"role": "user", "content": text})
+        reply = client.chat(model, messages, max_new_tokens)
+        messages.append({"role": "assistant", "content": reply.text})
+        store.add({"kind": "reply", "mode": mode, "concurrency": concurrency, "id": item.id, "set": item.set,
+                   "turn": turn, "text": reply.text, "tokens": reply.tokens, "finish": reply.finish_reason,
+                   "latency_s": reply.latency_s, "ttft_s": reply.ttft_s, "tpot_s": reply.tpot_s,
+                   "accepted": reply.accepted})
+        bar.update(1)
+
+
+def _run_mode(client: Client, mode: str, concurrency: int, items: Sequence[EvalItem], settings: EvalSettings,
+              store: RecordStore, progress: bool) -> None:
+    todo = [item for item in items if not store.has_conversation(mode, concurrency, item)]
+    if not todo:
+        return
+    model = client.model()
+    bar = tqdm(total=sum(len(i.turns) for i in todo), desc=f"{mode} c={concurrency}", unit="reply",
+               disable=not progress, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for future in [pool.submit(_conversation, client, model, item, mode, concurrency, settings.max_new_tokens,
+                                   store, bar) for item in todo]:
+            future.result()
+    bar.close()
+    # Throughput counts the replies of finished segments only: an interrupted segment left no wall time.
+    seconds = time.perf_counter() - t0
+    tokens = sum(store.records["reply", mode, concurrency, item.id, t]["tokens"]
+                 for item in todo for t in range(len(item.turns)))
+    previous = store.records.get(("wall", mode, concurrency, None, None), {"seconds": 0.0, "tokens": 0})
+    store.add({"kind": "wall", "mode": mode, "concurrency": concurrency,
+               "seconds": previous["seconds"] + seconds, "tokens": previous["tokens"] + tokens})
+
+
+def warm_up(client: Client, items: Sequence[EvalItem], max_new_tokens: int) -> None:
+    """First turns of each set's first item, not recorded: the server compiles its common shapes here, not
+    inside the timed requests."""
+    model = client.model()
+    for item in {item.set: item for item in reversed(items)}.values():
+        client.chat(model, [{"role": "user", "content": item.turns[0]}], max_new_tokens)
+
+
+def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, items: Sequence[EvalItem],
+            progress: bool = True) -> list[dict[str, Any]]:
+    """Send `items` (the sets' conversations) to the servers of `clients` (mode -> client: "dflash", "ar" or
+    both) at every concurrency; the records of both modes, old and new."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store = RecordStore(out_dir / "records.jsonl")
+    for mode, client in clients.items():
+        served = client.get("/v1/models")["data"][0]
+        store.begin(mode, {"model": served["id"], "block_size": served.get("block_size"),
+                           "drafter": served.get("drafter"), "max_new_tokens": settings.max_new_tokens})
+        if any(not store.has_conversation(mode, c, i) for c in settings.concurrency for i in items):
+            warm_up(client, items, settings.max_new_tokens)
+    for concurrency in settings.concurrency:
+        for mode, client in clients.items():
+            _run_mode(client, mode, concurrency, items, settings, store, progress)
+    wanted = {item.id for item in items}
+    return [r for r in store.records.values()
+            if r["concurrency"] in settings.concurrency and (r["kind"] == "wall" or r["id"] in wanted)]
+
+
+def environment() -> dict[str, Any]:
+    import datetime
+    import platform
+
+    return {"python": platform.python_version(), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+            "date": datetime.date.today().isoformat()}
+
+
+def evaluate(dflash_url: str, ar_url: str, settings: EvalSettings, out_dir: str | Path, *,
+             drafter: dict[str, Any] | None = None, api_key: str | None = None, progress: bool = True
+             ) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Evaluate the DFlash server at `dflash_url` against the AR server at `ar_url` (same target, same
+    prompts); writes results.json, report.md and the plots into `out_dir`; returns (results, paths)."""
+
+    out_dir = Path(out_dir).expanduser()
+    dflash, ar = Client(dflash_url, api_key), Client(ar_url, api_key)
+    served = dflash.get("/v1/models")["data"][0]
+    _check_same_target(ar, served)
+    items = eval_items(settings)
+    records = collect({"dflash": dflash, "ar": ar}, settings, out_dir, items, progress)
+    return _results(records, items, served, dflash_url, settings, out_dir, drafter)
+
+
+def eval_items(settings: EvalSettings) -> list[EvalItem]:
+    return [item for name in settings.sets for item in load_eval_set(name, settings.limit)]
+
+
+def _check_same_target(ar: Client, served: dict[str, Any]) -> None:
+    if ar.model() != served["id"]:
+        raise ValueError(f"the AR server serves {ar.model()!r} and the DFlash server {served['id']!r}; both must "
+                         "serve the same target")
+
+
+def _results(records: list[dict[str, Any]], items: Sequence[EvalItem], served: dict[str, Any], dflash_url: str,
+             settings: EvalSettings, out_dir: Path, drafter: dict[str, Any] | None
+             ) -> tuple[dict[str, Any], dict[str, Path]]:
+    from dflash.eval.report import summarize, write_outputs
+
+    answers = {item.id: item.answer for item in items if item.answer}
+    block_size = int(served.get("block_size") or 0)
+    meta = {"environment": environment(), "target": {"model": served["id"]},
+            "drafter": {"url": dflash_url, **(drafter or {})},
+            "settings": {**dataclasses.asdict(settings), "block_size": block_size}}
+    results = summarize(records, settings.sets, settings.concurrency, block_size, answers, meta)
+    return results, write_outputs(results, out_dir)
+
+
+def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = None, ar_url: str | None = None,
+             drafter: str | None = None, step: str | None = None, block_size: int | str = 0, config: str = "default",
+             overrides: Sequence[str] = (), api_key: str | None = None, progress: bool = True
+             ) -> tuple[dict[str, Any], dict[str, Path]]:
+    """`dflash eval`: against the server at `url`, or a `dflash serve` subprocess of `drafter` (a run dir or
+    an export; `step`: N or best) started here; the AR baseline at `ar_url`, or a `dflash serve --ar`
+    subprocess of the same recipe. Subprocess logs go to out_dir/server-*.log; servers stop at the end."""
+    import contextlib
+
+    from dflash.eval import servers
+
+    if (url is None) == (drafter is None):
+        raise ValueError("pass exactly one of --url (a running dflash serve) and --drafter (a run dir or export)")
+    out_dir = Path(out_dir).expanduser()
+    common = ["--config", config, *(["--api-key", api_key] if api_key else []), *overrides]
+    slots = int(max(settings.concurrency))
+    items = eval_items(settings)
+    # One server at a time: the DFlash phase, then the AR phase (a server started here stops before the next).
+    with contextlib.ExitStack() as stack:
+        if url is None:
+            args = ["--drafter", drafter, *(["--step", step] if step else []),
+                    *(["--block-size", str(block_size)] if block_size else [])]
+            url = stack.enter_context(servers.serve_subprocess([*args, *common], out_dir / "server-dflash.log", slots))
+        dflash = Client(url, api_key)
+        served = dflash.get("/v1/models")["data"][0]
+        collect({"dflash": dflash}, settings, out_dir, items, progress)
+    with contextlib.ExitStack() as stack:
+        if ar_url is None:
+            ar_url = stack.enter_context(servers.serve_subprocess(["--ar", *common], out_dir / "server-ar.log", slots))
+        ar = Client(ar_url, api_key)
+        _check_same_target(ar, served)
+        records = collect({"ar": ar}, settings, out_dir, items, progress)
+    info = {"path": drafter, "step": step} if drafter else {}
+    return _results(records, items, served, url, settings, out_dir, info)
+
+
+__all__ = ["MODES", "EvalSettings", "RecordStore", "collect", "environment", "evaluate", "run_eval", "warm_up"]

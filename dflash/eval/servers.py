@@ -1,0 +1,89 @@
+"""Servers for an evaluation: `dflash serve` subprocesses on free loopback ports (logs kept), or servers in
+this process over one loaded target (the demo's short eval)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash.eval.client import Client, ServerError
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, log: Path | None, timeout: float = 600.0) -> None:
+    """Block until `url`/health answers; a process that exits first is an error naming its log."""
+    client = Client(url, timeout=5.0)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log and log.is_file() else ""
+            raise ServerError(f"the server for {url} exited with code {proc.returncode} before it was ready "
+                              f"(log: {log}):\n{tail}")
+        try:
+            client.get("/health")
+            return
+        except ServerError:
+            time.sleep(0.5)
+    raise ServerError(f"the server at {url} was not ready after {timeout:.0f} s (log: {log})")
+
+
+@contextlib.contextmanager
+def serve_subprocess(args: Sequence[str], log: Path, slots: int) -> Iterator[str]:
+    """`dflash serve ARGS --port <free> --slots SLOTS` as a subprocess (its output in `log`); yields its URL and
+    stops it (SIGTERM, then SIGKILL after 30 s) on exit."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "dflash.launch.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port),
+           "--slots", str(slots)]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def serve_in_process(target: Any, drafter: Any, *, slots: int, max_len: int, block_size: int | None = None,
+                     model_name: str = "dflash") -> Iterator[str]:
+    """A real HTTP server in a thread of this process over `target` (and `drafter`; None: AR); yields its URL."""
+    from dflash.serve.engine import Engine
+    from dflash.serve.server import make_server
+
+    engine = Engine(target.params, target.cfg, drafter, slots=slots, max_len=max_len,
+                    block_size=None if drafter is None else (block_size or drafter.arch.block_size))
+    server = make_server(engine, target.tokenizer, model_name, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.close()  # finishes the requests in flight, stops the engine thread
+        thread.join(timeout=30)
+
+
+__all__ = ["free_port", "serve_in_process", "serve_subprocess", "wait_healthy"]

@@ -1,0 +1,67 @@
+"""`dflash-export RUN_DIR --format zlab|speculators --out DIR [--push-to-hub REPO] ...`: parse the arguments,
+log the devices, call `export.run.export_run`. Errors print one line naming the problem and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from dflash.configs.schema import ConfigError
+
+log = logging.getLogger("dflash")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dflash-export",
+        description="Export a trained DFlash drafter (a `dflash train` run dir) to the Hugging Face layout vLLM, "
+                    "SGLang (zlab) or speculators load, with a model card; optionally push it to the Hub.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir of `dflash train` (train.run_dir)")
+    p.add_argument("--step", default=None, help="checkpoint step, or 'best' (<run_dir>/best); default: the latest")
+    p.add_argument("--format", dest="fmt", required=True, choices=["zlab", "speculators"], help="layout to write")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="tensor dtype (default float32: the trained weights exactly)")
+    p.add_argument("--out", default=None, help="directory to write (refused if it exists, unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out (swapped in at the end)")
+    p.add_argument("--results", default=None,
+                   help="a `dflash eval` results.json for the card (default: the newest <run_dir>/eval*/results.json)")
+    p.add_argument("--target", default=None,
+                   help="the target's Hub id for the card and the speculators verifier (default: from the recipe)")
+    p.add_argument("--modeling-file", default=None,
+                   help="z-lab's dflash/model.py, shipped as dflash.py for transformers remote code (zlab only)")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload to this Hub repo (user/name)")
+    p.add_argument("--private", action="store_true", help="create the Hub repo private")
+    p.add_argument("--revision", default=None, help="Hub branch to commit to (created if missing; default main)")
+    p.add_argument("--dry-run", action="store_true", help="list the files and the upload; write and send nothing")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not args.verbose:
+        logging.getLogger("absl").setLevel(logging.WARNING)
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    from dflash.export.hub import HubError
+    from dflash.export.run import export_run
+    from dflash.models.drafter_io import CheckpointError
+
+    try:
+        import jax
+
+        log.info("jax %s: process %d/%d, devices %s", jax.__version__, jax.process_index(), jax.process_count(),
+                 [str(d) for d in jax.devices()])
+        export_run(args.run_dir, fmt=args.fmt, out=args.out, step=args.step, dtype=args.dtype, results=args.results,
+                   target=args.target, modeling_file=args.modeling_file, overwrite=args.overwrite,
+                   dry_run=args.dry_run, push_to_hub=args.push_to_hub, private=args.private, revision=args.revision)
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError, CheckpointError, HubError) as err:
+        print(f"dflash-export: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

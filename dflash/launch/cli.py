@@ -1,0 +1,469 @@
+"""`dflash` — one entry point, a subcommand per stage. Each subcommand parses its config, logs the
+devices and process index, and calls one library function."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from dflash.configs.schema import ConfigError
+
+log = logging.getLogger("dflash")
+
+
+def _add_config_args(p: argparse.ArgumentParser, default: str = "default") -> None:
+    p.add_argument("--config", default=default,
+                   help=f"recipe name in dflash/configs/ or a YAML path (default: {default})")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="dotted overrides, e.g. target.dtype=bfloat16")
+
+
+def _recipe(args: argparse.Namespace):
+    from dflash.configs.recipe import load_recipe
+
+    return load_recipe(args.config, args.overrides)
+
+
+def _init_distributed() -> None:
+    """Join a multi-process JAX run when JAX_COORDINATOR_ADDRESS (host:port of process 0's coordinator)
+    is set, with JAX_NUM_PROCESSES and JAX_PROCESS_ID: every process runs the same command with its own id.
+    CPU processes exchange collectives through gloo (jax's default `jax_cpu_collectives_implementation`).
+
+    With DFLASH_DISTRIBUTED=auto instead (what `dflash launch xpk` sets on TPU pods), `jax.distributed.initialize()`
+    finds the coordinator, the process count and this process's id itself: on GKE from the variables the TPU
+    webhook and JobSet set (TPU_WORKER_HOSTNAMES, TPU_WORKER_ID, MEGASCALE_* across slices)."""
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+    count, index = os.environ.get("JAX_NUM_PROCESSES", ""), os.environ.get("JAX_PROCESS_ID", "")
+    mode = os.environ.get("DFLASH_DISTRIBUTED", "")
+    if mode not in ("", "auto", "off"):
+        raise ConfigError(f"DFLASH_DISTRIBUTED must be 'auto' (jax.distributed.initialize() finds the cluster) or "
+                          f"'off'; received {mode!r}")
+    if mode == "auto" and not address:
+        import jax
+
+        jax.distributed.initialize()
+        return
+    if not address:
+        if count or index:
+            raise ConfigError(f"JAX_COORDINATOR_ADDRESS must be host:port of process 0 when JAX_NUM_PROCESSES "
+                              f"or JAX_PROCESS_ID is set; received JAX_NUM_PROCESSES={count!r}, "
+                              f"JAX_PROCESS_ID={index!r} and no address: set it or unset them")
+        return
+    if not (count.isdigit() and index.isdigit() and int(index) < int(count)):
+        raise ConfigError(f"JAX_NUM_PROCESSES must be an integer >= 1 and JAX_PROCESS_ID one in [0, JAX_NUM_PROCESSES) "
+                          f"when JAX_COORDINATOR_ADDRESS is set; received {count!r} and {index!r}")
+    import jax
+
+    jax.distributed.initialize(coordinator_address=address, num_processes=int(count), process_id=int(index))
+
+
+def _log_devices() -> None:
+    import jax
+
+    log.info("jax %s: process %d/%d, devices %s", jax.__version__, jax.process_index(), jax.process_count(),
+             [str(d) for d in jax.devices()])
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from dflash.configs.recipe import dump_recipe
+
+    sys.stdout.write(dump_recipe(_recipe(args)))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from dflash.models.target import load_target
+    from dflash.serve.chat import chat
+
+    recipe = _recipe(args)
+    _log_devices()
+    prompts = args.prompt or [line.strip() for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise ConfigError("chat needs --prompt TEXT (repeatable) or prompts on standard input; received none")
+    chat(load_target(recipe.target), recipe.sampling, recipe.target.max_seq_len, prompts, system=args.system)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from dflash.launch.demo import DEMO_PROMPTS, run_demo
+
+    recipe = _recipe(args)
+    _log_devices()
+    try:
+        run_demo(recipe, prompts=args.prompt or DEMO_PROMPTS, train=not args.skip_train,
+                 progress=not args.no_progress)
+    except _run_errors() as err:
+        print(f"dflash demo: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_errors() -> tuple[type[Exception], ...]:
+    """Errors of a run (not of its input) that end a training stage with exit status 1 and their message."""
+    from dflash.train.checkpoint import CheckpointError
+    from dflash.train.metrics import NonFiniteMetricError
+
+    return CheckpointError, NonFiniteMetricError
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dflash.train.loop import run_training
+
+    recipe = _recipe(args)
+    _log_devices()
+    try:
+        result = run_training(recipe, progress=not args.no_progress)
+    except _run_errors() as err:
+        print(f"dflash train: error: {err}", file=sys.stderr)
+        return 1
+    last, ev = result.last, result.eval
+    print(f"trained {result.final_step - result.start_step} steps (to step {result.final_step}) in "
+          f"{result.seconds:.0f} s; checkpoints in {result.run_dir / 'checkpoints'}")
+    if last:
+        print(f"last step: loss {last['loss']:.3f}, teacher-forced acceptance length {last['acceptance_length']:.2f}")
+    if ev:
+        per_pos = " ".join(f"{a:.2f}" for a in ev["accuracy_per_position"][1:])
+        print(f"held-out (GSM8K test): loss {ev['loss']:.3f}, teacher-forced acceptance length "
+              f"{ev['acceptance_length']:.2f} (block {result.arch.block_size}); accuracy by position: {per_pos}")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    recipe = _recipe(args)
+    if args.stage == "inspect":
+        from dflash.data.stages import inspect_data
+
+        print(inspect_data(recipe, sample=args.sample))
+        return 0
+    _log_devices()
+    progress = not args.no_progress
+    if args.stage == "regenerate":
+        from dflash.data.stages import run_regenerate
+
+        _, stats, out = run_regenerate(recipe, progress=progress)  # the mix's table is logged before the run
+        print(f"{stats.summary()}\nwritten to {out}")
+        return 0 if stats.succeeded + stats.skipped > 0 or not (stats.errors + stats.dropped) else 1
+    from dflash.data.stages import run_capture
+
+    report = run_capture(recipe, progress=progress)
+    m = report.manifest
+    print(f"captured {report.shards_written} shards ({report.shards_kept} kept from an earlier run) to "
+          f"{recipe.data.shard_dir}: {m.num_samples} samples, {m.total_tokens} tokens, layer_ids {list(m.layer_ids)}; "
+          f"{report.tokens_per_s:.0f} tokens/s this run, {m.bytes_per_token:.0f} bytes/token on disk")
+    return 0
+
+
+def _block_size(text: str) -> int | str:
+    """--block-size: a K >= 2, `auto` (`serve.autoblock`), or 0 (the drafter's training K)."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) == 1:
+        raise argparse.ArgumentTypeError(f"must be a block size >= 2, 0 (the training K) or 'auto'; received {text!r}")
+    return int(text)
+
+
+def _auto_block_size(target: Any, drafter: Any, source: Any, max_len: int) -> int:
+    """`--block-size auto`: acceptance per position from the run's best.json when it has one, else measured
+    here on held-out prompts (2 each of GSM8K, MT-Bench, HumanEval, 48 tokens, at the training K); step
+    costs measured here; the K with the most expected tokens per second (`serve.autoblock`)."""
+    from dflash.serve.autoblock import candidate_ks, format_table, pick_block_size, step_costs
+    from dflash.train.real_eval import eval_prompts, read_best, real_tau
+
+    prompts = eval_prompts(target.tokenizer, ("gsm8k", "mtbench", "humaneval"), 2)
+    best = read_best(source) if source.is_dir() else None
+    if best and len(best.get("accept_per_position", ())) == drafter.arch.block_size - 1:
+        accept, where = best["accept_per_position"], f"{source}/best/best.json (step {best.get('step')})"
+    else:
+        accept, where = real_tau(target, drafter, prompts, 48)["accept_per_position"], "6 held-out prompts"
+    costs = step_costs(target.params, target.cfg, drafter, candidate_ks(drafter.arch.block_size), prompts[0].ids,
+                       max_len=max_len)
+    k, table = pick_block_size(accept, costs)
+    print(f"--block-size auto: acceptance from {where}, step costs measured here\n{format_table(table, k)}",
+          flush=True)
+    return k
+
+
+def _step(text: str | None) -> int | str | None:
+    """--step: a checkpoint step, `best` (the best real-τ drafter of a run), or None (the latest)."""
+    if text is None or text == "best":
+        return text
+    if not text.isdigit():
+        raise ConfigError(f"--step must be a checkpoint step or 'best'; received {text!r}")
+    return int(text)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as err:
+        raise ConfigError(f"--concurrency must be comma-separated integers like 1,4,16; received {text!r}") from err
+    return values
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from dflash.eval.client import ServerError
+    from dflash.eval.report import headline_line
+    from dflash.eval.run import EvalSettings, run_eval
+
+    settings = EvalSettings(sets=tuple(s for s in args.sets.split(",") if s), limit=args.limit,
+                            max_new_tokens=args.max_new_tokens, concurrency=_int_list(args.concurrency))
+    _recipe(args)  # the recipe and overrides must be valid before servers start with them
+    try:
+        results, paths = run_eval(settings, args.out, url=args.url, ar_url=args.ar_url, drafter=args.drafter,
+                                  step=args.step, block_size=args.block_size, config=args.config,
+                                  overrides=args.overrides, api_key=args.api_key, progress=not args.no_progress)
+    except ServerError as err:
+        print(f"dflash eval: error: {err}", file=sys.stderr)
+        return 2
+    mismatches = results["headline"]["mismatches"]
+    print(f"report: {paths['report.md']}\n{headline_line(results)}"
+          + (f"\nERROR: {mismatches} greedy replies differ from AR (see results.json)" if mismatches else ""))
+    return 1 if mismatches else 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+    from pathlib import Path
+
+    from dflash.models.target import load_target
+    from dflash.serve.engine import Engine
+    from dflash.serve.server import make_server
+
+    recipe = _recipe(args)
+    _log_devices()
+    target = load_target(recipe.target)
+    source = Path(args.drafter or recipe.train.run_dir).expanduser()
+    if args.ar:
+        drafter = None  # the engine's AR mode needs none
+    else:
+        from dflash.models.drafter_io import load_drafter
+
+        drafter = load_drafter(source, target.cfg, step=_step(args.step))
+    if args.ar:
+        block = None
+    elif args.block_size == "auto":
+        block = _auto_block_size(target, drafter, source, recipe.target.max_seq_len)
+    else:
+        block = args.block_size or drafter.arch.block_size
+    engine = Engine(target.params, target.cfg, drafter, slots=args.slots, max_len=recipe.target.max_seq_len,
+                    block_size=block, sampling=recipe.sampling)
+    server = make_server(engine, target.tokenizer, args.model_name or recipe.target.source, args.host, args.port,
+                         default_max_tokens=recipe.sampling.max_new_tokens,
+                         max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout or None,
+                         api_key=args.api_key or os.environ.get("DFLASH_API_KEY") or None,
+                         unknown_fields="reject" if args.strict_fields else "ignore")
+    mode = "AR" if block is None else f"DFlash K={block} (drafter {source})"
+    print(f"serving {server.model_name} on http://{args.host}:{server.server_address[1]}/v1 - {mode}, "
+          f"{args.slots} slots; Ctrl-C stops", flush=True)
+
+    def stop(*_: object) -> None:
+        threading.Thread(target=server.close, daemon=True).start()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    server.serve_forever()
+    server.worker.shutdown()
+    return 0
+
+
+def cmd_launch_xpk(args: argparse.Namespace) -> int:
+    import shlex
+
+    from dflash.launch.tpus import parse_tpu_type
+    from dflash.launch.xpk import XpkLaunch, launch
+
+    _recipe(args)  # the recipe and its overrides must load here before a pod tries them
+    image = args.image or os.environ.get("DFLASH_IMAGE") or ("dflash-tpu:latest" if args.dry_run else None)
+    if image is None:
+        raise ConfigError("--image (or DFLASH_IMAGE) must name the image built from docker/Dockerfile and pushed to "
+                          "a registry the cluster pulls from; received none")
+    plan = XpkLaunch(stage=args.stage, recipe=args.config, cluster=args.cluster, tpu=parse_tpu_type(args.tpu_type),
+                     run_dir=args.run_dir, image=image, num_slices=args.num_slices, data_dir=args.data_dir,
+                     overrides=tuple(args.overrides), stage_args=tuple(shlex.split(args.args)),
+                     workload=args.workload, project=args.project, zone=args.zone, max_restarts=args.max_restarts,
+                     priority=args.priority, spot=args.spot)
+    return launch(plan, dry_run=args.dry_run, xpk=args.xpk, manifest=args.manifest)
+
+
+def cmd_launch_compile(args: argparse.Namespace) -> int:
+    import json
+
+    from dflash.configs.recipe import load_recipe
+    from dflash.launch.compile import recipe_topology, run_compile
+
+    load_recipe(args.recipe, args.overrides)  # a bad recipe or override stops here, not in the subprocess
+    topology = args.topology or recipe_topology(args.recipe)
+    if topology is None:
+        raise ConfigError(f"--topology must name a TPU slice (e.g. v5p-128): recipe {args.recipe!r} names none in a "
+                          "`# Topology:` header line; received none")
+    report = run_compile(args.recipe, args.overrides, topology, args.num_slices, backend=args.backend,
+                         libtpu=args.libtpu, engine=not args.no_engine)
+    print(report.format(args.mfu))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+    return 0 if all(report.fits(p) for p in report.programs) else 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description="DFlash drafter pipeline for JAX.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="the main job on the embedded default target: train a drafter briefly, chat")
+    _add_config_args(p, default="demo")
+    p.add_argument("--prompt", action="append", help="prompt(s) to use instead of the built-in ones")
+    p.add_argument("--skip-train", action="store_true", help="only chat (no drafter training)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("chat", help="chat with the target (AR decoding), printing tokens/s")
+    _add_config_args(p)
+    p.add_argument("--prompt", action="append", help="a user prompt (repeatable); else one per stdin line")
+    p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("train", help="distill a DFlash drafter (online or stored target features); resumes from "
+                                     "train.run_dir")
+    _add_config_args(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("data", help="training data: regenerate answers with the target, capture features, inspect")
+    stages = p.add_subparsers(dest="stage", required=True)
+    for stage, text in [("regenerate", "data.prompts -> the target's answers -> data.dir/regenerated.jsonl (resumes)"),
+                        ("capture", "data.source -> target features -> data.dir/shards, read by "
+                                    "`dflash train data.features=offline` (resumes)"),
+                        ("inspect", "the counts, the capture manifest and one decoded sample with its loss mask")]:
+        q = stages.add_parser(stage, help=text, description=text)
+        _add_config_args(q)
+        if stage == "inspect":
+            q.add_argument("--sample", type=int, default=0, help="which captured sample to decode (default 0)")
+        else:
+            q.add_argument("--no-progress", action="store_true", help="no progress bar")
+        q.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server: target + DFlash drafter (or AR)")
+    _add_config_args(p)
+    p.add_argument("--drafter", help="a `dflash train` run dir or a z-lab HF drafter dir (default: train.run_dir)")
+    p.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
+    p.add_argument("--ar", action="store_true", help="serve the target alone (no drafter)")
+    p.add_argument("--block-size", type=_block_size, default=0,
+                   help="K at inference: a number, 'auto' (the K <= the training K with the most expected tokens "
+                   "per second, from measured acceptance and step cost), default the drafter's training K")
+    p.add_argument("--slots", type=int, default=8, help="concurrent sequences per step (continuous batching)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: target.source)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: env DFLASH_API_KEY; unset: open)")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get a 413 (default 4)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a connection may stay silent before it is cut (0: never; default 30)")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="refuse unknown request fields with a 400 (default: ignore them, one warning per name)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("eval", help="evaluate a drafter against the served engine: tau, acceptance, DFlash vs AR "
+                                    "speed, output equality; writes results.json, report.md and plots")
+    _add_config_args(p)
+    p.add_argument("--url", help="a running `dflash serve` (DFlash) to evaluate, e.g. http://127.0.0.1:8000")
+    p.add_argument("--drafter", help="a run dir or an exported drafter: its server is started here")
+    p.add_argument("--step", default=None, help="with --drafter: a checkpoint step or 'best' (default: latest)")
+    p.add_argument("--ar-url", help="a running `dflash serve --ar` of the same target (default: started here)")
+    p.add_argument("--sets", default="gsm8k,mtbench",
+                   help="comma-separated: gsm8k, math500, humaneval, mbpp, mtbench, a .json/.jsonl file, hf:ID")
+    p.add_argument("--limit", type=int, default=8, help="conversations per set (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per turn (default 256)")
+    p.add_argument("--concurrency", default="1", help="client concurrencies, e.g. 1,4,16 (default 1)")
+    p.add_argument("--block-size", type=_block_size, default=0,
+                   help="K at inference: a number or 'auto' (see dflash serve --help); default the training K")
+    p.add_argument("--out", default="runs/eval", help="output directory; a rerun resumes it (default runs/eval)")
+    p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("launch", help="run a stage on a TPU pod with xpk, or compile it ahead of time for one")
+    targets = p.add_subparsers(dest="target", required=True)
+    q = targets.add_parser("xpk", help="create an xpk workload running a stage on a TPU slice (see docs/pods.md)",
+                           description="Create an xpk workload that runs STAGE of a recipe on a GKE TPU slice; "
+                           "--dry-run prints the xpk command and the workload and runs nothing.")
+    q.add_argument("stage", choices=("regenerate", "capture", "train", "eval"))
+    _add_config_args(q)
+    q.add_argument("--cluster", required=True, help="the GKE cluster (made with `xpk cluster create`)")
+    q.add_argument("--tpu-type", required=True, help="the slice type, e.g. v5p-128 (train) or v5p-8 (other stages)")
+    q.add_argument("--num-slices", type=int, default=1, help="slices (multislice over DCN; train only)")
+    q.add_argument("--run-dir", required=True, help="gs://BUCKET/PATH: checkpoints, metrics, exports, eval")
+    q.add_argument("--data-dir", default="", help="gs://BUCKET/PATH of data.dir (default: RUN_DIR/data)")
+    q.add_argument("--image", default=None, help="the Docker image (docker/Dockerfile), e.g. "
+                   "us-docker.pkg.dev/PROJECT/REPO/dflash-tpu:TAG (env DFLASH_IMAGE)")
+    q.add_argument("--workload", default="", help="workload name (default: RECIPE-STAGE-RUNNAME)")
+    q.add_argument("--project", default="", help="GCP project (default: gcloud's)")
+    q.add_argument("--zone", default="", help="GCP zone (default: gcloud's)")
+    q.add_argument("--max-restarts", type=int, default=10, help="restarts after preemption or failure (default 10)")
+    q.add_argument("--priority", default="medium", help="very-low, low, medium (default), high, very-high")
+    q.add_argument("--spot", action="store_true", help="spot capacity")
+    q.add_argument("--args", default="", help="extra arguments of the stage's command, e.g. '--sets gsm8k --limit 80'")
+    q.add_argument("--xpk", default=None, help="the xpk executable (default: .venv-xpk/bin/xpk from "
+                   "tools/setup_xpk.sh, $XPK, or xpk on PATH)")
+    q.add_argument("--manifest", default=None, help="also write the JobSet that xpk would apply to this file "
+                   "(runs xpk's own dry run; needs --project and --zone)")
+    q.add_argument("--dry-run", action="store_true", help="print the xpk command and the workload; run nothing")
+    q.set_defaults(func=cmd_launch_xpk)
+    q = targets.add_parser("compile", help="compile the train step, propose and verify for a TPU topology and "
+                           "report memory per chip", description="Compile a recipe's train step (and the engine's "
+                           "propose and verify) ahead of time for a TPU slice from this machine; print memory per chip "
+                           "and whether it fits HBM, and the run's cost from the step's FLOPs.")
+    q.add_argument("--recipe", required=True, help="recipe name in dflash/configs/ or a YAML path")
+    q.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
+    q.add_argument("--topology", default=None, help="TPU slice type, e.g. v5p-128 (default: the recipe header's "
+                   "`# Topology:` line)")
+    q.add_argument("--num-slices", type=int, default=1)
+    q.add_argument("--backend", default="auto", choices=("auto", "tpu", "cpu"),
+                   help="tpu: XLA's TPU compiler through libtpu (tools/setup_libtpu.sh); cpu: a simulated CPU mesh of "
+                   "the same shape; auto (default): tpu when libtpu is found, else cpu")
+    q.add_argument("--libtpu", default=None, help="path of libtpu.so (default: $TPU_LIBRARY_PATH or the cache of "
+                   "tools/setup_libtpu.sh)")
+    q.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the time estimate (0.4)")
+    q.add_argument("--no-engine", action="store_true", help="the train step only")
+    q.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    q.set_defaults(func=cmd_launch_compile)
+
+    p = sub.add_parser("config", help="print the resolved recipe (after overrides) as YAML")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. Multi-process (one process per host): set JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID in each process's environment (see `_init_distributed`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also come after options (`dflash train --no-progress train.steps=5`), which argparse
+    # leaves over once the positional list has been filled.
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not args.verbose:
+        logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every save step at INFO
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU/proxy backend" notes
+    try:
+        if args.command not in ("config", "launch"):  # these never join a distributed run
+            _init_distributed()
+        return args.func(args)
+    except (ConfigError, FileNotFoundError, ValueError) as err:  # ShardError, ManifestMismatchError included
+        print(f"dflash {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Configs owned by `dflash/models/`: the target and drafter sections of a recipe, and the decoder architecture.
+
+`TargetConfig` is the recipe section (what to load, at which dtype). `DecoderConfig` describes the
+architecture of a Llama 3.x / Qwen2 / Qwen3 dense decoder; it is read from the weights (HF config.json
+or GGUF metadata), never written by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from dflash.configs.schema import require
+
+Family = Literal["llama", "qwen2", "qwen3"]
+DType = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """Which target LLM to load and how.
+
+    source: `smollm2` (the embedded default, a packaged GGUF), a `.gguf` file, or a Hugging Face
+      model directory (config.json + safetensors).
+    dtype: parameter and compute dtype. `float32` is exact (parity and lossless tests use it).
+    max_seq_len: the KV-cache length per sequence (prompt + generated tokens).
+    """
+
+    source: str = "smollm2"
+    dtype: DType = "float32"
+    max_seq_len: int = 2048
+
+    def __post_init__(self) -> None:
+        require(bool(self.source), "target.source", self.source, "name a model (smollm2, a .gguf or an HF dir)")
+        require(self.max_seq_len >= 16, "target.max_seq_len", self.max_seq_len, "be at least 16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: `llama3` (Llama 3.1+), `linear`, or `freq_factors` (GGUF rope_freqs)."""
+
+    kind: Literal["llama3", "linear", "freq_factors"]
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Architecture of one dense decoder of the Llama / Qwen2 / Qwen3 family.
+
+    Switches: `qkv_bias` (Qwen2), `qk_norm` (Qwen3 per-head RMSNorm on q and k), `tie_word_embeddings`,
+    `rope_scaling`; GQA through `num_kv_heads`; `head_dim` independent of hidden/heads (Qwen3).
+    """
+
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value > 0, f"decoder.{name}", value, "be a positive integer")
+        require(self.num_heads % self.num_kv_heads == 0, "decoder.num_heads", self.num_heads,
+                f"be a multiple of num_kv_heads={self.num_kv_heads}")
+        require(self.head_dim % 2 == 0, "decoder.head_dim", self.head_dim, "be even (RoPE rotates pairs)")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """The drafter section of a recipe.
+
+    num_layers: drafter decoder layers L_d.
+    num_features: F, the target layers whose post-layer outputs are fused.
+    layer_ids: target layer ids to capture (id j = output of decoder layer j); () = the default ids.
+    block_size: K, tokens per block (1 anchor + K-1 masks, K-1 draft tokens).
+    mask_token_id: the MASK id inside the target's vocab; -1 = resolved from the target's default.
+    num_heads / num_kv_heads / head_dim / intermediate_size: 0 = follow the target.
+    markov_rank: width r of the Markov head (0 = none, plain DFlash): a small SwiGLU that adds to each block
+      position's hidden state a function of the previous token of the block (the anchor, then the token drafted
+      before it) and of the position's own hidden state, so slot k's proposal depends on slot k-1's
+      (`models.drafter.MarkovHead`; DSpark's semi-autoregressive head, docs/decisions.md D34).
+    """
+
+    num_layers: int = 5
+    num_features: int = 5
+    layer_ids: tuple[int, ...] = ()
+    block_size: int = 16
+    mask_token_id: int = -1
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    markov_rank: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.markov_rank >= 0, "drafter.markov_rank", self.markov_rank, "be >= 0 (0 = no Markov head)")
+        require(self.num_layers >= 1, "drafter.num_layers", self.num_layers, "be at least 1")
+        require(self.num_features >= 1, "drafter.num_features", self.num_features, "be at least 1")
+        require(not self.layer_ids or len(self.layer_ids) == self.num_features, "drafter.layer_ids",
+                self.layer_ids, f"name num_features={self.num_features} ids, or be () for the default ids")
+        require(self.block_size >= 2, "drafter.block_size", self.block_size,
+                "be at least 2 (one anchor token plus at least one masked draft position)")
+        require(self.mask_token_id >= -1, "drafter.mask_token_id", self.mask_token_id,
+                "be a token id >= 0, or -1 to use the target's default")
+        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            value = getattr(self, name)
+            require(value >= 0, f"drafter.{name}", value, "be a positive integer, or 0 to follow the target")
+
+
+def default_layer_ids(num_layers: int, num_features: int) -> tuple[int, ...]:
+    """Default target layers to capture (DESIGN §4.1): round(1 + i*(L-4)/(n-1)), or (L//2,) for n=1.
+
+    Layer id j is the output of decoder layer j (0-based) = HF `hidden_states[j+1]`.
+    Qwen3 (36 layers, n=5) -> (1, 9, 17, 25, 33); Llama 32 -> (1, 8, 15, 22, 29).
+    """
+    require(num_features >= 1, "num_features", num_features, "be at least 1")
+    require(num_layers >= 4 or num_features == 1, "num_layers", num_layers, "be at least 4 for n > 1")
+    if num_features == 1:
+        return (num_layers // 2,)
+    return tuple(round(1 + i * (num_layers - 4) / (num_features - 1)) for i in range(num_features))
+
+
+def check_layer_ids(layer_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """Validate capture layer ids: strictly increasing, each in [0, num_layers)."""
+    ids = tuple(int(j) for j in layer_ids)
+    if not ids:
+        raise ValueError("layer_ids must name at least one layer; received ()")
+    bad = [j for j in ids if not 0 <= j < num_layers]
+    if bad:
+        raise ValueError(
+            f"layer_ids must lie in [0, {num_layers}) for a {num_layers}-layer target "
+            f"(id j = output of decoder layer j); received {ids} (out of range: {bad})"
+        )
+    if list(ids) != sorted(set(ids)):
+        raise ValueError(f"layer_ids must be strictly increasing (shallow to deep); received {ids}")
+    return ids

@@ -1,0 +1,326 @@
+"""The target decoder (Llama 3.x / Qwen2 / Qwen3 dense) as pure JAX functions over a params pytree.
+
+`forward` is the full causal pass (logits, and the post-layer features at chosen layer ids);
+`forward_cached` appends a chunk of T >= 1 tokens per sequence to any `KVCacheLike` cache (`DenseKVCache`
+here, the engine's paged cache) and returns the chunk's logits. Why pure functions over one layer scan,
+and the cache interface: docs/decisions.md D3, D4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash.models.config import DecoderConfig, check_layer_ids
+
+# Params layout (ours is `x @ W`, i.e. HF weights transposed; layer weights stacked on a leading L axis
+# so the layer loop is one `lax.scan` and compiles once):
+#     embed        [V, D]                 final_norm [D]            lm_head [D, V] (untied only)
+#     layers.attn_norm [L, D]   wq [L, D, H*Dh]   wk/wv [L, D, Hk*Dh]   wo [L, H*Dh, D]
+#            bq/bk/bv [L, ·] (qkv_bias)   q_norm/k_norm [L, Dh] (qk_norm)
+#            mlp_norm [L, D]   w_gate/w_up [L, D, I]   w_down [L, I, D]   (I = intermediate_size)
+Params = dict[str, Any]
+NEG_INF = -1e30
+
+
+# ----------------------------------------------------------------------------- small pieces
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in fp32, cast back to x's dtype, then scaled (HF order)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [Dh/2] (float64 on host), with the configured scaling applied."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2 / cfg.head_dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "freq_factors":
+        factors = np.asarray(scaling.freq_factors, dtype=np.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope freq_factors must have {half} entries; received {factors.shape[0]}")
+        return inv_freq / factors
+    # llama3: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(cfg: DecoderConfig, positions_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, S, Dh] (fp32) for the given absolute positions (rotate-half layout)."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg), dtype=jnp.float32)
+    angles = positions_BxS.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x_BxSxHxDh: jax.Array, cos_BxSxDh: jax.Array, sin_BxSxDh: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (the HF layout; GGUF llama rows are un-permuted at load to match)."""
+    half = x_BxSxHxDh.shape[-1] // 2
+    x32 = x_BxSxHxDh.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos_BxSxDh[:, :, None, :] + rotated * sin_BxSxDh[:, :, None, :]
+    return out.astype(x_BxSxHxDh.dtype)
+
+
+def attend(q_BxQxHxDh: jax.Array, k_BxKxHkxDh: jax.Array, v_BxKxHkxDh: jax.Array,
+           visible_BxQxK: jax.Array) -> jax.Array:
+    """Grouped-query softmax attention with a boolean visibility mask; softmax in fp32.
+
+    A query row with no visible key returns zeros (never NaN).
+    """
+    b, q_len, h, dh = q_BxQxHxDh.shape
+    hk = k_BxKxHkxDh.shape[2]
+    q = q_BxQxHxDh.reshape(b, q_len, hk, h // hk, dh)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_BxKxHkxDh).astype(jnp.float32) / math.sqrt(dh)
+    mask = visible_BxQxK[:, None, None, :, :]
+    scores = jnp.where(mask, scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask, probs, 0.0).astype(v_BxKxHkxDh.dtype)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v_BxKxHkxDh)
+    return out.reshape(b, q_len, h, dh)
+
+
+# ----------------------------------------------------------------------------- KV caches
+
+
+class KVCacheLike(Protocol):
+    """What the cached forward needs of a cache; the dense and the engine's paged cache implement it.
+
+    The cache rides in the carry of the layer scan. `write_and_attend(layer, q, k, v)` stores the chunk's
+    K/V of decoder layer `layer` (a traced index) after each sequence's current length and attends the
+    chunk's queries causally over everything cached so far; it returns (attention output [B, T, H, Dh],
+    updated cache). `advance(T)` then moves every length on by T.
+    """
+
+    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
+        ...
+
+    def advance(self, num_tokens: int) -> Any:
+        ...
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseKVCache:
+    """Contiguous per-sequence cache: k, v [L, B, T, Hk, Dh]; lengths [B] = tokens held per sequence.
+
+    Slot t of sequence b holds the token at cache index t; slots >= lengths[b] are stale and invisible,
+    so rolling back is just lowering `lengths`.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def create(cls, cfg: DecoderConfig, batch: int, max_len: int, dtype: Any = jnp.float32) -> DenseKVCache:
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array,
+                         v: jax.Array) -> tuple[jax.Array, DenseKVCache]:
+        b, chunk = q.shape[:2]
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, chunk))
+        slots = self.lengths[:, None] + jnp.arange(chunk)[None, :]
+        # Scatter only the chunk into the full cache: in place in the scan carry (a per-layer slice
+        # through scan xs/ys costs a full cache copy per call; see docs/decisions.md D4).
+        k_all = self.k.at[layer, rows, slots].set(k.astype(self.k.dtype), mode="drop")
+        v_all = self.v.at[layer, rows, slots].set(v.astype(self.v.dtype), mode="drop")
+        visible = jnp.arange(self.capacity)[None, None, :] <= slots[:, :, None]
+        return attend(q, k_all[layer], v_all[layer], visible), DenseKVCache(k_all, v_all, self.lengths)
+
+    def advance(self, num_tokens: int) -> DenseKVCache:
+        return DenseKVCache(self.k, self.v, self.lengths + num_tokens)
+
+    def rollback(self, lengths: jax.Array) -> DenseKVCache:
+        """Forget every slot at or after `lengths[b]` (e.g. rejected draft tokens)."""
+        return DenseKVCache(self.k, self.v, jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths))
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+def _qkv(cfg: DecoderConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    b, s, _ = x.shape
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(b, s, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _finish_layer(cfg: DecoderConfig, lp: Params, x: jax.Array, attn_BxSxHxDh: jax.Array) -> jax.Array:
+    b, s, _ = x.shape
+    x = x + attn_BxSxHxDh.reshape(b, s, cfg.q_size) @ lp["wo"]
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    return x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+
+
+def layer_forward(cfg: DecoderConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                  visible_BxSxS: jax.Array) -> jax.Array:
+    """One decoder layer over a full sequence (no cache)."""
+    q, k, v = _qkv(cfg, lp, x, cos, sin)
+    return _finish_layer(cfg, lp, x, attend(q, k, v, visible_BxSxS))
+
+
+# ----------------------------------------------------------------------------- embedding and head
+
+
+def embed(params: Params, tokens_BxS: jax.Array) -> jax.Array:
+    return jnp.take(params["embed"], tokens_BxS, axis=0)
+
+
+def lm_head(params: Params, cfg: DecoderConfig, hidden_BxSxD: jax.Array) -> jax.Array:
+    """Final norm + LM head (the tied embedding, or the separate untied head). Logits in fp32."""
+    h = rms_norm(hidden_BxSxD, params["final_norm"], cfg.rms_norm_eps)
+    return logits_from_normed(params, cfg, h)
+
+
+def head_matrix(params: Params, cfg: DecoderConfig) -> tuple[jax.Array, bool]:
+    """(the LM head's weight, vocab_major): the tied embedding [V, D] (True) or the untied head [D, V]."""
+    if cfg.tie_word_embeddings:
+        return params["embed"], True
+    return params["lm_head"], False
+
+
+def logits_from_normed(params: Params, cfg: DecoderConfig, normed_BxSxD: jax.Array) -> jax.Array:
+    """Project already-normed hidden states to full-vocabulary logits (the drafter reuses this)."""
+    if cfg.tie_word_embeddings:
+        return jnp.einsum("bsd,vd->bsv", normed_BxSxD, params["embed"]).astype(jnp.float32)
+    return (normed_BxSxD @ params["lm_head"]).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- forwards
+
+
+def _segments(layer_ids: tuple[int, ...], num_layers: int, with_logits: bool) -> list[tuple[int, int, bool]]:
+    """Split [0, L) into contiguous layer ranges ending at each captured id: (start, stop, capture)."""
+    out, start = [], 0
+    for j in layer_ids:
+        out.append((start, j + 1, True))
+        start = j + 1
+    if with_logits and start < num_layers:
+        out.append((start, num_layers, False))
+    return out
+
+
+def _scan_layers(step: Callable, carry: Any, layers: Params, start: int, stop: int) -> Any:
+    """Run `step(carry, layer_params)` over layers [start, stop) with one lax.scan."""
+    seg = jax.tree.map(lambda a: a[start:stop], layers)
+    carry, _ = jax.lax.scan(lambda c, lp: (step(c, lp), None), carry, seg)
+    return carry
+
+
+def forward(params: Params, cfg: DecoderConfig, tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None,
+            layer_ids: tuple[int, ...] = (), with_logits: bool = True,
+            key_valid_BxS: jax.Array | None = None) -> tuple[jax.Array | None, jax.Array | None]:
+    """Full causal forward.
+
+    Returns (logits [B, S, V] fp32 or None, features [F, B, S, D] or None) where features[i] is the
+    output of decoder layer layer_ids[i] (id j = output of layer j = HF hidden_states[j+1]). With
+    `with_logits=False` only the layers up to the deepest requested id run. `key_valid_BxS` marks real
+    (non-padding) tokens.
+    """
+    layer_ids = check_layer_ids(layer_ids, cfg.num_layers) if layer_ids else ()
+    if not with_logits and not layer_ids:
+        raise ValueError("forward must return logits or features; received with_logits=False and no layer_ids")
+    b, s = tokens_BxS.shape
+    if positions_BxS is None:
+        positions_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    cos, sin = rope_tables(cfg, positions_BxS)
+    visible = jnp.tril(jnp.ones((s, s), dtype=bool))[None]
+    if key_valid_BxS is not None:
+        visible = visible & key_valid_BxS[:, None, :].astype(bool)
+    visible = jnp.broadcast_to(visible, (b, s, s))
+
+    def step(x, lp):
+        return layer_forward(cfg, lp, x, cos, sin, visible)
+
+    x = embed(params, tokens_BxS)
+    features = []
+    for start, stop, capture in _segments(layer_ids, cfg.num_layers, with_logits):
+        x = _scan_layers(step, x, params["layers"], start, stop)
+        if capture:
+            features.append(x)
+    logits = lm_head(params, cfg, x) if with_logits else None
+    return logits, (jnp.stack(features) if features else None)
+
+
+def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+                   cache: Any, layer_ids: tuple[int, ...] = (),
+                   logits_at_BxI: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
+    """Append a chunk of T tokens per sequence to `cache` and return (logits [B,T,V], features, cache).
+
+    `features` is [F, B, T, D] (outputs of decoder layers `layer_ids`) or None. With `logits_at_BxI`,
+    logits are computed only at those chunk indices ([B, I, V]), e.g. the last prompt token in prefill.
+
+    `cache` is any `KVCacheLike` (`DenseKVCache`, the engine's `serve.paged.PagedKVCache`). Token i of
+    sequence b lands at cache index cache.lengths[b] + i and is rotated at positions_BxT[b, i]. The caller
+    guarantees lengths + T <= capacity (see `check_capacity`). Rolling back is `cache.rollback(lengths)`.
+    """
+    layer_ids = check_layer_ids(layer_ids, cfg.num_layers) if layer_ids else ()
+    cos, sin = rope_tables(cfg, positions_BxT)
+
+    b, t = tokens_BxT.shape
+    num_feats = max(len(layer_ids), 1)
+    slot_of_layer = np.zeros(cfg.num_layers, np.int32)
+    captured = np.zeros(cfg.num_layers, bool)
+    for i, j in enumerate(layer_ids):
+        slot_of_layer[j], captured[j] = i, True
+
+    def step(carry, xs):
+        x, feats, kv = carry
+        lp, index, slot, keep = xs
+        q, k, v = _qkv(cfg, lp, x, cos, sin)
+        attn, kv = kv.write_and_attend(index, q, k, v)
+        x = _finish_layer(cfg, lp, x, attn)
+        feats = feats.at[slot].set(jnp.where(keep, x, feats[slot]))  # features carried, not all layers kept
+        return (x, feats, kv), None
+
+    x = embed(params, tokens_BxT)
+    feats = jnp.zeros((num_feats, b, t, cfg.hidden_size), x.dtype)
+    xs = (params["layers"], jnp.arange(cfg.num_layers), jnp.asarray(slot_of_layer), jnp.asarray(captured))
+    (x, feats, cache), _ = jax.lax.scan(step, (x, feats, cache), xs)
+    if logits_at_BxI is not None:
+        x = jnp.take_along_axis(x, logits_at_BxI[:, :, None].astype(jnp.int32), axis=1)
+    return lm_head(params, cfg, x), (feats if layer_ids else None), cache.advance(t)
+
+
+def check_capacity(lengths: np.ndarray, chunk: int, capacity: int) -> None:
+    """Host-side guard: appending `chunk` tokens must fit in the cache (no silent clamped writes)."""
+    worst = int(np.max(lengths)) + chunk
+    if worst > capacity:
+        raise ValueError(
+            f"sequence length must stay within the cache capacity {capacity} (target.max_seq_len); "
+            f"appending {chunk} tokens would reach {worst}"
+        )

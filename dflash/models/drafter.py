@@ -1,0 +1,597 @@
+"""The DFlash block-diffusion drafter (DESIGN §4.1) in Flax NNX, and what it borrows from the frozen target:
+its features (`online_features`), its embedding table (`mask_token_embeds`) and its LM head (`drafter_logits`).
+
+`DFlashDrafter.__call__` is the training forward over N packed blocks; `context_kv` + `draft_block` are the
+inference path (the engine caches the context K/V). Architecture and visibility: `DFlashDrafter`; z-lab
+tensor names: `hf_tensor_names`. Design notes: docs/decisions.md D8 (mask id: D12).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash.configs.schema import require
+from dflash.models.config import DecoderConfig, DrafterConfig, RopeScaling, check_layer_ids, default_layer_ids
+from dflash.models.decoder import (
+    NEG_INF,
+    Params,
+    apply_rope,
+    attend,
+    embed,
+    forward,
+    head_matrix,
+    logits_from_normed,
+    rms_norm,
+    rope_tables,
+)
+
+KV = tuple[jax.Array, jax.Array]  # (k, v), each [B, S, Hk, Dh], RoPE applied to k
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterArch:
+    """A fully resolved drafter architecture (no 'follow the target' placeholders left).
+
+    hidden_size is the target's (fc maps F*D -> D). The target_* fields are what the z-lab
+    config.json records about the target (family, vocab, layer count).
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_features: int
+    layer_ids: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    target_family: str
+    target_vocab_size: int
+    target_num_layers: int
+    markov_rank: int = 0
+
+    @property
+    def rope_config(self) -> DecoderConfig:
+        """A decoder config carrying the drafter's RoPE (head_dim, theta, scaling) for `rope_tables`."""
+        return DecoderConfig(
+            family="qwen3", vocab_size=self.target_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings, qk_norm=True,
+        )
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftVocab:
+    """The draft vocabulary of a drafter trained with `train.head_vocab`: the target token ids [V'] its
+    softmax covered. Proposals are the argmax over these rows of the target's LM head only, so each propose
+    reads V'/V of the head (the head is most of a small drafter's step). Static (hashed by identity) on the
+    module: it never enters the parameter state."""
+
+    ids: np.ndarray
+
+    def __post_init__(self) -> None:
+        ids = np.asarray(self.ids)
+        require(ids.ndim == 1 and ids.size >= 1 and np.issubdtype(ids.dtype, np.integer), "draft_vocab",
+                f"shape {ids.shape} {ids.dtype}", "be a non-empty 1-D list of token ids")
+        require(len(np.unique(ids)) == ids.size and ids.min() >= 0, "draft_vocab", "ids",
+                "be distinct, non-negative token ids")
+        object.__setattr__(self, "ids", ids.astype(np.int32))
+
+    def check_fits(self, vocab_size: int, where: str) -> None:
+        require(int(self.ids.max()) < vocab_size, f"{where} draft_vocab", int(self.ids.max()),
+                f"lie inside the target's vocab [0, {vocab_size})")
+
+    def write(self, directory: str | Path) -> Path:
+        path = Path(directory) / DRAFT_VOCAB_FILE
+        path.write_text(json.dumps({"draft_vocab_size": int(self.ids.size), "ids": self.ids.tolist()}) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, directory: str | Path, vocab_size: int | None = None) -> DraftVocab | None:
+        """`<directory>/draft_vocab.json`, or None when the drafter has none (full-vocabulary proposals);
+        with `vocab_size`, checked to fit the target's vocabulary."""
+        path = Path(directory) / DRAFT_VOCAB_FILE
+        if not path.is_file():
+            return None
+        record = json.loads(path.read_text())
+        require(record.get("draft_vocab_size") == len(record.get("ids", ())), str(path), record.get("draft_vocab_size"),
+                "equal the number of ids it lists")
+        vocab = cls(np.asarray(record["ids"], np.int64))
+        if vocab_size is not None:
+            vocab.check_fits(vocab_size, str(directory))
+        return vocab
+
+
+def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: int | None = None) -> DrafterArch:
+    """Resolve `cfg` against the target architecture.
+
+    The mask id is `cfg.mask_token_id` when set (>= 0), else `mask_token_id` (the target's default),
+    and must lie inside the target's vocab. Layer ids default to `default_layer_ids(L, F)`.
+    """
+    mask = cfg.mask_token_id if cfg.mask_token_id >= 0 else mask_token_id
+    require(mask is not None and mask >= 0, "drafter.mask_token_id", cfg.mask_token_id,
+            f"be set for a {target.family} target (a token id in [0, {target.vocab_size}) whose embedding "
+            "row is unused, e.g. Qwen3's 151669)")
+    require(mask < target.vocab_size, "drafter.mask_token_id", mask,
+            f"lie inside the target's vocab [0, {target.vocab_size})")
+    ids = cfg.layer_ids or default_layer_ids(target.num_layers, cfg.num_features)
+    ids = check_layer_ids(ids, target.num_layers)
+    num_heads = cfg.num_heads or target.num_heads
+    num_kv_heads = cfg.num_kv_heads or target.num_kv_heads
+    head_dim = cfg.head_dim or target.head_dim
+    require(num_heads % num_kv_heads == 0, "drafter.num_heads", num_heads,
+            f"be a multiple of num_kv_heads={num_kv_heads}")
+    require(head_dim % 2 == 0, "drafter.head_dim", head_dim, "be even (RoPE rotates pairs)")
+    return DrafterArch(
+        hidden_size=target.hidden_size, num_layers=cfg.num_layers, num_features=cfg.num_features,
+        layer_ids=ids, block_size=cfg.block_size, mask_token_id=int(mask), num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=cfg.intermediate_size or target.intermediate_size,
+        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
+        max_position_embeddings=target.max_position_embeddings, target_family=target.family,
+        target_vocab_size=target.vocab_size, target_num_layers=target.num_layers, markov_rank=cfg.markov_rank,
+    )
+
+
+def check_fits_target(arch: DrafterArch, target: DecoderConfig, where: str) -> None:
+    """Raise ValueError naming every field where a loaded drafter (from `where`) does not fit `target`."""
+    fits = {"hidden_size": (arch.hidden_size, target.hidden_size),
+            "vocab_size": (arch.target_vocab_size, target.vocab_size),
+            "num_layers": (arch.target_num_layers, target.num_layers)}
+    bad = [f"{k}: drafter {a} vs target {b}" for k, (a, b) in fits.items() if a != b]
+    if max(arch.layer_ids) >= target.num_layers:
+        bad.append(f"layer_ids {arch.layer_ids} reach past the target's {target.num_layers} layers")
+    if bad:
+        raise ValueError(f"the drafter in {where} was trained for another target (" + "; ".join(bad) + ")")
+
+
+MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<empty_output>", "<|reserved_special_token_0|>")
+
+
+def default_mask_token_id(tokenizer: Any, target: DecoderConfig) -> int | None:
+    """The mask id a drafter for this target uses when the config leaves it at -1, or None.
+
+    In order: a named token meant for it or never produced in chat (`<|MASK|>`; SmolLM2's code-pretraining
+    special `<empty_output>` = 16; Llama 3's `<|reserved_special_token_0|>` = 128002); else the first
+    embedding row past the tokenizer's vocab when the table has spare rows (Qwen3: 151669, as z-lab's
+    drafters use). Never a stop token.
+    """
+    stops = set(getattr(tokenizer, "stop_token_ids", ()))
+    for name in MASK_TOKEN_CANDIDATES:
+        token_id = tokenizer.backend.token_to_id(name)
+        if token_id is not None and token_id not in stops and token_id < target.vocab_size:
+            return int(token_id)
+    if tokenizer.vocab_size < target.vocab_size:
+        return int(tokenizer.vocab_size)
+    return None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockVisibility:
+    """Block-structured visibility of Q = N*K packed block queries (DESIGN §4.2), O(N*S) instead of
+    the dense O(Q*(S+Q)) mask.
+
+    ctx_BxNxS: block n (queries n*K .. n*K+K-1) sees context key s iff ctx_BxNxS[b, n, s];
+    every block sees all K keys of its own block (bidirectional) and no key of another block.
+    """
+
+    ctx_BxNxS: jax.Array
+
+    @staticmethod
+    def from_anchors(anchor_BxN: jax.Array, ctx_valid_BxS: jax.Array,
+                     segment_BxS: jax.Array | None = None) -> BlockVisibility:
+        """Context s < anchor STRICTLY and valid; a padding block (anchor < 0) sees no context. With
+        `segment_BxS` (packed rows: which conversation each position belongs to), only context of the
+        anchor's own conversation."""
+        s_1x1xS = jnp.arange(ctx_valid_BxS.shape[1])[None, None, :]
+        a_BxNx1 = jnp.asarray(anchor_BxN)[:, :, None]
+        ctx_BxNxS = (s_1x1xS < a_BxNx1) & (jnp.asarray(ctx_valid_BxS)[:, None, :] > 0)
+        if segment_BxS is not None:
+            seg_BxS = jnp.asarray(segment_BxS)
+            own_BxNx1 = jnp.take_along_axis(seg_BxS, jnp.maximum(jnp.asarray(anchor_BxN), 0), axis=1)[:, :, None]
+            ctx_BxNxS = ctx_BxNxS & (seg_BxS[:, None, :] == own_BxNx1)
+        return BlockVisibility(ctx_BxNxS)
+
+    def dense(self, block_size: int) -> jax.Array:
+        """The equivalent dense mask bool [B, Q, S+Q] (tests and reference only)."""
+        b, n, s = self.ctx_BxNxS.shape
+        q = n * block_size
+        ctx = jnp.repeat(self.ctx_BxNxS, block_size, axis=1)
+        blk_of = jnp.arange(q) // block_size
+        blk = jnp.broadcast_to(blk_of[:, None] == blk_of[None, :], (b, q, q))
+        return jnp.concatenate([ctx, blk], axis=-1)
+
+
+Visibility = jax.Array | BlockVisibility
+
+
+def attend_blocks(q_BxQxHxDh: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, blk_k: jax.Array, blk_v: jax.Array,
+                  vis: BlockVisibility) -> jax.Array:
+    """Softmax attention of N blocks of K queries over [context S | own block K]; fp32 softmax.
+
+    Same result as `attend` with `vis.dense(K)` over keys [context | all Q block keys], at O(Q*(S+K))
+    scores instead of O(Q*(S+Q)). Rows never empty (a block always sees itself), so never NaN.
+    """
+    b, q_len, h, dh = q_BxQxHxDh.shape
+    n = vis.ctx_BxNxS.shape[1]
+    k = q_len // n
+    hk = ctx_k.shape[2]
+    q = q_BxQxHxDh.reshape(b, n, k, hk, h // hk, dh)
+    kb = blk_k.reshape(b, n, k, hk, dh)
+    vb = blk_v.reshape(b, n, k, hk, dh)
+    scale = 1.0 / math.sqrt(dh)
+    s_ctx = jnp.einsum("bnqhgd,bshd->bnhgqs", q, ctx_k).astype(jnp.float32) * scale
+    s_blk = jnp.einsum("bnqhgd,bnjhd->bnhgqj", q, kb).astype(jnp.float32) * scale
+    s_ctx = jnp.where(vis.ctx_BxNxS[:, :, None, None, None, :], s_ctx, NEG_INF)
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
+    p_ctx = jnp.where(vis.ctx_BxNxS[:, :, None, None, None, :], probs[..., : ctx_k.shape[1]], 0.0)
+    p_blk = probs[..., ctx_k.shape[1]:]
+    out = (jnp.einsum("bnhgqs,bshd->bnqhgd", p_ctx.astype(ctx_v.dtype), ctx_v)
+           + jnp.einsum("bnhgqj,bnjhd->bnqhgd", p_blk.astype(vb.dtype), vb))
+    return out.reshape(b, q_len, h, dh)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def _linear(d_in: int, d_out: int, dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """HF RMSNorm (fp32 statistics, then scale) with a `weight` parameter, as in the z-lab names."""
+
+    def __init__(self, size: int, eps: float):
+        self.weight = nnx.Param(jnp.ones((size,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...].astype(x.dtype), self.eps)
+
+
+class DrafterAttention(nnx.Module):
+    """Qwen3 attention (no biases, per-head q/k RMSNorm) whose keys are `[context | block]`."""
+
+    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
+        d, h, hk, dh = arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hk, dh
+        self.q_proj = _linear(d, h * dh, dtype, rngs)
+        self.k_proj = _linear(d, hk * dh, dtype, rngs)
+        self.v_proj = _linear(d, hk * dh, dtype, rngs)
+        self.o_proj = _linear(h * dh, d, dtype, rngs)
+        self.q_norm = RMSNorm(dh, arch.rms_norm_eps)
+        self.k_norm = RMSNorm(dh, arch.rms_norm_eps)
+
+    def query(self, h_BxQxD: jax.Array, cos_BxQxDh: jax.Array, sin_BxQxDh: jax.Array) -> jax.Array:
+        """Queries [B, Q, H, Dh]: q_norm(q_proj(h)), rotated at the block positions."""
+        b, q_len, _ = h_BxQxD.shape
+        q = self.q_proj(h_BxQxD).reshape(b, q_len, self.num_heads, self.head_dim)
+        return apply_rope(self.q_norm(q), cos_BxQxDh, sin_BxQxDh)
+
+    def project_kv(self, x_BxSxD: jax.Array, cos_BxSxDh: jax.Array, sin_BxSxDh: jax.Array) -> KV:
+        """(k, v) [B, S, Hk, Dh] = (RoPE(k_norm(k_proj(x))), v_proj(x)); used for context AND block."""
+        b, s, _ = x_BxSxD.shape
+        k = self.k_proj(x_BxSxD).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BxSxD).reshape(b, s, self.num_kv_heads, self.head_dim)
+        return apply_rope(self.k_norm(k), cos_BxSxDh, sin_BxSxDh), v
+
+    def __call__(self, h_BxQxD: jax.Array, cos_BxQxDh: jax.Array, sin_BxQxDh: jax.Array, ctx_kv: KV,
+                 visible: Visibility) -> jax.Array:
+        """Attention output [B, Q, D] over keys `[context S | block Q]`.
+
+        `visible` is a `BlockVisibility` (the training and inference paths: block-local, O(Q*(S+K))) or a
+        dense bool [B, Q, S+Q] (query q sees key j iff visible[b, q, j]; the reference path for tests).
+        """
+        b, q_len, _ = h_BxQxD.shape
+        q = self.query(h_BxQxD, cos_BxQxDh, sin_BxQxDh)
+        k_blk, v_blk = self.project_kv(h_BxQxD, cos_BxQxDh, sin_BxQxDh)
+        ctx_k, ctx_v = ctx_kv
+        ctx_k, ctx_v = ctx_k.astype(k_blk.dtype), ctx_v.astype(v_blk.dtype)
+        if isinstance(visible, BlockVisibility):
+            out = attend_blocks(q, ctx_k, ctx_v, k_blk, v_blk, visible)
+        else:
+            k = jnp.concatenate([ctx_k, k_blk], axis=1)
+            v = jnp.concatenate([ctx_v, v_blk], axis=1)
+            out = attend(q, k, v, visible)
+        return self.o_proj(out.reshape(b, q_len, self.num_heads * self.head_dim))
+
+
+class DrafterMLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
+        self.gate_proj = _linear(arch.hidden_size, arch.intermediate_size, dtype, rngs)
+        self.up_proj = _linear(arch.hidden_size, arch.intermediate_size, dtype, rngs)
+        self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MarkovHead(nnx.Module):
+    """The semi-autoregressive head (`drafter.markov_rank` = r > 0; DSpark's idea, docs/decisions.md D34).
+
+    A DFlash block predicts its K-1 positions in parallel, so slot k never sees which token slot k-1 proposed
+    and two plausible continuations can be mixed ("of problem" for "of course"). This head adds to slot k's
+    normed hidden state h_k a SwiGLU of [norm(e_prev), h_k], where e_prev is the target's embedding of the
+    block's previous token (the anchor for slot 1, the token drafted at slot k-1 after it):
+
+        h'_k = h_k + down(silu(gate(x)) * up(x)),   x = [markov_norm(e_prev) | h_k]   (gate, up: 2D -> r)
+
+    `down` starts at zero, so a new head is plain DFlash. Training feeds the previous slot's label (teacher
+    forcing, exact for greedy acceptance: a slot only counts when every slot before it was right); the
+    engine drafts the K-1 slots one after another through this head only (`serve.speculative.propose`),
+    the drafter's layers still run once per block.
+    """
+
+    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
+        d, r = arch.hidden_size, arch.markov_rank
+        self.markov_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.gate_proj = _linear(2 * d, r, dtype, rngs)
+        self.up_proj = _linear(2 * d, r, dtype, rngs)
+        self.down_proj = _linear(r, d, dtype, rngs)
+        self.down_proj.kernel.set_value(jnp.zeros_like(self.down_proj.kernel.get_value()))
+
+    def __call__(self, hidden_xD: jax.Array, prev_embeds_xD: jax.Array) -> jax.Array:
+        x = jnp.concatenate([self.markov_norm(prev_embeds_xD.astype(hidden_xD.dtype)), hidden_xD], axis=-1)
+        return hidden_xD + self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nnx.Module):
+    """One Qwen3-style layer with KV injection of the fused context."""
+
+    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = DrafterAttention(arch, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = DrafterMLP(arch, dtype, rngs)
+
+    def context_kv(self, fused_BxSxD: jax.Array, cos_BxSxDh: jax.Array, sin_BxSxDh: jax.Array) -> KV:
+        """Context K/V of this layer: the attention's own k/v/k_norm on c; NO input_layernorm on c."""
+        return self.self_attn.project_kv(fused_BxSxD, cos_BxSxDh, sin_BxSxDh)
+
+    def __call__(self, x_BxQxD: jax.Array, cos_BxQxDh: jax.Array, sin_BxQxDh: jax.Array, ctx_kv: KV,
+                 visible: Visibility) -> jax.Array:
+        h = self.input_layernorm(x_BxQxD)
+        x = x_BxQxD + self.self_attn(h, cos_BxQxDh, sin_BxQxDh, ctx_kv, visible)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nnx.Module):
+    """The DFlash drafter: fc + hidden_norm fusion, `num_layers` KV-injected layers, final `norm`.
+
+    - fused context `c = hidden_norm(fc(concat_F target_feats))` (fc has no bias), once per context token;
+    - `L_d` Qwen3-style layers (per-head RMSNorm on q and k, no biases, SwiGLU) at the target's hidden
+      width D, whatever the target's family;
+    - in each layer the block stream x gives queries and block K/V after `input_layernorm`; the context
+      gives K/V through the SAME `k_proj`/`v_proj`/`k_norm` with NO `input_layernorm`, rotated at the
+      context tokens' own positions; keys are `[context | block]`, attention non-causal under a boolean
+      visibility (`BlockVisibility`; who sees what: `__call__` for training, `draft_block` for inference);
+    - after the last layer `norm`;
+    - with `arch.markov_rank` > 0, a `MarkovHead` (`markov`) on the normed output: slot k's hidden state also
+      sees the block's previous token (`with_previous`).
+
+    Holds no embedding and no LM head: block embeddings come from the target's table
+    (`mask_token_embeds`) and logits from the target's head (`drafter_logits`). Parameter paths map one
+    to one onto the z-lab HF tensor names (`hf_tensor_names`; an `nnx.Linear` `kernel` [in, out] is the
+    HF `weight` [out, in] transposed).
+    """
+
+    def __init__(self, arch: DrafterArch, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+        self.arch = arch
+        d = arch.hidden_size
+        self.fc = _linear(arch.num_features * d, d, dtype, rngs)
+        self.hidden_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.layers = nnx.List([DrafterLayer(arch, dtype, rngs) for _ in range(arch.num_layers)])
+        self.norm = RMSNorm(d, arch.rms_norm_eps)
+        self.markov = MarkovHead(arch, dtype, rngs) if arch.markov_rank else None
+        self.draft_vocab: DraftVocab | None = None  # set by the loaders for a drafter trained on a head vocabulary
+
+    def fuse(self, ctx_feats_BxSxFD: jax.Array) -> jax.Array:
+        """Fused context c [B, S, D] = hidden_norm(fc(concat_F feats)); features in layer-id order."""
+        return self.hidden_norm(self.fc(ctx_feats_BxSxFD))
+
+    def context_kv(self, fused_ctx_BxSxD: jax.Array, ctx_pos_BxS: jax.Array) -> list[KV]:
+        """Per-layer context (k, v) [B, S, Hk, Dh], k rotated at the context tokens' own positions.
+
+        This is all the engine caches for the drafter (block K/V are never cached).
+        """
+        cos, sin = rope_tables(self.arch.rope_config, ctx_pos_BxS)
+        return [layer.context_kv(fused_ctx_BxSxD, cos, sin) for layer in self.layers]
+
+    def blocks(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_kv: list[KV],
+               visible: Visibility) -> jax.Array:
+        """Run the layers on block queries over precomputed context K/V; returns normed hidden [B, Q, D].
+
+        `visible`: a `BlockVisibility` or a dense bool [B, Q, S+Q] over keys `[context S | block Q]`.
+        """
+        require(len(ctx_kv) == len(self.layers), "ctx_kv", len(ctx_kv), f"hold {len(self.layers)} layers' (k, v)")
+        cos, sin = rope_tables(self.arch.rope_config, block_pos_BxQ)
+        x = block_embeds_BxQxD
+        for layer, kv in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, cos, sin, kv, visible)
+        return self.norm(x)
+
+    def __call__(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_feats_BxSxFD: jax.Array,
+                 ctx_pos_BxS: jax.Array, visible: Visibility) -> jax.Array:
+        """Training forward over Q = N*K packed block tokens; returns normed hidden [B, Q, D].
+
+        DESIGN §4.2's mask gives a block of anchor a the context keys s < a and the keys of its own
+        block only: `BlockVisibility.from_anchors` (or an equivalent dense [B, Q, S+Q] mask).
+        """
+        fused = self.fuse(ctx_feats_BxSxFD)
+        return self.blocks(block_embeds_BxQxD, block_pos_BxQ, self.context_kv(fused, ctx_pos_BxS), visible)
+
+    def with_previous(self, hidden_xD: jax.Array, prev_embeds_xD: jax.Array) -> jax.Array:
+        """The hidden states the LM head reads: `hidden` itself without a Markov head, else `markov(hidden,
+        prev)` with prev_embeds the target's embeddings of each slot's previous token."""
+        return hidden_xD if self.markov is None else self.markov(hidden_xD, prev_embeds_xD)
+
+    def draft_block(self, block_embeds_BxKxD: jax.Array, block_pos_BxK: jax.Array, ctx_kv: list[KV],
+                    ctx_valid_BxS: jax.Array) -> jax.Array:
+        """Inference forward of one block per sequence; returns normed hidden [B, K, D].
+
+        Every block query sees the cached context slots with ctx_valid[b, s] (stale slots are ignored,
+        whatever they hold) and all K keys of its own block (bidirectional).
+        """
+        visible = BlockVisibility(jnp.asarray(ctx_valid_BxS).astype(bool)[:, None, :])
+        return self.blocks(block_embeds_BxKxD, block_pos_BxK, ctx_kv, visible)
+
+
+# ----------------------------------------------------------------------------- init from the target
+
+
+def target_init_layers(arch: DrafterArch) -> tuple[int, ...]:
+    """The target layers whose weights start the drafter's layers under `train.layer_init=target`: the
+    `num_layers` layers right after the deepest captured feature layer (the one `fc` starts out selecting),
+    moved down so that they fit inside the target."""
+    start = min(max(arch.layer_ids) + 1, arch.target_num_layers - arch.num_layers)
+    return tuple(range(start, start + arch.num_layers))
+
+
+def init_from_target(drafter: DFlashDrafter, target_params: Params, target_cfg: DecoderConfig) -> None:
+    """Start `drafter` (in place) from the target's own upper layers instead of a random init.
+
+    - layer i copies target layer `target_init_layers(arch)[i]`: its attention and MLP kernels and both
+      norms (q/k norms too when the target has them; otherwise they stay ones; qkv biases are dropped);
+    - `fc` starts as the identity on the deepest captured feature (the other features' blocks zero), and
+      `hidden_norm` as the first copied layer's input norm, so each copied layer's context K/V start as its
+      own K/V of the target's residual stream at that depth;
+    - the final `norm` is the target's final norm (the drafter's output meets the target's LM head as the
+      target's last hidden state does).
+
+    The widths must match the target's (drafter.num_heads etc. left at 0 = follow the target)."""
+    arch = drafter.arch
+    differ = [f"{name}: drafter {mine} vs target {theirs}" for name, mine, theirs in (
+        ("num_heads", arch.num_heads, target_cfg.num_heads),
+        ("num_kv_heads", arch.num_kv_heads, target_cfg.num_kv_heads), ("head_dim", arch.head_dim, target_cfg.head_dim),
+        ("intermediate_size", arch.intermediate_size, target_cfg.intermediate_size)) if mine != theirs]
+    require(not differ, "train.layer_init", "target", "be used with the target's own widths (" + "; ".join(differ)
+            + "): leave drafter.num_heads / num_kv_heads / head_dim / intermediate_size at 0")
+    layers = target_params["layers"]
+    copy = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
+            "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
+    sources = target_init_layers(arch)
+    for layer, src in zip(drafter.layers, sources, strict=True):
+        for path, name in copy.items():
+            module = layer
+            for part in path.split("."):
+                module = getattr(module, part)
+            module.kernel[...] = jnp.asarray(layers[name][src], jnp.float32)
+        layer.input_layernorm.weight[...] = jnp.asarray(layers["attn_norm"][src], jnp.float32)
+        layer.post_attention_layernorm.weight[...] = jnp.asarray(layers["mlp_norm"][src], jnp.float32)
+        if target_cfg.qk_norm:
+            layer.self_attn.q_norm.weight[...] = jnp.asarray(layers["q_norm"][src], jnp.float32)
+            layer.self_attn.k_norm.weight[...] = jnp.asarray(layers["k_norm"][src], jnp.float32)
+    d, f = arch.hidden_size, arch.num_features
+    drafter.fc.kernel[...] = jnp.zeros((f * d, d), jnp.float32).at[(f - 1) * d:].set(jnp.eye(d, dtype=jnp.float32))
+    drafter.hidden_norm.weight[...] = jnp.asarray(layers["attn_norm"][sources[0]], jnp.float32)
+    drafter.norm.weight[...] = jnp.asarray(target_params["final_norm"], jnp.float32)
+
+
+# ----------------------------------------------------------------------------- inputs and outputs
+
+
+def concat_features(feats_FxBxSxD: jax.Array) -> jax.Array:
+    """Target features [F, B, S, D] (as `decoder.forward` returns them) -> [B, S, F*D], id order."""
+    f, b, s, d = feats_FxBxSxD.shape
+    return jnp.moveaxis(feats_FxBxSxD, 0, 2).reshape(b, s, f * d)
+
+
+def online_features(target_params: Params, target_cfg: DecoderConfig, tokens_BxS: jax.Array,
+                    layer_ids: tuple[int, ...]) -> jax.Array:
+    """Frozen target features [B, S, F*D]: post-layer outputs of `layer_ids`, concatenated in id order.
+
+    Feature j of token s is the output of target decoder layer j (HF hidden_states[j+1]) at s, computed
+    causally over the whole sequence. No gradient flows into the target (stop_gradient on params and
+    output). A precomputed feature source must return the same array.
+    """
+    frozen = jax.lax.stop_gradient(target_params)
+    _, feats_FxBxSxD = forward(frozen, target_cfg, tokens_BxS, layer_ids=tuple(layer_ids), with_logits=False)
+    return jax.lax.stop_gradient(concat_features(feats_FxBxSxD))
+
+
+def block_token_ids(start_tokens_B: jax.Array, block_size: int, mask_token_id: int) -> jax.Array:
+    """Block ids [B, K] = [x_start, MASK * (K-1)]."""
+    b = start_tokens_B.shape[0]
+    masks = jnp.full((b, block_size - 1), mask_token_id, dtype=start_tokens_B.dtype)
+    return jnp.concatenate([start_tokens_B[:, None], masks], axis=1)
+
+
+def block_positions(starts_B: jax.Array, block_size: int) -> jax.Array:
+    """Block positions [B, K] = start .. start+K-1."""
+    return starts_B[:, None].astype(jnp.int32) + jnp.arange(block_size, dtype=jnp.int32)[None, :]
+
+
+def mask_token_embeds(target_params: Params, start_tokens_B: jax.Array, block_size: int,
+                      mask_token_id: int) -> jax.Array:
+    """Block embeddings [B, K, D] from the target's (frozen) embedding table."""
+    return embed(target_params, block_token_ids(start_tokens_B, block_size, mask_token_id))
+
+
+def draft_head_rows(target_params: Params, target_cfg: DecoderConfig, token_ids: Any) -> jax.Array:
+    """The target LM head's rows [V', D] (vocab-major) of `token_ids`: the draft vocabulary's head, gathered
+    once (when the engine is built, or the training vocabulary's when a run starts)."""
+    ids = jnp.asarray(token_ids, jnp.int32)
+    head, vocab_major = head_matrix(target_params, target_cfg)
+    return head[ids] if vocab_major else head[:, ids].T
+
+
+def drafter_logits(target_params: Params, target_cfg: DecoderConfig, hidden_BxQxD: jax.Array) -> jax.Array:
+    """Full-vocab logits [B, Q, V] (fp32) from the drafter's normed output through the target's LM head.
+
+    Output at block index k >= 1 predicts the token at start+k; index 0 is discarded.
+    """
+    return logits_from_normed(target_params, target_cfg, hidden_BxQxD)
+
+
+# ----------------------------------------------------------------------------- z-lab HF names
+
+
+def _hf_items(drafter: DFlashDrafter) -> Iterator[tuple[str, jax.Array, bool]]:
+    """(z-lab name, value, transposed) per parameter; `kernel` [in, out] becomes `weight` [out, in]."""
+    for path, var in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
+        parts = [str(p) for p in path]
+        transpose = parts[-1] == "kernel"
+        if transpose:
+            parts[-1] = "weight"
+        yield ".".join(parts), var.get_value(), transpose
+
+
+def hf_tensor_names(drafter: DFlashDrafter) -> dict[str, tuple[int, ...]]:
+    """z-lab tensor name -> PyTorch [out, in] shape, for every drafter parameter (no embed, no lm_head)."""
+    return {name: tuple(value.shape[::-1] if t else value.shape) for name, value, t in _hf_items(drafter)}
+
+
+def to_hf_tensors(drafter: DFlashDrafter) -> dict[str, np.ndarray]:
+    """z-lab tensor name -> host array in PyTorch [out, in] layout (the exporter writes these)."""
+    return {name: np.asarray(value.T if t else value) for name, value, t in _hf_items(drafter)}
+
+
+def param_count(drafter: DFlashDrafter) -> int:
+    """Total number of trainable drafter parameters."""
+    return sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(drafter, nnx.Param)))

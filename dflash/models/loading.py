@@ -1,0 +1,376 @@
+"""Load target weights into the decoder's params layout, from an HF safetensors dir or a GGUF file.
+
+Both loaders return `(DecoderConfig, params)` with params as host numpy arrays in the layout
+documented in `dflash/models/decoder.py` (weights transposed to `[in, out]`, layers stacked). Every problem
+names the file or the tensor and what was expected: a missing file, an unreadable or corrupt file, an
+unsupported architecture, a tensor whose shape disagrees with the config.
+
+GGUF notes: tensors are dequantised to fp32 with the `gguf` package. llama.cpp's converter permutes
+the rows of Q and K of `llama`-arch models (interleaved RoPE); we undo that permutation so the
+rotate-half RoPE of the HF layout applies. Qwen2/Qwen3 GGUFs are not permuted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash.models.config import DecoderConfig, RopeScaling
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+_LAYER_KEYS_HF = {
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+}
+_LAYER_KEYS_GGUF = {
+    "attn_norm": "attn_norm.weight",
+    "wq": "attn_q.weight",
+    "wk": "attn_k.weight",
+    "wv": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "bq": "attn_q.bias",
+    "bk": "attn_k.bias",
+    "bv": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
+    "mlp_norm": "ffn_norm.weight",
+    "w_gate": "ffn_gate.weight",
+    "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
+}
+_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+class WeightsError(ValueError):
+    """Weights cannot be loaded: the message names the file or tensor and what was expected."""
+
+
+# ----------------------------------------------------------------------------- shared
+
+
+def layer_param_names(cfg: DecoderConfig) -> list[str]:
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    if cfg.qkv_bias:
+        names += ["bq", "bk", "bv"]
+    if cfg.qk_norm:
+        names += ["q_norm", "k_norm"]
+    return names
+
+
+def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's tensors in the HF/PyTorch `[out, in]` convention."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "attn_norm": (d,), "mlp_norm": (d,),
+        "wq": (cfg.q_size, d), "wk": (cfg.kv_size, d), "wv": (cfg.kv_size, d), "wo": (d, cfg.q_size),
+        "bq": (cfg.q_size,), "bk": (cfg.kv_size,), "bv": (cfg.kv_size,),
+        "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
+        "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f),
+    }
+
+
+def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer_name: Callable[[int, str], str],
+              embed_name: str, norm_name: str, head_name: str, where: str) -> dict[str, Any]:
+    """Fetch, shape-check, transpose and stack every tensor into the decoder's params layout."""
+
+    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        arr = get(name)
+        if arr is None:
+            raise WeightsError(f"{where}: tensor {name!r} is missing (expected shape {shape} for this config)")
+        if tuple(arr.shape) != shape:
+            raise WeightsError(
+                f"{where}: tensor {name!r} must have shape {shape} for the config "
+                f"(hidden {cfg.hidden_size}, heads {cfg.num_heads}/{cfg.num_kv_heads}, head_dim {cfg.head_dim}, "
+                f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}); received {tuple(arr.shape)}"
+            )
+        return np.asarray(arr, dtype=np.float32)
+
+    shapes = expected_shapes(cfg)
+    layers: dict[str, list[np.ndarray]] = {k: [] for k in layer_param_names(cfg)}
+    for i in range(cfg.num_layers):
+        for key in layers:
+            arr = fetch(layer_name(i, key), shapes[key])
+            layers[key].append(arr.T if key in _MATRICES else arr)
+    params: dict[str, Any] = {
+        "embed": fetch(embed_name, (cfg.vocab_size, cfg.hidden_size)),
+        "final_norm": fetch(norm_name, (cfg.hidden_size,)),
+        "layers": {k: np.stack(v) for k, v in layers.items()},
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = fetch(head_name, (cfg.vocab_size, cfg.hidden_size)).T
+    return params
+
+
+# ----------------------------------------------------------------------------- Hugging Face dirs
+
+
+def decoder_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> DecoderConfig:
+    """Parse an HF `config.json` dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+    family = hf.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise WeightsError(
+            f"{where}: model_type must be one of {list(SUPPORTED_FAMILIES)}; received {family!r} "
+            f"(architectures {hf.get('architectures')})"
+        )
+    if hf.get("mlp_bias"):
+        raise WeightsError(f"{where}: mlp_bias must be false (no supported target has MLP biases); received true")
+    rope = dict(hf.get("rope_parameters") or {})
+    rope.update(hf.get("rope_scaling") or {})
+    theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    try:
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        cfg = DecoderConfig(
+            family=family,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=_rope_scaling_from_hf(rope, where),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+    except KeyError as err:
+        raise WeightsError(f"{where}: required field {err.args[0]!r} is missing") from err
+    if hf.get("sliding_window") and hf.get("use_sliding_window"):
+        raise WeightsError(f"{where}: use_sliding_window must be false (sliding-window attention is not supported)")
+    return cfg
+
+
+def _rope_scaling_from_hf(rope: dict[str, Any], where: str) -> RopeScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(rope["factor"]))
+    raise WeightsError(f"{where}: rope scaling type must be default, llama3 or linear; received {kind!r}")
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({directory / name for name in weight_map.values()})
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{directory}: no *.safetensors weights found (expected model.safetensors or an index)")
+    for f in files:
+        if not f.is_file():
+            raise WeightsError(f"{f}: listed in model.safetensors.index.json but missing")
+    return files
+
+
+def _read_safetensors(files: Iterable[Path]) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise WeightsError(f"{f}: not a readable safetensors file ({err})") from err
+    return tensors
+
+
+def load_hf_dir(directory: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
+    """Load an HF model directory (config.json + safetensors) of a supported family."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise WeightsError(f"{config_path}: missing (an HF model directory needs config.json beside its safetensors)")
+    try:
+        hf = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise WeightsError(f"{config_path}: not valid JSON ({err})") from err
+    cfg = decoder_config_from_hf(hf, str(config_path))
+    tensors = _read_safetensors(_safetensors_files(directory))
+    prefix = "model." if "model.embed_tokens.weight" in tensors else ""
+    params = _assemble(
+        cfg,
+        tensors.get,
+        lambda i, key: f"{prefix}layers.{i}.{_LAYER_KEYS_HF[key]}",
+        embed_name=f"{prefix}embed_tokens.weight",
+        norm_name=f"{prefix}norm.weight",
+        head_name="lm_head.weight",
+        where=str(directory),
+    )
+    return cfg, params
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def unpermute_llama_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved -> rotate-half RoPE layout), per head."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_llama_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permutation (rotate-half -> interleaved), the inverse of `unpermute_llama_rows`."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_reader(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise WeightsError(f"{path}: GGUF file not found")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as err:  # the reader raises ValueError/struct errors/IndexError on corrupt files
+        raise WeightsError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from err
+
+
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    """Scalar and string metadata of a GGUF file (arrays of tokens/merges are skipped)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in ("tokens", "merges", "token_type", "scores"):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # noqa: BLE001 - unreadable exotic fields are irrelevant here
+            continue
+    return meta
+
+
+def decoder_config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
+                             where: str) -> DecoderConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_FAMILIES:
+        raise WeightsError(
+            f"{where}: general.architecture must be one of {list(SUPPORTED_FAMILIES)}; received {arch!r}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta and default is None:
+            raise WeightsError(f"{where}: metadata field {full!r} is missing")
+        return meta.get(full, default)
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    embd = tensor_shapes.get("token_embd.weight")
+    if embd is None:
+        raise WeightsError(f"{where}: tensor 'token_embd.weight' is missing")
+    scaling = None
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind == "linear":
+        scaling = RopeScaling(kind="linear", factor=float(get("rope.scaling.factor")))
+    elif kind not in (None, "none"):
+        raise WeightsError(f"{where}: {arch}.rope.scaling.type must be none or linear; received {kind!r}")
+    return DecoderConfig(
+        family=arch,
+        vocab_size=int(meta.get(f"{arch}.vocab_size", embd[0])),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(get("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length", 4096)),
+        qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+    )
+
+
+def load_gguf(path: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
+    """Load a llama / qwen2 / qwen3 GGUF, dequantised to fp32, into the decoder params layout."""
+    import gguf
+
+    path = Path(path)
+    reader = _gguf_reader(path)
+    by_name = {t.name: t for t in reader.tensors}
+    shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in by_name.items()}
+    cfg = decoder_config_from_gguf(gguf_metadata(reader), shapes, str(path))
+    if "rope_freqs.weight" in by_name:
+        factors = tuple(float(x) for x in np.asarray(by_name["rope_freqs.weight"].data, np.float32).ravel())
+        cfg = dataclasses.replace(cfg, rope_scaling=RopeScaling(kind="freq_factors", freq_factors=factors))
+
+    def get(name: str) -> np.ndarray | None:
+        t = by_name.get(name)
+        if t is None:
+            return None
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name])
+        except Exception as err:  # corrupt or truncated data blocks
+            raise WeightsError(f"{path}: tensor {name!r} could not be dequantised ({err})") from err
+        arr = np.asarray(arr, dtype=np.float32)
+        if cfg.family == "llama" and name.endswith("attn_q.weight"):
+            arr = unpermute_llama_rows(arr, cfg.num_heads)
+        elif cfg.family == "llama" and name.endswith("attn_k.weight"):
+            arr = unpermute_llama_rows(arr, cfg.num_kv_heads)
+        return arr
+
+    params = _assemble(
+        cfg, get, lambda i, key: f"blk.{i}.{_LAYER_KEYS_GGUF[key]}",
+        embed_name="token_embd.weight", norm_name="output_norm.weight", head_name="output.weight", where=str(path),
+    )
+    return cfg, params
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def load_weights(path: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
+    """Load a `.gguf` file or an HF directory."""
+    path = Path(path)
+    if path.is_dir():
+        return load_hf_dir(path)
+    if path.suffix == ".gguf":
+        return load_gguf(path)
+    raise WeightsError(f"{path}: must be a .gguf file or an HF model directory (config.json + *.safetensors)")
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """sha256 over the weight files (a GGUF, or an HF dir's config.json + safetensors), hex."""
+    path = Path(path)
+    files = [path] if path.is_file() else [path / "config.json", *_safetensors_files(path)]
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode())
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                digest.update(block)
+    return digest.hexdigest()

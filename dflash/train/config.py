@@ -1,0 +1,124 @@
+"""The `train` section of a recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from dflash.configs.schema import require
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes; one of them may be -1 (= all remaining devices). Their product must equal the
+    number of devices used."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        sizes = (self.data, self.fsdp, self.tensor)
+        require(all(s == -1 or s >= 1 for s in sizes), "train.mesh", sizes, "hold sizes >= 1 or -1")
+        require(sum(s == -1 for s in sizes) <= 1, "train.mesh", sizes, "hold at most one -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run.
+
+    run_dir: checkpoints, metrics.jsonl, TensorBoard and wandb files; a run resumes from its latest
+             checkpoint automatically.
+    init_from: a fresh run starts from this drafter's weights instead of a random init: a run dir (its latest
+             checkpoint), a z-lab or speculators export, or an HF Hub export downloaded locally; its
+             architecture must equal the recipe's (every differing field is named). Ignored on resume.
+    layer_init: how a fresh run (no init_from) starts the drafter: `random`, or `target`: its layers copy the
+             target's layers right after the deepest captured feature layer, fc selects that feature and the
+             norms are the target's (`models.drafter.init_from_target`; docs/decisions.md D24).
+    steps / batch_size / num_anchors: updates, sequences per update (global), anchors (blocks) per
+             sequence (N).
+    curriculum_block_size / curriculum_frac: a K curriculum (0 = off): the first `curriculum_frac` of the
+             steps train blocks of `curriculum_block_size` slots (it must divide drafter.block_size K) on
+             K / that many times batch_size sequences per update, the same block tokens per step; the rest
+             train the drafter's K (`train.loop.curriculum_phases`; docs/decisions.md D30).
+    lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping; the
+             decay applies to kernels only, not to the RMSNorm scales (`train.step.decays`).
+    feature_noise: sigma of Gaussian noise added to the target features at every training step, relative to
+             each captured layer's RMS at that position (`train.objective.noisy_features`; 0 = none).
+    loss: `decay` (the paper's fixed weights exp(-(k-1)/gamma)) or `dpace` (D-PACE: weights from the
+             drafter's own per-slot confidence, `train.objective.dpace_weights`); docs/decisions.md D19.
+    gamma: loss decay of DESIGN §4.2 (0 = chosen from the block size). dpace_alpha: D-PACE's confidence floor.
+    head_chunk: rows per chunk of the LM head + cross-entropy (0 = about 128 MiB of fp32 logits per chunk).
+    head_vocab: train the softmax over the `head_vocab` most frequent tokens of the training answers (labels
+             outside it are left out), 0 = the full vocabulary; the served drafter proposes over the same
+             tokens (its draft vocabulary, `models.drafter.DraftVocab`; docs/decisions.md D24).
+    compute_dtype: forward dtype (master params and optimizer state are always fp32).
+    save_every / keep_checkpoints: checkpoint cadence (the last step is always saved) and retention.
+    log_every: metrics cadence (metrics.jsonl, TensorBoard, wandb).
+    wandb: `offline` (default; files under run_dir/wandb, no network), `online`, or `disabled`.
+    eval_every: steps between real-τ evaluations (0 = off; when on, the last step is always evaluated): the
+             current drafter decodes `eval_prompts` held-out prompts of each of `eval_sets` (first turns,
+             greedy, `eval_tokens` new tokens each) with the engine; the best drafter by real τ is kept in
+             run_dir/best (z-lab layout + best.json).
+    """
+
+    run_dir: str = "runs/default"
+    init_from: str = ""
+    layer_init: Literal["random", "target"] = "random"
+    steps: int = 2000
+    batch_size: int = 8
+    num_anchors: int = 16
+    curriculum_block_size: int = 0
+    curriculum_frac: float = 0.5
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    clip: float = 1.0
+    weight_decay: float = 0.0
+    feature_noise: float = 0.0
+    loss: Literal["decay", "dpace"] = "decay"
+    gamma: float = 0.0
+    dpace_alpha: float = 0.5
+    head_chunk: int = 0
+    head_vocab: int = 0
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    seed: int = 0
+    save_every: int = 200
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    tensorboard: bool = True
+    eval_every: int = 0
+    eval_prompts: int = 2
+    eval_sets: tuple[str, ...] = ("gsm8k", "mtbench", "humaneval")
+    eval_tokens: int = 48
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, "train.steps", self.steps, "be at least 1")
+        require(self.batch_size >= 1, "train.batch_size", self.batch_size, "be at least 1")
+        require(self.num_anchors >= 1, "train.num_anchors", self.num_anchors, "be at least 1")
+        require(self.curriculum_block_size == 0 or self.curriculum_block_size >= 2, "train.curriculum_block_size",
+                self.curriculum_block_size, "be 0 (off) or at least 2")
+        require(0 < self.curriculum_frac < 1, "train.curriculum_frac", self.curriculum_frac, "lie in (0, 1)")
+        require(self.lr > 0, "train.lr", self.lr, "be > 0")
+        require(0 <= self.warmup_frac < 1, "train.warmup_frac", self.warmup_frac, "lie in [0, 1)")
+        require(self.clip > 0, "train.clip", self.clip, "be > 0")
+        require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "be >= 0")
+        require(self.feature_noise >= 0, "train.feature_noise", self.feature_noise, "be >= 0")
+        require(self.gamma >= 0, "train.gamma", self.gamma, "be >= 0 (0 = chosen from the block size)")
+        require(0 < self.dpace_alpha <= 1, "train.dpace_alpha", self.dpace_alpha, "lie in (0, 1]")
+        require(self.head_vocab >= 0, "train.head_vocab", self.head_vocab, "be >= 0 (0 = the full vocabulary)")
+        require(self.head_chunk >= 0, "train.head_chunk", self.head_chunk, "be >= 0 (0 = automatic)")
+        require(self.save_every >= 1, "train.save_every", self.save_every, "be at least 1")
+        require(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "be at least 1")
+        require(self.log_every >= 1, "train.log_every", self.log_every, "be at least 1")
+        require(self.eval_every >= 0, "train.eval_every", self.eval_every, "be >= 0 (0 = no real-τ evaluation)")
+        require(self.eval_prompts >= 1, "train.eval_prompts", self.eval_prompts, "be at least 1")
+        require(len(self.eval_sets) >= 1 and all(isinstance(s, str) and s for s in self.eval_sets),
+                "train.eval_sets", self.eval_sets, "hold at least one evaluation set name")
+        require(len(set(self.eval_sets)) == len(self.eval_sets), "train.eval_sets", self.eval_sets,
+                "name each set once")
+        require(self.eval_tokens >= 1, "train.eval_tokens", self.eval_tokens, "be at least 1")
+
+
+__all__ = ["MeshConfig", "TrainConfig"]

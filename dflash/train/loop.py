@@ -1,0 +1,500 @@
+"""The training loop: the whole `dflash train` stage, `run_training(recipe)`, in three parts.
+
+`build_run` loads what a run trains against (target placed on the mesh, batches, optimizer, drafter graph);
+`create_or_restore_state` creates the sharded TrainState or resumes it from `<run_dir>/checkpoints`;
+`train_loop` steps, logs and checkpoints, and every `train.eval_every` steps measures real τ with the engine
+(`train.real_eval`: keeps `<run_dir>/best/`). Mechanics and the resume guarantees: docs/decisions.md D9/D10.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+from tqdm import tqdm
+
+from dflash.configs.recipe import Recipe
+from dflash.configs.schema import ConfigError, require, to_dict
+from dflash.data.config import DataConfig
+from dflash.data.examples import build_examples, training_vocab
+from dflash.data.offline import make_offline_batches
+from dflash.data.online import make_batches
+from dflash.data.shards import chat_template_hash, check_manifest, load_manifest
+from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, init_from_target, target_init_layers
+from dflash.models.target import Target, load_target
+from dflash.train.checkpoint import Checkpointer
+from dflash.train.config import TrainConfig
+from dflash.train.metrics import MetricsWriter, check_finite, read_metrics
+from dflash.train.objective import Objective, default_gamma
+from dflash.train.real_eval import RealTauEval
+from dflash.train.sharding import (
+    DRAFTER_RULES,
+    TARGET_RULES,
+    batch_divisor,
+    make_mesh,
+    place,
+    shard_batch,
+    tree_shardings,
+)
+from dflash.train.step import (
+    TrainState,
+    cast_floats,
+    init_state,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+    with_train_vocab,
+)
+
+log = logging.getLogger(__name__)
+
+EVAL_EXAMPLES = 32  # held-out GSM8K test conversations for the final teacher-forced evaluation
+THROUGHPUT_WINDOW = 20  # finished steps over which block tokens/s is measured
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run did. `last` / `eval` hold host metrics (floats; lists for per-position values); `best` is
+    `<run_dir>/best/best.json` (the best drafter by real τ) or None when none was kept."""
+
+    run_dir: Path
+    arch: DrafterArch
+    start_step: int
+    final_step: int
+    last: dict[str, Any]
+    eval: dict[str, Any]
+    seconds: float
+    best: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRun:
+    """What a run trains against (`build_run`): the frozen target with its params cast to the compute dtype
+    and placed by TARGET_RULES, the drafter's architecture and graph, the optimizer, the loss decay gamma,
+    this host's batch iterator and the fingerprint of its data (checked on resume)."""
+
+    target: Target
+    target_params: Any
+    arch: DrafterArch
+    mesh: Mesh
+    optimizer: optax.GradientTransformation
+    graphdef: nnx.GraphDef
+    objective: Objective
+    compute_dtype: Any
+    batches: Any
+    data_fingerprint: str
+    draft_vocab: DraftVocab | None = None  # train.head_vocab's tokens: the drafter proposes over these at serving
+
+
+def arch_dict(arch: DrafterArch) -> dict[str, Any]:
+    """The architecture as JSON-able values (recorded in checkpoints and compared on resume)."""
+    return json.loads(json.dumps(to_dict(arch)))
+
+
+def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> TrainResult:
+    """Train (or resume) the drafter of `recipe`; see the module docstring."""
+    t_start = time.time()
+    cfg = recipe.train
+    run_dir = _run_dir(cfg)
+    is_main = jax.process_index() == 0
+    target = target if target is not None else load_target(recipe.target)
+    run = build_run(cfg, recipe.data, target, target.drafter_arch(recipe.drafter))
+    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir, run.draft_vocab) if is_main else None
+    meta = {"arch": arch_dict(run.arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
+    if run.draft_vocab is not None:
+        meta["draft_vocab"] = run.draft_vocab.ids.tolist()
+    ckpt = Checkpointer(run_dir / "checkpoints", meta, keep=cfg.keep_checkpoints)
+    state, shardings, start = create_or_restore_state(cfg, run.arch, run.optimizer, run.mesh, ckpt, run.batches,
+                                                      run.data_fingerprint, target)
+    writer = MetricsWriter(run_dir, config=to_dict(recipe), wandb_mode=cfg.wandb, tensorboard=cfg.tensorboard,
+                           enabled=is_main)
+    metrics = StepMetrics(cfg, writer, block_tokens=cfg.batch_size * cfg.num_anchors * run.arch.block_size,
+                          start=start, show=progress and is_main)
+    try:
+        state = train_loop(cfg, run, state, shardings, start, ckpt, metrics, real_eval)
+        eval_metrics = evaluate(recipe.data, cfg.num_anchors, run, state.params)
+        if eval_metrics and is_main:
+            writer.write(cfg.steps, {f"dflash/eval/{k}": v for k, v in eval_metrics.items()})
+    finally:
+        metrics.close()
+        ckpt.close()
+        writer.close()
+        if hasattr(run.batches, "close"):
+            run.batches.close()  # offline loader: stop its worker processes
+    return TrainResult(run_dir=run_dir, arch=run.arch, start_step=start, final_step=int(jax.device_get(state.step)),
+                       last=metrics.last, eval=eval_metrics, seconds=time.time() - t_start,
+                       best=real_eval.best if real_eval is not None else None)
+
+
+# --- build -------------------------------------------------------------------------------------------------
+
+
+def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterArch) -> TrainRun:
+    """The mesh of `train.mesh` (the global batch size checked against it), the target placed on it in the
+    compute dtype, this host's batches of `data`, the optimizer and the drafter's graph."""
+    if target.cfg.num_layers - 1 in arch.layer_ids:
+        log.warning("drafter.layer_ids %s include the target's last layer %d: vLLM and SGLang feed HF "
+                    "hidden_states[L], which is post-final-norm, while this trainer uses the pre-norm output; "
+                    "dflash-export refuses such a drafter", arch.layer_ids, target.cfg.num_layers - 1)
+    mesh = make_mesh(cfg.mesh)
+    require(cfg.batch_size % batch_divisor(mesh) == 0, "train.batch_size", cfg.batch_size,
+            f"be a multiple of mesh data x fsdp = {batch_divisor(mesh)}")
+    require(cfg.batch_size % jax.process_count() == 0, "train.batch_size", cfg.batch_size,
+            f"be a multiple of the process count {jax.process_count()}")
+    compute_dtype = jnp.dtype(cfg.compute_dtype)
+    target_params = cast_floats(target.params, compute_dtype)
+    examples = build_examples(data, target.tokenizer) if cfg.head_vocab or data.features == "online" else None
+    vocab = None
+    if cfg.head_vocab:
+        ids = training_vocab(examples[0], min(cfg.head_vocab, target.cfg.vocab_size), target.cfg.vocab_size,
+                             tuple(target.tokenizer.stop_token_ids))
+        target_params = with_train_vocab(target_params, target.cfg, ids)
+        vocab = DraftVocab(np.asarray(ids)) if len(ids) < target.cfg.vocab_size else None
+        log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
+    target_params = place(target_params, TARGET_RULES, mesh)
+    curriculum_phases(cfg, arch)  # a bad K curriculum fails before any data is read
+    batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples)
+    return TrainRun(target=target, target_params=target_params, arch=arch, mesh=mesh,
+                    optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),
+                    objective=make_objective(cfg, arch), compute_dtype=compute_dtype,
+                    batches=batches, data_fingerprint=data_fingerprint, draft_vocab=vocab)
+
+
+def build_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int,
+                  examples: tuple[list[Any], str] | None = None) -> tuple[Any, str]:
+    """This host's Grain iterator of `per_host`-row batches and the data fingerprint: online (conversations
+    tokenised with the target's chat template; `examples`, when given, is `build_examples`' result, not
+    rebuilt) or offline (stored features, `data.features`)."""
+    if data.features == "offline":
+        return _offline_batches(data, target, arch, per_host)
+    examples, fingerprint = examples if examples is not None else build_examples(data, target.tokenizer)
+    batches = make_batches([(t, m) for t, m, _ in examples], per_host, data.shuffle_seed,
+                           shard_index=jax.process_index(), shard_count=jax.process_count())
+    return batches, fingerprint
+
+
+def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int) -> tuple[Any, str]:
+    """The Grain iterator over data.dir/shards, after checking the capture against this run (every differing
+    field named), and the fingerprint of the stored examples (their manifest's examples_hash)."""
+    shard_dir = data.shard_dir
+    manifest = load_manifest(shard_dir, verify=data.verify_shards)
+    check_manifest(manifest, target_fingerprint=target.fingerprint,
+                   tokenizer_fingerprint=target.tokenizer.fingerprint(),
+                   chat_template_hash=chat_template_hash(target.tokenizer.chat_template), layer_ids=arch.layer_ids,
+                   hidden_size=target.cfg.hidden_size, seq_len=data.seq_len,
+                   target_labels=True if data.labels != "text" else None,
+                   target_topk=data.soft_topk if data.labels == "soft" else None)
+    batches = make_offline_batches(shard_dir, per_host, data.shuffle_seed, data.seq_len,
+                                   shard_index=jax.process_index(), shard_count=jax.process_count(),
+                                   worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records,
+                                   next_ids=data.labels != "text", pack=data.pack,
+                                   soft_topk=data.soft_topk if data.labels == "soft" else 0)
+    log.info("offline features: %d samples, %d tokens in %d shards under %s (%.0f bytes/token)",
+             manifest.num_samples, manifest.total_tokens, manifest.num_shards, shard_dir, manifest.bytes_per_token)
+    labels = {"text": "", "target": ":target-labels", "soft": f":soft-labels-{data.soft_topk}"}[data.labels]
+    return batches, (f"offline:{manifest.examples_hash}" + labels
+                     + (f":packed-{data.pack}" if data.pack else ""))
+
+
+def make_train_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW on warmup + cosine with global-norm clipping, as `train` configures it."""
+    return make_optimizer(cfg.lr, cfg.steps, cfg.warmup_frac, cfg.clip, cfg.weight_decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """Steps first .. last train blocks of `arch.block_size` slots on `batches_per_step` of the loader's
+    batches per update (concatenated)."""
+
+    first: int
+    last: int
+    arch: DrafterArch
+    batches_per_step: int = 1
+
+
+def curriculum_phases(cfg: TrainConfig, arch: DrafterArch) -> list[Phase]:
+    """The run's phases: one (the drafter's K) without a K curriculum; with `train.curriculum_block_size` k,
+    first round(steps x curriculum_frac) steps of k-slot blocks on K / k times the sequences per update (the
+    same block tokens per step, the same anchors per sequence: a recipe's anchors often cover nearly every
+    answer position, so more anchors per sequence would only add padding blocks), then the drafter's K. The
+    drafter's weights do not depend on the block size, so both phases train the same parameters; only the
+    jitted step differs."""
+    k, big = cfg.curriculum_block_size, arch.block_size
+    if not k:
+        return [Phase(1, cfg.steps, arch)]
+    require(k < big and big % k == 0, "train.curriculum_block_size", k,
+            f"be below drafter.block_size {big} and divide it")
+    switch = round(cfg.steps * cfg.curriculum_frac)
+    require(1 <= switch < cfg.steps, "train.curriculum_frac", cfg.curriculum_frac,
+            f"leave at least one step in each phase of the {cfg.steps} steps")
+    return [Phase(1, switch, dataclasses.replace(arch, block_size=k), big // k), Phase(switch + 1, cfg.steps, arch)]
+
+
+def make_objective(cfg: TrainConfig, arch: DrafterArch) -> Objective:
+    """The loss `train` configures (gamma 0 = by block size)."""
+    return Objective(kind=cfg.loss, gamma=cfg.gamma or default_gamma(arch.block_size), dpace_alpha=cfg.dpace_alpha,
+                     head_chunk=cfg.head_chunk, feature_noise=cfg.feature_noise)
+
+
+def drafter_graphdef(arch: DrafterArch, compute_dtype: Any = jnp.float32) -> nnx.GraphDef:
+    """The drafter's graph (built abstractly, no arrays), its matmuls computing in `compute_dtype` (the params
+    stay fp32 masters, cast per step); its params travel in the TrainState."""
+    model = nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0), dtype=compute_dtype))
+    graphdef, _ = nnx.split(model, nnx.Param)
+    return graphdef
+
+
+# --- state -------------------------------------------------------------------------------------------------
+
+
+def fresh_state(seed: int, arch: DrafterArch, optimizer: optax.GradientTransformation,
+                init_params: Any = None) -> TrainState:
+    """A new TrainState: drafter params initialised from `seed` (or `init_params`, an nnx.State of the same
+    tree), RNG key `seed + 1`. Traced by `create_state` under jit, so that no full copy ever sits on one
+    device."""
+    params = nnx.state(DFlashDrafter(arch, nnx.Rngs(params=seed)), nnx.Param) if init_params is None else init_params
+    return init_state(params, optimizer, jax.random.PRNGKey(seed + 1))
+
+
+def state_layout(seed: int, arch: DrafterArch, optimizer: optax.GradientTransformation,
+                 mesh: Mesh) -> tuple[Any, Any]:
+    """The TrainState's abstract tree (shapes and dtypes, nothing allocated) and its DRAFTER_RULES shardings."""
+    abstract = jax.eval_shape(functools.partial(fresh_state, seed, arch, optimizer))
+    return abstract, tree_shardings(abstract, DRAFTER_RULES, mesh)
+
+
+def create_state(seed: int, arch: DrafterArch, optimizer: optax.GradientTransformation,
+                 mesh: Mesh, init_params: Any = None) -> tuple[TrainState, Any]:
+    """A fresh TrainState created sharded by DRAFTER_RULES (jit with out_shardings), and its shardings;
+    `init_params`: start from these drafter params (`init_from_params`) instead of a random init."""
+    _, shardings = state_layout(seed, arch, optimizer, mesh)
+    state = jax.jit(functools.partial(fresh_state, seed, arch, optimizer), out_shardings=shardings)(init_params)
+    return state, shardings
+
+
+def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
+    """The drafter params of `train.init_from` (a run dir or an export), checked against the recipe's `arch`
+    (ConfigError naming every differing field). A drafter without a Markov head may start a recipe that has
+    one (`drafter.markov_rank`): the head starts as a new one does (its output at zero), so step 0 drafts
+    exactly what the loaded drafter does."""
+    from dflash.models.drafter_io import load_drafter
+
+    loaded = load_drafter(Path(path).expanduser(), target.cfg)
+    mine = arch_dict(arch)
+    if arch.markov_rank and not loaded.arch.markov_rank:
+        fresh = DFlashDrafter(arch, nnx.Rngs(params=0))
+        nnx.update(fresh, nnx.state(loaded, nnx.Param))
+        fresh.draft_vocab, loaded = loaded.draft_vocab, fresh
+        log.info("train.init_from %s has no Markov head: a new one (rank %d) is added", path, arch.markov_rank)
+
+    def same(a: Any, b: Any) -> bool:  # float fields may have been written in float32 by an export
+        return math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) and isinstance(b, float) else a == b
+
+    differ = [f"{k}: {v!r} there vs {mine[k]!r} in the recipe" for k, v in arch_dict(loaded.arch).items()
+              if not same(v, mine[k])]
+    if differ:
+        raise ConfigError(f"train.init_from {path} holds another drafter architecture (" + "; ".join(differ) + ")")
+    log.info("initialised the drafter from %s", path)
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.state(loaded, nnx.Param))  # host: jit places it
+
+
+def target_layer_params(seed: int, arch: DrafterArch, target: Target) -> Any:
+    """Drafter params (host arrays) initialised from the target's upper layers (`train.layer_init=target`)."""
+    drafter = DFlashDrafter(arch, nnx.Rngs(params=seed))
+    init_from_target(drafter, target.params, target.cfg)
+    log.info("initialised the drafter's layers from target layers %s", list(target_init_layers(arch)))
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.state(drafter, nnx.Param))
+
+
+def create_or_restore_state(cfg: TrainConfig, arch: DrafterArch, optimizer: optax.GradientTransformation,
+                            mesh: Mesh, ckpt: Checkpointer, batches: Any, data_fingerprint: str,
+                            target: Target | None = None) -> tuple[TrainState, Any, int]:
+    """(state, its shardings, the step it is at): restored from the latest checkpoint of `ckpt` (its data
+    fingerprint checked, `batches` moved to the saved position) or, when there is none, created fresh.
+    Process 0 drops the metrics.jsonl records after that step (logged by a run that died before its next
+    checkpoint)."""
+    run_dir = _run_dir(cfg)
+    latest = ckpt.latest_step()
+    if latest is None:
+        init = init_from_params(cfg.init_from, arch, target) if cfg.init_from else \
+            target_layer_params(cfg.seed, arch, target) if cfg.layer_init == "target" else None
+        state, shardings = create_state(cfg.seed, arch, optimizer, mesh, init)
+    else:
+        abstract, shardings = state_layout(cfg.seed, arch, optimizer, mesh)
+        state, data_state = ckpt.restore(latest, abstract, shardings)
+        if data_state.get("data_fingerprint") != data_fingerprint:
+            raise ConfigError(f"checkpoint step {latest} in {ckpt.directory} was trained on other data (its "
+                              "examples hash differs: data or the tokenizer changed); resume with the same "
+                              "data settings or use a new train.run_dir")
+        batches.set_state(data_state["iterator"])
+    if jax.process_index() == 0:
+        _truncate_metrics(run_dir, 0 if latest is None else latest)
+    if latest is not None:
+        log.info("resumed %s from step %d", run_dir, latest)
+    return state, shardings, int(jax.device_get(state.step))
+
+
+def _run_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.run_dir).expanduser().resolve()
+
+
+def _truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics.jsonl records after `step`."""
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        keep = [r for r in read_metrics(run_dir) if r["step"] <= step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+
+# --- loop --------------------------------------------------------------------------------------------------
+
+
+def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: Any, start: int, ckpt: Checkpointer,
+               metrics: StepMetrics, real_eval: RealTauEval | None = None) -> TrainState:
+    """Steps start+1 .. train.steps: batch -> jitted step (state donated) -> the previous step's metrics ->
+    an async checkpoint every save_every steps and at the last, once that step's metrics proved finite ->
+    real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
+    neither the state nor the data, so training results are the same with it or without). Each phase of a K
+    curriculum (`curriculum_phases`) gets its own jitted step, built when the phase starts."""
+    for phase in curriculum_phases(cfg, run.arch):
+        if phase.last <= start:
+            continue  # resumed past this phase
+        step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
+                                  arch=phase.arch, num_anchors=cfg.num_anchors,
+                                  objective=make_objective(cfg, phase.arch), optimizer=run.optimizer,
+                                  compute_dtype=run.compute_dtype, state_shardings=shardings)
+        if cfg.curriculum_block_size:
+            log.info("steps %d-%d: blocks of %d slots, %d sequences per update", phase.first, phase.last,
+                     phase.arch.block_size, phase.batches_per_step * cfg.batch_size)
+        for step in range(max(start + 1, phase.first), phase.last + 1):
+            batch = shard_batch(_next_batch(run.batches, phase.batches_per_step), run.mesh)
+            state, device_metrics = step_fn(state, batch)
+            metrics.push(step, device_metrics)
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                metrics.flush()  # never checkpoint a state whose step went non-finite
+                ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
+                                        "data_fingerprint": run.data_fingerprint})
+            if real_eval is not None and real_eval.due(step):
+                metrics.flush()
+                metrics.write_eval(step, real_eval(step, state.params))
+    metrics.flush()
+    return state
+
+
+class StepMetrics:
+    """The host side of the loop. A step's metrics are fetched one step late (the device never waits on the
+    host), checked finite (NonFiniteMetricError names the step), given the block tokens/s over the last
+    THROUGHPUT_WINDOW finished steps, shown on the progress bar, and written every log_every steps and at
+    the last one. `last` holds the latest finished step's host metrics."""
+
+    def __init__(self, cfg: TrainConfig, writer: MetricsWriter, *, block_tokens: int, start: int, show: bool):
+        self.writer = writer
+        self.log_every, self.final_step, self.block_tokens = cfg.log_every, cfg.steps, block_tokens
+        self.bar = tqdm(total=cfg.steps, initial=start, disable=not show, unit="step", dynamic_ncols=True,
+                        desc="train")
+        self.last: dict[str, Any] = {}
+        self.real_tau: float | None = None  # the latest in-loop real τ, shown beside the teacher-forced one
+        self._pending: tuple[int, Any] | None = None
+        self._fields: dict[str, str] = {}
+        self._window: list[tuple[float, int]] = []
+
+    def push(self, step: int, device_metrics: Any) -> None:
+        """Take `step`'s metrics (still on device) and finish the previous step's."""
+        self.flush()
+        self._pending = (step, device_metrics)
+
+    def flush(self) -> None:
+        """Finish the pending step, if any."""
+        if self._pending is not None:
+            step, device_metrics = self._pending
+            self._pending = None
+            self._finish(step, device_metrics)
+
+    def _finish(self, step: int, device_metrics: Any) -> None:
+        metrics = _host(device_metrics)
+        check_finite(metrics, step)
+        self.last = metrics
+        self._window.append((time.time(), step))
+        del self._window[:-THROUGHPUT_WINDOW]
+        if len(self._window) > 1:
+            (t0, s0), (t1, s1) = self._window[0], self._window[-1]
+            metrics["block_tokens_per_s"] = (s1 - s0) * self.block_tokens / max(t1 - t0, 1e-9)
+        self.bar.update(step - self.bar.n)
+        self._postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['acceptance_length']:.2f}",
+                      tok_s=f"{metrics.get('block_tokens_per_s', 0):.0f}")
+        if step % self.log_every == 0 or step == self.final_step:
+            self.writer.write(step, metrics)
+
+    def write_eval(self, step: int, metrics: dict[str, Any]) -> None:
+        """Log an in-loop real-τ evaluation (`dflash/eval/...` metrics) at `step` and show its τ on the bar."""
+        self.real_tau = metrics["eval/tau"]
+        self.writer.write(step, metrics)
+        self._postfix(**self._fields)
+
+    def _postfix(self, **fields: str) -> None:
+        self._fields = fields
+        real = {} if self.real_tau is None else {"real_tau": f"{self.real_tau:.2f}"}
+        self.bar.set_postfix({**fields, **real}, refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _host(tree: Any) -> dict[str, Any]:
+    out = {}
+    for name, value in jax.device_get(tree).items():
+        arr = np.asarray(value, np.float64)
+        out[name] = float(arr) if arr.ndim == 0 else arr.tolist()
+    return out
+
+
+def _next_batch(batches: Any, count: int) -> dict[str, np.ndarray]:
+    """The loader's next batch, or its next `count` batches concatenated row-wise (a K curriculum's first
+    phase)."""
+    if count == 1:
+        return next(batches)
+    parts = [next(batches) for _ in range(count)]
+    return {key: np.concatenate([np.asarray(p[key]) for p in parts]) for key in parts[0]}
+
+
+def _iterator_state(batches: Any) -> dict[str, Any]:
+    """The data iterator's state. Orbax writes process 0's copy only, so every host's must be equal (it is:
+    each host counts the same number of global batches); checked when there are several processes."""
+    state = batches.get_state()
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.assert_equal(np.int64(state["next_index"]), "data iterator positions differ across hosts")
+    return state
+
+
+def evaluate(data: DataConfig, num_anchors: int, run: TrainRun, params: Any) -> dict[str, Any]:
+    """Teacher-forced metrics of `params` on the first EVAL_EXAMPLES GSM8K test conversations (fixed anchors)."""
+    examples, _ = build_examples(data, run.target.tokenizer, split="test", limit=EVAL_EXAMPLES)
+    unit = math.lcm(batch_divisor(run.mesh), jax.process_count())  # same global rows whatever the process count
+    rows = len(examples) // unit * unit // jax.process_count()
+    if rows == 0:
+        return {}
+    eval_step = make_eval_step(graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
+                               arch=run.arch, num_anchors=num_anchors, objective=run.objective,
+                               compute_dtype=run.compute_dtype)
+    mine = examples[jax.process_index() * rows:(jax.process_index() + 1) * rows]
+    batch = {"tokens": np.stack([t for t, _, _ in mine]), "loss_mask": np.stack([m for _, m, _ in mine])}
+    return _host(eval_step(params, shard_batch(batch, run.mesh), jax.random.PRNGKey(1234)))
+
+
+__all__ = ["Phase", "StepMetrics", "TrainResult", "TrainRun", "arch_dict", "build_batches", "build_run",
+           "create_or_restore_state", "create_state", "curriculum_phases", "drafter_graphdef", "evaluate",
+           "fresh_state", "make_objective", "make_train_optimizer", "run_training", "state_layout", "train_loop"]

@@ -1,0 +1,336 @@
+"""One DFlash training step (DESIGN §4.2): `train_step` is a module-level pure function, `make_train_step`
+jits it once with the state donated.
+
+    anchors -> blocks -> target features and block embeddings (no gradient) -> drafter -> target LM head -> loss
+
+Only the drafter's parameters are differentiated and updated; the frozen target is a traced argument of
+the step, never part of the state. Design: docs/decisions.md D9, D10.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dflash.models.config import DecoderConfig
+from dflash.models.decoder import Params, embed, head_matrix
+from dflash.models.drafter import BlockVisibility, DFlashDrafter, DrafterArch, draft_head_rows, online_features
+from dflash.train.objective import (
+    Blocks,
+    Objective,
+    build_blocks_batch,
+    head_loss,
+    noisy_features,
+    sample_anchors_batch,
+)
+
+Metrics = dict[str, jax.Array]
+Batch = dict[str, jax.Array]
+
+
+# ----------------------------------------------------------------------------- state and optimizer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a step reads and writes (a pytree; donated to the jitted step).
+
+    params:    the drafter's nnx.State of `nnx.Param`s (fp32 master weights); no embedding, no LM head.
+    opt_state: the optax state for `params` (fp32).
+    step:      int32 scalar, number of updates applied so far.
+    rng:       PRNG key; each step splits it into the next key and the step's anchor key.
+    """
+
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array
+    rng: jax.Array
+
+
+StepOut = tuple[TrainState, Metrics]
+
+
+def make_schedule(lr: float, total_steps: int, warmup_frac: float = 0.04) -> optax.Schedule:
+    """Linear warmup from 0 over round(warmup_frac * total_steps) steps (at least 1), then cosine to 0."""
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1; received {total_steps}")
+    if not 0.0 <= warmup_frac < 1.0:
+        raise ValueError(f"warmup_frac must lie in [0, 1); received {warmup_frac}")
+    warmup = max(1, round(warmup_frac * total_steps))
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total_steps, warmup + 1), end_value=0.0)
+
+
+def make_optimizer(lr: float, total_steps: int, warmup_frac: float = 0.04, clip: float = 1.0,
+                   weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """clip_by_global_norm(clip) then AdamW on the warmup+cosine schedule (`make_schedule`).
+
+    The learning rate is injected as a hyperparameter, so the rate used by the latest update can be read
+    from the optimizer state (`current_lr`). Weight decay applies to matrices only (`decays`): the RMSNorm
+    scales are left alone, as is usual, since decaying them pulls every normed activation towards zero.
+    """
+    if clip <= 0:
+        raise ValueError(f"clip must be > 0; received {clip}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0; received {weight_decay}")
+    # without decay the state keeps adamw's unmasked layout, so runs and checkpoints from before the mask resume
+    mask = {"mask": decays} if weight_decay > 0 else {}
+    adamw = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        learning_rate=make_schedule(lr, total_steps, warmup_frac), weight_decay=weight_decay, **mask)
+    return optax.chain(optax.clip_by_global_norm(clip), adamw)
+
+
+def decays(params: Any) -> Any:
+    """The weight-decay mask of `make_optimizer`: True for a parameter of 2 or more dimensions (kernels)."""
+    return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+
+
+def current_lr(opt_state: optax.OptState) -> jax.Array:
+    """The learning rate the latest update used; `opt_state` must come from `make_optimizer`'s chain
+    (index 1 is the injected-hyperparameter AdamW state)."""
+    return jnp.asarray(opt_state[1].hyperparams["learning_rate"], jnp.float32)
+
+
+def split_drafter(drafter: DFlashDrafter) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) of a drafter; it must hold nothing but `nnx.Param`s."""
+    graphdef, params = nnx.split(drafter, nnx.Param)
+    return graphdef, params
+
+
+def init_state(params: nnx.State, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    """A fresh state: fp32 copies of the drafter params, `optimizer.init`, step 0 and `rng`."""
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), rng=rng)
+
+
+# ----------------------------------------------------------------------------- training vocabulary
+
+TRAIN_HEAD, TRAIN_LABEL_MAP = "train_head", "train_label_map"
+
+
+def with_train_vocab(target_params: Params, target_cfg: DecoderConfig, token_ids: Any) -> Params:
+    """`target_params` plus the LM head restricted to `token_ids` ([V', D], vocab-major) and the label map
+    token -> row (-1 outside): the step's loss then runs its softmax over those V' tokens only
+    (`train.head_vocab`, docs/decisions.md D19); the served drafter proposes over the same rows (D24)."""
+    ids = jnp.asarray(token_ids, jnp.int32)
+    rows = draft_head_rows(target_params, target_cfg, ids)
+    label_map = jnp.full((target_cfg.vocab_size,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+    return {**target_params, TRAIN_HEAD: rows, TRAIN_LABEL_MAP: label_map}
+
+
+# ----------------------------------------------------------------------------- loss from explicit inputs
+
+
+def previous_ids(blocks: Blocks, block_size: int) -> jax.Array:
+    """int32 [B, Q]: each block slot's previous token as the Markov head reads it in training: the anchor for
+    slots 0 and 1, the label of slot k-1 for k >= 2 (what the target emitted there; when that slot is not
+    labelled, neither is slot k, so whatever stands there is never scored)."""
+    b = blocks.block_ids.shape[0]
+    ids_BxNxK = blocks.block_ids.reshape(b, -1, block_size)
+    labels_BxNxK = blocks.labels.reshape(b, -1, block_size)
+    anchor = ids_BxNxK[..., :1]
+    return jnp.concatenate([anchor, anchor, labels_BxNxK[..., 1:-1]], axis=-1).reshape(b, -1).astype(jnp.int32)
+
+
+
+def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
+                 block_embeds_BxQxD: jax.Array, blocks: Blocks, ctx_feats_BxSxFD: jax.Array, block_size: int,
+                 objective: Objective, segment_BxS: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
+    """DFlash loss of the drafter on explicit inputs (so gradients w.r.t. embeds and features exist).
+
+    Context positions are 0..S-1 and every context token is valid; `BlockVisibility.from_anchors` gives
+    block j the context keys s < a_j and its own block's keys only (block-local attention, no dense
+    Q x (S+Q) mask); with `segment_BxS` (packed rows) only those of a_j's own conversation. Positions stay
+    the row's: RoPE sees only differences, which are the same within a conversation wherever it sits. The
+    frozen target head and the CE run in chunks (`head_loss`), in the dtype of the drafter's output (the
+    compute dtype) with fp32 accumulation and softmax.
+    Returns (loss, head_loss metrics).
+    """
+    b, s, _ = ctx_feats_BxSxFD.shape
+    drafter = nnx.merge(graphdef, params)
+    ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    anchor_BxN = blocks.anchor_of_query.reshape(b, -1, block_size)[:, :, 0]  # -1 for padding blocks
+    visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool), segment_BxS)
+    hidden_BxQxD = drafter(block_embeds_BxQxD, blocks.block_pos, ctx_feats_BxSxFD, ctx_pos_BxS, visible)
+    frozen = jax.lax.stop_gradient(target_params)
+    if drafter.markov is not None:  # slot k also sees the block's token before it (teacher-forced: its label)
+        hidden_BxQxD = drafter.with_previous(hidden_BxQxD, embed(frozen, previous_ids(blocks, block_size)))
+    soft = None if blocks.soft_ids is None else (blocks.soft_ids, blocks.soft_probs)
+    if TRAIN_HEAD in frozen:  # a training vocabulary (`with_train_vocab`)
+        return head_loss(hidden_BxQxD, frozen[TRAIN_HEAD], blocks.labels, blocks.label_mask, block_size, objective,
+                         vocab_major=True, label_map=frozen[TRAIN_LABEL_MAP], soft=soft)
+    head, vocab_major = head_matrix(frozen, target_cfg)
+    return head_loss(hidden_BxQxD, head, blocks.labels, blocks.label_mask, block_size, objective,
+                     vocab_major=vocab_major, soft=soft)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """`tree` with every floating-point leaf cast to `dtype` (integer leaves untouched)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def segments(batch: Batch) -> jax.Array | None:
+    """The batch's `segment_ids` int32 [B, S] (packed rows, `data.pack`), or None for one conversation per row."""
+    return jnp.asarray(batch["segment_ids"], jnp.int32) if "segment_ids" in batch else None
+
+
+def block_inputs(batch: Batch, target_params: Params, target_cfg: DecoderConfig, arch: DrafterArch,
+                 num_anchors: int, rng: jax.Array) -> tuple[Blocks, jax.Array, jax.Array]:
+    """(blocks, block embeddings [B, Q, D], target features [B, S, F*D]) of `batch` with anchors drawn
+    from `rng`: what the drafter's loss reads. Embeddings and features carry no gradient.
+
+    Features come from `batch["features"]` when the batch holds them (offline mode: stored bf16 features,
+    cast to the target params' dtype, i.e. the compute dtype), else from the target's forward (online).
+    With `batch["next_ids"]` (the target's own next tokens, `data.labels: target`) the labels are the
+    target's (`build_blocks`); with `batch["soft_ids"]` and `batch["soft_probs"]` (`data.labels: soft`) the
+    blocks also carry the target's top-k distributions, and the loss is against them. With
+    `batch["segment_ids"]` (packed rows) no block is labelled past its own conversation (the drafter's context
+    is kept to it by `drafter_loss`)."""
+    tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
+    loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
+    anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, num_anchors, arch.block_size, rng)
+    next_ids_BxS = jnp.asarray(batch["next_ids"], jnp.int32) if "next_ids" in batch else None  # target labels
+    soft_BxS = (batch["soft_ids"], batch["soft_probs"]) if "soft_ids" in batch else None  # soft labels
+    blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, arch.block_size,
+                                arch.mask_token_id, next_ids_BxS, segments(batch), soft_BxS)
+    if "features" in batch:
+        feats_BxSxFD = jax.lax.stop_gradient(jnp.asarray(batch["features"]).astype(target_params["embed"].dtype))
+    else:
+        feats_BxSxFD = online_features(target_params, target_cfg, tokens_BxS, arch.layer_ids)
+    embeds_BxQxD = jax.lax.stop_gradient(embed(target_params, blocks.block_ids))
+    return blocks, embeds_BxQxD, feats_BxSxFD
+
+
+def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphdef: nnx.GraphDef,
+               target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int, objective: Objective,
+               optimizer: optax.GradientTransformation, compute_dtype: Any = jnp.float32) -> StepOut:
+    """One update of the drafter on `batch` = {tokens [B, S] int32, loss_mask [B, S]}; pure.
+
+    Data flow (F captured layers, D hidden, Q = N*K):
+
+        rng -> (next rng, anchor rng)
+        anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask, N, K, anchor rng)
+        blocks [B, Q]         = build_blocks_batch(tokens, loss_mask, anchors, keep, K, MASK)
+        feats_BxSxFD          = batch["features"] (offline) or online_features(target, tokens)   (no gradient)
+        embeds_BxQxD          = target embedding of the block ids                               (no gradient)
+        hidden_BxQxD          = drafter(embeds, block_pos, feats, ctx_pos, BlockVisibility.from_anchors(...))
+        logits_BxQxV          = target LM head (frozen, full vocab)
+        loss, metrics         = head_loss(...)   (chunked head + weighted CE)
+
+    Anchors are resampled from `state.rng` each step (new key per step). Gradients are taken w.r.t.
+    `state.params` only. The forward runs in `compute_dtype` (params cast inside the differentiated
+    function, so gradients and the optimizer stay in the fp32 master precision); the loss's softmax is
+    fp32. `target_params` should already be in `compute_dtype` (cast once by the caller, not per step).
+    metrics: loss, acceptance_length, accuracy_per_position [K], grad_norm (before clipping), lr (used by
+    this update), num_labels, num_blocks.
+    """
+    rng, anchor_rng = jax.random.split(state.rng)
+    blocks, embeds_BxQxD, feats_BxSxFD = block_inputs(batch, target_params, target_cfg, arch, num_anchors,
+                                                      anchor_rng)
+    if objective.feature_noise > 0:  # its own key, derived so that the anchor stream is the noiseless run's
+        feats_BxSxFD = noisy_features(feats_BxSxFD, len(arch.layer_ids), objective.feature_noise,
+                                      jax.random.fold_in(anchor_rng, 1))
+
+    def loss_fn(params: nnx.State) -> tuple[jax.Array, Metrics]:
+        return drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
+                            embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, objective, segments(batch))
+
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {
+        "loss": loss,
+        "acceptance_length": aux["acceptance_length"],
+        "accuracy_per_position": aux["accuracy_per_position"],
+        "grad_norm": optax.global_norm(grads),
+        "lr": current_lr(opt_state),
+        "num_labels": aux["num_labels"],
+        "num_blocks": aux["num_blocks"],
+    }
+    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
+    return new_state, metrics
+
+
+def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
+                    arch: DrafterArch, num_anchors: int, objective: Objective,
+                    optimizer: optax.GradientTransformation, compute_dtype: Any = jnp.float32,
+                    state_shardings: Any = None) -> Callable[[TrainState, Batch], StepOut]:
+    """`(state, batch) -> (state, metrics)`: `train_step` jitted once with the state donated.
+
+    Everything but the state, the batch and `target_params` is fixed at trace time; `target_params` is a
+    traced argument so the target's weights are not compiled in as constants. Input shardings follow the
+    arguments (create the state, the target and each batch already sharded, see `train.sharding`);
+    `state_shardings`, when given, pins the new state to the same layout and metrics are replicated. Do
+    not reuse a state after passing it in (its buffers are donated). `step.lower(state, batch)` lowers the
+    same jitted program (for ahead-of-time compilation and XLA memory analysis).
+    """
+    body = partial(train_step, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
+                   objective=objective, optimizer=optimizer, compute_dtype=compute_dtype)
+    if state_shardings is None:
+        jitted = jax.jit(body, donate_argnums=0)
+    else:
+        mesh = jax.tree.leaves(state_shardings)[0].mesh
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        jitted = jax.jit(body, donate_argnums=0, out_shardings=(state_shardings, replicated))
+
+    def step(state: TrainState, batch: Batch) -> StepOut:
+        return jitted(state, batch, target_params)
+
+    step.lower = lambda state, batch: jitted.lower(state, batch, target_params)  # for AOT compile / memory stats
+    return step
+
+
+def eval_metrics(params: nnx.State, batch: Batch, target_params: Params, rng: jax.Array, *,
+                 graphdef: nnx.GraphDef, target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int,
+                 objective: Objective, compute_dtype: Any = jnp.float32) -> Metrics:
+    """The step's loss and teacher-forced metrics on `batch` with anchors drawn from `rng`; no update."""
+    blocks, embeds_BxQxD, feats_BxSxFD = block_inputs(batch, target_params, target_cfg, arch, num_anchors, rng)
+    loss, aux = drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
+                             embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, objective, segments(batch))
+    return {"loss": loss, "acceptance_length": aux["acceptance_length"],
+            "accuracy_per_position": aux["accuracy_per_position"], "num_labels": aux["num_labels"]}
+
+
+def make_eval_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
+                   arch: DrafterArch, num_anchors: int, objective: Objective,
+                   compute_dtype: Any = jnp.float32) -> Callable[[nnx.State, Batch, jax.Array], Metrics]:
+    """`(params, batch, rng) -> metrics`: `eval_metrics` jitted (nothing donated)."""
+    body = partial(eval_metrics, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
+                   objective=objective, compute_dtype=compute_dtype)
+    jitted = jax.jit(body)
+
+    def run(params: nnx.State, batch: Batch, rng: jax.Array) -> Metrics:
+        return jitted(params, batch, target_params, rng)
+
+    return run
+
+
+__all__ = [
+    "TrainState",
+    "block_inputs",
+    "cast_floats",
+    "current_lr",
+    "eval_metrics",
+    "make_eval_step",
+    "drafter_loss",
+    "init_state",
+    "decays",
+    "make_optimizer",
+    "make_schedule",
+    "make_train_step",
+    "previous_ids",
+    "segments",
+    "split_drafter",
+    "train_step",
+    "with_train_vocab",
+]
