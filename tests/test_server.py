@@ -13,7 +13,7 @@ from flax import nnx
 
 from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from dflash.serve.engine import Engine, decode
-from dflash.serve.server import make_server
+from dflash.serve.http import make_server
 
 MAX_LEN = 512
 QUESTIONS = ["What is 2+2?", "Name a color.", "Say hi.", "What is the capital of France?", "Count to three.",

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from dflash.serve.engine import Engine
-from dflash.serve.server import make_server
+from dflash.serve.http import make_server
 
 MAX_LEN = 256
 KEY = "sk-test-key"

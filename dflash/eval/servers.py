@@ -72,7 +72,7 @@ def serve_in_process(target: Any, drafter: Any, *, slots: int, max_len: int, blo
                      model_name: str = "dflash") -> Iterator[str]:
     """A real HTTP server in a thread of this process over `target` (and `drafter`; None: AR); yields its URL."""
     from dflash.serve.engine import Engine
-    from dflash.serve.server import make_server
+    from dflash.serve.http import make_server
 
     engine = Engine(target.params, target.cfg, drafter, slots=slots, max_len=max_len,
                     block_size=None if drafter is None else (block_size or drafter.arch.block_size))

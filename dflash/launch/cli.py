@@ -7,7 +7,6 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
 
 from dflash.configs.schema import ConfigError
 
@@ -165,27 +164,6 @@ def _block_size(text: str) -> int | str:
     return int(text)
 
 
-def _auto_block_size(target: Any, drafter: Any, source: Any, max_len: int) -> int:
-    """`--block-size auto`: acceptance per position from the run's best.json when it has one, else measured
-    here on held-out prompts (2 each of GSM8K, MT-Bench, HumanEval, 48 tokens, at the training K); step
-    costs measured here; the K with the most expected tokens per second (`serve.autoblock`)."""
-    from dflash.serve.autoblock import candidate_ks, format_table, pick_block_size, step_costs
-    from dflash.train.real_eval import eval_prompts, read_best, real_tau
-
-    prompts = eval_prompts(target.tokenizer, ("gsm8k", "mtbench", "humaneval"), 2)
-    best = read_best(source) if source.is_dir() else None
-    if best and len(best.get("accept_per_position", ())) == drafter.arch.block_size - 1:
-        accept, where = best["accept_per_position"], f"{source}/best/best.json (step {best.get('step')})"
-    else:
-        accept, where = real_tau(target, drafter, prompts, 48)["accept_per_position"], "6 held-out prompts"
-    costs = step_costs(target.params, target.cfg, drafter, candidate_ks(drafter.arch.block_size), prompts[0].ids,
-                       max_len=max_len)
-    k, table = pick_block_size(accept, costs)
-    print(f"--block-size auto: acceptance from {where}, step costs measured here\n{format_table(table, k)}",
-          flush=True)
-    return k
-
-
 def _step(text: str | None) -> int | str | None:
     """--step: a checkpoint step, `best` (the best real-τ drafter of a run), or None (the latest)."""
     if text is None or text == "best":
@@ -225,48 +203,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-    from pathlib import Path
-
-    from dflash.models.target import load_target
-    from dflash.serve.engine import Engine
-    from dflash.serve.server import make_server
+    from dflash.launch.serving import ServeOptions, serve_recipe
 
     recipe = _recipe(args)
     _log_devices()
-    target = load_target(recipe.target)
-    source = Path(args.drafter or recipe.train.run_dir).expanduser()
-    if args.ar:
-        drafter = None  # the engine's AR mode needs none
-    else:
-        from dflash.models.drafter_io import load_drafter
-
-        drafter = load_drafter(source, target.cfg, step=_step(args.step))
-    if args.ar:
-        block = None
-    elif args.block_size == "auto":
-        block = _auto_block_size(target, drafter, source, recipe.target.max_seq_len)
-    else:
-        block = args.block_size or drafter.arch.block_size
-    engine = Engine(target.params, target.cfg, drafter, slots=args.slots, max_len=recipe.target.max_seq_len,
-                    block_size=block, sampling=recipe.sampling)
-    server = make_server(engine, target.tokenizer, args.model_name or recipe.target.source, args.host, args.port,
-                         default_max_tokens=recipe.sampling.max_new_tokens,
-                         max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout or None,
-                         api_key=args.api_key or os.environ.get("DFLASH_API_KEY") or None,
-                         unknown_fields="reject" if args.strict_fields else "ignore")
-    mode = "AR" if block is None else f"DFlash K={block} (drafter {source})"
-    print(f"serving {server.model_name} on http://{args.host}:{server.server_address[1]}/v1 - {mode}, "
-          f"{args.slots} slots; Ctrl-C stops", flush=True)
-
-    def stop(*_: object) -> None:
-        threading.Thread(target=server.close, daemon=True).start()
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    server.serve_forever()
-    server.worker.shutdown()
+    options = ServeOptions(drafter=args.drafter, step=None if args.ar else _step(args.step), ar=args.ar,
+                           block_size=args.block_size, slots=args.slots, host=args.host, port=args.port,
+                           model_name=args.model_name,
+                           api_key=args.api_key or os.environ.get("DFLASH_API_KEY") or None,
+                           max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout or None,
+                           unknown_fields="reject" if args.strict_fields else "ignore")
+    serve_recipe(recipe, options)
     return 0
 
 

@@ -1,0 +1,118 @@
+"""`dflash serve` as one library call: a recipe's target and drafter behind the OpenAI-compatible server.
+
+    serve_recipe(load_recipe("smollm2"), ServeOptions(port=8000))     # until SIGINT / SIGTERM
+
+`build_server` does everything but serving (load the target and the drafter, pick K, build the engine and
+a bound server). It lives in the launch layer because `block_size="auto"` measures acceptance with
+`train.real_eval`, above `serve` in the layer order (docs/decisions.md D40).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from dflash.configs.recipe import Recipe
+from dflash.models.drafter_io import load_drafter
+from dflash.models.target import load_target
+from dflash.serve.engine import Engine
+from dflash.serve.http import DFlashServer, make_server
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """How to serve a recipe (`dflash serve`'s flags).
+
+    drafter: a `dflash train` run dir or an exported drafter dir (None: the recipe's train.run_dir); step: a
+    checkpoint step of a run dir, "best", or None (the latest); ar: serve the target alone; block_size: K
+    at inference, a K >= 2, 0 (the drafter's training K) or "auto" (`_auto_block_size`); slots: concurrent
+    sequences per step; model_name: the model id clients send (None: target.source); the rest as
+    `make_server`'s arguments."""
+
+    drafter: str | Path | None = None
+    step: int | str | None = None
+    ar: bool = False
+    block_size: int | str = 0
+    slots: int = 8
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    read_timeout: float | None = 30.0
+    unknown_fields: str = "ignore"
+
+    def __post_init__(self) -> None:
+        k = self.block_size
+        if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and (k == 0 or k >= 2))):
+            raise ValueError(f"block_size must be an integer >= 2, 0 (the drafter's training K) or 'auto'; "
+                             f"received {k!r}")
+
+    def drafter_dir(self, recipe: Recipe) -> Path:
+        return Path(self.drafter or recipe.train.run_dir).expanduser()
+
+
+def _auto_block_size(target: Any, drafter: Any, source: Path, max_len: int) -> int:
+    """`block_size="auto"`: acceptance per position from the run's best.json when it has one, else measured
+    here on held-out prompts (2 each of GSM8K, MT-Bench, HumanEval, 48 tokens, at the training K); step
+    costs measured here; the K with the most expected tokens per second (`serve.autoblock`)."""
+    from dflash.serve.autoblock import candidate_ks, format_table, pick_block_size, step_costs
+    from dflash.train.real_eval import eval_prompts, read_best, real_tau
+
+    prompts = eval_prompts(target.tokenizer, ("gsm8k", "mtbench", "humaneval"), 2)
+    best = read_best(source) if source.is_dir() else None
+    if best and len(best.get("accept_per_position", ())) == drafter.arch.block_size - 1:
+        accept, where = best["accept_per_position"], f"{source}/best/best.json (step {best.get('step')})"
+    else:
+        accept, where = real_tau(target, drafter, prompts, 48)["accept_per_position"], "6 held-out prompts"
+    costs = step_costs(target.params, target.cfg, drafter, candidate_ks(drafter.arch.block_size), prompts[0].ids,
+                       max_len=max_len)
+    k, table = pick_block_size(accept, costs)
+    print(f"--block-size auto: acceptance from {where}, step costs measured here\n{format_table(table, k)}",
+          flush=True)
+    return k
+
+
+def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
+    """Load the recipe's target and (unless `options.ar`) the drafter, pick K, build the engine (the recipe's
+    sampling as the requests' default) and return a bound server with its engine thread started."""
+    target = load_target(recipe.target)
+    max_len = recipe.target.max_seq_len
+    if options.ar:
+        block, drafter = None, None  # the engine's AR mode needs no drafter
+    else:
+        source = options.drafter_dir(recipe)
+        drafter = load_drafter(source, target.cfg, step=options.step)
+        if options.block_size == "auto":
+            block = _auto_block_size(target, drafter, source, max_len)
+        else:
+            block = options.block_size or drafter.arch.block_size
+    engine = Engine(target.params, target.cfg, drafter, slots=options.slots, max_len=max_len, block_size=block,
+                    sampling=recipe.sampling)
+    return make_server(engine, target.tokenizer, options.model_name or recipe.target.source, options.host,
+                       options.port, default_max_tokens=recipe.sampling.max_new_tokens,
+                       max_body_bytes=options.max_body_bytes, read_timeout=options.read_timeout,
+                       api_key=options.api_key, unknown_fields=options.unknown_fields)
+
+
+def serve_recipe(recipe: Recipe, options: ServeOptions) -> None:
+    """`build_server`, then serve until SIGINT or SIGTERM (which finish the requests in flight); call from the
+    main thread (signal handlers are installed)."""
+    server = build_server(recipe, options)
+    mode = "AR" if options.ar else f"DFlash K={server.worker.engine.k} (drafter {options.drafter_dir(recipe)})"
+    print(f"serving {server.model_name} on http://{options.host}:{server.server_address[1]}/v1 - {mode}, "
+          f"{options.slots} slots; Ctrl-C stops", flush=True)
+
+    def stop(*_: object) -> None:
+        threading.Thread(target=server.close, daemon=True).start()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    server.serve_forever()
+    server.worker.shutdown()
+
+
+__all__ = ["ServeOptions", "build_server", "serve_recipe"]
