@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 
 class DFlashServer(ThreadingHTTPServer):
+    """The HTTP server over one `EngineWorker`: `protocol` (the request policy `serve.openai` applies), the
+    connection limits and API key the handler enforces, and the set of open connections `close` ends."""
+
     # Handler threads are joined on close (idle keep-alive connections are shut first): a daemon thread
     # left blocked on a socket at interpreter exit can abort the process.
     daemon_threads = False
