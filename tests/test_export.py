@@ -445,3 +445,19 @@ def test_dflash_export_subcommand_exports_like_dflash_export(setup, tmp_path, ca
     assert "must start with 'target.'; received ['train.lr=1']" in capsys.readouterr().err
     assert export_main([str(run_dir), "--format", "zlab", "--out", str(tmp_path / "y"), "target.source=smollm2"]) == 2
     assert "hidden_size: drafter 64 vs target 576" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_a_best_drafter_without_its_checkpoints_exports_for_the_configs_target(setup, tmp_path, capsys):
+    """`<run_dir>/best` copied alone (its run's checkpoints left elsewhere) records no target: `--config` names it,
+    which also gives the speculators verifier its family."""
+    from dflash.launch.cli import main as dflash_main
+    from dflash.train.real_eval import save_best
+
+    _, _, drafter, _ = setup
+    save_best(tmp_path / "run", DFlashDrafter(drafter.arch, nnx.Rngs(3)), 2, {"tau": 1.5, "tau/gsm8k": 1.5,
+                                                                               "accept_per_position": [0.5, 0.0, 0.0]})
+    assert dflash_main(["export", str(tmp_path / "run"), "--step", "best", "--format", "speculators", "--out",
+                        str(tmp_path / "out"), "--config", "tiny", f"target.source={TARGET_DIR}"]) == 0
+    assert "checked against target" in capsys.readouterr().out
+    verifier = json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["architectures"] == ["LlamaForCausalLM"] and verifier["name_or_path"] == str(TARGET_DIR)

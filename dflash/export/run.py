@@ -1,5 +1,5 @@
-"""`dflash-export`: a trained drafter (a `dflash train` run dir, Orbax) -> the Hugging Face layouts vLLM,
-SGLang and speculators load, with a model card, optionally pushed to the Hub in one commit.
+"""`dflash export` (= `dflash-export`): a trained drafter (a `dflash train` run dir, Orbax) -> the Hugging Face
+layouts vLLM, SGLang and speculators load, with a model card, optionally pushed to the Hub in one commit.
 
 Layouts (DESIGN §4.5): `zlab` (`models.zlab`: config.json + model.safetensors, + `dflash.py` when
 `modeling_file` is given) and `speculators` (`models.speculators`). Both are written into a hidden
@@ -69,7 +69,7 @@ def _check_args(fmt: str, dtype: str, out: Path | None, push_to_hub: str | None,
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}; received {dtype!r}")
     if out is None and push_to_hub is None:
-        raise ValueError("dflash-export needs --out DIR, --push-to-hub REPO, or both")
+        raise ValueError("an export needs --out DIR, --push-to-hub REPO, or both; received neither")
     if out is not None and out.exists() and not overwrite:
         raise FileExistsError(f"--out {out} exists; pass --overwrite to replace it (the new export is written "
                               "beside it first and swapped in at the end)")
