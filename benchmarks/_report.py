@@ -56,8 +56,9 @@ def write_study(name: str, body: str, page: str | Path | None = None) -> Path:
     path = study_page(name, page)
     new = not path.exists()
     heading = next((line[3:].strip() for line in body.splitlines() if line.startswith("## ")), name)
-    write_section(name, body, path, header=f"# {heading}\n\nA study page: each section names the command that "
-                                           "wrote it and its date. Index: [studies](README.md).\n")
+    header = (f"# {date.today().isoformat()}: {heading}\n\nA study page: each section names the command that wrote "
+              "it and its date. Index: [studies](README.md).\n")
+    write_section(name, body, path, header=header)
     if new and path.resolve().parent == STUDIES.resolve():
         index = INDEX.read_text() if INDEX.exists() else "# Studies\n"
         INDEX.write_text(index.rstrip() + f"\n- [{path.stem[:10]}: {heading}]({path.name})\n")

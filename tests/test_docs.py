@@ -143,7 +143,8 @@ def test_study_scripts_write_dated_study_pages_and_performance_scripts_benchmark
     page = _report.write_study("drafter_tau_a_b", "## Drafters on held-out prompts: a vs b\n\n| t |\n")
     assert page.parent == tmp_path and re.fullmatch(r"\d{4}-\d\d-\d\d-drafter-tau-a-b\.md", page.name)
     text = page.read_text()
-    assert text.startswith("# Drafters on held-out prompts: a vs b\n") and "<!-- begin drafter_tau_a_b -->" in text
+    assert text.startswith(f"# {page.stem[:10]}: Drafters on held-out prompts: a vs b\n")
+    assert "<!-- begin drafter_tau_a_b -->" in text
     assert (tmp_path / "README.md").read_text().endswith(
         f"- [{page.stem[:10]}: Drafters on held-out prompts: a vs b]({page.name})\n")
     # --page adds to an existing page, and a rerun replaces its section in place.
