@@ -8,16 +8,20 @@ block K = the drafters' training K) against the same target; the script reports 
 step, pooled over all steps), acceptance by draft position, and the τ ratio, per prompt set: GSM8K test
 questions (the training domain) and MT-Bench first turns (out of domain). Greedy outputs must be equal
 across the two drafters (both equal AR); the script checks it. How the two run dirs were made is the
-caller's to state (see docs/benchmarks.md for the recorded run).
+caller's to state (see docs/studies/2026-11-29-regenerated-vs-reference.md for the recorded run). `--write`
+records the table in a study page (`--page`, default a new dated page in docs/studies/).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _pooled(results) -> tuple[float, list[float], int]:
@@ -34,10 +38,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96, help="tokens per prompt (default 96)")
     parser.add_argument("--config", default="demo", help="recipe giving the target (default demo)")
     parser.add_argument("--note", default="", help="how the two run dirs were made (recorded with the table)")
-    parser.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    parser.add_argument("--write", action="store_true", help="record the table in a study page (see --page)")
+    parser.add_argument("--page", type=Path, default=None,
+                        help="with --write: the study page to add the section to (default: a new dated page "
+                        "docs/studies/<today>-<section>.md, listed in docs/studies/README.md)")
     args = parser.parse_args()
 
-    from benchmarks._report import machine, write_section
+    from benchmarks._report import machine, write_study
     from dflash.configs.recipe import load_recipe
     from dflash.data.packaged import load_gsm8k, load_mtbench
     from dflash.models.drafter_io import load_drafter
@@ -89,7 +96,8 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if args.write:
-        print("written to", write_section("data_effect", "## Regenerated vs reference training data\n\n" + body))
+        print("written to", write_study("data_effect", "## Regenerated vs reference training data\n\n" + body,
+                                        args.page))
 
 
 if __name__ == "__main__":

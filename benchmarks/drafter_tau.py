@@ -11,7 +11,7 @@ the target and the engine fixed. The default `--skip 8` leaves out the items tha
 evaluation (`train.eval_prompts`, the first 2) and `dflash eval` (`--limit`, default 8) look at, so a
 drafter picked by either is not measured on the prompts it was picked on. τ is deterministic for greedy
 decoding, so unlike a speed ratio it can be compared across runs and machines. `--write` records the table
-in docs/benchmarks.md under a section named after the drafters.
+in a study page under a section named after the drafters (`--page`, default a new dated page in docs/studies/).
 """
 
 from __future__ import annotations
@@ -43,14 +43,17 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=8, help="items left out at the start of each set")
     parser.add_argument("--per-set", type=int, default=6, help="prompts per set")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
-    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--write", action="store_true", help="record the table in a study page (see --page)")
+    parser.add_argument("--page", type=Path, default=None,
+                        help="with --write: the study page to add the section to (default: a new dated page "
+                        "docs/studies/<today>-<section>.md, listed in docs/studies/README.md)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON (benchmarks/tau_vs_compute.py "
                         "--held-out plots those of run-dir steps)")
     args = parser.parse_args()
     if args.skip < 0 or args.per_set < 1 or args.tokens < 1:
         parser.error("--skip must be >= 0, --per-set and --tokens >= 1")
 
-    from benchmarks._report import machine, write_section
+    from benchmarks._report import machine, write_study
     from dflash.configs.recipe import load_recipe
     from dflash.models.drafter_io import load_drafter
     from dflash.models.target import load_target
@@ -86,7 +89,7 @@ def main() -> None:
                       *lines])
     print(body)
     if args.write:
-        print(f"written to {write_section('drafter_tau_' + '_'.join(r['name'] for r in rows), body)}")
+        print(f"written to {write_study('drafter_tau_' + '_'.join(r['name'] for r in rows), body, args.page)}")
 
 
 if __name__ == "__main__":

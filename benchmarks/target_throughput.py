@@ -5,7 +5,7 @@
 Ours runs in this process, through the engine at one slot (AR, the serving path). transformers runs the
 same workload on the same GGUF (dequantised, fp32, eager attention, same thread count) in a subprocess
 started with `--torch-python`, a Python that has torch + transformers + gguf + accelerate (the
-golden-file environment, see README "Development");
+golden-file environment, see docs/development.md);
 without it only our numbers are printed. Both sides use greedy decoding and the same prompt.
 `--write` records the table in docs/benchmarks.md.
 """

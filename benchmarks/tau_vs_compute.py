@@ -8,7 +8,8 @@ For each run dir: the recipe from its newest checkpoint's meta (drafter layers, 
 Compute is counted in block tokens (step x batch x anchors x K, padded anchors included) and in wall time
 (the step's position in the run's timeline is not recorded, so block tokens are the x axis). Writes
 NAME.png (pooled τ and τ per prompt set, one line per run) and prints a markdown table; `--write` records it
-in docs/benchmarks.md as section NAME (another --name keeps an earlier study's plot and table beside it).
+as section NAME of a study page (`--page`, default a new dated page in docs/studies/; another --name keeps an
+earlier study's plot and table beside it).
 The in-loop τ is a few prompts (`train.eval_prompts` per set, ±0.05 between neighbouring evaluations);
 `--held-out` adds the same run's checkpoints measured on more prompts by `benchmarks/drafter_tau.py --json`.
 """
@@ -66,7 +67,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=Path("docs/images"))
-    parser.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    parser.add_argument("--write", action="store_true", help="record the table in a study page (see --page)")
+    parser.add_argument("--page", type=Path, default=None,
+                        help="with --write: the study page to add the section to (default: a new dated page "
+                        "docs/studies/<today>-<section>.md, listed in docs/studies/README.md)")
     parser.add_argument("--name", default="tau_vs_compute", help="the plot's file stem and the section's name")
     parser.add_argument("--title", default="Real τ against training compute", help="the section's heading")
     parser.add_argument("--held-out", type=Path, help="a `benchmarks/drafter_tau.py --json` file whose drafters "
@@ -78,7 +82,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks._report import write_section
+    from benchmarks._report import write_study
 
     runs = [read_run(r) for r in args.runs]
     held = read_held_out(args.held_out, runs) if args.held_out else None
@@ -132,7 +136,7 @@ def main() -> None:
     text = "\n".join(body)
     print(text)
     if args.write:
-        print(f"written to {write_section(args.name, text)}")
+        print(f"written to {write_study(args.name, text, args.page)}")
 
 
 if __name__ == "__main__":

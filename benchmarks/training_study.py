@@ -11,8 +11,8 @@ tokens (steps = block_tokens / (batch x anchors x K), so a wider K gets fewer an
 same compute), into runs/study/<NAME>, with the recipe's real-τ evaluation at the end (`train.eval_every` =
 the last step, or every `--eval-every` steps as well). Reported per variant: real τ pooled and per set,
 acceptance by draft position, wall time.
-A rerun resumes finished variants (their runs are complete). `--write` records the table in
-docs/benchmarks.md under a section named after the variants.
+A rerun resumes finished variants (their runs are complete). `--write` records the table in a study page
+under a section named after the variants (`--page`, default a new dated page in docs/studies/).
 """
 
 from __future__ import annotations
@@ -57,10 +57,13 @@ def main() -> None:
                         help="also evaluate every N steps (a τ-vs-compute curve per variant: "
                              "benchmarks/tau_vs_compute.py runs/study/*); default: the last step only")
     parser.add_argument("--out", type=Path, default=Path("runs/study"))
-    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--write", action="store_true", help="record the table in a study page (see --page)")
+    parser.add_argument("--page", type=Path, default=None,
+                        help="with --write: the study page to add the section to (default: a new dated page "
+                        "docs/studies/<today>-<section>.md, listed in docs/studies/README.md)")
     args = parser.parse_args()
 
-    from benchmarks._report import machine, write_section
+    from benchmarks._report import machine, write_study
     from dflash.configs.recipe import load_recipe
     from dflash.models.target import load_target
     from dflash.train.loop import run_training
@@ -99,7 +102,7 @@ def main() -> None:
     print(body)
     if args.write:
         key = "training_study_" + "_".join(n for n, _ in args.variant)
-        print(f"written to {write_section(key, body)}")
+        print(f"written to {write_study(key, body, args.page)}")
 
 
 if __name__ == "__main__":

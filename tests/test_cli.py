@@ -66,3 +66,32 @@ def test_overrides_may_follow_options(capsys):
     with pytest.raises(SystemExit):
         main(["config", "--config", "tiny", "--bogus"])
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_export_is_a_subcommand_sharing_dflash_exports_arguments():
+    """`dflash export --help` works as a process; its arguments are dflash-export's, defined once."""
+    proc = subprocess.run([sys.executable, "-m", "dflash.launch.cli", "export", "--help"], capture_output=True,
+                          text=True, check=False, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for part in ("usage: dflash export", "RUN_DIR", "--format {zlab,speculators}", "--push-to-hub REPO",
+                 "--config NAME|PATH", "exported for"):
+        assert part in proc.stdout
+    from dflash.export.cli import build_parser as export_parser
+    from dflash.launch.cli import build_parser
+
+    sub = next(a for a in build_parser()._subparsers._group_actions if a.dest == "command").choices["export"]
+    options = lambda p: {s for a in p._actions for s in a.option_strings} | {a.dest for a in p._actions}  # noqa: E731
+    assert options(sub) == options(export_parser()) - {"-v", "--verbose", "verbose"}
+
+
+@pytest.mark.parametrize("argv", [["demo"], ["chat"], ["train"], ["data", "regenerate"], ["data", "capture"],
+                                  ["data", "inspect"], ["serve"], ["eval"], ["launch", "xpk", "train"],
+                                  ["launch", "compile"], ["config"], ["export", "RUN"]])
+def test_every_subcommand_takes_config_and_overrides(argv):
+    from dflash.launch.cli import build_parser
+
+    args, extra = build_parser().parse_known_args([*argv, "--config", "tiny", "sampling.top_k=3"]
+                                                  + (["--cluster", "c", "--tpu-type", "v5p-8", "--run-dir", "gs://b/r"]
+                                                     if argv[:2] == ["launch", "xpk"] else [])
+                                                  + (["--format", "zlab"] if argv[0] == "export" else []))
+    assert args.config == "tiny" and [*args.overrides, *extra] == ["sampling.top_k=3"]

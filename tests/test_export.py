@@ -409,3 +409,55 @@ def test_a_markov_head_exports_beside_the_layout_bit_exact(setup, tmp_path, fmt)
     for keys in want:
         np.testing.assert_array_equal(got[keys], want[keys])
     assert "Markov head | rank 8" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_dflash_export_subcommand_exports_like_dflash_export(setup, tmp_path, capsys):
+    """`dflash export` is `dflash-export`: a real export through the subcommand loads back bit-exact; the target
+    it is made for comes from the run's recorded recipe, `target.*` overrides of it, or `--config`."""
+    from dflash.launch.cli import main as dflash_main
+
+    target_cfg, _, drafter, run_dir = setup
+    out = tmp_path / "zlab"
+    assert dflash_main(["export", str(run_dir), "--format", "zlab", "--out", str(out), "--dtype", "float32"]) == 0
+    said = capsys.readouterr().out
+    assert f"checked against target {TARGET_DIR} (the run's recorded recipe): llama, 4 layers" in said
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    loaded = load_drafter(out, target_cfg)
+    assert loaded.arch == drafter.arch
+    want, got = _params(drafter), _params(loaded)
+    for keys in want:
+        np.testing.assert_array_equal(got[keys], want[keys])
+    # --config (+ overrides) names the target: the speculators verifier is it, the drafter is checked against it.
+    spec = tmp_path / "spec"
+    assert dflash_main(["export", str(run_dir), "--format", "speculators", "--out", str(spec), "--config", "tiny",
+                        f"target.source={TARGET_DIR}"]) == 0
+    assert f"(--config tiny with target.source={TARGET_DIR})" in capsys.readouterr().out
+    verifier = json.loads((spec / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == str(TARGET_DIR)
+    # A target the drafter was not trained for is refused, naming each mismatch; nothing is written.
+    assert dflash_main(["export", str(run_dir), "--format", "zlab", "--out", str(tmp_path / "x"),
+                        "--config", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash export: error:") and "hidden_size: drafter 64 vs target 576" in err
+    assert "target smollm2 (--config tiny)" in err and not (tmp_path / "x").exists()
+    # Without --config only target.* overrides apply (to the recorded recipe), in either spelling of the command.
+    assert export_main([str(run_dir), "--format", "zlab", "--out", str(tmp_path / "y"), "train.lr=1"]) == 2
+    assert "must start with 'target.'; received ['train.lr=1']" in capsys.readouterr().err
+    assert export_main([str(run_dir), "--format", "zlab", "--out", str(tmp_path / "y"), "target.source=smollm2"]) == 2
+    assert "hidden_size: drafter 64 vs target 576" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_a_best_drafter_without_its_checkpoints_exports_for_the_configs_target(setup, tmp_path, capsys):
+    """`<run_dir>/best` copied alone (its run's checkpoints left elsewhere) records no target: `--config` names it,
+    which also gives the speculators verifier its family."""
+    from dflash.launch.cli import main as dflash_main
+    from dflash.train.real_eval import save_best
+
+    _, _, drafter, _ = setup
+    save_best(tmp_path / "run", DFlashDrafter(drafter.arch, nnx.Rngs(3)), 2, {"tau": 1.5, "tau/gsm8k": 1.5,
+                                                                               "accept_per_position": [0.5, 0.0, 0.0]})
+    assert dflash_main(["export", str(tmp_path / "run"), "--step", "best", "--format", "speculators", "--out",
+                        str(tmp_path / "out"), "--config", "tiny", f"target.source={TARGET_DIR}"]) == 0
+    assert "checked against target" in capsys.readouterr().out
+    verifier = json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["architectures"] == ["LlamaForCausalLM"] and verifier["name_or_path"] == str(TARGET_DIR)

@@ -1,1 +1,2 @@
-"""`dflash-export`: trained drafters to the Hugging Face layouts (z-lab, speculators), a model card, the Hub."""
+"""`dflash export` (= `dflash-export`): trained drafters to the Hugging Face layouts (z-lab, speculators), a model card,
+the Hub."""

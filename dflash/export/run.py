@@ -1,5 +1,5 @@
-"""`dflash-export`: a trained drafter (a `dflash train` run dir, Orbax) -> the Hugging Face layouts vLLM,
-SGLang and speculators load, with a model card, optionally pushed to the Hub in one commit.
+"""`dflash export` (= `dflash-export`): a trained drafter (a `dflash train` run dir, Orbax) -> the Hugging Face
+layouts vLLM, SGLang and speculators load, with a model card, optionally pushed to the Hub in one commit.
 
 Layouts (DESIGN §4.5): `zlab` (`models.zlab`: config.json + model.safetensors, + `dflash.py` when
 `modeling_file` is given) and `speculators` (`models.speculators`). Both are written into a hidden
@@ -9,6 +9,12 @@ the next export to the same place). An existing `out` is refused unless `overwri
 
 `dry_run` builds the export in a temporary directory, lists every file with its size (and the Hub upload it
 would make), writes nothing to `out` and sends nothing.
+
+The target an export is made for (`export_target`): the `target:` section of recipe `config` with `overrides`
+(`--config NAME|PATH`), or else of the recipe recorded in the run's checkpoint (`target.*` overrides applied).
+Its `source` names the target in the card's serving lines and the speculators verifier entry (unless `target`,
+a Hub id, is given), and the drafter is checked against its architecture, read without weights
+(`models.registry.known_target`: a known target or a Hugging Face directory's config.json).
 """
 
 from __future__ import annotations
@@ -19,12 +25,17 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from dflash.configs.recipe import load_recipe
+from dflash.configs.schema import ConfigError, apply_overrides, build
 from dflash.data.shards import fsync_path, fsync_tree
 from dflash.export.card import find_results, read_results, render_card, target_id
 from dflash.export.hub import Upload, plan_upload, upload_folder
-from dflash.models.drafter import hf_tensor_names, param_count
+from dflash.models.config import TargetConfig
+from dflash.models.drafter import DrafterArch, check_fits_target, hf_tensor_names, param_count
 from dflash.models.drafter_io import RunDrafter, read_run
+from dflash.models.registry import KnownTarget, known_target
 from dflash.models.speculators import save_speculators
 from dflash.models.zlab import DTYPES, MODELING_FILE, check_exportable_ids, save_zlab
 
@@ -58,7 +69,7 @@ def _check_args(fmt: str, dtype: str, out: Path | None, push_to_hub: str | None,
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}; received {dtype!r}")
     if out is None and push_to_hub is None:
-        raise ValueError("dflash-export needs --out DIR, --push-to-hub REPO, or both")
+        raise ValueError("an export needs --out DIR, --push-to-hub REPO, or both; received neither")
     if out is not None and out.exists() and not overwrite:
         raise FileExistsError(f"--out {out} exists; pass --overwrite to replace it (the new export is written "
                               "beside it first and swapped in at the end)")
@@ -108,16 +119,66 @@ def _finalize(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def recorded_target(meta: dict[str, Any] | None, overrides: list[str] | tuple[str, ...] = ()) -> TargetConfig | None:
+    """The `target:` section of the recipe recorded in a run's checkpoint meta, with `overrides` applied (each
+    must be `target.*`: an export reads no other section); None when the run records no recipe."""
+    others = [o for o in overrides if not o.strip().startswith("target.")]
+    if others:
+        raise ConfigError(f"overrides without --config apply to the target section the run recorded, so each must "
+                          f"start with 'target.'; received {others}: pass --config NAME|PATH to override a recipe")
+    recorded = (meta or {}).get("recipe", {}).get("target")
+    if recorded is None:
+        if overrides:
+            raise ConfigError(f"overrides {list(overrides)} need a recipe, and the run records none (no checkpoint "
+                              "left); pass --config NAME|PATH with them")
+        return None
+    return build(TargetConfig, apply_overrides({"target": recorded}, list(overrides))["target"], "target")
+
+
+def target_architecture(source: str) -> KnownTarget | None:
+    """The architecture of target `source` read without its weights (a known target, or a Hugging Face
+    directory's config.json), or None when it cannot be read that way here (a GGUF file, an unknown Hub id)."""
+    try:
+        return known_target(source)
+    except (ValueError, OSError):
+        return None
+
+
+def check_target(arch: DrafterArch, source: str | None, known: KnownTarget | None, origin: str,
+                 where: str = "the run") -> str:
+    """Check that the drafter (read from `where`) fits the export's target `source` (which `origin` chose):
+    widths, vocab, layer count, layer ids, family. A line saying what was checked; ValueError naming every
+    mismatch."""
+    if source is None:
+        return "no target recorded in the run or given with --config: the drafter was not checked against one"
+    if known is None:
+        return (f"target {source} ({origin}): its architecture cannot be read without its weights here (a known "
+                "target or a Hugging Face directory's config.json), so the drafter was not checked against it")
+    cfg = known.cfg
+    try:
+        check_fits_target(arch, cfg, where)
+        if arch.target_family != cfg.family:
+            raise ValueError(f"the drafter in {where} was trained for a {arch.target_family} target, not "
+                             f"{cfg.family}")
+    except ValueError as err:
+        raise ValueError(f"{err}; the export is for target {source} ({origin}): pass --config NAME|PATH (or "
+                         "target.source=...) naming the target the drafter was trained for") from err
+    return (f"checked against target {source} ({origin}): {cfg.family}, {cfg.num_layers} layers, hidden "
+            f"{cfg.hidden_size}, vocab {cfg.vocab_size}")
+
+
 def write_export(run: RunDrafter, directory: Path, *, fmt: str, dtype: str, target: str | None, model_ref: str,
-                 results_path: Path | None, modeling_file: Path | None) -> list[tuple[str, int]]:
-    """Write the layout, the card (and the modelling file) of `run` into `directory`; (name, size) per file."""
+                 results_path: Path | None, modeling_file: Path | None,
+                 target_source: str | None = None) -> list[tuple[str, int]]:
+    """Write the layout, the card (and the modelling file) of `run` into `directory`; (name, size) per file.
+    `target` is the target's Hub id, `target_source` its `target.source` (default: the run's recorded one)."""
     drafter, arch = run.drafter, run.drafter.arch
     if fmt == "zlab":
         save_zlab(drafter, directory, dtype)
         if modeling_file is not None:
             shutil.copyfile(modeling_file, directory / MODELING_FILE)
     else:
-        source = (run.meta or {}).get("recipe", {}).get("target", {}).get("source")
+        source = target_source or (run.meta or {}).get("recipe", {}).get("target", {}).get("source")
         save_speculators(drafter, directory, verifier=target or source or "<target model>", dtype=dtype)
     results = read_results(results_path) if results_path is not None else None
     card = render_card(arch, fmt=fmt, dtype=dtype, step=run.step, best=run.source.name == "best", meta=run.meta,
@@ -133,17 +194,26 @@ def export_run(run_dir: str | Path, *, fmt: str, out: str | Path | None = None, 
                dtype: str = "float32", results: str | Path | None = None, target: str | None = None,
                modeling_file: str | Path | None = None, overwrite: bool = False, dry_run: bool = False,
                push_to_hub: str | None = None, private: bool = False, revision: str | None = None,
-               endpoint: str | None = None, token: str | None = None,
-               say: Callable[[str], None] = print) -> ExportResult:
+               endpoint: str | None = None, token: str | None = None, config: str | None = None,
+               overrides: list[str] | tuple[str, ...] = (), say: Callable[[str], None] = print) -> ExportResult:
     """Export the drafter of `run_dir` at `step` (default: the latest checkpoint; "best": <run_dir>/best) in
-    layout `fmt`; see the module docstring. `target` is the target's Hub id for the card and the speculators
-    verifier entry (default: derived from the recipe's target.source)."""
+    layout `fmt`; see the module docstring. `config` (a recipe name or YAML path) and `overrides` choose the
+    target the export is made for (default: the run's recorded recipe); `target` is the target's Hub id for the
+    card and the speculators verifier entry (default: derived from that recipe's target.source)."""
     out = Path(out).expanduser() if out is not None else None
     modeling_file = Path(modeling_file).expanduser() if modeling_file is not None else None
     _check_args(fmt, dtype, out, push_to_hub, overwrite, modeling_file)
-    run = read_run(run_dir, step)
+    export_for = load_recipe(config, overrides).target if config is not None else None
+    known = target_architecture(export_for.source) if export_for is not None else None
+    run = read_run(run_dir, step, target_family=known.cfg.family if known is not None else None)
     check_exportable_ids(run.drafter.arch, f"{run.source}")
-    source = (run.meta or {}).get("recipe", {}).get("target", {}).get("source")
+    origin = f"--config {config}" if config is not None else "the run's recorded recipe"
+    if export_for is None:
+        export_for = recorded_target(run.meta, overrides)
+        known = target_architecture(export_for.source) if export_for is not None else None
+    source = export_for.source if export_for is not None else None
+    checked = check_target(run.drafter.arch, source, known,
+                           origin + (f" with {' '.join(overrides)}" if overrides else ""), where=str(run.source))
     target = target or target_id(source)
     results_path = Path(results).expanduser() if results is not None else find_results(run.run_dir)
     message = (f"dflash-export: {run.run_dir.name} step {run.step}"
@@ -154,8 +224,9 @@ def export_run(run_dir: str | Path, *, fmt: str, out: str | Path | None = None, 
     staging = Path(tempfile.mkdtemp(prefix="dflash-export-")) if dry_run else _staging_dir(out)
     try:
         files = write_export(run, staging, fmt=fmt, dtype=dtype, target=target, model_ref=model_ref,
-                             results_path=results_path, modeling_file=modeling_file)
+                             results_path=results_path, modeling_file=modeling_file, target_source=source)
         total = sum(size for _, size in files)
+        say(checked)
         say(f"{run.source} (step {run.step}) -> {fmt} layout, {dtype}, {len(hf_tensor_names(run.drafter))} tensors"
             + (f"; model card with the eval of {results_path}" if results_path else "; no eval results for the card"))
         for name, size in files:
@@ -182,4 +253,5 @@ def export_run(run_dir: str | Path, *, fmt: str, out: str | Path | None = None, 
             shutil.rmtree(staging, ignore_errors=True)
 
 
-__all__ = ["FORMATS", "ExportResult", "export_run", "human_size", "write_export"]
+__all__ = ["FORMATS", "ExportResult", "check_target", "export_run", "human_size", "recorded_target",
+           "target_architecture", "write_export"]

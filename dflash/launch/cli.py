@@ -9,6 +9,8 @@ import os
 import sys
 
 from dflash.configs.schema import ConfigError
+from dflash.export.cli import DESCRIPTION as EXPORT_DESCRIPTION
+from dflash.export.cli import add_export_args
 
 log = logging.getLogger("dflash")
 
@@ -217,6 +219,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from dflash.export.cli import run_export
+
+    return run_export(args, prog="dflash export")
+
+
 def cmd_launch_xpk(args: argparse.Namespace) -> int:
     import shlex
 
@@ -242,12 +250,15 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
     from dflash.configs.recipe import load_recipe
     from dflash.launch.compile import recipe_topology, run_compile
 
-    load_recipe(args.recipe, args.overrides)  # a bad recipe or override stops here, not in the subprocess
-    topology = args.topology or recipe_topology(args.recipe)
+    if args.config is None:
+        raise ConfigError("--config must name the recipe to compile (a name in dflash/configs/ or a YAML path); "
+                          "received none")
+    load_recipe(args.config, args.overrides)  # a bad recipe or override stops here, not in the subprocess
+    topology = args.topology or recipe_topology(args.config)
     if topology is None:
-        raise ConfigError(f"--topology must name a TPU slice (e.g. v5p-128): recipe {args.recipe!r} names none in a "
+        raise ConfigError(f"--topology must name a TPU slice (e.g. v5p-128): recipe {args.config!r} names none in a "
                           "`# Topology:` header line; received none")
-    report = run_compile(args.recipe, args.overrides, topology, args.num_slices, backend=args.backend,
+    report = run_compile(args.config, args.overrides, topology, args.num_slices, backend=args.backend,
                          libtpu=args.libtpu, engine=not args.no_engine)
     print(report.format(args.mfu))
     if args.json:
@@ -365,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "report memory per chip", description="Compile a recipe's train step (and the engine's "
                            "propose and verify) ahead of time for a TPU slice from this machine; print memory per chip "
                            "and whether it fits HBM, and the run's cost from the step's FLOPs.")
-    q.add_argument("--recipe", required=True, help="recipe name in dflash/configs/ or a YAML path")
+    q.add_argument("--config", "--recipe", dest="config", default=None,
+                   help="the recipe to compile: a name in dflash/configs/ or a YAML path (--recipe: the older name)")
     q.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
     q.add_argument("--topology", default=None, help="TPU slice type, e.g. v5p-128 (default: the recipe header's "
                    "`# Topology:` line)")
@@ -379,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--no-engine", action="store_true", help="the train step only")
     q.add_argument("--json", default=None, help="also write the report as JSON to this file")
     q.set_defaults(func=cmd_launch_compile)
+
+    p = sub.add_parser("export", help="a trained drafter -> the Hugging Face layout vLLM and SGLang (zlab) or "
+                                      "speculators load, with a model card; optionally pushed to the Hub "
+                                      "(= dflash-export)", description=EXPORT_DESCRIPTION)
+    add_export_args(p)
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("config", help="print the resolved recipe (after overrides) as YAML")
     _add_config_args(p)
@@ -404,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every save step at INFO
         logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU/proxy backend" notes
     try:
-        if args.command not in ("config", "launch"):  # these never join a distributed run
+        if args.command not in ("config", "launch", "export"):  # these never join a distributed run
             _init_distributed()
         return args.func(args)
     except (ConfigError, FileNotFoundError, ValueError) as err:  # ShardError, ManifestMismatchError included

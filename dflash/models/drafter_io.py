@@ -189,10 +189,11 @@ class RunDrafter:
     meta: dict[str, Any] | None
 
 
-def read_run(path: str | Path, step: int | str | None = None) -> RunDrafter:
+def read_run(path: str | Path, step: int | str | None = None, target_family: str | None = None) -> RunDrafter:
     """The drafter of a `dflash train` run dir (or its checkpoints/ directory) at `step` (default: the latest
-    checkpoint; "best": `<run_dir>/best`), without loading any target. CheckpointError / FileNotFoundError
-    name what is missing or corrupt."""
+    checkpoint; "best": `<run_dir>/best`), without loading any target. `target_family` is the target's family
+    for a `best` drafter whose run kept no checkpoint to record it (default: the checkpoint's, else qwen3).
+    CheckpointError / FileNotFoundError name what is missing or corrupt."""
     path = Path(path).expanduser()
     step = _step_arg(step)
     if (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
@@ -205,7 +206,7 @@ def read_run(path: str | Path, step: int | str | None = None) -> RunDrafter:
     if step == "best":
         best = _best_dir(path)
         meta = _latest_meta(run_dir)
-        family = meta["arch"]["target_family"] if meta and "arch" in meta else "qwen3"
+        family = meta["arch"]["target_family"] if meta and "arch" in meta else target_family or "qwen3"
         record = json.loads((best / "best.json").read_text()) if (best / "best.json").is_file() else {}
         return RunDrafter(read_zlab(best, family), record.get("step"), best, run_dir, meta)
     if not (run_dir / "checkpoints").is_dir() and path.name != "checkpoints":

@@ -1,0 +1,158 @@
+"""The docs point at things that exist: every benchmark script that docs/benchmarks.md and the study pages name
+runs `--help`; every relative link of README.md and docs/ resolves; every module, function and file path the
+front page and the stage pages name in backticks exists in the tree; the study scripts write study pages."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *sorted((DOCS / "studies").glob("*.md"))]
+# Pages that describe the code as it is now (the decision records and the dated studies are historical).
+CURRENT = [ROOT / "README.md", *(DOCS / f"{name}.md" for name in (
+    "design", "architecture", "training", "data", "serving", "evaluation", "export", "pods", "development",
+    "benchmarks"))]
+PACKAGES = ("configs", "models", "serve", "data", "train", "eval", "export", "launch")
+EXTERNAL = {"dflash/model.py"}  # z-lab's modelling file, in their repository (docs/export.md)
+
+
+def _scripts() -> list[str]:
+    """benchmarks/*.py scripts named in the benchmark and study pages (`benchmarks/x.py` or `-m benchmarks.x`)."""
+    found = set()
+    for page in [DOCS / "benchmarks.md", *sorted((DOCS / "studies").glob("*.md"))]:
+        text = page.read_text()
+        found |= {f"benchmarks/{m}.py" for m in re.findall(r"benchmarks/(\w+)\.py", text)}
+        found |= {f"benchmarks/{m}.py" for m in re.findall(r"-m benchmarks\.(\w+)", text)}
+    return sorted(found)
+
+
+def test_every_benchmark_script_the_docs_name_exists_and_answers_help():
+    scripts = _scripts()
+    assert "benchmarks/engine_throughput.py" in scripts and "benchmarks/drafter_tau.py" in scripts
+    missing = [s for s in scripts if not (ROOT / s).is_file()]
+    assert not missing, f"docs name benchmark scripts that do not exist: {missing}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = {s: subprocess.Popen([sys.executable, s, "--help"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for s in scripts}
+    failed = {}
+    for script, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        if proc.returncode != 0 or "usage:" not in out:
+            failed[script] = (proc.returncode, err[-500:])
+    assert not failed, f"`python SCRIPT --help` failed: {failed}"
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in page.read_text().splitlines() if re.match(r"#{1,6} ", line)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    broken = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+            continue  # http(s), mailto
+        where, _, anchor = target.partition("#")
+        path = (page.parent / where).resolve() if where else page
+        if not path.exists():
+            broken.append(target)
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            broken.append(f"{target} (no such heading)")
+    assert not broken, f"{page.relative_to(ROOT)} links to missing files or headings: {broken}"
+
+
+def _top_level_names(module: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def _config_fields() -> dict[str, set[str]]:
+    from dflash.configs.recipe import Recipe
+
+    return {f.name: {g.name for g in dataclasses.fields(f.default_factory())} for f in dataclasses.fields(Recipe)}
+
+
+def _dangling_reference(ref: str, fields: dict[str, set[str]]) -> str | None:
+    """Why `pkg.module[.name]` (optionally `dflash.`-prefixed) names nothing in dflash/, or None. A recipe key
+    (`data.seq_len`, `train.mesh.fsdp`) is not a code reference."""
+    parts = ref.removeprefix("dflash.").split(".")
+    if parts[0] in fields and parts[1] in fields[parts[0]]:
+        return None
+    module = ROOT / "dflash" / parts[0] / f"{parts[1]}.py"
+    if not module.is_file():
+        return f"no module dflash/{parts[0]}/{parts[1]}.py"
+    if len(parts) > 2 and parts[2] not in _top_level_names(module):
+        return f"dflash/{parts[0]}/{parts[1]}.py defines no {parts[2]!r}"
+    return None
+
+
+@pytest.mark.parametrize("page", CURRENT, ids=lambda p: str(p.relative_to(ROOT)))
+def test_code_the_docs_name_exists(page):
+    """`serve.engine.decode`, `dflash.models.registry.known_target`, `dflash/train/sharding.py`, `tools/lock.sh`:
+    each backticked module, name or repository path on a page about the current code must exist."""
+    fields = _config_fields()
+    bad = []
+    for span in re.findall(r"`([^`\n]+)`", page.read_text()):
+        for ref in re.findall(rf"(?<![\w./-])((?:dflash\.)?(?:{'|'.join(PACKAGES)})\.[a-z_]\w*(?:\.\w+)?)\b", span):
+            if (why := _dangling_reference(ref, fields)) is not None:
+                bad.append(f"{ref}: {why}")
+        for path in re.findall(r"(?<![\w./-])((?:dflash|benchmarks|tools|tests|bin|docker)/[\w./-]*\w)", span):
+            if path not in EXTERNAL and not any(c in span for c in "<*{") and not (ROOT / path).exists():
+                bad.append(f"{path}: no such file or directory")
+    assert not bad, f"{page.relative_to(ROOT)} names code that does not exist: {sorted(set(bad))}"
+
+
+def test_the_code_reference_check_tells_code_from_recipe_keys():
+    fields = _config_fields()
+    for ref in ("serve.engine.decode", "dflash.models.registry.known_target", "data.seq_len", "train.mesh",
+                "eval.client"):
+        assert _dangling_reference(ref, fields) is None, ref
+    assert _dangling_reference("serve.generate.decode_step", fields) == "no module dflash/serve/generate.py"
+    assert "defines no 'speculative_generate'" in _dangling_reference("serve.speculative.speculative_generate", fields)
+
+
+def test_study_scripts_write_dated_study_pages_and_performance_scripts_benchmarks_md(tmp_path, monkeypatch):
+    from benchmarks import _report
+
+    assert _report.DOC == DOCS / "benchmarks.md"
+    monkeypatch.setattr(_report, "STUDIES", tmp_path)
+    monkeypatch.setattr(_report, "INDEX", tmp_path / "README.md")
+    (tmp_path / "README.md").write_text("# Studies\n\nPages added by the scripts:\n")
+    page = _report.write_study("drafter_tau_a_b", "## Drafters on held-out prompts: a vs b\n\n| t |\n")
+    assert page.parent == tmp_path and re.fullmatch(r"\d{4}-\d\d-\d\d-drafter-tau-a-b\.md", page.name)
+    text = page.read_text()
+    assert text.startswith(f"# {page.stem[:10]}: Drafters on held-out prompts: a vs b\n")
+    assert "<!-- begin drafter_tau_a_b -->" in text
+    assert (tmp_path / "README.md").read_text().endswith(
+        f"- [{page.stem[:10]}: Drafters on held-out prompts: a vs b]({page.name})\n")
+    # --page adds to an existing page, and a rerun replaces its section in place.
+    _report.write_study("tau_vs_compute", "## Real τ\n\nfirst\n", page)
+    _report.write_study("tau_vs_compute", "## Real τ\n\nsecond\n", page)
+    text = page.read_text()
+    assert "second" in text and "first" not in text and text.count("<!-- begin") == 2
+    assert (tmp_path / "README.md").read_text().count("- [") == 1
+    for script in ("drafter_tau", "training_study", "tau_vs_compute", "data_effect"):
+        source = (ROOT / "benchmarks" / f"{script}.py").read_text()
+        assert "write_study(" in source and "--page" in source and "write_section" not in source, script
