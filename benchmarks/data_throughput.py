@@ -147,12 +147,18 @@ def capture_costs(target: Any, args: argparse.Namespace, tmp: Path) -> dict[str,
 
 def loader_rates(shard_dir: Path, args: argparse.Namespace) -> list[dict[str, float]]:
     """Per worker count: seconds to the first batch, and the timed batches after `--skip` untimed ones."""
-    from dflash.data.offline import make_offline_batches
+    import jax
 
+    from dflash.data.batch import BatchLayout
+    from dflash.data.offline import make_offline_batches
+    from dflash.data.shards import load_manifest
+
+    feature_dim = load_manifest(shard_dir).feature_dim
     rows = []
     for w in args.workers:
         t0 = time.perf_counter()
-        with make_offline_batches(shard_dir, args.batch_size, 0, args.seq_len, worker_count=w) as batches:
+        layout = BatchLayout(batch_size=args.batch_size, seq_len=args.seq_len, feature_dim=feature_dim)
+        with make_offline_batches(shard_dir, layout, 0, worker_count=w) as batches:
             next(batches)
             first_s = time.perf_counter() - t0
             for _ in range(args.skip - 1):
@@ -162,7 +168,7 @@ def loader_rates(shard_dir: Path, args: argparse.Namespace) -> list[dict[str, fl
                 batch = next(batches)
             seconds = time.perf_counter() - t0
         rows.append({"workers": w, "first_s": first_s, "seconds": seconds,
-                     "batch_bytes": sum(a.nbytes for a in batch.values())})
+                     "batch_bytes": sum(a.nbytes for a in jax.tree.leaves(batch))})
         print(f"loader workers={w}: {args.batches * args.batch_size / seconds:.1f} examples/s "
               f"(first batch after {first_s:.2f} s)")
     return rows

@@ -6,7 +6,7 @@
 What is timed is the differentiated part of a train step with offline features (what dflash/configs/smollm2.yaml
 runs): block embeddings + drafter forward + frozen LM head + loss, and the gradient w.r.t. the drafter's
 fp32 master params, on the embedded SmolLM2 target's head (V = 49,152). Variants:
-  dense fp32    the previous path: [B, N*K, V] fp32 logits materialised, then `dflash_loss`;
+  dense fp32    the previous path: [B, N*K, V] fp32 logits materialised, then `dense_loss`;
   chunked fp32  `head_loss` (anchor slot skipped, chunks of rows, gradient formed in the forward);
   chunked bf16  the same with the drafter graph and head in bf16 (fp32 accumulation and softmax).
 Each is compiled once (XLA temp memory read from the compiled program), then the variants are timed in
@@ -38,11 +38,12 @@ def build(args: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, ...]]:
     from flax import nnx
 
     from dflash.configs.recipe import load_recipe
+    from dflash.data.batch import TrainBatch
     from dflash.models.drafter import BlockVisibility, DFlashDrafter, drafter_logits
     from dflash.models.target import load_target
     from dflash.train.loop import drafter_graphdef, make_objective
-    from dflash.train.objective import dflash_loss
-    from dflash.train.step import block_inputs, cast_floats, drafter_loss
+    from dflash.train.objective import dense_loss
+    from dflash.train.step import block_inputs, cast_floats, drafter_loss, train_head
 
     recipe = load_recipe("smollm2", [f"drafter.num_layers={args.layers}", f"drafter.block_size={args.block_size}",
                                      f"train.num_anchors={args.anchors}"])
@@ -54,12 +55,13 @@ def build(args: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, ...]]:
     b, s, fd = args.batch_size, args.seq_len, arch.num_features * arch.hidden_size
     mask = np.zeros((b, s), np.float32)
     mask[:, s // 4:] = 1.0  # a prompt, then an answer to the end
-    batch = {"tokens": jnp.asarray(rng.integers(0, target.cfg.vocab_size, (b, s)), jnp.int32),
-             "loss_mask": jnp.asarray(mask),
-             "features": jnp.asarray(rng.normal(size=(b, s, fd)).astype(np.float32) * 0.5, jnp.bfloat16)}
+    batch = TrainBatch(tokens=jnp.asarray(rng.integers(0, target.cfg.vocab_size, (b, s)), jnp.int32),
+                       loss_mask=jnp.asarray(mask),
+                       features=jnp.asarray(rng.normal(size=(b, s, fd)).astype(np.float32) * 0.5, jnp.bfloat16))
 
     def dense(p: Any, batch: Any, target_params: Any, dtype: Any) -> Any:
-        blocks, embeds, feats = block_inputs(batch, target_params, target.cfg, arch, args.anchors, jax.random.key(1))
+        inputs = block_inputs(batch, target_params, target.cfg, arch, args.anchors, jax.random.key(1))
+        blocks, embeds, feats = inputs.blocks, inputs.embeds_BxQxD, inputs.feats_BxSxFD
 
         def loss(p: Any) -> Any:
             drafter = nnx.merge(drafter_graphdef(arch, dtype), cast_floats(p, dtype))
@@ -68,16 +70,16 @@ def build(args: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, ...]]:
             hidden = drafter(embeds, blocks.block_pos, feats, ctx_pos,
                              BlockVisibility.from_anchors(anchor, jnp.ones((b, s), bool)))
             logits = drafter_logits(jax.lax.stop_gradient(target_params), target.cfg, hidden)
-            return dflash_loss(logits, blocks.labels, blocks.label_mask, blocks.block_index_in_block,
+            return dense_loss(logits, blocks.labels, blocks.label_mask, blocks.block_index_in_block,
                                arch.block_size, objective.gamma)[0]
 
         return jax.value_and_grad(loss)(p)
 
     def chunked(p: Any, batch: Any, target_params: Any, dtype: Any) -> Any:
-        blocks, embeds, feats = block_inputs(batch, target_params, target.cfg, arch, args.anchors, jax.random.key(1))
-        return jax.value_and_grad(lambda p: drafter_loss(cast_floats(p, dtype), drafter_graphdef(arch, dtype),
-                                                         target_params, target.cfg, embeds, blocks, feats,
-                                                         arch.block_size, objective)[0])(p)
+        inputs = block_inputs(batch, target_params, target.cfg, arch, args.anchors, jax.random.key(1))
+        head = train_head(target_params, target.cfg)
+        return jax.value_and_grad(lambda p: drafter_loss(cast_floats(p, dtype), drafter_graphdef(arch, dtype), inputs,
+                                                         head, target_params, arch.block_size, objective)[0])(p)
 
     variants = {}
     for name, fn, dtype in (("dense fp32", dense, jnp.float32), ("chunked fp32", chunked, jnp.float32),

@@ -82,10 +82,9 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
     import jax.numpy as jnp
 
     from dflash.configs.recipe import load_recipe
-    from dflash.models.decoder import head_matrix
     from dflash.train.loop import create_state, drafter_graphdef, make_objective, make_train_optimizer
     from dflash.train.objective import build_blocks_batch, head_loss, sample_anchors_batch
-    from dflash.train.step import make_train_step
+    from dflash.train.step import make_train_step, train_head
 
     recipe = load_recipe("default", [f"drafter.num_layers={args.layers}", f"drafter.block_size={k}",
                                      f"train.num_anchors={n}", f"train.batch_size={args.batch_size}",
@@ -100,8 +99,9 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
 
     # make_train_step's own jitted program, compiled once ahead of time so that the executable that is
     # timed is the one whose memory is analysed.
-    step = make_train_step(graphdef=graphdef, target_params=target_params, target_cfg=target.cfg, arch=arch,
-                           num_anchors=cfg.num_anchors, objective=objective, optimizer=optimizer,
+    frozen_head = train_head(target_params, target.cfg)
+    step = make_train_step(graphdef=graphdef, target_params=target_params, head=frozen_head, target_cfg=target.cfg,
+                           arch=arch, num_anchors=cfg.num_anchors, objective=objective, optimizer=optimizer,
                            compute_dtype=compute_dtype, state_shardings=shardings)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
@@ -111,27 +111,21 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
     times, kept = [], 0.0
     for i in range(WARMUP + args.steps):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, batch, target_params)
+        state, metrics = compiled(state, batch, target_params, frozen_head)
         jax.block_until_ready((state, metrics))
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
         kept = float(metrics["num_blocks"]) / (args.batch_size * n)
 
-    def head(hidden_BxQxD: jax.Array, batch: Any, target_params: Any, rng: jax.Array) -> Any:
+    def head(hidden_BxQxD: jax.Array, batch: Any, frozen_head: Any, rng: jax.Array) -> Any:
         """LM head + DFlash loss forward and backward w.r.t. the drafter output, blocks as in the step
-        (the target is an argument, not a closure constant, as in the step)."""
-        tokens_BxS, loss_mask_BxS = batch["tokens"], jnp.asarray(batch["loss_mask"], jnp.float32)
-        anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, n, k, rng)
-        blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, k, arch.mask_token_id)
-
-        def loss(h: jax.Array) -> jax.Array:
-            head, vocab_major = head_matrix(jax.lax.stop_gradient(target_params), target.cfg)
-            return head_loss(h, head, blocks.labels, blocks.label_mask, k, objective, vocab_major=vocab_major)[0]
-
-        return jax.value_and_grad(loss)(hidden_BxQxD)
+        (the head is an argument, not a closure constant, as in the step)."""
+        anchors_BxN, keep_BxN = sample_anchors_batch(batch.loss_mask, n, k, rng)
+        blocks = build_blocks_batch(batch, anchors_BxN, keep_BxN, k, arch.mask_token_id)
+        return jax.value_and_grad(lambda h: head_loss(h, frozen_head, blocks, k, objective)[0])(hidden_BxQxD)
 
     hidden_BxQxD = jax.random.normal(jax.random.PRNGKey(0), (args.batch_size, n * k, arch.hidden_size), compute_dtype)
-    head_s = timed(jax.jit(head), hidden_BxQxD, batch, target_params, jax.random.PRNGKey(1), repeats=args.steps)
+    head_s = timed(jax.jit(head), hidden_BxQxD, batch, frozen_head, jax.random.PRNGKey(1), repeats=args.steps)
     return Row(k=k, n=n, compile_s=compile_s, step_s=statistics.median(times), head_s=head_s, kept_blocks=kept,
                temp_bytes=mem.temp_size_in_bytes, arg_bytes=mem.argument_size_in_bytes,
                out_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
@@ -229,6 +223,7 @@ def main() -> None:
 
     from benchmarks._report import machine, write_section
     from dflash.configs.recipe import load_recipe
+    from dflash.data.batch import TrainBatch
     from dflash.data.examples import build_examples
     from dflash.models.drafter import online_features
     from dflash.models.target import load_target
@@ -244,12 +239,12 @@ def main() -> None:
         raise SystemExit(f"--batch-size must be at most the {len(examples)} GSM8K examples that fit; "
                          f"received {args.batch_size}")
     rows_np = examples[:args.batch_size]
-    batch = shard_batch({"tokens": np.stack([t for t, _, _ in rows_np]),
-                         "loss_mask": np.stack([m for _, m, _ in rows_np])}, mesh)
+    batch = shard_batch(TrainBatch(tokens=np.stack([t for t, _, _ in rows_np]),
+                                   loss_mask=np.stack([m for _, m, _ in rows_np])), mesh)
 
     arch = target.drafter_arch(recipe.drafter)
     features = jax.jit(lambda p, t: online_features(p, target.cfg, t, arch.layer_ids))
-    features_s = timed(features, target_params, batch["tokens"], repeats=args.steps)
+    features_s = timed(features, target_params, batch.tokens, repeats=args.steps)
 
     configs = [(k, n) for k in args.ks for n in args.ns]
     if BASELINE not in configs:

@@ -121,13 +121,13 @@ def data() -> None:
     whole = make_batches(examples, GLOBAL_BATCH, seed=3)
     for _ in range(STEPS):
         local = next(mine)
-        ids = multihost_utils.process_allgather(jnp.asarray(local["tokens"][:, 0]), tiled=False)  # [hosts, B/hosts]
+        ids = multihost_utils.process_allgather(jnp.asarray(local.tokens[:, 0]), tiled=False)  # [hosts, B/hosts]
         flat = np.asarray(ids).reshape(-1).tolist()
         assert len(set(flat)) == len(flat), f"hosts' rows overlap: {np.asarray(ids).tolist()}"
         batch = shard_batch(local, mesh)  # the global arrays the train step reads
-        tokens = np.asarray(multihost_utils.process_allgather(batch["tokens"], tiled=True))
+        tokens = np.asarray(multihost_utils.process_allgather(batch.tokens, tiled=True))
         expected = next(whole)
-        np.testing.assert_array_equal(tokens, expected["tokens"])
+        np.testing.assert_array_equal(tokens, expected.tokens)
         assert tokens.shape == (GLOBAL_BATCH, 6)
 
 

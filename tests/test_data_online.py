@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from dflash.data.batch import BatchLayout, TrainBatch
 from dflash.data.chat_tokens import pad_batch_example, tokenize_conversation
 from dflash.data.online import make_batches, steps_per_epoch, tokenize_examples
 from dflash.data.packaged import gsm8k_answer_text, gsm8k_path, load_gsm8k
@@ -139,15 +140,17 @@ def _toy_examples(n: int, seq_len: int = 4) -> list[tuple[np.ndarray, np.ndarray
     return [(np.full(seq_len, i, np.int32), np.ones(seq_len, np.float32)) for i in range(n)]
 
 
-def _ids(batch: dict[str, np.ndarray]) -> list[int]:
-    return batch["tokens"][:, 0].tolist()
+def _ids(batch: TrainBatch) -> list[int]:
+    return batch.tokens[:, 0].tolist()
 
 
 def test_batches_shapes_and_dtypes() -> None:
     batch = next(make_batches(_toy_examples(10, seq_len=6), batch_size=4, seed=0))
-    assert set(batch) == {"tokens", "loss_mask"}
-    assert batch["tokens"].shape == (4, 6) and batch["tokens"].dtype == np.int32
-    assert batch["loss_mask"].shape == (4, 6) and batch["loss_mask"].dtype == np.float32
+    assert isinstance(batch, TrainBatch) and batch.label_kind == "text"
+    assert batch.features is None and batch.segment_ids is None
+    assert batch.tokens.shape == (4, 6) and batch.tokens.dtype == np.int32
+    assert batch.loss_mask.shape == (4, 6) and batch.loss_mask.dtype == np.float32
+    batch.check(BatchLayout(batch_size=4, seq_len=6))
 
 
 def test_each_epoch_is_a_new_permutation() -> None:
@@ -181,8 +184,8 @@ def test_state_round_trip_resumes_the_exact_batches() -> None:
     resumed.set_state(state)
     for want in expected:
         got = next(resumed)
-        np.testing.assert_array_equal(got["tokens"], want["tokens"])
-        np.testing.assert_array_equal(got["loss_mask"], want["loss_mask"])
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.loss_mask, want.loss_mask)
 
 
 def test_shards_are_disjoint_and_cover_the_global_batch() -> None:

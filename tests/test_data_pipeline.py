@@ -76,11 +76,11 @@ def test_online_and_offline_batches_are_equal(data_dir, smollm2_target):
     try:
         for _ in range(5):  # 8 samples, batches of 4: crosses two epoch boundaries
             a, b = next(online), next(offline)
-            np.testing.assert_array_equal(a["tokens"], b["tokens"])
-            np.testing.assert_array_equal(a["loss_mask"], b["loss_mask"])
-            want = np.asarray(feats(target.params, jnp.asarray(a["tokens"])), np.float32)
-            got = np.asarray(b["features"], np.float32)
-            n = np.array([lengths[row.tobytes()] for row in np.asarray(a["tokens"], np.int32)])
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+            want = np.asarray(feats(target.params, jnp.asarray(a.tokens)), np.float32)
+            got = np.asarray(b.features, np.float32)
+            n = np.array([lengths[row.tobytes()] for row in np.asarray(a.tokens, np.int32)])
             real = np.arange(got.shape[1])[None, :] < n[:, None]
             np.testing.assert_allclose(got[real], want[real], rtol=2**-8, atol=1e-6)
             assert not got[~real].any()  # padding positions hold zero features offline

@@ -10,13 +10,14 @@ import pytest
 from conftest import GOLDEN
 from flax import nnx
 
+from dflash.data.batch import TrainBatch
 from dflash.models.decoder import embed
 from dflash.models.drafter import DFlashDrafter, DrafterConfig, drafter_logits, online_features, resolve_drafter
 from dflash.models.loading import load_hf_dir
 from dflash.serve.engine import Engine, decode
 from dflash.serve.speculative import propose
 from dflash.train.objective import Objective, build_blocks_batch
-from dflash.train.step import drafter_loss, previous_ids, split_drafter
+from dflash.train.step import StepInputs, drafter_loss, previous_ids, split_drafter, train_head
 
 K = 4
 MAX_LEN = 128
@@ -103,20 +104,20 @@ def test_training_reads_the_markov_head_as_the_engine_drafts(setup):
     assert anchor == int(engine.state.lengths[0])
     tokens = jnp.asarray([committed + drafts.tolist()], jnp.int32)
     loss_mask = jnp.zeros(tokens.shape, jnp.float32).at[:, anchor:].set(1.0)
-    blocks = build_blocks_batch(tokens, loss_mask, jnp.asarray([[anchor]]), jnp.asarray([[True]]), K,
-                                arch.mask_token_id)
+    blocks = build_blocks_batch(TrainBatch(tokens=tokens, loss_mask=loss_mask), jnp.asarray([[anchor]]),
+                                jnp.asarray([[True]]), K, arch.mask_token_id)
     np.testing.assert_array_equal(previous_ids(blocks, K)[0, 1:], [committed[-1], *drafts[:-1]])
     feats = online_features(target_params, target_cfg, tokens, arch.layer_ids)
     graphdef, params = split_drafter(drafter)
-    _, metrics = drafter_loss(params, graphdef, target_params, target_cfg, embed(target_params, blocks.block_ids),
-                              blocks, feats, K, Objective())
+    inputs = StepInputs(blocks=blocks, embeds_BxQxD=embed(target_params, blocks.block_ids), feats_BxSxFD=feats)
+    head = train_head(target_params, target_cfg)
+    _, metrics = drafter_loss(params, graphdef, inputs, head, target_params, K, Objective())
     np.testing.assert_array_equal(np.asarray(metrics["accuracy_per_position"])[1:], np.ones(K - 1))
     # and without the head's input (a zeroed head) the same drafts are not all reproduced
     zeroed = nnx.clone(drafter)
     zeroed.markov.down_proj.kernel.set_value(jnp.zeros_like(zeroed.markov.down_proj.kernel.get_value()))
     graphdef0, params0 = split_drafter(zeroed)
-    _, plain = drafter_loss(params0, graphdef0, target_params, target_cfg, embed(target_params, blocks.block_ids),
-                            blocks, feats, K, Objective())
+    _, plain = drafter_loss(params0, graphdef0, inputs, head, target_params, K, Objective())
     assert np.asarray(plain["accuracy_per_position"])[1:].min() < 1.0
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import batch_of, head, labelled
 
 from dflash.train.objective import (
     Blocks,
@@ -14,7 +15,7 @@ from dflash.train.objective import (
     build_blocks_batch,
     decay_weights,
     default_gamma,
-    dflash_loss,
+    dense_loss,
     dpace_weights,
     head_loss,
     noisy_features,
@@ -102,7 +103,7 @@ def test_blocks_same_position_labels():
     K = 4
     anchors = np.array([6, 16, 10, 21, 0], np.int32)
     keep = np.array([True, True, True, True, False])
-    b = build_blocks(tokens, mask, anchors, keep, K, MASK)
+    b = build_blocks(batch_of(tokens, mask), anchors, keep, K, MASK)
     S = len(tokens)
     for j, (a, kept) in enumerate(zip(anchors, keep, strict=True)):
         sl = slice(j * K, (j + 1) * K)
@@ -137,8 +138,8 @@ def test_target_labels_follow_the_target_while_the_text_agrees():
     anchors = np.array([6, 16, 10, 21, 0], np.int32)
     keep = np.array([True, True, True, True, False])
     agreeing = np.concatenate([tokens[1:], [-1]]).astype(np.int32)  # the target picks the text everywhere
-    plain = build_blocks(tokens, mask, anchors, keep, K, MASK)
-    same = build_blocks(tokens, mask, anchors, keep, K, MASK, agreeing)
+    plain = build_blocks(batch_of(tokens, mask), anchors, keep, K, MASK)
+    same = build_blocks(batch_of(tokens, mask, agreeing), anchors, keep, K, MASK)
     for got, want in zip(jax.tree.leaves(same), jax.tree.leaves(plain), strict=True):
         np.testing.assert_array_equal(got, want)
 
@@ -147,18 +148,18 @@ def test_target_labels_follow_the_target_while_the_text_agrees():
     # text at 18 is not the target's, so what the target emits at 19 is unknown.
     picks = agreeing.copy()
     picks[17] = 999
-    b = build_blocks(tokens, mask, anchors, keep, K, MASK, picks)
+    b = build_blocks(batch_of(tokens, mask, picks), anchors, keep, K, MASK)
     sl = slice(1 * K, 2 * K)
     np.testing.assert_array_equal(b.labels[sl][:3], [0, tokens[17], 999])
     np.testing.assert_array_equal(b.label_mask[sl], [0, 1, 1, 0])
     np.testing.assert_array_equal(b.block_ids[sl], plain.block_ids[sl])  # inputs stay the text's
     # Unknown picks (-1) are never labels; the other blocks are untouched.
     picks[6] = -1
-    b = build_blocks(tokens, mask, anchors, keep, K, MASK, picks)
+    b = build_blocks(batch_of(tokens, mask, picks), anchors, keep, K, MASK)
     np.testing.assert_array_equal(b.label_mask[:K], [0, 0, 0, 0])
     np.testing.assert_array_equal(b.label_mask[2 * K:], plain.label_mask[2 * K:])
-    bb = build_blocks_batch(np.stack([tokens] * 2), np.stack([mask] * 2), np.stack([anchors] * 2),
-                            np.stack([keep] * 2), K, MASK, np.stack([picks, agreeing]))
+    bb = build_blocks_batch(batch_of(np.stack([tokens] * 2), np.stack([mask] * 2), np.stack([picks, agreeing])),
+                            np.stack([anchors] * 2), np.stack([keep] * 2), K, MASK)
     np.testing.assert_array_equal(bb.label_mask[0], b.label_mask)
     np.testing.assert_array_equal(bb.label_mask[1], plain.label_mask)
 
@@ -166,10 +167,10 @@ def test_target_labels_follow_the_target_while_the_text_agrees():
 def test_blocks_batch_matches_rows():
     tokens, mask = _example()
     anchors, keep = sample_anchors_batch(np.stack([mask, mask]), 5, 4, jax.random.key(0))
-    bb = build_blocks_batch(np.stack([tokens, tokens]), np.stack([mask, mask]), anchors, keep, 4, MASK)
+    bb = build_blocks_batch(batch_of(np.stack([tokens, tokens]), np.stack([mask, mask])), anchors, keep, 4, MASK)
     assert isinstance(bb, Blocks) and bb.labels.shape == (2, 20)
     for r in range(2):
-        row = build_blocks(tokens, mask, anchors[r], keep[r], 4, MASK)
+        row = build_blocks(batch_of(tokens, mask), anchors[r], keep[r], 4, MASK)
         for got, want in zip(jax.tree.leaves(bb), jax.tree.leaves(row), strict=True):
             np.testing.assert_array_equal(got[r], want)
 
@@ -183,7 +184,7 @@ def test_visible_contract():
     mask = np.ones(S, np.float32)
     anchors = np.array([4, 7, 0], np.int32)
     keep = np.array([True, True, False])
-    b = build_blocks(tokens, mask, anchors, keep, K, MASK)
+    b = build_blocks(batch_of(tokens, mask), anchors, keep, K, MASK)
     ctx_valid = np.ones(S, bool)
     ctx_valid[1] = False  # e.g. a padding token in the context
     vis = np.asarray(visible(b.anchor_of_query, b.block_of_query, ctx_valid, b.block_of_query))
@@ -206,7 +207,7 @@ def test_visible_contract():
 def test_visible_batch():
     tokens, mask = _example()
     anchors, keep = sample_anchors_batch(np.stack([mask, mask]), 3, 4, jax.random.key(0))
-    bb = build_blocks_batch(np.stack([tokens, tokens]), np.stack([mask, mask]), anchors, keep, 4, MASK)
+    bb = build_blocks_batch(batch_of(np.stack([tokens, tokens]), np.stack([mask, mask])), anchors, keep, 4, MASK)
     ctx = np.ones((2, len(tokens)), bool)
     vis = visible_batch(bb.anchor_of_query, bb.block_of_query, ctx, bb.block_of_query)
     assert vis.shape == (2, 12, len(tokens) + 12)
@@ -254,11 +255,11 @@ def test_loss_matches_numpy():
     k_index = np.tile(np.arange(K), (B, N))
     mask = (k_index >= 1).astype(np.float32)
     mask[1, 4] = 0
-    loss, _ = dflash_loss(logits, labels, mask, k_index, K, gamma)
+    loss, _ = dense_loss(logits, labels, mask, k_index, K, gamma)
     np.testing.assert_allclose(float(loss), _numpy_loss(logits, labels, mask, k_index, K, gamma), rtol=1e-5)
     # bf16 logits are upcast: same loss as their fp32 values.
     lb = jnp.asarray(logits, jnp.bfloat16)
-    loss_b, _ = dflash_loss(lb, labels, mask, k_index, K, gamma)
+    loss_b, _ = dense_loss(lb, labels, mask, k_index, K, gamma)
     np.testing.assert_allclose(float(loss_b), _numpy_loss(np.asarray(lb, np.float32), labels, mask, k_index, K, gamma),
                                rtol=1e-5)
 
@@ -271,10 +272,10 @@ def test_loss_ignores_masked_and_padding():
     k_index = np.tile(np.arange(K), (B, N))
     mask = np.zeros((B, N * K), np.float32)
     mask[0, 1:3] = 1  # block 0: slots 1, 2; block 1 is padding
-    grad = jax.grad(lambda x: dflash_loss(x, labels, mask, k_index, K, 7.0)[0])(logits)
+    grad = jax.grad(lambda x: dense_loss(x, labels, mask, k_index, K, 7.0)[0])(logits)
     nonzero = np.abs(np.asarray(grad)).sum(-1)[0] > 0
     np.testing.assert_array_equal(nonzero, mask[0] > 0)
-    _, m = dflash_loss(logits, labels, mask, k_index, K, 7.0)
+    _, m = dense_loss(logits, labels, mask, k_index, K, 7.0)
     assert float(m["num_blocks"]) == 1 and float(m["num_labels"]) == 2
 
 
@@ -287,7 +288,7 @@ def test_perfect_logits_accept_k():
     labels = np.tile(np.arange(K), (1, N)).astype(np.int32) + 1
     k_index = np.tile(np.arange(K), (1, N))
     mask = (k_index >= 1).astype(np.float32)
-    loss, m = dflash_loss(_one_hot_logits(labels, V), labels, mask, k_index, K, default_gamma(K))
+    loss, m = dense_loss(_one_hot_logits(labels, V), labels, mask, k_index, K, default_gamma(K))
     assert float(loss) < 1e-6
     np.testing.assert_array_equal(m["accuracy_per_position"][1:], 1.0)
     assert float(m["accuracy_per_position"][0]) == 0.0
@@ -301,7 +302,7 @@ def test_wrong_position_two_accepts_two():
     mask = (k_index >= 1).astype(np.float32)
     predicted = labels.copy()
     predicted[0, 2] = 0  # slot 2 wrong, later slots right: the chain stops at 2
-    _, m = dflash_loss(_one_hot_logits(predicted, V), labels, mask, k_index, K, 4.0)
+    _, m = dense_loss(_one_hot_logits(predicted, V), labels, mask, k_index, K, 4.0)
     assert float(m["acceptance_length"]) == 2.0
     acc = np.asarray(m["accuracy_per_position"])
     assert acc[2] == 0.0 and acc[1] == 1.0 and np.all(acc[3:] == 1.0)
@@ -312,7 +313,7 @@ def test_masked_slot_stops_chain():
     labels = np.arange(K, dtype=np.int32)[None] + 1
     k_index = np.arange(K)[None]
     mask = np.array([[0, 1, 1, 0, 0, 0]], np.float32)  # block cut by the end of the sequence
-    _, m = dflash_loss(_one_hot_logits(labels, V), labels, mask, k_index, K, 3.0)
+    _, m = dense_loss(_one_hot_logits(labels, V), labels, mask, k_index, K, 3.0)
     assert float(m["acceptance_length"]) == 3.0
 
 
@@ -328,9 +329,9 @@ def test_pipeline_under_jit_matches_eager():
 
     def step(tokens_BxS, mask_BxS, rng, *, N, K):
         anchors, keep = sample_anchors_batch(mask_BxS, N, K, rng)
-        b = build_blocks_batch(tokens_BxS, mask_BxS, anchors, keep, K, MASK)
+        b = build_blocks_batch(batch_of(tokens_BxS, mask_BxS), anchors, keep, K, MASK)
         vis = visible_batch(b.anchor_of_query, b.block_of_query, mask_BxS >= 0, b.block_of_query)
-        loss, metrics = dflash_loss(logits_fn(b.labels), b.labels, b.label_mask, b.block_index_in_block, K,
+        loss, metrics = dense_loss(logits_fn(b.labels), b.labels, b.label_mask, b.block_index_in_block, K,
                                     default_gamma(K))
         return loss, metrics, vis, b
 
@@ -361,17 +362,17 @@ def _head_case(vocab_major: bool, seed: int = 0):
 @pytest.mark.parametrize("chunk", [1, 5, 0])
 def test_head_loss_equals_dense_loss_value_grad_and_metrics(vocab_major: bool, chunk: int):
     """The chunked head + CE (slot 0 skipped, gradient formed in the forward) is the dense reference
-    `dflash_loss(h @ W, ...)`: loss, d loss / d h and every metric, whatever the chunk (5 does not divide
+    `dense_loss(h @ W, ...)`: loss, d loss / d h and every metric, whatever the chunk (5 does not divide
     the 18 rows: padding)."""
-    h, head, w_VxD, labels, mask, k_index, K_ = _head_case(vocab_major)
+    h, w, w_VxD, labels, mask, k_index, K_ = _head_case(vocab_major)
     gamma = 3.0
 
     def dense(x):
-        return dflash_loss(jnp.einsum("bqd,vd->bqv", x, w_VxD), labels, mask, k_index, K_, gamma)
+        return dense_loss(jnp.einsum("bqd,vd->bqv", x, w_VxD), labels, mask, k_index, K_, gamma)
 
     def chunked(x):
-        return head_loss(x, head, labels, mask, K_, Objective(gamma=gamma, head_chunk=chunk),
-                         vocab_major=vocab_major)
+        return head_loss(x, head(w, vocab_major), labelled(labels, mask), K_,
+                         Objective(gamma=gamma, head_chunk=chunk))
 
     (l0, m0), g0 = jax.value_and_grad(dense, has_aux=True)(h)
     (l1, m1), g1 = jax.jit(jax.value_and_grad(chunked, has_aux=True))(h)
@@ -411,7 +412,7 @@ def test_dpace_weights_match_definition_and_limits():
 
 def test_dpace_loss_is_weighted_ce_with_no_gradient_through_weights():
     """loss = sum w CE / sum w with w = dpace_weights(stop_gradient(CE)): the gradient is the weighted CE's."""
-    h, head, w_VxD, labels, mask, k_index, K_ = _head_case(True, seed=3)
+    h, _, w_VxD, labels, mask, k_index, K_ = _head_case(True, seed=3)
     obj = Objective(kind="dpace", dpace_alpha=0.4)
     B_, Q_, _ = h.shape
 
@@ -423,7 +424,7 @@ def test_dpace_loss_is_weighted_ce_with_no_gradient_through_weights():
         return jnp.sum(w * nll) / jnp.sum(w)
 
     l_ref, g_ref = jax.value_and_grad(reference)(h)
-    (l_new, _), g_new = jax.value_and_grad(lambda x: head_loss(x, head, labels, mask, K_, obj, vocab_major=True),
+    (l_new, _), g_new = jax.value_and_grad(lambda x: head_loss(x, head(w_VxD), labelled(labels, mask), K_, obj),
                                            has_aux=True)(h)
     np.testing.assert_allclose(float(l_new), float(l_ref), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(g_new), np.asarray(g_ref), atol=1e-6)
@@ -447,11 +448,10 @@ def test_head_loss_over_a_vocabulary_subset_is_the_subset_softmax():
     assert 0 < sub_mask.sum() < np.asarray(mask).sum()  # some labels are outside, some inside
 
     def dense(x):
-        return dflash_loss(jnp.einsum("bqd,vd->bqv", x, w_VxD[ids]), sub_labels, sub_mask, k_index, K_, 2.0)
+        return dense_loss(jnp.einsum("bqd,vd->bqv", x, w_VxD[ids]), sub_labels, sub_mask, k_index, K_, 2.0)
 
     def subset(x):
-        return head_loss(x, w_VxD[ids], labels, mask, K_, Objective(gamma=2.0), vocab_major=True,
-                         label_map=jnp.asarray(label_map))
+        return head_loss(x, head(w_VxD[ids], label_map=label_map), labelled(labels, mask), K_, Objective(gamma=2.0))
 
     (l0, m0), g0 = jax.value_and_grad(dense, has_aux=True)(h)
     (l1, m1), g1 = jax.value_and_grad(subset, has_aux=True)(h)
@@ -474,8 +474,8 @@ def test_soft_labels_ride_with_the_slot_they_label():
     picks = np.concatenate([tokens[1:], [-1]]).astype(np.int32)
     ids = np.arange(S * T, dtype=np.int32).reshape(S, T) + 1000  # distinct per position
     probs = np.linspace(0.1, 0.9, S * T, dtype=np.float32).reshape(S, T)
-    hard = build_blocks(tokens, mask, anchors, keep, K, MASK, picks)
-    soft = build_blocks(tokens, mask, anchors, keep, K, MASK, picks, soft=(ids, probs))
+    hard = build_blocks(batch_of(tokens, mask, picks), anchors, keep, K, MASK)
+    soft = build_blocks(batch_of(tokens, mask, picks, soft=(ids, probs)), anchors, keep, K, MASK)
     for name in ("block_ids", "block_pos", "labels", "label_mask", "anchor_of_query"):
         np.testing.assert_array_equal(getattr(soft, name), getattr(hard, name))
     assert hard.soft_ids is None and soft.soft_ids.shape == soft.soft_probs.shape == (5 * K, T)
@@ -486,14 +486,14 @@ def test_soft_labels_ride_with_the_slot_they_label():
             np.testing.assert_allclose(soft.soft_probs[q], probs[p - 1])
         else:
             assert not np.any(soft.soft_ids[q]) and not np.any(soft.soft_probs[q])
-    batched = build_blocks_batch(np.stack([tokens] * 2), np.stack([mask] * 2), np.stack([anchors] * 2),
-                                 np.stack([keep] * 2), K, MASK, np.stack([picks] * 2),
-                                 soft_BxS=(np.stack([ids] * 2), np.stack([probs] * 2)))
+    batched = build_blocks_batch(batch_of(np.stack([tokens] * 2), np.stack([mask] * 2), np.stack([picks] * 2),
+                                          soft=(np.stack([ids] * 2), np.stack([probs] * 2))),
+                                 np.stack([anchors] * 2), np.stack([keep] * 2), K, MASK)
     np.testing.assert_array_equal(batched.soft_ids[1], soft.soft_ids)
 
 
 def _soft_case(seed: int, V_: int = 50, T: int = 5):
-    h, head, w_VxD, labels, mask, k_index, K_ = _head_case(True, seed=seed)
+    h, _, w_VxD, labels, mask, k_index, K_ = _head_case(True, seed=seed)
     r = np.random.default_rng(seed + 100)
     B_, Q_ = labels.shape
     ids = np.stack([[r.permutation(V_)[:T] for _ in range(Q_)] for _ in range(B_)]).astype(np.int32)
@@ -524,8 +524,8 @@ def test_soft_head_loss_is_the_cross_entropy_against_the_renormalised_top_k(kind
         return jnp.sum(w * split(ce)) / jnp.sum(w)
 
     l_ref, g_ref = jax.value_and_grad(reference)(h)
-    hard = lambda x: head_loss(x, w_VxD, labels, mask, K_, obj, vocab_major=True)  # noqa: E731
-    soft = lambda x: head_loss(x, w_VxD, labels, mask, K_, obj, vocab_major=True, soft=(ids, probs))  # noqa: E731
+    hard = lambda x: head_loss(x, head(w_VxD), labelled(labels, mask), K_, obj)  # noqa: E731
+    soft = lambda x: head_loss(x, head(w_VxD), labelled(labels, mask, (ids, probs)), K_, obj)  # noqa: E731
     (l_soft, m_soft), g_soft = jax.jit(jax.value_and_grad(soft, has_aux=True))(h)
     np.testing.assert_allclose(float(l_soft), float(l_ref), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(g_soft), np.asarray(g_ref), atol=1e-6)
@@ -543,8 +543,8 @@ def test_soft_head_loss_with_one_hot_targets_is_the_hard_loss():
     one_hot = np.zeros(ids.shape, np.float32)
     one_hot[..., 0] = 0.7  # any mass: renormalised to 1
     obj = Objective(kind="dpace")
-    hard = lambda x: head_loss(x, w_VxD, labels, mask, K_, obj, vocab_major=True)[0]  # noqa: E731
-    soft = lambda x: head_loss(x, w_VxD, labels, mask, K_, obj, vocab_major=True, soft=(ids, one_hot))[0]  # noqa: E731
+    hard = lambda x: head_loss(x, head(w_VxD), labelled(labels, mask), K_, obj)[0]  # noqa: E731
+    soft = lambda x: head_loss(x, head(w_VxD), labelled(labels, mask, (ids, one_hot)), K_, obj)[0]  # noqa: E731
     np.testing.assert_allclose(float(soft(h)), float(hard(h)), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(jax.grad(soft)(h)), np.asarray(jax.grad(hard)(h)), atol=1e-6)
 
@@ -570,8 +570,8 @@ def test_soft_head_loss_over_a_vocabulary_subset_drops_and_renormalises():
         return jnp.sum(w * ce.reshape(B_, Q_ // K_, K_)[..., 1:]) / jnp.sum(w)
 
     def subset(x):
-        return head_loss(x, w_VxD[keep_ids], labels, mask, K_, obj, vocab_major=True,
-                         label_map=jnp.asarray(label_map), soft=(ids, probs))[0]
+        return head_loss(x, head(w_VxD[keep_ids], label_map=label_map), labelled(labels, mask, (ids, probs)), K_,
+                         obj)[0]
 
     np.testing.assert_allclose(float(subset(h)), float(reference(h)), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(jax.grad(subset)(h)), np.asarray(jax.grad(reference)(h)), atol=1e-6)

@@ -179,9 +179,10 @@ def test_the_compiled_batch_holds_what_the_labels_need():
         recipe = load_recipe("smollm2", [f"data.labels={labels}", "data.soft_topk=8"])
         ins = abstract_train_inputs(recipe, mesh)
         b, s = recipe.train.batch_size, recipe.data.pack
-        assert ("next_ids" in ins["batch"]) == (labels != "text")
-        assert ("soft_ids" in ins["batch"]) == ("soft_probs" in ins["batch"]) == (labels == "soft")
+        batch = ins["batch"]
+        assert batch.label_kind == labels and batch.tokens.shape == batch.segment_ids.shape == (b, s)
+        assert (batch.next_ids is None) == (labels == "text")
         if labels == "soft":
-            assert ins["batch"]["soft_ids"].shape == ins["batch"]["soft_probs"].shape == (b, s, 8)
+            assert batch.labels.ids.shape == batch.labels.probs.shape == (b, s, 8)
         flops[labels] = train_step_flops(recipe, ins)
     assert flops["text"] == flops["target"] == flops["soft"] > 0

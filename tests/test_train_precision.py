@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dflash.data.batch import BatchLayout, TrainBatch
 from dflash.models.config import DecoderConfig, DrafterConfig
 from dflash.models.drafter import resolve_drafter
 from dflash.train.loop import drafter_graphdef, fresh_state
 from dflash.train.objective import Objective
-from dflash.train.step import make_optimizer, make_train_step, train_step
+from dflash.train.step import make_optimizer, make_train_step, train_head, train_step
 
 QWEN3_VOCAB = 151_936
 
@@ -27,16 +28,15 @@ def _target_cfg(vocab: int = 512) -> DecoderConfig:
 
 
 def _abstract_inputs(cfg: DecoderConfig, arch, dtype, b: int, s: int):
-    """Abstract (state, offline batch, target params) of a step: only the embedding and the untied head are
-    read with offline features."""
+    """Abstract (state, offline batch, target params, head) of a step: only the embedding and the untied head
+    are read with offline features."""
     optimizer = make_optimizer(1e-3, total_steps=10)
     state = jax.eval_shape(functools.partial(fresh_state, 0, arch, optimizer))
     d, f = cfg.hidden_size, arch.num_features
-    batch = {"tokens": jax.ShapeDtypeStruct((b, s), jnp.int32), "loss_mask": jax.ShapeDtypeStruct((b, s), jnp.float32),
-             "features": jax.ShapeDtypeStruct((b, s, f * d), jnp.bfloat16)}
+    batch = TrainBatch.spec(BatchLayout(batch_size=b, seq_len=s, feature_dim=f * d))
     target = {"embed": jax.ShapeDtypeStruct((cfg.vocab_size, d), dtype),
               "lm_head": jax.ShapeDtypeStruct((d, cfg.vocab_size), dtype)}
-    return optimizer, state, batch, target
+    return optimizer, state, batch, target, train_head(target, cfg)
 
 
 def _dot_operand_dtypes(jaxpr) -> Iterator[tuple[str, ...]]:
@@ -56,10 +56,10 @@ def test_every_matmul_of_the_step_runs_in_the_compute_dtype(dtype):
     cfg = _target_cfg()
     arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 2), block_size=4), cfg,
                            mask_token_id=cfg.vocab_size - 1)
-    optimizer, state, batch, target = _abstract_inputs(cfg, arch, dtype, b=2, s=32)
+    optimizer, state, batch, target, head = _abstract_inputs(cfg, arch, dtype, b=2, s=32)
     body = functools.partial(train_step, graphdef=drafter_graphdef(arch, dtype), target_cfg=cfg, arch=arch,
                              num_anchors=4, objective=Objective(), optimizer=optimizer, compute_dtype=dtype)
-    dots = list(_dot_operand_dtypes(jax.make_jaxpr(body)(state, batch, target).jaxpr))
+    dots = list(_dot_operand_dtypes(jax.make_jaxpr(body)(state, batch, target, head).jaxpr))
     # fc, 2 layers x (q, k, v, o, gate, up, down + 4 attention einsums + context k, v), head: forward and backward
     assert len(dots) >= 2 * (1 + 2 * 13 + 1)
     want = jnp.dtype(dtype).name
@@ -76,8 +76,9 @@ def test_chunked_head_memory_does_not_grow_with_block_tokens_times_vocab():
         cfg = _target_cfg(vocab)
         arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(1, 2), block_size=16), cfg,
                                mask_token_id=vocab - 1)
-        optimizer, state, batch, target = _abstract_inputs(cfg, arch, jnp.bfloat16, b=1, s=3072)
-        step = make_train_step(graphdef=drafter_graphdef(arch, jnp.bfloat16), target_params=target, target_cfg=cfg,
+        optimizer, state, batch, target, head = _abstract_inputs(cfg, arch, jnp.bfloat16, b=1, s=3072)
+        step = make_train_step(graphdef=drafter_graphdef(arch, jnp.bfloat16), target_params=target, head=head,
+                               target_cfg=cfg,
                                arch=arch, num_anchors=512, objective=Objective(), optimizer=optimizer,
                                compute_dtype=jnp.bfloat16)
         temps[vocab] = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
@@ -90,7 +91,6 @@ def test_training_vocab_orders_by_label_count_and_keeps_pinned_tokens():
     import numpy as np
 
     from dflash.data.examples import training_vocab
-    from dflash.train.step import TRAIN_HEAD, TRAIN_LABEL_MAP, with_train_vocab
 
     tokens = np.array([5, 5, 5, 7, 7, 9, 3, 3, 3, 3, 0, 0], np.int32)
     mask = np.array([0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0], np.float32)  # labels: 5 x2, 7 x2, 9 x1; 3 only prompt
@@ -101,6 +101,9 @@ def test_training_vocab_orders_by_label_count_and_keeps_pinned_tokens():
     cfg = _target_cfg(12)
     params = {"embed": jnp.arange(12 * 64, dtype=jnp.float32).reshape(12, 64),
               "lm_head": jnp.arange(64 * 12, dtype=jnp.float32).reshape(64, 12)}
-    sub = with_train_vocab(params, cfg, [5, 7, 9])
-    np.testing.assert_array_equal(np.asarray(sub[TRAIN_HEAD]), np.asarray(params["lm_head"])[:, [5, 7, 9]].T)
-    assert np.asarray(sub[TRAIN_LABEL_MAP]).tolist() == [-1] * 5 + [0, -1, 1, -1, 2, -1, -1]
+    sub = train_head(params, cfg, [5, 7, 9])
+    assert sub.vocab_major
+    np.testing.assert_array_equal(np.asarray(sub.matrix), np.asarray(params["lm_head"])[:, [5, 7, 9]].T)
+    assert np.asarray(sub.label_map).tolist() == [-1] * 5 + [0, -1, 1, -1, 2, -1, -1]
+    full = train_head(params, cfg)  # untied: the LM head itself, [D, V], the target's own array
+    assert not full.vocab_major and full.label_map is None and full.matrix is params["lm_head"]

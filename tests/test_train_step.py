@@ -10,7 +10,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from reference import batch_of
 
+from dflash.data.batch import TrainBatch
 from dflash.models.decoder import embed, forward
 from dflash.models.drafter import (
     DFlashDrafter,
@@ -23,6 +25,7 @@ from dflash.models.drafter import (
 from dflash.models.loading import load_hf_dir
 from dflash.train.objective import Objective, build_blocks_batch, default_gamma, sample_anchors_batch
 from dflash.train.step import (
+    StepInputs,
     TrainState,
     current_lr,
     drafter_loss,
@@ -31,6 +34,7 @@ from dflash.train.step import (
     make_schedule,
     make_train_step,
     split_drafter,
+    train_head,
 )
 
 LAYER_IDS = (1, 3)
@@ -46,7 +50,7 @@ def setup(golden_dir):
     return target_cfg, target_params, arch
 
 
-def _greedy_batch(target_cfg, target_params) -> dict[str, jax.Array]:
+def _greedy_batch(target_cfg, target_params) -> TrainBatch:
     """A target-regenerated-like batch: random 4-token prompts, then the target's own greedy continuation."""
     prompt_len = 4
     tokens = np.array(jax.random.randint(jax.random.key(7), (B, S), 0, MASK_ID), np.int32)
@@ -60,7 +64,7 @@ def _greedy_batch(target_cfg, target_params) -> dict[str, jax.Array]:
         tokens[:, s] = np.asarray(next_token(jnp.asarray(tokens)))[:, s - 1]
     loss_mask = np.ones((B, S), np.float32)
     loss_mask[:, : prompt_len - 1] = 0.0
-    return {"tokens": jnp.asarray(tokens), "loss_mask": jnp.asarray(loss_mask)}
+    return TrainBatch(tokens=tokens, loss_mask=loss_mask)
 
 
 def _new_state(arch, optimizer, seed: int = 0) -> tuple[nnx.GraphDef, TrainState]:
@@ -84,7 +88,8 @@ def test_train_step_runs_under_jit_with_finite_metrics(setup):
     target_cfg, target_params, arch = setup
     optimizer = make_optimizer(1e-3, total_steps=10)
     graphdef, state = _new_state(arch, optimizer)
-    step = make_train_step(graphdef=graphdef, target_params=target_params, target_cfg=target_cfg, arch=arch,
+    step = make_train_step(graphdef=graphdef, target_params=target_params, head=train_head(target_params, target_cfg),
+                           target_cfg=target_cfg, arch=arch,
                            num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer)
     batch = _greedy_batch(target_cfg, target_params)
     before = jax.tree.map(np.asarray, state.params)
@@ -113,7 +118,8 @@ def test_feature_noise_perturbs_the_loss_on_the_same_blocks(setup):
     out = {}
     for sigma in (0.0, 0.0, 0.3):
         graphdef, state = _new_state(arch, optimizer)
-        step = make_train_step(graphdef=graphdef, target_params=target_params, target_cfg=target_cfg, arch=arch,
+        step = make_train_step(graphdef=graphdef, target_params=target_params,
+                               head=train_head(target_params, target_cfg), target_cfg=target_cfg, arch=arch,
                                num_anchors=N, objective=Objective(gamma=default_gamma(K), feature_noise=sigma),
                                optimizer=optimizer)
         _, metrics = step(state, batch)
@@ -160,11 +166,12 @@ def test_weight_decay_shrinks_kernels_only_and_zero_decay_keeps_the_state_layout
 
 def _eval(graphdef, params, target_cfg, target_params, batch, arch) -> tuple[float, float]:
     """(loss, teacher-forced acceptance length) on 16 fixed anchors per row of `batch`."""
-    anchors, keep = sample_anchors_batch(batch["loss_mask"], 16, K, jax.random.key(11))
-    blocks = build_blocks_batch(batch["tokens"], batch["loss_mask"], anchors, keep, K, arch.mask_token_id)
-    feats = online_features(target_params, target_cfg, batch["tokens"], arch.layer_ids)
-    loss, metrics = drafter_loss(params, graphdef, target_params, target_cfg, embed(target_params, blocks.block_ids),
-                                 blocks, feats, K, Objective(gamma=default_gamma(K)))
+    anchors, keep = sample_anchors_batch(batch.loss_mask, 16, K, jax.random.key(11))
+    blocks = build_blocks_batch(batch, anchors, keep, K, arch.mask_token_id)
+    feats = online_features(target_params, target_cfg, batch.tokens, arch.layer_ids)
+    inputs = StepInputs(blocks=blocks, embeds_BxQxD=embed(target_params, blocks.block_ids), feats_BxSxFD=feats)
+    loss, metrics = drafter_loss(params, graphdef, inputs, train_head(target_params, target_cfg), target_params, K,
+                                 Objective(gamma=default_gamma(K)))
     return float(loss), float(metrics["acceptance_length"])
 
 
@@ -174,7 +181,8 @@ def test_overfits_a_fixed_batch(setup):
     steps = 60
     optimizer = make_optimizer(3e-3, total_steps=steps)
     graphdef, state = _new_state(arch, optimizer)
-    step = make_train_step(graphdef=graphdef, target_params=target_params, target_cfg=target_cfg, arch=arch,
+    step = make_train_step(graphdef=graphdef, target_params=target_params, head=train_head(target_params, target_cfg),
+                           target_cfg=target_cfg, arch=arch,
                            num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer)
     batch = _greedy_batch(target_cfg, target_params)
     loss0, accept0 = _eval(graphdef, state.params, target_cfg, target_params, batch, arch)
@@ -194,7 +202,7 @@ def test_mask_through_gradients(setup):
     loss_mask = jnp.ones((B, S), jnp.float32)
     anchors = jnp.array([[2, 9, 15, 27], [1, 5, 12, 20]], jnp.int32)
     keep = jnp.ones((B, N), bool)
-    blocks = build_blocks_batch(tokens, loss_mask, anchors, keep, K, MASK_ID)
+    blocks = build_blocks_batch(batch_of(tokens, loss_mask), anchors, keep, K, MASK_ID)
     row, j = 0, 1
     anchor = int(anchors[row, j])
     own = np.zeros((B, N * K), bool)
@@ -204,7 +212,8 @@ def test_mask_through_gradients(setup):
     feats = online_features(target_params, target_cfg, tokens, LAYER_IDS)
 
     def loss(e, f):
-        return drafter_loss(params, graphdef, target_params, target_cfg, e, one_block, f, K,
+        inputs = StepInputs(blocks=one_block, embeds_BxQxD=e, feats_BxSxFD=f)
+        return drafter_loss(params, graphdef, inputs, train_head(target_params, target_cfg), target_params, K,
                             Objective(gamma=default_gamma(K)))[0]
 
     g_embeds, g_feats = (np.asarray(g) for g in jax.grad(loss, argnums=(0, 1))(embeds, feats))
@@ -239,11 +248,13 @@ def test_a_packed_row_trains_as_its_conversations_alone(setup):
     packed_anchors = jnp.array([[3, 12, n1 + 0, n1 + 6]], jnp.int32)
 
     def loss_and_grad(tok, mask, f, a, k, seg):
-        blocks = build_blocks_batch(tok, mask, a, k, K, MASK_ID, segment_BxS=seg)
+        blocks = build_blocks_batch(batch_of(tok, mask, segment_ids=seg), a, k, K, MASK_ID)
+        inputs = StepInputs(blocks=blocks, embeds_BxQxD=embed(target_params, blocks.block_ids), feats_BxSxFD=f,
+                            segment_ids=seg)
 
         def loss(p):
-            return drafter_loss(p, graphdef, target_params, target_cfg, embed(target_params, blocks.block_ids),
-                                blocks, f, K, objective, seg)
+            return drafter_loss(p, graphdef, inputs, train_head(target_params, target_cfg), target_params, K,
+                                objective)
 
         (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(params)
         return float(value), metrics, grad

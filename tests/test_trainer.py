@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from dflash.configs.schema import ConfigError
+from dflash.data.batch import TrainBatch
 from dflash.models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, resolve_drafter
 from dflash.models.loading import load_hf_dir
 from dflash.train.checkpoint import Checkpointer, CheckpointError
@@ -31,7 +32,7 @@ from dflash.train.sharding import (
     spec_for,
     tree_shardings,
 )
-from dflash.train.step import init_state, make_optimizer, make_train_step
+from dflash.train.step import init_state, make_optimizer, make_train_step, train_head
 
 K, N, S, B = 4, 4, 32, 4
 LAYER_IDS = (1, 3)
@@ -47,7 +48,7 @@ def tiny():
     return target_cfg, target_params, arch
 
 
-def _batches(steps: int) -> list[dict[str, np.ndarray]]:
+def _batches(steps: int) -> list[TrainBatch]:
     rng = np.random.default_rng(0)
     out = []
     for _ in range(steps):
@@ -55,7 +56,7 @@ def _batches(steps: int) -> list[dict[str, np.ndarray]]:
         mask = np.ones((B, S), np.float32)
         mask[:, :5] = 0.0
         mask[1, 20:] = 0.0  # a padded tail
-        out.append({"tokens": tokens, "loss_mask": mask})
+        out.append(TrainBatch(tokens=tokens, loss_mask=mask))
     return out
 
 
@@ -71,7 +72,8 @@ def _train(tiny, mesh, steps: int, seed: int = 0):
     shardings = tree_shardings(jax.eval_shape(fresh), DRAFTER_RULES, mesh)
     state = jax.jit(fresh, out_shardings=shardings)()
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
-    step = make_train_step(graphdef=graphdef, target_params=place(target_params, TARGET_RULES, mesh),
+    placed = place(target_params, TARGET_RULES, mesh)
+    step = make_train_step(graphdef=graphdef, target_params=placed, head=train_head(placed, target_cfg),
                            target_cfg=target_cfg, arch=arch, num_anchors=N, objective=Objective(gamma=default_gamma(K)),
                            optimizer=optimizer, state_shardings=shardings)
     history = []
@@ -234,7 +236,8 @@ def test_bf16_compute_keeps_fp32_master_params(tiny):
     state = init_state(params, optimizer, jax.random.PRNGKey(1))
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
     bf16_target = jax.tree.map(lambda x: x.astype(jnp.bfloat16), target_params)
-    step = make_train_step(graphdef=graphdef, target_params=bf16_target, target_cfg=target_cfg, arch=arch,
+    step = make_train_step(graphdef=graphdef, target_params=bf16_target, head=train_head(bf16_target, target_cfg),
+                           target_cfg=target_cfg, arch=arch,
                            num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer,
                            compute_dtype=jnp.bfloat16)
     state, metrics = step(state, shard_batch(_batches(1)[0], mesh))

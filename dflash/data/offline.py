@@ -1,5 +1,6 @@
-"""The offline-mode input pipeline: captured shards (`data.shards`) -> a Grain batch iterator of tokens, mask
-and the stored target features, instead of running the target in the train step.
+"""The offline-mode input pipeline: captured shards (`data.shards`) -> a Grain iterator of `data.batch.TrainBatch`es
+holding tokens, mask and the stored target features (and, as the capture stored them, the target's labels),
+instead of running the target in the train step.
 
     indices -> shuffle(seed) -> repeat -> global batch -> HostRows -> ReadSamples -> PadAndStack [-> mp_prefetch]
     packed:   PackedRows(seed) -> global batch of rows -> HostRows -> ReadPacked -> PackAndStack [-> mp_prefetch]
@@ -21,9 +22,11 @@ from typing import Any
 import grain
 import numpy as np
 
+from dflash.data.batch import BatchLayout, SoftLabels, TargetLabels, TrainBatch
 from dflash.data.shards import BF16, Manifest, RecordSource, Sample, ShardError, load_manifest
 
 _BAD = "bad_records"
+Counted = tuple[TrainBatch, int]  # a batch and the number of bad records replaced by padding in it
 
 
 # ----------------------------------------------------------------------------- transforms
@@ -66,10 +69,9 @@ class ReadSamples(grain.transforms.Map):
 
 @dataclasses.dataclass(frozen=True)
 class PadAndStack(grain.transforms.Map):
-    """Samples -> the batch dict, each sample cut to `seq_len` and padded after its n tokens (pad_id, mask 0,
-    features 0), written straight into the batch arrays (one copy of the features). A bad record (None)
-    becomes a whole padding row (no anchor, no loss) and is counted under `bad_records` (popped by
-    `OfflineBatches`).
+    """Samples -> (the `TrainBatch` of `layout`, the number of bad records in it): each sample cut to `seq_len` and
+    padded after its n tokens (pad_id, mask 0, features 0, next ids -1, soft labels 0), written straight into the
+    batch arrays (one copy of the features). A bad record (None) becomes a whole padding row (no anchor, no loss).
 
     Online mode would hold the target's features of the pad tokens there; no loss term reads them (anchors
     need loss_mask = 1, context keys are strictly before the anchor: DESIGN §4.2), so the two modes train
@@ -78,44 +80,42 @@ class PadAndStack(grain.transforms.Map):
 
     seq_len: int
     pad_id: int
-    feature_dim: int
-    next_ids: bool = False  # also "next_ids" int32 [B, S] (the target's labels; -1 on padding)
-    soft_topk: int = 0  # also "soft_ids" int32 [B, S, k] and "soft_probs" float32 [B, S, k] (0 on padding)
+    layout: BatchLayout
 
-    def map(self, samples: list[Sample | None]) -> dict[str, np.ndarray]:
-        batch = _empty_batch(len(samples), self.seq_len, self.pad_id, self.feature_dim, self.next_ids,
-                             self.soft_topk)
+    def map(self, samples: list[Sample | None]) -> Counted:
+        batch = _empty_batch(dataclasses.replace(self.layout, batch_size=len(samples)), self.pad_id)
         for i, sample in enumerate(samples):
             if sample is not None:
                 _put(batch, i, 0, sample, min(len(sample.tokens), self.seq_len))
-        batch[_BAD] = np.int64(sum(sample is None for sample in samples))
-        return batch
+        return batch, sum(sample is None for sample in samples)
 
 
-def _empty_batch(b: int, length: int, pad_id: int, feature_dim: int, next_ids: bool,
-                 soft_topk: int = 0) -> dict[str, np.ndarray]:
-    """A batch of `b` all-padding rows of `length` tokens (pad_id, mask 0, features 0, next ids -1, soft
-    ids and probabilities 0)."""
-    batch = {"tokens": np.full((b, length), pad_id, np.int32), "loss_mask": np.zeros((b, length), np.float32),
-             "features": np.zeros((b, length, feature_dim), BF16)}
-    if next_ids:
-        batch["next_ids"] = np.full((b, length), -1, np.int32)
-    if soft_topk:
-        batch["soft_ids"] = np.zeros((b, length, soft_topk), np.int32)
-        batch["soft_probs"] = np.zeros((b, length, soft_topk), np.float32)
-    return batch
+def _empty_batch(layout: BatchLayout, pad_id: int) -> TrainBatch:
+    """A batch of `layout` whose rows are all padding (pad_id, mask 0, features 0, next ids -1, soft ids and
+    probabilities 0)."""
+    b, length = layout.batch_size, layout.seq_len
+    labels: TargetLabels | SoftLabels | None = None
+    if layout.labels == "target":
+        labels = TargetLabels(next_ids=np.full((b, length), -1, np.int32))
+    elif layout.labels == "soft":
+        labels = SoftLabels(next_ids=np.full((b, length), -1, np.int32),
+                            ids=np.zeros((b, length, layout.soft_topk), np.int32),
+                            probs=np.zeros((b, length, layout.soft_topk), np.float32))
+    return TrainBatch(tokens=np.full((b, length), pad_id, np.int32), loss_mask=np.zeros((b, length), np.float32),
+                      features=np.zeros((b, length, layout.feature_dim), BF16),
+                      segment_ids=np.zeros((b, length), np.int32) if layout.packed else None, labels=labels)
 
 
-def _put(batch: dict[str, np.ndarray], row: int, at: int, sample: Sample, n: int) -> None:
+def _put(batch: TrainBatch, row: int, at: int, sample: Sample, n: int) -> None:
     """Write the first n positions of `sample` into `row` of `batch` from position `at` (one copy of each)."""
-    batch["tokens"][row, at:at + n] = sample.tokens[:n]
-    batch["loss_mask"][row, at:at + n] = sample.loss_mask[:n]
-    batch["features"][row, at:at + n] = sample.features[:n]
-    if "next_ids" in batch:
-        batch["next_ids"][row, at:at + n] = sample.next_ids[:n]
-    if "soft_ids" in batch:
-        batch["soft_ids"][row, at:at + n] = sample.topk_ids[:n]
-        batch["soft_probs"][row, at:at + n] = sample.topk_probs[:n]
+    batch.tokens[row, at:at + n] = sample.tokens[:n]
+    batch.loss_mask[row, at:at + n] = sample.loss_mask[:n]
+    batch.features[row, at:at + n] = sample.features[:n]
+    if batch.labels is not None:
+        batch.labels.next_ids[row, at:at + n] = sample.next_ids[:n]
+    if isinstance(batch.labels, SoftLabels):
+        batch.labels.ids[row, at:at + n] = sample.topk_ids[:n]
+        batch.labels.probs[row, at:at + n] = sample.topk_probs[:n]
 
 
 # ----------------------------------------------------------------------------- packing
@@ -215,23 +215,18 @@ class ReadPacked(grain.transforms.Map):
 
 @dataclasses.dataclass(frozen=True)
 class PackAndStack(grain.transforms.Map):
-    """Packed rows of samples -> the batch dict of `PadAndStack` with rows of `row_len` tokens, plus
-    `segment_ids` int32 [B, row_len]: the conversations of a row laid end to end (each cut to `seq_len`; a
-    row's lengths sum to at most `row_len` by construction), numbered 1, 2, ... in row order, 0 on the
-    padding tail. A bad record (None) leaves no trace in its row and is counted under `bad_records`."""
+    """Packed rows of samples -> (the `TrainBatch` of `layout`, rows of `layout.seq_len` tokens, the number of bad
+    records): the conversations of a row laid end to end (each cut to `seq_len`; a row's lengths sum to at most
+    the row length by construction), with `segment_ids` numbering them 1, 2, ... in row order, 0 on the padding
+    tail. A bad record (None) leaves no trace in its row."""
 
     seq_len: int
-    row_len: int
     pad_id: int
-    feature_dim: int
-    next_ids: bool = False
-    soft_topk: int = 0
+    layout: BatchLayout
 
-    def map(self, rows: list[list[Sample | None]]) -> dict[str, np.ndarray]:
-        b = len(rows)
-        batch = _empty_batch(b, self.row_len, self.pad_id, self.feature_dim, self.next_ids, self.soft_topk)
-        segment_BxS = np.zeros((b, self.row_len), np.int32)
-        bad = 0
+    def map(self, rows: list[list[Sample | None]]) -> Counted:
+        batch = _empty_batch(dataclasses.replace(self.layout, batch_size=len(rows)), self.pad_id)
+        row_len, bad = self.layout.seq_len, 0
         for i, samples in enumerate(rows):
             at, segment = 0, 0
             for sample in samples:
@@ -239,15 +234,13 @@ class PackAndStack(grain.transforms.Map):
                     bad += 1
                     continue
                 n = min(len(sample.tokens), self.seq_len)
-                if at + n > self.row_len:
-                    raise ValueError(f"a packed row must fit in row_len={self.row_len}; received {at + n} tokens")
+                if at + n > row_len:
+                    raise ValueError(f"a packed row must fit in row_len={row_len}; received {at + n} tokens")
                 segment += 1
                 _put(batch, i, at, sample, n)
-                segment_BxS[i, at:at + n] = segment
+                batch.segment_ids[i, at:at + n] = segment
                 at += n
-        batch["segment_ids"] = segment_BxS
-        batch[_BAD] = np.int64(bad)
-        return batch
+        return batch, bad
 
 
 # ----------------------------------------------------------------------------- the iterator
@@ -290,9 +283,9 @@ class OfflineBatches:
     def __iter__(self) -> OfflineBatches:
         return self
 
-    def __next__(self) -> dict[str, np.ndarray]:
-        batch = next(self._iter)
-        self.bad_records += int(batch.pop(_BAD))
+    def __next__(self) -> TrainBatch:
+        batch, bad = next(self._iter)
+        self.bad_records += int(bad)
         self.next_index += 1
         return batch
 
@@ -322,26 +315,24 @@ class OfflineBatches:
 
 def make_offline_batches(
     shard_dir: str | Path,
-    batch_size: int,
+    layout: BatchLayout,
     seed: int,
-    seq_len: int,
     *,
+    seq_len: int | None = None,
     shard_index: int = 0,
     shard_count: int = 1,
     worker_count: int = 0,
     skip_bad_records: bool = False,
     pad_id: int | None = None,
     verify: bool = False,
-    next_ids: bool = False,
-    pack: int = 0,
-    soft_topk: int = 0,
 ) -> OfflineBatches:
-    """An endless iterator of `{"tokens": int32[B, S], "loss_mask": float32[B, S], "features": bfloat16[B, S,
-    F*D]}` batches of `batch_size` rows for this host.
+    """An endless iterator of this host's `TrainBatch`es of `layout` (`layout.batch_size` rows of
+    `layout.seq_len` tokens, the stored features [B, S, F*D] bf16, and the labels and packing `layout` asks for).
 
-    For the same examples in the same order, seed, batch size and sharding, the (tokens, loss_mask) batches
-    are identical to `data.online.make_batches`', and the features are the online features of those rows
-    (bf16) on every real position; padding is `PadAndStack`'s. The chain, each step a named Grain transform:
+    `seq_len` cuts each conversation (default: `layout.seq_len`; below it only for packed rows). For the same
+    examples in the same order, seed, batch size and sharding, the (tokens, loss_mask) batches are identical to
+    `data.online.make_batches`', and the features are the online features of those rows (bf16) on every real
+    position; padding is `PadAndStack`'s. The chain, each step a named Grain transform:
     `MapDataset.range(num_samples)` (global sample indices) -> `.shuffle(seed)` (the permutation online's
     `source(examples).shuffle(seed)` makes) -> `.repeat()` -> `.batch(B * hosts)` (the GLOBAL batch of
     indices) -> `HostRows` (host i keeps rows [i*B, (i+1)*B) and reads only those records) -> `ReadSamples`
@@ -353,23 +344,20 @@ def make_offline_batches(
     `ShardError` naming the shard file and record index, or with `skip_bad_records` becomes a padding row
     counted in `OfflineBatches.bad_records`; a shard that cannot be opened at all, or whose record count
     differs from the manifest, always raises. `pad_id` defaults to the capture's padding id (the
-    manifest's `pad_id`). `next_ids`: batches also hold `"next_ids"` int32 [B, S], the target's greedy
-    token after each position (-1 on padding), for `data.labels: target`; the capture must have stored
-    them (`Manifest.target_labels`). `soft_topk` = k > 0 (`data.labels: soft`, with `next_ids`): batches also
-    hold `"soft_ids"` int32 [B, S, k] and `"soft_probs"` float32 [B, S, k], the target's k most likely next
-    tokens after each position and their probabilities (0 on padding); the capture must have stored exactly
-    that top-k (`Manifest.target_topk`).
+    manifest's `pad_id`). `layout.feature_dim` must be the capture's feature width. Target labels
+    (`layout.labels == "target"`, `data.labels: target`) need a capture that stored the target's greedy next
+    tokens (`Manifest.target_labels`); soft labels (`"soft"`) one that stored exactly its top-`layout.soft_topk`
+    (`Manifest.target_topk`).
 
-    `pack` > 0: rows of `pack` tokens (>= `seq_len`), each holding several whole conversations (each cut to
-    `seq_len`) end to end (`PackedRows`: first-fit decreasing over windows of a per-epoch permutation seeded
-    by `seed`; the sample lengths are read from the record headers once, before the first batch), and batches
-    also hold `"segment_ids"` int32 [B, pack] (1, 2, ... per conversation in the row, 0 on padding) so the
-    trainer keeps each conversation's attention and labels to itself. The chain is then `MapDataset.range`
-    (global batch indices) -> `GlobalRows` -> `HostRows` -> `ReadPacked` -> `PackAndStack`, resumed by
-    slicing as above.
+    Packed rows (`layout.packed`): rows of `layout.seq_len` tokens (the recipe's `data.pack`, >= `seq_len`), each
+    holding several whole conversations (each cut to `seq_len`) end to end (`PackedRows`: first-fit decreasing
+    over windows of a per-epoch permutation seeded by `seed`; the sample lengths are read from the record headers
+    once, before the first batch), numbered by `segment_ids` so the trainer keeps each conversation's attention
+    and labels to itself. The chain is then `MapDataset.range` (global batch indices) -> `GlobalRows` ->
+    `HostRows` -> `ReadPacked` -> `PackAndStack`, resumed by slicing as above.
     """
-    if batch_size <= 0:
-        raise ValueError(f"batch_size must be > 0; received {batch_size}")
+    batch_size = layout.batch_size
+    seq_len = layout.seq_len if seq_len is None else seq_len
     if seq_len <= 0:
         raise ValueError(f"seq_len must be > 0; received {seq_len}")
     if not 0 <= seed < 2**32:
@@ -379,30 +367,36 @@ def make_offline_batches(
                          f"received shard_index={shard_index}, shard_count={shard_count}")
     if worker_count < 0:
         raise ValueError(f"worker_count must be >= 0; received {worker_count}")
+    if layout.packed and layout.seq_len < seq_len:
+        raise ValueError(f"pack must be 0 or a row length >= seq_len={seq_len}; received {layout.seq_len}")
+    if not layout.packed and layout.seq_len != seq_len:
+        raise ValueError(f"seq_len must be the layout's row length {layout.seq_len} for unpacked rows; "
+                         f"received {seq_len}")
     manifest = load_manifest(shard_dir, verify=verify)
     if pad_id is None:
         if manifest.pad_id is None:
             raise ValueError(f"pad_id must be given: the capture in {shard_dir} has no padded row to take it from")
         pad_id = manifest.pad_id
-    if next_ids and not manifest.target_labels:
-        raise ValueError(f"data.labels=target reads the target's labels, which the capture in {shard_dir} does not "
-                         "hold: capture again with data.labels=target (into a new data.dir)")
-    if soft_topk and (not next_ids or manifest.target_topk != soft_topk):
-        raise ValueError(f"data.labels=soft with data.soft_topk={soft_topk} reads the target's top-{soft_topk}, "
-                         f"which the capture in {shard_dir} does not hold (it stores the top-{manifest.target_topk}): "
-                         f"capture again with data.labels=soft data.soft_topk={soft_topk} (into a new data.dir)")
+    if layout.feature_dim != manifest.feature_dim:
+        raise ValueError(f"the batch layout's feature_dim must be the capture's feature width {manifest.feature_dim} "
+                         f"(in {shard_dir}); received {layout.feature_dim}")
+    if layout.labels != "text" and not manifest.target_labels:
+        raise ValueError(f"data.labels={layout.labels} reads the target's labels, which the capture in {shard_dir} "
+                         f"does not hold: capture again with data.labels={layout.labels} (into a new data.dir)")
+    if layout.labels == "soft" and manifest.target_topk != layout.soft_topk:
+        k = layout.soft_topk
+        raise ValueError(f"data.labels=soft with data.soft_topk={k} reads the target's top-{k}, which the capture in "
+                         f"{shard_dir} does not hold (it stores the top-{manifest.target_topk}): capture again with "
+                         f"data.labels=soft data.soft_topk={k} (into a new data.dir)")
     source = RecordSource(shard_dir, manifest)
-    width = manifest.feature_dim
 
-    if pack:
-        if pack < seq_len:
-            raise ValueError(f"pack must be 0 or a row length >= seq_len={seq_len}; received {pack}")
-        rows = PackedRows(np.minimum(source.lengths(progress=True), seq_len), pack, seed)
+    if layout.packed:
+        rows = PackedRows(np.minimum(source.lengths(progress=True), seq_len), layout.seq_len, seed)
         dataset = grain.MapDataset.range(sys.maxsize // (batch_size * shard_count))
         dataset = dataset.map(GlobalRows(rows, batch_size * shard_count))
         dataset = dataset.map(HostRows(shard_index, batch_size))
         dataset = dataset.map(ReadPacked(source, skip_bad_records))
-        dataset = dataset.map(PackAndStack(seq_len, pack, pad_id, width, next_ids, soft_topk))
+        dataset = dataset.map(PackAndStack(seq_len, pad_id, layout))
         return OfflineBatches(dataset, manifest, worker_count)
 
     dataset = grain.MapDataset.range(manifest.num_samples)
@@ -411,7 +405,7 @@ def make_offline_batches(
     dataset = dataset.batch(batch_size * shard_count, drop_remainder=True)
     dataset = dataset.map(HostRows(shard_index, batch_size))
     dataset = dataset.map(ReadSamples(source, skip_bad_records))
-    dataset = dataset.map(PadAndStack(seq_len, pad_id, width, next_ids, soft_topk))
+    dataset = dataset.map(PadAndStack(seq_len, pad_id, layout))
     return OfflineBatches(dataset, manifest, worker_count)
 
 

@@ -1,7 +1,7 @@
 """The online-mode input pipeline: conversations -> fixed-length token rows -> a Grain batch iterator.
 
 Online mode runs the frozen target inside the train step, so a batch is only tokens and the assistant-only
-loss mask (DESIGN §4.2): `{"tokens": int32[B, S], "loss_mask": float32[B, S]}`.
+loss mask (DESIGN §4.2): a `data.batch.TrainBatch` of tokens int32 [B, S] and loss_mask float32 [B, S].
 
     examples -> shuffle(seed) -> repeat -> global batch (B * hosts) -> this host's rows      (`make_batches`)
 
@@ -17,6 +17,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from dflash.data.batch import TrainBatch
 from dflash.data.chat_tokens import tokenize_rows
 from dflash.models.tokenizer import ChatTokenizer
 
@@ -50,12 +51,13 @@ def make_batches(
     shard_index: int = 0,
     shard_count: int = 1,
 ) -> grain.DatasetIterator:
-    """An endless iterator of `{"tokens": int32[B, S], "loss_mask": float32[B, S]}` for this host.
+    """An endless iterator of `TrainBatch(tokens int32 [B, S], loss_mask float32 [B, S])` for this host.
 
     The chain, each step a Grain `MapDataset` transform: `source(examples)` -> `.shuffle(seed)` (a global
     permutation; each epoch a different one) -> `.repeat()` (infinite; element e * n + i is epoch e,
-    position i) -> `.map(_to_features)` -> `.batch(B * shard_count, drop_remainder=True)` (the GLOBAL
-    batch) -> host i keeps its rows [i*B, (i+1)*B) -> `.to_iter_dataset` (synchronous, deterministic).
+    position i) -> `.map(_to_arrays)` -> `.batch(B * shard_count, drop_remainder=True)` (the GLOBAL
+    batch) -> `.map(_to_batch)` -> host i keeps its rows [i*B, (i+1)*B) -> `.to_iter_dataset` (synchronous,
+    deterministic).
     A batch may straddle an epoch boundary (no example is dropped or duplicated within an epoch), and the
     global batch, hence training, is the same whatever the number of hosts.
 
@@ -82,15 +84,21 @@ def make_batches(
     dataset = grain.MapDataset.source(examples)
     dataset = dataset.shuffle(seed=seed)
     dataset = dataset.repeat()
-    dataset = dataset.map(_to_features)
+    dataset = dataset.map(_to_arrays)
     dataset = dataset.batch(batch_size * shard_count, drop_remainder=True)
+    dataset = dataset.map(_to_batch)
     if shard_count > 1:
         rows = slice(shard_index * batch_size, (shard_index + 1) * batch_size)
-        dataset = dataset.map(lambda batch: {k: v[rows] for k, v in batch.items()})
+        dataset = dataset.map(lambda batch: batch.map(lambda x: x[rows]))
     iter_dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
     return iter(iter_dataset)
 
 
-def _to_features(example: tuple[np.ndarray, np.ndarray]) -> dict[str, np.ndarray]:
+def _to_arrays(example: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     tokens_S, loss_mask_S = example
-    return {"tokens": np.asarray(tokens_S, np.int32), "loss_mask": np.asarray(loss_mask_S, np.float32)}
+    return np.asarray(tokens_S, np.int32), np.asarray(loss_mask_S, np.float32)
+
+
+def _to_batch(stacked: tuple[np.ndarray, np.ndarray]) -> TrainBatch:
+    tokens_BxS, loss_mask_BxS = stacked
+    return TrainBatch(tokens=tokens_BxS, loss_mask=loss_mask_BxS)

@@ -238,15 +238,19 @@ def _memory(name: str, compiled: Any, devices: int) -> ProgramMemory:
 
 def abstract_train_inputs(recipe: Any, mesh: Any) -> dict[str, Any]:
     """Everything the train step takes, abstract and sharded on `mesh`: target params (compute dtype,
-    TARGET_RULES), the TrainState (DRAFTER_RULES), one global batch; and the pieces `make_train_step` needs."""
+    TARGET_RULES), the frozen head (the target's, or a training vocabulary's rows), the TrainState
+    (DRAFTER_RULES), one global batch (`TrainBatch.spec` of the recipe's layout); and the pieces
+    `make_train_step` needs."""
     import jax
     import jax.numpy as jnp
 
+    from dflash.data.batch import TrainBatch, batch_layout
     from dflash.models.drafter import resolve_drafter
     from dflash.models.registry import abstract_target_params, known_target
     from dflash.train.loop import drafter_graphdef, make_objective, make_train_optimizer, state_layout
-    from dflash.train.sharding import TARGET_RULES, batch_divisor, batch_sharding, tree_shardings
-    from dflash.train.step import TRAIN_HEAD, TRAIN_LABEL_MAP
+    from dflash.train.objective import TrainHead
+    from dflash.train.sharding import TARGET_RULES, batch_divisor, batch_sharding, head_rules, tree_shardings
+    from dflash.train.step import train_head
 
     cfg = recipe.train
     known = known_target(recipe.target.source)
@@ -258,33 +262,25 @@ def abstract_train_inputs(recipe: Any, mesh: Any) -> dict[str, Any]:
     target = abstract_target_params(known.cfg, compute)
     if cfg.head_vocab:
         v = min(cfg.head_vocab, known.cfg.vocab_size)
-        target = {**target, TRAIN_HEAD: jax.ShapeDtypeStruct((v, known.cfg.hidden_size), compute),
-                  TRAIN_LABEL_MAP: jax.ShapeDtypeStruct((known.cfg.vocab_size,), jnp.int32)}
+        head = TrainHead(matrix=jax.ShapeDtypeStruct((v, known.cfg.hidden_size), compute),
+                         label_map=jax.ShapeDtypeStruct((known.cfg.vocab_size,), jnp.int32), vocab_major=True)
+    else:
+        head = train_head(target, known.cfg)
 
     def with_shardings(tree: Any, shardings: Any) -> Any:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
     target = with_shardings(target, tree_shardings(target, TARGET_RULES, mesh))
+    head = with_shardings(head, tree_shardings(head, head_rules(head.vocab_major), mesh))
     optimizer = make_train_optimizer(cfg)
     state, state_shardings = state_layout(cfg.seed, arch, optimizer, mesh)
     state = with_shardings(state, state_shardings)
-    b, s = cfg.batch_size, recipe.data.pack or recipe.data.seq_len  # a packed row holds `data.pack` tokens
-    batch = {"tokens": jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=batch_sharding(mesh, 2)),
-             "loss_mask": jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=batch_sharding(mesh, 2))}
-    if recipe.data.pack:
-        batch["segment_ids"] = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=batch_sharding(mesh, 2))
-    if recipe.data.labels != "text":  # the target's labels (and with `soft` its top-k), stored at capture
-        batch["next_ids"] = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=batch_sharding(mesh, 2))
-    if recipe.data.labels == "soft":
-        t = recipe.data.soft_topk
-        batch["soft_ids"] = jax.ShapeDtypeStruct((b, s, t), jnp.int32, sharding=batch_sharding(mesh, 3))
-        batch["soft_probs"] = jax.ShapeDtypeStruct((b, s, t), jnp.float32, sharding=batch_sharding(mesh, 3))
-    if recipe.data.features == "offline":
-        batch["features"] = jax.ShapeDtypeStruct((b, s, arch.num_features * arch.hidden_size), jnp.bfloat16,
-                                                 sharding=batch_sharding(mesh, 3))
-    return {"known": known, "arch": arch, "target": target, "state": state, "state_shardings": state_shardings,
-            "batch": batch, "optimizer": optimizer, "graphdef": drafter_graphdef(arch, compute),
-            "objective": make_objective(cfg, arch), "compute_dtype": compute}
+    layout = batch_layout(recipe.data, cfg.batch_size, arch.num_features * arch.hidden_size)
+    batch = TrainBatch.spec(layout, lambda ndim: batch_sharding(mesh, ndim))
+    return {"known": known, "arch": arch, "target": target, "head": head, "state": state,
+            "state_shardings": state_shardings, "batch": batch, "optimizer": optimizer,
+            "graphdef": drafter_graphdef(arch, compute), "objective": make_objective(cfg, arch),
+            "compute_dtype": compute}
 
 
 def jaxpr_flops(jaxpr: Any) -> float:
@@ -323,7 +319,8 @@ def train_step_flops(recipe: Any, ins: dict[str, Any]) -> float:
     body = partial(train_step, graphdef=ins["graphdef"], target_cfg=ins["known"].cfg, arch=ins["arch"],
                    num_anchors=recipe.train.num_anchors, objective=ins["objective"], optimizer=ins["optimizer"],
                    compute_dtype=ins["compute_dtype"])
-    bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (ins["state"], ins["batch"], ins["target"]))
+    bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        (ins["state"], ins["batch"], ins["target"], ins["head"]))
     return jaxpr_flops(jax.make_jaxpr(body)(*bare).jaxpr)  # global shapes: the whole batch's FLOPs
 
 
@@ -332,12 +329,12 @@ def compile_train_step(recipe: Any, mesh: Any) -> tuple[ProgramMemory, dict[str,
     from dflash.train.step import make_train_step
 
     ins = abstract_train_inputs(recipe, mesh)
-    step = make_train_step(graphdef=ins["graphdef"], target_params=ins["target"], target_cfg=ins["known"].cfg,
-                           arch=ins["arch"], num_anchors=recipe.train.num_anchors, objective=ins["objective"],
-                           optimizer=ins["optimizer"], compute_dtype=ins["compute_dtype"],
+    step = make_train_step(graphdef=ins["graphdef"], target_params=ins["target"], head=ins["head"],
+                           target_cfg=ins["known"].cfg, arch=ins["arch"], num_anchors=recipe.train.num_anchors,
+                           objective=ins["objective"], optimizer=ins["optimizer"], compute_dtype=ins["compute_dtype"],
                            state_shardings=ins["state_shardings"])
     lowered = step.lower(ins["state"], ins["batch"])
-    args = (ins["state"], ins["batch"], ins["target"])
+    args = (ins["state"], ins["batch"], ins["target"], ins["head"])
     return _compile("train_step", lowered, mesh.devices.size, args), ins
 
 

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from dflash.configs.recipe import Recipe
 from dflash.configs.schema import ConfigError, require, to_dict
+from dflash.data.batch import TrainBatch, batch_layout
 from dflash.data.config import DataConfig
 from dflash.data.examples import build_examples, training_vocab
 from dflash.data.offline import make_offline_batches
@@ -37,12 +38,13 @@ from dflash.models.target import Target, load_target
 from dflash.train.checkpoint import Checkpointer
 from dflash.train.config import TrainConfig
 from dflash.train.metrics import MetricsWriter, check_finite, read_metrics
-from dflash.train.objective import Objective, default_gamma
+from dflash.train.objective import Objective, TrainHead, default_gamma
 from dflash.train.real_eval import RealTauEval
 from dflash.train.sharding import (
     DRAFTER_RULES,
     TARGET_RULES,
     batch_divisor,
+    head_rules,
     make_mesh,
     place,
     shard_batch,
@@ -55,7 +57,7 @@ from dflash.train.step import (
     make_eval_step,
     make_optimizer,
     make_train_step,
-    with_train_vocab,
+    train_head,
 )
 
 log = logging.getLogger(__name__)
@@ -82,11 +84,13 @@ class TrainResult:
 @dataclasses.dataclass(frozen=True)
 class TrainRun:
     """What a run trains against (`build_run`): the frozen target with its params cast to the compute dtype
-    and placed by TARGET_RULES, the drafter's architecture and graph, the optimizer, the loss decay gamma,
-    this host's batch iterator and the fingerprint of its data (checked on resume)."""
+    and placed by TARGET_RULES, the frozen head the loss runs through (the target's, or a training vocabulary's
+    rows), the drafter's architecture and graph, the optimizer, the loss, this host's batch iterator and the
+    fingerprint of its data (checked on resume)."""
 
     target: Target
     target_params: Any
+    head: TrainHead
     arch: DrafterArch
     mesh: Mesh
     optimizer: optax.GradientTransformation
@@ -154,19 +158,19 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
     require(cfg.batch_size % jax.process_count() == 0, "train.batch_size", cfg.batch_size,
             f"be a multiple of the process count {jax.process_count()}")
     compute_dtype = jnp.dtype(cfg.compute_dtype)
-    target_params = cast_floats(target.params, compute_dtype)
+    target_params = place(cast_floats(target.params, compute_dtype), TARGET_RULES, mesh)
     examples = build_examples(data, target.tokenizer) if cfg.head_vocab or data.features == "online" else None
-    vocab = None
+    vocab, ids = None, None
     if cfg.head_vocab:
         ids = training_vocab(examples[0], min(cfg.head_vocab, target.cfg.vocab_size), target.cfg.vocab_size,
                              tuple(target.tokenizer.stop_token_ids))
-        target_params = with_train_vocab(target_params, target.cfg, ids)
         vocab = DraftVocab(np.asarray(ids)) if len(ids) < target.cfg.vocab_size else None
         log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
-    target_params = place(target_params, TARGET_RULES, mesh)
+    head = train_head(target_params, target.cfg, ids)
+    head = place(head, head_rules(head.vocab_major), mesh)
     curriculum_phases(cfg, arch)  # a bad K curriculum fails before any data is read
     batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples)
-    return TrainRun(target=target, target_params=target_params, arch=arch, mesh=mesh,
+    return TrainRun(target=target, target_params=target_params, head=head, arch=arch, mesh=mesh,
                     optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),
                     objective=make_objective(cfg, arch), compute_dtype=compute_dtype,
                     batches=batches, data_fingerprint=data_fingerprint, draft_vocab=vocab)
@@ -196,11 +200,10 @@ def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_ho
                    hidden_size=target.cfg.hidden_size, seq_len=data.seq_len,
                    target_labels=True if data.labels != "text" else None,
                    target_topk=data.soft_topk if data.labels == "soft" else None)
-    batches = make_offline_batches(shard_dir, per_host, data.shuffle_seed, data.seq_len,
+    layout = batch_layout(data, per_host, arch.num_features * arch.hidden_size)
+    batches = make_offline_batches(shard_dir, layout, data.shuffle_seed, seq_len=data.seq_len,
                                    shard_index=jax.process_index(), shard_count=jax.process_count(),
-                                   worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records,
-                                   next_ids=data.labels != "text", pack=data.pack,
-                                   soft_topk=data.soft_topk if data.labels == "soft" else 0)
+                                   worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records)
     log.info("offline features: %d samples, %d tokens in %d shards under %s (%.0f bytes/token)",
              manifest.num_samples, manifest.total_tokens, manifest.num_shards, shard_dir, manifest.bytes_per_token)
     labels = {"text": "", "target": ":target-labels", "soft": f":soft-labels-{data.soft_topk}"}[data.labels]
@@ -371,8 +374,8 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
     for phase in curriculum_phases(cfg, run.arch):
         if phase.last <= start:
             continue  # resumed past this phase
-        step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
-                                  arch=phase.arch, num_anchors=cfg.num_anchors,
+        step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, head=run.head,
+                                  target_cfg=run.target.cfg, arch=phase.arch, num_anchors=cfg.num_anchors,
                                   objective=make_objective(cfg, phase.arch), optimizer=run.optimizer,
                                   compute_dtype=run.compute_dtype, state_shardings=shardings)
         if cfg.curriculum_block_size:
@@ -460,13 +463,12 @@ def _host(tree: Any) -> dict[str, Any]:
     return out
 
 
-def _next_batch(batches: Any, count: int) -> dict[str, np.ndarray]:
+def _next_batch(batches: Any, count: int) -> TrainBatch:
     """The loader's next batch, or its next `count` batches concatenated row-wise (a K curriculum's first
     phase)."""
     if count == 1:
         return next(batches)
-    parts = [next(batches) for _ in range(count)]
-    return {key: np.concatenate([np.asarray(p[key]) for p in parts]) for key in parts[0]}
+    return TrainBatch.concat([next(batches) for _ in range(count)])
 
 
 def _iterator_state(batches: Any) -> dict[str, Any]:
@@ -487,11 +489,11 @@ def evaluate(data: DataConfig, num_anchors: int, run: TrainRun, params: Any) -> 
     rows = len(examples) // unit * unit // jax.process_count()
     if rows == 0:
         return {}
-    eval_step = make_eval_step(graphdef=run.graphdef, target_params=run.target_params, target_cfg=run.target.cfg,
-                               arch=run.arch, num_anchors=num_anchors, objective=run.objective,
-                               compute_dtype=run.compute_dtype)
+    eval_step = make_eval_step(graphdef=run.graphdef, target_params=run.target_params, head=run.head,
+                               target_cfg=run.target.cfg, arch=run.arch, num_anchors=num_anchors,
+                               objective=run.objective, compute_dtype=run.compute_dtype)
     mine = examples[jax.process_index() * rows:(jax.process_index() + 1) * rows]
-    batch = {"tokens": np.stack([t for t, _, _ in mine]), "loss_mask": np.stack([m for _, m, _ in mine])}
+    batch = TrainBatch(tokens=np.stack([t for t, _, _ in mine]), loss_mask=np.stack([m for _, m, _ in mine]))
     return _host(eval_step(params, shard_batch(batch, run.mesh), jax.random.PRNGKey(1234)))
 
 

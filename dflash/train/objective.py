@@ -1,7 +1,9 @@
 """The DFlash training objective (DESIGN §4.2) as plain, jit-friendly functions (static N and K, no
-data-dependent shapes): anchors (`sample_anchors`), same-position blocks (`Blocks`: which logit predicts
-which token), the attention visibility contract (`visible`: which key each query may see) and the
-decay-weighted loss (`dflash_loss`).
+data-dependent shapes): anchors (`sample_anchors`), same-position blocks (`build_blocks` -> `Blocks`: which
+logit predicts which token), the attention visibility contract (`visible`, the dense statement of which key each
+query may see; training uses `models.drafter.BlockVisibility`, tested equal to it), and the loss the train step
+runs: `head_loss`, the frozen LM head (`TrainHead`) and a weighted cross-entropy in chunks of rows, with the
+decay weights of the paper or D-PACE's (`Objective`).
 
 Dimension alphabet: B batch, S sequence, K block, N anchors, Q = N*K block queries, V vocab.
 """
@@ -15,6 +17,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dflash.data.batch import SoftLabels, TrainBatch
 
 # Paper values (DESIGN §4.2): block size K -> decay gamma.
 PAPER_GAMMA: dict[int, float] = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -104,28 +108,31 @@ class Blocks:
     soft_probs: jax.Array | None = None
 
 
-def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Array, keep_N: jax.Array,
-                 block_size: int, mask_token_id: int | jax.Array, next_ids_S: jax.Array | None = None,
-                 segment_S: jax.Array | None = None, soft: tuple[jax.Array, jax.Array] | None = None) -> Blocks:
-    """Build the N blocks of one sequence (contract in `Blocks`).
+def build_blocks(row: TrainBatch, anchors_N: jax.Array, keep_N: jax.Array, block_size: int,
+                 mask_token_id: int | jax.Array) -> Blocks:
+    """Build the N blocks of one sequence (contract in `Blocks`) from `row`, a `TrainBatch` of one row (every
+    field without its leading B; `row.features` is not read).
 
     Labels are SAME-POSITION: slot k of the block at anchor a is labelled with tokens[a + k].
 
-    next_ids_S (target labels, `data.labels: target`): the target's own greedy choice after each position
-    (next_ids[p] follows tokens[:p+1]; -1 where unknown). Then slot k is labelled with next_ids[a + k - 1],
-    the token the target itself would emit there, and only while the text inside the block agrees with the
-    target (tokens[a + j] == next_ids[a + j - 1] for 1 <= j < k): past the first disagreement the target's
-    own continuation is unknown. On the target's own greedy answers this gives the text's labels; on
-    reference answers every anchor still has its slot-1 label (the target's next token), which is exactly
-    what speculative decoding must predict.
+    Target labels (`row.labels` a `TargetLabels`, `data.labels: target`): next_ids[p] is the target's own greedy
+    choice after position p (-1 where unknown). Then slot k is labelled with next_ids[a + k - 1], the token the
+    target itself would emit there, and only while the text inside the block agrees with the target
+    (tokens[a + j] == next_ids[a + j - 1] for 1 <= j < k): past the first disagreement the target's own
+    continuation is unknown. On the target's own greedy answers this gives the text's labels; on reference
+    answers every anchor still has its slot-1 label (the target's next token), which is exactly what
+    speculative decoding must predict.
 
-    segment_S (packed rows, `data.pack`): the conversation of each position; a slot whose position belongs
-    to another conversation than its anchor's is not labelled (a block never runs into the next one).
+    Packed rows (`row.segment_ids`, `data.pack`): a slot whose position belongs to another conversation than its
+    anchor's is not labelled (a block never runs into the next one).
 
-    soft (soft labels, `data.labels: soft`, with next_ids_S): (ids int32 [S, T], probs [S, T]), the target's T
-    most likely tokens after each position and their probabilities; slot k then also carries those stored
-    at a + k - 1 (the distribution its hard label is the argmax of), zeroed where it is not labelled.
+    Soft labels (`row.labels` a `SoftLabels`, `data.labels: soft`): the target's T most likely tokens after each
+    position ([S, T] ids and probabilities) besides its argmax (next_ids, read as target labels); slot k then
+    also carries those stored at a + k - 1 (the distribution its hard label is the argmax of), zeroed where it
+    is not labelled.
     """
+    tokens_S, loss_mask_S, segment_S = row.tokens, row.loss_mask, row.segment_ids
+    next_ids_S = row.next_ids
     K = block_size
     S = tokens_S.shape[0]
     N = anchors_N.shape[0]
@@ -157,11 +164,11 @@ def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Arr
         return jnp.broadcast_to(x_NxK, (N, K)).reshape(N * K).astype(x_NxK.dtype)
 
     soft_ids = soft_probs = None
-    if soft is not None:
+    if isinstance(row.labels, SoftLabels):
         at_NxK = jnp.clip(pos_NxK - 1, 0, S - 1)
         on_NxKx1 = (label_mask_NxK > 0)[..., None]
-        soft_ids = jnp.where(on_NxKx1, jnp.asarray(soft[0], jnp.int32)[at_NxK], 0).reshape(N * K, -1)
-        soft_probs = jnp.where(on_NxKx1, jnp.asarray(soft[1], jnp.float32)[at_NxK], 0.0).reshape(N * K, -1)
+        soft_ids = jnp.where(on_NxKx1, jnp.asarray(row.labels.ids, jnp.int32)[at_NxK], 0).reshape(N * K, -1)
+        soft_probs = jnp.where(on_NxKx1, jnp.asarray(row.labels.probs, jnp.float32)[at_NxK], 0.0).reshape(N * K, -1)
 
     return Blocks(
         block_ids=flat(ids_NxK.astype(jnp.int32)),
@@ -176,14 +183,11 @@ def build_blocks(tokens_S: jax.Array, loss_mask_S: jax.Array, anchors_N: jax.Arr
     )
 
 
-def build_blocks_batch(tokens_BxS: jax.Array, loss_mask_BxS: jax.Array, anchors_BxN: jax.Array,
-                       keep_BxN: jax.Array, block_size: int, mask_token_id: int | jax.Array,
-                       next_ids_BxS: jax.Array | None = None, segment_BxS: jax.Array | None = None,
-                       soft_BxS: tuple[jax.Array, jax.Array] | None = None) -> Blocks:
-    """`build_blocks` per row; every field gains a leading B."""
-    fn = lambda t, m, a, k, n, g, f: build_blocks(t, m, a, k, block_size, mask_token_id, n, g, f)
-    return jax.vmap(fn)(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, next_ids_BxS,
-                        segment_BxS, soft_BxS)  # None: no leaves to map
+def build_blocks_batch(batch: TrainBatch, anchors_BxN: jax.Array, keep_BxN: jax.Array, block_size: int,
+                       mask_token_id: int | jax.Array) -> Blocks:
+    """`build_blocks` per row of `batch`; every field gains a leading B."""
+    rows = dataclasses.replace(batch, features=None)  # the features are not read
+    return jax.vmap(lambda row, a, k: build_blocks(row, a, k, block_size, mask_token_id))(rows, anchors_BxN, keep_BxN)
 
 
 # ----------------------------------------------------------------------------- attention visibility
@@ -291,10 +295,12 @@ def _check_blocks(Q: int, K: int) -> None:
         raise ValueError(f"queries Q must be a multiple of block_size K; received Q={Q}, K={K}")
 
 
-def dflash_loss(logits_BxQxV: jax.Array, labels_BxQ: jax.Array, label_mask_BxQ: jax.Array,
+def dense_loss(logits_BxQxV: jax.Array, labels_BxQ: jax.Array, label_mask_BxQ: jax.Array,
                 k_index_BxQ: jax.Array, block_size: int, gamma: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Decay-weighted cross-entropy over the full vocab from materialised logits, in fp32: the dense
-    reference of `head_loss` (which the train step uses), and the teacher-forced metrics.
+    """REFERENCE, not used by training (the step runs `head_loss`): the decay-weighted cross-entropy over the full
+    vocab from materialised [B, Q, V] logits, in fp32, and the teacher-forced metrics. The tests hold
+    `head_loss` against it (value, gradient, metrics), and benchmarks/train_step_variants.py times it as the
+    dense baseline.
 
     loss = sum_q w_{k(q)} m_q CE_q / sum_q w_{k(q)} m_q (0 when nothing is labelled), where
     CE_q = -log_softmax(logits_q)[label_q] and m = label_mask. Queries must be laid out as N blocks of
@@ -511,44 +517,59 @@ def dpace_weights(nll_BxNxJ: jax.Array, mask_BxNxJ: jax.Array, alpha: float) -> 
     return jax.lax.stop_gradient(suffix * mask_BxNxJ)
 
 
-def head_loss(hidden_BxQxD: jax.Array, head: jax.Array, labels_BxQ: jax.Array, label_mask_BxQ: jax.Array,
-              block_size: int, objective: Objective, *, vocab_major: bool, label_map: jax.Array | None = None,
-              soft: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The weighted CE of `objective` from the drafter's normed hidden states and the frozen LM head `head`
-    ([V, D] when `vocab_major`, else [D, V]), without materialising [B, Q, V] logits:
-    loss = sum_q w_q m_q CE_q / sum_q w_q m_q.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainHead:
+    """The frozen LM head the training loss runs through (an argument of the step, traced, never trained).
+
+    matrix:      [V', D] when `vocab_major` (a tied embedding, or a training vocabulary's rows) else [D, V]
+    label_map:   int32 [V] or None: with a training vocabulary (`train.head_vocab`) token -> its row of `matrix`,
+                 -1 for a token outside it (left out of the loss and the metrics); None: the full vocabulary
+    vocab_major: static; the layout of `matrix`
+    """
+
+    matrix: jax.Array
+    label_map: jax.Array | None = None
+    vocab_major: bool = dataclasses.field(default=True, metadata={"static": True})
+
+
+def head_loss(hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks, block_size: int,
+              objective: Objective) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The weighted CE of `objective` from the drafter's normed hidden states through the frozen LM head `head`,
+    without materialising [B, Q, V] logits: loss = sum_q w_q m_q CE_q / sum_q w_q m_q, with the labels and the
+    label mask m of `blocks`.
 
     Slot 0 of each block (the anchor, never labelled) is skipped before the head, so the head runs on
     B*N*(K-1) rows, `objective.head_chunk` rows at a time; see `head_nll`. With `decay`, the same loss,
-    gradient and metrics as `dflash_loss(head logits, ...)` (tests/test_objective.py).
+    gradient and metrics as the dense reference (full [B, Q, V] logits, tests/reference.py) in fp32.
 
-    `label_map` (int32 [V]) trains over a vocabulary subset: `head` then holds the subset's rows and
-    label_map[token] is the token's row in it, or -1 (that label is left out of the loss and the metrics).
+    With a training vocabulary (`head.label_map`), the softmax runs over the subset's rows; a label outside it is
+    left out of the loss and the metrics.
 
-    `soft` (ids int32 [B, Q, T], probs [B, Q, T]: `Blocks.soft_ids`, `Blocks.soft_probs`): CE_q is then the
-    cross-entropy against the target's top-T distribution at q, renormalised over the tokens the head holds
-    (`head_soft_ce`; a slot none of whose T tokens it holds is left out), instead of against label_q alone;
-    the weights (D-PACE's confidences) and the metrics still read label_q, the distribution's argmax.
+    With soft labels (`blocks.soft_ids` / `blocks.soft_probs` [B, Q, T]), CE_q is the cross-entropy against the
+    target's top-T distribution at q, renormalised over the tokens the head holds (`head_soft_ce`; a slot none of
+    whose T tokens it holds is left out), instead of against label_q alone; the weights (D-PACE's confidences) and
+    the metrics still read label_q, the distribution's argmax.
     """
     B, Q, D = hidden_BxQxD.shape
     K = block_size
     _check_blocks(Q, K)
-    vocab = head.shape[0] if vocab_major else head.shape[1]
+    matrix, label_map, vocab_major = jax.lax.stop_gradient(head.matrix), head.label_map, head.vocab_major
+    vocab = matrix.shape[0] if vocab_major else matrix.shape[1]
     rows = lambda x: x.reshape(B, Q // K, K, *x.shape[2:])[:, :, 1:].reshape(-1, *x.shape[2:])  # noqa: E731
-    labels_BxQ = jnp.asarray(labels_BxQ, jnp.int32)
-    mask_BxQ = jnp.asarray(label_mask_BxQ, jnp.float32)
+    labels_BxQ = jnp.asarray(blocks.labels, jnp.int32)
+    mask_BxQ = jnp.asarray(blocks.label_mask, jnp.float32)
     if label_map is not None:
         labels_BxQ = jnp.asarray(label_map, jnp.int32)[labels_BxQ]
         mask_BxQ = mask_BxQ * (labels_BxQ >= 0)
         labels_BxQ = jnp.maximum(labels_BxQ, 0)
     chunk = objective.head_chunk or auto_head_chunk(vocab)
-    if soft is None:
-        nll_T, hit_T = head_nll(rows(hidden_BxQxD), jax.lax.stop_gradient(head), rows(labels_BxQ), vocab_major,
-                                chunk)
+    if blocks.soft_ids is None:
+        nll_T, hit_T = head_nll(rows(hidden_BxQxD), matrix, rows(labels_BxQ), vocab_major, chunk)
         ce_T = nll_T
     else:
-        ids_BxQxT = jnp.asarray(soft[0], jnp.int32)
-        probs_BxQxT = jnp.asarray(soft[1], jnp.float32)
+        ids_BxQxT = jnp.asarray(blocks.soft_ids, jnp.int32)
+        probs_BxQxT = jnp.asarray(blocks.soft_probs, jnp.float32)
         if label_map is not None:
             ids_BxQxT = jnp.asarray(label_map, jnp.int32)[ids_BxQxT]
             probs_BxQxT = jnp.where(ids_BxQxT >= 0, probs_BxQxT, 0.0)
@@ -556,8 +577,8 @@ def head_loss(hidden_BxQxD: jax.Array, head: jax.Array, labels_BxQ: jax.Array, l
         mass_BxQ = jnp.sum(probs_BxQxT, axis=-1)
         mask_BxQ = mask_BxQ * (mass_BxQ > 0)
         probs_BxQxT = probs_BxQxT * (mask_BxQ / jnp.maximum(mass_BxQ, 1e-20))[..., None]
-        ce_T, nll_T, hit_T = head_soft_ce(rows(hidden_BxQxD), jax.lax.stop_gradient(head), rows(labels_BxQ),
-                                          rows(ids_BxQxT), rows(probs_BxQxT), vocab_major, chunk)
+        ce_T, nll_T, hit_T = head_soft_ce(rows(hidden_BxQxD), matrix, rows(labels_BxQ), rows(ids_BxQxT),
+                                          rows(probs_BxQxT), vocab_major, chunk)
     k_BxQ = jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32) % K, (B, Q))
     if objective.kind == "dpace":
         m_BxNxJ = rows(mask_BxQ).reshape(B, Q // K, K - 1)
@@ -575,6 +596,7 @@ __all__ = [
     "PAPER_GAMMA",
     "Blocks",
     "Objective",
+    "TrainHead",
     "dpace_weights",
     "auto_head_chunk",
     "block_metrics",
@@ -582,7 +604,7 @@ __all__ = [
     "build_blocks_batch",
     "decay_weights",
     "default_gamma",
-    "dflash_loss",
+    "dense_loss",
     "head_loss",
     "head_nll",
     "head_soft_ce",

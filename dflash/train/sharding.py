@@ -43,12 +43,19 @@ DRAFTER_RULES: tuple[Rule, ...] = (
 TARGET_RULES: tuple[Rule, ...] = (
     (r"^embed$", ("tensor", "fsdp")),                                     # [V, D]
     (r"^lm_head$", ("fsdp", "tensor")),                                   # [D, V]
-    (r"^train_head$", ("tensor", "fsdp")),                                # [V', D] (train.head_vocab)
     (r"^layers/(wq|wk|wv|w_gate|w_up)$", (None, "fsdp", "tensor")),       # [L, D, heads | mlp]
     (r"^layers/(wo|w_down)$", (None, "tensor", "fsdp")),                  # [L, heads | mlp, D]
     (r"^layers/b[qkv]$", (None, "tensor")),                               # [L, heads]
     (r".", ()),
 )
+
+
+
+
+def head_rules(vocab_major: bool) -> tuple[Rule, ...]:
+    """Rules of the training loss's frozen head (`train.objective.TrainHead`): its matrix as the target's embedding
+    ([V, D], or a training vocabulary's [V', D] rows) or LM head ([D, V]) is laid out; its label map replicated."""
+    return ((r"^matrix$", ("tensor", "fsdp") if vocab_major else ("fsdp", "tensor")), (r".", ()))
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
@@ -117,10 +124,11 @@ def batch_divisor(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """Global arrays from this process's rows of the batch (`jax.make_array_from_process_local_data`)."""
-    return {k: jax.make_array_from_process_local_data(batch_sharding(mesh, np.ndim(v)), np.asarray(v))
-            for k, v in batch.items()}
+def shard_batch(batch: Any, mesh: Mesh) -> Any:
+    """Global arrays from this process's rows of the batch (a `data.batch.TrainBatch` of host arrays, or any pytree
+    of them), the rows split over (data, fsdp) (`jax.make_array_from_process_local_data`)."""
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(batch_sharding(mesh, np.ndim(x)),
+                                                                         np.asarray(x)), batch)
 
 
 def place(tree: Any, rules: Sequence[Rule], mesh: Mesh) -> Any:
@@ -135,6 +143,7 @@ __all__ = [
     "TARGET_RULES",
     "batch_divisor",
     "batch_sharding",
+    "head_rules",
     "make_mesh",
     "mesh_shape",
     "path_str",

@@ -1,16 +1,20 @@
-"""One DFlash training step (DESIGN §4.2): `train_step` is a module-level pure function, `make_train_step`
-jits it once with the state donated.
+"""One DFlash training step (DESIGN §4.2): `train_step(state, batch, target_params, head)` is a module-level pure
+function over a typed batch (`data.batch.TrainBatch`); `make_train_step` jits it once with the state and the batch
+donated.
 
-    anchors -> blocks -> target features and block embeddings (no gradient) -> drafter -> target LM head -> loss
+    anchors -> blocks -> target features and block embeddings (no gradient) -> drafter -> frozen LM head -> loss
 
-Only the drafter's parameters are differentiated and updated; the frozen target is a traced argument of
-the step, never part of the state. Design: docs/decisions.md D9, D10.
+Only the drafter's parameters are differentiated and updated; the frozen target and its LM head (`TrainHead`:
+the full vocabulary or a training vocabulary's rows) are traced arguments of the step, never part of the state.
+Design: docs/decisions.md D9, D10, D39.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -19,12 +23,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dflash.data.batch import TrainBatch
 from dflash.models.config import DecoderConfig
 from dflash.models.decoder import Params, embed, head_matrix
 from dflash.models.drafter import BlockVisibility, DFlashDrafter, DrafterArch, draft_head_rows, online_features
 from dflash.train.objective import (
     Blocks,
     Objective,
+    TrainHead,
     build_blocks_batch,
     head_loss,
     noisy_features,
@@ -32,8 +38,6 @@ from dflash.train.objective import (
 )
 
 Metrics = dict[str, jax.Array]
-Batch = dict[str, jax.Array]
-
 
 # ----------------------------------------------------------------------------- state and optimizer
 
@@ -110,22 +114,41 @@ def init_state(params: nnx.State, optimizer: optax.GradientTransformation, rng: 
     return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), rng=rng)
 
 
-# ----------------------------------------------------------------------------- training vocabulary
 
-TRAIN_HEAD, TRAIN_LABEL_MAP = "train_head", "train_label_map"
+# ----------------------------------------------------------------------------- the frozen head
 
 
-def with_train_vocab(target_params: Params, target_cfg: DecoderConfig, token_ids: Any) -> Params:
-    """`target_params` plus the LM head restricted to `token_ids` ([V', D], vocab-major) and the label map
-    token -> row (-1 outside): the step's loss then runs its softmax over those V' tokens only
-    (`train.head_vocab`, docs/decisions.md D19); the served drafter proposes over the same rows (D24)."""
+def train_head(target_params: Params, target_cfg: DecoderConfig, token_ids: Any = None) -> TrainHead:
+    """The LM head the loss runs through: the target's own (the full vocabulary; the same arrays as
+    `target_params`'), or with `token_ids` a training vocabulary (`train.head_vocab`, docs/decisions.md D19): its
+    rows of the head ([V', D], vocab-major) and the label map token -> row (-1 outside), so the softmax runs over
+    those V' tokens only; the served drafter proposes over the same rows (D24)."""
+    if token_ids is None:
+        matrix, vocab_major = head_matrix(target_params, target_cfg)
+        return TrainHead(matrix=matrix, vocab_major=vocab_major)
     ids = jnp.asarray(token_ids, jnp.int32)
-    rows = draft_head_rows(target_params, target_cfg, ids)
     label_map = jnp.full((target_cfg.vocab_size,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
-    return {**target_params, TRAIN_HEAD: rows, TRAIN_LABEL_MAP: label_map}
+    return TrainHead(matrix=draft_head_rows(target_params, target_cfg, ids), label_map=label_map, vocab_major=True)
 
 
-# ----------------------------------------------------------------------------- loss from explicit inputs
+# ----------------------------------------------------------------------------- the loss from explicit inputs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """What the drafter's loss reads, made from a batch by `block_inputs` (no gradient flows into any of it).
+
+    blocks:       the N blocks of K slots of each row (`train.objective.Blocks`, [B, Q] fields)
+    embeds_BxQxD: the target's embeddings of the block ids
+    feats_BxSxFD: the target's features at the drafter's layer ids (the context)
+    segment_ids:  int32 [B, S] of packed rows (each block sees only its own conversation), or None
+    """
+
+    blocks: Blocks
+    embeds_BxQxD: jax.Array
+    feats_BxSxFD: jax.Array
+    segment_ids: jax.Array | None = None
 
 
 def previous_ids(blocks: Blocks, block_size: int) -> jax.Array:
@@ -139,36 +162,29 @@ def previous_ids(blocks: Blocks, block_size: int) -> jax.Array:
     return jnp.concatenate([anchor, anchor, labels_BxNxK[..., 1:-1]], axis=-1).reshape(b, -1).astype(jnp.int32)
 
 
-
-def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
-                 block_embeds_BxQxD: jax.Array, blocks: Blocks, ctx_feats_BxSxFD: jax.Array, block_size: int,
-                 objective: Objective, segment_BxS: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
+def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, inputs: StepInputs, head: TrainHead,
+                 target_params: Params, block_size: int, objective: Objective) -> tuple[jax.Array, Metrics]:
     """DFlash loss of the drafter on explicit inputs (so gradients w.r.t. embeds and features exist).
 
     Context positions are 0..S-1 and every context token is valid; `BlockVisibility.from_anchors` gives
     block j the context keys s < a_j and its own block's keys only (block-local attention, no dense
-    Q x (S+Q) mask); with `segment_BxS` (packed rows) only those of a_j's own conversation. Positions stay
+    Q x (S+Q) mask); with `inputs.segment_ids` (packed rows) only those of a_j's own conversation. Positions stay
     the row's: RoPE sees only differences, which are the same within a conversation wherever it sits. The
-    frozen target head and the CE run in chunks (`head_loss`), in the dtype of the drafter's output (the
-    compute dtype) with fp32 accumulation and softmax.
+    frozen head and the CE run in chunks (`head_loss`), in the dtype of the drafter's output (the compute dtype)
+    with fp32 accumulation and softmax. `target_params` is read only for the Markov head's token embeddings.
     Returns (loss, head_loss metrics).
     """
-    b, s, _ = ctx_feats_BxSxFD.shape
+    blocks, feats_BxSxFD = inputs.blocks, inputs.feats_BxSxFD
+    b, s, _ = feats_BxSxFD.shape
     drafter = nnx.merge(graphdef, params)
     ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     anchor_BxN = blocks.anchor_of_query.reshape(b, -1, block_size)[:, :, 0]  # -1 for padding blocks
-    visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool), segment_BxS)
-    hidden_BxQxD = drafter(block_embeds_BxQxD, blocks.block_pos, ctx_feats_BxSxFD, ctx_pos_BxS, visible)
-    frozen = jax.lax.stop_gradient(target_params)
+    visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool), inputs.segment_ids)
+    hidden_BxQxD = drafter(inputs.embeds_BxQxD, blocks.block_pos, feats_BxSxFD, ctx_pos_BxS, visible)
     if drafter.markov is not None:  # slot k also sees the block's token before it (teacher-forced: its label)
-        hidden_BxQxD = drafter.with_previous(hidden_BxQxD, embed(frozen, previous_ids(blocks, block_size)))
-    soft = None if blocks.soft_ids is None else (blocks.soft_ids, blocks.soft_probs)
-    if TRAIN_HEAD in frozen:  # a training vocabulary (`with_train_vocab`)
-        return head_loss(hidden_BxQxD, frozen[TRAIN_HEAD], blocks.labels, blocks.label_mask, block_size, objective,
-                         vocab_major=True, label_map=frozen[TRAIN_LABEL_MAP], soft=soft)
-    head, vocab_major = head_matrix(frozen, target_cfg)
-    return head_loss(hidden_BxQxD, head, blocks.labels, blocks.label_mask, block_size, objective,
-                     vocab_major=vocab_major, soft=soft)
+        previous = embed(jax.lax.stop_gradient(target_params), previous_ids(blocks, block_size))
+        hidden_BxQxD = drafter.with_previous(hidden_BxQxD, previous)
+    return head_loss(hidden_BxQxD, head, blocks, block_size, objective)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -179,71 +195,68 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def segments(batch: Batch) -> jax.Array | None:
-    """The batch's `segment_ids` int32 [B, S] (packed rows, `data.pack`), or None for one conversation per row."""
-    return jnp.asarray(batch["segment_ids"], jnp.int32) if "segment_ids" in batch else None
+def check_batch(batch: TrainBatch, arch: DrafterArch) -> None:
+    """At trace time: every array of `batch` has its field's shape and dtype, and stored features are the drafter's
+    F layers of width D (ValueError naming the field otherwise)."""
+    width = arch.num_features * arch.hidden_size if batch.features is not None else 0
+    batch.check(dataclasses.replace(batch.layout(), feature_dim=width))
 
 
-def block_inputs(batch: Batch, target_params: Params, target_cfg: DecoderConfig, arch: DrafterArch,
-                 num_anchors: int, rng: jax.Array) -> tuple[Blocks, jax.Array, jax.Array]:
-    """(blocks, block embeddings [B, Q, D], target features [B, S, F*D]) of `batch` with anchors drawn
-    from `rng`: what the drafter's loss reads. Embeddings and features carry no gradient.
+def block_inputs(batch: TrainBatch, target_params: Params, target_cfg: DecoderConfig, arch: DrafterArch,
+                 num_anchors: int, rng: jax.Array) -> StepInputs:
+    """The blocks, block embeddings and target features of `batch` with anchors drawn from `rng`: what the
+    drafter's loss reads (no gradient into any of it).
 
-    Features come from `batch["features"]` when the batch holds them (offline mode: stored bf16 features,
-    cast to the target params' dtype, i.e. the compute dtype), else from the target's forward (online).
-    With `batch["next_ids"]` (the target's own next tokens, `data.labels: target`) the labels are the
-    target's (`build_blocks`); with `batch["soft_ids"]` and `batch["soft_probs"]` (`data.labels: soft`) the
-    blocks also carry the target's top-k distributions, and the loss is against them. With
-    `batch["segment_ids"]` (packed rows) no block is labelled past its own conversation (the drafter's context
-    is kept to it by `drafter_loss`)."""
-    tokens_BxS = jnp.asarray(batch["tokens"], jnp.int32)
-    loss_mask_BxS = jnp.asarray(batch["loss_mask"], jnp.float32)
-    anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask_BxS, num_anchors, arch.block_size, rng)
-    next_ids_BxS = jnp.asarray(batch["next_ids"], jnp.int32) if "next_ids" in batch else None  # target labels
-    soft_BxS = (batch["soft_ids"], batch["soft_probs"]) if "soft_ids" in batch else None  # soft labels
-    blocks = build_blocks_batch(tokens_BxS, loss_mask_BxS, anchors_BxN, keep_BxN, arch.block_size,
-                                arch.mask_token_id, next_ids_BxS, segments(batch), soft_BxS)
-    if "features" in batch:
-        feats_BxSxFD = jax.lax.stop_gradient(jnp.asarray(batch["features"]).astype(target_params["embed"].dtype))
+    Features are `batch.features` when the batch holds them (offline mode: stored bf16 features, cast to the
+    target params' dtype, i.e. the compute dtype), else the target's forward over the tokens (online). The labels
+    (`batch.labels`: the text's, the target's, or its top-k distributions) and packed rows' segments shape the
+    blocks (`build_blocks`)."""
+    anchors_BxN, keep_BxN = sample_anchors_batch(batch.loss_mask, num_anchors, arch.block_size, rng)
+    blocks = build_blocks_batch(batch, anchors_BxN, keep_BxN, arch.block_size, arch.mask_token_id)
+    if batch.features is not None:
+        feats_BxSxFD = jax.lax.stop_gradient(batch.features.astype(target_params["embed"].dtype))
     else:
-        feats_BxSxFD = online_features(target_params, target_cfg, tokens_BxS, arch.layer_ids)
+        feats_BxSxFD = online_features(target_params, target_cfg, batch.tokens, arch.layer_ids)
     embeds_BxQxD = jax.lax.stop_gradient(embed(target_params, blocks.block_ids))
-    return blocks, embeds_BxQxD, feats_BxSxFD
+    return StepInputs(blocks=blocks, embeds_BxQxD=embeds_BxQxD, feats_BxSxFD=feats_BxSxFD,
+                      segment_ids=batch.segment_ids)
 
 
-def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphdef: nnx.GraphDef,
-               target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int, objective: Objective,
-               optimizer: optax.GradientTransformation, compute_dtype: Any = jnp.float32) -> StepOut:
-    """One update of the drafter on `batch` = {tokens [B, S] int32, loss_mask [B, S]}; pure.
+def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head: TrainHead, *,
+               graphdef: nnx.GraphDef, target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int,
+               objective: Objective, optimizer: optax.GradientTransformation,
+               compute_dtype: Any = jnp.float32) -> StepOut:
+    """One update of the drafter on `batch`; pure.
 
-    Data flow (F captured layers, D hidden, Q = N*K):
+    Data flow (F captured layers, D hidden, Q = N*K, V' the head's rows):
 
+        batch.check(...)      shapes and dtypes, at trace time
         rng -> (next rng, anchor rng)
-        anchors_BxN, keep_BxN = sample_anchors_batch(loss_mask, N, K, anchor rng)
-        blocks [B, Q]         = build_blocks_batch(tokens, loss_mask, anchors, keep, K, MASK)
-        feats_BxSxFD          = batch["features"] (offline) or online_features(target, tokens)   (no gradient)
-        embeds_BxQxD          = target embedding of the block ids                               (no gradient)
+        anchors_BxN, keep_BxN = sample_anchors_batch(batch.loss_mask, N, K, anchor rng)
+        blocks [B, Q]         = build_blocks_batch(batch, anchors, keep, K, MASK)
+        feats_BxSxFD          = batch.features (offline) or online_features(target, batch.tokens)  (no gradient)
+        embeds_BxQxD          = target embedding of the block ids                                 (no gradient)
         hidden_BxQxD          = drafter(embeds, block_pos, feats, ctx_pos, BlockVisibility.from_anchors(...))
-        logits_BxQxV          = target LM head (frozen, full vocab)
-        loss, metrics         = head_loss(...)   (chunked head + weighted CE)
+        loss, metrics         = head_loss(hidden, head, blocks): the frozen head and a weighted CE in chunks of
+                                rows; only one chunk's [rows, V'] logits exist at a time, never [B, Q, V']
 
     Anchors are resampled from `state.rng` each step (new key per step). Gradients are taken w.r.t.
     `state.params` only. The forward runs in `compute_dtype` (params cast inside the differentiated
     function, so gradients and the optimizer stay in the fp32 master precision); the loss's softmax is
-    fp32. `target_params` should already be in `compute_dtype` (cast once by the caller, not per step).
+    fp32. `target_params` and `head` should already be in `compute_dtype` (cast once by the caller).
     metrics: loss, acceptance_length, accuracy_per_position [K], grad_norm (before clipping), lr (used by
     this update), num_labels, num_blocks.
     """
+    check_batch(batch, arch)
     rng, anchor_rng = jax.random.split(state.rng)
-    blocks, embeds_BxQxD, feats_BxSxFD = block_inputs(batch, target_params, target_cfg, arch, num_anchors,
-                                                      anchor_rng)
+    inputs = block_inputs(batch, target_params, target_cfg, arch, num_anchors, anchor_rng)
     if objective.feature_noise > 0:  # its own key, derived so that the anchor stream is the noiseless run's
-        feats_BxSxFD = noisy_features(feats_BxSxFD, len(arch.layer_ids), objective.feature_noise,
-                                      jax.random.fold_in(anchor_rng, 1))
+        inputs = dataclasses.replace(inputs, feats_BxSxFD=noisy_features(
+            inputs.feats_BxSxFD, len(arch.layer_ids), objective.feature_noise, jax.random.fold_in(anchor_rng, 1)))
 
     def loss_fn(params: nnx.State) -> tuple[jax.Array, Metrics]:
-        return drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
-                            embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, objective, segments(batch))
+        return drafter_loss(cast_floats(params, compute_dtype), graphdef, inputs, head, target_params,
+                            arch.block_size, objective)
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -261,76 +274,93 @@ def train_step(state: TrainState, batch: Batch, target_params: Params, *, graphd
     return new_state, metrics
 
 
-def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
+def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, head: TrainHead, target_cfg: DecoderConfig,
                     arch: DrafterArch, num_anchors: int, objective: Objective,
                     optimizer: optax.GradientTransformation, compute_dtype: Any = jnp.float32,
-                    state_shardings: Any = None) -> Callable[[TrainState, Batch], StepOut]:
-    """`(state, batch) -> (state, metrics)`: `train_step` jitted once with the state donated.
+                    state_shardings: Any = None) -> Callable[[TrainState, TrainBatch], StepOut]:
+    """`(state, batch) -> (state, metrics)`: `train_step` jitted once with the state and the batch donated.
 
-    Everything but the state, the batch and `target_params` is fixed at trace time; `target_params` is a
-    traced argument so the target's weights are not compiled in as constants. Input shardings follow the
-    arguments (create the state, the target and each batch already sharded, see `train.sharding`);
+    Everything but the state, the batch, `target_params` and `head` is fixed at trace time; the target's weights
+    and its head are traced arguments so they are not compiled in as constants. Input shardings follow the
+    arguments (create the state, the target, the head and each batch already sharded, see `train.sharding`);
     `state_shardings`, when given, pins the new state to the same layout and metrics are replicated. Do
-    not reuse a state after passing it in (its buffers are donated). `step.lower(state, batch)` lowers the
-    same jitted program (for ahead-of-time compilation and XLA memory analysis).
+    not reuse a state or a batch after passing it in (their buffers are donated). `step.lower(state, batch)`
+    lowers the same jitted program (for ahead-of-time compilation and XLA memory analysis).
     """
     body = partial(train_step, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
                    objective=objective, optimizer=optimizer, compute_dtype=compute_dtype)
     if state_shardings is None:
-        jitted = jax.jit(body, donate_argnums=0)
+        jitted = jax.jit(body, donate_argnums=(0, 1))
     else:
         mesh = jax.tree.leaves(state_shardings)[0].mesh
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        jitted = jax.jit(body, donate_argnums=0, out_shardings=(state_shardings, replicated))
+        jitted = jax.jit(body, donate_argnums=(0, 1), out_shardings=(state_shardings, replicated))
 
-    def step(state: TrainState, batch: Batch) -> StepOut:
-        return jitted(state, batch, target_params)
+    def step(state: TrainState, batch: TrainBatch) -> StepOut:
+        with _batch_donation_note():
+            return jitted(state, batch, target_params, head)
 
-    step.lower = lambda state, batch: jitted.lower(state, batch, target_params)  # for AOT compile / memory stats
+    def lower(state: TrainState, batch: TrainBatch) -> Any:  # for AOT compile / memory stats
+        with _batch_donation_note():
+            return jitted.lower(state, batch, target_params, head)
+
+    step.lower = lower
     return step
 
 
-def eval_metrics(params: nnx.State, batch: Batch, target_params: Params, rng: jax.Array, *,
+@contextlib.contextmanager
+def _batch_donation_note() -> Iterator[None]:
+    """XLA reuses a donated buffer only for an output of its shape and dtype; the step has none of the batch's,
+    so JAX notes at each compile that those donations were not usable (docs/decisions.md D39). The state's
+    donations always are (its new value has the same tree), so only that note is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        yield
+
+
+def eval_metrics(params: nnx.State, batch: TrainBatch, target_params: Params, head: TrainHead, rng: jax.Array, *,
                  graphdef: nnx.GraphDef, target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int,
                  objective: Objective, compute_dtype: Any = jnp.float32) -> Metrics:
     """The step's loss and teacher-forced metrics on `batch` with anchors drawn from `rng`; no update."""
-    blocks, embeds_BxQxD, feats_BxSxFD = block_inputs(batch, target_params, target_cfg, arch, num_anchors, rng)
-    loss, aux = drafter_loss(cast_floats(params, compute_dtype), graphdef, target_params, target_cfg,
-                             embeds_BxQxD, blocks, feats_BxSxFD, arch.block_size, objective, segments(batch))
+    check_batch(batch, arch)
+    inputs = block_inputs(batch, target_params, target_cfg, arch, num_anchors, rng)
+    loss, aux = drafter_loss(cast_floats(params, compute_dtype), graphdef, inputs, head, target_params,
+                             arch.block_size, objective)
     return {"loss": loss, "acceptance_length": aux["acceptance_length"],
             "accuracy_per_position": aux["accuracy_per_position"], "num_labels": aux["num_labels"]}
 
 
-def make_eval_step(*, graphdef: nnx.GraphDef, target_params: Params, target_cfg: DecoderConfig,
+def make_eval_step(*, graphdef: nnx.GraphDef, target_params: Params, head: TrainHead, target_cfg: DecoderConfig,
                    arch: DrafterArch, num_anchors: int, objective: Objective,
-                   compute_dtype: Any = jnp.float32) -> Callable[[nnx.State, Batch, jax.Array], Metrics]:
+                   compute_dtype: Any = jnp.float32) -> Callable[[nnx.State, TrainBatch, jax.Array], Metrics]:
     """`(params, batch, rng) -> metrics`: `eval_metrics` jitted (nothing donated)."""
     body = partial(eval_metrics, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
                    objective=objective, compute_dtype=compute_dtype)
     jitted = jax.jit(body)
 
-    def run(params: nnx.State, batch: Batch, rng: jax.Array) -> Metrics:
-        return jitted(params, batch, target_params, rng)
+    def run(params: nnx.State, batch: TrainBatch, rng: jax.Array) -> Metrics:
+        return jitted(params, batch, target_params, head, rng)
 
     return run
 
 
 __all__ = [
+    "StepInputs",
     "TrainState",
     "block_inputs",
     "cast_floats",
+    "check_batch",
     "current_lr",
-    "eval_metrics",
-    "make_eval_step",
-    "drafter_loss",
-    "init_state",
     "decays",
+    "drafter_loss",
+    "eval_metrics",
+    "init_state",
+    "make_eval_step",
     "make_optimizer",
     "make_schedule",
     "make_train_step",
     "previous_ids",
-    "segments",
     "split_drafter",
+    "train_head",
     "train_step",
-    "with_train_vocab",
 ]
