@@ -1,5 +1,5 @@
 """Acceptance of two drafters trained alike on different data: GSM8K reference answers vs the target's own
-regenerated answers (DESIGN §2: the drafter should learn what the target says, not what a dataset says).
+regenerated answers (docs/design.md §2: the drafter should learn what the target says, not what a dataset says).
 
     .venv/bin/python -m benchmarks.data_effect --reference runs/demo --regenerated runs/demo-regen --write
 

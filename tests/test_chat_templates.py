@@ -1,4 +1,4 @@
-"""Assistant-only loss masks (DESIGN 4.2) under each supported chat-template family.
+"""Assistant-only loss masks (docs/design.md §4.2) under each supported chat-template family.
 
 For every family the mask must cover exactly the tokens the model writes in an assistant turn: the content
 and the turn's end token (plus, for Qwen3 with thinking on, the empty think block the model writes itself).

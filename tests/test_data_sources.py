@@ -50,7 +50,7 @@ def _is_well_formed(conversation: list[dict[str, str]]) -> bool:
 
 def test_sharegpt_complete_records_and_cleaning(sharegpt) -> None:
     conversations, stats = sharegpt
-    assert stats.records == 17671  # complete records before the cut (DESIGN §5)
+    assert stats.records == 17671  # complete records before the cut (docs/design.md §5)
     assert stats.tail_chars > 0  # the file ends inside a record
     assert stats.kept == len(conversations) == 17296
     assert stats.kept + sum(stats.dropped.values()) == stats.records

@@ -1,4 +1,4 @@
-"""The DFlash drafter (DESIGN §4.1, §4.5, pitfalls 3, 4, 7): inference == training path, KV injection
+"""The DFlash drafter (docs/design.md §4.1, §4.5, pitfalls 3, 4, 7): inference == training path, KV injection
 without the input norm, RoPE positions, z-lab parameter names, config errors. fp32 on CPU."""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""Numeric parity of exported drafters with the reference implementations (DESIGN §7), fp32, no torch here.
+"""Numeric parity of exported drafters with the reference implementations (docs/design.md §7), fp32, no torch here.
 
 tests/golden/export/ holds a tiny drafter exported by `dflash-export` (tools/export_fixture.py: a 2-layer
 drafter of the tiny Llama target with llama3 RoPE scaling, K=4) and the outputs of the reference torch code

@@ -1,5 +1,5 @@
-"""Multi-host checks on localhost (DESIGN §6): `jax.distributed` processes with simulated CPU devices, each one a
-run of tests/multihost_worker.py.
+"""Multi-host checks on localhost (docs/design.md §6): `jax.distributed` processes with simulated CPU devices, each
+one a run of tests/multihost_worker.py.
 
 - A checkpoint written by 2 processes (2 devices, the state sharded across them) restores into 1 process with 1
   device, and one written by that process restores into 2 processes: every shard equal to the state the reader

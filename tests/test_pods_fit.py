@@ -1,4 +1,4 @@
-"""The pod recipes fit their slices (DESIGN §6; docs/decisions.md D22), built abstractly (nothing allocated):
+"""The pod recipes fit their slices (docs/design.md §6; docs/decisions.md D22), built abstractly (nothing allocated):
 
 - the sharding rules leave no large array replicated: every target and drafter parameter and optimizer state of
   a million elements or more is split across the fsdp axis at least, and the embedding and LM head [V, D] across

@@ -1,4 +1,4 @@
-"""Greedy DFlash speculative decoding equals AR decoding token for token (fp32, CPU; DESIGN §7, pitfalls 5, 6).
+"""Greedy DFlash speculative decoding equals AR decoding token for token (fp32, CPU; docs/design.md §7, pitfalls 5, 6).
 
 The tiny random target (qwen3_untied, vocab 256) and an untrained drafter: its proposals are mostly
 rejected, so the tests also drive the engine with an oracle proposer (every draft right: full

@@ -1,7 +1,7 @@
 """Offline capture: run the frozen target over tokenized examples and store its features as shards.
 
 `capture(...)` computes exactly what the trainer computes online (`models.drafter.online_features` on the
-padded rows, DESIGN §4.1: post-layer outputs of `layer_ids`, concatenated in id order), casts them to
+padded rows, docs/design.md §4.1: post-layer outputs of `layer_ids`, concatenated in id order), casts them to
 bfloat16 on device, and writes each sample's first n (real-token) positions with its tokens and loss mask
 through `data.shards.ShardWriter` (format, atomicity and resume rules are in that module's docstring).
 

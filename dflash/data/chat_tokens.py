@@ -1,4 +1,4 @@
-"""Conversation -> training token ids with an assistant-only loss mask (DESIGN §4.2), for any chat template.
+"""Conversation -> training token ids with an assistant-only loss mask (docs/design.md §4.2), for any chat template.
 
 `tokenize_conversation` holds the contract (which tokens are in the loss); `tokenize_rows` makes the padded
 rows that both training modes read. Template caveats (Qwen3's reasoning, thinking on or off):

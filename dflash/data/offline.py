@@ -74,7 +74,7 @@ class PadAndStack(grain.transforms.Map):
     batch arrays (one copy of the features). A bad record (None) becomes a whole padding row (no anchor, no loss).
 
     Online mode would hold the target's features of the pad tokens there; no loss term reads them (anchors
-    need loss_mask = 1, context keys are strictly before the anchor: DESIGN §4.2), so the two modes train
+    need loss_mask = 1, context keys are strictly before the anchor: docs/design.md §4.2), so the two modes train
     identically. A `seq_len` below the capture's cuts rows exactly as tokenizing with that max_len would
     (features are causal)."""
 

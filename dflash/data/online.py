@@ -1,7 +1,7 @@
 """The online-mode input pipeline: conversations -> fixed-length token rows -> a Grain batch iterator.
 
 Online mode runs the frozen target inside the train step, so a batch is only tokens and the assistant-only
-loss mask (DESIGN §4.2): a `data.batch.TrainBatch` of tokens int32 [B, S] and loss_mask float32 [B, S].
+loss mask (docs/design.md §4.2): a `data.batch.TrainBatch` of tokens int32 [B, S] and loss_mask float32 [B, S].
 
     examples -> shuffle(seed) -> repeat -> global batch (B * hosts) -> this host's rows      (`make_batches`)
 

@@ -4,7 +4,7 @@ importing code.
 Each loader returns conversations: lists of `{"role", "content"}` dicts, the input of
 `ChatTokenizer.apply_chat_template`. Sets that carry reference answers (GSM8K, MATH, ShareGPT) keep them as
 assistant turns with `with_answers=True` (the default: train on the references directly); a *prompt*
-conversation holds an optional system turn and the user turns only, for regeneration (DESIGN §2) to answer.
+conversation holds an optional system turn and the user turns only, for regeneration (docs/design.md §2) to answer.
 Where each set lives and its size: the table by the package constants below; ShareGPT's cleaning: `load_sharegpt`.
 """
 

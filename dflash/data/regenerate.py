@@ -1,4 +1,4 @@
-"""Regenerate the assistant turns of conversations with the TARGET (DESIGN §2: a drafter trained on the
+"""Regenerate the assistant turns of conversations with the TARGET (docs/design.md §2: a drafter trained on the
 target's own outputs is accepted more often), through the engine's AR mode with continuous batching.
 
     target = load_target(recipe.target)

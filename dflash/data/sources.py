@@ -1,4 +1,4 @@
-"""Prompt sources and the mix that feeds regeneration (DESIGN §2: prompts -> regenerate with the target).
+"""Prompt sources and the mix that feeds regeneration (docs/design.md §2: prompts -> regenerate with the target).
 
     spec = parse_mix("sharegpt:3,gsm8k:1")        # or a MixSpec of SourceSpecs (presets, files, Hub ids)
     items, stats = mix(dataclasses.replace(spec, max_prompts=2000, seed=0))

@@ -1,4 +1,4 @@
-"""The `dflash data` stages, one function each: regenerate, capture, inspect (DESIGN §2).
+"""The `dflash data` stages, one function each: regenerate, capture, inspect (docs/design.md §2).
 
     dflash data regenerate   prompts (data.prompts mix) -> the target answers every user turn (engine AR
                              mode) -> data.dir/regenerated.jsonl                  (resumable, item by item)

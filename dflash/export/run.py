@@ -1,7 +1,7 @@
 """`dflash export` (= `dflash-export`): a trained drafter (a `dflash train` run dir, Orbax) -> the Hugging Face
 layouts vLLM, SGLang and speculators load, with a model card, optionally pushed to the Hub in one commit.
 
-Layouts (DESIGN §4.5): `zlab` (`models.zlab`: config.json + model.safetensors, + `dflash.py` when
+Layouts (docs/design.md §4.5): `zlab` (`models.zlab`: config.json + model.safetensors, + `dflash.py` when
 `modeling_file` is given) and `speculators` (`models.speculators`). Both are written into a hidden
 temporary directory beside `out` (`.<name>.tmp-<pid>`), fsynced, and renamed to `out` at the end: an
 interrupted export leaves no directory that looks complete (a leftover temporary directory is removed by

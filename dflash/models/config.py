@@ -132,7 +132,7 @@ class DrafterConfig:
 
 
 def default_layer_ids(num_layers: int, num_features: int) -> tuple[int, ...]:
-    """Default target layers to capture (DESIGN §4.1): round(1 + i*(L-4)/(n-1)), or (L//2,) for n=1.
+    """Default target layers to capture (docs/design.md §4.1): round(1 + i*(L-4)/(n-1)), or (L//2,) for n=1.
 
     Layer id j is the output of decoder layer j (0-based) = HF `hidden_states[j+1]`.
     Qwen3 (36 layers, n=5) -> (1, 9, 17, 25, 33); Llama 32 -> (1, 8, 15, 22, 29).

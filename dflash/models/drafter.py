@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter (DESIGN §4.1) in Flax NNX, and what it borrows from the frozen target:
+"""The DFlash block-diffusion drafter (docs/design.md §4.1) in Flax NNX, and what it borrows from the frozen target:
 its features (`online_features`), its embedding table (`mask_token_embeds`) and its LM head (`drafter_logits`).
 
 `DFlashDrafter.__call__` is the training forward over N packed blocks; `context_kv` + `draft_block` are the
@@ -192,7 +192,7 @@ def default_mask_token_id(tokenizer: Any, target: DecoderConfig) -> int | None:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockVisibility:
-    """Block-structured visibility of Q = N*K packed block queries (DESIGN §4.2), O(N*S) instead of
+    """Block-structured visibility of Q = N*K packed block queries (docs/design.md §4.2), O(N*S) instead of
     the dense O(Q*(S+Q)) mask.
 
     ctx_BxNxS: block n (queries n*K .. n*K+K-1) sees context key s iff ctx_BxNxS[b, n, s];
@@ -440,7 +440,7 @@ class DFlashDrafter(nnx.Module):
                  ctx_pos_BxS: jax.Array, visible: Visibility) -> jax.Array:
         """Training forward over Q = N*K packed block tokens; returns normed hidden [B, Q, D].
 
-        DESIGN §4.2's mask gives a block of anchor a the context keys s < a and the keys of its own
+        docs/design.md §4.2's mask gives a block of anchor a the context keys s < a and the keys of its own
         block only: `BlockVisibility.from_anchors` (or an equivalent dense [B, Q, S+Q] mask).
         """
         fused = self.fuse(ctx_feats_BxSxFD)

@@ -79,7 +79,7 @@ def download_repo(repo_id: str) -> Path:
 # ----------------------------------------------------------------------------- known targets
 
 # config.json fields of the targets the shipped recipes name (as published on the Hub), so their architecture
-# is known without their weights. `mask_token_id` is the drafter's MASK id for that target (DESIGN §4.1, D12):
+# is known without their weights. `mask_token_id` is the drafter's MASK id for that target (docs/design.md §4.1, D12):
 # Qwen3's first padded embedding row 151669 (z-lab's drafters use it); Llama 3's <|reserved_special_token_0|>;
 # SmolLM2's <empty_output>.
 KNOWN_TARGETS: dict[str, dict[str, Any]] = {

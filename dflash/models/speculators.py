@@ -1,4 +1,4 @@
-"""The speculators layout of a DFlash drafter (vllm-project/speculators, `DFlashSpeculatorConfig`; DESIGN §4.5):
+"""The speculators layout of a DFlash drafter (vllm-project/speculators, `DFlashSpeculatorConfig`; docs/design.md §4.5):
 what `vllm serve <dir>` loads as a speculator (the verifier named inside), and what speculators' own
 `DFlashDraftModel` reads. `save_speculators` writes `config.json` + `model.safetensors`; `load_speculators`
 reads them back, and reads directories written by speculators itself.

@@ -1,4 +1,4 @@
-"""The z-lab Hugging Face layout of a DFlash drafter (DESIGN §4.5): what vLLM `method: dflash`, SGLang
+"""The z-lab Hugging Face layout of a DFlash drafter (docs/design.md §4.5): what vLLM `method: dflash`, SGLang
 `DFLASH` and z-lab's own `DFlashDraftModel` load. `save_zlab` writes `config.json` + `model.safetensors`;
 `load_zlab` reads them back (and reads z-lab's released drafters).
 

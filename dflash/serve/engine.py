@@ -1,4 +1,4 @@
-"""The decode driver (DESIGN §4.4): continuous batching over fixed slots, the only decode loop there is.
+"""The decode driver (docs/design.md §4.4): continuous batching over fixed slots, the only decode loop there is.
 
     engine = Engine(target_params, target_cfg, drafter, slots=8, max_len=2048, block_size=8)
     rid = engine.submit(prompt_ids, max_new_tokens=128, stop_ids=(2,), seed=0,

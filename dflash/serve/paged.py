@@ -1,4 +1,4 @@
-"""The engine's paged target KV cache (DESIGN §4.4): host-side page ownership, device-side paged attention.
+"""The engine's paged target KV cache (docs/design.md §4.4): host-side page ownership, device-side paged attention.
 
     pool = PagePool(num_pages, page_size); table = PageTable(pool, batch, max_pages_per_seq)    # host
     cache = PagedKVCache.create(cfg, batch, max_pages_per_seq, num_pages, page_size)             # device

@@ -1,4 +1,4 @@
-"""The engine's jitted kernels (DESIGN §4.3): prefill, propose, verify, over the paged target cache and the
+"""The engine's jitted kernels (docs/design.md §4.3): prefill, propose, verify, over the paged target cache and the
 drafter's per-slot context cache; greedy or one-hot rejection-sampled acceptance.
 
 Between steps each sequence b holds its committed tokens 0 .. L_b-1 in both caches and its newest token
@@ -237,7 +237,7 @@ def accept_greedy(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array) -> tuple[jax
 
 def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: SamplingRows,
                    rng_Bx2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One-hot-draft rejection sampling (lossless; DESIGN pitfall 8): (n [B], bonus [B], next keys).
+    """One-hot-draft rejection sampling (lossless; docs/design.md §8 pitfall 8): (n [B], bonus [B], next keys).
 
     The drafts are argmax proposals, i.e. q = one-hot(d_i), so draft i is accepted with probability
     min(1, p_i(d_i) / 1) = p_i(d_i) under the target's filtered distribution p_i; at the first rejection

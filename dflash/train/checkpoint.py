@@ -1,4 +1,4 @@
-"""Training checkpoints with Orbax (DESIGN §4.5): state, data-iterator state and run metadata per step.
+"""Training checkpoints with Orbax (docs/design.md §4.5): state, data-iterator state and run metadata per step.
 
 Layout under `<run_dir>/checkpoints/<step>/`:
 - `state/`: the `TrainState` pytree (fp32 master params, optimizer state, step, RNG key), sharded

@@ -47,7 +47,7 @@ class TrainConfig:
              each captured layer's RMS at that position (`train.objective.noisy_features`; 0 = none).
     loss: `decay` (the paper's fixed weights exp(-(k-1)/gamma)) or `dpace` (D-PACE: weights from the
              drafter's own per-slot confidence, `train.objective.dpace_weights`); docs/decisions.md D19.
-    gamma: loss decay of DESIGN §4.2 (0 = chosen from the block size). dpace_alpha: D-PACE's confidence floor.
+    gamma: loss decay of docs/design.md §4.2 (0 = chosen from the block size). dpace_alpha: D-PACE's confidence floor.
     head_chunk: rows per chunk of the LM head + cross-entropy (0 = about 128 MiB of fp32 logits per chunk).
     head_vocab: train the softmax over the `head_vocab` most frequent tokens of the training answers (labels
              outside it are left out), 0 = the full vocabulary; the served drafter proposes over the same

@@ -1,4 +1,4 @@
-"""The DFlash training objective (DESIGN §4.2) as plain, jit-friendly functions (static N and K, no
+"""The DFlash training objective (docs/design.md §4.2) as plain, jit-friendly functions (static N and K, no
 data-dependent shapes): anchors (`sample_anchors`), same-position blocks (`build_blocks` -> `Blocks`: which
 logit predicts which token), the attention visibility contract (`visible`, the dense statement of which key each
 query may see; training uses `models.drafter.BlockVisibility`, tested equal to it), and the loss the train step
@@ -20,7 +20,7 @@ import numpy as np
 
 from dflash.data.batch import SoftLabels, TrainBatch
 
-# Paper values (DESIGN §4.2): block size K -> decay gamma.
+# Paper values (docs/design.md §4.2): block size K -> decay gamma.
 PAPER_GAMMA: dict[int, float] = {8: 4.0, 10: 5.0, 16: 7.0}
 
 
@@ -80,7 +80,7 @@ def sample_anchors_batch(loss_mask_BxS: jax.Array, num_anchors: int, block_size:
 class Blocks:
     """N blocks of K slots flattened to Q = N*K queries (query q = j*K + k); a leading B when batched.
 
-    Which logit predicts which token (SAME-POSITION, DESIGN §4.1 and §8 pitfall 2): block j starts at
+    Which logit predicts which token (SAME-POSITION, docs/design.md §4.1 and §8 pitfall 2): block j starts at
     anchor a_j; its K slots hold ids [x_{a_j}, MASK x (K-1)] at positions a_j + 0..K-1. The output at block
     index k >= 1 predicts x_{a_j + k} (the token AT that slot's position, not the next one: no +1 shift).
     Index 0 is the known anchor token and has no label.

@@ -1,4 +1,4 @@
-"""The training mesh and the sharding rules (DESIGN §6): a table beside the models, not inside their math.
+"""The training mesh and the sharding rules (docs/design.md §6): a table beside the models, not inside their math.
 
 One `jax.sharding.Mesh` with named axes (data, fsdp, tensor):
 - data:   pure data parallelism (params replicated along it);

@@ -1,6 +1,6 @@
-"""One DFlash training step (DESIGN §4.2): `train_step(state, batch, target_params, head)` is a module-level pure
-function over a typed batch (`data.batch.TrainBatch`); `make_train_step` jits it once with the state and the batch
-donated.
+"""One DFlash training step (docs/design.md §4.2): `train_step(state, batch, target_params, head)` is a module-level
+pure function over a typed batch (`data.batch.TrainBatch`); `make_train_step` jits it once with the state and the
+batch donated.
 
     anchors -> blocks -> target features and block embeddings (no gradient) -> drafter -> frozen LM head -> loss
 
