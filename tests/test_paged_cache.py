@@ -266,4 +266,10 @@ def test_a_view_of_the_pages_in_use_equals_the_full_table(model):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=0)
     back = cache_view.with_full_table(full)
     assert back.page_table.shape == (2, 12)
-    np.testing.assert_array_equal(np.asarray(back.k_pages), np.asarray(cache_full.k_pages))
+    k_back, k_full = np.asarray(back.k_pages), np.asarray(cache_full.k_pages)
+    # Layer 0's keys come from the same embeddings through the same matmul: bit for bit. Deeper layers' keys come
+    # from hidden states after attention over 5 vs 12 pages of keys, whose reductions XLA may order differently by
+    # shape (seen: 1.5e-6 apart under load), so they are held to the logits' tolerance.
+    np.testing.assert_array_equal(k_back[0], k_full[0])
+    np.testing.assert_allclose(k_back, k_full, atol=TOL, rtol=0)
+    assert np.abs(k_back).max() > 0.1  # the pages were written
