@@ -31,6 +31,7 @@ TORCH_ENV_MODULES = {"torch", "transformers"}  # a file importing these must be 
 NOT_IMPORTED = {
     "jaxlib": "jax's compiled backend: jax imports it, and it is pinned with jax so the pair moves together",
     "ruff": "the linter, run as a command (`.venv/bin/ruff check .`)",
+    "pytest-xdist": "a pytest plugin: bin/test runs the suite in 2 worker processes with it (`-n`)",
     "lm-eval": "run as `python -m lm_eval` in a subprocess by tests/test_server_compat.py",
 }
 
