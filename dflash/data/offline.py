@@ -21,7 +21,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from dflash.data.shards import BF16, Manifest, RecordSource, Sample, ShardError, load_manifest
+from dflash.data.manifest import Manifest, load_manifest
+from dflash.data.records import BF16, Sample, ShardError
+from dflash.data.shards import RecordSource
 
 _BAD = "bad_records"
 
@@ -264,7 +266,7 @@ class OfflineBatches:
 
     bad_records: number of records skipped (replaced by padding rows) in the batches returned so far, on
       this host (hosts read different rows; a checkpoint keeps process 0's count, which is informational).
-    manifest: the capture's manifest (check it against the run with `data.shards.check_manifest`).
+    manifest: the capture's manifest (check it against the run with `data.manifest.check_manifest`).
     Close it (or use it as a context manager) to stop prefetch worker processes.
     """
 

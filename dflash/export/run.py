@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.data.shards import fsync_path, fsync_tree
 from dflash.export.card import find_results, read_results, render_card, target_id
 from dflash.export.hub import Upload, plan_upload, upload_folder
+from dflash.files import fsync_path, fsync_tree
 from dflash.models.drafter import hf_tensor_names, param_count
 from dflash.models.drafter_io import RunDrafter, read_run
 from dflash.models.speculators import save_speculators

@@ -29,9 +29,9 @@ from dflash.configs.recipe import Recipe
 from dflash.configs.schema import ConfigError, require, to_dict
 from dflash.data.config import DataConfig
 from dflash.data.examples import build_examples, training_vocab
+from dflash.data.manifest import chat_template_hash, check_manifest, load_manifest
 from dflash.data.offline import make_offline_batches
 from dflash.data.online import make_batches
-from dflash.data.shards import chat_template_hash, check_manifest, load_manifest
 from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, init_from_target, target_init_layers
 from dflash.models.target import Target, load_target
 from dflash.train.checkpoint import Checkpointer
