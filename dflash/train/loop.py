@@ -126,7 +126,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
         state = train_loop(cfg, run, state, shardings, start, ckpt, metrics, real_eval)
         eval_metrics = evaluate(recipe.data, cfg.num_anchors, run, state.params)
         if eval_metrics and is_main:
-            writer.write(cfg.steps, {f"dflash/eval/{k}": v for k, v in eval_metrics.items()})
+            writer.write(cfg.steps, {f"eval/{k}": v for k, v in eval_metrics.items()})
     finally:
         metrics.close()
         ckpt.close()
@@ -438,7 +438,7 @@ class StepMetrics:
             self.writer.write(step, metrics)
 
     def write_eval(self, step: int, metrics: dict[str, Any]) -> None:
-        """Log an in-loop real-τ evaluation (`dflash/eval/...` metrics) at `step` and show its τ on the bar."""
+        """Log an in-loop real-τ evaluation (`eval/...` metrics) at `step` and show its τ on the bar."""
         self.real_tau = metrics["eval/tau"]
         self.writer.write(step, metrics)
         self._postfix(**self._fields)
