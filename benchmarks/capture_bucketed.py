@@ -48,7 +48,8 @@ def main() -> None:
     from dflash.configs.recipe import load_recipe
     from dflash.data.capture import _length_batches, capture
     from dflash.data.examples import build_examples
-    from dflash.data.shards import Provenance, iter_shard, load_manifest
+    from dflash.data.manifest import Provenance, load_manifest
+    from dflash.data.shards import iter_shard
     from dflash.models.target import load_target
 
     recipe = load_recipe(args.config)

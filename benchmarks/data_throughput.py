@@ -100,7 +100,8 @@ def capture_costs(target: Any, args: argparse.Namespace, tmp: Path) -> dict[str,
     from dflash.configs.recipe import load_recipe
     from dflash.data.capture import capture
     from dflash.data.examples import build_examples
-    from dflash.data.shards import Provenance, record_size
+    from dflash.data.manifest import Provenance
+    from dflash.data.records import record_size
     from dflash.models.drafter import online_features
 
     recipe = load_recipe("default", [f"data.seq_len={args.seq_len}"])

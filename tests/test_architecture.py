@@ -1,11 +1,13 @@
 """The package layers hold (docs/architecture.md): every import, lazy ones inside functions included, points
 down the order below, and the module graph has no cycle.
 
-    configs.schema  ->  section configs (<pkg>/config.py)  ->  configs.recipe  ->  models  ->  serve  ->  data
-    ->  train  ->  eval  ->  export  ->  launch  ->  benchmarks
+    files  ->  configs.schema  ->  section configs (<pkg>/config.py)  ->  configs.recipe  ->  models  ->  serve
+    ->  data  ->  train  ->  eval  ->  export  ->  launch  ->  benchmarks
 
 A module may import a module of a lower layer, or one of its own package in the same layer. Section configs
 may import each other (a section may embed another's dataclass), but nothing heavier than configs.schema.
+`files` (durable writes, pure stdlib) is the base module: importable by everything, it imports nothing of
+the project.
 Modules are named here without the installed namespace (`train.loop` is `dflash.train.loop`).
 """
 
@@ -17,24 +19,27 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BASE = ("files",)  # modules directly under dflash/, below every package
 PACKAGES = ("configs", "models", "serve", "data", "train", "eval", "export", "launch", "benchmarks")
 CONFIG_LEAVES = {f"{p}.config" for p in PACKAGES}
 ORDER = ("models", "serve", "data", "train", "eval", "export", "launch", "benchmarks")
 
 
 def layer(module: str) -> int:
-    """0 schema, 1 section configs, 2 the recipe, then 3.. by ORDER."""
-    if module == "configs.schema":
+    """0 the base modules, 1 schema, 2 section configs, 3 the recipe, then 4.. by ORDER."""
+    if module in BASE:
         return 0
-    if module in CONFIG_LEAVES:
+    if module == "configs.schema":
         return 1
-    if module.startswith("configs"):
+    if module in CONFIG_LEAVES:
         return 2
-    return 3 + ORDER.index(module.split(".")[0])
+    if module.startswith("configs"):
+        return 3
+    return 4 + ORDER.index(module.split(".")[0])
 
 
 def project_modules() -> dict[str, Path]:
-    modules = {}
+    modules = {name: ROOT / "dflash" / f"{name}.py" for name in BASE}
     for package in PACKAGES:
         base = ROOT if package == "benchmarks" else ROOT / "dflash"
         for path in (base / package).rglob("*.py"):
@@ -57,7 +62,7 @@ def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
             name = name.removeprefix("dflash.")
             while name and name not in modules:
                 name = name.rpartition(".")[0]
-            if name and name.split(".")[0] in PACKAGES and name not in ("configs", *ORDER):
+            if name and name.split(".")[0] in (*BASE, *PACKAGES) and name not in ("configs", *ORDER):
                 found.add(name)
     return found
 
@@ -72,7 +77,7 @@ def test_every_import_points_down_the_layers():
     for module, deps in sorted(graph().items()):
         for dep in sorted(deps):
             same_package = dep.split(".")[0] == module.split(".")[0]
-            ok = layer(dep) < layer(module) or (layer(dep) == layer(module) and (same_package or layer(dep) == 1))
+            ok = layer(dep) < layer(module) or (layer(dep) == layer(module) and (same_package or layer(dep) == 2))
             if not ok:
                 bad.append(f"{module} (layer {layer(module)}) imports {dep} (layer {layer(dep)})")
     assert not bad, "imports against the layer order:\n" + "\n".join(bad)
@@ -105,6 +110,9 @@ def test_the_checker_sees_a_violation(tmp_path):
     modules = project_modules()
     assert imports_of(path, modules) == {"train.loop", "serve.engine"}
     assert layer("train.loop") > layer("serve.engine") > layer("models.drafter") > layer("configs.recipe")
+    assert layer("configs.schema") > layer("files") == 0
+    path.write_text("from dflash.files import fsync_path\nfrom dflash import files\n")
+    assert imports_of(path, modules) == {"files"}
 
 
 def test_loading_a_recipe_imports_neither_engine_nor_trainer_nor_jax():

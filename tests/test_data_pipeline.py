@@ -14,8 +14,8 @@ import pytest
 
 from dflash.configs.recipe import load_recipe
 from dflash.data.examples import build_examples
+from dflash.data.manifest import ManifestMismatchError
 from dflash.data.online import make_batches
-from dflash.data.shards import ManifestMismatchError
 from dflash.launch.cli import main
 from dflash.models.drafter import online_features
 from dflash.train.loop import _offline_batches

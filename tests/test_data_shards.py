@@ -1,4 +1,5 @@
-"""Offline features: record format, atomic resumable capture, manifest checks, and the Grain shard loader.
+"""Offline features: atomic resumable capture, manifest checks, and the Grain shard loader (the record codec
+alone: tests/test_data_records.py).
 
 A tiny random Qwen3 target (tests/golden/tiny/qwen3_untied, 4 layers, hidden 64) captures layers (1, 3)
 of random token rows; the loader must give back exactly what the online pipeline and `online_features`
@@ -19,26 +20,19 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 
 import dflash.data.capture as capture_module
 from dflash.data.capture import capture, examples_hash
-from dflash.data.offline import PackedRows, make_offline_batches
-from dflash.data.online import make_batches
-from dflash.data.shards import (
-    BF16,
-    HEADER_SIZE,
+from dflash.data.manifest import (
     MANIFEST_NAME,
-    READER_OPTIONS,
     ManifestMismatchError,
     Provenance,
-    RecordSource,
-    ShardError,
     chat_template_hash,
     check_manifest,
-    decode_record,
-    encode_record,
-    file_sha256,
-    iter_shard,
     load_manifest,
-    record_size,
 )
+from dflash.data.offline import PackedRows, make_offline_batches
+from dflash.data.online import make_batches
+from dflash.data.records import BF16, HEADER_SIZE, ShardError, record_size
+from dflash.data.shards import READER_OPTIONS, RecordSource, iter_shard
+from dflash.files import file_sha256
 from dflash.models.decoder import forward
 from dflash.models.drafter import online_features
 from dflash.models.loading import load_hf_dir, weights_fingerprint
@@ -110,31 +104,6 @@ _online_features = jax.jit(online_features, static_argnums=(1, 3))
 def _online_bf16(setup: Setup, tokens_BxS: np.ndarray) -> np.ndarray:
     """The trainer's features of these rows (fp32), cast to bf16 on the host."""
     return np.asarray(_online_features(setup.params, setup.cfg, tokens_BxS, LAYER_IDS)).astype(BF16)
-
-
-# ----------------------------------------------------------------------------- record format
-
-
-def test_record_encode_decode_and_validation() -> None:
-    rng = np.random.default_rng(0)
-    feats = rng.standard_normal((5, 8)).astype(BF16)
-    record = encode_record(7, np.arange(5), np.array([0, 1, 1, 0, 1]), feats)
-    assert len(record) == record_size(5, 8) == HEADER_SIZE + 5 * (2 * 8 + 5)
-    sample = decode_record(record, feature_dim=8, sample_index=7)
-    np.testing.assert_array_equal(sample.tokens, np.arange(5))
-    np.testing.assert_array_equal(sample.loss_mask, [0, 1, 1, 0, 1])
-    assert sample.features.dtype == BF16 and np.array_equal(sample.features.view(np.uint16), feats.view(np.uint16))
-
-    with pytest.raises(ShardError, match=r"f\.ar: record 3: length must be"):
-        decode_record(record[:-1], feature_dim=8, where="f.ar: record 3")
-    with pytest.raises(ShardError, match="feature width must be 16"):
-        decode_record(record, feature_dim=16)
-    with pytest.raises(ShardError, match="must hold sample 8; received sample 7"):
-        decode_record(record, feature_dim=8, sample_index=8)
-    with pytest.raises(ShardError, match="must start with"):
-        decode_record(b"XXXX" + record[4:], feature_dim=8)
-    with pytest.raises(ValueError, match="features must be bfloat16"):
-        encode_record(0, np.arange(5), np.ones(5), feats.astype(np.float32))
 
 
 # ----------------------------------------------------------------------------- capture
@@ -534,23 +503,6 @@ def test_packed_batches_lay_whole_samples_end_to_end_with_segment_ids(setup: Set
 # ----------------------------------------------------------------------------- target labels (data.labels: target)
 
 
-def test_record_with_next_ids_round_trips_and_is_checked() -> None:
-    feats = np.ones((4, 8), BF16)
-    record = encode_record(3, np.arange(4), np.array([0, 1, 1, 1]), feats, np.array([9, 8, 7, 6]))
-    assert len(record) == record_size(4, 8, next_ids=True) == record_size(4, 8) + 4 * 4
-    sample = decode_record(record, feature_dim=8, sample_index=3, next_ids=True)
-    np.testing.assert_array_equal(sample.next_ids, [9, 8, 7, 6])
-    np.testing.assert_array_equal(sample.tokens, np.arange(4))
-    np.testing.assert_array_equal(sample.loss_mask, [0, 1, 1, 1])
-    assert decode_record(encode_record(3, np.arange(4), np.ones(4), feats), feature_dim=8).next_ids is None
-    with pytest.raises(ShardError, match="must not hold target labels"):
-        decode_record(record, feature_dim=8, next_ids=False)
-    with pytest.raises(ShardError, match="must hold target labels"):
-        decode_record(encode_record(3, np.arange(4), np.ones(4), feats), feature_dim=8, next_ids=True)
-    with pytest.raises(ValueError, match="next_ids must be non-negative integer ids of shape"):
-        encode_record(3, np.arange(4), np.ones(4), feats, np.arange(3))
-
-
 def test_capture_with_target_labels_stores_the_targets_argmax(setup: Setup, tmp_path: Path) -> None:
     """With target_labels every record holds argmax(logits) at each position (the target's greedy next token),
     the features are unchanged, and the loader hands them out as "next_ids" (-1 on padding) only when asked."""
@@ -594,29 +546,6 @@ def test_manifest_written_before_target_labels_still_loads(setup: Setup, tmp_pat
 
 
 # ----------------------------------------------------------------------------- soft labels (data.labels: soft)
-
-
-def test_record_with_the_targets_top_k_round_trips_and_is_checked() -> None:
-    feats = np.ones((4, 8), BF16)
-    ids = np.arange(12).reshape(4, 3) + 100
-    probs = np.array([[0.5, 0.25, 0.125]] * 4)
-    record = encode_record(3, np.arange(4), np.array([0, 1, 1, 1]), feats, np.array([9, 8, 7, 6]), (ids, probs))
-    assert len(record) == record_size(4, 8, next_ids=True, topk=3) == record_size(4, 8, next_ids=True) + 4 * 3 * 6
-    sample = decode_record(record, feature_dim=8, sample_index=3, next_ids=True, topk=3)
-    np.testing.assert_array_equal(sample.next_ids, [9, 8, 7, 6])
-    np.testing.assert_array_equal(sample.topk_ids, ids)
-    np.testing.assert_array_equal(sample.topk_probs, probs)  # exact in float16
-    np.testing.assert_array_equal(sample.loss_mask, [0, 1, 1, 1])
-    assert decode_record(encode_record(3, np.arange(4), np.ones(4), feats, np.arange(4)), feature_dim=8,
-                         topk=0).topk_ids is None
-    with pytest.raises(ShardError, match="must hold the target's top-2"):
-        decode_record(record, feature_dim=8, topk=2)
-    with pytest.raises(ShardError, match="length must be"):
-        decode_record(record[:-1], feature_dim=8)
-    with pytest.raises(ValueError, match="topk must come with next_ids"):
-        encode_record(3, np.arange(4), np.ones(4), feats, None, (ids, probs))
-    with pytest.raises(ValueError, match="probabilities must lie in"):
-        encode_record(3, np.arange(4), np.ones(4), feats, np.arange(4), (ids, probs * 3))
 
 
 def test_capture_with_the_targets_top_k_stores_its_distribution(setup: Setup, tmp_path: Path) -> None:

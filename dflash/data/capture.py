@@ -3,7 +3,8 @@
 `capture(...)` computes exactly what the trainer computes online (`models.drafter.online_features` on the
 padded rows, docs/design.md §4.1: post-layer outputs of `layer_ids`, concatenated in id order), casts them to
 bfloat16 on device, and writes each sample's first n (real-token) positions with its tokens and loss mask
-through `data.shards.ShardWriter` (format, atomicity and resume rules are in that module's docstring).
+through `data.shards.ShardWriter` (atomicity and resume rules: its docstring; the record format:
+`data.records.encode_record`).
 
     examples (tokens int32[S], loss_mask float32[S], n)      `data.examples.build_examples` makes them
       -> shard i = samples [i*P, (i+1)*P)                      P = samples_per_shard; finished shards skipped
@@ -51,14 +52,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dflash.data.examples import Example
-from dflash.data.shards import (
-    FEATURE_DTYPE,
-    MANIFEST_VERSION,
-    Manifest,
-    Provenance,
-    ShardWriter,
-    writer_options,
-)
+from dflash.data.manifest import MANIFEST_VERSION, Manifest, Provenance
+from dflash.data.records import FEATURE_DTYPE
+from dflash.data.shards import ShardWriter, writer_options
 from dflash.models.config import DecoderConfig, check_layer_ids
 from dflash.models.decoder import forward
 from dflash.models.drafter import concat_features, online_features

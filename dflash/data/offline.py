@@ -23,7 +23,9 @@ import grain
 import numpy as np
 
 from dflash.data.batch import BatchLayout, SoftLabels, TargetLabels, TrainBatch
-from dflash.data.shards import BF16, Manifest, RecordSource, Sample, ShardError, load_manifest
+from dflash.data.manifest import Manifest, load_manifest
+from dflash.data.records import BF16, Sample, ShardError
+from dflash.data.shards import RecordSource
 
 _BAD = "bad_records"
 Counted = tuple[TrainBatch, int]  # a batch and the number of bad records replaced by padding in it
@@ -257,7 +259,7 @@ class OfflineBatches:
 
     bad_records: number of records skipped (replaced by padding rows) in the batches returned so far, on
       this host (hosts read different rows; a checkpoint keeps process 0's count, which is informational).
-    manifest: the capture's manifest (check it against the run with `data.shards.check_manifest`).
+    manifest: the capture's manifest (check it against the run with `data.manifest.check_manifest`).
     Close it (or use it as a context manager) to stop prefetch worker processes.
     """
 

@@ -23,8 +23,9 @@ import numpy as np
 from dflash.configs.recipe import Recipe
 from dflash.data.capture import CaptureReport, capture
 from dflash.data.examples import build_examples
+from dflash.data.manifest import Manifest, Provenance, load_manifest
 from dflash.data.regenerate import RegenStats, make_regen_engine, regenerate
-from dflash.data.shards import Manifest, Provenance, RecordSource, load_manifest
+from dflash.data.shards import RecordSource
 from dflash.data.sources import MixStats, mix, parse_mix
 from dflash.models.target import Target, load_target
 

@@ -3,7 +3,7 @@
 Layout under `<run_dir>/checkpoints/<step>/`:
 - `state/`: the `TrainState` pytree (fp32 master params, optimizer state, step, RNG key), sharded
   arrays written by every process, restored straight into the run's shardings;
-- `dflash/data/`:  the data iterator's state (JSON) taken right after the step's batch was drawn;
+- `data/`:  the data iterator's state (JSON) taken right after the step's batch was drawn;
 - `meta/`:  JSON: format version, the resolved drafter architecture, the recipe, target fingerprint.
 
 Saves are asynchronous (the step loop goes on while the arrays are written); Orbax writes into a

@@ -30,9 +30,9 @@ from dflash.configs.schema import ConfigError, require, to_dict
 from dflash.data.batch import TrainBatch, batch_layout
 from dflash.data.config import DataConfig
 from dflash.data.examples import build_examples, training_vocab
+from dflash.data.manifest import chat_template_hash, check_manifest, load_manifest
 from dflash.data.offline import make_offline_batches
 from dflash.data.online import make_batches
-from dflash.data.shards import chat_template_hash, check_manifest, load_manifest
 from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, init_from_target, target_init_layers
 from dflash.models.target import Target, load_target
 from dflash.train.checkpoint import Checkpointer
@@ -130,7 +130,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
         state = train_loop(cfg, run, state, shardings, start, ckpt, metrics, real_eval)
         eval_metrics = evaluate(recipe.data, cfg.num_anchors, run, state.params)
         if eval_metrics and is_main:
-            writer.write(cfg.steps, {f"dflash/eval/{k}": v for k, v in eval_metrics.items()})
+            writer.write(cfg.steps, {f"eval/{k}": v for k, v in eval_metrics.items()})
     finally:
         metrics.close()
         ckpt.close()
@@ -441,7 +441,7 @@ class StepMetrics:
             self.writer.write(step, metrics)
 
     def write_eval(self, step: int, metrics: dict[str, Any]) -> None:
-        """Log an in-loop real-τ evaluation (`dflash/eval/...` metrics) at `step` and show its τ on the bar."""
+        """Log an in-loop real-τ evaluation (`eval/...` metrics) at `step` and show its τ on the bar."""
         self.real_tau = metrics["eval/tau"]
         self.writer.write(step, metrics)
         self._postfix(**self._fields)

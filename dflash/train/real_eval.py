@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dflash.data.eval_sets import load_eval_set
-from dflash.data.shards import fsync_path, fsync_tree
+from dflash.files import fsync_path, fsync_tree
 from dflash.models.drafter import DFlashDrafter, DraftVocab
 from dflash.models.target import Target
 from dflash.models.tokenizer import ChatTokenizer
@@ -130,7 +130,7 @@ def save_best(run_dir: str | Path, drafter: DFlashDrafter, step: int, metrics: d
 
 class RealTauEval:
     """The loop's side of it: prompts built once per run, `due(step)`, and `__call__(step, params)` which
-    decodes, keeps `best` (resumed from best.json) and returns the metrics to log under `dflash/eval/`. Runs only
+    decodes, keeps `best` (resumed from best.json) and returns the metrics to log under `eval/`. Runs only
     with a single process (logs one warning and stays off otherwise)."""
 
     def __init__(self, cfg: TrainConfig, target: Target, graphdef: nnx.GraphDef, run_dir: Path,
@@ -158,7 +158,7 @@ class RealTauEval:
                  metrics["tau"], len(self.prompts), ", ".join(f"{k[4:]} {v:.2f}" for k, v in metrics.items()
                                                              if k.startswith("tau/")),
                  metrics["tokens"], metrics["seconds"], self.best["tau"], self.best["step"])
-        out = {f"dflash/eval/{k}": v for k, v in metrics.items() if k == "tau" or k.startswith("tau/")}
+        out = {f"eval/{k}": v for k, v in metrics.items() if k == "tau" or k.startswith("tau/")}
         out.update({f"eval/accept_pos_{i}": v for i, v in enumerate(metrics["accept_per_position"])})
         out["eval/tokens"], out["eval/seconds"] = metrics["tokens"], metrics["seconds"]
         return out
@@ -166,7 +166,7 @@ class RealTauEval:
 
 def eval_from_record(record: dict[str, Any]) -> dict[str, Any] | None:
     """A metrics.jsonl record's real-τ evaluation as {tau, tau_per_set, accept_per_position} (the inverse of
-    `RealTauEval`'s `dflash/eval/...` keys), or None for a record without one."""
+    `RealTauEval`'s `eval/...` keys), or None for a record without one."""
     if "eval/tau" not in record:
         return None
     sets = {k.removeprefix("eval/tau/"): v for k, v in record.items() if k.startswith("eval/tau/")}
