@@ -12,6 +12,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 import dflash.data.capture as capture_module
+from dflash.data.batch import BatchLayout, TrainBatch
 from dflash.data.capture import capture, examples_hash
 from dflash.data.manifest import (
     MANIFEST_NAME,
@@ -28,7 +30,7 @@ from dflash.data.manifest import (
     check_manifest,
     load_manifest,
 )
-from dflash.data.offline import PackedRows, make_offline_batches
+from dflash.data.offline import OfflineBatches, PackedRows, make_offline_batches
 from dflash.data.online import make_batches
 from dflash.data.records import BF16, HEADER_SIZE, ShardError, record_size
 from dflash.data.shards import READER_OPTIONS, RecordSource, iter_shard
@@ -294,7 +296,7 @@ def test_truncated_shard_is_named_before_iteration(setup: Setup, tmp_path: Path)
     shard = out / "shard-00001.array_record"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(ShardError, match=r"shard-00001\.array_record: shard must be \d+ bytes .*truncated"):
-        make_offline_batches(out, B, seed=0, seq_len=SEQ_LEN)
+        _offline(out, seed=0, seq_len=SEQ_LEN)
 
 
 def test_flipped_bytes_are_named_with_verify(setup: Setup, tmp_path: Path) -> None:
@@ -307,7 +309,7 @@ def test_flipped_bytes_are_named_with_verify(setup: Setup, tmp_path: Path) -> No
     with pytest.raises(ShardError, match=r"shard-00002\.array_record: shard sha256 must be .*corrupt shard"):
         load_manifest(out, verify=True)
     with pytest.raises(ShardError, match=r"shard-00002\.array_record: shard sha256"):
-        make_offline_batches(out, B, seed=0, seq_len=SEQ_LEN, verify=True)
+        _offline(out, seed=0, seq_len=SEQ_LEN, verify=True)
 
 
 # ----------------------------------------------------------------------------- the loader
@@ -324,31 +326,31 @@ def test_offline_batches_equal_online_batches(setup: Setup, shard_count: int) ->
     online_examples = [(t, m) for t, m, _ in setup.examples]
     for host in range(shard_count):
         online = make_batches(online_examples, B, seed=5, shard_index=host, shard_count=shard_count)
-        offline = make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN, shard_index=host,
+        offline = _offline(setup.capture_dir, seed=5, seq_len=SEQ_LEN, shard_index=host,
                                        shard_count=shard_count)
         for _ in range(8):  # past the end of the first epoch (6 or 3 global batches)
             expected, batch = next(online), next(offline)
-            assert set(batch) == {"tokens", "loss_mask", "features"}
-            assert batch["tokens"].dtype == np.int32 and batch["loss_mask"].dtype == np.float32
-            assert batch["features"].dtype == BF16 and batch["features"].shape == (B, SEQ_LEN, 128)
-            np.testing.assert_array_equal(batch["tokens"], expected["tokens"])
-            np.testing.assert_array_equal(batch["loss_mask"], expected["loss_mask"])
+            assert batch.label_kind == "text" and batch.segment_ids is None and batch.features is not None
+            assert batch.tokens.dtype == np.int32 and batch.loss_mask.dtype == np.float32
+            assert batch.features.dtype == BF16 and batch.features.shape == (B, SEQ_LEN, 128)
+            np.testing.assert_array_equal(batch.tokens, expected.tokens)
+            np.testing.assert_array_equal(batch.loss_mask, expected.loss_mask)
             # The trainer's online features of this very batch, cast to bf16: bit-equal on real positions
             # (same jitted function, rows independent of their batch); zero on padding, which no loss reads.
-            real = _real_positions(setup, batch["tokens"])
-            online_feats = _online_bf16(setup, batch["tokens"])
-            np.testing.assert_array_equal(batch["features"][real].view(np.uint16),
+            real = _real_positions(setup, batch.tokens)
+            online_feats = _online_bf16(setup, batch.tokens)
+            np.testing.assert_array_equal(batch.features[real].view(np.uint16),
                                           online_feats[real].view(np.uint16))
-            assert not batch["features"][~real].astype(np.float32).any()
+            assert not batch.features[~real].astype(np.float32).any()
         assert offline.bad_records == 0
 
 
 def test_shorter_seq_len_cuts_rows(setup: Setup) -> None:
-    batch = next(make_offline_batches(setup.capture_dir, B, seed=5, seq_len=16))
-    full = next(make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN))
-    assert batch["features"].shape == (B, 16, 128)
-    np.testing.assert_array_equal(batch["tokens"], full["tokens"][:, :16])
-    np.testing.assert_array_equal(batch["features"].view(np.uint16), full["features"][:, :16].view(np.uint16))
+    batch = next(_offline(setup.capture_dir, seed=5, seq_len=16))
+    full = next(_offline(setup.capture_dir, seed=5, seq_len=SEQ_LEN))
+    assert batch.features.shape == (B, 16, 128)
+    np.testing.assert_array_equal(batch.tokens, full.tokens[:, :16])
+    np.testing.assert_array_equal(batch.features.view(np.uint16), full.features[:, :16].view(np.uint16))
 
 
 def _corrupt_record(setup: Setup, tmp_path: Path, shard: int, record: int) -> Path:
@@ -373,26 +375,26 @@ def _corrupt_record(setup: Setup, tmp_path: Path, shard: int, record: int) -> Pa
 def test_bad_record_mid_epoch_is_named_or_skipped_and_counted(setup: Setup, tmp_path: Path) -> None:
     out = _corrupt_record(setup, tmp_path, shard=1, record=2)  # global sample 8
     load_manifest(out, verify=True)
-    batches = make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN)
+    batches = _offline(out, seed=5, seq_len=SEQ_LEN)
     with pytest.raises(ShardError, match=r"shard-00001\.array_record: record 2: length must be"):
         for _ in range(6):
             next(batches)
 
-    skipping = make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN, skip_bad_records=True)
-    clean = make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN)
+    skipping = _offline(out, seed=5, seq_len=SEQ_LEN, skip_bad_records=True)
+    clean = _offline(setup.capture_dir, seed=5, seq_len=SEQ_LEN)
     bad_first_token = int(setup.examples[8][0][0])
     replaced = 0
     for _ in range(12):  # two epochs: sample 8 is read twice
         batch, good = next(skipping), next(clean)
         for row in range(B):
-            if good["tokens"][row, 0] == bad_first_token:
+            if good.tokens[row, 0] == bad_first_token:
                 replaced += 1
-                assert (batch["tokens"][row] == PAD_ID).all() and not batch["loss_mask"][row].any()
-                assert not batch["features"][row].astype(np.float32).any()
+                assert (batch.tokens[row] == PAD_ID).all() and not batch.loss_mask[row].any()
+                assert not batch.features[row].astype(np.float32).any()
             else:
-                np.testing.assert_array_equal(batch["tokens"][row], good["tokens"][row])
-                np.testing.assert_array_equal(batch["features"][row].view(np.uint16),
-                                              good["features"][row].view(np.uint16))
+                np.testing.assert_array_equal(batch.tokens[row], good.tokens[row])
+                np.testing.assert_array_equal(batch.features[row].view(np.uint16),
+                                              good.features[row].view(np.uint16))
     assert replaced == 2 and skipping.bad_records == 2
     assert skipping.get_state() == {"next_index": 12, "bad_records": 2}
 
@@ -404,7 +406,7 @@ def test_corrupt_riegeli_chunk_is_named(setup: Setup, tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 4] ^= 0x01
     path.write_bytes(bytes(data))
-    batches = make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN)
+    batches = _offline(out, seed=5, seq_len=SEQ_LEN)
     with pytest.raises(ShardError, match=r"shard-00000\.array_record: record \d+"):
         for _ in range(6):
             next(batches)
@@ -415,25 +417,37 @@ def test_state_round_trip_resumes_exact_batches(setup: Setup, workers: int) -> N
     def run(iterator, count):
         return [next(iterator) for _ in range(count)]
 
-    with make_offline_batches(setup.capture_dir, B, seed=9, seq_len=SEQ_LEN, worker_count=workers) as original:
+    with _offline(setup.capture_dir, seed=9, seq_len=SEQ_LEN, worker_count=workers) as original:
         run(original, 4)
         state = json.loads(json.dumps(original.get_state()))
         assert state == {"next_index": 4, "bad_records": 0}
         expected = run(original, 4)
-    reference = make_offline_batches(setup.capture_dir, B, seed=9, seq_len=SEQ_LEN)
+    reference = _offline(setup.capture_dir, seed=9, seq_len=SEQ_LEN)
     assert all(_equal(a, b) for a, b in zip(run(reference, 8)[4:], expected, strict=True))
-    with make_offline_batches(setup.capture_dir, B, seed=9, seq_len=SEQ_LEN, worker_count=workers) as resumed:
+    with _offline(setup.capture_dir, seed=9, seq_len=SEQ_LEN, worker_count=workers) as resumed:
         resumed.set_state(state)
         assert all(_equal(a, b) for a, b in zip(run(resumed, 4), expected, strict=True))
         assert resumed.get_state() == {"next_index": 8, "bad_records": 0}
     # The state does not depend on the worker count: restore it into the other setting.
-    with make_offline_batches(setup.capture_dir, B, seed=9, seq_len=SEQ_LEN, worker_count=2 - workers) as other:
+    with _offline(setup.capture_dir, seed=9, seq_len=SEQ_LEN, worker_count=2 - workers) as other:
         other.set_state(state)
         assert all(_equal(a, b) for a, b in zip(run(other, 4), expected, strict=True))
 
 
-def _equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
-    return a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)
+def _equal(a: TrainBatch, b: TrainBatch) -> bool:
+    return (jax.tree.structure(a) == jax.tree.structure(b)
+            and all(np.array_equal(x.view(np.uint8), y.view(np.uint8))
+                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)))
+
+
+def _offline(shard_dir: Path, *, seed: int, seq_len: int, next_ids: bool = False, soft_topk: int = 0, pack: int = 0,
+             **kwargs: Any) -> OfflineBatches:
+    """`make_offline_batches` with B rows of this capture's 128-wide features, conversations cut to `seq_len`,
+    the labels of `next_ids` / `soft_topk` and rows of `pack` tokens when packing."""
+    labels = "soft" if soft_topk else "target" if next_ids else "text"
+    layout = BatchLayout(batch_size=B, seq_len=pack or seq_len, feature_dim=128, labels=labels, soft_topk=soft_topk,
+                         packed=bool(pack))
+    return make_offline_batches(shard_dir, layout, seed, seq_len=seq_len, **kwargs)
 
 
 # ----------------------------------------------------------------------------- packed rows (data.pack)
@@ -463,29 +477,29 @@ def test_packed_rows_hold_every_sample_once_per_epoch_whole_and_deterministic() 
 def test_packed_batches_lay_whole_samples_end_to_end_with_segment_ids(setup: Setup) -> None:
     by_first = {int(t[0]): (i, t, m, n) for i, (t, m, n) in enumerate(setup.examples)}
     source = RecordSource(setup.capture_dir, load_manifest(setup.capture_dir))
-    packed = make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN, pack=2 * SEQ_LEN)
+    packed = _offline(setup.capture_dir, seed=5, seq_len=SEQ_LEN, pack=2 * SEQ_LEN)
     seen: list[int] = []
     for _ in range(6):
         batch = next(packed)
-        assert set(batch) == {"tokens", "loss_mask", "features", "segment_ids"}
-        assert batch["tokens"].shape == batch["segment_ids"].shape == (B, 2 * SEQ_LEN)
-        assert batch["features"].shape == (B, 2 * SEQ_LEN, 128)
+        assert batch.label_kind == "text" and batch.segment_ids is not None and batch.features is not None
+        assert batch.tokens.shape == batch.segment_ids.shape == (B, 2 * SEQ_LEN)
+        assert batch.features.shape == (B, 2 * SEQ_LEN, 128)
         for row in range(B):
-            seg = batch["segment_ids"][row]
+            seg = batch.segment_ids[row]
             count = int(seg.max())
             assert count >= 1 and np.all(np.diff(seg[seg > 0]) == 0) == (count == 1)
             np.testing.assert_array_equal(seg[: (seg > 0).sum()], np.sort(seg[seg > 0]))  # 1, 2, ..., then padding
             for k in range(1, count + 1):
                 span = np.flatnonzero(seg == k)
-                index, tokens, mask, n = by_first[int(batch["tokens"][row, span[0]])]
+                index, tokens, mask, n = by_first[int(batch.tokens[row, span[0]])]
                 assert span.size == n and np.array_equal(span, np.arange(span[0], span[0] + n))
-                np.testing.assert_array_equal(batch["tokens"][row, span], tokens[:n])
-                np.testing.assert_array_equal(batch["loss_mask"][row, span], mask[:n])
+                np.testing.assert_array_equal(batch.tokens[row, span], tokens[:n])
+                np.testing.assert_array_equal(batch.loss_mask[row, span], mask[:n])
                 stored = source.read([index])[0].features
-                np.testing.assert_array_equal(batch["features"][row, span].view(np.uint16), stored.view(np.uint16))
+                np.testing.assert_array_equal(batch.features[row, span].view(np.uint16), stored.view(np.uint16))
                 seen.append(int(tokens[0]))
             pad = seg == 0
-            assert (batch["tokens"][row, pad] == PAD_ID).all() and not batch["loss_mask"][row, pad].any()
+            assert (batch.tokens[row, pad] == PAD_ID).all() and not batch.loss_mask[row, pad].any()
     rows = PackedRows(np.array([n for _, _, n in setup.examples]), 2 * SEQ_LEN, seed=5)
     first_epoch = rows.rows_per_epoch(0)
     assert first_epoch < NUM_SAMPLES  # rows do hold several samples
@@ -493,11 +507,11 @@ def test_packed_batches_lay_whole_samples_end_to_end_with_segment_ids(setup: Set
     # Resume by state: the same batches as reading on.
     state = packed.get_state()
     expected = [next(packed) for _ in range(2)]
-    resumed = make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN, pack=2 * SEQ_LEN)
+    resumed = _offline(setup.capture_dir, seed=5, seq_len=SEQ_LEN, pack=2 * SEQ_LEN)
     resumed.set_state(state)
     assert all(_equal(a, next(resumed)) for a in expected)
     with pytest.raises(ValueError, match="pack must be 0 or a row length >= seq_len=32"):
-        make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN, pack=16)
+        _offline(setup.capture_dir, seed=5, seq_len=SEQ_LEN, pack=16)
 
 
 # ----------------------------------------------------------------------------- target labels (data.labels: target)
@@ -520,16 +534,16 @@ def test_capture_with_target_labels_stores_the_targets_argmax(setup: Setup, tmp_
     for (_, _, n), sample, want, before in zip(setup.examples, stored, expected, plain, strict=True):
         np.testing.assert_array_equal(sample.next_ids, want[:n])
         np.testing.assert_array_equal(sample.features.view(np.uint16), before.features.view(np.uint16))
-    batch = next(make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN, next_ids=True))
-    real = _real_positions(setup, batch["tokens"])
-    assert batch["next_ids"].dtype == np.int32 and (batch["next_ids"][~real] == -1).all()
+    batch = next(_offline(out, seed=5, seq_len=SEQ_LEN, next_ids=True))
+    real = _real_positions(setup, batch.tokens)
+    assert batch.next_ids.dtype == np.int32 and (batch.next_ids[~real] == -1).all()
     rows = {int(t[0]): i for i, (t, _, _) in enumerate(setup.examples)}
-    for row, tokens in enumerate(batch["tokens"]):
+    for row, tokens in enumerate(batch.tokens):
         n = int(real[row].sum())
-        np.testing.assert_array_equal(batch["next_ids"][row, :n], expected[rows[int(tokens[0])], :n])
-    assert "next_ids" not in next(make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN))
+        np.testing.assert_array_equal(batch.next_ids[row, :n], expected[rows[int(tokens[0])], :n])
+    assert next(_offline(out, seed=5, seq_len=SEQ_LEN)).labels is None
     with pytest.raises(ValueError, match="does not hold"):
-        make_offline_batches(setup.capture_dir, B, seed=5, seq_len=SEQ_LEN, next_ids=True)
+        _offline(setup.capture_dir, seed=5, seq_len=SEQ_LEN, next_ids=True)
     with pytest.raises(ManifestMismatchError, match="target_labels"):
         check_manifest(load_manifest(setup.capture_dir), target_labels=True)
     with pytest.raises(ManifestMismatchError, match="target_labels"):  # resuming with the other setting
@@ -542,7 +556,7 @@ def test_manifest_written_before_target_labels_still_loads(setup: Setup, tmp_pat
     del raw["target_labels"]
     (out / MANIFEST_NAME).write_text(json.dumps(raw))
     assert load_manifest(out).target_labels is False
-    assert next(make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN))["tokens"].shape == (B, SEQ_LEN)
+    assert next(_offline(out, seed=5, seq_len=SEQ_LEN)).tokens.shape == (B, SEQ_LEN)
 
 
 # ----------------------------------------------------------------------------- soft labels (data.labels: soft)
@@ -569,15 +583,15 @@ def test_capture_with_the_targets_top_k_stores_its_distribution(setup: Setup, tm
         np.testing.assert_array_equal(sample.next_ids, order[:, 0])
         np.testing.assert_allclose(sample.topk_probs, np.take_along_axis(p[:n], order, -1), rtol=2e-3, atol=1e-6)
     for pack in (0, 2 * SEQ_LEN):
-        batch = next(make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN, next_ids=True, soft_topk=k, pack=pack))
-        assert batch["soft_ids"].shape == batch["soft_probs"].shape == (B, pack or SEQ_LEN, k)
-        assert batch["soft_ids"].dtype == np.int32 and batch["soft_probs"].dtype == np.float32
-        pad = batch["next_ids"] < 0
-        assert pad.any() and not batch["soft_probs"][pad].any() and not batch["soft_ids"][pad].any()
+        batch = next(_offline(out, seed=5, seq_len=SEQ_LEN, next_ids=True, soft_topk=k, pack=pack))
+        assert batch.labels.ids.shape == batch.labels.probs.shape == (B, pack or SEQ_LEN, k)
+        assert batch.labels.ids.dtype == np.int32 and batch.labels.probs.dtype == np.float32
+        pad = batch.next_ids < 0
+        assert pad.any() and not batch.labels.probs[pad].any() and not batch.labels.ids[pad].any()
         real = ~pad
-        np.testing.assert_array_equal(batch["soft_ids"][real][:, 0], batch["next_ids"][real])
+        np.testing.assert_array_equal(batch.labels.ids[real][:, 0], batch.next_ids[real])
     with pytest.raises(ValueError, match="does not hold"):
-        make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN, next_ids=True, soft_topk=k + 1)
+        _offline(out, seed=5, seq_len=SEQ_LEN, next_ids=True, soft_topk=k + 1)
     with pytest.raises(ManifestMismatchError, match="target_topk"):
         check_manifest(manifest, target_topk=k + 1)
-    assert "soft_ids" not in next(make_offline_batches(out, B, seed=5, seq_len=SEQ_LEN, next_ids=True))
+    assert next(_offline(out, seed=5, seq_len=SEQ_LEN, next_ids=True)).label_kind == "target"
