@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from dflash.data.batch import BatchLayout, TrainBatch
-from dflash.data.chat_tokens import pad_batch_example, tokenize_conversation
-from dflash.data.online import make_batches, steps_per_epoch, tokenize_examples
+from dflash.data.chat_tokens import pad_batch_example, tokenize_conversation, tokenize_rows
+from dflash.data.online import make_batches
 from dflash.data.packaged import gsm8k_answer_text, gsm8k_path, load_gsm8k
 from dflash.models.registry import default_gguf_path
 from dflash.models.tokenizer import ChatTokenizer, load_tokenizer
@@ -27,6 +27,11 @@ TWO_TURNS = [
 @pytest.fixture(scope="module")
 def tok() -> ChatTokenizer:
     return load_tokenizer(default_gguf_path())
+
+
+def steps_per_epoch(num_examples: int, batch_size: int, shard_count: int = 1) -> int:
+    """Whole batches per host in one epoch of `num_examples` (the global batch is batch_size * shard_count)."""
+    return num_examples // (batch_size * shard_count)
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -121,9 +126,10 @@ def test_pad_batch_example() -> None:
         pad_batch_example(np.zeros(3, np.int32), np.zeros(3, np.float32), seq_len=2, pad_id=0)
 
 
-def test_tokenize_examples_skips_all_zero_masks(tok: ChatTokenizer) -> None:
+def test_tokenize_rows_skips_all_zero_masks(tok: ChatTokenizer) -> None:
     long_user = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
-    examples, num_skipped = tokenize_examples(tok, [TWO_TURNS, long_user, TWO_TURNS[:2]], seq_len=128)
+    rows, num_skipped = tokenize_rows(tok, [TWO_TURNS, long_user, TWO_TURNS[:2]], seq_len=128)
+    examples = [(tokens, mask) for tokens, mask, _ in rows]
     assert num_skipped == 1 and len(examples) == 2
     for tokens, loss_mask in examples:
         assert tokens.shape == loss_mask.shape == (128,)

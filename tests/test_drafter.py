@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import GOLDEN
 from flax import nnx
+from reference import block_positions, mask_token_embeds
 
 from dflash.configs.schema import ConfigError
 from dflash.models import decoder
@@ -18,13 +19,11 @@ from dflash.models.drafter import (
     BlockVisibility,
     DFlashDrafter,
     DrafterConfig,
-    block_positions,
     block_token_ids,
     concat_features,
     drafter_logits,
     hf_tensor_names,
     init_from_target,
-    mask_token_embeds,
     param_count,
     resolve_drafter,
     target_init_layers,

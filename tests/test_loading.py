@@ -17,12 +17,17 @@ from dflash.models.loading import (
     load_gguf,
     load_hf_dir,
     load_weights,
-    permute_llama_rows,
     unpermute_llama_rows,
 )
 from dflash.models.registry import resolve_source
 
 TOL = 1e-4
+
+
+def permute_llama_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permutation (rotate-half -> interleaved), the inverse of `unpermute_llama_rows`."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def write_gguf_from_hf(case: str, path, permute: bool = True) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import GOLDEN
 from flax import nnx
+from reference import split_drafter
 
 from dflash.data.batch import TrainBatch
 from dflash.models.decoder import embed
@@ -17,7 +18,7 @@ from dflash.models.loading import load_hf_dir
 from dflash.serve.engine import Engine, decode
 from dflash.serve.speculative import propose
 from dflash.train.objective import Objective, build_blocks_batch
-from dflash.train.step import StepInputs, drafter_loss, previous_ids, split_drafter, train_head
+from dflash.train.step import StepInputs, drafter_loss, previous_ids, train_head
 
 K = 4
 MAX_LEN = 128

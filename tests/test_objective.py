@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import batch_of, head, labelled
+from reference import batch_of, head, labelled, visible_batch
 
 from dflash.train.objective import (
     Blocks,
@@ -23,7 +23,6 @@ from dflash.train.objective import (
     sample_anchors_batch,
     valid_anchor_positions,
     visible,
-    visible_batch,
 )
 
 MASK = 99

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from reference import batch_of
+from reference import batch_of, split_drafter
 
 from dflash.data.batch import TrainBatch
 from dflash.models.decoder import embed, forward
@@ -33,7 +33,6 @@ from dflash.train.step import (
     make_optimizer,
     make_schedule,
     make_train_step,
-    split_drafter,
     train_head,
 )
 

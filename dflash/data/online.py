@@ -11,36 +11,13 @@ this relies on: docs/decisions.md D12.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
-
 import grain
 import numpy as np
 
 from dflash.data.batch import TrainBatch
-from dflash.data.chat_tokens import tokenize_rows
-from dflash.models.tokenizer import ChatTokenizer
 
 # (tokens int32[S], loss_mask float32[S]) per example, all with the same S.
 TokenizedExamples = list[tuple[np.ndarray, np.ndarray]]
-
-
-def tokenize_examples(
-    tok: ChatTokenizer,
-    conversations: Iterable[Sequence[dict[str, Any]]],
-    seq_len: int,
-    *,
-    pad_id: int | None = None,
-) -> tuple[TokenizedExamples, int]:
-    """(examples, num_skipped): `data.chat_tokens.tokenize_rows` without the lengths (truncated to
-    `seq_len`, padded with `pad_id` (default: the first stop token), all-zero-mask conversations skipped)."""
-    rows, num_skipped = tokenize_rows(tok, conversations, seq_len, pad_id=pad_id)
-    return [(tokens, mask) for tokens, mask, _ in rows], num_skipped
-
-
-def steps_per_epoch(num_examples: int, batch_size: int, shard_count: int = 1) -> int:
-    """Whole batches per host in one epoch of `num_examples` (the global batch is batch_size * shard_count)."""
-    return num_examples // (batch_size * shard_count)
 
 
 def make_batches(

@@ -4,7 +4,6 @@ did under `dflash eval`, and the lines that serve it in vLLM, SGLang and transfo
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -169,8 +168,4 @@ def render_card(arch: DrafterArch, *, fmt: str, dtype: str, step: int | None, be
     return "\n".join(lines)
 
 
-def param_total(tensors_shapes: dict[str, tuple[int, ...]]) -> int:
-    return sum(math.prod(s) for s in tensors_shapes.values())
-
-
-__all__ = ["KNOWN_TARGETS", "find_results", "param_total", "read_results", "render_card", "target_id"]
+__all__ = ["KNOWN_TARGETS", "find_results", "read_results", "render_card", "target_id"]

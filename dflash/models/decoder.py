@@ -122,7 +122,8 @@ class KVCacheLike(Protocol):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseKVCache:
-    """Contiguous per-sequence cache: k, v [L, B, T, Hk, Dh]; lengths [B] = tokens held per sequence.
+    """Contiguous per-sequence cache: k, v [L, B, T, Hk, Dh]; lengths [B] = tokens held per sequence. The reference
+    cache: the engine runs on the paged one (`serve.paged.PagedKVCache`), which the tests hold equal to this.
 
     Slot t of sequence b holds the token at cache index t; slots >= lengths[b] are stale and invisible,
     so rolling back is just lowering `lengths`.
@@ -277,7 +278,7 @@ def forward(params: Params, cfg: DecoderConfig, tokens_BxS: jax.Array, positions
 
 
 def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxT: jax.Array, positions_BxT: jax.Array,
-                   cache: Any, layer_ids: tuple[int, ...] = (),
+                   cache: KVCacheLike, layer_ids: tuple[int, ...] = (),
                    logits_at_BxI: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
     """Append a chunk of T tokens per sequence to `cache` and return (logits [B,T,V], features, cache).
 
@@ -317,7 +318,8 @@ def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxT: jax.Array, po
 
 
 def check_capacity(lengths: np.ndarray, chunk: int, capacity: int) -> None:
-    """Host-side guard: appending `chunk` tokens must fit in the cache (no silent clamped writes)."""
+    """Host-side guard for a `DenseKVCache` caller: appending `chunk` tokens must fit in the cache (no silent
+    clamped writes). The paged cache checks its own capacity (`serve.paged.PageTable.ensure`)."""
     worst = int(np.max(lengths)) + chunk
     if worst > capacity:
         raise ValueError(

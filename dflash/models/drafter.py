@@ -1,5 +1,6 @@
 """The DFlash block-diffusion drafter (docs/design.md §4.1) in Flax NNX, and what it borrows from the frozen target:
-its features (`online_features`), its embedding table (`mask_token_embeds`) and its LM head (`drafter_logits`).
+its features (`online_features`), its embedding table (the block's ids, `block_token_ids`, embedded with
+`models.decoder.embed`) and its LM head (`drafter_logits`, or `draft_head_rows` for a draft vocabulary).
 
 `DFlashDrafter.__call__` is the training forward over N packed blocks; `context_kv` + `draft_block` are the
 inference path (the engine caches the context K/V). Architecture and visibility: `DFlashDrafter`; z-lab
@@ -27,7 +28,6 @@ from dflash.models.decoder import (
     Params,
     apply_rope,
     attend,
-    embed,
     forward,
     head_matrix,
     logits_from_normed,
@@ -395,8 +395,8 @@ class DFlashDrafter(nnx.Module):
     - with `arch.markov_rank` > 0, a `MarkovHead` (`markov`) on the normed output: slot k's hidden state also
       sees the block's previous token (`with_previous`).
 
-    Holds no embedding and no LM head: block embeddings come from the target's table
-    (`mask_token_embeds`) and logits from the target's head (`drafter_logits`). Parameter paths map one
+    Holds no embedding and no LM head: block embeddings come from the target's table (the train step embeds
+    `Blocks.block_ids`, the engine `block_token_ids`) and logits from the target's head. Parameter paths map one
     to one onto the z-lab HF tensor names (`hf_tensor_names`; an `nnx.Linear` `kernel` [in, out] is the
     HF `weight` [out, in] transposed).
     """
@@ -540,17 +540,6 @@ def block_token_ids(start_tokens_B: jax.Array, block_size: int, mask_token_id: i
     b = start_tokens_B.shape[0]
     masks = jnp.full((b, block_size - 1), mask_token_id, dtype=start_tokens_B.dtype)
     return jnp.concatenate([start_tokens_B[:, None], masks], axis=1)
-
-
-def block_positions(starts_B: jax.Array, block_size: int) -> jax.Array:
-    """Block positions [B, K] = start .. start+K-1."""
-    return starts_B[:, None].astype(jnp.int32) + jnp.arange(block_size, dtype=jnp.int32)[None, :]
-
-
-def mask_token_embeds(target_params: Params, start_tokens_B: jax.Array, block_size: int,
-                      mask_token_id: int) -> jax.Array:
-    """Block embeddings [B, K, D] from the target's (frozen) embedding table."""
-    return embed(target_params, block_token_ids(start_tokens_B, block_size, mask_token_id))
 
 
 def draft_head_rows(target_params: Params, target_cfg: DecoderConfig, token_ids: Any) -> jax.Array:

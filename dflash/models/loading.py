@@ -241,12 +241,6 @@ def unpermute_llama_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def permute_llama_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's permutation (rotate-half -> interleaved), the inverse of `unpermute_llama_rows`."""
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _gguf_reader(path: Path):
     import gguf
 

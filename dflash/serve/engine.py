@@ -174,6 +174,7 @@ class Engine:
             raise ValueError(f"slots must be >= 1; received {slots}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1; received {page_size}")
+        self.proposer: Proposer
         if block_size is None:
             drafter, self.proposer = None, NoDrafts()
         elif drafter is None:

@@ -22,7 +22,15 @@ from flax import nnx
 
 from dflash.models.config import DecoderConfig
 from dflash.models.decoder import Params, embed, forward_cached
-from dflash.models.drafter import KV, DFlashDrafter, DrafterArch, concat_features, draft_head_rows, drafter_logits
+from dflash.models.drafter import (
+    KV,
+    DFlashDrafter,
+    DrafterArch,
+    block_token_ids,
+    concat_features,
+    draft_head_rows,
+    drafter_logits,
+)
 from dflash.serve.paged import PagedKVCache, PageTable
 from dflash.serve.sampling import SamplingRows, row_logprobs
 
@@ -201,8 +209,8 @@ def propose(models: Models, state: SpecState, block_size: int, span: int | None 
 
     span: context slots the drafter attends over (static; default: all). Every L must be <= span."""
     drafter = models.drafter()
-    b, k = state.pending.shape[0], block_size
-    ids = jnp.concatenate([state.pending[:, None], jnp.full((b, k - 1), drafter.arch.mask_token_id, jnp.int32)], 1)
+    k = block_size
+    ids = block_token_ids(state.pending, k, drafter.arch.mask_token_id)
     positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     span = state.draft.k.shape[2] if span is None else min(span, state.draft.k.shape[2])
     ctx_valid = jnp.arange(span)[None, :] < state.lengths[:, None]

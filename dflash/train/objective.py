@@ -218,12 +218,6 @@ def visible(anchor_of_query_Q: jax.Array, block_of_query_Q: jax.Array, ctx_valid
     return jnp.concatenate([ctx_QxS, blk_QxQ], axis=1)
 
 
-def visible_batch(anchor_of_query_BxQ: jax.Array, block_of_query_BxQ: jax.Array, ctx_valid_BxS: jax.Array,
-                  key_block_BxQ: jax.Array) -> jax.Array:
-    """`visible` per row: bool [B, Q, S+Q]."""
-    return jax.vmap(visible)(anchor_of_query_BxQ, block_of_query_BxQ, ctx_valid_BxS, key_block_BxQ)
-
-
 # ----------------------------------------------------------------------------- loss
 
 
@@ -613,5 +607,4 @@ __all__ = [
     "sample_anchors_batch",
     "valid_anchor_positions",
     "visible",
-    "visible_batch",
 ]

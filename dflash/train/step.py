@@ -26,7 +26,7 @@ from flax import nnx
 from dflash.data.batch import TrainBatch
 from dflash.models.config import DecoderConfig
 from dflash.models.decoder import Params, embed, head_matrix
-from dflash.models.drafter import BlockVisibility, DFlashDrafter, DrafterArch, draft_head_rows, online_features
+from dflash.models.drafter import BlockVisibility, DrafterArch, draft_head_rows, online_features
 from dflash.train.objective import (
     Blocks,
     Objective,
@@ -102,17 +102,10 @@ def current_lr(opt_state: optax.OptState) -> jax.Array:
     return jnp.asarray(opt_state[1].hyperparams["learning_rate"], jnp.float32)
 
 
-def split_drafter(drafter: DFlashDrafter) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, params) of a drafter; it must hold nothing but `nnx.Param`s."""
-    graphdef, params = nnx.split(drafter, nnx.Param)
-    return graphdef, params
-
-
 def init_state(params: nnx.State, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
     """A fresh state: fp32 copies of the drafter params, `optimizer.init`, step 0 and `rng`."""
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32), rng=rng)
-
 
 
 # ----------------------------------------------------------------------------- the frozen head
@@ -360,7 +353,6 @@ __all__ = [
     "make_schedule",
     "make_train_step",
     "previous_ids",
-    "split_drafter",
     "train_head",
     "train_step",
 ]
