@@ -200,7 +200,8 @@ def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_ho
                    hidden_size=target.cfg.hidden_size, seq_len=data.seq_len,
                    target_labels=True if data.labels != "text" else None,
                    target_topk=data.soft_topk if data.labels == "soft" else None)
-    layout = batch_layout(data, per_host, arch.num_features * arch.hidden_size)
+    width = arch.num_features * arch.hidden_size  # stored features, whatever data.features says of training
+    layout = dataclasses.replace(batch_layout(data, per_host, width), feature_dim=width)
     batches = make_offline_batches(shard_dir, layout, data.shuffle_seed, seq_len=data.seq_len,
                                    shard_index=jax.process_index(), shard_count=jax.process_count(),
                                    worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records)
