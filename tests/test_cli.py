@@ -11,6 +11,7 @@ from dflash.launch.cli import main
 from dflash.models.registry import shipped_drafter_path
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_demo_runs_on_the_tiny_preset(capsys, tmp_path):
     argv = ["demo", "--config", "tiny", "--no-progress", "--prompt", "What is 2+2?", f"train.run_dir={tmp_path}",

@@ -36,6 +36,7 @@ def data_dir(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_regenerate_then_capture_writes_what_training_reads(data_dir, capsys):
     records = [json.loads(line) for line in (data_dir / "regenerated.jsonl").read_text().splitlines()]
@@ -88,6 +89,7 @@ def test_online_and_offline_batches_are_equal(data_dir, smollm2_target):
         offline.close()
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_offline_training_runs_and_a_mismatched_capture_is_refused(data_dir, tmp_path, capsys, caplog):
     run = ["train", *_args(data_dir), "data.features=offline", f"train.run_dir={tmp_path / 'run'}",
@@ -125,6 +127,7 @@ def test_offline_training_runs_and_a_mismatched_capture_is_refused(data_dir, tmp
     assert "shard-00001.array_record" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_target_labels_are_captured_and_trained_on(data_dir, tmp_path, capsys):
     """data.labels=target: the capture also stores the target's next tokens, offline training reads them, a
@@ -148,6 +151,7 @@ def test_target_labels_are_captured_and_trained_on(data_dir, tmp_path, capsys):
     assert "data.labels must be 'text' with data.features=online" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_soft_labels_are_captured_and_trained_on(data_dir, tmp_path, capsys):
     """data.labels=soft: the capture stores the target's top-k, offline training (padded and packed rows)

@@ -42,6 +42,7 @@ def _all_pages_free(engine: Engine) -> bool:
             and all(not engine.table.pages(s) for s in range(engine.slots)))
 
 
+@pytest.mark.slow
 def test_a_thousand_requests_leak_no_pages(setup):
     target_cfg, target_params, drafter = setup
     # 3 slots, page_size 4: a worst case of 12 + 6 + 4 = 22 tokens takes 6 pages; 14 usable pages.

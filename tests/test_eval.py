@@ -48,6 +48,7 @@ def served(tiny, tmp_path_factory):
         yield results, paths, out, (url, ar_url, settings)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_cli_over_server_subprocesses_writes_the_report(tiny, tmp_path):
     _, _, _, directory = tiny

@@ -49,6 +49,7 @@ def _live(arch, seed: int) -> DFlashDrafter:
     return drafter
 
 
+@pytest.mark.slow
 def test_a_new_markov_head_is_plain_dflash(setup):
     """down_proj starts at zero: the same weights without the head propose the same tokens."""
     target_cfg, target_params, arch, prompts = setup

@@ -73,6 +73,7 @@ def _final(run_dir: Path) -> tuple[object, dict]:
     return jax.device_get(state), data_state
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_two_processes_train_like_one_process_with_the_same_devices(tmp_path):
     logs = tmp_path / "logs"

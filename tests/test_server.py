@@ -44,6 +44,7 @@ def _ar_text(target, question: str, max_tokens: int) -> str:
     return target.tokenizer.decode([t for t in out if t not in target.tokenizer.stop_token_ids])
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_thirty_two_concurrent_chat_clients_get_ar_answers(server):
     srv, url, target = server

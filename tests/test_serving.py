@@ -32,6 +32,7 @@ def _built(recipe, options):
         server.server_close()
 
 
+@pytest.mark.slow
 def test_build_server_wires_the_recipe_and_the_options(tmp_path):
     recipe = load_recipe("tiny")
     drafter = DFlashDrafter(load_target(recipe.target).drafter_arch(recipe.drafter), nnx.Rngs(0))

@@ -57,6 +57,7 @@ def _assert_trees_equal(got, want, what: str) -> None:
         assert np.array_equal(value, want[path]), f"{path} differs ({what})"
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_real_tau_is_logged_at_its_steps_and_the_best_drafter_is_kept(runs, smollm2_target):
     result, _ = runs
@@ -84,6 +85,7 @@ def test_real_tau_is_logged_at_its_steps_and_the_best_drafter_is_kept(runs, smol
     assert again["tau"] == best["tau"] and again["accept_per_position"] == best["accept_per_position"]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_real_tau_does_not_change_training(runs):
     result, plain = runs
@@ -94,6 +96,7 @@ def test_real_tau_does_not_change_training(runs):
     assert {r["step"]: r["loss"] for r in read_metrics(result.run_dir) if "loss" in r} == losses
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_resumed_run_compares_with_the_recorded_best_and_replaces_it_whole(runs, smollm2_target, tmp_path):
     run_dir = shutil.copytree(runs[0].run_dir, tmp_path / "run")

@@ -174,6 +174,7 @@ def _eval(graphdef, params, target_cfg, target_params, batch, arch) -> tuple[flo
     return float(loss), float(metrics["acceptance_length"])
 
 
+@pytest.mark.slow
 def test_overfits_a_fixed_batch(setup):
     """60 steps at lr 3e-3 on one greedy-continuation batch: held-fixed-anchor loss halves, acceptance rises."""
     target_cfg, target_params, arch = setup

@@ -262,6 +262,7 @@ def test_a_nan_stops_the_run_naming_the_step_and_saves_nothing(smollm2_target, t
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
 
 
+@pytest.mark.slow
 def test_init_from_starts_a_fresh_run_from_another_drafter(tmp_path):
     """train.init_from: the new run's step-0 params are the given drafter's (a run dir here); another
     architecture is refused naming the field."""
@@ -302,6 +303,7 @@ def test_init_from_starts_a_fresh_run_from_another_drafter(tmp_path):
     np.testing.assert_allclose(np.asarray(headed.markov.down_proj.kernel[...]), 0.0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_k_curriculum_phases_and_a_run_through_them(tmp_path):
     """train.curriculum_block_size: the first phase trains k-slot blocks on K/k times the sequences per update
     (the same block tokens per step), then the drafter's K; both phases train one set of params; bad values
