@@ -9,8 +9,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiled programs persist on disk, keyed by program, JAX version, backend and flags (so an entry is never stale),
 # shared by the xdist workers and by the `dflash` subprocesses the tests start (they inherit the environment):
 # the suite compiles the same SmolLM2 and tiny-model programs in many modules, and jax.clear_caches() below only
-# clears the in-memory cache. tests/test_engine.py alone: 86 s cold, 18 s warm;
-# caching every small program too (threshold 0) made the whole suite slower, so only compiles over 1 s are kept (docs/decisions.md D44).
+# clears the in-memory cache. tests/test_engine.py alone: 86 s cold, 18 s warm; caching every small program too
+# (threshold 0) made the whole suite slower, so only compiles over 1 s are kept (docs/decisions.md D44).
 _CACHE = Path(__file__).resolve().parent.parent / ".cache" / "jax-tests"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")  # big programs only: small ones cost more

@@ -12,6 +12,8 @@ from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from dflash.models.loading import load_hf_dir
 from dflash.serve.autoblock import candidate_ks, expected_tokens, pick_block_size, step_costs
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
 
 def test_candidates_and_expected_tokens():
     assert candidate_ks(8) == [1, 2, 3, 4, 6, 8]

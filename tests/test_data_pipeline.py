@@ -20,6 +20,9 @@ from dflash.launch.cli import main
 from dflash.models.drafter import online_features
 from dflash.train.loop import _offline_batches
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 ONLINE = ["data.source=regenerated"]
 
 
@@ -61,6 +64,7 @@ def test_regenerate_then_capture_writes_what_training_reads(data_dir, capsys):
     assert "<|im_start|>assistant\n\u27e6" in out and "<|im_end|>\u27e7" in out
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_online_and_offline_batches_are_equal(data_dir, smollm2_target):
     """For the same rows, seed and batch size: identical tokens and masks; stored features equal the online

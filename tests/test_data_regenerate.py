@@ -33,6 +33,9 @@ from dflash.models.target import Target
 from dflash.models.tokenizer import load_tokenizer
 from dflash.serve.engine import decode
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 MAX_LEN = 256
 MAX_NEW = 24
 IM_END = 2
@@ -111,6 +114,7 @@ def _spy(engine, monkeypatch) -> list[list[int]]:
     return prompts
 
 
+@pytest.mark.slow
 def test_greedy_equals_direct_ar_turn_by_turn(target, engines, tmp_path, monkeypatch):
     tok = target.tokenizer
     items = _items(6)

@@ -39,6 +39,9 @@ from dflash.models.decoder import forward
 from dflash.models.drafter import online_features
 from dflash.models.loading import load_hf_dir, weights_fingerprint
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 LAYER_IDS = (1, 3)
 SEQ_LEN = 32
 NUM_SAMPLES = 24

@@ -9,6 +9,9 @@ from conftest import GOLDEN
 from dflash.models import decoder
 from dflash.models.loading import load_hf_dir
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 TOL = 1e-4
 
 

@@ -31,6 +31,9 @@ from dflash.models.drafter import (
 )
 from dflash.models.loading import load_hf_dir
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 TOL = 1e-5
 ROPE_SHIFT_TOL = 1e-4  # relative-position invariance at shifted absolute positions (fp32 sin/cos error)
 K = 4

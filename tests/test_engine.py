@@ -12,6 +12,9 @@ from dflash.models.loading import load_hf_dir
 from dflash.serve.engine import Engine, decode
 from dflash.serve.sampling import SamplingConfig
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 MAX_LEN = 128
 
 

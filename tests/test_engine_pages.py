@@ -13,6 +13,9 @@ from dflash.serve import speculative
 from dflash.serve.engine import Engine, decode
 from dflash.serve.sampling import SamplingConfig
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 MAX_LEN = 32
 K = 4
 

@@ -22,6 +22,9 @@ from dflash.models.target import load_target
 from dflash.models.zlab import save_zlab
 from dflash.serve.engine import decode
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 ROOT = Path(__file__).resolve().parents[1]
 NEW = 8
 
@@ -175,6 +178,7 @@ def test_report_statistics_on_known_records():
     assert final_answer("x = \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}" and final_answer("no digits") is None
 
 
+@pytest.mark.slow
 def test_run_eval_starts_one_server_at_a_time(tiny, served, monkeypatch, tmp_path):
     """`dflash eval --drafter` starts its DFlash server, sends it every request, stops it, and only then
     starts the AR server: on an accelerator host two servers would claim the same chips. The results are

@@ -34,6 +34,9 @@ from dflash.models.speculators import speculators_config
 from dflash.models.zlab import zlab_config
 from dflash.serve.engine import decode
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 TARGET_DIR = GOLDEN / "tiny" / "llama3_scaled_untied"
 STEP = 3
 

@@ -24,6 +24,9 @@ from test_export import _drafter_that_drafts, _make_run
 from dflash.export.hub import HubError
 from dflash.export.run import export_run
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 GOOD_TOKEN = "hf_good_token_for_the_stand_in"
 
 

@@ -26,6 +26,9 @@ from dflash.models.loading import load_hf_dir
 from dflash.models.speculators import speculators_config
 from dflash.models.zlab import hf_tensors, zlab_config
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 FIXTURE = GOLDEN / "export"
 TOL = 1e-4
 VERIFIER = "golden/tiny/llama3_scaled_untied"

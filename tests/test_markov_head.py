@@ -20,6 +20,9 @@ from dflash.serve.speculative import propose
 from dflash.train.objective import Objective, build_blocks_batch
 from dflash.train.step import StepInputs, drafter_loss, previous_ids, train_head
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 K = 4
 MAX_LEN = 128
 NEW = 20

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multihost_worker.py"
 DIST_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "DFLASH_DISTRIBUTED")

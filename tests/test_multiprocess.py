@@ -18,6 +18,9 @@ from dflash.launch.cli import main
 from dflash.train.checkpoint import Checkpointer
 from dflash.train.metrics import read_metrics
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
 DIST_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")

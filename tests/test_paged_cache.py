@@ -12,6 +12,9 @@ from dflash.models import decoder
 from dflash.models.loading import load_hf_dir
 from dflash.serve.paged import NULL_PAGE, OutOfPagesError, PagedKVCache, PagePool, PageTable
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 TOL = 1e-5
 
 

@@ -35,6 +35,9 @@ from dflash.launch.compile import (
 from dflash.launch.tpus import parse_tpu_type
 from dflash.train.sharding import AXES, mesh_shape
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 POD_RECIPES = ("qwen3_8b", "qwen3_4b", "llama31_8b", "llama31_8b_widek")
 LARGE = 1 << 20  # elements
 
@@ -85,6 +88,7 @@ def test_the_train_step_fits_hbm_on_a_simulated_mesh_of_the_slice(name):
     assert report.fits(step), report.format()
 
 
+@pytest.mark.slow
 def test_compile_report_end_to_end_on_the_tiny_recipe(tmp_path, capsys):
     out = tmp_path / "report.json"
     code = main(["launch", "compile", "--recipe", "tiny", "--topology", "v5p-8", "--backend", "cpu",

@@ -15,6 +15,9 @@ from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from dflash.serve.engine import Engine, decode
 from dflash.serve.http import make_server
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 MAX_LEN = 512
 QUESTIONS = ["What is 2+2?", "Name a color.", "Say hi.", "What is the capital of France?", "Count to three.",
              "What is a cat?", "Give me a number.", "Is water wet?"]
@@ -111,6 +114,7 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, path, pa
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_sampled_and_greedy_requests_share_the_engine(server):
     """Per-request rules: sampled requests run beside greedy ones; a seed reproduces its answer, the greedy

@@ -16,6 +16,9 @@ import pytest
 from dflash.serve.engine import Engine
 from dflash.serve.http import make_server
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 MAX_LEN = 256
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -215,6 +218,7 @@ def test_a_client_gone_mid_stream_frees_its_slot_without_a_traceback(server, cap
     _still_serves(url)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_lm_eval_local_chat_completions_runs_a_local_task(server, tmp_path):
     """A third-party client as users run it: lm-evaluation-harness's `local-chat-completions` model on a local

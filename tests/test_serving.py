@@ -13,6 +13,8 @@ from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import load_target
 from dflash.models.zlab import save_zlab
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
 
 def test_block_size_is_checked_at_construction():
     for k in (0, 2, 8, "auto"):

@@ -8,6 +8,9 @@ import pytest
 
 from dflash.models.registry import SHIPPED_DRAFTERS, shipped_drafter_path
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 SHIPPED = SHIPPED_DRAFTERS / "smollm2-dflash"
 
 

@@ -14,6 +14,9 @@ from conftest import GOLDEN
 from dflash.models import decoder
 from dflash.serve.engine import decode
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 CHATS = json.loads((GOLDEN / "smollm2_chat.json").read_text())["chats"]
 
 

@@ -20,6 +20,9 @@ from dflash.models.loading import load_hf_dir
 from dflash.serve.engine import decode
 from dflash.serve.sampling import SamplingConfig
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 TRAIN_K = 16
 MAX_LEN = 256
 NEW = 24
@@ -126,6 +129,7 @@ def test_bad_block_size_is_refused(setup):
         decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=32)
 
 
+@pytest.mark.slow
 def test_a_trained_checkpoint_loads_into_the_engine(setup, tmp_path):
     """A drafter saved by the trainer's Checkpointer loads back exactly and decodes exactly alike."""
     import jax

@@ -21,6 +21,8 @@ from dflash.train.step import make_optimizer, make_train_step, train_head, train
 
 QWEN3_VOCAB = 151_936
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
 
 def _target_cfg(vocab: int = 512) -> DecoderConfig:
     return DecoderConfig(family="qwen3", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=4,

@@ -21,6 +21,10 @@ from dflash.train.real_eval import RealTauEval, eval_prompts, real_tau
 from dflash.train.sharding import path_str
 
 STEPS, EVERY, TOKENS = 8, 4, 8
+
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 COMMON = [f"train.steps={STEPS}", "train.batch_size=8", f"train.eval_tokens={TOKENS}", "train.eval_prompts=1"]
 
 

@@ -18,6 +18,9 @@ import pytest
 from dflash.train.checkpoint import Checkpointer
 from dflash.train.metrics import read_metrics
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
 

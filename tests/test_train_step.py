@@ -36,6 +36,9 @@ from dflash.train.step import (
     train_head,
 )
 
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 LAYER_IDS = (1, 3)
 K, N, S, B = 4, 4, 32, 2
 MASK_ID = 255  # a token id inside the tiny vocab (256)

@@ -35,6 +35,10 @@ from dflash.train.sharding import (
 from dflash.train.step import init_state, make_optimizer, make_train_step, train_head
 
 K, N, S, B = 4, 4, 32, 4
+
+pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
+
+
 LAYER_IDS = (1, 3)
 MASK_ID = 255
 GOLDEN_STEP = Path(__file__).parent / "golden" / "train_one_step.json"
@@ -245,6 +249,7 @@ def test_bf16_compute_keeps_fp32_master_params(tiny):
     assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_nan_stops_the_run_naming_the_step_and_saves_nothing(smollm2_target, tmp_path):
     import dataclasses
