@@ -41,7 +41,7 @@ LAYER_IDS = (1, 3)
 MASK_ID = 255
 
 
-@pytest.fixture(scope="module", params=["qwen3_untied", "llama_tied"])
+@pytest.fixture(scope="module", params=["qwen3_untied", pytest.param("llama_tied", marks=pytest.mark.slow)])
 def setup(request):
     """(target cfg, target params, drafter, target features [B, S, F*D], tokens [B, S])."""
     target_cfg, target_params = load_hf_dir(GOLDEN / "tiny" / request.param)

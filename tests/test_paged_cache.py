@@ -18,7 +18,7 @@ pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not i
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["qwen3_untied", "llama3_scaled_untied"])
+@pytest.fixture(scope="module", params=["qwen3_untied", pytest.param("llama3_scaled_untied", marks=pytest.mark.slow)])
 def model(request):
     cfg, params = load_hf_dir(GOLDEN / "tiny" / request.param)
     return cfg, jax.tree.map(jnp.asarray, params)

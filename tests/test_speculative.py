@@ -56,7 +56,7 @@ def _oracle(prompts, ar, wrong: bool):
     return draft
 
 
-@pytest.mark.parametrize("k", [2, 4, 8, 16])
+@pytest.mark.parametrize("k", [2, 4, pytest.param(8, marks=pytest.mark.slow), 16])  # every K: `bin/test --all`
 def test_greedy_dflash_equals_ar_batch_4(setup, k):
     target_cfg, target_params, drafter, prompts, ar = setup
     results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=k)
