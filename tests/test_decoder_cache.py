@@ -15,7 +15,8 @@ pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not i
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llama3_scaled_untied", "qwen3_qknorm_tied"])
+@pytest.fixture(scope="module",
+                params=[pytest.param("llama3_scaled_untied", marks=pytest.mark.slow), "qwen3_qknorm_tied"])
 def model(request):
     cfg, params = load_hf_dir(GOLDEN / "tiny" / request.param)
     ref = np.load(GOLDEN / "tiny" / request.param / "reference.npz")

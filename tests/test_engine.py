@@ -36,7 +36,8 @@ def _ar(target_cfg, target_params, prompt, budget, stop_ids=()):
     return done.token_ids
 
 
-@pytest.mark.parametrize("block_size", [None, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("block_size", [pytest.param(None, marks=pytest.mark.slow), 4,
+                                        pytest.param(8, marks=pytest.mark.slow)])
 def test_requests_joining_and_leaving_equal_ar_alone(setup, block_size):
     target_cfg, target_params, drafter, requests = setup
     engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=block_size)

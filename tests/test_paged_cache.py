@@ -87,7 +87,7 @@ def test_prefill_then_decode(model):
     assert len(pair.table.pages(0)) == 7 and pair.pool.num_free == 19 - 14
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_chunked_appends(model, page_size):
     cfg = model[0]
     tokens = _tokens(2, 40, cfg.vocab_size, seed=1)

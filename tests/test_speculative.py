@@ -56,7 +56,8 @@ def _oracle(prompts, ar, wrong: bool):
     return draft
 
 
-@pytest.mark.parametrize("k", [2, 4, pytest.param(8, marks=pytest.mark.slow), 16])  # every K: `bin/test --all`
+@pytest.mark.parametrize("k", [2, 4, pytest.param(8, marks=pytest.mark.slow),
+                               pytest.param(16, marks=pytest.mark.slow)])  # every K: `bin/test --all`
 def test_greedy_dflash_equals_ar_batch_4(setup, k):
     target_cfg, target_params, drafter, prompts, ar = setup
     results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=k)
@@ -231,6 +232,7 @@ def test_zlab_directory_round_trip_decodes_identically(setup, tmp_path):
         load_zlab(tmp_path / "zlab", dataclasses.replace(target_cfg, hidden_size=target_cfg.hidden_size * 2))
 
 
+@pytest.mark.slow  # test_engine_pages checks the same bound on page-table changes in the default tier
 def test_compiled_shapes_stay_bounded_over_a_long_generation(setup):
     """Prompts of many lengths compile one prefill per power-of-two bucket; a long generation compiles
     propose and verify once per power-of-two attention span for a fixed (batch, K): at most
