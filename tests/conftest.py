@@ -46,3 +46,16 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+# The files that take longest in the default tier (--durations, 2026-12-04), longest first. They are collected
+# first so that pytest-xdist (`--dist loadfile` hands out files in collection order) starts them early, and the
+# short files fill the other worker around them instead of one long file running alone at the end.
+_LONGEST_FIRST = ("test_train_resume.py", "test_eval.py", "test_engine.py", "test_speculative.py",
+                  "test_shipped_drafter.py", "test_export.py", "test_train_step.py", "test_data_regenerate.py",
+                  "test_trainer.py", "test_server.py", "test_engine_pages.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order is kept otherwise
