@@ -266,3 +266,56 @@ def test_stable_text_only_grows_and_ends_as_the_non_streamed_answer(setup):
         assert done.text == done.stable_text == expected, (rid, done.stop_strings)
         assert all(expected.startswith(s) for s in seen)
     assert sum(engine.done[rid].finish_reason == "stop" for rid in cases) >= len(cases) // 2
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_logprobs_are_the_targets_own_for_greedy_and_sampled_requests(setup, block_size):
+    """Generated and prompt log-probabilities (and the top alternatives) equal a plain full forward of the
+    target over prompt + output, in fp32, for AR and DFlash, greedy and sampled requests sharing steps; a
+    neighbour that asks for none gets none."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash.models.decoder import forward
+
+    target_cfg, target_params, drafter, requests = setup
+    chosen = [requests[1], requests[3], requests[0]]
+    greedy = {tuple(p): p + _ar(target_cfg, target_params, p, budget) for p, budget in chosen}
+    engine = None
+
+    def oracle(state, k):  # drafts from the greedy continuation: whole blocks accepted, sampled rows mixed
+        lengths = np.asarray(state.lengths)
+        drafts = np.zeros((len(lengths), k - 1), np.int32)
+        for slot, request in engine.running.items():
+            seq = greedy[tuple(request.prompt_ids)][lengths[slot] + 1:lengths[slot] + k]
+            drafts[slot, :len(seq)] = seq
+        return drafts
+
+    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=block_size,
+                    draft_fn=oracle if block_size else None)
+    rules = [None, SamplingConfig(temperature=0.9, top_k=30), None]
+    ids = [engine.submit(p, budget, seed=3 + i, sampling=rule, logprobs=[5, 20, None][i],
+                         prompt_logprobs=[3, None, None][i])
+           for i, ((p, budget), rule) in enumerate(zip(chosen, rules, strict=True))]
+    done = engine.run()
+    assert done[ids[2]].token_logprobs == [] and done[ids[2]].prompt_logprobs == []
+    for rid, n in zip(ids[:2], (5, 20), strict=True):
+        request = done[rid]
+        full = request.prompt_ids + request.token_ids
+        logits, _ = forward(target_params, target_cfg, jnp.asarray([full], jnp.int32))
+        lp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
+        start = len(request.prompt_ids) - 1
+        assert len(request.token_logprobs) == len(request.top_logprobs) == len(request.token_ids)
+        for i, token in enumerate(request.token_ids):
+            row = lp[start + i]
+            np.testing.assert_allclose(request.token_logprobs[i], row[token], atol=1e-5)
+            top_ids, top_values = zip(*request.top_logprobs[i], strict=True)
+            np.testing.assert_allclose(top_values, -np.sort(-row)[:n], atol=1e-5)
+            np.testing.assert_allclose(row[list(top_ids)], top_values, atol=1e-5)
+        if rid == ids[0]:
+            assert request.prompt_logprobs[0] is None and request.prompt_top_logprobs[0] == []
+            np.testing.assert_allclose(request.prompt_logprobs[1:],
+                                       [lp[j - 1, t] for j, t in enumerate(request.prompt_ids) if j], atol=1e-5)
+            assert all(len(top) == 3 for top in request.prompt_top_logprobs[1:])
+    if block_size is not None:  # verify steps that accepted drafts were scored at the right positions too
+        assert sum(done[ids[0]].accepted) > 0
