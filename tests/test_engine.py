@@ -319,3 +319,25 @@ def test_logprobs_are_the_targets_own_for_greedy_and_sampled_requests(setup, blo
             assert all(len(top) == 3 for top in request.prompt_top_logprobs[1:])
     if block_size is not None:  # verify steps that accepted drafts were scored at the right positions too
         assert sum(done[ids[0]].accepted) > 0
+
+
+def test_after_precompile_no_request_compiles(setup):
+    """precompile runs every prefill length (a max_len that is no power of two caps the last bucket) and every
+    attention span, with and without log-probabilities; requests of any prompt length, budget and kind then
+    compile nothing."""
+    target_cfg, target_params, drafter, requests = setup
+    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=48, block_size=4, page_size=8)
+    count, seconds = engine.precompile()
+    # prefill lengths 16, 32, 48 x (plain, logprobs); spans of 1, 2, 4, 6 pages x (verify, verify with logprobs,
+    # propose); the activation update once
+    assert count == engine.compiles == 3 * 2 + 4 * 3 + 1 and seconds > 0
+    assert not engine.busy and engine.pool.num_free == engine.pool.num_usable
+    rng = np.random.default_rng(9)
+    for i, (n, budget) in enumerate([(1, 3), (15, None), (17, 5), (33, 10), (43, 1), (30, None)]):
+        prompt = [int(t) for t in rng.integers(0, 255, size=n)]
+        engine.submit(prompt, budget, seed=i, logprobs=3 if i % 3 == 0 else None,
+                      prompt_logprobs=2 if i % 4 == 1 else None,
+                      sampling=SamplingConfig(temperature=0.7) if i % 2 else None)
+    done = engine.run()
+    assert len(done) == 6 and all(r.finish_reason == "length" for r in done.values())
+    assert engine.compiles == count  # nothing compiled inside a request
