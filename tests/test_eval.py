@@ -115,7 +115,7 @@ def test_an_interrupted_eval_resumes_sending_only_what_is_missing(served):
     resumed, _ = evaluate(url, ar_url, settings, out, progress=False)
     added = [json.loads(line) for line in path.read_text().splitlines()[len(kept):]]
     assert [(r["kind"], r.get("id"), r.get("turn")) for r in added] == [
-        ("reply", "mtbench:0", 0), ("reply", "mtbench:0", 1), ("wall", None, None)]
+        ("reply", "mtbench:0", 0), ("reply", "mtbench:0", 1), ("wall", None, None), ("compiles", None, None)]
     assert resumed["headline"]["tau"] == again["headline"]["tau"]
 
 
