@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import GOLDEN
@@ -9,7 +11,7 @@ from flax import nnx
 
 from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from dflash.models.loading import load_hf_dir
-from dflash.serve.engine import Engine, decode
+from dflash.serve.engine import Engine, RequestRejected, decode
 from dflash.serve.sampling import SamplingConfig
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
@@ -78,15 +80,68 @@ def test_sampled_output_does_not_depend_on_the_batch(setup):
         assert done[rid].token_ids == alone.token_ids, rid
 
 
-def test_bad_requests_are_refused(setup):
-    target_cfg, target_params, drafter, _ = setup
+def test_bad_requests_are_refused_naming_the_field_and_a_normal_one_still_runs(setup):
+    target_cfg, target_params, drafter, requests = setup
     engine = Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4)
-    with pytest.raises(ValueError, match="empty prompt"):
-        engine.submit([], 4)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        engine.submit([1, 2], 0)
-    with pytest.raises(ValueError, match="must fit the context"):
-        engine.submit([1] * 100, 40)
+    vocab = target_cfg.vocab_size
+    cases = [  # (submit's arguments, the field named, a piece of the message)
+        (([], 4), {}, "prompt_ids", "at least one token"),
+        (([1, 2], 0), {}, "max_new_tokens", "received 0"),
+        (([1] * 100, 40), {}, "max_new_tokens", "context length max_len (128 tokens)"),
+        (([1] * 126, None), {}, "prompt_ids", "max_len (128 tokens)"),
+        (([1, 2**31], 4), {}, "prompt_ids", "prompt_ids[1] must be a token id in [0, 256)"),
+        (([1, vocab], 4), {}, "prompt_ids", f"received {vocab}"),
+        (([-1, 2], 4), {}, "prompt_ids", "received -1"),
+        (([1, 2], 4), {"sampling": SamplingConfig(temperature=1.0, top_k=2**31)}, "sampling.top_k", str(2**31)),
+        (([1, 2], 4), {"seed": 2**63}, "seed", "[0, 2**63)"),
+        (([1, 2], 4), {"seed": -1}, "seed", "received -1"),
+        (([1, 2], 4), {"logprobs": 21}, "logprobs", "[0, 20]"),
+        (([1, 2], 4), {"prompt_logprobs": -1}, "prompt_logprobs", "[0, 20]"),
+        (([1, 2], 4), {"stop_ids": [2**40]}, "stop_ids", "stop_ids[0]"),
+    ]
+    for args, kwargs, field, piece in cases:
+        with pytest.raises(RequestRejected, match=re.escape(piece)) as caught:
+            engine.submit(*args, **kwargs)
+        assert caught.value.field == field, (args, kwargs)
+        assert "65536" not in str(caught.value) and "bucket" not in str(caught.value)
+    assert not engine.queue  # nothing refused was queued
+    prompt, _ = requests[0]
+    rid = engine.submit(prompt, 6)
+    assert engine.run()[rid].token_ids == _ar(target_cfg, target_params, prompt, 6)
+
+
+def test_no_budget_means_until_the_context_is_full(setup):
+    target_cfg, target_params, _, requests = setup
+    engine = Engine(target_params, target_cfg, None, slots=1, max_len=48)
+    prompt = requests[0][0]  # 5 tokens: 48 - 5 - K(1) = 42 new tokens fit
+    rid = engine.submit(prompt, None)
+    done = engine.run()[rid]
+    assert len(done.token_ids) == 42 and done.finish_reason == "length"
+
+
+def test_a_request_whose_host_side_work_fails_ends_alone(setup):
+    """A detokenizer that raises on one request's tokens: that request ends with finish_reason "error"; the
+    neighbours sharing its steps keep exactly their AR tokens, and the engine serves the next request."""
+    target_cfg, target_params, drafter, requests = setup
+    (victim, v_budget), (other, o_budget) = requests[1], requests[3]
+    v_ar, o_ar = _ar(target_cfg, target_params, victim, v_budget), _ar(target_cfg, target_params, other, o_budget)
+    poison = next(t for t in v_ar[2:] if t not in o_ar)
+
+    def detokenize(ids):
+        if poison in ids:
+            raise KeyError(f"token {poison} has no text")
+        return _text(ids)
+
+    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=4, detokenize=detokenize)
+    bad, good = engine.submit(victim, v_budget), engine.submit(other, o_budget)
+    done = engine.run()
+    assert done[bad].finish_reason == "error" and f"token {poison} has no text" in done[bad].error
+    assert poison in done[bad].token_ids and len(done[bad].token_ids) < v_budget
+    assert done[good].token_ids == o_ar and done[good].finish_reason == "length" and done[good].error is None
+    assert done[good].text == _text(o_ar) == done[good].stable_text
+    assert engine.pool.num_free == engine.pool.num_usable and not engine.running
+    again = engine.submit(other, 5)
+    assert engine.run()[again].token_ids == o_ar[:5]
 
 
 def _text(ids):
@@ -164,3 +219,125 @@ def test_cancel_frees_the_slot_and_its_pages_and_spares_the_neighbours(setup):
     assert done[ids[1]].finish_reason == done[ids[2]].finish_reason == "cancelled" and not done[ids[2]].token_ids
     assert done[ids[0]].token_ids == _ar(target_cfg, target_params, *requests[0])
     assert engine.pool.num_free == engine.pool.num_usable
+
+
+def _bytes_text(ids):
+    """The tiny vocabulary as bytes, decoded as UTF-8: multi-byte characters span tokens, and an unfinished one
+    ends the text as U+FFFD until its last byte arrives."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _non_streamed(ar, stops):
+    """The answer of a request whose greedy tokens are `ar`: its text cut before the first stop string found."""
+    for end in range(1, len(ar) + 1):
+        text = _bytes_text(ar[:end])
+        hits = [s for s in stops if s in text]
+        if hits:
+            return text[:min(text.index(s) for s in hits)]
+    return _bytes_text(ar)
+
+
+def test_stable_text_only_grows_and_ends_as_the_non_streamed_answer(setup):
+    """Many prompts x stop strings (spanning tokens, partial matches, absent ones, several at once): after every
+    step each request's stable_text extends the previous one (what a stream sends), never shows the start of a
+    stop string that later matches, and ends equal to the text a non-streamed request returns."""
+    target_cfg, target_params, drafter, requests = setup
+    engine = Engine(target_params, target_cfg, drafter, slots=4, max_len=MAX_LEN, block_size=4,
+                    detokenize=_bytes_text)
+    cases = {}
+    for prompt, budget in [requests[i] for i in (0, 1, 3, 4)]:
+        ar = _ar(target_cfg, target_params, prompt, budget)
+        full = _bytes_text(ar)
+        stop_sets = [(full[i:i + w],) for i, w in [(1, 3), (4, 2), (len(full) // 2, 4), (len(full) - 3, 3)]]
+        stop_sets += [("zzzq",), (full[2:4] + "\x00\x00", full[6:9]), (full[3], full[-2:] + "#")]
+        for stops in stop_sets:
+            stops = tuple(s for s in stops if s) or ("\x00\x01",)
+            rid = engine.submit(prompt, budget, stop_strings=stops)
+            cases[rid] = (_non_streamed(ar, stops), [""])
+    while engine.busy:
+        engine.step()
+        for request in [*engine.running.values(), *engine.done.values()]:
+            seen = cases[request.request_id][1]
+            assert request.stable_text.startswith(seen[-1]), request.request_id
+            assert request.text.startswith(request.stable_text)
+            seen.append(request.stable_text)
+    for rid, (expected, seen) in cases.items():
+        done = engine.done[rid]
+        assert done.text == done.stable_text == expected, (rid, done.stop_strings)
+        assert all(expected.startswith(s) for s in seen)
+    assert sum(engine.done[rid].finish_reason == "stop" for rid in cases) >= len(cases) // 2
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_logprobs_are_the_targets_own_for_greedy_and_sampled_requests(setup, block_size):
+    """Generated and prompt log-probabilities (and the top alternatives) equal a plain full forward of the
+    target over prompt + output, in fp32, for AR and DFlash, greedy and sampled requests sharing steps; a
+    neighbour that asks for none gets none."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash.models.decoder import forward
+
+    target_cfg, target_params, drafter, requests = setup
+    chosen = [requests[1], requests[3], requests[0]]
+    greedy = {tuple(p): p + _ar(target_cfg, target_params, p, budget) for p, budget in chosen}
+    engine = None
+
+    def oracle(state, k):  # drafts from the greedy continuation: whole blocks accepted, sampled rows mixed
+        lengths = np.asarray(state.lengths)
+        drafts = np.zeros((len(lengths), k - 1), np.int32)
+        for slot, request in engine.running.items():
+            seq = greedy[tuple(request.prompt_ids)][lengths[slot] + 1:lengths[slot] + k]
+            drafts[slot, :len(seq)] = seq
+        return drafts
+
+    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=block_size,
+                    draft_fn=oracle if block_size else None)
+    rules = [None, SamplingConfig(temperature=0.9, top_k=30), None]
+    ids = [engine.submit(p, budget, seed=3 + i, sampling=rule, logprobs=[5, 20, None][i],
+                         prompt_logprobs=[3, None, None][i])
+           for i, ((p, budget), rule) in enumerate(zip(chosen, rules, strict=True))]
+    done = engine.run()
+    assert done[ids[2]].token_logprobs == [] and done[ids[2]].prompt_logprobs == []
+    for rid, n in zip(ids[:2], (5, 20), strict=True):
+        request = done[rid]
+        full = request.prompt_ids + request.token_ids
+        logits, _ = forward(target_params, target_cfg, jnp.asarray([full], jnp.int32))
+        lp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
+        start = len(request.prompt_ids) - 1
+        assert len(request.token_logprobs) == len(request.top_logprobs) == len(request.token_ids)
+        for i, token in enumerate(request.token_ids):
+            row = lp[start + i]
+            np.testing.assert_allclose(request.token_logprobs[i], row[token], atol=1e-5)
+            top_ids, top_values = zip(*request.top_logprobs[i], strict=True)
+            np.testing.assert_allclose(top_values, -np.sort(-row)[:n], atol=1e-5)
+            np.testing.assert_allclose(row[list(top_ids)], top_values, atol=1e-5)
+        if rid == ids[0]:
+            assert request.prompt_logprobs[0] is None and request.prompt_top_logprobs[0] == []
+            np.testing.assert_allclose(request.prompt_logprobs[1:],
+                                       [lp[j - 1, t] for j, t in enumerate(request.prompt_ids) if j], atol=1e-5)
+            assert all(len(top) == 3 for top in request.prompt_top_logprobs[1:])
+    if block_size is not None:  # verify steps that accepted drafts were scored at the right positions too
+        assert sum(done[ids[0]].accepted) > 0
+
+
+def test_after_precompile_no_request_compiles(setup):
+    """precompile runs every prefill length (a max_len that is no power of two caps the last bucket) and every
+    attention span, with and without log-probabilities; requests of any prompt length, budget and kind then
+    compile nothing."""
+    target_cfg, target_params, drafter, requests = setup
+    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=48, block_size=4, page_size=8)
+    count, seconds = engine.precompile()
+    # prefill lengths 16, 32, 48 x (plain, logprobs); spans of 1, 2, 4, 6 pages x (verify, verify with logprobs,
+    # propose); the activation update once
+    assert count == engine.compiles == 3 * 2 + 4 * 3 + 1 and seconds > 0
+    assert not engine.busy and engine.pool.num_free == engine.pool.num_usable
+    rng = np.random.default_rng(9)
+    for i, (n, budget) in enumerate([(1, 3), (15, None), (17, 5), (33, 10), (43, 1), (30, None)]):
+        prompt = [int(t) for t in rng.integers(0, 255, size=n)]
+        engine.submit(prompt, budget, seed=i, logprobs=3 if i % 3 == 0 else None,
+                      prompt_logprobs=2 if i % 4 == 1 else None,
+                      sampling=SamplingConfig(temperature=0.7) if i % 2 else None)
+    done = engine.run()
+    assert len(done) == 6 and all(r.finish_reason == "length" for r in done.values())
+    assert engine.compiles == count  # nothing compiled inside a request

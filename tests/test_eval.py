@@ -65,6 +65,7 @@ def test_cli_over_server_subprocesses_writes_the_report(tiny, tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["schema"] == "dflash-eval/1" and set(results["sets"]) == {"gsm8k", "mtbench"}
     assert results["headline"]["mismatches"] == 0 and results["settings"]["block_size"] == 8
+    assert results["compiles"] == {"dflash": 0, "ar": 0}  # `dflash serve` precompiled at start-up
     assert 1.0 <= results["headline"]["tau"] <= 8.0
     assert "DFlash vs AR:" in (out / "report.md").read_text()
     for name in ("acceptance_by_position.png", "tau_per_set.png", "concurrency.png"):
@@ -97,6 +98,7 @@ def test_served_tau_equals_the_in_process_engine(tiny, served):
     pooled = [a for r in dflash.values() for a in r["accepted"]]
     assert results["headline"]["tau"] == pytest.approx(sum(a + 1 for a in pooled) / len(pooled))
     assert results["headline"]["mismatches"] == 0
+    assert results["compiles"] == {"dflash": 0, "ar": 0}  # the servers precompiled: nothing compiled while timed
 
 
 def test_an_interrupted_eval_resumes_sending_only_what_is_missing(served):
@@ -113,7 +115,7 @@ def test_an_interrupted_eval_resumes_sending_only_what_is_missing(served):
     resumed, _ = evaluate(url, ar_url, settings, out, progress=False)
     added = [json.loads(line) for line in path.read_text().splitlines()[len(kept):]]
     assert [(r["kind"], r.get("id"), r.get("turn")) for r in added] == [
-        ("reply", "mtbench:0", 0), ("reply", "mtbench:0", 1), ("wall", None, None)]
+        ("reply", "mtbench:0", 0), ("reply", "mtbench:0", 1), ("wall", None, None), ("compiles", None, None)]
     assert resumed["headline"]["tau"] == again["headline"]["tau"]
 
 
@@ -132,7 +134,7 @@ def test_a_rerun_against_another_drafter_measures_it_again(tiny, served, tmp_pat
     assert set(setups) == {"dflash", "ar"} and setups["ar"]["drafter"] is None
     assert setups["dflash"]["drafter"] and setups["dflash"]["max_new_tokens"] == NEW
     other = DFlashDrafter(target.drafter_arch(recipe.drafter), nnx.Rngs(1))
-    with serve_in_process(target, other, slots=2, max_len=recipe.target.max_seq_len) as url:
+    with serve_in_process(target, other, slots=2, max_len=recipe.target.max_seq_len, precompile=False) as url:
         evaluate(url, ar_url, settings, copy, progress=False)
     after = list(RecordStore(copy / "records.jsonl").records.values())
     new = {r["mode"]: r["setup"] for r in after if r["kind"] == "setup"}
@@ -198,7 +200,8 @@ def test_run_eval_starts_one_server_at_a_time(tiny, served, monkeypatch, tmp_pat
         live[0] += 1
         most[0] = max(most[0], live[0])
         try:
-            with serve_in_process(target, None if ar else drafter, slots=2, max_len=recipe.target.max_seq_len) as url:
+            with serve_in_process(target, None if ar else drafter, slots=2, max_len=recipe.target.max_seq_len,
+                                  precompile=False) as url:
                 yield url
         finally:
             live[0] -= 1

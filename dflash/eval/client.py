@@ -72,6 +72,29 @@ class Client:
             raise ServerError(f"GET {self.url}{path} answered {response.status}: {body[:300]!r}")
         return json.loads(body)
 
+    def text(self, path: str) -> str:
+        """GET `path` as text (e.g. /metrics)."""
+        conn = self._conn()
+        try:
+            conn.request("GET", self.prefix + path, headers=self.headers)
+            response = conn.getresponse()
+            body = response.read()
+        except OSError as err:
+            raise ServerError(f"{self.url}{path} could not be reached ({err})") from err
+        finally:
+            conn.close()
+        if response.status != 200:
+            raise ServerError(f"GET {self.url}{path} answered {response.status}: {body[:300]!r}")
+        return body.decode("utf-8", errors="replace")
+
+    def compiles(self) -> int | None:
+        """The programs the server's engine compiled so far (`dflash_compiles_total` at /metrics); None when the
+        server does not report it."""
+        for line in self.text("/metrics").splitlines():
+            if line.startswith("dflash_compiles_total "):
+                return int(float(line.split()[1]))
+        return None
+
     def model(self) -> str:
         """The id of the served model (`GET /v1/models`)."""
         return self.get("/v1/models")["data"][0]["id"]

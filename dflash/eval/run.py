@@ -6,12 +6,15 @@
 `run_eval` (what `dflash eval` runs) starts the servers it needs ONE AT A TIME: the DFlash server serves all
 its requests and stops, then the AR server starts; on an accelerator host both would claim the same chips.
 
-A warm-up request per set (not recorded) lets each server compile first. Each conversation's turns go one
-after another (MT-Bench's second turn follows the model's own first answer); conversations run
-`concurrency` at a time. Every reply is one fsynced JSONL line keyed by (mode, concurrency, item id, turn),
-so a rerun into the same directory sends only what is missing. Each mode's records start with the setup they
-were made with (the server's model, K, drafter fingerprint and the token budget): a rerun against another
-drafter, or with another budget, drops that mode's old records instead of reporting them as its own.
+A warm-up request per set (not recorded) lets each server compile first (a `dflash serve` precompiles every
+shape at start-up anyway); the engine's compile count (`dflash_compiles_total` at /metrics) is read before and
+after each timed segment, and results.json records the difference per mode (`compiles`; it must be 0). Each
+conversation's turns go one after another (MT-Bench's second turn follows the model's own first answer);
+conversations run `concurrency` at a time. Every reply is one fsynced JSONL line keyed by (mode, concurrency,
+item id, turn), so a rerun into the same directory sends only what is missing. Each mode's records start with
+the setup they were made with (the server's model, K, drafter fingerprint and the token budget): a rerun
+against another drafter, or with another budget, drops that mode's old records instead of reporting them as
+its own.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ def _run_mode(client: Client, mode: str, concurrency: int, items: Sequence[EvalI
     if not todo:
         return
     model = client.model()
+    compiles_before = client.compiles()
     bar = tqdm(total=sum(len(i.turns) for i in todo), desc=f"{mode} c={concurrency}", unit="reply",
                disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter()
@@ -145,6 +149,14 @@ def _run_mode(client: Client, mode: str, concurrency: int, items: Sequence[EvalI
     previous = store.records.get(("wall", mode, concurrency, None, None), {"seconds": 0.0, "tokens": 0})
     store.add({"kind": "wall", "mode": mode, "concurrency": concurrency,
                "seconds": previous["seconds"] + seconds, "tokens": previous["tokens"] + tokens})
+    compiles_after = client.compiles()
+    grown = None if compiles_before is None or compiles_after is None else compiles_after - compiles_before
+    earlier = store.records.get(("compiles", mode, concurrency, None, None), {"count": 0})["count"]
+    store.add({"kind": "compiles", "mode": mode, "concurrency": concurrency,
+               "count": None if grown is None or earlier is None else earlier + grown})
+    if grown:
+        log.warning("%s server compiled %d program(s) inside the timed requests (concurrency %d)", mode, grown,
+                    concurrency)
 
 
 def warm_up(client: Client, items: Sequence[EvalItem], max_new_tokens: int) -> None:
@@ -172,7 +184,7 @@ def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, i
             _run_mode(client, mode, concurrency, items, settings, store, progress)
     wanted = {item.id for item in items}
     return [r for r in store.records.values()
-            if r["concurrency"] in settings.concurrency and (r["kind"] == "wall" or r["id"] in wanted)]
+            if r["concurrency"] in settings.concurrency and (r["kind"] in ("wall", "compiles") or r["id"] in wanted)]
 
 
 def environment() -> dict[str, Any]:
@@ -219,7 +231,18 @@ def _results(records: list[dict[str, Any]], items: Sequence[EvalItem], served: d
             "drafter": {"url": dflash_url, **(drafter or {})},
             "settings": {**dataclasses.asdict(settings), "block_size": block_size}}
     results = summarize(records, settings.sets, settings.concurrency, block_size, answers, meta)
+    results["compiles"] = timed_compiles(records)
     return results, write_outputs(results, out_dir)
+
+
+def timed_compiles(records: Sequence[dict[str, Any]]) -> dict[str, int | None]:
+    """Programs each mode's server compiled inside its timed requests (None: the server does not say)."""
+    out: dict[str, int | None] = {}
+    for r in records:
+        if r["kind"] == "compiles":
+            known = out.get(r["mode"], 0)
+            out[r["mode"]] = None if known is None or r["count"] is None else known + r["count"]
+    return out
 
 
 def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = None, ar_url: str | None = None,
@@ -258,4 +281,5 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
     return _results(records, items, served, url, settings, out_dir, info)
 
 
-__all__ = ["MODES", "EvalSettings", "RecordStore", "collect", "environment", "evaluate", "run_eval", "warm_up"]
+__all__ = ["MODES", "EvalSettings", "RecordStore", "collect", "environment", "evaluate", "run_eval", "timed_compiles",
+           "warm_up"]

@@ -199,9 +199,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"dflash eval: error: {err}", file=sys.stderr)
         return 2
     mismatches = results["headline"]["mismatches"]
+    compiled = {mode: n for mode, n in results.get("compiles", {}).items() if n}
     print(f"report: {paths['report.md']}\n{headline_line(results)}"
-          + (f"\nERROR: {mismatches} greedy replies differ from AR (see results.json)" if mismatches else ""))
-    return 1 if mismatches else 0
+          + (f"\nERROR: {mismatches} greedy replies differ from AR (see results.json)" if mismatches else "")
+          + (f"\nERROR: the servers compiled inside the timed requests ({compiled}; results.json `compiles`)"
+             if compiled else ""))
+    return 1 if mismatches or compiled else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -214,7 +217,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            model_name=args.model_name,
                            api_key=args.api_key or os.environ.get("DFLASH_API_KEY") or None,
                            max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout or None,
-                           unknown_fields="reject" if args.strict_fields else "ignore")
+                           unknown_fields="reject" if args.strict_fields else "ignore",
+                           precompile=not args.no_precompile)
     serve_recipe(recipe, options)
     return 0
 
@@ -324,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a connection may stay silent before it is cut (0: never; default 30)")
     p.add_argument("--strict-fields", action="store_true",
                    help="refuse unknown request fields with a 400 (default: ignore them, one warning per name)")
+    p.add_argument("--no-precompile", action="store_true",
+                   help="skip compiling every shape at start-up (quick tries; requests then compile as they come)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("eval", help="evaluate a drafter against the served engine: tau, acceptance, DFlash vs AR "

@@ -29,8 +29,9 @@ class ServeOptions:
     drafter: a `dflash train` run dir or an exported drafter dir (None: the recipe's train.run_dir); step: a
     checkpoint step of a run dir, "best", or None (the latest); ar: serve the target alone; block_size: K
     at inference, a K >= 2, 0 (the drafter's training K) or "auto" (`_auto_block_size`); slots: concurrent
-    sequences per step; model_name: the model id clients send (None: target.source); the rest as
-    `make_server`'s arguments."""
+    sequences per step; model_name: the model id clients send (None: target.source); precompile: compile every
+    shape the engine can use before serving (`Engine.precompile`; False: requests compile as they come); the
+    rest as `make_server`'s arguments."""
 
     drafter: str | Path | None = None
     step: int | str | None = None
@@ -44,6 +45,7 @@ class ServeOptions:
     max_body_bytes: int = 4 << 20
     read_timeout: float | None = 30.0
     unknown_fields: str = "ignore"
+    precompile: bool = True
 
     def __post_init__(self) -> None:
         k = self.block_size
@@ -92,6 +94,10 @@ def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
             block = options.block_size or drafter.arch.block_size
     engine = Engine(target.params, target.cfg, drafter, slots=options.slots, max_len=max_len, block_size=block,
                     sampling=recipe.sampling)
+    if options.precompile:
+        count, seconds = engine.precompile()
+        print(f"precompiled {count} programs in {seconds:.1f} s (every prompt length and attention span up to "
+              f"{max_len} tokens; --no-precompile skips this)", flush=True)
     return make_server(engine, target.tokenizer, options.model_name or recipe.target.source, options.host,
                        options.port, default_max_tokens=recipe.sampling.max_new_tokens,
                        max_body_bytes=options.max_body_bytes, read_timeout=options.read_timeout,

@@ -10,7 +10,19 @@ Each step admits queued requests into free slots (each prefilled alone, straight
 asks the proposer for drafts, and verifies them over all slots; a request that hits a stop token, a stop
 string or its budget leaves at once and frees its slot and pages. AR mode is the proposer that proposes
 nothing (K = 1). Requests carry their own sampling rule and seed, so neighbours never change an output.
-Compiled shapes are logged once each (`compiled_shapes`). Design and measurements: docs/decisions.md D13, D16.
+
+Isolation: `submit` refuses (`RequestRejected`, naming the field) anything the device could not take (token
+ids outside [0, vocab), int32 overflows, a prompt + budget over the context `max_len`); a request whose
+host-side work fails (detokenizing, stop strings, log-probabilities) ends alone with finish_reason "error";
+only a failure of a batched device call propagates (the caller resets the engine).
+
+Text: with `detokenize`, each request's `text` (stop strings cut, only here) and `stable_text` (the prefix
+that can no longer change: no incomplete UTF-8 character, no suffix that could still become a stop string)
+are kept up to date after every step, so a stream of `stable_text` deltas equals the final text.
+
+Compiles: `compiles` counts the jit cache misses of the engine's programs; `precompile()` runs every shape
+the engine can use once, after which no request compiles. Compiled shapes are also logged once each
+(`compiled_shapes`). Design and measurements: docs/decisions.md D13, D16.
 """
 
 from __future__ import annotations
@@ -35,19 +47,62 @@ from dflash.serve.config import SamplingConfig
 from dflash.serve.paged import OutOfPagesError, PagePool, PageTable
 from dflash.serve.sampling import SamplingRows
 from dflash.serve.speculative import (
+    MAX_TOP_LOGPROBS,
     Admission,
     Models,
     SpecState,
+    TokenLogprobs,
     bucket,
     empty_state,
     prefill,
+    prefill_logprobs,
     propose,
     span_pages,
     sync_page_table,
     verify,
+    verify_logprobs,
 )
 
 log = logging.getLogger(__name__)
+
+INT32_MAX = (1 << 31) - 1
+SEED_LIMIT = 1 << 63
+_PROGRAMS = (prefill, prefill_logprobs, propose, verify, verify_logprobs)
+
+
+class RequestRejected(ValueError):
+    """A request the engine refuses before it runs: `field` names the request's field in engine terms
+    ("prompt_ids", "max_new_tokens", "seed", "sampling.top_k", "logprobs", "stop_strings", ...); the message
+    names the value and the rule."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _reject_unless(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise RequestRejected(field, message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _held_back(text: str, stop_strings: Sequence[str]) -> int:
+    """How many characters at the end of `text` could still grow into a stop string (the longest suffix
+    that is a proper prefix of one)."""
+    longest = 0
+    for stop in stop_strings:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+def _compile_count() -> int:
+    return sum(program._cache_size() for program in _PROGRAMS) + _set_active._cache_size()
 
 
 # ----------------------------------------------------------------------------- proposers
@@ -103,7 +158,14 @@ class Completion:
     accepted: drafts accepted per verify step, counting only what was emitted (a stop token, a stop string or
     the budget can cut a step short), DFlash only; tau: mean tokens per step (accepted + 1, bonus included),
     in [1, K], so sum(accepted + 1) = len(token_ids) - 1 (the first token comes from the prefill);
-    accept_per_position[i]: share of steps whose draft i+1 was accepted."""
+    accept_per_position[i]: share of steps whose draft i+1 was accepted.
+
+    With `top_n` (the request's `logprobs`): token_logprobs[i] is the target's log-probability of token_ids[i]
+    and top_logprobs[i] its `top_n` most likely (id, log-probability), most likely first. With `prompt_top_n`:
+    the same for every prompt token (prompt_logprobs[0] None, prompt_top_logprobs[0] []). text: the visible
+    tokens' text, cut before the earliest stop string; stable_text: its prefix that can no longer change, of
+    the first `stable_tokens` tokens (all of them, and the whole text, once finished). error: why the request
+    failed alone (finish_reason "error")."""
 
     request_id: int
     prompt_ids: list[int]
@@ -115,11 +177,21 @@ class Completion:
     block_size: int = 1
     token_ids: list[int] = dataclasses.field(default_factory=list)
     accepted: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     stop_string: str | None = None  # the stop string that ended the request, if one did
     submitted_s: float = 0.0
     first_token_s: float | None = None
     finished_s: float | None = None
+    top_n: int | None = None  # log-probabilities asked per generated token (None: none)
+    prompt_top_n: int | None = None  # the same per prompt token
+    token_logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    text: str = ""
+    stable_text: str = ""
+    stable_tokens: int = 0
+    error: str | None = None
 
     @property
     def tau(self) -> float:
@@ -192,6 +264,7 @@ class Engine:
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.detokenize = detokenize
         self.compiled_shapes: set[tuple[Any, ...]] = set()
+        self.compiles = 0  # programs compiled by this engine's calls (jit cache misses)
         self._ids = iter(range(1 << 62))
         self.queue: collections.deque[Completion] = collections.deque()
         self.running: dict[int, Completion] = {}  # slot -> request
@@ -246,6 +319,10 @@ class Engine:
         """Most tokens the request's slot ever holds: the prompt, its budget, and the last block's K."""
         return len(request.prompt_ids) + request.max_new_tokens + self.k
 
+    def _prefill_len(self, n: int) -> int:
+        """The padded length a prompt of n tokens is prefilled at: a power of two, at most max_len."""
+        return min(bucket(n), self.max_len)
+
     def _sync_table(self) -> None:
         self.state, self._table_version = sync_page_table(self.state, self.table, self._table_version)
 
@@ -253,35 +330,84 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.queue or self.running)
 
-    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-               seed: int = 0, *, sampling: SamplingConfig | None = None, stop_strings: Sequence[str] = ()) -> int:
-        """Queue a request; returns its id. `sampling` defaults to the engine's rule (its `max_new_tokens`
-        and `seed` are not used: the arguments are). Errors name what is wrong with the request."""
-        if not prompt_ids:
-            raise ValueError("prompt_ids must hold at least one token; received an empty prompt")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1; received {max_new_tokens}")
-        need = max(bucket(len(prompt_ids)), len(prompt_ids) + max_new_tokens + self.k)
-        if need > self.max_len:
-            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) must "
-                             f"fit the context ({self.max_len} tokens, {self.k} of them reserved for a block); "
-                             f"needs {need}")
-        stop_strings = tuple(stop_strings)
-        if stop_strings and self.detokenize is None:
-            raise ValueError("stop_strings need an engine built with detokenize=...; received none")
-        if not all(isinstance(text, str) and text for text in stop_strings):
-            raise ValueError(f"stop_strings must be non-empty strings; received {stop_strings!r}")
+    @property
+    def vocab_size(self) -> int:
+        return self.models.target_cfg.vocab_size
+
+    def check(self, prompt_ids: Sequence[int], max_new_tokens: int | None, stop_ids: Sequence[int] = (),
+              seed: int = 0, *, sampling: SamplingConfig | None = None, stop_strings: Sequence[str] = (),
+              logprobs: int | None = None, prompt_logprobs: int | None = None) -> Completion:
+        """The request `submit` would queue, validated but not queued (safe from any thread: it reads only
+        the engine's fixed settings). Raises `RequestRejected` naming the field, the value and the rule."""
+        prompt_ids = list(prompt_ids) if isinstance(prompt_ids, Sequence | np.ndarray) else prompt_ids
+        _reject_unless(isinstance(prompt_ids, list) and len(prompt_ids) > 0, "prompt_ids",
+                       f"prompt_ids must hold at least one token id; received {prompt_ids!r}")
+        vocab = self.vocab_size
+        for i, token in enumerate(prompt_ids):
+            _reject_unless(_is_int(token) and 0 <= token < vocab, "prompt_ids",
+                           f"prompt_ids[{i}] must be a token id in [0, {vocab}) (the model's vocabulary); "
+                           f"received {token!r}")
+        for i, token in enumerate(stop_ids):
+            _reject_unless(_is_int(token) and 0 <= token < vocab, "stop_ids",
+                           f"stop_ids[{i}] must be a token id in [0, {vocab}); received {token!r}")
+        _reject_unless(_is_int(seed) and 0 <= seed < SEED_LIMIT, "seed",
+                       f"seed must be an integer in [0, 2**63); received {seed!r}")
+        for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            _reject_unless(n is None or (_is_int(n) and 0 <= n <= MAX_TOP_LOGPROBS), name,
+                           f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}]; received {n!r}")
         sampling = self.sampling if sampling is None else sampling
-        request = Completion(next(self._ids), [int(t) for t in prompt_ids], max_new_tokens, tuple(stop_ids), seed,
+        if sampling is not None:
+            _reject_unless(_is_int(sampling.top_k) and 0 <= sampling.top_k <= INT32_MAX, "sampling.top_k",
+                           f"sampling.top_k must be an integer in [0, {INT32_MAX}]; received {sampling.top_k!r}")
+            _reject_unless(bool(np.isfinite(sampling.temperature)), "sampling.temperature",
+                           f"sampling.temperature must be a finite number >= 0; received {sampling.temperature!r}")
+        stop_strings = tuple(stop_strings)
+        _reject_unless(all(isinstance(text, str) and text for text in stop_strings), "stop_strings",
+                       f"stop_strings must be non-empty strings; received {stop_strings!r}")
+        if stop_strings and self.detokenize is None:
+            raise RequestRejected("stop_strings", "stop_strings need an engine built with detokenize=...; "
+                                  "received none")
+        n = len(prompt_ids)
+        room = self.max_len - n - self.k  # new tokens the context leaves (the last block's K reserved)
+        if max_new_tokens is None:
+            _reject_unless(room >= 1, "prompt_ids",
+                           f"the prompt ({n} tokens) must leave room to generate in the context length max_len "
+                           f"({self.max_len} tokens); received a prompt of {n} tokens, at most "
+                           f"{self.max_len - self.k - 1} fit")
+            max_new_tokens = room
+        else:
+            _reject_unless(_is_int(max_new_tokens) and max_new_tokens >= 1, "max_new_tokens",
+                           f"max_new_tokens must be an integer >= 1 or None; received {max_new_tokens!r}")
+            _reject_unless(max_new_tokens <= room, "max_new_tokens",
+                           f"the prompt ({n} tokens) plus max_new_tokens ({max_new_tokens}) must fit the context "
+                           f"length max_len ({self.max_len} tokens); at most {max(room, 0)} new tokens fit after "
+                           "this prompt")
+        request = Completion(next(self._ids), [int(t) for t in prompt_ids], int(max_new_tokens),
+                             tuple(int(t) for t in stop_ids), int(seed),
                              None if sampling is None or sampling.greedy else sampling, stop_strings, self.k,
-                             submitted_s=time.perf_counter())
+                             submitted_s=time.perf_counter(), top_n=logprobs, prompt_top_n=prompt_logprobs)
         pages = self.pool.pages_for(self._worst_case_tokens(request))
-        if pages > self.pool.num_usable:
-            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) needs "
-                             f"{pages} pages of {self.pool.page_size} tokens, more than the whole pool "
-                             f"({self.pool.num_usable} usable); raise num_pages or lower max_new_tokens")
+        _reject_unless(pages <= self.pool.num_usable, "max_new_tokens",
+                       f"the prompt ({n} tokens) plus max_new_tokens ({max_new_tokens}) needs {pages} pages of "
+                       f"{self.pool.page_size} tokens, more than the whole pool ({self.pool.num_usable} usable); "
+                       "lower max_new_tokens")
+        return request
+
+    def enqueue(self, request: Completion) -> int:
+        """Queue a request made by `check`; returns its id."""
         self.queue.append(request)
         return request.request_id
+
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int | None, stop_ids: Sequence[int] = (),
+               seed: int = 0, *, sampling: SamplingConfig | None = None, stop_strings: Sequence[str] = (),
+               logprobs: int | None = None, prompt_logprobs: int | None = None) -> int:
+        """Queue a request; returns its id. `max_new_tokens` None: until a stop or the context (max_len) is
+        full. `sampling` defaults to the engine's rule (its `max_new_tokens` and `seed` are not used: the
+        arguments are). logprobs / prompt_logprobs: None, or n in [0, 20] alternatives per generated / prompt
+        token. Raises `RequestRejected` naming the field, the value and the rule."""
+        return self.enqueue(self.check(prompt_ids, max_new_tokens, stop_ids, seed, sampling=sampling,
+                                       stop_strings=stop_strings, logprobs=logprobs,
+                                       prompt_logprobs=prompt_logprobs))
 
     def cancel(self, request_id: int) -> bool:
         """End a queued or running request now (finish_reason "cancelled"), freeing its slot and pages; it
@@ -290,11 +416,13 @@ class Engine:
             if request.request_id == request_id:
                 self.queue.remove(request)
                 request.finish_reason, request.finished_s = "cancelled", time.perf_counter()
+                self._settle_text(request)
                 self.done[request_id] = request
                 return True
         for slot, request in self.running.items():
             if request.request_id == request_id:
                 request.finish_reason, request.finished_s = "cancelled", time.perf_counter()
+                self._settle_text(request)
                 self._finish(slot)
                 return True
         return False
@@ -304,6 +432,45 @@ class Engine:
         self.done[request.request_id] = request
         self.table.release(slot)  # uploaded before the next jitted step (`_sync_table`)
         self.lengths[slot] = 0
+
+    def _fail(self, request: Completion, slot: int | None, err: Exception) -> None:
+        """End `request` alone after its host-side work raised: finish_reason "error", its slot freed."""
+        log.warning("request %d failed alone (%s: %s); the others continue", request.request_id,
+                    type(err).__name__, err, exc_info=err)
+        request.error = f"{type(err).__name__}: {err}"
+        request.finish_reason, request.finished_s = "error", time.perf_counter()
+        request.stable_text, request.stable_tokens = request.text, len(request.token_ids)
+        if slot is not None and self.running.get(slot) is request:
+            self._finish(slot)
+        else:
+            self.done[request.request_id] = request
+
+    def _counted(self, program: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call a jitted program, counting the programs it compiled (`compiles`)."""
+        before = _compile_count()
+        try:
+            return program(*args, **kwargs)
+        finally:
+            self.compiles += _compile_count() - before
+
+    def _prefill(self, slot: int, request: Completion) -> tuple[int, TokenLogprobs | None]:
+        """Prefill `request` into `slot` (pages already given); returns its first token and, when the request
+        asks for log-probabilities, the prompt's scores."""
+        n = len(request.prompt_ids)
+        tokens = np.zeros((1, self._prefill_len(n)), np.int32)
+        tokens[0, :n] = request.prompt_ids
+        self._sync_table()
+        scored = request.top_n is not None or request.prompt_top_n is not None
+        self._note_shape("prefill", tokens.shape)
+        new = Admission(jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
+                        jax.random.PRNGKey(request.seed)[None], SamplingRows.of([request.sampling]))
+        scores = None
+        if scored:
+            self.state, scores = self._counted(prefill_logprobs, self.models, self.state, new)
+            scores = jax.device_get(scores)
+        else:
+            self.state = self._counted(prefill, self.models, self.state, new)
+        return int(self.state.pending[slot]), scores  # waits for the prefill
 
     def _admit(self) -> None:
         """Admit queued requests in order while a slot is free and the pool holds the head's worst case."""
@@ -316,19 +483,24 @@ class Engine:
                 return  # stays queued until finished requests release pages
             free.pop(0)
             self.queue.popleft()
+            first, scores = self._prefill(slot, request)  # a device failure propagates: the engine fails
             n = len(request.prompt_ids)
-            tokens = np.zeros((1, bucket(n)), np.int32)
-            tokens[0, :n] = request.prompt_ids
-            self._sync_table()
-            self._note_shape("prefill", tokens.shape)
-            new = Admission(jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
-                            jax.random.PRNGKey(request.seed)[None], SamplingRows.of([request.sampling]))
-            self.state = prefill(self.models, self.state, new)
             self.lengths[slot] = n
-            first = int(self.state.pending[slot])  # waits for the prefill
             request.first_token_s = time.perf_counter()
             self.running[slot] = request
-            self._emit(slot, [first])
+            try:
+                if scores is not None and request.prompt_top_n is not None:
+                    request.prompt_logprobs = [None, *(float(v) for v in scores.chosen[0, :n - 1])]
+                    request.prompt_top_logprobs = [[], *(self._top(scores, 0, i, request.prompt_top_n)
+                                                         for i in range(n - 1))]
+                self._emit(slot, [first], scores, [n - 1])
+            except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
+                self._fail(request, slot, err)
+
+    @staticmethod
+    def _top(scores: TokenLogprobs, row: int, i: int, n: int) -> list[tuple[int, float]]:
+        return [(int(t), float(v)) for t, v in zip(scores.top_ids[row, i, :n], scores.top_values[row, i, :n],
+                                                   strict=True)]
 
     def _note_shape(self, program: str, shape: tuple[int, ...]) -> None:
         key = (program, *shape)
@@ -337,12 +509,19 @@ class Engine:
             log.info("engine: first %s of shape %s (%d compiled shapes so far)", program, shape,
                      len(self.compiled_shapes))
 
-    def _emit(self, slot: int, tokens: Sequence[int]) -> None:
+    def _emit(self, slot: int, tokens: Sequence[int], scores: TokenLogprobs | None = None,
+              positions: Sequence[int] = ()) -> None:
+        """Append a step's tokens to the slot's request (scores[slot or 0, positions[i]] scores tokens[i]),
+        ending it at a stop token, its budget or a stop string; then update its text."""
         request = self.running[slot]
         start = len(request.token_ids)
         reason = None
-        for token in tokens:
+        row = 0 if scores is not None and scores.chosen.shape[0] == 1 else slot
+        for i, token in enumerate(tokens):
             request.token_ids.append(token)
+            if request.top_n is not None and scores is not None:
+                request.token_logprobs.append(float(scores.chosen[row, positions[i]]))
+                request.top_logprobs.append(self._top(scores, row, positions[i], request.top_n))
             if token in request.stop_ids or len(request.token_ids) >= request.max_new_tokens:
                 reason = "stop" if token in request.stop_ids else "length"
                 break
@@ -351,49 +530,131 @@ class Engine:
         if reason is not None:
             request.finish_reason = reason
             request.finished_s = time.perf_counter()
+        self._update_text(request)
+        if reason is not None:
             self._finish(slot)
+
+    def _visible_text(self, request: Completion, end: int | None = None) -> str:
+        ids = request.token_ids if end is None else request.token_ids[:end]
+        return self.detokenize([t for t in ids if t not in request.stop_ids])
+
+    def _update_text(self, request: Completion) -> None:
+        """`text` and `stable_text` (see `Completion`) after new tokens; the text is cut at a stop string."""
+        if self.detokenize is None:
+            request.stable_tokens = len(request.token_ids)
+            return
+        text = self._visible_text(request)
+        if request.stop_string is not None:
+            text = text[:min(text.index(s) for s in request.stop_strings if s in text)]
+        request.text = text
+        if request.finish_reason is not None:
+            request.stable_text, request.stable_tokens = text, len(request.token_ids)
+            return
+        stable = text
+        while stable.endswith("\ufffd"):  # an incomplete UTF-8 character (its bytes are still coming)
+            stable = stable[:-1]
+        stable = stable[:len(stable) - _held_back(stable, request.stop_strings)]
+        if len(stable) <= len(request.stable_text) or not stable.startswith(request.stable_text):
+            return  # stable text only grows
+        m = len(request.token_ids)
+        if stable != text:  # the tokens whose text is all stable
+            while m > request.stable_tokens:
+                prefix = self._visible_text(request, m)
+                if not prefix.endswith("\ufffd") and stable.startswith(prefix):
+                    break
+                m -= 1
+        request.stable_text, request.stable_tokens = stable, m
+
+    def _settle_text(self, request: Completion) -> None:
+        """Finished by the caller (cancelled): what was generated is final."""
+        if self.detokenize is not None:
+            request.text = self._visible_text(request) if request.stop_string is None else request.text
+        request.stable_text, request.stable_tokens = request.text, len(request.token_ids)
 
     def _cut_at_stop_string(self, request: Completion, start: int) -> bool:
         """If the text now holds a stop string, keep the tokens up to the first one whose text completes it
         (searching only from the tokens added at `start`); returns whether one matched."""
-        ids = [t for t in request.token_ids if t not in request.stop_ids]
-        text = self.detokenize(ids)
+        text = self._visible_text(request)
         if not any(s in text for s in request.stop_strings):
             return False
         for end in range(start + 1, len(request.token_ids) + 1):
-            text = self.detokenize([t for t in request.token_ids[:end] if t not in request.stop_ids])
+            text = self._visible_text(request, end)
             hits = [s for s in request.stop_strings if s in text]
             if hits:
                 request.stop_string = min(hits, key=text.index)
                 del request.token_ids[end:]
+                del request.token_logprobs[end:]
+                del request.top_logprobs[end:]
                 return True
         raise AssertionError("unreachable: the full text holds a stop string")  # pragma: no cover
 
+    def _device_step(self, pages: int, scored: bool) -> tuple[jax.Array, jax.Array, TokenLogprobs | None]:
+        """One propose + verify over every slot at an attention span of `pages` pages; (tokens, n, scores)."""
+        self._note_shape("verify", (self.slots, self.k, pages))
+        drafts = self._counted(self.proposer, self.models, self.state, pages * self.page_size)
+        if scored:
+            self.state, out, n, scores = self._counted(verify_logprobs, self.models, self.state, drafts, pages)
+            return out, n, scores
+        self.state, out, n = self._counted(verify, self.models, self.state, drafts, pages)
+        return out, n, None
+
     def step(self) -> None:
-        """Admit what fits, then one propose + verify over every running request."""
+        """Admit what fits, then one propose + verify over every running request. A request whose host-side
+        work raises ends alone (finish_reason "error"); a failing device call raises (reset the engine)."""
         self._admit()
         if not self.running:
             return
         active = np.zeros(self.slots, bool)
         active[list(self.running)] = True
-        self.state = _set_active(self.state, jnp.asarray(active))
+        self.state = self._counted(_set_active, self.state, jnp.asarray(active))
         # Verify appends K tokens per active slot; admission already reserved them, so this only raises on a
         # bookkeeping bug.
         self.table.ensure_batch(np.where(active, self.lengths + self.k, 0))
         self._sync_table()
         # Attention sees only the pages in use, bucketed to a power of two (a bounded number of shapes).
         pages = span_pages(int(self.lengths[active].max()) + self.k, self.page_size, self.max_pages)
-        self._note_shape("verify", (self.slots, self.k, pages))
-        drafts = self.proposer(self.models, self.state, pages * self.page_size)
-        self.state, out, n = verify(self.models, self.state, drafts, pages)
+        scored = any(r.top_n is not None for r in self.running.values())
+        out, n, scores = self._device_step(pages, scored)
         out, n = np.asarray(out), np.asarray(n)
+        scores = None if scores is None else jax.device_get(scores)
         self.lengths = np.where(active, self.lengths + n + 1, self.lengths)
         self.steps += 1
         for slot, request in list(self.running.items()):
-            before = len(request.token_ids)
-            self._emit(slot, [int(t) for t in out[slot, : n[slot] + 1]])
-            if not self.ar:  # what was emitted: a stop or the budget may cut the step short of n + 1 tokens
-                request.accepted.append(len(request.token_ids) - before - 1)
+            try:
+                before = len(request.token_ids)
+                self._emit(slot, [int(t) for t in out[slot, : n[slot] + 1]], scores, range(n[slot] + 1))
+                if not self.ar:  # what was emitted: a stop or the budget may cut the step short of n + 1 tokens
+                    request.accepted.append(len(request.token_ids) - before - 1)
+            except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
+                self._fail(request, slot, err)
+
+    def precompile(self) -> tuple[int, float]:
+        """Compile every program the engine can use (each prefill length up to max_len and each attention span,
+        with and without log-probabilities) by running each once on empty slots; afterwards no request
+        compiles. Needs an idle engine; returns (programs compiled, seconds)."""
+        if self.busy:
+            raise RuntimeError("precompile needs an idle engine; requests are queued or running")
+        t0, before = time.perf_counter(), self.compiles
+        longest = self.max_len - self.k - 1  # the longest prompt that leaves room for one token
+        lengths = sorted({self._prefill_len(n) for n in range(1, longest + 1)})
+        spans = sorted({span_pages(t, self.page_size, self.max_pages) for t in range(1 + self.k, self.max_len + 1)})
+        probe = Completion(-1, [0], 1, (), 0)
+        for length in lengths:
+            for scored in (False, True):
+                probe.prompt_ids, probe.top_n = [0] * min(length, longest), 0 if scored else None
+                self.table.ensure(0, len(probe.prompt_ids) + 1 + self.k)
+                self._prefill(0, probe)
+                self.table.release(0)
+        self.state = self._counted(_set_active, self.state, jnp.zeros(self.slots, bool))
+        self._sync_table()
+        for pages in spans:
+            for scored in (False, True):
+                jax.block_until_ready(self._device_step(pages, scored))
+        self._fresh_state()
+        seconds = time.perf_counter() - t0
+        log.info("engine: precompiled %d programs (%d prefill lengths, %d attention spans) in %.1f s",
+                 self.compiles - before, len(lengths), len(spans), seconds)
+        return self.compiles - before, seconds
 
     def run(self) -> dict[int, Completion]:
         """Step until every submitted request is done; returns all finished requests by id."""
@@ -436,4 +697,5 @@ def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[S
     return requests
 
 
-__all__ = ["Completion", "DrafterProposals", "Engine", "GivenProposals", "NoDrafts", "Proposer", "decode"]
+__all__ = ["Completion", "DrafterProposals", "Engine", "GivenProposals", "NoDrafts", "Proposer", "RequestRejected",
+           "decode"]

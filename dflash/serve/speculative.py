@@ -34,6 +34,8 @@ from dflash.models.drafter import (
 from dflash.serve.paged import PagedKVCache, PageTable
 from dflash.serve.sampling import SamplingRows, row_logprobs
 
+MAX_TOP_LOGPROBS = 20  # alternatives computed per token when log-probabilities are asked (OpenAI's maximum)
+
 
 def bucket(n: int, minimum: int = 16) -> int:
     """Smallest power of two >= max(n, minimum) (prompt padding: few prefill shapes compile)."""
@@ -126,6 +128,25 @@ class Admission:
     sampling: SamplingRows
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """The target's log-probabilities (log_softmax of its fp32 logits: temperature 1, no filtering) at T positions
+    of B rows: chosen [B, T] (of the token that follows each position), top_values / top_ids [B, T, N] (the N
+    most likely tokens there, most likely first; N = min(MAX_TOP_LOGPROBS, V))."""
+
+    chosen: jax.Array
+    top_values: jax.Array
+    top_ids: jax.Array
+
+    @classmethod
+    def of(cls, logits_BxTxV: jax.Array, next_BxT: jax.Array) -> TokenLogprobs:
+        logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logp, next_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        values, ids = jax.lax.top_k(logp, min(MAX_TOP_LOGPROBS, logp.shape[-1]))
+        return cls(chosen, values, ids.astype(jnp.int32))
+
+
 def empty_state(target_cfg: DecoderConfig, arch: DrafterArch | None, batch: int, max_len: int, num_pages: int,
                 page_size: int, dtype: Any = jnp.float32) -> SpecState:
     """B empty, inactive slots: a paged target cache of `num_pages` pages (the null page included) whose
@@ -177,6 +198,35 @@ def _first_tokens(logits_RxV: jax.Array, rules: SamplingRows, rng_Rx2: jax.Array
     return jax.lax.cond(jnp.all(rules.greedy), lambda _: (greedy, rng_Rx2), draw, None)
 
 
+def _prefill(models: Models, state: SpecState, new: Admission,
+             logprobs: bool) -> tuple[SpecState, TokenLogprobs | None]:
+    drafter = models.drafter()
+    r, t = new.tokens.shape
+    pages = min(state.target.page_table.shape[1], -(-t // state.target.page_size))  # the prompt's pages only
+    view = dataclasses.replace(state.target, page_table=state.target.page_table[new.slots][:, :pages],
+                               lengths=jnp.zeros((r,), jnp.int32))
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+    num_valid = new.num_valid.astype(jnp.int32)
+    last = None if logprobs else (num_valid - 1)[:, None]  # logprobs: the logits of every prompt position
+    logits, feats, view = forward_cached(models.target_params, models.target_cfg, new.tokens, positions, view,
+                                         layer_ids=_layer_ids(drafter), logits_at_BxI=last)
+    target = dataclasses.replace(state.target, k_pages=view.k_pages, v_pages=view.v_pages,
+                                 lengths=state.target.lengths.at[new.slots].set(num_valid))
+    draft = _add_context(drafter, state.draft, feats, jnp.zeros((r,), jnp.int32), new.slots)
+    if logprobs:
+        at_last = jnp.take_along_axis(logits, (num_valid - 1)[:, None, None], axis=1)[:, 0]
+    else:
+        at_last = logits[:, 0]
+    pending, rng = _first_tokens(at_last, new.sampling, new.rng)
+    scores = None
+    if logprobs:  # position i scores the token after it: prompt token i + 1, then the first generated token
+        following = jnp.pad(new.tokens[:, 1:], ((0, 0), (0, 1))).at[jnp.arange(r), num_valid - 1].set(pending)
+        scores = TokenLogprobs.of(logits, following)
+    return SpecState(target, draft, state.lengths.at[new.slots].set(num_valid),
+                     state.pending.at[new.slots].set(pending), state.active.at[new.slots].set(True),
+                     state.rng.at[new.slots].set(rng), state.sampling.set(new.slots, new.sampling)), scores
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def prefill(models: Models, state: SpecState, new: Admission) -> SpecState:
     """`state` with the prompts of `new` prefilled into their slots: both caches filled from position 0
@@ -185,22 +235,15 @@ def prefill(models: Models, state: SpecState, new: Admission) -> SpecState:
     The host must have given each slot pages for its prompt (`PageTable.ensure`) and uploaded the table;
     the prompt runs through a view of the cache holding only those slots' page-table rows, so it writes
     straight into their pages."""
-    drafter = models.drafter()
-    r, t = new.tokens.shape
-    pages = min(state.target.page_table.shape[1], -(-t // state.target.page_size))  # the prompt's pages only
-    view = dataclasses.replace(state.target, page_table=state.target.page_table[new.slots][:, :pages],
-                               lengths=jnp.zeros((r,), jnp.int32))
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
-    num_valid = new.num_valid.astype(jnp.int32)
-    logits, feats, view = forward_cached(models.target_params, models.target_cfg, new.tokens, positions, view,
-                                         layer_ids=_layer_ids(drafter), logits_at_BxI=(num_valid - 1)[:, None])
-    target = dataclasses.replace(state.target, k_pages=view.k_pages, v_pages=view.v_pages,
-                                 lengths=state.target.lengths.at[new.slots].set(num_valid))
-    draft = _add_context(drafter, state.draft, feats, jnp.zeros((r,), jnp.int32), new.slots)
-    pending, rng = _first_tokens(logits[:, 0], new.sampling, new.rng)
-    return SpecState(target, draft, state.lengths.at[new.slots].set(num_valid),
-                     state.pending.at[new.slots].set(pending), state.active.at[new.slots].set(True),
-                     state.rng.at[new.slots].set(rng), state.sampling.set(new.slots, new.sampling))
+    return _prefill(models, state, new, False)[0]
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def prefill_logprobs(models: Models, state: SpecState, new: Admission) -> tuple[SpecState, TokenLogprobs]:
+    """`prefill`, and the target's log-probabilities at every prompt position [R, T]: position i scores prompt
+    token i + 1, position num_valid - 1 the first generated token (the logits of the whole prompt are
+    computed, so only requests that ask pay for them)."""
+    return _prefill(models, state, new, True)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "span"))
@@ -280,15 +323,8 @@ def _accept(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, state: SpecState) 
     return jax.lax.cond(jnp.all(state.sampling.greedy), lambda _: (n_greedy, bonus_greedy, state.rng), mixed, None)
 
 
-@functools.partial(jax.jit, static_argnames=("span_pages",), donate_argnames=("state",))
-def verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array,
-           span_pages: int | None = None) -> tuple[SpecState, jax.Array, jax.Array]:
-    """Verify drafts with one target forward; returns (state, tokens [B, K], accepted n [B]).
-
-    The host must have given every active slot pages for L + K tokens (the K block tokens are written
-    before the rollback to L + n + 1). `span_pages` (static; default: the whole table) is how many
-    page-table entries attention sees. tokens[b, :n+1] are the step's output (d_1 .. d_n, then the bonus);
-    the rest is padding. Inactive slots are left as they were (n = 0, nothing output)."""
+def _verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_pages: int | None,
+            logprobs: bool) -> tuple[SpecState, jax.Array, jax.Array, TokenLogprobs | None]:
     drafter = models.drafter()
     k = drafts_BxKm1.shape[1] + 1
     tokens = jnp.concatenate([state.pending[:, None], drafts_BxKm1], axis=1)
@@ -306,21 +342,46 @@ def verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array,
     draft = _add_context(drafter, state.draft, feats, state.lengths)  # slots >= new_len stay invisible
     new_state = SpecState(cache.rollback(new_len), draft, new_len, jnp.where(state.active, bonus, state.pending),
                           state.active, rng, state.sampling)
-    return new_state, out, n
+    # logits[:, i] follows block token i, and out[:, i] is the token emitted after it (for i <= n)
+    return new_state, out, n, TokenLogprobs.of(logits, out) if logprobs else None
+
+
+@functools.partial(jax.jit, static_argnames=("span_pages",), donate_argnames=("state",))
+def verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array,
+           span_pages: int | None = None) -> tuple[SpecState, jax.Array, jax.Array]:
+    """Verify drafts with one target forward; returns (state, tokens [B, K], accepted n [B]).
+
+    The host must have given every active slot pages for L + K tokens (the K block tokens are written
+    before the rollback to L + n + 1). `span_pages` (static; default: the whole table) is how many
+    page-table entries attention sees. tokens[b, :n+1] are the step's output (d_1 .. d_n, then the bonus);
+    the rest is padding. Inactive slots are left as they were (n = 0, nothing output)."""
+    return _verify(models, state, drafts_BxKm1, span_pages, False)[:3]
+
+
+@functools.partial(jax.jit, static_argnames=("span_pages",), donate_argnames=("state",))
+def verify_logprobs(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_pages: int | None = None
+                    ) -> tuple[SpecState, jax.Array, jax.Array, TokenLogprobs]:
+    """`verify`, and the target's log-probabilities [B, K] of the output tokens (position i scores tokens[b, i];
+    only i <= n are emitted). A separate program, so that steps with no request asking pay nothing."""
+    return _verify(models, state, drafts_BxKm1, span_pages, True)
 
 
 __all__ = [
     "Admission",
     "DraftCache",
     "Models",
+    "MAX_TOP_LOGPROBS",
     "SpecState",
+    "TokenLogprobs",
     "accept_greedy",
     "accept_sampled",
     "bucket",
     "empty_state",
     "prefill",
+    "prefill_logprobs",
     "propose",
     "span_pages",
     "sync_page_table",
     "verify",
+    "verify_logprobs",
 ]

@@ -1,11 +1,16 @@
-"""The engine on its own thread: `EngineWorker` takes requests from any thread and streams their tokens back.
+"""The engine on its own thread: `EngineWorker` takes requests from any thread and streams their text back.
 
     worker = EngineWorker(engine).start()
-    job = worker.submit(prompt_ids, max_tokens, seed=0, sampling=GREEDY, stop_strings=())
-    while (ids := job.tokens.get()) is not None: ...      # new token ids per step; then job.request, job.error
+    job = worker.submit(prompt_ids, max_tokens, seed=0, sampling=GREEDY, stop_strings=(), logprobs=None)
+    while (update := job.tokens.get()) is not None: ...   # JobUpdate: new stable text, its tokens, logprobs
+    job.request, job.error, job.status                     # the final Completion; why it failed; 400 / 503
     worker.shutdown()                                      # finishes the requests in flight
 
-It keeps the Prometheus metrics served at /metrics (`registry`). No HTTP here: `serve.http` is the transport.
+`submit` validates in the caller's thread (`Engine.check`, raising `RequestRejected`), so a refused request
+never reaches the engine thread and the transport can answer 400 before any byte of a stream. A request whose
+own host-side work fails ends alone (status 400); a failed device step fails the requests in flight (status
+503) and resets the engine, which keeps serving. Prometheus metrics live in `registry` (served at /metrics).
+No HTTP here: `serve.http` is the transport.
 """
 
 from __future__ import annotations
@@ -20,41 +25,59 @@ from collections.abc import Sequence
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from dflash.serve.engine import Completion, Engine
+from dflash.serve.engine import Completion, Engine, RequestRejected
 from dflash.serve.sampling import GREEDY, SamplingConfig
 
 log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                   80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
 class ShuttingDown(RuntimeError):
     """`EngineWorker.submit` after `shutdown` began: the request is not taken."""
 
 
+@dataclasses.dataclass(frozen=True)
+class JobUpdate:
+    """What became stable since the last update: text_delta (new stable text), the ids of the tokens whose text
+    is now stable (at the end: the rest), and their log-probabilities when the request asked for them."""
+
+    token_ids: list[int]
+    text_delta: str
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
 @dataclasses.dataclass
 class Job:
-    """One submitted request and its results, shared between a caller's thread and the engine thread.
+    """One submitted request, shared between a caller's thread and the engine thread.
 
-    tokens: lists of new ids as the engine emits them, then None once the request ended; request: the
-    engine's `Completion` (set as it runs); error: why the engine refused or dropped the request, with
-    engine_failed True when the engine itself failed (a server error) rather than refusing the request."""
+    tokens: `JobUpdate`s as text becomes stable, then None once the request ended; request: the engine's
+    `Completion` (final once None arrived); error: why it failed; status: None (it did not fail), 400 (it
+    failed alone) or 503 (the engine failed as a whole and was reset)."""
 
-    prompt_ids: Sequence[int]
-    max_tokens: int
-    seed: int
-    stop_strings: tuple[str, ...]
-    sampling: SamplingConfig = GREEDY
-    request: Completion | None = None
+    request: Completion
     tokens: queue.Queue = dataclasses.field(default_factory=queue.Queue)
     error: str | None = None
-    engine_failed: bool = False
+    status: int | None = None
     cancelled: bool = False  # the client went away: the engine thread ends the request and frees its slot
+    sent_tokens: int = 0  # published so far
+    sent_text: int = 0
+    seen_tokens: int = 0  # generated so far, published or not (inter-token latency)
+    seen_s: float = 0.0
+
+    @property
+    def engine_failed(self) -> bool:
+        return self.status == 503
 
 
 class EngineWorker:
     """Runs the engine on its own thread; `submit` and `cancel` are safe to call from any thread.
 
     The engine thread admits submitted requests between steps and, after every step, publishes each
-    request's new tokens on its job's queue (then None when it finished), and updates the Prometheus
+    request's newly stable text on its job's queue (then None when it finished), and updates the Prometheus
     metrics in `registry`.
     """
 
@@ -63,20 +86,31 @@ class EngineWorker:
         self.stop_ids: tuple[int, ...] = ()  # the tokenizer's, set by the server
         self.inbox: queue.Queue[Job] = queue.Queue()
         self.jobs: dict[int, Job] = {}
-        self.sent: dict[int, int] = {}
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
         registry = CollectorRegistry()
         self.registry = registry
         self.m_tokens = Counter("dflash_generated_tokens", "Generated tokens", registry=registry)
-        self.m_requests = Counter("dflash_requests", "Finished requests", ["finish_reason"], registry=registry)
+        self.m_requests = Counter("dflash_requests", "Ended requests by status (200, 400 refused or failed alone, "
+                                  "503 engine failure) and finish reason", ["status", "finish_reason"],
+                                  registry=registry)
         self.m_queue = Gauge("dflash_queue_depth", "Requests waiting for a slot", registry=registry)
         self.m_running = Gauge("dflash_running_requests", "Requests decoding", registry=registry)
+        self.m_ttft = Histogram("dflash_time_to_first_token_seconds", "Seconds from submission to the first token",
+                                buckets=LATENCY_BUCKETS, registry=registry)
+        self.m_itl = Histogram("dflash_inter_token_latency_seconds", "Seconds between a request's tokens (a step's "
+                               "time spread over the tokens it emitted)", buckets=TOKEN_BUCKETS, registry=registry)
+        self.m_e2e = Histogram("dflash_e2e_request_latency_seconds", "Seconds from submission to the end",
+                               buckets=LATENCY_BUCKETS, registry=registry)
         self.m_tau = Histogram("dflash_tau", "Tokens per verify step per request (acceptance length)",
                                buckets=[1, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64], registry=registry)
         self.m_accept = Gauge("dflash_accept_rate", "Share of steps whose draft at this position was accepted",
                               ["position"], registry=registry)
         self.m_tps = Gauge("dflash_tokens_per_second", "Generated tokens per second (last 10 s)", registry=registry)
+        self.m_compiles = Counter("dflash_compiles", "Programs the engine compiled (jit cache misses)",
+                                  registry=registry)
+        self.m_compiles.inc(engine.compiles)
+        self._compiles_seen = engine.compiles
         self._accept_counts = np.zeros(max(engine.k - 1, 1))
         self._accept_steps = 0
         self._recent: list[tuple[float, int]] = []
@@ -85,13 +119,21 @@ class EngineWorker:
         self.thread.start()
         return self
 
-    def submit(self, prompt_ids: Sequence[int], max_tokens: int, *, seed: int = 0, sampling: SamplingConfig = GREEDY,
-               stop_strings: tuple[str, ...] = ()) -> Job:
-        """Queue a request for the engine thread (`Engine.submit`'s arguments); its results arrive on the job.
-        Raises `ShuttingDown` once `shutdown` began."""
+    def submit(self, prompt_ids: Sequence[int], max_tokens: int | None, *, seed: int = 0,
+               sampling: SamplingConfig = GREEDY, stop_strings: Sequence[str] = (), logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> Job:
+        """Validate a request here, in the caller's thread (`Engine.check`: raises `RequestRejected` naming the
+        field), and queue it for the engine thread; its results arrive on the job. Raises `ShuttingDown`
+        once `shutdown` began."""
         if self.stopping.is_set():
             raise ShuttingDown("the server is shutting down")
-        job = Job(prompt_ids, max_tokens, seed, stop_strings, sampling)
+        try:
+            request = self.engine.check(prompt_ids, max_tokens, self.stop_ids, seed, sampling=sampling,
+                                        stop_strings=stop_strings, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        except RequestRejected:
+            self.m_requests.labels("400", "rejected").inc()
+            raise
+        job = Job(request)
         self.inbox.put(job)
         return job
 
@@ -112,13 +154,7 @@ class EngineWorker:
             except queue.Empty:
                 job = None
             while job is not None:
-                try:
-                    rid = self.engine.submit(job.prompt_ids, job.max_tokens, self.stop_ids, seed=job.seed,
-                                             sampling=job.sampling, stop_strings=job.stop_strings)
-                    self.jobs[rid], self.sent[rid] = job, 0
-                except ValueError as err:
-                    job.error = str(err)
-                    job.tokens.put(None)
+                self.jobs[self.engine.enqueue(job.request)] = job
                 try:
                     job = self.inbox.get_nowait()
                 except queue.Empty:
@@ -136,21 +172,37 @@ class EngineWorker:
                 return
 
     def _publish(self) -> None:
-        live = {r.request_id: r for r in self.engine.running.values()}
-        finished = [rid for rid in list(self.jobs) if rid in self.engine.done]
-        for rid, request in list(live.items()) + [(rid, self.engine.done[rid]) for rid in finished]:
-            job = self.jobs[rid]
-            job.request = request
-            new = request.token_ids[self.sent[rid]:]
-            if new:
-                self.sent[rid] += len(new)
-                job.tokens.put(list(new))
-                self.m_tokens.inc(len(new))
-                self._recent.append((time.monotonic(), len(new)))
+        now, clock = time.monotonic(), time.perf_counter()
+        live = {r.request_id for r in self.engine.running.values()}
+        finished = [rid for rid in self.jobs if rid in self.engine.done]
+        for rid in [*live, *finished]:
+            job = self.jobs.get(rid)
+            if job is None:
+                continue
+            request = job.request
+            new = len(request.token_ids) - job.seen_tokens
+            if new > 0:
+                self.m_tokens.inc(new)
+                self._recent.append((now, new))
+                gaps = new
+                if job.seen_tokens == 0 and request.first_token_s is not None:
+                    self.m_ttft.observe(request.first_token_s - request.submitted_s)
+                    job.seen_s, gaps = request.first_token_s, new - 1
+                for _ in range(gaps):
+                    self.m_itl.observe((clock - job.seen_s) / gaps)
+                job.seen_s = clock
+            job.seen_tokens = len(request.token_ids)
+            update = self._update(job)
+            if update is not None:
+                job.tokens.put(update)
         for rid in finished:
             job, request = self.jobs.pop(rid), self.engine.done.pop(rid)
-            del self.sent[rid]
-            self.m_requests.labels(request.finish_reason).inc()
+            status = "200"
+            if request.finish_reason == "error":
+                job.error, job.status, status = request.error, 400, "400"
+            self.m_requests.labels(status, request.finish_reason).inc()
+            if request.finished_s is not None:
+                self.m_e2e.observe(request.finished_s - request.submitted_s)
             if request.accepted:
                 self.m_tau.observe(request.tau)
                 acc = np.asarray(request.accepted)
@@ -159,20 +211,39 @@ class EngineWorker:
                 for i, c in enumerate(self._accept_counts):
                     self.m_accept.labels(str(i + 1)).set(c / self._accept_steps)
             job.tokens.put(None)
-        now = time.monotonic()
         self._recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
         self.m_tps.set(sum(n for _, n in self._recent) / 10.0)
+        self._gauges()
+
+    @staticmethod
+    def _update(job: Job) -> JobUpdate | None:
+        """The job's newly stable part, or None when nothing became stable."""
+        request = job.request
+        end, text = request.stable_tokens, request.stable_text
+        if end <= job.sent_tokens and len(text) <= job.sent_text:
+            return None
+        start = job.sent_tokens
+        update = JobUpdate(list(request.token_ids[start:end]), text[job.sent_text:],
+                           list(request.token_logprobs[start:end]), list(request.top_logprobs[start:end]))
+        job.sent_tokens, job.sent_text = max(end, start), max(len(text), job.sent_text)
+        return update
+
+    def _gauges(self) -> None:
         self.m_queue.set(len(self.engine.queue))
         self.m_running.set(len(self.engine.running))
+        if self.engine.compiles > self._compiles_seen:
+            self.m_compiles.inc(self.engine.compiles - self._compiles_seen)
+            self._compiles_seen = self.engine.compiles
 
     def _fail_all(self, message: str) -> None:
-        """End every request in flight with `message` (engine_failed) and give the engine a fresh state."""
+        """End every request in flight with `message` (status 503) and give the engine a fresh state."""
         for job in self.jobs.values():
-            job.error, job.engine_failed = message, True
+            job.error, job.status = message, 503
+            self.m_requests.labels("503", "error").inc()
             job.tokens.put(None)
         self.jobs.clear()
-        self.sent.clear()
         self.engine.reset()
+        self._gauges()
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """Take no more requests; the engine thread finishes the ones in flight, then ends (joined here)."""
@@ -180,4 +251,4 @@ class EngineWorker:
         self.thread.join(timeout)
 
 
-__all__ = ["EngineWorker", "Job", "ShuttingDown"]
+__all__ = ["EngineWorker", "Job", "JobUpdate", "ShuttingDown"]

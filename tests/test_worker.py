@@ -1,0 +1,112 @@
+"""The engine thread: validation in the caller's thread, stable-text updates, isolation of failures, metrics."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from conftest import GOLDEN
+from flax import nnx
+from prometheus_client import generate_latest
+
+from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
+from dflash.models.loading import load_hf_dir
+from dflash.serve.engine import Engine, RequestRejected, decode
+from dflash.serve.sampling import SamplingConfig
+from dflash.serve.worker import EngineWorker
+
+pytestmark = pytest.mark.heavy
+
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target_cfg, target_params = load_hf_dir(GOLDEN / "tiny" / "qwen3_untied")
+    arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=8),
+                           target_cfg, mask_token_id=255)
+    drafter = DFlashDrafter(arch, nnx.Rngs(0))
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 255, size=n)] for n in (6, 17, 11)]
+    return target_cfg, target_params, drafter, prompts
+
+
+def _bytes_text(ids):
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _drain(job):
+    updates = []
+    while (update := job.tokens.get(timeout=120)) is not None:
+        updates.append(update)
+    return updates
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = "^" + re.escape(name) + (r"\{" + re.escape(inner) + r"\}" if labels else "") + r" (\S+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    assert match, (name, labels)
+    return float(match.group(1))
+
+
+def test_updates_stream_stable_text_refusals_are_synchronous_and_failures_stay_apart(setup):
+    """Refused requests raise at submit (nothing reaches the engine thread); the updates' text deltas and
+    token ids add up to the final answer; a failed device step ends the requests in flight with 503 and the
+    next request is served; /metrics counts all of it, with the gauges at 0 afterwards."""
+    target_cfg, target_params, drafter, prompts = setup
+    fail = {"now": False}
+
+    def drafts(state, k):  # a proposer that can be made to fail: a failure of the batched device step
+        if fail["now"]:
+            raise RuntimeError("device lost")
+        return np.zeros((state.pending.shape[0], k - 1), np.int32)
+
+    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=4, draft_fn=drafts,
+                    detokenize=_bytes_text)
+    worker = EngineWorker(engine).start()
+    try:
+        for bad in ([1, 2**31], [1, -3], [1, 256]):
+            with pytest.raises(RequestRejected) as caught:
+                worker.submit(bad, 4)
+            assert caught.value.field == "prompt_ids"
+        with pytest.raises(RequestRejected, match="sampling.top_k"):
+            worker.submit([1, 2], 4, sampling=SamplingConfig(temperature=1.0, top_k=2**31))
+        assert worker.inbox.empty()
+
+        [ar] = decode(target_params, target_cfg, [prompts[0]], 20, max_len=MAX_LEN)
+        stop = _bytes_text(ar.token_ids)[5:8]
+        jobs = [worker.submit(prompts[0], 20, stop_strings=(stop,)), worker.submit(prompts[1], 12, logprobs=2)]
+        for job in jobs:
+            updates = _drain(job)
+            assert job.error is None and job.status is None
+            assert "".join(u.text_delta for u in updates) == job.request.text
+            assert [t for u in updates for t in u.token_ids] == job.request.token_ids
+            assert [v for u in updates for v in u.logprobs] == job.request.token_logprobs
+        assert jobs[0].request.finish_reason == "stop" and stop not in jobs[0].request.text
+        assert len(jobs[1].request.token_logprobs) == 12 and all(len(t) == 2 for t in jobs[1].request.top_logprobs)
+
+        fail["now"] = True
+        doomed = [worker.submit(p, 30) for p in prompts]
+        for job in doomed:
+            _drain(job)
+            assert job.status == 503 and "device lost" in job.error
+        fail["now"] = False
+        after = worker.submit(prompts[2], 5)
+        _drain(after)
+        assert after.status is None and len(after.request.token_ids) == 5
+        metrics = generate_latest(worker.registry).decode()
+    finally:
+        worker.shutdown()
+    assert _metric(metrics, "dflash_requests_total", status="400", finish_reason="rejected") == 4
+    assert _metric(metrics, "dflash_requests_total", status="503", finish_reason="error") == 3
+    assert _metric(metrics, "dflash_requests_total", status="200", finish_reason="length") == 2
+    assert _metric(metrics, "dflash_requests_total", status="200", finish_reason="stop") == 1
+    assert _metric(metrics, "dflash_running_requests") == 0 and _metric(metrics, "dflash_queue_depth") == 0
+    assert _metric(metrics, "dflash_time_to_first_token_seconds_count") == 3
+    assert _metric(metrics, "dflash_e2e_request_latency_seconds_count") == 3
+    assert _metric(metrics, "dflash_inter_token_latency_seconds_count") == sum(
+        len(j.request.token_ids) - 1 for j in [*jobs, after])
+    assert _metric(metrics, "dflash_tau_count") == 3
+    assert _metric(metrics, "dflash_compiles_total") == engine.compiles >= 1
