@@ -329,7 +329,7 @@ def _completion_prompts(body: dict[str, Any],
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise RequestError(f"{rule}; received {prompt!r}", "prompt")
-    if any(isinstance(t, int) for t in prompt):
+    if any(isinstance(t, int | float) for t in prompt):  # a token list (a non-integer in it is named)
         return (_token_ids(prompt, "prompt"),), (None,)
     prompts, texts = [], []
     for i, p in enumerate(prompt):
