@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -162,8 +163,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.read_timeout  # StreamRequestHandler.setup sets it on the socket
         super().setup()
 
+    default_request_version = "HTTP/1.0"  # a malformed request line still gets a status line
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
         pass
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The stdlib's errors (a malformed request line or header, an unknown method) as JSON, then close."""
+        self.close_connection = True
+        text = message or explain or HTTPStatus(code).phrase
+        self._send_json(code, openai.error_body(RequestError(text, status=code)), {"Connection": "close"})
 
     # ------------------------------------------------------------------ plumbing
 
@@ -175,7 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
-        if self.command != "HEAD":
+        if getattr(self, "command", None) != "HEAD":
             self.wfile.write(data)
 
     def _error(self, err: RequestError, headers: dict[str, str] | None = None) -> None:
