@@ -86,6 +86,11 @@ def test_streaming_equals_the_plain_answer(server):
     assert done and chunks[-1]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
     assert chunks[-1]["usage"] == plain["usage"]
+    text = plain["choices"][0]["text"]
+    cut = {**body, "stop": text[len(text) // 3: len(text) // 3 + 5]}  # spans tokens: its start must not leak
+    whole = httpx.post(f"{url}/v1/completions", json=cut, timeout=120).json()["choices"][0]
+    assert _stream_text(url, "/v1/completions", cut) == (whole["text"], whole["finish_reason"])
+    assert whole["text"] == text[: text.index(cut["stop"])] and whole["finish_reason"] == "stop"
 
 
 @pytest.mark.e2e
@@ -215,6 +220,7 @@ def _stream_text(url: str, path: str, body: dict) -> tuple[str, str]:
     return text, reason
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_streamed_and_whole_answers_are_equal_over_many_stop_strings(server):
     """Stop strings live in the engine and streams hold back text that could still become one, so a stop
