@@ -347,3 +347,22 @@ def test_a_client_that_leaves_has_its_request_cancelled_in_one_info_line(served,
     assert [r.levelname for r in caplog.records if "disconnected" in r.getMessage()] == ["INFO"]
     assert not any(r.exc_info for r in caplog.records)
     still_serves(url)
+
+
+def test_a_half_closed_connection_still_gets_its_answer(served):
+    """A client that shuts its sending side after the request (as raw-socket tools do): a stream runs to its end
+    (a stream's client is gone only when a write fails); a non-streamed request counts as abandoned (as in
+    uvicorn) and is cancelled, but what it made is still sent."""
+    _, url, worker = served
+    body = json.dumps({"prompt": "hi", "max_tokens": 5, "stream": True}).encode()
+    answer = raw(url, f"POST /v1/completions HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    head, _, stream = answer.partition(b"\r\n\r\n")
+    chunks = [json.loads(line[6:]) for line in stream.split(b"\n") if line.startswith(b"data: {")]
+    assert head.startswith(b"HTTP/1.1 200") and stream.rstrip().endswith(b"data: [DONE]")
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "0:hih"
+    body = json.dumps({"prompt": "slow"}).encode()
+    answer = raw(url, f"POST /v1/completions HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    head, _, whole = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(whole)["choices"][0]["finish_reason"] == "cancelled"
+    assert worker.jobs[-1] in worker.cancelled
+    still_serves(url)

@@ -12,6 +12,7 @@ that leaves is logged in one INFO line and its jobs are cancelled. Design: docs/
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -152,8 +153,10 @@ class _Handler(BaseHTTPRequestHandler):
     Hardening: a bad or negative Content-Length is a 400, one over `max_body_bytes` a 413 (before the body
     is read); a connection that sends nothing for `read_timeout` seconds is answered 408 (mid-body) or
     closed; with `api_key`, /v1/* needs `Authorization: Bearer <key>` (else 401). After an error whose body
-    was not read the connection is closed. A client that disconnects while its request runs (streamed or
-    not: the socket is polled every `POLL_S`) has its jobs cancelled, freeing their slots.
+    was not read the connection is closed. A client that disconnects while its request runs has its jobs
+    cancelled, freeing their slots: a non-streamed request's socket is polled for the end of input every `POLL_S`
+    (a half-close counts, as in uvicorn; what was made is still sent, finish_reason "cancelled"), a stream's
+    client is gone when a write fails.
     """
 
     server: DFlashServer
@@ -316,6 +319,7 @@ class _Handler(BaseHTTPRequestHandler):
         request = openai.parse_request(endpoint, body, self.server.tokenizer, self.server.protocol)
         jobs = self._submit(request)
         self._ended: set[int] = set()
+        self._merged: queue.Queue[Any] | None = None
         try:
             if request.stream:
                 self._stream(request, jobs)
@@ -349,22 +353,24 @@ class _Handler(BaseHTTPRequestHandler):
             raise
         return jobs
 
-    def _updates(self, jobs: list[Job]) -> Iterator[tuple[int, Any]]:
-        """(job position, `JobUpdate`) as the jobs publish them, then (position, None) as each ends; raises
-        `ClientGone` when the client closes its connection meanwhile."""
-        if len(jobs) == 1:  # the common case: the job's own queue, no forwarding thread
-            merged: queue.Queue[Any] = jobs[0].tokens
-        else:
-            merged = queue.Queue()
-            for i, job in enumerate(jobs):
-                threading.Thread(target=_forward, args=(i, job, merged), name="dflash-job", daemon=True).start()
-        live, checked = len(jobs), time.monotonic()
-        while live:
+    def _updates(self, jobs: list[Job], poll: bool) -> Iterator[tuple[int, Any]]:
+        """(job position, `JobUpdate`) as the jobs publish them, then (position, None) as each ends, until all
+        ended. poll: check every `POLL_S` that the client did not close its connection (else `ClientGone`)."""
+        if self._merged is None:  # one merged queue per request, read by every pass
+            if len(jobs) == 1:  # the common case: the job's own queue, no forwarding thread
+                self._merged = jobs[0].tokens
+            else:
+                self._merged = queue.Queue()
+                for i, job in enumerate(jobs):
+                    threading.Thread(target=_forward, args=(i, job, self._merged), name="dflash-job",
+                                     daemon=True).start()
+        checked = time.monotonic()
+        while len(self._ended) < len(jobs):
             try:
-                item = merged.get(timeout=POLL_S)
+                item = self._merged.get(timeout=POLL_S)
             except queue.Empty:
                 item = ...
-            if item is ... or time.monotonic() - checked >= POLL_S:
+            if poll and (item is ... or time.monotonic() - checked >= POLL_S):
                 checked = time.monotonic()
                 if self._client_gone():
                     raise ClientGone
@@ -372,7 +378,6 @@ class _Handler(BaseHTTPRequestHandler):
                 continue
             i, update = (0, item) if len(jobs) == 1 else item
             if update is None:
-                live -= 1
                 self._ended.add(i)
             yield i, update
 
@@ -384,9 +389,27 @@ class _Handler(BaseHTTPRequestHandler):
         return None
 
     def _whole(self, request: GenerationRequest, jobs: list[Job]) -> None:
-        for i, update in self._updates(jobs):
-            if update is None and jobs[i].error:
-                break  # the request fails; the other choices are cancelled
+        try:
+            for i, update in self._updates(jobs, poll=True):
+                if update is None and jobs[i].error:
+                    break  # the request fails; the other choices are cancelled
+        except ClientGone:
+            # Closed, or only half-closed (a client may shut its sending side and still read): its jobs end now,
+            # freeing their slots, and what they made is still sent (finish_reason "cancelled").
+            log.info("client %s:%s disconnected (closed its connection) during POST %s; its request is cancelled",
+                     *self.client_address[:2], self._path)
+            self.close_connection = True
+            for i, job in enumerate(jobs):
+                if i not in self._ended:
+                    self.server.worker.cancel(job)
+            for _ in self._updates(jobs, poll=False):
+                pass
+            with contextlib.suppress(*GONE):
+                self._answer(request, jobs)
+            return
+        self._answer(request, jobs)
+
+    def _answer(self, request: GenerationRequest, jobs: list[Job]) -> None:
         if err := self._failure(jobs):
             raise err
         self._send_json(200, openai.response_body(request, openai.response_id(request.endpoint), int(time.time()),
@@ -422,7 +445,7 @@ class _Handler(BaseHTTPRequestHandler):
             for i in range(len(jobs)):
                 open_choice(i)
         left = len(jobs)
-        for i, update in self._updates(jobs):
+        for i, update in self._updates(jobs, poll=False):  # a client that left is seen when a write fails
             if not opened[i]:
                 open_choice(i)
             if update is not None:
