@@ -497,7 +497,7 @@ def test_chat_stream_chunks():
     assert openai.chunk(request, "c", 5, 0, Update([104, 105], "Hi"), TOK) == {**head, "choices": [
         {"index": 0, "finish_reason": None, "logprobs": None, "delta": {"content": "Hi"}}]}
     assert openai.final_chunk(request, "c", 5, 0, Done([1, 2, 3], "Hi", "stop"), whole_usage=openai.usage(4, 3)) == {
-        **head, "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None, "delta": {}}],
+        **head, "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None, "delta": {"content": ""}}],
         "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}, "dflash": AR_STATS}
 
 

@@ -675,7 +675,7 @@ def final_chunk(request: GenerationRequest, rid: str, created: int, index: int, 
     reason = completion.finish_reason if request.max_tokens != 0 else "length"
     choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": None}
     if request.endpoint.chat:
-        choice["delta"] = {}
+        choice["delta"] = {"content": ""}  # not {}: clients (guidellm) read delta.content on every chunk
     else:
         choice["text"] = ""
     body = _chunk(request, rid, created, choice, usage_now)
