@@ -5,19 +5,28 @@
 
 Handler threads read bytes, check the API key, body size and timeouts, route, and write JSON or server-sent
 events; what a request means and what a response holds is `serve.openai`, the engine thread is
-`serve.worker.EngineWorker`. Design: docs/decisions.md D14, D40.
+`serve.worker.EngineWorker`. One request's failure is answered to that request alone: every error path
+answers (4xx for the client's mistakes, 500 for a bug here, 503 when the engine failed as a whole), a client
+that leaves is logged in one INFO line and its jobs are cancelled. Design: docs/decisions.md D14, D40.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
+import queue
+import select
 import socket
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from prometheus_client import generate_latest
 
@@ -29,6 +38,32 @@ from dflash.serve.sampling import GREEDY
 from dflash.serve.worker import EngineWorker, Job, ShuttingDown
 
 log = logging.getLogger(__name__)
+
+GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)  # the client went away
+POLL_S = 0.1  # how often a waiting handler checks that its client is still there
+GET_ROUTES = ("/health", "/metrics", "/v1/models")
+MODEL_PREFIX = "/v1/models/"
+
+
+def _forward(i: int, job: Job, merged: queue.Queue[Any]) -> None:
+    """Copy a job's updates onto a request's merged queue as (i, update), then (i, None)."""
+    while (update := job.tokens.get()) is not None:
+        merged.put((i, update))
+    merged.put((i, None))
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request was being served."""
+
+
+def allowed_methods(path: str) -> str | None:
+    """The `Allow` header of a route; None for a path that is no route."""
+    if path in openai.ENDPOINTS:
+        return "POST, OPTIONS"
+    if path in GET_ROUTES or (path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX)):
+        return "GET, HEAD, OPTIONS"
+    return None
+
 
 
 class DFlashServer(ThreadingHTTPServer):
@@ -42,7 +77,7 @@ class DFlashServer(ThreadingHTTPServer):
     request_queue_size = 256  # the listen backlog (the stdlib's 5 resets bursts of concurrent clients)
 
     def __init__(self, address: tuple[str, int], worker: EngineWorker, tokenizer: ChatTokenizer, model_name: str,
-                 max_len: int, default_max_tokens: int = 128, *, max_body_bytes: int = 4 << 20,
+                 max_len: int, default_max_tokens: int | None = None, *, max_body_bytes: int = 4 << 20,
                  read_timeout: float | None = 30.0, api_key: str | None = None, unknown_fields: str = "reject"):
         # the request policy; the default sampling rule is the engine's (the recipe's `sampling:`)
         self.protocol = ProtocolConfig(model_name, default_max_tokens, worker.engine.sampling or GREEDY,
@@ -92,19 +127,36 @@ class DFlashServer(ThreadingHTTPServer):
         self.server_close()
 
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """An exception that escaped a handler: a client that left is one INFO line, anything else an ERROR
+        with its traceback (the server keeps serving either way)."""
+        err = sys.exc_info()[1]
+        if isinstance(err, GONE):
+            log.info("client %s:%s disconnected (%s)", *client_address[:2], type(err).__name__)
+        else:
+            log.exception("unexpected error serving %s:%s", *client_address[:2])
+
+
 class _Handler(BaseHTTPRequestHandler):
     """One connection's requests (a thread each, from `ThreadingHTTPServer`).
 
     Routes: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true` as server-sent
-    events), GET /v1/models, GET /health, GET /metrics (Prometheus text). Responses carry `usage` plus a
-    `dflash` object with the request's acceptance statistics (τ, steps, accepted per step). A bad request
-    gets a 4xx JSON error (`openai.error_body`) and the server keeps serving; an engine failure ends the
-    requests in flight with a 500. Fields and their rules: `openai.check_fields`, `openai.parse_request`.
+    events), GET (and HEAD) /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text); OPTIONS on any
+    route answers its `Allow`; another method on a route is a 405 with `Allow`; query strings are ignored.
+    Responses carry `usage` plus a `dflash` object with the request's acceptance statistics (τ, steps,
+    accepted per step). A bad request gets a 4xx JSON error (`openai.error_body`) before any byte of a stream
+    (the worker's `submit` validates synchronously), and the server keeps serving; a request the engine
+    failed alone ends with the job's status (400), an engine-wide failure with 503; an unexpected exception
+    here is a 500 JSON answer and an ERROR log line. Fields and their rules: `openai.check_fields`,
+    `openai.parse_request`.
 
     Hardening: a bad or negative Content-Length is a 400, one over `max_body_bytes` a 413 (before the body
     is read); a connection that sends nothing for `read_timeout` seconds is answered 408 (mid-body) or
     closed; with `api_key`, /v1/* needs `Authorization: Bearer <key>` (else 401). After an error whose body
-    was not read the connection is closed.
+    was not read the connection is closed. A client that disconnects while its request runs has its jobs
+    cancelled, freeing their slots: a non-streamed request's socket is polled for the end of input every `POLL_S`
+    (a half-close counts, as in uvicorn; what was made is still sent, finish_reason "cancelled"), a stream's
+    client is gone when a write fails.
     """
 
     server: DFlashServer
@@ -114,27 +166,38 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.read_timeout  # StreamRequestHandler.setup sets it on the socket
         super().setup()
 
+    default_request_version = "HTTP/1.0"  # a malformed request line still gets a status line
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
         pass
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The stdlib's errors (a malformed request line or header, an unknown method) as JSON, then close."""
+        self.close_connection = True
+        text = message or explain or HTTPStatus(code).phrase
+        self._send_json(code, openai.error_body(RequestError(text, status=code)), {"Connection": "close"})
+
     # ------------------------------------------------------------------ plumbing
 
-    def _send_json(self, status: int, body: dict[str, Any]) -> None:
+    def _send_json(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
+        if getattr(self, "command", None) != "HEAD":
+            self.wfile.write(data)
 
-    def _error(self, err: RequestError) -> None:
-        if self.command == "POST" and not getattr(self, "_body_read", True):
+    def _error(self, err: RequestError, headers: dict[str, str] | None = None) -> None:
+        if not self._body_read and self.headers.get("Content-Length", "0").strip() not in ("", "0"):
             self.close_connection = True  # the unread body would be taken for the next request
-        self._send_json(err.status, openai.error_body(err))
+        self._send_json(err.status, openai.error_body(err), headers)
 
     def _authorize(self) -> None:
         key = self.server.api_key
-        if key is None or not self.path.startswith("/v1/"):
+        if key is None or not self._path.startswith("/v1/"):
             return
         given = self.headers.get("Authorization") or ""
         token = given[7:].strip() if given[:7].lower() == "bearer " else ""
@@ -171,105 +234,259 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"data: {data}\n\n".encode())
         self.wfile.flush()
 
+    def _client_gone(self) -> bool:
+        """Whether the client closed its end: readable with nothing to read (EOF), or the socket failed. Bytes
+        the client sent ahead (a pipelined request) are left where they are."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
     # ------------------------------------------------------------------ routes
 
-    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+    def _dispatch(self) -> None:
+        """Route one request; every outcome answers (or, when the client left, logs one INFO line)."""
+        self._body_read, self._started = False, False
+        self._path = urlsplit(self.path).path
         try:
-            self._authorize()
+            if self.command != "OPTIONS":  # a browser's preflight carries no credentials
+                self._authorize()
+            allow = allowed_methods(self._path)
+            if self.command == "OPTIONS" and self.path == "*":
+                self._send_empty(204, {"Allow": "GET, HEAD, POST, OPTIONS"})
+            elif allow is None:
+                raise RequestError(f"no route {self.command} {self._path}", status=404)
+            elif self.command == "OPTIONS":
+                self._send_empty(204, {"Allow": allow})
+            elif self.command not in allow:
+                self._error(RequestError(f"method {self.command} is not allowed on {self._path}; allowed: {allow}",
+                                         status=405), {"Allow": allow})
+            elif self.command == "POST":
+                self._post(openai.ENDPOINTS[self._path])
+            else:
+                self._get()
         except RequestError as err:
             self._error(err)
-            return
-        if self.path == "/health":
+        except (ClientGone, *GONE) as err:
+            log.info("client %s:%s disconnected during %s %s (%s)", *self.client_address[:2], self.command,
+                     self._path, type(err).__name__)
+            self.close_connection = True
+        except Exception:  # noqa: BLE001 - a bug here must not close the connection unanswered
+            log.exception("unexpected error serving %s %s", self.command, self._path)
+            self.close_connection = True
+            if not self._started:
+                self._send_json(500, openai.error_body(RequestError(
+                    "internal server error while serving this request (logged on the server)", status=500)))
+
+    def _send_empty(self, status: int, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_POST = do_HEAD = do_OPTIONS = do_PUT = do_DELETE = do_PATCH = _dispatch  # noqa: N815 - stdlib
+
+    def _get(self) -> None:
+        server, engine = self.server, self.server.worker.engine
+        card = (server.model_name, server.created, engine.k, engine.drafter_fingerprint, engine.max_len)
+        if self._path == "/health":
             self._send_json(200, {"status": "ok"})
-        elif self.path == "/v1/models":
-            engine = self.server.worker.engine
-            self._send_json(200, openai.models_body(self.server.model_name, self.server.created, engine.k,
-                                                    engine.drafter_fingerprint))
-        elif self.path == "/metrics":
-            data = generate_latest(self.server.worker.registry)
+        elif self._path == "/v1/models":
+            self._send_json(200, openai.models_body(*card))
+        elif self._path.startswith(MODEL_PREFIX):
+            model = unquote(self._path[len(MODEL_PREFIX):])
+            if model != server.model_name:
+                raise RequestError(f"model {model!r} does not exist; this server serves {server.model_name!r}",
+                                   "model", status=404)
+            self._send_json(200, openai.model_card(*card))
+        else:  # /metrics
+            data = generate_latest(server.worker.registry)
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(data)
-        else:
-            self._error(RequestError(f"no route GET {self.path}", status=404))
+            if self.command != "HEAD":
+                self.wfile.write(data)
 
-    def do_POST(self) -> None:  # noqa: N802 - stdlib name
-        self._body_read = False
+    def _post(self, endpoint: openai.Endpoint) -> None:
+        body = openai.parse_json(self._read_body())
+        if ignored := openai.check_fields(endpoint, body, self.server.protocol):
+            self.server.warn_unknown(ignored)
+        request = openai.parse_request(endpoint, body, self.server.tokenizer, self.server.protocol)
+        jobs = self._submit(request)
+        self._ended: set[int] = set()
+        self._merged: queue.Queue[Any] | None = None
         try:
-            self._authorize()
-            endpoint = openai.ENDPOINTS.get(self.path)
-            if endpoint is None:
-                raise RequestError(f"no route POST {self.path}", status=404)
-            body = openai.parse_json(self._read_body())
-            if ignored := openai.check_fields(endpoint, body, self.server.protocol):
-                self.server.warn_unknown(ignored)
-            self._complete(openai.parse_request(endpoint, body, self.server.tokenizer, self.server.protocol))
-        except RequestError as err:
-            self._error(err)
+            if request.stream:
+                self._stream(request, jobs)
+            else:
+                self._whole(request, jobs)
+        finally:
+            for i, job in enumerate(jobs):  # a client that left, or a choice failed: free the others' slots
+                if i not in self._ended:
+                    self.server.worker.cancel(job)
 
     # ------------------------------------------------------------------ completion
 
-    def _complete(self, request: GenerationRequest) -> None:
+    def _submit(self, request: GenerationRequest) -> list[Job]:
+        """One job per choice, submitted before any byte is sent: the worker's refusal (`RequestRejected`) is a
+        400 in the request's terms, and the choices already taken are cancelled."""
+        jobs: list[Job] = []
         try:
-            job = self.server.worker.submit(request.prompt_ids, request.max_tokens, seed=request.seed,
-                                            sampling=request.sampling, stop_strings=request.stop)
-        except ShuttingDown as err:
-            raise RequestError(str(err), status=503) from err
-        rid = openai.response_id(request.endpoint, id(job))
-        if request.stream:
-            try:
-                self._stream(request, job, rid)
-            except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client went away mid-stream
+            for choice in request.choices:
+                try:
+                    jobs.append(self.server.worker.submit(
+                        choice.prompt_ids, request.submit_max_tokens, seed=choice.seed, sampling=request.sampling,
+                        stop_strings=request.stop, logprobs=request.logprobs,
+                        prompt_logprobs=request.prompt_logprobs))
+                except ValueError as err:  # RequestRejected
+                    raise openai.rejected(request, err, choice) from err
+        except (RequestError, ShuttingDown) as err:
+            for job in jobs:
                 self.server.worker.cancel(job)
-                self.close_connection = True
-            return
-        generated: list[int] = []
-        while (ids := job.tokens.get()) is not None:
-            generated += ids
-        if job.error:
-            raise RequestError(job.error, request.endpoint.prompt_param, status=500 if job.engine_failed else 400)
-        text, reason = openai.final_text(self.server.tokenizer, generated, request.stop, job.request)
-        self._send_json(200, openai.response_body(request, rid, int(time.time()), text, reason, len(generated),
-                                                  job.request))
+            if isinstance(err, ShuttingDown):
+                raise RequestError(str(err), status=503) from err
+            raise
+        return jobs
 
-    def _stream(self, request: GenerationRequest, job: Job, rid: str) -> None:
-        """Server-sent events: the chunks `openai.chunk` builds as text arrives, the finishing chunk, the usage
-        chunk with `stream_options.include_usage`, then `[DONE]`; a request that failed ends with an error
-        event instead."""
+    def _updates(self, jobs: list[Job], poll: bool) -> Iterator[tuple[int, Any]]:
+        """(job position, `JobUpdate`) as the jobs publish them, then (position, None) as each ends, until all
+        ended. poll: check every `POLL_S` that the client did not close its connection (else `ClientGone`)."""
+        if self._merged is None:  # one merged queue per request, read by every pass
+            if len(jobs) == 1:  # the common case: the job's own queue, no forwarding thread
+                self._merged = jobs[0].tokens
+            else:
+                self._merged = queue.Queue()
+                for i, job in enumerate(jobs):
+                    threading.Thread(target=_forward, args=(i, job, self._merged), name="dflash-job",
+                                     daemon=True).start()
+        checked = time.monotonic()
+        while len(self._ended) < len(jobs):
+            try:
+                item = self._merged.get(timeout=POLL_S)
+            except queue.Empty:
+                item = ...
+            if poll and (item is ... or time.monotonic() - checked >= POLL_S):
+                checked = time.monotonic()
+                if self._client_gone():
+                    raise ClientGone
+            if item is ...:
+                continue
+            i, update = (0, item) if len(jobs) == 1 else item
+            if update is None:
+                self._ended.add(i)
+            yield i, update
+
+    def _failure(self, jobs: list[Job]) -> RequestError | None:
+        """The first failed job's error, with its status (400: it failed alone; 503: the engine failed)."""
+        for job in jobs:
+            if job.error:
+                return RequestError(job.error, None, status=job.status or 500)
+        return None
+
+    def _whole(self, request: GenerationRequest, jobs: list[Job]) -> None:
+        try:
+            for i, update in self._updates(jobs, poll=True):
+                if update is None and jobs[i].error:
+                    break  # the request fails; the other choices are cancelled
+        except ClientGone:
+            # Closed, or only half-closed (a client may shut its sending side and still read): its jobs end now,
+            # freeing their slots, and what they made is still sent (finish_reason "cancelled").
+            log.info("client %s:%s disconnected (closed its connection) during POST %s; its request is cancelled",
+                     *self.client_address[:2], self._path)
+            self.close_connection = True
+            for i, job in enumerate(jobs):
+                if i not in self._ended:
+                    self.server.worker.cancel(job)
+            for _ in self._updates(jobs, poll=False):
+                pass
+            with contextlib.suppress(*GONE):
+                self._answer(request, jobs)
+            return
+        self._answer(request, jobs)
+
+    def _answer(self, request: GenerationRequest, jobs: list[Job]) -> None:
+        if err := self._failure(jobs):
+            raise err
+        self._send_json(200, openai.response_body(request, openai.response_id(request.endpoint), int(time.time()),
+                                                  [job.request for job in jobs], self.server.tokenizer))
+
+    def _stream(self, request: GenerationRequest, jobs: list[Job]) -> None:
+        """Server-sent events: per choice a first chunk (chat: the role; completions with echo: the prompt),
+        chunks as stable text arrives (interleaved by choice index), the choice's finishing chunk; then the
+        usage chunk with `stream_options.include_usage`, then `[DONE]`. A job that fails after the 200 ends
+        the stream with an error event."""
+        tok, rid, choices = self.server.tokenizer, openai.response_id(request.endpoint), request.choices
+        generated, offsets, opened = [0] * len(jobs), [0] * len(jobs), [False] * len(jobs)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
-        self.close_connection = True
-        text = openai.TextStream(self.server.tokenizer, request.stop)
-        if request.endpoint.chat:
-            self._event(openai.chunk(request, rid, int(time.time()), ""))
-        while (ids := job.tokens.get()) is not None:
-            if delta := text.feed(ids):
-                self._event(openai.chunk(request, rid, int(time.time()), delta))
-        if job.error:
-            self._event(openai.stream_error(job.error))
-        else:
-            completion_tokens = len(text.generated)
-            self._event(openai.final_chunk(request, rid, int(time.time()), text.finish_reason(job.request),
-                                           completion_tokens, job.request))
-            if request.include_usage:
-                self._event(openai.usage_chunk(request, rid, int(time.time()), completion_tokens))
+        self._started = self.close_connection = True
+
+        def usage_now() -> dict[str, int] | None:
+            return openai.usage(request.prompt_tokens, sum(generated)) if request.continuous_usage else None
+
+        def open_choice(i: int) -> None:
+            opened[i] = True
+            if request.endpoint.chat:
+                self._event(openai.role_chunk(request, rid, int(time.time()), choices[i].index, usage_now()))
+            elif request.echo:
+                echo = openai.echo_chunk(request, rid, int(time.time()), choices[i], jobs[i].request, tok, usage_now())
+                offsets[i] = len(echo["choices"][0]["text"])
+                self._event(echo)
+
+        if request.endpoint.chat:  # the role at once: a client's time to first token is the engine's
+            for i in range(len(jobs)):
+                open_choice(i)
+        left = len(jobs)
+        for i, update in self._updates(jobs, poll=False):  # a client that left is seen when a write fails
+            if not opened[i]:
+                open_choice(i)
+            if update is not None:
+                if request.max_tokens == 0:
+                    continue  # the scored prompt's one generated token is dropped
+                generated[i] += len(update.token_ids)
+                if update.text_delta or (update.token_ids and (request.logprobs is not None or
+                                                               request.continuous_usage)):
+                    self._event(openai.chunk(request, rid, int(time.time()), choices[i].index, update, tok,
+                                             offsets[i], usage_now()))
+                    offsets[i] += len(update.text_delta)
+                continue
+            job = jobs[i]
+            if job.error:
+                self._event(openai.stream_error(job.error, job.status or 500))
+                self._event("[DONE]")
+                return
+            left -= 1
+            generated[i] = openai.completion_tokens(request, job.request)
+            whole = None
+            if not left and not request.include_usage and not request.continuous_usage:
+                whole = openai.usage(request.prompt_tokens, sum(generated))
+            self._event(openai.final_chunk(request, rid, int(time.time()), choices[i].index, job.request,
+                                           usage_now(), whole))
+        if request.include_usage:
+            self._event(openai.usage_chunk(request, rid, int(time.time()), sum(generated)))
         self._event("[DONE]")
 
 
 def make_server(engine: Engine, tokenizer: ChatTokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                default_max_tokens: int = 128, *, max_body_bytes: int = 4 << 20, read_timeout: float | None = 30.0,
-                api_key: str | None = None, unknown_fields: str = "reject") -> DFlashServer:
+                default_max_tokens: int | None = None, *, max_body_bytes: int = 4 << 20,
+                read_timeout: float | None = 30.0, api_key: str | None = None,
+                unknown_fields: str = "reject") -> DFlashServer:
     """A started engine thread and a bound (not yet serving) HTTP server; call `serve_forever()`.
 
-    max_body_bytes: larger bodies get a 413 unread; read_timeout: seconds a connection may stay silent
-    (mid-request or idle between keep-alive requests); api_key: if set, /v1/* needs `Authorization: Bearer
-    <key>`; unknown_fields: "reject" (a 400) or "ignore" (one logged warning per field name) for fields that
-    are neither this server's nor documented OpenAI ones (OpenAI fields are always accepted at neutral values).
+    default_max_tokens: the budget of requests that send no max_tokens (None: until a stop or the end of the
+    context, as vLLM); max_body_bytes: larger bodies get a 413 unread; read_timeout: seconds a connection may
+    stay silent (mid-request or idle between keep-alive requests); api_key: if set, /v1/* needs
+    `Authorization: Bearer <key>`; unknown_fields: "reject" (a 400) or "ignore" (one logged warning per field
+    name) for fields that are neither this server's nor documented OpenAI ones (OpenAI fields are always
+    accepted at neutral values).
     """
     worker = EngineWorker(engine).start()
     return DFlashServer((host, port), worker, tokenizer, model_name, engine.max_len, default_max_tokens,
@@ -277,4 +494,4 @@ def make_server(engine: Engine, tokenizer: ChatTokenizer, model_name: str, host:
                         unknown_fields=unknown_fields)
 
 
-__all__ = ["DFlashServer", "make_server"]
+__all__ = ["DFlashServer", "allowed_methods", "make_server"]
