@@ -5,10 +5,15 @@ timeout, and the API key. Every case is followed by a normal request that must s
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,6 +29,8 @@ KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CAP = 4096
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+DATA = Path(__file__).parent / "data"
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +45,19 @@ def server(smollm2_target):
     srv.close()
     thread.join(10)
     assert not thread.is_alive() and not srv.worker.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2_target, tmp_path_factory) -> Path:
+    """The served model's tokenizer as a Hugging Face directory (tokenizer.json + tokenizer_config.json), for
+    clients that count tokens with transformers' AutoTokenizer (guidellm's --processor): no Hub access."""
+    tok = smollm2_target.tokenizer
+    path = tmp_path_factory.mktemp("tokenizer")
+    tok.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+        "chat_template": tok.chat_template, "model_max_length": MAX_LEN}))
+    return path
 
 
 def _still_serves(url: str) -> None:
@@ -249,4 +269,64 @@ def test_lm_eval_local_chat_completions_runs_a_local_task(server, tmp_path):
     [samples] = (tmp_path / "out").rglob("samples_dflash_qa_*.jsonl")
     replies = [json.loads(line)["resps"][0][0] for line in samples.read_text().splitlines()]
     assert len(replies) == 2 and all(isinstance(r, str) and r.strip() for r in replies), replies
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_guidellm_benchmarks_streaming_chat_with_ttft_and_itl(server, hf_tokenizer, tmp_path):
+    """guidellm as users run it (its own console script): a synchronous streaming chat-completions run over a
+    local prompt file, token counts from the served model's tokenizer given as a local directory, JSON report.
+    Its requests carry `stream_options.include_usage`, `max_tokens` + `max_completion_tokens`, `stop: null` and
+    the vendor field `ignore_eos` (ignored here with one warning)."""
+    _, url = server
+    out = tmp_path / "report.json"
+    env = {**os.environ, **OFFLINE, "GUIDELLM__PREFERRED_ROUTE": "chat_completions",
+           "GUIDELLM__OPENAI__API_KEY": KEY, "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
+    done = subprocess.run([str(Path(sys.executable).with_name("guidellm")), "benchmark", "--target", url,
+                           "--model", "smollm2", "--processor", str(hf_tokenizer), "--data",
+                           str(DATA / "guidellm_prompts.jsonl"), "--rate-type", "synchronous", "--max-requests", "4",
+                           "--random-seed", "0", "--disable-progress", "--output-path", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    [bench] = json.loads(out.read_text())["benchmarks"]
+    totals = bench["request_totals"]
+    errors = [r.get("error") for r in bench["requests"]["errored"]]
+    assert totals["successful"] == 4 and totals["errored"] == 0 and totals["incomplete"] == 0, (totals, errors)
+    metrics = bench["metrics"]
+    for name in ("time_to_first_token_ms", "inter_token_latency_ms", "request_latency"):
+        stats = metrics[name]["successful"]
+        assert stats["count"] > 0 and stats["mean"] > 0 and stats["min"] > 0, (name, stats)
+    assert metrics["output_token_count"]["successful"]["min"] > 1, metrics["output_token_count"]  # ITL needs 2+
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_lm_eval_local_completions_runs_generate_until_and_multiple_choice(server, hf_tokenizer, tmp_path):
+    """lm-evaluation-harness's `local-completions` model with its default settings (tokenized requests: `prompt`
+    as a list of one token-id list), offline: a local generate_until task (`max_tokens`, `stop`, `seed`) and a
+    local multiple-choice task, whose loglikelihood requests are `echo: true, logprobs: 1, max_tokens: 1` and
+    read `logprobs.token_logprobs` / `top_logprobs` of the echoed prompt. The tokenizer is the served model's,
+    as a local directory (lm-eval first probes GET /tokenizer_info, gets a 404 and falls back to it)."""
+    _, url = server
+    args = f"model=smollm2,base_url={url}/v1/completions,tokenizer={hf_tokenizer},num_concurrent=1,max_retries=1"
+    env = {**os.environ, **OFFLINE, "OPENAI_API_KEY": KEY}  # lm-eval's key source
+    tasks = DATA / "lm_eval"
+    done = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
+                           "--tasks", "dflash_gen,dflash_mc", "--include_path", str(tasks), "--output_path",
+                           str(tmp_path / "out"), "--log_samples"], cwd=tasks, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [results] = (tmp_path / "out").rglob("results_*.json")
+    scores = json.loads(results.read_text())["results"]
+    assert 0.0 <= scores["dflash_gen"]["exact_match,none"] <= 1.0, scores
+    assert 0.0 <= scores["dflash_mc"]["acc,none"] <= 1.0, scores
+    [samples] = (tmp_path / "out").rglob("samples_dflash_mc_*.jsonl")
+    docs = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(docs) == 3
+    for doc in docs:  # one (log-likelihood, is-greedy) per choice: finite, negative, not all equal
+        lls = [float(resp[0][0]) for resp in doc["resps"]]  # lm-eval logs them as strings
+        assert len(lls) == 3 and all(-1e4 < ll < 0 for ll in lls) and len(set(lls)) > 1, doc["resps"]
+    [samples] = (tmp_path / "out").rglob("samples_dflash_gen_*.jsonl")
+    replies = [json.loads(line)["resps"][0][0] for line in samples.read_text().splitlines()]
+    assert len(replies) == 2 and all(isinstance(r, str) for r in replies), replies
     _still_serves(url)
