@@ -330,3 +330,160 @@ def test_lm_eval_local_completions_runs_generate_until_and_multiple_choice(serve
     replies = [json.loads(line)["resps"][0][0] for line in samples.read_text().splitlines()]
     assert len(replies) == 2 and all(isinstance(r, str) for r in replies), replies
     _still_serves(url)
+
+
+# ------------------------------------------------------------------ every request shape (issue 32 items 2, 3)
+
+PROMPT = "The capital of France is"
+
+
+@pytest.mark.e2e
+def test_chat_content_as_a_list_of_text_parts(server):
+    _, url = server
+    parts = [{"role": "user", "content": [{"type": "text", "text": QUESTION[0]["content"]}]}]
+    with _client(url) as client:
+        plain = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=6)
+        listed = client.chat.completions.create(model="smollm2", messages=parts, max_tokens=6)
+        split = client.chat.completions.create(model="smollm2", max_tokens=6, messages=[
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": " 2+2?"}]}])
+    assert listed.choices[0].message.content == plain.choices[0].message.content
+    assert listed.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert split.choices[0].message.content and split.usage.completion_tokens > 0
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_completions_prompt_in_every_shape_answers_each_prompt_by_index(server):
+    srv, url = server
+    tok = srv.tokenizer
+    other = "Two plus two equals"
+    ids, other_ids = tok.encode(PROMPT), tok.encode(other)
+    with _client(url) as client:
+        def ask(prompt):
+            return client.completions.create(model="smollm2", prompt=prompt, max_tokens=4)
+
+        one, two = ask(PROMPT), ask(other)
+        texts = [one.choices[0].text, two.choices[0].text]
+        for shape in ([PROMPT, other], [ids, other_ids]):
+            both = ask(shape)
+            assert [c.index for c in both.choices] == [0, 1]
+            assert [c.text for c in both.choices] == texts, shape
+            assert both.usage.prompt_tokens == len(ids) + len(other_ids)
+            assert both.usage.completion_tokens == one.usage.completion_tokens + two.usage.completion_tokens
+        assert ask(ids).choices[0].text == texts[0]
+        assert ask([PROMPT]).choices[0].text == texts[0]
+        assert len({one.id, two.id, ask(PROMPT).id}) == 3, "response ids repeat"
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_n_samples_of_one_prompt_come_back_as_indexed_choices(server):
+    _, url = server
+    with _client(url) as client:
+        chat = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=5, n=3,
+                                              temperature=1.0, seed=7)
+        text = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=5, n=2, temperature=1.0, seed=7)
+        again = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=5, n=2, temperature=1.0, seed=7)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and all(c.message.content for c in chat.choices)
+    assert [c.index for c in text.choices] == [0, 1]
+    assert [c.text for c in again.choices] == [c.text for c in text.choices], "a seed must repeat its samples"
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_chat_logprobs_and_top_logprobs(server):
+    import openai
+
+    _, url = server
+    with _client(url) as client:
+        out = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=6, logprobs=True,
+                                             top_logprobs=3)
+        content = out.choices[0].logprobs.content
+        assert len(content) == out.usage.completion_tokens
+        for entry in content:  # greedy: the chosen token is the most likely one
+            tops = [t.logprob for t in entry.top_logprobs]
+            assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0.0
+            assert entry.logprob == pytest.approx(tops[0], abs=1e-5) and entry.token == entry.top_logprobs[0].token
+        assert "".join(e.token for e in content) == out.choices[0].message.content
+        bare = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=6, logprobs=True)
+        assert all(e.top_logprobs == [] for e in bare.choices[0].logprobs.content)
+        with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+            client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=2, logprobs=True,
+                                           top_logprobs=21)
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_completions_logprobs_with_echo_give_the_prompts_log_probabilities(server):
+    import openai
+
+    srv, url = server
+    n_prompt = len(srv.tokenizer.encode(PROMPT))
+    with _client(url) as client:
+        out = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3, logprobs=2, echo=True)
+        [choice] = out.choices
+        lp = choice.logprobs
+        total = n_prompt + out.usage.completion_tokens
+        assert choice.text.startswith(PROMPT) and out.usage.prompt_tokens == n_prompt
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == total
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(x <= 0.0 for x in lp.token_logprobs[1:])
+        assert all(1 <= len(top) <= 3 for top in lp.top_logprobs[1:])  # the 2 likeliest + the chosen one, by text
+        assert lp.text_offset == sorted(lp.text_offset)
+        # the generated tokens' log-probabilities (decode) equal those of the same text echoed (prefill)
+        ids = srv.tokenizer.encode(choice.text)
+        assert len(ids) == total, "this prompt and its greedy answer re-encode to the same tokens"
+        echoed = client.completions.create(model="smollm2", prompt=ids, max_tokens=1, logprobs=0, echo=True)
+        assert echoed.choices[0].logprobs.token_logprobs[1:total] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2, logprobs=6)
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_stream_continuous_usage_stats_and_the_first_chat_chunk_carries_the_role(server):
+    _, url = server
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with _client(url) as client:
+        plain = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=6)
+        chunks = list(client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=6, stream=True,
+                                                     stream_options=options))
+        texts = list(client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=6, stream=True,
+                                               stream_options=options))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    for stream in (chunks, texts):
+        assert all(c.usage is not None for c in stream), "continuous_usage_stats: every chunk has usage"
+        counts = [c.usage.completion_tokens for c in stream]
+        assert counts == sorted(counts) and stream[-1].choices == []
+        assert len({c.id for c in stream}) == 1
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_models_retrieve_reports_the_context_length(server):
+    _, url = server
+    with _client(url) as client:
+        model = client.models.retrieve("smollm2")
+        listed = client.models.list()
+    assert model.id == "smollm2" and model.max_model_len == MAX_LEN
+    assert [m.max_model_len for m in listed] == [MAX_LEN]
+    assert httpx.get(f"{url}/v1/models/nope", headers=AUTH, timeout=60).status_code == 404
+    _still_serves(url)
+
+
+@pytest.mark.e2e
+def test_methods_heads_and_query_strings(server):
+    _, url = server
+    wrong = httpx.get(f"{url}/v1/completions", headers=AUTH, timeout=60)
+    assert wrong.status_code == 405 and "POST" in wrong.headers["Allow"]
+    assert httpx.put(f"{url}/v1/models", headers=AUTH, timeout=60).status_code == 405
+    head = httpx.head(f"{url}/health", timeout=60)
+    assert head.status_code == 200 and head.content == b""
+    assert httpx.get(f"{url}/v1/models?limit=1", headers=AUTH, timeout=60).status_code == 200
+    query = httpx.post(f"{url}/v1/completions?x=1", json={"prompt": [1, 2, 3], "max_tokens": 2}, headers=AUTH,
+                       timeout=120)
+    assert query.status_code == 200
+    _still_serves(url)
