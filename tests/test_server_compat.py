@@ -1,7 +1,11 @@
 """`dflash serve` with stock clients and hostile ones: documented OpenAI fields accepted at neutral values
 (refused with a 400 naming the field otherwise), unknown vendor fields ignored with one warning,
 `stream_options.include_usage`, bad / oversized Content-Length, a silent client cut off by the read
-timeout, and the API key. Every case is followed by a normal request that must still succeed."""
+timeout, and the API key; the `openai` client over every request shape of the API (chat content as text parts,
+completions prompts as str / list[str] / list[int] / list[list[int]], n > 1, chat and completions log-probabilities
+with echo, `stream_options.continuous_usage_stats`, models.retrieve, methods and HEAD); guidellm's streaming chat
+benchmark and lm-eval's `local-completions` (generate_until and multiple choice), offline. Every case is followed
+by a normal request that must still succeed."""
 
 from __future__ import annotations
 
@@ -111,7 +115,7 @@ def test_stock_client_sends_neutral_openai_fields(server):
 @pytest.mark.parametrize(("path", "field", "value", "needle"), [
     ("/v1/chat/completions", "presence_penalty", 0.5, "presence_penalty must be 0 (penalties are not supported); "
                                                       "received 0.5"),
-    ("/v1/completions", "logprobs", 3, "logprobs are not supported"),
+    ("/v1/completions", "logprobs", 6, "logprobs"),  # completions take at most 5
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "tool calling"),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}, "structured output"),
     ("/v1/completions", "best_of", 3, "best_of must be 1"),
