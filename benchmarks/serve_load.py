@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -164,6 +165,7 @@ def main() -> None:
     from dflash.configs.recipe import load_recipe
     from dflash.launch.serving import ServeOptions, build_server
 
+    load = os.getloadavg()[0]  # other work on the machine moves these numbers: it is recorded with them
     recipe = load_recipe(args.config)
     options = ServeOptions(drafter=None if args.ar else args.drafter, ar=args.ar, slots=args.slots, port=0)
     start = time.perf_counter()
@@ -194,8 +196,8 @@ def main() -> None:
         thread.join(60)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    run = {"commit": commit, "startup_s": startup, "mode": mode, "config": args.config, "slots": args.slots,
-           "max_tokens": args.max_tokens, "rows": {str(c): r for c, r in rows.items()}}
+    run = {"commit": commit, "load_avg": load, "startup_s": startup, "mode": mode, "config": args.config,
+           "slots": args.slots, "max_tokens": args.max_tokens, "rows": {str(c): r for c, r in rows.items()}}
     if args.save:
         Path(args.save).write_text(json.dumps(run, indent=1) + "\n")
     before = ""
@@ -211,7 +213,7 @@ def main() -> None:
         f"C client threads send streaming chat completions over {len(PROMPTS)} fixed prompts, max_tokens "
         f"{args.max_tokens}, greedy (answers may stop early at the end-of-turn token: see mean tokens); one untimed "
         f"round of C requests first. Latencies are per request, from sending it to `[DONE]` (e2e) and to the "
-        f"first chunk with content (TTFT).{before}",
+        f"first chunk with content (TTFT). Load average at the start: {load:.1f} on {os.cpu_count()} cores.{before}",
         "",
         *table(rows, baseline),
     ])
