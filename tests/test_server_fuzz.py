@@ -14,6 +14,7 @@ server still answers a normal request. The default tier runs a bounded, derandom
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -293,6 +294,15 @@ HEADER_LINES = st.one_of(
     st.builds(lambda k, v: f"{k}: {v}", st.text(max_size=12), st.text(max_size=24)))
 
 
+TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 5.6.2: a method or a header name
+
+
+def _header_ok(line: str) -> bool:
+    name, colon, value = line.partition(":")
+    return bool(colon) and TOKEN.fullmatch(name) is not None and value.isascii() and value.isprintable() \
+        and len(line) < 60_000
+
+
 @dataclass(frozen=True)
 class RawRequest:
     """Bytes to send, and whether they are a syntactically complete HTTP/1.x request (which must be answered)."""
@@ -308,11 +318,10 @@ def _raw(method: str, path: str, version: str, headers: list[str], body: bytes, 
         lines.append(f"Content-Length: {len(body)}")
     head = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogatepass")
     data = head + (body if cut is None else body[:cut])
-    well_formed = (method.isascii() and method.isalpha() and method.isupper() and version in ("HTTP/1.1", "HTTP/1.0")
-                   and path.startswith("/") and path.isprintable() and " " not in path and len(path) < 60_000
-                   and all(":" in h and h.split(":", 1)[0].strip() and h.isprintable() and len(h) < 60_000
-                           and h[0] not in " \t" for h in headers)
-                   and "content-length" not in names and "transfer-encoding" not in names and "expect" not in names)
+    well_formed = (TOKEN.fullmatch(method) is not None and version in ("HTTP/1.1", "HTTP/1.0")
+                   and path.startswith("/") and path.isascii() and path.isprintable() and " " not in path
+                   and len(path) < 60_000 and all(_header_ok(h) for h in headers)
+                   and not {"content-length", "transfer-encoding", "expect"} & set(names))
     return RawRequest(data, well_formed and cut is None)
 
 
