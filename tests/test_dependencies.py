@@ -33,6 +33,7 @@ NOT_IMPORTED = {
     "ruff": "the linter, run as a command (`.venv/bin/ruff check .`)",
     "pytest-xdist": "a pytest plugin: bin/test runs the suite in 2 worker processes with it (`-n`)",
     "lm-eval": "run as `python -m lm_eval` in a subprocess by tests/test_server_compat.py",
+    "guidellm": "run as its console script `guidellm benchmark` in a subprocess by tests/test_server_compat.py",
 }
 
 
