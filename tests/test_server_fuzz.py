@@ -36,7 +36,8 @@ MAX_LEN = 256
 VOCAB = 49152  # SmolLM2's
 VICTIM = {"prompt": "Once upon a time, a dragon and a knight", "max_tokens": 40, "temperature": 0, "stream": True,
           "stream_options": {"include_usage": True}}
-# RFC 9110 15.6.2: 501 is the answer to a method the server does not recognize; any other 5xx is a failure
+# RFC 9110 15.6.2 and 15.6.6: 501 answers a method the server does not recognize and 505 an HTTP major version it
+# does not support; any other 5xx is a failure
 STANDARD_METHODS = {b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"CONNECT", b"OPTIONS", b"TRACE", b"PATCH"}
 
 
@@ -350,8 +351,11 @@ def check_response(request: RawRequest, response: bytes) -> None:
         assert status is not None, f"the connection closed without a response: {response[:200]!r}"
     if status is None:
         return
-    unknown_method = request.data.split(b" ", 1)[0] not in STANDARD_METHODS
-    assert status < 500 or (status == 501 and unknown_method), f"a {status}: {response[:600]!r}"
+    line = request.data.split(b"\r\n", 1)[0].split(b" ")
+    unknown_method = line[0] not in STANDARD_METHODS
+    other_version = line[-1].startswith(b"HTTP/") and not line[-1].startswith(b"HTTP/1.")
+    assert status < 500 or (status == 501 and unknown_method) or (status == 505 and other_version), \
+        f"a {status}: {response[:600]!r}"
     head, _, body = response.partition(b"\r\n\r\n")
     if status == 200 and b"text/event-stream" in head:
         _, _, errors = stream_text(body)
