@@ -321,6 +321,7 @@ def test_logprobs_are_the_targets_own_for_greedy_and_sampled_requests(setup, blo
         assert sum(done[ids[0]].accepted) > 0
 
 
+@pytest.mark.slow  # ~60 s of compiles; the default tier checks 0 compiles in `dflash eval`'s timed region (test_eval)
 def test_after_precompile_no_request_compiles(setup):
     """precompile runs every prefill length (a max_len that is no power of two caps the last bucket) and every
     attention span, with and without log-probabilities; requests of any prompt length, budget and kind then

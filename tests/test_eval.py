@@ -153,7 +153,9 @@ def test_a_rerun_against_another_drafter_measures_it_again(tiny, served, tmp_pat
     store = RecordStore(legacy)
     store.begin("ar", setups["ar"])
     assert not [k for k in store.records if k[1] == "ar" and k[0] != "setup"]
-    assert len([k for k in RecordStore(legacy).records if k[1] == "dflash"]) == 4  # 3 replies and a wall
+    # 3 replies, the wall time and the compile count of the timed region
+    assert sorted(k[0] for k in RecordStore(legacy).records if k[1] == "dflash") == ["compiles", *["reply"] * 3,
+                                                                                     "wall"]
 
 
 def _reply(mode, item, turn, text, accepted, tpot):

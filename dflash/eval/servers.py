@@ -72,14 +72,15 @@ def serve_in_process(target: Any, drafter: Any, *, slots: int, max_len: int, blo
                      model_name: str = "dflash", precompile: bool = True) -> Iterator[str]:
     """A real HTTP server in a thread of this process over `target` (and `drafter`; None: AR); yields its URL.
     precompile: compile every shape the engine can use first (`Engine.precompile`), so that no timed request
-    compiles."""
+    compiles; the log-probability variants are left out, since the evaluation client never asks for them (a
+    request that did would compile, and `dflash eval` would count it and fail)."""
     from dflash.serve.engine import Engine
     from dflash.serve.http import make_server
 
     engine = Engine(target.params, target.cfg, drafter, slots=slots, max_len=max_len,
                     block_size=None if drafter is None else (block_size or drafter.arch.block_size))
     if precompile:
-        engine.precompile()
+        engine.precompile(logprobs=False)
     server = make_server(engine, target.tokenizer, model_name, "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -99,8 +99,7 @@ def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
         print(f"precompiled {count} programs in {seconds:.1f} s (every prompt length and attention span up to "
               f"{max_len} tokens; --no-precompile skips this)", flush=True)
     return make_server(engine, target.tokenizer, options.model_name or recipe.target.source, options.host,
-                       options.port, default_max_tokens=recipe.sampling.max_new_tokens,
-                       max_body_bytes=options.max_body_bytes, read_timeout=options.read_timeout,
+                       options.port, max_body_bytes=options.max_body_bytes, read_timeout=options.read_timeout,
                        api_key=options.api_key, unknown_fields=options.unknown_fields)
 
 

@@ -628,10 +628,12 @@ class Engine:
             except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
                 self._fail(request, slot, err)
 
-    def precompile(self) -> tuple[int, float]:
+    def precompile(self, *, logprobs: bool = True) -> tuple[int, float]:
         """Compile every program the engine can use (each prefill length up to max_len and each attention span,
         with and without log-probabilities) by running each once on empty slots; afterwards no request
-        compiles. Needs an idle engine; returns (programs compiled, seconds)."""
+        compiles. logprobs=False leaves out the log-probability variants (half the programs), for a server
+        whose only client never asks for them (`dflash eval`'s in-process servers). Needs an idle engine;
+        returns (programs compiled, seconds)."""
         if self.busy:
             raise RuntimeError("precompile needs an idle engine; requests are queued or running")
         t0, before = time.perf_counter(), self.compiles
@@ -639,8 +641,9 @@ class Engine:
         lengths = sorted({self._prefill_len(n) for n in range(1, longest + 1)})
         spans = sorted({span_pages(t, self.page_size, self.max_pages) for t in range(1 + self.k, self.max_len + 1)})
         probe = Completion(-1, [0], 1, (), 0)
+        variants = (False, True) if logprobs else (False,)
         for length in lengths:
-            for scored in (False, True):
+            for scored in variants:
                 probe.prompt_ids, probe.top_n = [0] * min(length, longest), 0 if scored else None
                 self.table.ensure(0, len(probe.prompt_ids) + 1 + self.k)
                 self._prefill(0, probe)
@@ -648,7 +651,7 @@ class Engine:
         self.state = self._counted(_set_active, self.state, jnp.zeros(self.slots, bool))
         self._sync_table()
         for pages in spans:
-            for scored in (False, True):
+            for scored in variants:
                 jax.block_until_ready(self._device_step(pages, scored))
         self._fresh_state()
         seconds = time.perf_counter() - t0
