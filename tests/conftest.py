@@ -25,6 +25,19 @@ GOLDEN = Path(__file__).parent / "golden"
 TINY_CASES = sorted(p.name for p in (GOLDEN / "tiny").iterdir() if p.is_dir())
 
 
+def tiny_engine_models(block_size: int = 8):
+    """The tiny qwen3 target (fp32) and a fresh 2-layer drafter over it: what the engine tests decode with."""
+    from flax import nnx
+
+    from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
+    from dflash.models.loading import load_hf_dir
+
+    target_cfg, target_params = load_hf_dir(GOLDEN / "tiny" / "qwen3_untied")
+    arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=block_size),
+                           target_cfg, mask_token_id=255)
+    return target_cfg, target_params, DFlashDrafter(arch, nnx.Rngs(0))
+
+
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     return GOLDEN

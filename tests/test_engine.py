@@ -6,11 +6,8 @@ import re
 
 import numpy as np
 import pytest
-from conftest import GOLDEN
-from flax import nnx
+from conftest import tiny_engine_models
 
-from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
-from dflash.models.loading import load_hf_dir
 from dflash.serve.engine import Engine, RequestRejected, decode
 from dflash.serve.sampling import SamplingConfig
 
@@ -22,10 +19,7 @@ MAX_LEN = 128
 
 @pytest.fixture(scope="module")
 def setup():
-    target_cfg, target_params = load_hf_dir(GOLDEN / "tiny" / "qwen3_untied")
-    arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=8),
-                           target_cfg, mask_token_id=255)
-    drafter = DFlashDrafter(arch, nnx.Rngs(0))
+    target_cfg, target_params, drafter = tiny_engine_models()
     rng = np.random.default_rng(2)
     requests = [(list(rng.integers(0, 255, size=n)), budget) for n, budget in
                 [(5, 12), (20, 30), (9, 4), (33, 17), (2, 25), (14, 9), (7, 21)]]

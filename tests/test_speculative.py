@@ -12,11 +12,10 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN
+from conftest import tiny_engine_models
 from flax import nnx
 
-from dflash.models.drafter import DFlashDrafter, DrafterConfig, DraftVocab, resolve_drafter
-from dflash.models.loading import load_hf_dir
+from dflash.models.drafter import DFlashDrafter, DraftVocab
 from dflash.serve.engine import decode
 from dflash.serve.sampling import SamplingConfig
 
@@ -30,10 +29,7 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def setup():
-    target_cfg, target_params = load_hf_dir(GOLDEN / "tiny" / "qwen3_untied")
-    arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=TRAIN_K),
-                           target_cfg, mask_token_id=255)
-    drafter = DFlashDrafter(arch, nnx.Rngs(0))
+    target_cfg, target_params, drafter = tiny_engine_models(TRAIN_K)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 255, size=n)) for n in (5, 17, 9, 30)]
     ar = [decode(target_params, target_cfg, [p], NEW, max_len=MAX_LEN, sampling=SamplingConfig(temperature=0.0))[0]

@@ -6,12 +6,9 @@ import re
 
 import numpy as np
 import pytest
-from conftest import GOLDEN
-from flax import nnx
+from conftest import tiny_engine_models
 from prometheus_client import generate_latest
 
-from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
-from dflash.models.loading import load_hf_dir
 from dflash.serve.engine import Engine, RequestRejected, decode
 from dflash.serve.sampling import SamplingConfig
 from dflash.serve.worker import EngineWorker
@@ -23,10 +20,7 @@ MAX_LEN = 128
 
 @pytest.fixture(scope="module")
 def setup():
-    target_cfg, target_params = load_hf_dir(GOLDEN / "tiny" / "qwen3_untied")
-    arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=8),
-                           target_cfg, mask_token_id=255)
-    drafter = DFlashDrafter(arch, nnx.Rngs(0))
+    target_cfg, target_params, drafter = tiny_engine_models()
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(0, 255, size=n)] for n in (6, 17, 11)]
     return target_cfg, target_params, drafter, prompts

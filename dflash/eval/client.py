@@ -58,7 +58,8 @@ class Client:
     def _conn(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
 
-    def get(self, path: str) -> Any:
+    def _get_bytes(self, path: str) -> bytes:
+        """The body of a 200 answer to GET `path`; a ServerError otherwise."""
         conn = self._conn()
         try:
             conn.request("GET", self.prefix + path, headers=self.headers)
@@ -70,22 +71,14 @@ class Client:
             conn.close()
         if response.status != 200:
             raise ServerError(f"GET {self.url}{path} answered {response.status}: {body[:300]!r}")
-        return json.loads(body)
+        return body
+
+    def get(self, path: str) -> Any:
+        return json.loads(self._get_bytes(path))
 
     def text(self, path: str) -> str:
         """GET `path` as text (e.g. /metrics)."""
-        conn = self._conn()
-        try:
-            conn.request("GET", self.prefix + path, headers=self.headers)
-            response = conn.getresponse()
-            body = response.read()
-        except OSError as err:
-            raise ServerError(f"{self.url}{path} could not be reached ({err})") from err
-        finally:
-            conn.close()
-        if response.status != 200:
-            raise ServerError(f"GET {self.url}{path} answered {response.status}: {body[:300]!r}")
-        return body.decode("utf-8", errors="replace")
+        return self._get_bytes(path).decode("utf-8", errors="replace")
 
     def compiles(self) -> int | None:
         """The programs the server's engine compiled so far (`dflash_compiles_total` at /metrics); None when the
