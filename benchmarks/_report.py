@@ -26,8 +26,10 @@ def machine() -> str:
 
     import jax
 
-    return (f"{platform.machine()} CPU, {os.cpu_count()} cores, jax {jax.__version__} ({jax.devices()[0].platform}), "
-            f"{date.today().isoformat()}")
+    device = jax.devices()[0]
+    accelerator = "" if device.platform == "cpu" else f"one {device.device_kind} ({device.platform}) beside "
+    return (f"{accelerator}{platform.machine()} CPU, {os.cpu_count()} cores, jax {jax.__version__} "
+            f"({device.platform}), {date.today().isoformat()}")
 
 
 def write_section(name: str, body: str, doc: Path = DOC, header: str = HEADER) -> Path:

@@ -213,6 +213,7 @@ def main() -> None:
     if max(args.ks) + PROMPT_LEN > MAX_LEN or args.new_tokens < 2 or args.prompts < 1 or args.repeats < 1:
         parser.error("--ks must stay under the cache, --new-tokens >= 2, --prompts >= 1, --repeats >= 1")
 
+    import jax
     from flax import nnx
 
     from benchmarks._report import machine, write_section
@@ -297,7 +298,7 @@ def main() -> None:
         + (f" and {ratio[b_hi][kmax]:.2f}x at B={b_hi}" if b_hi != b_lo else "")
         + "; it stays within 1.5x of K=1 up to K="
         + ", ".join(f"{flat_upto[b]} at B={b}" for b in bs)
-        + ". So on this CPU the target forward is flat in K only for small chunks, while reading the weights "
+        + ". So on this machine the target forward is flat in K only for small chunks, while reading the weights "
         "dominates; beyond that the matmuls are compute-bound and the cost grows with the B*K tokens "
         f"(target tok/s saturates). Propose at K={args.propose_ks[0]} costs "
         f"{costs[b_lo]['propose'][args.propose_ks[0]] * 1e3:.1f} ms at B={b_lo} for the 5-layer drafter. "
@@ -345,7 +346,9 @@ def main() -> None:
     ])
     print(body)
     if args.write:
-        print(f"written to {write_section('engine_throughput', body)}")
+        # one section per kind of device: an accelerator's run sits beside this machine's CPU one
+        platform = jax.devices()[0].platform
+        print(f"written to {write_section('engine_throughput' + ('' if platform == 'cpu' else '_' + platform), body)}")
 
 
 if __name__ == "__main__":
