@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,14 @@ import numpy as np
 from flax import nnx
 
 from dflash.configs.schema import require
-from dflash.models.config import DecoderConfig, DrafterConfig, RopeScaling, check_layer_ids, default_layer_ids
+from dflash.models.config import (
+    DecoderConfig,
+    DrafterConfig,
+    RopeScaling,
+    check_layer_ids,
+    check_layer_types,
+    default_layer_ids,
+)
 from dflash.models.decoder import (
     NEG_INF,
     Params,
@@ -67,6 +74,26 @@ class DrafterArch:
     target_vocab_size: int
     target_num_layers: int
     markov_rank: int = 0
+    layer_types: tuple[str, ...] = ()  # () = every layer full_attention (the canonical form of that case)
+    sliding_window: int = 0
+    variant: str = "dflash"
+    conv_kernel_size: int = 0  # 0 = no convolution (DFlash v1, or DFlash2 with drafter.conv off)
+    conv_group_size: int = 16
+
+    def __post_init__(self) -> None:
+        check_layer_types(self.layer_types, self.num_layers, self.sliding_window, self.block_size, "drafter")
+        require(self.conv_kernel_size == 0 or self.hidden_size % self.conv_group_size == 0,
+                "drafter.conv_group_size", self.conv_group_size,
+                f"divide the hidden size {self.hidden_size} (channels sharing one dynamic kernel)")
+
+    def sliding(self, layer: int) -> bool:
+        """Whether drafter layer `layer` is a sliding-window layer (sees the last `sliding_window` context
+        positions before its block's anchor only)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def num_sliding(self) -> int:
+        return sum(self.sliding(i) for i in range(self.num_layers))
 
     @property
     def rope_config(self) -> DecoderConfig:
@@ -153,6 +180,10 @@ def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: in
         rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
         max_position_embeddings=target.max_position_embeddings, target_family=target.family,
         target_vocab_size=target.vocab_size, target_num_layers=target.num_layers, markov_rank=cfg.markov_rank,
+        layer_types=tuple(cfg.layer_types) if "sliding_attention" in cfg.layer_types else (),
+        sliding_window=cfg.sliding_window, variant=cfg.variant,
+        conv_kernel_size=cfg.conv_kernel_size if cfg.variant == "dflash2" and cfg.conv else 0,
+        conv_group_size=cfg.conv_group_size,
     )
 
 
@@ -197,16 +228,19 @@ class BlockVisibility:
 
     ctx_BxNxS: block n (queries n*K .. n*K+K-1) sees context key s iff ctx_BxNxS[b, n, s];
     every block sees all K keys of its own block (bidirectional) and no key of another block.
+    sliding_BxNxS: the same for sliding-window layers (`drafter.layer_types`): ctx_BxNxS and, for a block of
+    anchor a, s >= a - W (the last W context positions before the anchor); None when no layer slides.
     """
 
     ctx_BxNxS: jax.Array
+    sliding_BxNxS: jax.Array | None = None
 
     @staticmethod
-    def from_anchors(anchor_BxN: jax.Array, ctx_valid_BxS: jax.Array,
-                     segment_BxS: jax.Array | None = None) -> BlockVisibility:
+    def from_anchors(anchor_BxN: jax.Array, ctx_valid_BxS: jax.Array, segment_BxS: jax.Array | None = None,
+                     window: int = 0) -> BlockVisibility:
         """Context s < anchor STRICTLY and valid; a padding block (anchor < 0) sees no context. With
         `segment_BxS` (packed rows: which conversation each position belongs to), only context of the
-        anchor's own conversation."""
+        anchor's own conversation. With `window` W > 0, also the sliding layers' view: s >= anchor - W."""
         s_1x1xS = jnp.arange(ctx_valid_BxS.shape[1])[None, None, :]
         a_BxNx1 = jnp.asarray(anchor_BxN)[:, :, None]
         ctx_BxNxS = (s_1x1xS < a_BxNx1) & (jnp.asarray(ctx_valid_BxS)[:, None, :] > 0)
@@ -214,13 +248,23 @@ class BlockVisibility:
             seg_BxS = jnp.asarray(segment_BxS)
             own_BxNx1 = jnp.take_along_axis(seg_BxS, jnp.maximum(jnp.asarray(anchor_BxN), 0), axis=1)[:, :, None]
             ctx_BxNxS = ctx_BxNxS & (seg_BxS[:, None, :] == own_BxNx1)
-        return BlockVisibility(ctx_BxNxS)
+        sliding = ctx_BxNxS & (s_1x1xS >= a_BxNx1 - window) if window > 0 else None
+        return BlockVisibility(ctx_BxNxS, sliding)
 
-    def dense(self, block_size: int) -> jax.Array:
-        """The equivalent dense mask bool [B, Q, S+Q] (tests and reference only)."""
-        b, n, s = self.ctx_BxNxS.shape
+    def for_layer(self, sliding: bool) -> BlockVisibility:
+        """The visibility a full (`sliding` False) or sliding-window layer uses."""
+        if not sliding:
+            return BlockVisibility(self.ctx_BxNxS)
+        require(self.sliding_BxNxS is not None, "visible", "no sliding-window view",
+                "be built with BlockVisibility.from_anchors(..., window=W) for a drafter with sliding layers")
+        return BlockVisibility(self.sliding_BxNxS)
+
+    def dense(self, block_size: int, sliding: bool = False) -> jax.Array:
+        """The equivalent dense mask bool [B, Q, S+Q] (tests and reference only) of a full or sliding layer."""
+        ctx_BxNxS = self.for_layer(sliding).ctx_BxNxS
+        b, n, s = ctx_BxNxS.shape
         q = n * block_size
-        ctx = jnp.repeat(self.ctx_BxNxS, block_size, axis=1)
+        ctx = jnp.repeat(ctx_BxNxS, block_size, axis=1)
         blk_of = jnp.arange(q) // block_size
         blk = jnp.broadcast_to(blk_of[:, None] == blk_of[None, :], (b, q, q))
         return jnp.concatenate([ctx, blk], axis=-1)
@@ -424,17 +468,31 @@ class DFlashDrafter(nnx.Module):
         return [layer.context_kv(fused_ctx_BxSxD, cos, sin) for layer in self.layers]
 
     def blocks(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_kv: list[KV],
-               visible: Visibility) -> jax.Array:
+               visible: Visibility | Sequence[Visibility]) -> jax.Array:
         """Run the layers on block queries over precomputed context K/V; returns normed hidden [B, Q, D].
 
-        `visible`: a `BlockVisibility` or a dense bool [B, Q, S+Q] over keys `[context S | block Q]`.
+        `visible`: a `BlockVisibility` or a dense bool [B, Q, S+Q] over keys `[context S | block Q]`, or one of
+        them per layer (`layer_visibility`); layer l's context K/V may have its own length S_l.
         """
         require(len(ctx_kv) == len(self.layers), "ctx_kv", len(ctx_kv), f"hold {len(self.layers)} layers' (k, v)")
         cos, sin = rope_tables(self.arch.rope_config, block_pos_BxQ)
         x = block_embeds_BxQxD
-        for layer, kv in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, cos, sin, kv, visible)
+        for layer, kv, vis in zip(self.layers, ctx_kv, self.layer_visibility(visible), strict=True):
+            x = layer(x, cos, sin, kv, vis)
         return self.norm(x)
+
+    def layer_visibility(self, visible: Visibility | Sequence[Visibility]) -> list[Visibility]:
+        """One visibility per layer: a list is taken as it is; a `BlockVisibility` gives each layer its full or
+        sliding-window view (`for_layer`); one dense mask serves a drafter without sliding layers only."""
+        n = len(self.layers)
+        if isinstance(visible, list | tuple):
+            require(len(visible) == n, "visible", len(visible), f"hold one visibility per layer ({n})")
+            return list(visible)
+        if isinstance(visible, BlockVisibility):
+            return [visible.for_layer(self.arch.sliding(i)) for i in range(n)]
+        require(self.arch.num_sliding == 0, "visible", "one dense mask",
+                "be a list of per-layer masks for a drafter with sliding-window layers")
+        return [visible] * n
 
     def __call__(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_feats_BxSxFD: jax.Array,
                  ctx_pos_BxS: jax.Array, visible: Visibility) -> jax.Array:
@@ -452,13 +510,15 @@ class DFlashDrafter(nnx.Module):
         return hidden_xD if self.markov is None else self.markov(hidden_xD, prev_embeds_xD)
 
     def draft_block(self, block_embeds_BxKxD: jax.Array, block_pos_BxK: jax.Array, ctx_kv: list[KV],
-                    ctx_valid_BxS: jax.Array) -> jax.Array:
+                    ctx_valid_BxS: jax.Array | Sequence[jax.Array]) -> jax.Array:
         """Inference forward of one block per sequence; returns normed hidden [B, K, D].
 
         Every block query sees the cached context slots with ctx_valid[b, s] (stale slots are ignored,
-        whatever they hold) and all K keys of its own block (bidirectional).
+        whatever they hold) and all K keys of its own block (bidirectional). `ctx_valid_BxS` is one mask for
+        every layer, or one per layer (the engine's sliding-window layers read a ring of their own).
         """
-        visible = BlockVisibility(jnp.asarray(ctx_valid_BxS).astype(bool)[:, None, :])
+        masks = ctx_valid_BxS if isinstance(ctx_valid_BxS, list | tuple) else [ctx_valid_BxS] * len(self.layers)
+        visible = [BlockVisibility(jnp.asarray(m).astype(bool)[:, None, :]) for m in masks]
         return self.blocks(block_embeds_BxKxD, block_pos_BxK, ctx_kv, visible)
 
 

@@ -9,7 +9,9 @@ config.json, field for field as speculators 0.9.0 writes it (`SCHEMA_VERSION`):
   speculators serialises it as a diff against `Qwen3Config()`, so a reader fills missing keys from
   `QWEN3_DEFAULTS`;
 - `block_size`, `target_hidden_size`, `mask_token_id`, `draft_vocab_size` (= the target's vocab: no
-  draft-vocabulary map, so no t2d/d2t tensors), `sliding_window_non_causal false`, `sample_from_anchor false`;
+  draft-vocabulary map, so no t2d/d2t tensors), `sliding_window_non_causal` (true exactly when a layer is
+  sliding_attention: our blocks are bidirectional; speculators makes a sliding layer's block causal without it),
+  `sample_from_anchor false`;
 - `aux_hidden_state_layer_ids`: our layer ids **+ 1**. speculators and vLLM count hidden states with the
   embedding output as index 0, so our id j (the output of decoder layer j, HF `hidden_states[j+1]`) is their
   j + 1 (their converter does the same to z-lab's `target_layer_ids`; vLLM maps them back with - 1);
@@ -77,7 +79,7 @@ def speculators_config(arch: DrafterArch, verifier: str, verifier_architectures:
         "target_hidden_size": arch.hidden_size,
         "aux_hidden_state_layer_ids": [j + 1 for j in arch.layer_ids],
         "mask_token_id": arch.mask_token_id,
-        "sliding_window_non_causal": False,
+        "sliding_window_non_causal": arch.num_sliding > 0,
         "sample_from_anchor": False,
         "speculators_config": {
             "algorithm": MODEL_TYPE,
@@ -137,9 +139,13 @@ def arch_from_speculators(config: dict[str, Any], where: str, target_family: str
         problems.append(f"target_hidden_size {hidden} must equal the drafter's hidden_size {layer['hidden_size']}")
     if problems:
         raise WeightsError(f"{where}: " + "; ".join(problems))
+    causal = None if config.get("sliding_window_non_causal") else (
+        f"sliding_window_non_causal must be true for sliding_attention layers; received "
+        f"{config.get('sliding_window_non_causal')!r} (speculators then runs those layers' blocks causally; these "
+        "blocks are bidirectional)")
     return decoder_arch(layer, layer_ids=tuple(int(a) - 1 for a in aux), block_size=config.get("block_size", 8),
                         mask_token_id=config["mask_token_id"], target_family=target_family,
-                        target_num_layers=target_num_layers, where=where)
+                        target_num_layers=target_num_layers, where=where, causal_blocks=causal)
 
 
 def load_speculators(directory: str | Path, target_cfg: DecoderConfig,

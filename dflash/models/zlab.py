@@ -108,23 +108,27 @@ def qwen3_fields(arch: DrafterArch, dtype: str = "float32") -> dict[str, Any]:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "use_sliding_window": arch.num_sliding > 0,
+        "sliding_window": arch.sliding_window or None,
         "max_window_layers": arch.num_layers,
-        "layer_types": ["full_attention"] * arch.num_layers,
+        "layer_types": list(arch.layer_types) or ["full_attention"] * arch.num_layers,
         "torch_dtype": dtype,
         "dtype": dtype,
     }
 
 
 def zlab_config(arch: DrafterArch, dtype: str = "float32") -> dict[str, Any]:
-    """The config.json of a drafter with architecture `arch` whose tensors are stored as `dtype`."""
+    """The config.json of a drafter with architecture `arch` whose tensors are stored as `dtype`. A drafter
+    with sliding-window layers also says `is_causal false` (the reference would run those layers' blocks
+    causally without it)."""
+    sliding = {"is_causal": False} if arch.num_sliding else {}
     return {
         "architectures": [ARCHITECTURE],
         "auto_map": dict(AUTO_MAP),
         "block_size": arch.block_size,
         "num_target_layers": arch.target_num_layers,
         "dflash_config": {"mask_token_id": arch.mask_token_id, "target_layer_ids": list(arch.layer_ids)},
+        **sliding,
         **qwen3_fields(arch, dtype),
     }
 
@@ -206,14 +210,48 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise WeightsError(f"{path} is not valid JSON ({err}); the export is corrupt: export it again") from err
 
 
+def sliding_layers(fields: dict[str, Any], block_size: int, causal_blocks: str | None,
+                   where: str) -> tuple[tuple[str, ...], int]:
+    """(layer_types, sliding_window) of Qwen3 decoder fields as transformers' Qwen3Config and the reference read
+    them: `sliding_window` counts only with `use_sliding_window` true (Qwen3Config drops it otherwise), and
+    `layer_types`, when absent, makes the layers from index `max_window_layers` on sliding when a window is set.
+    `causal_blocks` names the config field that would make the sliding layers' blocks causal (the reference runs
+    a sliding layer causally unless `is_causal` is false; speculators unless `sliding_window_non_causal`), or
+    None when the blocks are bidirectional. Every problem is named in one WeightsError; returns
+    ((), 0) for an all-full drafter."""
+    layers = int(fields.get("num_hidden_layers") or 0)
+    window = fields.get("sliding_window") if fields.get("use_sliding_window") else None
+    kinds = fields.get("layer_types")
+    if kinds is None:
+        first = int(fields.get("max_window_layers") or 0)
+        kinds = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
+    kinds = tuple(str(k) for k in kinds)
+    problems = [f"layer_types[{i}] must be 'full_attention' or 'sliding_attention'; received {k!r}"
+                for i, k in enumerate(kinds) if k not in ("full_attention", "sliding_attention")]
+    if len(kinds) != layers:
+        problems.append(f"layer_types must name num_hidden_layers={layers} layers; received {len(kinds)}")
+    if "sliding_attention" in kinds:
+        if not fields.get("use_sliding_window"):
+            problems.append(f"use_sliding_window must be true when layer_types has sliding_attention layers; received "
+                            f"{fields.get('use_sliding_window')!r} (Qwen3Config then drops the window)")
+        if not isinstance(fields.get("sliding_window"), int) or fields["sliding_window"] < block_size:
+            problems.append(f"sliding_window must be an integer >= block_size={block_size} when layer_types has "
+                            f"sliding_attention layers; received {fields.get('sliding_window')!r}")
+        if causal_blocks is not None:
+            problems.append(causal_blocks)
+    if problems:
+        raise WeightsError(f"{where}: " + "; ".join(problems))
+    if "sliding_attention" not in kinds:
+        return (), 0
+    return kinds, int(fields["sliding_window"])
+
+
 def decoder_arch(fields: dict[str, Any], *, layer_ids: tuple[int, ...], block_size: int, mask_token_id: int,
-                 target_family: str, target_num_layers: int, where: str) -> DrafterArch:
+                 target_family: str, target_num_layers: int, where: str,
+                 causal_blocks: str | None = None) -> DrafterArch:
     """A DrafterArch from Qwen3 decoder fields (a z-lab config, or a speculators transformer_layer_config
-    with Qwen3Config's defaults filled in), refusing what the drafter cannot run."""
-    kinds = set(fields.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise WeightsError(f"{where}: layer_types must all be 'full_attention' (sliding-window drafter layers are not "
-                           f"supported); received {sorted(kinds)}")
+    with Qwen3Config's defaults filled in), refusing what the drafter cannot run (`sliding_layers`)."""
+    layer_types, window = sliding_layers(fields, int(block_size), causal_blocks, where)
     if fields.get("attention_bias"):
         raise WeightsError(f"{where}: attention_bias must be false (DFlash drafter layers have no biases)")
     if fields.get("hidden_act", "silu") != "silu":
@@ -232,6 +270,7 @@ def decoder_arch(fields: dict[str, Any], *, layer_ids: tuple[int, ...], block_si
             rope_scaling=_rope_scaling_from_hf(rope, where),
             max_position_embeddings=int(fields["max_position_embeddings"]), target_family=target_family,
             target_vocab_size=int(fields["vocab_size"]), target_num_layers=int(target_num_layers),
+            layer_types=layer_types, sliding_window=window,
         )
     except KeyError as err:
         raise WeightsError(f"{where}: a DFlash drafter config must have {err.args[0]!r}") from err
@@ -253,9 +292,12 @@ def arch_from_zlab(config: dict[str, Any], where: str, target_family: str = "qwe
                if value is None]
     if missing:
         raise WeightsError(f"{where}: a DFlash drafter config must have {', '.join(missing)}")
+    causal = None if config.get("is_causal") is False else (
+        f"is_causal must be false for sliding_attention layers; received {config.get('is_causal')!r} (the "
+        "reference runs a sliding layer's block causally unless is_causal is false; these blocks are bidirectional)")
     return decoder_arch(config, layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]), block_size=block_size,
                         mask_token_id=dflash["mask_token_id"], target_family=target_family,
-                        target_num_layers=config["num_target_layers"], where=where)
+                        target_num_layers=config["num_target_layers"], where=where, causal_blocks=causal)
 
 
 def drafter_from_tensors(arch: DrafterArch, tensors: dict[str, np.ndarray], where: str,
@@ -316,7 +358,8 @@ def check_import(arch: DrafterArch, target: DecoderConfig, where: str, expect: D
         bad.append(f"mask_token_id {arch.mask_token_id} lies outside the target's vocab [0, {target.vocab_size})")
     if expect is not None:
         for name in ("layer_ids", "mask_token_id", "block_size", "hidden_size", "num_features", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+                     "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "layer_types", "sliding_window",
+                     "variant", "conv_kernel_size", "conv_group_size"):
             got, want = getattr(arch, name), getattr(expect, name)
             if got != want:
                 bad.append(f"{name}: drafter {got} vs expected {want}")
@@ -339,4 +382,4 @@ def load_zlab(directory: str | Path, target_cfg: DecoderConfig, expect: DrafterA
 __all__ = ["ARCHITECTURE", "AUTO_MAP", "DTYPES", "MARKOV_DIR", "MODELING_FILE", "arch_from_zlab",
            "check_exportable_ids", "check_import", "decoder_arch", "drafter_from_tensors", "hf_rope", "hf_tensors",
            "json_float", "load_zlab", "qwen3_fields", "read_config", "read_tensors", "read_zlab", "save_zlab",
-           "with_markov", "write_markov", "zlab_config"]
+           "sliding_layers", "with_markov", "write_markov", "zlab_config"]
