@@ -376,6 +376,50 @@ class DrafterMLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class BlockConv(nnx.Module):
+    """DFlash2's 2-tap grouped dynamic depthwise convolution around one sublayer (`drafter.variant: dflash2`,
+    `drafter.conv`; z-lab's `GroupedDynamicCausalConv`), causal and local to each block of K.
+
+    With G = D / group_size channel groups and T = `conv_kernel_size` taps, one projection of the sublayer's
+    (normed) input h gives per position t a dynamic kernel for the input side and one for the output side,
+    `kernel_projection(h)` viewed [2, T, G]; `base_kernel` [2, T, D] is the static part. Each side computes
+
+        y_t = sum_{o < T} (base[o] + dyn_t[o, group(c)]) * x_{t-o}        (x_{t-o} = 0 before the block's start)
+
+    `prepare(h)` convolves the sublayer's input with side 0 and returns side 1's dynamic kernel, which `finish`
+    applies to the sublayer's output. Identity at init (base tap 0 = 1, other taps 0, projection 0), so a new
+    DFlash2 drafter computes what a DFlash one does."""
+
+    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
+        d, t = arch.hidden_size, arch.conv_kernel_size
+        self.taps, self.group_size = t, arch.conv_group_size
+        self.base_kernel = nnx.Param(jnp.zeros((2, t, d), jnp.float32).at[:, 0].set(1.0))
+        self.kernel_projection = _linear(d, 2 * t * (d // arch.conv_group_size), dtype, rngs)
+        self.kernel_projection.kernel.set_value(jnp.zeros_like(self.kernel_projection.kernel.get_value()))
+
+    def _convolve(self, x_BxQxD: jax.Array, dyn_BxQxTxG: jax.Array, base_TxD: jax.Array,
+                  block_len: int) -> jax.Array:
+        b, q, d = x_BxQxD.shape
+        g = d // self.group_size
+        x = x_BxQxD.reshape(b, q // block_len, block_len, g, self.group_size)
+        dyn = dyn_BxQxTxG.reshape(b, q // block_len, block_len, self.taps, g, 1)
+        base = base_TxD.astype(x.dtype).reshape(self.taps, g, self.group_size)
+        out = jnp.zeros_like(x)
+        for o in range(self.taps):
+            shifted = x if o == 0 else jnp.pad(x[:, :, :-o], ((0, 0), (0, 0), (o, 0), (0, 0), (0, 0)))
+            out = out + (base[o] + dyn[:, :, :, o].astype(x.dtype)) * shifted
+        return out.reshape(b, q, d)
+
+    def prepare(self, h_BxQxD: jax.Array, block_len: int) -> tuple[jax.Array, jax.Array]:
+        b, q, d = h_BxQxD.shape
+        dyn = self.kernel_projection(h_BxQxD).reshape(b, q, 2, self.taps, d // self.group_size)
+        base = self.base_kernel[...]
+        return self._convolve(h_BxQxD, dyn[:, :, 0], base[0], block_len), dyn[:, :, 1]
+
+    def finish(self, y_BxQxD: jax.Array, dyn_BxQxTxG: jax.Array, block_len: int) -> jax.Array:
+        return self._convolve(y_BxQxD, dyn_BxQxTxG, self.base_kernel[...][1], block_len)
+
+
 class MarkovHead(nnx.Module):
     """The semi-autoregressive head (`drafter.markov_rank` = r > 0; DSpark's idea, docs/decisions.md D34).
 
@@ -406,23 +450,34 @@ class MarkovHead(nnx.Module):
 
 
 class DrafterLayer(nnx.Module):
-    """One Qwen3-style layer with KV injection of the fused context."""
+    """One Qwen3-style layer with KV injection of the fused context; with `arch.conv_kernel_size` > 0 (DFlash2) a
+    `BlockConv` around the attention (`attention_conv`) and around the MLP (`mlp_conv`)."""
 
     def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = DrafterAttention(arch, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = DrafterMLP(arch, dtype, rngs)
+        conv = arch.conv_kernel_size > 0
+        self.attention_conv = BlockConv(arch, dtype, rngs) if conv else None
+        self.mlp_conv = BlockConv(arch, dtype, rngs) if conv else None
 
     def context_kv(self, fused_BxSxD: jax.Array, cos_BxSxDh: jax.Array, sin_BxSxDh: jax.Array) -> KV:
         """Context K/V of this layer: the attention's own k/v/k_norm on c; NO input_layernorm on c."""
         return self.self_attn.project_kv(fused_BxSxD, cos_BxSxDh, sin_BxSxDh)
 
     def __call__(self, x_BxQxD: jax.Array, cos_BxQxDh: jax.Array, sin_BxQxDh: jax.Array, ctx_kv: KV,
-                 visible: Visibility) -> jax.Array:
+                 visible: Visibility, block_len: int = 0) -> jax.Array:
+        """x + attn, then + mlp; `block_len` (the K of the blocks packed in Q) bounds the convolutions."""
         h = self.input_layernorm(x_BxQxD)
-        x = x_BxQxD + self.self_attn(h, cos_BxQxDh, sin_BxQxDh, ctx_kv, visible)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None:
+            x = x_BxQxD + self.self_attn(h, cos_BxQxDh, sin_BxQxDh, ctx_kv, visible)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, after = self.attention_conv.prepare(h, block_len)
+        attn = self.self_attn(h, cos_BxQxDh, sin_BxQxDh, ctx_kv, visible)
+        x = x_BxQxD + self.attention_conv.finish(attn, after, block_len)
+        h, after = self.mlp_conv.prepare(self.post_attention_layernorm(x), block_len)
+        return x + self.mlp_conv.finish(self.mlp(h), after, block_len)
 
 
 class DFlashDrafter(nnx.Module):
@@ -436,6 +491,8 @@ class DFlashDrafter(nnx.Module):
       context tokens' own positions; keys are `[context | block]`, attention non-causal under a boolean
       visibility (`BlockVisibility`; who sees what: `__call__` for training, `draft_block` for inference);
     - after the last layer `norm`;
+    - with `arch.conv_kernel_size` > 0 (`drafter.variant: dflash2`), DFlash2's `BlockConv` around each layer's
+      attention and MLP, local to each block;
     - with `arch.markov_rank` > 0, a `MarkovHead` (`markov`) on the normed output: slot k's hidden state also
       sees the block's previous token (`with_previous`).
 
@@ -477,9 +534,21 @@ class DFlashDrafter(nnx.Module):
         require(len(ctx_kv) == len(self.layers), "ctx_kv", len(ctx_kv), f"hold {len(self.layers)} layers' (k, v)")
         cos, sin = rope_tables(self.arch.rope_config, block_pos_BxQ)
         x = block_embeds_BxQxD
-        for layer, kv, vis in zip(self.layers, ctx_kv, self.layer_visibility(visible), strict=True):
-            x = layer(x, cos, sin, kv, vis)
+        per_layer = self.layer_visibility(visible)
+        block_len = self.block_len(block_embeds_BxQxD.shape[1], per_layer[0])
+        for layer, kv, vis in zip(self.layers, ctx_kv, per_layer, strict=True):
+            x = layer(x, cos, sin, kv, vis, block_len)
         return self.norm(x)
+
+    def block_len(self, q_len: int, visible: Visibility) -> int:
+        """K of the blocks packed in Q = N*K queries (what DFlash2's convolutions stay inside): Q / N of a
+        `BlockVisibility`; with a dense mask, which does not say, the training K (one block, or N of them)."""
+        if isinstance(visible, BlockVisibility):
+            return q_len // visible.ctx_BxNxS.shape[1]
+        k = self.arch.block_size
+        require(self.arch.conv_kernel_size == 0 or q_len % k == 0, "visible", "a dense mask",
+                f"be a BlockVisibility for a DFlash2 drafter whose queries ({q_len}) are not blocks of {k}")
+        return k if q_len % k == 0 else q_len
 
     def layer_visibility(self, visible: Visibility | Sequence[Visibility]) -> list[Visibility]:
         """One visibility per layer: a list is taken as it is; a `BlockVisibility` gives each layer its full or
