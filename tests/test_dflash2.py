@@ -34,6 +34,10 @@ K = 4
 GROUP = 16
 
 
+_forward = nnx.jit(lambda drafter, *args: drafter(*args))  # the training forward, compiled (eager is slow on CPU)
+_features = jax.jit(online_features, static_argnums=(1, 3))
+
+
 @pytest.fixture(scope="module")
 def setup():
     target_cfg, target_params = load_hf_dir(GOLDEN / "tiny" / "qwen3_untied")
@@ -98,6 +102,7 @@ def test_the_convolution_equals_a_loop_reference_inside_each_block(setup):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_new_dflash2_drafter_computes_what_dflash_does(setup):
     """Identity-initialised convolutions: the same weights with and without them give the same hidden states."""
     target_cfg, target_params, arch = setup
@@ -106,7 +111,7 @@ def test_a_new_dflash2_drafter_computes_what_dflash_does(setup):
     shared = {k: v for k, v in nnx.to_flat_state(nnx.state(two, nnx.Param)) if "conv" not in ".".join(map(str, k))}
     nnx.update(one, nnx.from_flat_state(list(shared.items())))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 255, size=(1, 24)), jnp.int32)
-    feats = online_features(target_params, target_cfg, tokens, (1, 3))
+    feats = _features(target_params, target_cfg, tokens, (1, 3))
     anchors = jnp.asarray([[4, 11, 19]])
     ids = jnp.concatenate([jnp.concatenate([tokens[:, a:a + 1], jnp.full((1, K - 1), 255, jnp.int32)], 1)
                            for a in (4, 11, 19)], 1)
@@ -125,19 +130,20 @@ def test_training_reaches_the_convolution_and_keeps_blocks_apart(setup):
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 255, size=(1, 24)), jnp.int32)
     batch = TrainBatch(tokens=tokens, loss_mask=jnp.ones(tokens.shape, jnp.float32))
     blocks = build_blocks_batch(batch, jnp.asarray([[3, 9, 16]]), jnp.asarray([[True, True, True]]), K, 255)
-    feats = online_features(target_params, target_cfg, tokens, (1, 3))
+    feats = _features(target_params, target_cfg, tokens, (1, 3))
     embeds = embed(target_params, blocks.block_ids)
     ctx_pos = jnp.arange(24, dtype=jnp.int32)[None]
-    packed = drafter(embeds, blocks.block_pos, feats, ctx_pos,
-                     BlockVisibility.from_anchors(jnp.asarray([[3, 9, 16]]), jnp.ones((1, 24), bool)))
+    packed = _forward(drafter, embeds, blocks.block_pos, feats, ctx_pos,
+                      BlockVisibility.from_anchors(jnp.asarray([[3, 9, 16]]), jnp.ones((1, 24), bool)))
     for j, a in enumerate((3, 9, 16)):
-        alone = drafter(embeds[:, j * K:(j + 1) * K], blocks.block_pos[:, j * K:(j + 1) * K], feats, ctx_pos,
-                        BlockVisibility.from_anchors(jnp.asarray([[a]]), jnp.ones((1, 24), bool)))
+        alone = _forward(drafter, embeds[:, j * K:(j + 1) * K], blocks.block_pos[:, j * K:(j + 1) * K], feats,
+                         ctx_pos, BlockVisibility.from_anchors(jnp.asarray([[a]]), jnp.ones((1, 24), bool)))
         np.testing.assert_allclose(packed[:, j * K:(j + 1) * K], alone, rtol=1e-5, atol=1e-5)
     graphdef, params = split_drafter(drafter)
     inputs = StepInputs(blocks=blocks, embeds_BxQxD=embeds, feats_BxSxFD=feats)
     head = train_head(target_params, target_cfg)
-    grads = jax.grad(lambda p: drafter_loss(p, graphdef, inputs, head, target_params, K, Objective())[0])(params)
+    grad_fn = jax.jit(jax.grad(lambda p: drafter_loss(p, graphdef, inputs, head, target_params, K, Objective())[0]))
+    grads = grad_fn(params)
     conv_grads = {".".join(map(str, k)): np.abs(np.asarray(v[...])).max()
                   for k, v in nnx.to_flat_state(grads) if "conv" in ".".join(map(str, k))}
     assert len(conv_grads) == 2 * 2 * 2 and min(conv_grads.values()) > 0, conv_grads

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,6 +31,12 @@ pytestmark = pytest.mark.heavy  # compiles a model's engine: not in `bin/test --
 K = 4
 W = 8
 TYPES = ("sliding_attention", "full_attention")
+
+
+_forward = nnx.jit(lambda drafter, *args: drafter(*args))  # the training forward, compiled (eager is slow on CPU)
+_features = jax.jit(online_features, static_argnums=(1, 3))
+_blocks = nnx.jit(lambda drafter, *args: drafter.blocks(*args))
+_draft_block = nnx.jit(lambda drafter, *args: drafter.draft_block(*args))
 
 
 @pytest.fixture(scope="module")
@@ -90,18 +97,18 @@ def test_a_sliding_drafter_in_training_reads_only_the_window(setup):
     arch = dataclasses.replace(arch, layer_types=("sliding_attention",) * 2)
     drafter = DFlashDrafter(arch, nnx.Rngs(1))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 255, size=(1, 32)), jnp.int32)
-    feats = online_features(target_params, target_cfg, tokens, arch.layer_ids)
+    feats = _features(target_params, target_cfg, tokens, arch.layer_ids)
     anchors = [5, 13, 27]
     ids = jnp.concatenate([jnp.concatenate([tokens[:, a:a + 1], jnp.full((1, K - 1), 255, jnp.int32)], 1)
                            for a in anchors], 1)
     pos = jnp.asarray([[a + k for a in anchors for k in range(K)]], jnp.int32)
     ctx_pos = jnp.arange(32, dtype=jnp.int32)[None]
     vis = BlockVisibility.from_anchors(jnp.asarray([anchors]), jnp.ones((1, 32), bool), window=W)
-    whole = drafter(embed(target_params, ids), pos, feats, ctx_pos, vis)
+    whole = _forward(drafter, embed(target_params, ids), pos, feats, ctx_pos, vis)
     for j, a in enumerate(anchors):
         lo = max(0, a - W)
-        alone = drafter(embed(target_params, ids[:, j * K:(j + 1) * K]), pos[:, j * K:(j + 1) * K],
-                        feats[:, lo:a], ctx_pos[:, lo:a], [BlockVisibility(jnp.ones((1, 1, a - lo), bool))] * 2)
+        alone = _forward(drafter, embed(target_params, ids[:, j * K:(j + 1) * K]), pos[:, j * K:(j + 1) * K],
+                         feats[:, lo:a], ctx_pos[:, lo:a], [BlockVisibility(jnp.ones((1, 1, a - lo), bool))] * 2)
         np.testing.assert_allclose(whole[:, j * K:(j + 1) * K], alone, rtol=1e-5, atol=1e-5)
 
 
@@ -126,17 +133,17 @@ def test_the_engine_ring_holds_the_last_w_positions(setup):
         length = len(committed)
         assert length == int(state.lengths[slot])
         tokens = jnp.asarray([committed], jnp.int32)
-        fused = drafter.fuse(online_features(target_params, target_cfg, tokens, arch.layer_ids))
+        fused = drafter.fuse(_features(target_params, target_cfg, tokens, arch.layer_ids))
         kv = drafter.context_kv(fused, jnp.arange(length, dtype=jnp.int32)[None])
         lo = max(0, length - W)
         per_layer = [(k[:, lo:], v[:, lo:]) if arch.sliding(i) else (k, v) for i, (k, v) in enumerate(kv)]
         ids = jnp.asarray([[request.token_ids[-1]] + [255] * (K - 1)], jnp.int32)
         pos = length + jnp.arange(K, dtype=jnp.int32)[None]
         all_visible = [BlockVisibility(jnp.ones((1, 1, k.shape[1]), bool)) for k, _ in per_layer]
-        want = drafter.blocks(embed(target_params, ids), pos, per_layer, all_visible)
+        want = _blocks(drafter, embed(target_params, ids), pos, per_layer, all_visible)
         ctx_kv, valid = state.draft.visible(state.lengths)
         ctx_kv = [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in ctx_kv]
-        got = drafter.draft_block(embed(target_params, ids), pos, ctx_kv, [m[slot:slot + 1] for m in valid])
+        got = _draft_block(drafter, embed(target_params, ids), pos, ctx_kv, [m[slot:slot + 1] for m in valid])
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         assert int(valid[0][slot].sum()) == min(W, length)
         want_drafts = np.asarray(jnp.argmax(drafter_logits(target_params, target_cfg, want[:, 1:]), -1))[0]
