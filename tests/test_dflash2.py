@@ -221,3 +221,38 @@ def test_importing_a_dflash2_config_names_every_field(setup, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightsError, match="conv_group_size 24 must divide hidden_size 64"):
         load_zlab(tmp_path, target_cfg)
+
+
+def test_the_published_dflash2_config_contract_imports_with_its_tensor_shapes():
+    """z-lab's DFlash2 release config (the fields and values of its public test fixture: 5 sliding layers, window
+    2048, blocks bidirectional, conv 2 / 16, selector 256 / 16, a 6656-wide 52-layer target) resolves to the
+    architecture it describes, and a drafter of it (built abstractly: nothing allocated) has the release's
+    convolution tensor names and shapes: base_kernel [2, 2, 6656], kernel_projection [1664, 6656]."""
+    from dflash.models.drafter import hf_tensor_names
+    from dflash.models.zlab import arch_from_zlab
+
+    config = {
+        "architectures": ["DFlash2DraftModel"], "attention_bias": False, "is_causal": False, "head_dim": 128,
+        "dflash_config": {"block_size": 16, "conv_group_size": 16, "conv_kernel_size": 2,
+                          "final_logit_softcapping": 20.0, "mask_token_id": 201818,
+                          "output_multiplier": 0.19611613513818404, "selector_rank": 256, "selector_top_k": 16,
+                          "target_layer_ids": [1, 13, 25, 37, 49]},
+        "hidden_act": "silu", "hidden_size": 6656, "intermediate_size": 19968,
+        "layer_types": ["sliding_attention"] * 5, "max_position_embeddings": 131072, "max_window_layers": 5,
+        "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8,
+        "num_target_layers": 52, "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 500000.0,
+                                                                            "rope_type": "default"},
+        "sliding_window": 2048, "tie_word_embeddings": False, "use_sliding_window": True, "vocab_size": 202048}
+    arch = arch_from_zlab(config, "dflash2-config.json")
+    assert (arch.variant, arch.conv_kernel_size, arch.conv_group_size) == ("dflash2", 2, 16)
+    assert arch.layer_types == ("sliding_attention",) * 5 and arch.sliding_window == 2048
+    assert (arch.block_size, arch.mask_token_id, arch.layer_ids) == (16, 201818, (1, 13, 25, 37, 49))
+    shapes = hf_tensor_names(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))))
+    for i in range(5):
+        for conv in ("attention_conv", "mlp_conv"):
+            assert shapes[f"layers.{i}.{conv}.base_kernel"] == (2, 2, 6656)
+            assert shapes[f"layers.{i}.{conv}.kernel_projection.weight"] == (1664, 6656)
+    assert len(shapes) == 58 + 5 * 4  # DFlash's tensors and four per layer; the selector's are the layout's own
+    # the blocks of a sliding layer are causal in the reference unless is_causal says otherwise: refused
+    with pytest.raises(WeightsError, match="is_causal must be false"):
+        arch_from_zlab({k: v for k, v in config.items() if k != "is_causal"}, "dflash2-config.json")
