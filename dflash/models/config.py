@@ -14,6 +14,9 @@ from dflash.configs.schema import require
 
 Family = Literal["llama", "qwen2", "qwen3"]
 DType = Literal["float32", "bfloat16"]
+LayerType = Literal["full_attention", "sliding_attention"]
+LAYER_TYPES = ("full_attention", "sliding_attention")
+Variant = Literal["dflash", "dflash2"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +106,16 @@ class DrafterConfig:
       position's hidden state a function of the previous token of the block (the anchor, then the token drafted
       before it) and of the position's own hidden state, so slot k's proposal depends on slot k-1's
       (`models.drafter.MarkovHead`; DSpark's semi-autoregressive head, docs/decisions.md D34).
+    layer_types: per drafter layer `full_attention` or `sliding_attention`; () = all full. A sliding layer's
+      block sees only the last `sliding_window` context positions before its anchor (and its own block), in
+      training and in the engine, whose draft cache keeps only a window's worth of K/V per slot for it.
+    sliding_window: W, the context positions a sliding layer sees (0 = no sliding layer); at least block_size.
+    variant: `dflash` (DFlash v1) or `dflash2` (DFlash2's backbone: with `conv`, a 2-tap grouped dynamic
+      depthwise convolution around each attention and MLP sublayer, local to the block, identity-initialised;
+      exported in the DFlash2 layouts).
+    conv: DFlash2's convolution on (dflash2 only; off = the DFlash2 layout with identity convolutions).
+    conv_kernel_size / conv_group_size: the convolution's taps and the channels sharing one dynamic kernel
+      (DFlash2's published 2 and 16).
     """
 
     num_layers: int = 5
@@ -115,8 +128,18 @@ class DrafterConfig:
     head_dim: int = 0
     intermediate_size: int = 0
     markov_rank: int = 0
+    layer_types: tuple[LayerType, ...] = ()
+    sliding_window: int = 0
+    variant: Variant = "dflash"
+    conv: bool = True
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
 
     def __post_init__(self) -> None:
+        check_layer_types(self.layer_types, self.num_layers, self.sliding_window, self.block_size, "drafter")
+        require(self.variant in ("dflash", "dflash2"), "drafter.variant", self.variant, "be 'dflash' or 'dflash2'")
+        require(self.conv_kernel_size >= 1, "drafter.conv_kernel_size", self.conv_kernel_size, "be >= 1")
+        require(self.conv_group_size >= 1, "drafter.conv_group_size", self.conv_group_size, "be >= 1")
         require(self.markov_rank >= 0, "drafter.markov_rank", self.markov_rank, "be >= 0 (0 = no Markov head)")
         require(self.num_layers >= 1, "drafter.num_layers", self.num_layers, "be at least 1")
         require(self.num_features >= 1, "drafter.num_features", self.num_features, "be at least 1")
@@ -129,6 +152,22 @@ class DrafterConfig:
         for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
             value = getattr(self, name)
             require(value >= 0, f"drafter.{name}", value, "be a positive integer, or 0 to follow the target")
+
+
+def check_layer_types(layer_types: tuple[str, ...], num_layers: int, sliding_window: int, block_size: int,
+                      where: str) -> None:
+    """Validate a drafter's `layer_types` (() = all full) against its layer count and `sliding_window`: a
+    window is set (>= block_size, so a block always sees all of itself) exactly when some layer slides."""
+    require(not layer_types or len(layer_types) == num_layers, f"{where}.layer_types", list(layer_types),
+            f"name one type per layer (num_layers={num_layers}), or be [] for all full_attention")
+    for i, kind in enumerate(layer_types):
+        require(kind in LAYER_TYPES, f"{where}.layer_types[{i}]", kind, f"be one of {list(LAYER_TYPES)}")
+    sliding = "sliding_attention" in layer_types
+    require(sliding_window >= 0, f"{where}.sliding_window", sliding_window, "be >= 0 (0 = no sliding layer)")
+    require(not sliding or sliding_window >= block_size, f"{where}.sliding_window", sliding_window,
+            f"be at least block_size={block_size} when a layer is sliding_attention")
+    require(sliding or sliding_window == 0, f"{where}.sliding_window", sliding_window,
+            "be 0 unless some layer_types entry is sliding_attention")
 
 
 def default_layer_ids(num_layers: int, num_features: int) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,14 @@ import numpy as np
 from flax import nnx
 
 from dflash.configs.schema import require
-from dflash.models.config import DecoderConfig, DrafterConfig, RopeScaling, check_layer_ids, default_layer_ids
+from dflash.models.config import (
+    DecoderConfig,
+    DrafterConfig,
+    RopeScaling,
+    check_layer_ids,
+    check_layer_types,
+    default_layer_ids,
+)
 from dflash.models.decoder import (
     NEG_INF,
     Params,
@@ -67,6 +74,26 @@ class DrafterArch:
     target_vocab_size: int
     target_num_layers: int
     markov_rank: int = 0
+    layer_types: tuple[str, ...] = ()  # () = every layer full_attention (the canonical form of that case)
+    sliding_window: int = 0
+    variant: str = "dflash"
+    conv_kernel_size: int = 0  # 0 = no convolution (DFlash v1, or DFlash2 with drafter.conv off)
+    conv_group_size: int = 16
+
+    def __post_init__(self) -> None:
+        check_layer_types(self.layer_types, self.num_layers, self.sliding_window, self.block_size, "drafter")
+        require(self.conv_kernel_size == 0 or self.hidden_size % self.conv_group_size == 0,
+                "drafter.conv_group_size", self.conv_group_size,
+                f"divide the hidden size {self.hidden_size} (channels sharing one dynamic kernel)")
+
+    def sliding(self, layer: int) -> bool:
+        """Whether drafter layer `layer` is a sliding-window layer (sees the last `sliding_window` context
+        positions before its block's anchor only)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def num_sliding(self) -> int:
+        return sum(self.sliding(i) for i in range(self.num_layers))
 
     @property
     def rope_config(self) -> DecoderConfig:
@@ -153,6 +180,10 @@ def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: in
         rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
         max_position_embeddings=target.max_position_embeddings, target_family=target.family,
         target_vocab_size=target.vocab_size, target_num_layers=target.num_layers, markov_rank=cfg.markov_rank,
+        layer_types=tuple(cfg.layer_types) if "sliding_attention" in cfg.layer_types else (),
+        sliding_window=cfg.sliding_window, variant=cfg.variant,
+        conv_kernel_size=cfg.conv_kernel_size if cfg.variant == "dflash2" and cfg.conv else 0,
+        conv_group_size=cfg.conv_group_size,
     )
 
 
@@ -197,16 +228,19 @@ class BlockVisibility:
 
     ctx_BxNxS: block n (queries n*K .. n*K+K-1) sees context key s iff ctx_BxNxS[b, n, s];
     every block sees all K keys of its own block (bidirectional) and no key of another block.
+    sliding_BxNxS: the same for sliding-window layers (`drafter.layer_types`): ctx_BxNxS and, for a block of
+    anchor a, s >= a - W (the last W context positions before the anchor); None when no layer slides.
     """
 
     ctx_BxNxS: jax.Array
+    sliding_BxNxS: jax.Array | None = None
 
     @staticmethod
-    def from_anchors(anchor_BxN: jax.Array, ctx_valid_BxS: jax.Array,
-                     segment_BxS: jax.Array | None = None) -> BlockVisibility:
+    def from_anchors(anchor_BxN: jax.Array, ctx_valid_BxS: jax.Array, segment_BxS: jax.Array | None = None,
+                     window: int = 0) -> BlockVisibility:
         """Context s < anchor STRICTLY and valid; a padding block (anchor < 0) sees no context. With
         `segment_BxS` (packed rows: which conversation each position belongs to), only context of the
-        anchor's own conversation."""
+        anchor's own conversation. With `window` W > 0, also the sliding layers' view: s >= anchor - W."""
         s_1x1xS = jnp.arange(ctx_valid_BxS.shape[1])[None, None, :]
         a_BxNx1 = jnp.asarray(anchor_BxN)[:, :, None]
         ctx_BxNxS = (s_1x1xS < a_BxNx1) & (jnp.asarray(ctx_valid_BxS)[:, None, :] > 0)
@@ -214,13 +248,23 @@ class BlockVisibility:
             seg_BxS = jnp.asarray(segment_BxS)
             own_BxNx1 = jnp.take_along_axis(seg_BxS, jnp.maximum(jnp.asarray(anchor_BxN), 0), axis=1)[:, :, None]
             ctx_BxNxS = ctx_BxNxS & (seg_BxS[:, None, :] == own_BxNx1)
-        return BlockVisibility(ctx_BxNxS)
+        sliding = ctx_BxNxS & (s_1x1xS >= a_BxNx1 - window) if window > 0 else None
+        return BlockVisibility(ctx_BxNxS, sliding)
 
-    def dense(self, block_size: int) -> jax.Array:
-        """The equivalent dense mask bool [B, Q, S+Q] (tests and reference only)."""
-        b, n, s = self.ctx_BxNxS.shape
+    def for_layer(self, sliding: bool) -> BlockVisibility:
+        """The visibility a full (`sliding` False) or sliding-window layer uses."""
+        if not sliding:
+            return BlockVisibility(self.ctx_BxNxS)
+        require(self.sliding_BxNxS is not None, "visible", "no sliding-window view",
+                "be built with BlockVisibility.from_anchors(..., window=W) for a drafter with sliding layers")
+        return BlockVisibility(self.sliding_BxNxS)
+
+    def dense(self, block_size: int, sliding: bool = False) -> jax.Array:
+        """The equivalent dense mask bool [B, Q, S+Q] (tests and reference only) of a full or sliding layer."""
+        ctx_BxNxS = self.for_layer(sliding).ctx_BxNxS
+        b, n, s = ctx_BxNxS.shape
         q = n * block_size
-        ctx = jnp.repeat(self.ctx_BxNxS, block_size, axis=1)
+        ctx = jnp.repeat(ctx_BxNxS, block_size, axis=1)
         blk_of = jnp.arange(q) // block_size
         blk = jnp.broadcast_to(blk_of[:, None] == blk_of[None, :], (b, q, q))
         return jnp.concatenate([ctx, blk], axis=-1)
@@ -332,6 +376,50 @@ class DrafterMLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class BlockConv(nnx.Module):
+    """DFlash2's 2-tap grouped dynamic depthwise convolution around one sublayer (`drafter.variant: dflash2`,
+    `drafter.conv`; z-lab's `GroupedDynamicCausalConv`), causal and local to each block of K.
+
+    With G = D / group_size channel groups and T = `conv_kernel_size` taps, one projection of the sublayer's
+    (normed) input h gives per position t a dynamic kernel for the input side and one for the output side,
+    `kernel_projection(h)` viewed [2, T, G]; `base_kernel` [2, T, D] is the static part. Each side computes
+
+        y_t = sum_{o < T} (base[o] + dyn_t[o, group(c)]) * x_{t-o}        (x_{t-o} = 0 before the block's start)
+
+    `prepare(h)` convolves the sublayer's input with side 0 and returns side 1's dynamic kernel, which `finish`
+    applies to the sublayer's output. Identity at init (base tap 0 = 1, other taps 0, projection 0), so a new
+    DFlash2 drafter computes what a DFlash one does."""
+
+    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
+        d, t = arch.hidden_size, arch.conv_kernel_size
+        self.taps, self.group_size = t, arch.conv_group_size
+        self.base_kernel = nnx.Param(jnp.zeros((2, t, d), jnp.float32).at[:, 0].set(1.0))
+        self.kernel_projection = _linear(d, 2 * t * (d // arch.conv_group_size), dtype, rngs)
+        self.kernel_projection.kernel.set_value(jnp.zeros_like(self.kernel_projection.kernel.get_value()))
+
+    def _convolve(self, x_BxQxD: jax.Array, dyn_BxQxTxG: jax.Array, base_TxD: jax.Array,
+                  block_len: int) -> jax.Array:
+        b, q, d = x_BxQxD.shape
+        g = d // self.group_size
+        x = x_BxQxD.reshape(b, q // block_len, block_len, g, self.group_size)
+        dyn = dyn_BxQxTxG.reshape(b, q // block_len, block_len, self.taps, g, 1)
+        base = base_TxD.astype(x.dtype).reshape(self.taps, g, self.group_size)
+        out = jnp.zeros_like(x)
+        for o in range(self.taps):
+            shifted = x if o == 0 else jnp.pad(x[:, :, :-o], ((0, 0), (0, 0), (o, 0), (0, 0), (0, 0)))
+            out = out + (base[o] + dyn[:, :, :, o].astype(x.dtype)) * shifted
+        return out.reshape(b, q, d)
+
+    def prepare(self, h_BxQxD: jax.Array, block_len: int) -> tuple[jax.Array, jax.Array]:
+        b, q, d = h_BxQxD.shape
+        dyn = self.kernel_projection(h_BxQxD).reshape(b, q, 2, self.taps, d // self.group_size)
+        base = self.base_kernel[...]
+        return self._convolve(h_BxQxD, dyn[:, :, 0], base[0], block_len), dyn[:, :, 1]
+
+    def finish(self, y_BxQxD: jax.Array, dyn_BxQxTxG: jax.Array, block_len: int) -> jax.Array:
+        return self._convolve(y_BxQxD, dyn_BxQxTxG, self.base_kernel[...][1], block_len)
+
+
 class MarkovHead(nnx.Module):
     """The semi-autoregressive head (`drafter.markov_rank` = r > 0; DSpark's idea, docs/decisions.md D34).
 
@@ -362,23 +450,34 @@ class MarkovHead(nnx.Module):
 
 
 class DrafterLayer(nnx.Module):
-    """One Qwen3-style layer with KV injection of the fused context."""
+    """One Qwen3-style layer with KV injection of the fused context; with `arch.conv_kernel_size` > 0 (DFlash2) a
+    `BlockConv` around the attention (`attention_conv`) and around the MLP (`mlp_conv`)."""
 
     def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = DrafterAttention(arch, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = DrafterMLP(arch, dtype, rngs)
+        conv = arch.conv_kernel_size > 0
+        self.attention_conv = BlockConv(arch, dtype, rngs) if conv else None
+        self.mlp_conv = BlockConv(arch, dtype, rngs) if conv else None
 
     def context_kv(self, fused_BxSxD: jax.Array, cos_BxSxDh: jax.Array, sin_BxSxDh: jax.Array) -> KV:
         """Context K/V of this layer: the attention's own k/v/k_norm on c; NO input_layernorm on c."""
         return self.self_attn.project_kv(fused_BxSxD, cos_BxSxDh, sin_BxSxDh)
 
     def __call__(self, x_BxQxD: jax.Array, cos_BxQxDh: jax.Array, sin_BxQxDh: jax.Array, ctx_kv: KV,
-                 visible: Visibility) -> jax.Array:
+                 visible: Visibility, block_len: int = 0) -> jax.Array:
+        """x + attn, then + mlp; `block_len` (the K of the blocks packed in Q) bounds the convolutions."""
         h = self.input_layernorm(x_BxQxD)
-        x = x_BxQxD + self.self_attn(h, cos_BxQxDh, sin_BxQxDh, ctx_kv, visible)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None:
+            x = x_BxQxD + self.self_attn(h, cos_BxQxDh, sin_BxQxDh, ctx_kv, visible)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, after = self.attention_conv.prepare(h, block_len)
+        attn = self.self_attn(h, cos_BxQxDh, sin_BxQxDh, ctx_kv, visible)
+        x = x_BxQxD + self.attention_conv.finish(attn, after, block_len)
+        h, after = self.mlp_conv.prepare(self.post_attention_layernorm(x), block_len)
+        return x + self.mlp_conv.finish(self.mlp(h), after, block_len)
 
 
 class DFlashDrafter(nnx.Module):
@@ -392,6 +491,8 @@ class DFlashDrafter(nnx.Module):
       context tokens' own positions; keys are `[context | block]`, attention non-causal under a boolean
       visibility (`BlockVisibility`; who sees what: `__call__` for training, `draft_block` for inference);
     - after the last layer `norm`;
+    - with `arch.conv_kernel_size` > 0 (`drafter.variant: dflash2`), DFlash2's `BlockConv` around each layer's
+      attention and MLP, local to each block;
     - with `arch.markov_rank` > 0, a `MarkovHead` (`markov`) on the normed output: slot k's hidden state also
       sees the block's previous token (`with_previous`).
 
@@ -424,17 +525,43 @@ class DFlashDrafter(nnx.Module):
         return [layer.context_kv(fused_ctx_BxSxD, cos, sin) for layer in self.layers]
 
     def blocks(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_kv: list[KV],
-               visible: Visibility) -> jax.Array:
+               visible: Visibility | Sequence[Visibility]) -> jax.Array:
         """Run the layers on block queries over precomputed context K/V; returns normed hidden [B, Q, D].
 
-        `visible`: a `BlockVisibility` or a dense bool [B, Q, S+Q] over keys `[context S | block Q]`.
+        `visible`: a `BlockVisibility` or a dense bool [B, Q, S+Q] over keys `[context S | block Q]`, or one of
+        them per layer (`layer_visibility`); layer l's context K/V may have its own length S_l.
         """
         require(len(ctx_kv) == len(self.layers), "ctx_kv", len(ctx_kv), f"hold {len(self.layers)} layers' (k, v)")
         cos, sin = rope_tables(self.arch.rope_config, block_pos_BxQ)
         x = block_embeds_BxQxD
-        for layer, kv in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, cos, sin, kv, visible)
+        per_layer = self.layer_visibility(visible)
+        block_len = self.block_len(block_embeds_BxQxD.shape[1], per_layer[0])
+        for layer, kv, vis in zip(self.layers, ctx_kv, per_layer, strict=True):
+            x = layer(x, cos, sin, kv, vis, block_len)
         return self.norm(x)
+
+    def block_len(self, q_len: int, visible: Visibility) -> int:
+        """K of the blocks packed in Q = N*K queries (what DFlash2's convolutions stay inside): Q / N of a
+        `BlockVisibility`; with a dense mask, which does not say, the training K (one block, or N of them)."""
+        if isinstance(visible, BlockVisibility):
+            return q_len // visible.ctx_BxNxS.shape[1]
+        k = self.arch.block_size
+        require(self.arch.conv_kernel_size == 0 or q_len % k == 0, "visible", "a dense mask",
+                f"be a BlockVisibility for a DFlash2 drafter whose queries ({q_len}) are not blocks of {k}")
+        return k if q_len % k == 0 else q_len
+
+    def layer_visibility(self, visible: Visibility | Sequence[Visibility]) -> list[Visibility]:
+        """One visibility per layer: a list is taken as it is; a `BlockVisibility` gives each layer its full or
+        sliding-window view (`for_layer`); one dense mask serves a drafter without sliding layers only."""
+        n = len(self.layers)
+        if isinstance(visible, list | tuple):
+            require(len(visible) == n, "visible", len(visible), f"hold one visibility per layer ({n})")
+            return list(visible)
+        if isinstance(visible, BlockVisibility):
+            return [visible.for_layer(self.arch.sliding(i)) for i in range(n)]
+        require(self.arch.num_sliding == 0, "visible", "one dense mask",
+                "be a list of per-layer masks for a drafter with sliding-window layers")
+        return [visible] * n
 
     def __call__(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_feats_BxSxFD: jax.Array,
                  ctx_pos_BxS: jax.Array, visible: Visibility) -> jax.Array:
@@ -452,13 +579,15 @@ class DFlashDrafter(nnx.Module):
         return hidden_xD if self.markov is None else self.markov(hidden_xD, prev_embeds_xD)
 
     def draft_block(self, block_embeds_BxKxD: jax.Array, block_pos_BxK: jax.Array, ctx_kv: list[KV],
-                    ctx_valid_BxS: jax.Array) -> jax.Array:
+                    ctx_valid_BxS: jax.Array | Sequence[jax.Array]) -> jax.Array:
         """Inference forward of one block per sequence; returns normed hidden [B, K, D].
 
         Every block query sees the cached context slots with ctx_valid[b, s] (stale slots are ignored,
-        whatever they hold) and all K keys of its own block (bidirectional).
+        whatever they hold) and all K keys of its own block (bidirectional). `ctx_valid_BxS` is one mask for
+        every layer, or one per layer (the engine's sliding-window layers read a ring of their own).
         """
-        visible = BlockVisibility(jnp.asarray(ctx_valid_BxS).astype(bool)[:, None, :])
+        masks = ctx_valid_BxS if isinstance(ctx_valid_BxS, list | tuple) else [ctx_valid_BxS] * len(self.layers)
+        visible = [BlockVisibility(jnp.asarray(m).astype(bool)[:, None, :]) for m in masks]
         return self.blocks(block_embeds_BxKxD, block_pos_BxK, ctx_kv, visible)
 
 

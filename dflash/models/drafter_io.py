@@ -75,6 +75,7 @@ def arch_from_meta(fields: dict[str, Any]) -> DrafterArch:
     """The DrafterArch recorded in a checkpoint's meta (`meta["arch"]`, JSON values)."""
     fields = dict(fields)
     fields["layer_ids"] = tuple(fields["layer_ids"])
+    fields["layer_types"] = tuple(fields.get("layer_types", ()))
     if fields.get("rope_scaling") is not None:
         scaling = dict(fields["rope_scaling"])
         scaling["freq_factors"] = tuple(scaling.get("freq_factors", ()))

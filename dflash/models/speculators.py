@@ -9,7 +9,9 @@ config.json, field for field as speculators 0.9.0 writes it (`SCHEMA_VERSION`):
   speculators serialises it as a diff against `Qwen3Config()`, so a reader fills missing keys from
   `QWEN3_DEFAULTS`;
 - `block_size`, `target_hidden_size`, `mask_token_id`, `draft_vocab_size` (= the target's vocab: no
-  draft-vocabulary map, so no t2d/d2t tensors), `sliding_window_non_causal false`, `sample_from_anchor false`;
+  draft-vocabulary map, so no t2d/d2t tensors), `sliding_window_non_causal` (true exactly when a layer is
+  sliding_attention: our blocks are bidirectional; speculators makes a sliding layer's block causal without it),
+  `sample_from_anchor false`;
 - `aux_hidden_state_layer_ids`: our layer ids **+ 1**. speculators and vLLM count hidden states with the
   embedding output as index 0, so our id j (the output of decoder layer j, HF `hidden_states[j+1]`) is their
   j + 1 (their converter does the same to z-lab's `target_layer_ids`; vLLM maps them back with - 1);
@@ -35,16 +37,21 @@ from dflash.models.loading import WeightsError
 from dflash.models.zlab import (
     check_import,
     decoder_arch,
+    dflash2_fields,
     drafter_from_tensors,
     hf_tensors,
     qwen3_fields,
     read_config,
+    selector_tensors,
+    with_dflash2,
     with_markov,
     write_markov,
 )
 
 MODEL_TYPE = "dflash"
+MODEL_TYPE2 = "dflash2"  # speculators' DFlash2SpeculatorConfig
 ARCHITECTURE = "DFlashSpeculator"
+ARCHITECTURE2 = "DFlash2DraftModel"
 SCHEMA_VERSION = "0.9.0"
 VERIFIER_FILLED = frozenset({"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
                              "verifier_norm.weight", "t2d", "d2t"})
@@ -67,20 +74,23 @@ def speculators_config(arch: DrafterArch, verifier: str, verifier_architectures:
         verifier_architectures = [family] if family else []
     layer_config = qwen3_fields(arch, dtype)
     layer_config["architectures"] = ["Qwen3ForCausalLM"]
+    dflash2 = arch.variant == "dflash2"
+    extra = {**dflash2_fields(arch), "draft_ffn_type": "dense"} if dflash2 else {}
     return {
-        "speculators_model_type": MODEL_TYPE,
+        "speculators_model_type": MODEL_TYPE2 if dflash2 else MODEL_TYPE,
         "speculators_version": SCHEMA_VERSION,
-        "architectures": [ARCHITECTURE],
+        "architectures": [ARCHITECTURE2 if dflash2 else ARCHITECTURE],
+        **extra,
         "transformer_layer_config": layer_config,
         "draft_vocab_size": arch.target_vocab_size,
         "block_size": arch.block_size,
         "target_hidden_size": arch.hidden_size,
         "aux_hidden_state_layer_ids": [j + 1 for j in arch.layer_ids],
         "mask_token_id": arch.mask_token_id,
-        "sliding_window_non_causal": False,
+        "sliding_window_non_causal": arch.num_sliding > 0,
         "sample_from_anchor": False,
         "speculators_config": {
-            "algorithm": MODEL_TYPE,
+            "algorithm": MODEL_TYPE2 if dflash2 else MODEL_TYPE,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": arch.block_size - 1,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -114,9 +124,9 @@ def arch_from_speculators(config: dict[str, Any], where: str, target_family: str
     """The drafter architecture a speculators config.json describes (the target's family and layer count,
     which the layout does not record, come from the caller)."""
     kind = config.get("speculators_model_type")
-    if kind != MODEL_TYPE:
-        raise WeightsError(f"{where}: speculators_model_type must be {MODEL_TYPE!r}; received {kind!r} "
-                           "(not a DFlash speculator)")
+    if kind not in (MODEL_TYPE, MODEL_TYPE2):
+        raise WeightsError(f"{where}: speculators_model_type must be {MODEL_TYPE!r} or {MODEL_TYPE2!r}; received "
+                           f"{kind!r} (not a DFlash speculator)")
     layer = {**QWEN3_DEFAULTS, **(config.get("transformer_layer_config") or {})}
     aux = config.get("aux_hidden_state_layer_ids")
     problems = []
@@ -137,9 +147,19 @@ def arch_from_speculators(config: dict[str, Any], where: str, target_family: str
         problems.append(f"target_hidden_size {hidden} must equal the drafter's hidden_size {layer['hidden_size']}")
     if problems:
         raise WeightsError(f"{where}: " + "; ".join(problems))
-    return decoder_arch(layer, layer_ids=tuple(int(a) - 1 for a in aux), block_size=config.get("block_size", 8),
+    # DFlash2SpeculatorConfig defaults sliding_window_non_causal to true, DFlashSpeculatorConfig to false
+    causal = None
+    if not config.get("sliding_window_non_causal", kind == MODEL_TYPE2):
+        causal = (f"sliding_window_non_causal must be true for sliding_attention layers; received "
+                  f"{config.get('sliding_window_non_causal')!r} (speculators then runs those layers' blocks "
+                  "causally; these blocks are bidirectional)")
+    arch = decoder_arch(layer, layer_ids=tuple(int(a) - 1 for a in aux), block_size=config.get("block_size", 8),
                         mask_token_id=config["mask_token_id"], target_family=target_family,
-                        target_num_layers=target_num_layers, where=where)
+                        target_num_layers=target_num_layers, where=where, causal_blocks=causal)
+    if kind != MODEL_TYPE2:
+        return arch
+    # DFlash2SpeculatorConfig's defaults for the fields a config leaves out (its to_diff_dict drops them)
+    return with_dflash2(arch, {"conv_kernel_size": 2, "conv_group_size": 16, **config}, where)
 
 
 def load_speculators(directory: str | Path, target_cfg: DecoderConfig,
@@ -149,10 +169,12 @@ def load_speculators(directory: str | Path, target_cfg: DecoderConfig,
     arch, tensors = with_markov(arch_from_speculators(read_config(directory), str(directory / "config.json"),
                                                       target_cfg.family, target_cfg.num_layers), directory)
     check_import(arch, target_cfg, str(directory), expect)
-    drafter = drafter_from_tensors(arch, tensors, str(directory), ignored=VERIFIER_FILLED)
+    drafter = drafter_from_tensors(arch, tensors, str(directory),
+                                   ignored=VERIFIER_FILLED | selector_tensors(arch, tensors, str(directory)))
     drafter.draft_vocab = DraftVocab.read(directory, target_cfg.vocab_size)
     return drafter
 
 
-__all__ = ["ARCHITECTURE", "MODEL_TYPE", "QWEN3_DEFAULTS", "SCHEMA_VERSION", "VERIFIER_FILLED", "arch_from_speculators",
-           "is_speculators", "load_speculators", "save_speculators", "speculators_config"]
+__all__ = ["ARCHITECTURE", "ARCHITECTURE2", "MODEL_TYPE", "MODEL_TYPE2", "QWEN3_DEFAULTS", "SCHEMA_VERSION",
+           "VERIFIER_FILLED", "arch_from_speculators", "is_speculators", "load_speculators", "save_speculators",
+           "speculators_config"]

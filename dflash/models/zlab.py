@@ -40,8 +40,17 @@ from dflash.models.loading import WeightsError, _rope_scaling_from_hf, _safetens
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE2 = "DFlash2DraftModel"  # z-lab's DFlash2 (the convolutions and the candidate selector)
 MODELING_FILE = "dflash.py"
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
+AUTO_MAP2 = {"AutoModel": "dflash.DFlash2DraftModel"}
+# DFlash2's candidate selector (top-k unary candidates re-ranked by a rank-r edge score from the previous slot's
+# choice): the layout's shapes. This project drafts without it (argmax); exports carry a zero selector, under which
+# the reference's walk picks each slot's top unary candidate, i.e. the same argmax drafts.
+SELECTOR_RANK = 256
+SELECTOR_TOP_K = 16
+SELECTOR_PREFIX = "candidate_selector."
+PUBLISHED_CONV_KERNEL = 2
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -108,33 +117,69 @@ def qwen3_fields(arch: DrafterArch, dtype: str = "float32") -> dict[str, Any]:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "use_sliding_window": arch.num_sliding > 0,
+        "sliding_window": arch.sliding_window or None,
         "max_window_layers": arch.num_layers,
-        "layer_types": ["full_attention"] * arch.num_layers,
+        "layer_types": list(arch.layer_types) or ["full_attention"] * arch.num_layers,
         "torch_dtype": dtype,
         "dtype": dtype,
     }
 
 
 def zlab_config(arch: DrafterArch, dtype: str = "float32") -> dict[str, Any]:
-    """The config.json of a drafter with architecture `arch` whose tensors are stored as `dtype`."""
+    """The config.json of a drafter with architecture `arch` whose tensors are stored as `dtype`. A drafter
+    with sliding-window layers also says `is_causal false` (the reference would run those layers' blocks
+    causally without it)."""
+    sliding = {"is_causal": False} if arch.num_sliding else {}
+    dflash: dict[str, Any] = {"mask_token_id": arch.mask_token_id, "target_layer_ids": list(arch.layer_ids)}
+    if arch.variant == "dflash2":
+        dflash.update(dflash2_fields(arch))
     return {
-        "architectures": [ARCHITECTURE],
-        "auto_map": dict(AUTO_MAP),
+        "architectures": [ARCHITECTURE2 if arch.variant == "dflash2" else ARCHITECTURE],
+        "auto_map": dict(AUTO_MAP2 if arch.variant == "dflash2" else AUTO_MAP),
         "block_size": arch.block_size,
         "num_target_layers": arch.target_num_layers,
-        "dflash_config": {"mask_token_id": arch.mask_token_id, "target_layer_ids": list(arch.layer_ids)},
+        "dflash_config": dflash,
+        **sliding,
         **qwen3_fields(arch, dtype),
     }
+
+
+def dflash2_fields(arch: DrafterArch) -> dict[str, Any]:
+    """The DFlash2 fields z-lab's `dflash_config` and speculators' `DFlash2SpeculatorConfig` share: block size,
+    convolution taps and group size (the published 2 for a drafter trained with `drafter.conv` off, exported as
+    identity convolutions), and the selector's rank and top-k (`SELECTOR_RANK`, `SELECTOR_TOP_K`)."""
+    return {"block_size": arch.block_size, "conv_kernel_size": arch.conv_kernel_size or PUBLISHED_CONV_KERNEL,
+            "conv_group_size": arch.conv_group_size, "selector_rank": SELECTOR_RANK, "selector_top_k": SELECTOR_TOP_K}
+
+
+def dflash2_extra_tensors(arch: DrafterArch) -> dict[str, np.ndarray]:
+    """The DFlash2 layout's tensors a drafter of `arch` does not hold, float32 [out, in]: identity convolutions
+    when it was trained with `drafter.conv` off, and the zero candidate selector (see SELECTOR_RANK)."""
+    if arch.variant != "dflash2":
+        return {}
+    d, v, r = arch.hidden_size, arch.target_vocab_size, SELECTOR_RANK
+    extra = {SELECTOR_PREFIX + "hidden_projection.weight": np.zeros((r, d), np.float32),
+             SELECTOR_PREFIX + "predecessor_codebook": np.zeros((v, r), np.float32),
+             SELECTOR_PREFIX + "successor_codebook": np.zeros((v, r), np.float32)}
+    if arch.conv_kernel_size == 0:
+        t, groups = PUBLISHED_CONV_KERNEL, d // arch.conv_group_size
+        base = np.zeros((2, t, d), np.float32)
+        base[:, 0] = 1.0
+        for i in range(arch.num_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                extra[f"layers.{i}.{conv}.base_kernel"] = base
+                extra[f"layers.{i}.{conv}.kernel_projection.weight"] = np.zeros((2 * t * groups, d), np.float32)
+    return extra
 
 
 def hf_tensors(drafter: DFlashDrafter, dtype: str = "float32") -> dict[str, np.ndarray]:
     """The drafter's tensors by z-lab name, PyTorch [out, in], contiguous, cast to `dtype`."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}; received {dtype!r}")
+    tensors = {**to_hf_tensors(drafter), **dflash2_extra_tensors(drafter.arch)}
     return {name: np.ascontiguousarray(np.asarray(value, np.float32).astype(DTYPES[dtype]))
-            for name, value in to_hf_tensors(drafter).items()}
+            for name, value in tensors.items()}
 
 
 MARKOV_DIR = "markov_head"
@@ -206,14 +251,48 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise WeightsError(f"{path} is not valid JSON ({err}); the export is corrupt: export it again") from err
 
 
+def sliding_layers(fields: dict[str, Any], block_size: int, causal_blocks: str | None,
+                   where: str) -> tuple[tuple[str, ...], int]:
+    """(layer_types, sliding_window) of Qwen3 decoder fields as transformers' Qwen3Config and the reference read
+    them: `sliding_window` counts only with `use_sliding_window` true (Qwen3Config drops it otherwise), and
+    `layer_types`, when absent, makes the layers from index `max_window_layers` on sliding when a window is set.
+    `causal_blocks` names the config field that would make the sliding layers' blocks causal (the reference runs
+    a sliding layer causally unless `is_causal` is false; speculators unless `sliding_window_non_causal`), or
+    None when the blocks are bidirectional. Every problem is named in one WeightsError; returns
+    ((), 0) for an all-full drafter."""
+    layers = int(fields.get("num_hidden_layers") or 0)
+    window = fields.get("sliding_window") if fields.get("use_sliding_window") else None
+    kinds = fields.get("layer_types")
+    if kinds is None:
+        first = int(fields.get("max_window_layers") or 0)
+        kinds = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
+    kinds = tuple(str(k) for k in kinds)
+    problems = [f"layer_types[{i}] must be 'full_attention' or 'sliding_attention'; received {k!r}"
+                for i, k in enumerate(kinds) if k not in ("full_attention", "sliding_attention")]
+    if len(kinds) != layers:
+        problems.append(f"layer_types must name num_hidden_layers={layers} layers; received {len(kinds)}")
+    if "sliding_attention" in kinds:
+        if not fields.get("use_sliding_window"):
+            problems.append(f"use_sliding_window must be true when layer_types has sliding_attention layers; received "
+                            f"{fields.get('use_sliding_window')!r} (Qwen3Config then drops the window)")
+        if not isinstance(fields.get("sliding_window"), int) or fields["sliding_window"] < block_size:
+            problems.append(f"sliding_window must be an integer >= block_size={block_size} when layer_types has "
+                            f"sliding_attention layers; received {fields.get('sliding_window')!r}")
+        if causal_blocks is not None:
+            problems.append(causal_blocks)
+    if problems:
+        raise WeightsError(f"{where}: " + "; ".join(problems))
+    if "sliding_attention" not in kinds:
+        return (), 0
+    return kinds, int(fields["sliding_window"])
+
+
 def decoder_arch(fields: dict[str, Any], *, layer_ids: tuple[int, ...], block_size: int, mask_token_id: int,
-                 target_family: str, target_num_layers: int, where: str) -> DrafterArch:
+                 target_family: str, target_num_layers: int, where: str,
+                 causal_blocks: str | None = None) -> DrafterArch:
     """A DrafterArch from Qwen3 decoder fields (a z-lab config, or a speculators transformer_layer_config
-    with Qwen3Config's defaults filled in), refusing what the drafter cannot run."""
-    kinds = set(fields.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"}:
-        raise WeightsError(f"{where}: layer_types must all be 'full_attention' (sliding-window drafter layers are not "
-                           f"supported); received {sorted(kinds)}")
+    with Qwen3Config's defaults filled in), refusing what the drafter cannot run (`sliding_layers`)."""
+    layer_types, window = sliding_layers(fields, int(block_size), causal_blocks, where)
     if fields.get("attention_bias"):
         raise WeightsError(f"{where}: attention_bias must be false (DFlash drafter layers have no biases)")
     if fields.get("hidden_act", "silu") != "silu":
@@ -232,6 +311,7 @@ def decoder_arch(fields: dict[str, Any], *, layer_ids: tuple[int, ...], block_si
             rope_scaling=_rope_scaling_from_hf(rope, where),
             max_position_embeddings=int(fields["max_position_embeddings"]), target_family=target_family,
             target_vocab_size=int(fields["vocab_size"]), target_num_layers=int(target_num_layers),
+            layer_types=layer_types, sliding_window=window,
         )
     except KeyError as err:
         raise WeightsError(f"{where}: a DFlash drafter config must have {err.args[0]!r}") from err
@@ -240,8 +320,9 @@ def decoder_arch(fields: dict[str, Any], *, layer_ids: tuple[int, ...], block_si
 def arch_from_zlab(config: dict[str, Any], where: str, target_family: str = "qwen3") -> DrafterArch:
     """The drafter architecture a z-lab config.json describes. `target_family` is the target's (the
     config's model_type is the drafter's own, qwen3)."""
-    if ARCHITECTURE not in config.get("architectures", []):
-        raise WeightsError(f"{where}: architectures must include {ARCHITECTURE!r}; received "
+    architectures = config.get("architectures") or []
+    if ARCHITECTURE not in architectures and ARCHITECTURE2 not in architectures:
+        raise WeightsError(f"{where}: architectures must include {ARCHITECTURE!r} or {ARCHITECTURE2!r}; received "
                            f"{config.get('architectures')!r} (not a z-lab DFlash drafter)")
     dflash = config.get("dflash_config") or {}
     # block_size is top-level in the Qwen3 / Llama releases and inside dflash_config in newer ones.
@@ -253,9 +334,48 @@ def arch_from_zlab(config: dict[str, Any], where: str, target_family: str = "qwe
                if value is None]
     if missing:
         raise WeightsError(f"{where}: a DFlash drafter config must have {', '.join(missing)}")
-    return decoder_arch(config, layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]), block_size=block_size,
+    causal = None if config.get("is_causal") is False else (
+        f"is_causal must be false for sliding_attention layers; received {config.get('is_causal')!r} (the "
+        "reference runs a sliding layer's block causally unless is_causal is false; these blocks are bidirectional)")
+    arch = decoder_arch(config, layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]), block_size=block_size,
                         mask_token_id=dflash["mask_token_id"], target_family=target_family,
-                        target_num_layers=config["num_target_layers"], where=where)
+                        target_num_layers=config["num_target_layers"], where=where, causal_blocks=causal)
+    if ARCHITECTURE2 not in architectures:
+        return arch
+    return with_dflash2(arch, {**config, **dflash}, where)
+
+
+def with_dflash2(arch: DrafterArch, fields: dict[str, Any], where: str) -> DrafterArch:
+    """`arch` as a DFlash2 drafter with the convolution of `fields` (z-lab's dflash_config, or a speculators
+    dflash2 config), refusing what the drafter cannot run and naming every field: the convolution's taps and
+    group size must be set (the group size dividing the hidden size), the input embeddings unscaled. The
+    selector's fields are read for their shapes only (it is not used: drafts are the argmax), and so are the
+    logit multiplier and softcap, which only the selector and sampled drafts see (they keep the argmax)."""
+    problems = [f"{name} must be a positive integer (DFlash2's convolution); received {fields.get(name)!r}"
+                for name in ("conv_kernel_size", "conv_group_size")
+                if not isinstance(fields.get(name), int) or fields[name] < 1]
+    if not problems and arch.hidden_size % fields["conv_group_size"]:
+        problems.append(f"conv_group_size {fields['conv_group_size']} must divide hidden_size {arch.hidden_size}")
+    if float(fields.get("input_embedding_scale", 1.0)) != 1.0:
+        problems.append(f"input_embedding_scale must be 1 (block embeddings are the target's, unscaled); received "
+                        f"{fields['input_embedding_scale']!r}")
+    if fields.get("draft_ffn_type", "dense") != "dense":
+        problems.append(f"draft_ffn_type must be 'dense' (SwiGLU layers); received {fields['draft_ffn_type']!r}")
+    if problems:
+        raise WeightsError(f"{where}: " + "; ".join(problems))
+    return dataclasses.replace(arch, variant="dflash2", conv_kernel_size=int(fields["conv_kernel_size"]),
+                               conv_group_size=int(fields["conv_group_size"]))
+
+
+def selector_tensors(arch: DrafterArch, tensors: dict[str, np.ndarray], where: str) -> frozenset[str]:
+    """The names of a DFlash2 layout's candidate-selector tensors (skipped on import: drafts are the argmax); a
+    trained (nonzero) selector is reported, since its re-ranking of the top candidates is not reproduced."""
+    names = frozenset(n for n in tensors if n.startswith(SELECTOR_PREFIX)) if arch.variant == "dflash2" else frozenset()
+    if any(np.any(np.asarray(tensors[n], np.float32)) for n in names):
+        log.warning("%s: the DFlash2 candidate selector is not used here; the drafter proposes each slot's argmax "
+                    "(its top unary candidate) instead of the selector's walk: lossless, possibly lower acceptance",
+                    where)
+    return names
 
 
 def drafter_from_tensors(arch: DrafterArch, tensors: dict[str, np.ndarray], where: str,
@@ -289,7 +409,7 @@ def read_zlab(directory: str | Path, target_family: str = "qwen3") -> DFlashDraf
     directory = Path(directory).expanduser()
     arch, tensors = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"), target_family),
                                 directory)
-    drafter = drafter_from_tensors(arch, tensors, str(directory))
+    drafter = drafter_from_tensors(arch, tensors, str(directory), selector_tensors(arch, tensors, str(directory)))
     drafter.draft_vocab = DraftVocab.read(directory)
     return drafter
 
@@ -316,7 +436,8 @@ def check_import(arch: DrafterArch, target: DecoderConfig, where: str, expect: D
         bad.append(f"mask_token_id {arch.mask_token_id} lies outside the target's vocab [0, {target.vocab_size})")
     if expect is not None:
         for name in ("layer_ids", "mask_token_id", "block_size", "hidden_size", "num_features", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+                     "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "layer_types", "sliding_window",
+                     "variant", "conv_kernel_size", "conv_group_size"):
             got, want = getattr(arch, name), getattr(expect, name)
             if got != want:
                 bad.append(f"{name}: drafter {got} vs expected {want}")
@@ -331,12 +452,13 @@ def load_zlab(directory: str | Path, target_cfg: DecoderConfig, expect: DrafterA
     arch, tensors = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"),
                                                target_cfg.family), directory)
     check_import(arch, target_cfg, str(directory), expect)
-    drafter = drafter_from_tensors(arch, tensors, str(directory))
+    drafter = drafter_from_tensors(arch, tensors, str(directory), selector_tensors(arch, tensors, str(directory)))
     drafter.draft_vocab = DraftVocab.read(directory, target_cfg.vocab_size)
     return drafter
 
 
-__all__ = ["ARCHITECTURE", "AUTO_MAP", "DTYPES", "MARKOV_DIR", "MODELING_FILE", "arch_from_zlab",
-           "check_exportable_ids", "check_import", "decoder_arch", "drafter_from_tensors", "hf_rope", "hf_tensors",
-           "json_float", "load_zlab", "qwen3_fields", "read_config", "read_tensors", "read_zlab", "save_zlab",
-           "with_markov", "write_markov", "zlab_config"]
+__all__ = ["ARCHITECTURE", "ARCHITECTURE2", "AUTO_MAP", "AUTO_MAP2", "DTYPES", "MARKOV_DIR", "MODELING_FILE",
+           "SELECTOR_RANK", "SELECTOR_TOP_K", "arch_from_zlab", "check_exportable_ids", "check_import", "decoder_arch",
+           "dflash2_extra_tensors", "dflash2_fields", "drafter_from_tensors", "hf_rope", "hf_tensors", "json_float",
+           "load_zlab", "qwen3_fields", "read_config", "read_tensors", "read_zlab", "save_zlab", "selector_tensors",
+           "sliding_layers", "with_dflash2", "with_markov", "write_markov", "zlab_config"]

@@ -74,30 +74,84 @@ class Models:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftCache:
-    """The drafter's context K/V per layer, k and v [L_d, B, S, Hk, Dh] (static per-slot arrays)."""
+    """The drafter's context K/V (static per-slot arrays).
+
+    Full-attention layers: k and v [L_full, B, S, Hk, Dh], position p at slot p (S = the context length).
+    Sliding-window layers (`drafter.layer_types`, window W): a ring wk and wv [L_sliding, B, R, Hk, Dh] of
+    R = W + K_train slots per sequence, position p at slot p mod R, and ring_pos [B, R] the position each slot
+    holds (-1: none). A block at L sees the ring slots holding positions L-W .. L-1. Verify writes K <= K_train
+    positions from L on and the next L is at most L + K, so the window [L-W, L) and every position written since
+    fit in R slots without overwriting each other; slots holding positions >= L are stale and invisible until
+    rewritten, as in the full cache. `sliding` (static) marks each drafter layer."""
 
     k: jax.Array
     v: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    ring_pos: jax.Array
+    sliding: tuple[bool, ...] = dataclasses.field(metadata={"static": True})
+    window: int = dataclasses.field(metadata={"static": True})
 
     @classmethod
     def create(cls, arch: DrafterArch, batch: int, max_len: int, dtype: Any = jnp.float32) -> DraftCache:
-        shape = (arch.num_layers, batch, max_len, arch.num_kv_heads, arch.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        sliding = tuple(arch.sliding(i) for i in range(arch.num_layers))
+        n_ring = sum(sliding)
+        ring = arch.sliding_window + arch.block_size if n_ring else 0
+        full = (arch.num_layers - n_ring, batch, max_len, arch.num_kv_heads, arch.head_dim)
+        windowed = (n_ring, batch, ring, arch.num_kv_heads, arch.head_dim)
+        return cls(jnp.zeros(full, dtype), jnp.zeros(full, dtype), jnp.zeros(windowed, dtype),
+                   jnp.zeros(windowed, dtype), jnp.full((batch, ring), -1, jnp.int32), sliding, arch.sliding_window)
 
     def kv(self) -> list[KV]:
-        return [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
+        """Per-layer context (k, v) [B, S_l, Hk, Dh]: the full cache of a full layer, the ring of a sliding one."""
+        full, ring = iter(range(self.k.shape[0])), iter(range(self.wk.shape[0]))
+        return [(self.wk[i], self.wv[i]) if s else (self.k[i], self.v[i])
+                for s, i in ((s, next(ring) if s else next(full)) for s in self.sliding)]
 
-    def write(self, new_kv: list[KV], starts_B: jax.Array, rows_B: jax.Array | None = None) -> DraftCache:
-        """Write T new context slots per sequence at `starts_B` into batch rows `rows_B` (default 0 .. B-1);
-        slots past the end are dropped."""
+    def visible(self, lengths_B: jax.Array, span: int | None = None) -> tuple[list[KV], list[jax.Array]]:
+        """(per-layer context (k, v), per-layer valid [B, S_l]) for blocks at positions `lengths_B`: a full
+        layer the first `span` slots (default all) below L, a sliding layer the ring slots holding L-W .. L-1."""
+        span = self.k.shape[2] if span is None else min(span, self.k.shape[2])
+        full_valid = jnp.arange(span)[None, :] < lengths_B[:, None]
+        pos, lengths = self.ring_pos, lengths_B[:, None]
+        ring_valid = (pos >= 0) & (pos < lengths) & (pos >= lengths - self.window)
+        kv = [(k, v) if s else (k[:, :span], v[:, :span]) for (k, v), s in zip(self.kv(), self.sliding, strict=True)]
+        return kv, [ring_valid if s else full_valid for s in self.sliding]
+
+    def write(self, new_kv: list[KV], starts_B: jax.Array, rows_B: jax.Array | None = None,
+              counts_B: jax.Array | None = None) -> DraftCache:
+        """Write T new context positions per sequence (starting at `starts_B`; the first `counts_B`, default all
+        T, are real) into batch rows `rows_B` (default 0 .. B-1). Full layers: slots past the end are dropped.
+        Sliding layers: each ring slot takes the latest real new position that maps to it, if any (so a prompt
+        longer than the ring keeps its last R positions); with `counts_B` (a prefill) the rows' other ring slots
+        are emptied, forgetting what the slot held before."""
         b, t = new_kv[0][0].shape[:2]
         rows_B = jnp.arange(b) if rows_B is None else rows_B
-        rows = jnp.broadcast_to(rows_B[:, None], (b, t))
-        slots = starts_B[:, None] + jnp.arange(t)[None, :]
-        k_new = jnp.stack([k for k, _ in new_kv]).astype(self.k.dtype)
-        v_new = jnp.stack([v for _, v in new_kv]).astype(self.v.dtype)
-        return DraftCache(self.k.at[:, rows, slots].set(k_new, mode="drop"),
-                          self.v.at[:, rows, slots].set(v_new, mode="drop"))
+        full_kv = [kv for kv, s in zip(new_kv, self.sliding, strict=True) if not s]
+        ring_kv = [kv for kv, s in zip(new_kv, self.sliding, strict=True) if s]
+        k, v = self.k, self.v
+        if full_kv:
+            rows = jnp.broadcast_to(rows_B[:, None], (b, t))
+            slots = starts_B[:, None] + jnp.arange(t)[None, :]
+            k = k.at[:, rows, slots].set(jnp.stack([x for x, _ in full_kv]).astype(k.dtype), mode="drop")
+            v = v.at[:, rows, slots].set(jnp.stack([x for _, x in full_kv]).astype(v.dtype), mode="drop")
+        wk, wv, pos = self.wk, self.wv, self.ring_pos
+        if ring_kv:
+            r = pos.shape[1]
+            counts = jnp.full((b,), t, jnp.int32) if counts_B is None else counts_B.astype(jnp.int32)
+            last_Bx1 = (starts_B + counts - 1)[:, None]
+            held_BxR = last_Bx1 - jnp.mod(last_Bx1 - jnp.arange(r)[None, :], r)  # latest new position per slot
+            take_BxR = held_BxR >= starts_B[:, None]
+            src_BxR = jnp.clip(held_BxR - starts_B[:, None], 0, t - 1)
+            gather = jax.vmap(lambda x: jnp.take_along_axis(x, src_BxR[:, :, None, None], axis=1))
+            new_k = gather(jnp.stack([x for x, _ in ring_kv]).astype(wk.dtype))
+            new_v = gather(jnp.stack([x for _, x in ring_kv]).astype(wv.dtype))
+            keep = take_BxR[None, :, :, None, None]
+            wk = wk.at[:, rows_B].set(jnp.where(keep, new_k, wk[:, rows_B]))
+            wv = wv.at[:, rows_B].set(jnp.where(keep, new_v, wv[:, rows_B]))
+            old_pos = jnp.full((b, r), -1, jnp.int32) if counts_B is not None else pos[rows_B]
+            pos = pos.at[rows_B].set(jnp.where(take_BxR, held_BxR, old_pos))
+        return dataclasses.replace(self, k=k, v=v, wk=wk, wv=wv, ring_pos=pos)
 
 
 @jax.tree_util.register_dataclass
@@ -172,14 +226,16 @@ def sync_page_table(state: SpecState, table: PageTable, uploaded_version: int) -
 
 
 def _add_context(drafter: DFlashDrafter | None, draft: DraftCache | None, feats_FxBxTxD: jax.Array | None,
-                 starts_B: jax.Array, rows_B: jax.Array | None = None) -> DraftCache | None:
-    """Fuse the target features of T new positions (starting at `starts_B`) into the draft cache."""
+                 starts_B: jax.Array, rows_B: jax.Array | None = None,
+                 counts_B: jax.Array | None = None) -> DraftCache | None:
+    """Fuse the target features of T new positions (starting at `starts_B`; the first `counts_B` real, for a
+    prefill) into the draft cache."""
     if drafter is None:
         return draft
     t = feats_FxBxTxD.shape[2]
     positions = starts_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     fused = drafter.fuse(concat_features(feats_FxBxTxD).astype(jnp.float32))
-    return draft.write(drafter.context_kv(fused, positions), starts_B, rows_B)
+    return draft.write(drafter.context_kv(fused, positions), starts_B, rows_B, counts_B)
 
 
 def _layer_ids(drafter: DFlashDrafter | None) -> tuple[int, ...]:
@@ -212,7 +268,7 @@ def _prefill(models: Models, state: SpecState, new: Admission,
                                          layer_ids=_layer_ids(drafter), logits_at_BxI=last)
     target = dataclasses.replace(state.target, k_pages=view.k_pages, v_pages=view.v_pages,
                                  lengths=state.target.lengths.at[new.slots].set(num_valid))
-    draft = _add_context(drafter, state.draft, feats, jnp.zeros((r,), jnp.int32), new.slots)
+    draft = _add_context(drafter, state.draft, feats, jnp.zeros((r,), jnp.int32), new.slots, num_valid)
     if logprobs:
         at_last = jnp.take_along_axis(logits, (num_valid - 1)[:, None, None], axis=1)[:, 0]
     else:
@@ -250,14 +306,13 @@ def prefill_logprobs(models: Models, state: SpecState, new: Admission) -> tuple[
 def propose(models: Models, state: SpecState, block_size: int, span: int | None = None) -> jax.Array:
     """Greedy drafts [B, K-1] for positions L+1 .. L+K-1 from one drafter forward over the block.
 
-    span: context slots the drafter attends over (static; default: all). Every L must be <= span."""
+    span: context slots the full-attention layers attend over (static; default: all). Every L must be <= span.
+    Sliding-window layers attend over their ring (the last W positions) whatever the span."""
     drafter = models.drafter()
     k = block_size
     ids = block_token_ids(state.pending, k, drafter.arch.mask_token_id)
     positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    span = state.draft.k.shape[2] if span is None else min(span, state.draft.k.shape[2])
-    ctx_valid = jnp.arange(span)[None, :] < state.lengths[:, None]
-    ctx_kv = [(k_ctx[:, :span], v_ctx[:, :span]) for k_ctx, v_ctx in state.draft.kv()]
+    ctx_kv, ctx_valid = state.draft.visible(state.lengths, span)
     hidden = drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
     if drafter.markov is None:
         return _argmax_drafts(models, hidden[:, 1:])

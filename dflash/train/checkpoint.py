@@ -60,7 +60,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {self.directory / str(step)} has format {meta.get('format')!r}; "
                                   f"this trainer reads {FORMAT!r}")
         # fields added since a checkpoint was written hold their defaults in it (e.g. markov_rank 0)
-        defaults = {f.name: f.default for f in dataclasses.fields(DrafterArch) if f.default is not dataclasses.MISSING}
+        defaults = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default  # as JSON reads them
+                    for f in dataclasses.fields(DrafterArch) if f.default is not dataclasses.MISSING}
         ours, theirs = ({**defaults, **self.meta.get("arch", {})}, {**defaults, **meta.get("arch", {})})
         diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs run {ours.get(k)!r}"
                  for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]

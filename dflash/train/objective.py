@@ -194,11 +194,12 @@ def build_blocks_batch(batch: TrainBatch, anchors_BxN: jax.Array, keep_BxN: jax.
 
 
 def visible(anchor_of_query_Q: jax.Array, block_of_query_Q: jax.Array, ctx_valid_S: jax.Array,
-            key_block_Q: jax.Array) -> jax.Array:
+            key_block_Q: jax.Array, window: int = 0) -> jax.Array:
     """bool [Q, S+Q]: may block query q attend to key t? Keys are laid out [context S | block Q].
 
     Contract (query q in block j = block_of_query[q], anchor a_j = anchor_of_query[q]):
-      - context key s (column s < S):      visible iff s < a_j STRICTLY and ctx_valid[s];
+      - context key s (column s < S):      visible iff s < a_j STRICTLY and ctx_valid[s]; in a sliding-window
+                                           layer (`window` W > 0) also s >= a_j - W: the last W positions;
       - block key q' (column S + q'):      visible iff key_block[q'] == j (same block, bidirectional);
       - any key, padding query (a_j = -1): never visible (the row is all False).
     `key_block_Q` is the block id of each block key (normally `block_of_query` itself). Strictly, because
@@ -214,6 +215,8 @@ def visible(anchor_of_query_Q: jax.Array, block_of_query_Q: jax.Array, ctx_valid
     kept_Qx1 = a_Qx1 >= 0
     s_1xS = jnp.arange(ctx_valid_S.shape[0])[None, :]
     ctx_QxS = (s_1xS < a_Qx1) & (jnp.asarray(ctx_valid_S)[None, :] > 0) & kept_Qx1
+    if window > 0:
+        ctx_QxS = ctx_QxS & (s_1xS >= a_Qx1 - window)
     blk_QxQ = (jnp.asarray(block_of_query_Q)[:, None] == jnp.asarray(key_block_Q)[None, :]) & kept_Qx1
     return jnp.concatenate([ctx_QxS, blk_QxQ], axis=1)
 

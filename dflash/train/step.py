@@ -161,7 +161,8 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, inputs: StepInputs, 
 
     Context positions are 0..S-1 and every context token is valid; `BlockVisibility.from_anchors` gives
     block j the context keys s < a_j and its own block's keys only (block-local attention, no dense
-    Q x (S+Q) mask); with `inputs.segment_ids` (packed rows) only those of a_j's own conversation. Positions stay
+    Q x (S+Q) mask); with `inputs.segment_ids` (packed rows) only those of a_j's own conversation; in a
+    sliding-window layer only the last W of them (s >= a_j - W, `drafter.sliding_window`). Positions stay
     the row's: RoPE sees only differences, which are the same within a conversation wherever it sits. The
     frozen head and the CE run in chunks (`head_loss`), in the dtype of the drafter's output (the compute dtype)
     with fp32 accumulation and softmax. `target_params` is read only for the Markov head's token embeddings.
@@ -172,7 +173,8 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, inputs: StepInputs, 
     drafter = nnx.merge(graphdef, params)
     ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     anchor_BxN = blocks.anchor_of_query.reshape(b, -1, block_size)[:, :, 0]  # -1 for padding blocks
-    visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool), inputs.segment_ids)
+    visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool), inputs.segment_ids,
+                                           window=drafter.arch.sliding_window)
     hidden_BxQxD = drafter(inputs.embeds_BxQxD, blocks.block_pos, feats_BxSxFD, ctx_pos_BxS, visible)
     if drafter.markov is not None:  # slot k also sees the block's token before it (teacher-forced: its label)
         previous = embed(jax.lax.stop_gradient(target_params), previous_ids(blocks, block_size))
