@@ -190,3 +190,42 @@ def test_the_batched_sampler_reads_each_rows_walk():
     draw = jax.jit(lambda m, r, w: sample_anchors_batch(m, 6, K, r, w, 6))
     anchors, _ = draw(jnp.stack([mask, mask]), jax.random.PRNGKey(3), walk_b)
     assert (np.asarray(walk)[np.asarray(anchors[0])] > 0).all()  # 6 of its 7 walk starts
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.heavy
+@pytest.mark.slow  # ~2 min of compiles on 2 cores (the SmolLM2 walk and train step); the plumbing is also unit-tested
+@pytest.mark.e2e
+def test_dflash_data_walk_then_training_on_walk_anchors(smollm2_target, tmp_path):
+    """`run_walk_stage` (the `dflash data walk` stage) with a fresh drafter on the tiny recipe's rows, then a run
+    that reads it through data.walk=auto: its batches hold the walk's weights at the walk's block starts, and two
+    steps train on walk anchors. Without data.walk, train.walk_anchors is refused."""
+    from flax import nnx
+
+    from dflash.configs.recipe import load_recipe
+    from dflash.configs.schema import ConfigError
+    from dflash.data.stages import run_walk_stage
+    from dflash.models.drafter import DFlashDrafter
+    from dflash.models.zlab import save_zlab
+    from dflash.train.loop import build_batches, run_training
+
+    overrides = [f"data.dir={tmp_path / 'data'}", f"train.run_dir={tmp_path / 'run'}", "data.max_examples=4",
+                 "train.steps=2", "train.batch_size=8", "train.save_every=2", "train.walk_anchors=0.5",
+                 "train.walk_oversample=1"]
+    recipe = load_recipe("tiny", [*overrides, "data.walk=auto"])
+    arch = smollm2_target.drafter_arch(recipe.drafter)
+    save_zlab(DFlashDrafter(arch, nnx.Rngs(0)), tmp_path / "drafter")
+    summary = run_walk_stage(recipe, drafter=str(tmp_path / "drafter"), target=smollm2_target, progress=False)
+    assert summary.walked == 4 and sum(summary.accept_counts) > 0
+    records = [WalkRecord.from_json(json.loads(line)) for line in summary.path.read_text().splitlines()]
+    batches, fingerprint = build_batches(recipe.data, smollm2_target, arch, 4, walk_power=1.0)
+    batch = next(batches)
+    assert ":walk-" in fingerprint and batch.walk is not None
+    want = sorted(tuple(walk_weights(r, recipe.data.seq_len, arch.block_size, 1.0).tolist()) for r in records)
+    assert sorted(tuple(w.tolist()) for w in batch.walk) == want  # one shuffled epoch of the 4 rows
+    result = run_training(recipe, target=smollm2_target, progress=False)
+    assert result.final_step == 2 and np.isfinite(result.last["loss"])
+    with pytest.raises(ConfigError, match="train.walk_anchors"):
+        run_training(load_recipe("tiny", overrides), target=smollm2_target, progress=False)
