@@ -51,13 +51,14 @@ from dflash.files import fsync_path, write_atomic
 from dflash.models.decoder import embed, forward
 from dflash.models.drafter import BlockVisibility, DFlashDrafter, concat_features
 from dflash.serve.engine import Engine
-from dflash.serve.speculative import Models, argmax_drafts, bucket
+from dflash.serve.speculative import Models, argmax_drafts
 
 log = logging.getLogger(__name__)
 
 WALK_DIR = "walk"
 FORMAT = "dflash-walk/1"
 MODES = ("teacher", "engine")
+LENGTH_STEP = 64  # teacher rows are padded to a multiple of this (a power of two would waste up to half the forward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +170,10 @@ def leading(hits_SxJ: np.ndarray) -> np.ndarray:
 
 
 def teacher_leads(models: Models, tokens_S: np.ndarray, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(next_ids [n], lead [n]) of one row's n real tokens (`teacher_hits` at a power-of-two length, then the
-    leading hits: how many drafts a block anchored at each position gets accepted, before any cut)."""
-    length = max(bucket(n), 16)
+    """(next_ids [n], lead [n]) of one row's n real tokens (`teacher_hits` on the row padded to a multiple of
+    LENGTH_STEP, one compile per length; then the leading hits: how many drafts a block anchored at each position
+    gets accepted, before any cut)."""
+    length = -(-n // LENGTH_STEP) * LENGTH_STEP
     padded = np.zeros((1, length), np.int32)
     padded[0, :n] = tokens_S[:n]
     next_S, hits = jax.device_get(teacher_hits(models, jnp.asarray(padded), block_size))
