@@ -92,6 +92,25 @@ def test_teacher_walk_equals_the_engine_walk(tiny):
     assert taus["walk"] == pytest.approx(np.mean(accepted + 1))
 
 
+def test_a_walk_from_stored_features_is_the_teacher_walk(tiny):
+    """Given the target's features and greedy next tokens as a capture stores them (fp32 here), the drafter alone
+    walks each row as the teacher walk does; without stored next ids the stored answer is taken for the greedy
+    one, so the altered row's mismatch goes unseen and it is walked to its end."""
+    from dflash.models.decoder import forward
+    from dflash.models.drafter import concat_features
+
+    run = jax.jit(lambda tokens: forward(tiny.params, tiny.cfg, tokens, layer_ids=tiny.drafter.arch.layer_ids))
+    for i, tokens, mask, n in tiny.rows:
+        padded = np.zeros((1, 128), np.int32)  # the length the teacher walk pads these rows to
+        padded[0, :n] = tokens[:n]
+        logits, feats = run(jnp.asarray(padded))
+        stored = np.asarray(concat_features(feats)[0, :n]), np.asarray(jnp.argmax(logits[0, :n], axis=-1))
+        want = walk_teacher(tiny.models, tokens, mask, n, K, i)
+        assert walk_teacher(tiny.models, tokens, mask, n, K, i, stored) == want
+        texts = walk_teacher(tiny.models, tokens, mask, n, K, i, (stored[0], None))
+        assert (texts == want) == (i != 2) and not texts.mismatch
+
+
 def test_the_stage_resumes_after_a_crash_and_refuses_other_settings(tiny, tmp_path):
     target = SimpleNamespace(params=tiny.params, cfg=tiny.cfg, fingerprint="tiny",
                              tokenizer=SimpleNamespace(stop_token_ids=(STOP,)))

@@ -6,8 +6,9 @@
                              target features of the drafter's layer ids -> data.dir/shards (resumable,
                              shard by shard); then `dflash train data.features=offline` reads them
     dflash data walk         data.source rows -> greedy DFlash decode of their prompts with a drafter (teacher-
-                             forced from the stored answers, or through the engine) -> data.dir/walk/ (the block
-                             starts serving visits and the drafts each accepted; resumable, row chunk by chunk)
+                             forced from the stored answers or a capture's features, or through the engine)
+                             -> data.dir/walk/ (the block starts serving visits and the drafts each accepted;
+                             resumable, row chunk by chunk)
     dflash data inspect      the manifest, the counts, one decoded sample with its loss mask shown
 
 Each takes the whole recipe and returns what it did; the CLI prints it.
@@ -79,8 +80,21 @@ def run_walk_stage(recipe: Recipe, *, drafter: str = "", step: int | str | None 
     source = drafter or recipe.train.run_dir
     loaded = load_drafter(source, target.cfg, step=step)
     examples, _ = build_examples(recipe.data, target.tokenizer)
-    return run_walk(examples, loaded, target, recipe.data.dir, examples_hash=examples_hash(examples), mode=mode,
-                    slots=slots, drafter_source=str(source), limit=limit, progress=progress)
+    digest = examples_hash(examples)
+    stored = None
+    if mode == "stored":  # the capture's features (bf16) and, when it holds them, the target's next ids
+        manifest = load_manifest(recipe.data.shard_dir)
+        if manifest.examples_hash != digest:
+            raise ValueError(f"--mode stored reads the capture in {recipe.data.shard_dir}, which holds other rows "
+                             f"(examples_hash {manifest.examples_hash[:12]}, these rows {digest[:12]}); capture again")
+        source_rows = RecordSource(recipe.data.shard_dir, manifest)
+
+        def stored(i: int) -> tuple[np.ndarray, np.ndarray | None]:
+            sample = source_rows.read_one(i)
+            return sample.features, sample.next_ids
+
+    return run_walk(examples, loaded, target, recipe.data.dir, examples_hash=digest, mode=mode, slots=slots,
+                    drafter_source=str(source), limit=limit, progress=progress, stored=stored)
 
 
 def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 WALK_DIR = "walk"
 FORMAT = "dflash-walk/1"
-MODES = ("teacher", "engine")
+MODES = ("teacher", "engine", "stored")
 LENGTH_STEP = 64  # teacher rows are padded to a multiple of this (a power of two would waste up to half the forward)
 
 
@@ -131,25 +131,33 @@ def drafter_fingerprint(drafter: DFlashDrafter) -> str:
 
 
 @partial(jax.jit, static_argnames=("block_size", "chunk"))
-def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: int = 512) -> tuple[jax.Array,
-                                                                                                       jax.Array]:
+def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: int = 512,
+                 feats_1xSxFD: jax.Array | None = None, next_S: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(next_ids int32 [S], hits bool [S, K-1]) of one row: next_ids[p] the target's greedy token after
     tokens[:p+1]; hits[a, k-1] whether the drafter's argmax at slot k of a block anchored at a (ids [x_a, MASK..],
     context the target features at positions < a, as the engine proposes it) equals the target's greedy token
     at a + k, i.e. next_ids[a + k - 1]. With a Markov head, slot k reads the target's token at a + k - 1 (what the
     engine's drafted token there is whenever the chain has reached slot k). The head runs `chunk` rows at a time
-    over the draft vocabulary's rows or the full head, as `speculative.propose` does."""
+    over the draft vocabulary's rows or the full head, as `speculative.propose` does.
+
+    Stored features (`feats_1xSxFD`, e.g. a capture's) replace the target's forward; then `next_S` is the stored
+    greedy tokens (a capture's target labels, -1 where unknown) or, when None, the row's own next tokens (the
+    stored answer taken as the target's greedy one)."""
     drafter = models.drafter()
     arch, k = drafter.arch, block_size
     s = tokens_1xS.shape[1]
-    logits, feats = forward(models.target_params, models.target_cfg, tokens_1xS, layer_ids=arch.layer_ids)
-    next_S = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
+    if feats_1xSxFD is None:
+        logits, feats_FxBxSxD = forward(models.target_params, models.target_cfg, tokens_1xS, layer_ids=arch.layer_ids)
+        next_S = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
+        feats_1xSxFD = concat_features(feats_FxBxSxD)
+    elif next_S is None:
+        next_S = jnp.concatenate([tokens_1xS[0, 1:], jnp.full((1,), -1, tokens_1xS.dtype)]).astype(jnp.int32)
     a_S = jnp.arange(s, dtype=jnp.int32)
     ids_SxK = jnp.concatenate([tokens_1xS[0][:, None], jnp.full((s, k - 1), arch.mask_token_id, jnp.int32)], axis=1)
     pos_SxK = a_S[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     embeds = embed(models.target_params, ids_SxK.reshape(1, s * k)).astype(jnp.float32)
     visible = BlockVisibility.from_anchors(a_S[None], jnp.ones((1, s), bool))
-    hidden = drafter(embeds, pos_SxK.reshape(1, s * k), concat_features(feats), a_S[None], visible)
+    hidden = drafter(embeds, pos_SxK.reshape(1, s * k), feats_1xSxFD, a_S[None], visible)
     hidden_TxD = hidden.reshape(s, k, -1)[:, 1:].reshape(s * (k - 1), -1)
     if drafter.markov is not None:
         prev_SxKm1 = jnp.concatenate([tokens_1xS[0][:, None], next_S[jnp.clip(pos_SxK[:, 1:-1] - 1, 0, s - 1)]],
@@ -169,14 +177,25 @@ def leading(hits_SxJ: np.ndarray) -> np.ndarray:
     return np.cumprod(np.asarray(hits_SxJ, bool), axis=1).sum(axis=1)
 
 
-def teacher_leads(models: Models, tokens_S: np.ndarray, n: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+def teacher_leads(models: Models, tokens_S: np.ndarray, n: int, block_size: int,
+                  stored: tuple[np.ndarray, np.ndarray | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(next_ids [n], lead [n]) of one row's n real tokens (`teacher_hits` on the row padded to a multiple of
     LENGTH_STEP, one compile per length; then the leading hits: how many drafts a block anchored at each position
-    gets accepted, before any cut)."""
+    gets accepted, before any cut). `stored`: (features [>= n, F*D], next ids [>= n] or None) to use instead of the
+    target's forward."""
     length = -(-n // LENGTH_STEP) * LENGTH_STEP
     padded = np.zeros((1, length), np.int32)
     padded[0, :n] = tokens_S[:n]
-    next_S, hits = jax.device_get(teacher_hits(models, jnp.asarray(padded), block_size))
+    feats = next_ids = None
+    if stored is not None:
+        feats_n, ids_n = stored
+        feats = np.zeros((1, length, feats_n.shape[-1]), np.float32)
+        feats[0, :n] = np.asarray(feats_n[:n], np.float32)
+        if ids_n is not None:
+            next_ids = np.full(length, -1, np.int32)
+            next_ids[:n] = ids_n[:n]
+    next_S, hits = jax.device_get(teacher_hits(models, jnp.asarray(padded), block_size, feats_1xSxFD=feats,
+                                               next_S=next_ids))
     return np.asarray(next_S[:n]), leading(hits)[:n]
 
 
@@ -187,10 +206,11 @@ def matched_prefix(tokens_S: np.ndarray, next_S: np.ndarray, p0: int, e: int) ->
 
 
 def walk_teacher(models: Models, tokens_S: np.ndarray, loss_mask_S: np.ndarray, n: int, block_size: int,
-                 index: int = 0) -> WalkRecord:
+                 index: int = 0, stored: tuple[np.ndarray, np.ndarray | None] | None = None) -> WalkRecord:
     """The walk of one row from its stored tokens (`teacher_hits`): per answer span (P, E), the prefix the
-    target's greedy tokens reproduce (x_p == next_ids[p-1] for P <= p < M) and the chain over it (last = M-1)."""
-    next_S, lead = teacher_leads(models, tokens_S, n, block_size)
+    target's greedy tokens reproduce (x_p == next_ids[p-1] for P <= p < M) and the chain over it (last = M-1).
+    `stored`: the row's stored features and next ids (`teacher_leads`) instead of the target's forward."""
+    next_S, lead = teacher_leads(models, tokens_S, n, block_size, stored)
     starts, accepted, answer, matched = [], [], 0, 0
     for p0, e in answer_spans(loss_mask_S, n):
         m = matched_prefix(tokens_S, next_S, p0, e)
@@ -295,13 +315,18 @@ def walk_paths(data_dir: str | Path, fingerprint: str) -> tuple[Path, Path]:
 
 def run_walk(examples: Sequence[tuple[np.ndarray, np.ndarray, int]], drafter: DFlashDrafter, target: Any,
              data_dir: str | Path, *, examples_hash: str, mode: str = "teacher", slots: int = 8, chunk: int = 16,
-             drafter_source: str = "", limit: int = 0, progress: bool = True) -> WalkSummary:
+             drafter_source: str = "", limit: int = 0, progress: bool = True,
+             stored: Callable[[int], tuple[np.ndarray, np.ndarray | None]] | None = None) -> WalkSummary:
     """Walk the training rows `examples` (`build_examples` order) with `drafter` at its K, in chunks of `chunk` rows
     appended to `<data_dir>/walk/<fingerprint>.jsonl` (flush + fsync each), skipping rows a previous run wrote;
     the meta is written first (a rerun with other settings is refused) and marked complete at the end.
-    `limit` > 0 walks only the first `limit` rows (a measurement; the walk is then not complete)."""
+    `limit` > 0 walks only the first `limit` rows (a measurement; the walk is then not complete). Modes:
+    `teacher` (`walk_teacher`), `engine` (`walk_engine`, `slots` at a time), `stored` (`walk_teacher` over
+    `stored(i)`: row i's stored features and next ids, e.g. a capture's, instead of the target's forward)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; received {mode!r}")
+    if (mode == "stored") != (stored is not None):
+        raise ValueError(f"stored must be given exactly with mode 'stored'; received mode {mode!r}")
     k = drafter.arch.block_size
     fingerprint = drafter_fingerprint(drafter)
     out, meta_path = walk_paths(data_dir, fingerprint)
@@ -334,7 +359,7 @@ def run_walk(examples: Sequence[tuple[np.ndarray, np.ndarray, int]], drafter: DF
             if engine is not None:
                 new = walk_engine(engine, part, target.tokenizer.stop_token_ids)
             else:
-                new = [walk_teacher(models, t, m, n, k, i) for i, t, m, n in part]
+                new = [walk_teacher(models, t, m, n, k, i, stored(i) if stored else None) for i, t, m, n in part]
             fh.write("".join(json.dumps(r.to_json()) + "\n" for r in new))
             fh.flush()
             os.fsync(fh.fileno())

@@ -318,9 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--drafter", help="a `dflash train` run dir or an exported drafter dir (default: "
                            "train.run_dir)")
             q.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
-            q.add_argument("--mode", choices=("teacher", "engine"), default="teacher",
+            q.add_argument("--mode", choices=("teacher", "engine", "stored"), default="teacher",
                            help="teacher: one target + one drafter forward per row over the stored answer (default; "
-                           "tested equal to the engine's walk); engine: decode the prompts through the engine")
+                           "tested equal to the engine's walk); engine: decode the prompts through the engine; "
+                           "stored: the drafter alone over the features `dflash data capture` stored (bf16)")
             q.add_argument("--limit", type=int, default=0, help="walk only the first N rows (a measurement)")
             q.add_argument("--slots", type=int, default=8, help="engine slots (--mode engine)")
         else:
