@@ -133,6 +133,15 @@ def test_the_stage_resumes_after_a_crash_and_refuses_other_settings(tiny, tmp_pa
         find_walk(tmp_path / "a", "auto", "other")
 
 
+def test_the_cli_stage_takes_its_options():
+    from dflash.launch.cli import build_parser
+
+    args = build_parser().parse_args(["data", "walk", "--config", "tiny", "--drafter", "D", "--mode", "engine",
+                                      "--limit", "3", "--no-progress", "data.walk=auto"])
+    assert (args.stage, args.drafter, args.mode, args.limit, args.no_progress) == ("walk", "D", "engine", 3, True)
+    assert not hasattr(build_parser().parse_args(["data", "inspect", "--sample", "1"]), "no_progress")
+
+
 def test_walk_weights_follow_the_rule():
     record = WalkRecord(0, "d", starts=(3, 5, 9, 20), accepted=(1, 3, 0, 2), answer=20, matched=20)
     w = walk_weights(record, 16, K, 2.0)

@@ -314,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_args(q)
         if stage == "inspect":
             q.add_argument("--sample", type=int, default=0, help="which captured sample to decode (default 0)")
+        else:
+            q.add_argument("--no-progress", action="store_true", help="no progress bar")
         if stage == "walk":
             q.add_argument("--drafter", help="a `dflash train` run dir or an exported drafter dir (default: "
                            "train.run_dir)")
@@ -324,8 +326,6 @@ def build_parser() -> argparse.ArgumentParser:
                            "stored: the drafter alone over the features `dflash data capture` stored (bf16)")
             q.add_argument("--limit", type=int, default=0, help="walk only the first N rows (a measurement)")
             q.add_argument("--slots", type=int, default=8, help="engine slots (--mode engine)")
-        else:
-            q.add_argument("--no-progress", action="store_true", help="no progress bar")
         q.set_defaults(func=cmd_data)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server: target + DFlash drafter (or AR)")
