@@ -293,6 +293,8 @@ class WalkSummary:
     mismatched: int
     accept_counts: tuple[int, ...]
     seconds_per_row: float
+    last_token_only: int = 0  # mismatched rows whose decode left only the answer's last token (e.g. a reply cut
+    # at the regeneration budget, to which the chat template appended its end token)
 
     @property
     def tau(self) -> float:
@@ -303,7 +305,8 @@ class WalkSummary:
         blocks = sum(self.accept_counts)
         dist = ", ".join(f"{n}: {c / max(blocks, 1):.3f}" for n, c in enumerate(self.accept_counts))
         return (f"walked {self.walked} rows ({self.kept} from an earlier run), {self.mismatched} with a decode that "
-                f"left the stored answer; {blocks} blocks, τ {self.tau:.3f}; accepted drafts per block {{{dist}}}; "
+                f"left the stored answer ({self.last_token_only} only at its last token); {blocks} blocks, "
+                f"τ {self.tau:.3f}; accepted drafts per block {{{dist}}}; "
                 f"{self.seconds_per_row:.2f} s per row this run\nwritten to {self.path}")
 
 
@@ -373,7 +376,8 @@ def run_walk(examples: Sequence[tuple[np.ndarray, np.ndarray, int]], drafter: DF
     walked = [WalkRecord.from_json(r) for r in records]
     counts = np.bincount([n for r in walked for n in r.accepted], minlength=k)[:k]
     return WalkSummary(out, len(walked), len(walked) - len(todo), sum(r.mismatch for r in walked),
-                       tuple(int(c) for c in counts), seconds / max(len(todo), 1))
+                       tuple(int(c) for c in counts), seconds / max(len(todo), 1),
+                       sum(r.answer - r.matched == 1 for r in walked))
 
 
 # ----------------------------------------------------------------------------- what training reads
