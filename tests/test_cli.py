@@ -86,8 +86,8 @@ def test_export_is_a_subcommand_sharing_dflash_exports_arguments():
 
 
 @pytest.mark.parametrize("argv", [["demo"], ["chat"], ["train"], ["data", "regenerate"], ["data", "capture"],
-                                  ["data", "inspect"], ["serve"], ["eval"], ["launch", "xpk", "train"],
-                                  ["launch", "compile"], ["config"], ["export", "RUN"]])
+                                  ["data", "walk"], ["data", "inspect"], ["serve"], ["eval"],
+                                  ["launch", "xpk", "train"], ["launch", "compile"], ["config"], ["export", "RUN"]])
 def test_every_subcommand_takes_config_and_overrides(argv):
     from dflash.launch.cli import build_parser
 

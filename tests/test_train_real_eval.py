@@ -72,6 +72,7 @@ def test_real_tau_is_logged_at_its_steps_and_the_best_drafter_is_kept(runs, smol
         assert 1.0 <= record["eval/tau"] <= k
         assert {f"eval/tau/{s}" for s in ("gsm8k", "mtbench", "humaneval")} <= set(record)
         assert [f"eval/accept_pos_{i}" in record for i in range(k - 1)] == [True] * (k - 1)
+        assert 1.0 <= record["eval/tf_tau_walk"] <= k and 1.0 <= record["eval/tf_tau_uniform"] <= k
     best = json.loads((result.run_dir / "best" / "best.json").read_text())
     assert best == result.best
     assert best["step"] == max(logged, key=lambda s: (logged[s]["eval/tau"], -s))  # the first highest τ
@@ -87,6 +88,7 @@ def test_real_tau_is_logged_at_its_steps_and_the_best_drafter_is_kept(runs, smol
     prompts = eval_prompts(smollm2_target.tokenizer, ("gsm8k", "mtbench", "humaneval"), 1)
     again = real_tau(smollm2_target, drafter, prompts, TOKENS)
     assert again["tau"] == best["tau"] and again["accept_per_position"] == best["accept_per_position"]
+    assert again["tf_tau_walk"] == pytest.approx(again["tau"], abs=1e-9)  # the walk from the decoded tokens
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ reads, `dflash launch compile` builds abstractly (`TrainBatch.spec`) and the tes
     TrainBatch(tokens [B, S] int32, loss_mask [B, S] f32,
                features [B, S, F*D] bf16 | None,        offline: the target's stored layer features
                segment_ids [B, S] int32 | None,         packed rows: the conversation of each position (0 = padding)
-               labels None | TargetLabels | SoftLabels)  what block slots are labelled with (`data.labels`)
+               labels None | TargetLabels | SoftLabels,  what block slots are labelled with (`data.labels`)
+               walk [B, S] f32 | None)                  serving-walk anchor weights (`data.walk`)
 
 A new training option is one field here and one branch where it is read. `BatchLayout` is the static description
 of a run's batches (sizes and which optional parts exist); `TrainBatch.spec(layout)` gives the abstract batch and
@@ -63,6 +64,7 @@ class BatchLayout:
     labels: str = "text"
     soft_topk: int = 0
     packed: bool = False
+    walk: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.seq_len < 1:
@@ -86,6 +88,8 @@ class TrainBatch:
     features     bf16  [B, S, F*D] or None  the target's features at the drafter's layer ids (offline mode)
     segment_ids  int32 [B, S] or None  packed rows: 1, 2, ... per conversation in the row, 0 on the padding tail
     labels       None (the text's own tokens) | TargetLabels | SoftLabels
+    walk         f32 [B, S] or None  `data.walk`: > 0 at the block starts greedy serving visits (the weight of that
+                 position as a walk anchor, `data.walk.walk_weights`), 0 elsewhere; read by `sample_anchors`
     """
 
     tokens: Any
@@ -93,6 +97,7 @@ class TrainBatch:
     features: Any = None
     segment_ids: Any = None
     labels: Labels = None
+    walk: Any = None
 
     @property
     def label_kind(self) -> str:
@@ -111,7 +116,7 @@ class TrainBatch:
                            feature_dim=0 if self.features is None else int(np.shape(self.features)[-1]),
                            labels=self.label_kind,
                            soft_topk=int(np.shape(self.labels.ids)[-1]) if isinstance(self.labels, SoftLabels) else 0,
-                           packed=self.segment_ids is not None)
+                           packed=self.segment_ids is not None, walk=self.walk is not None)
 
     @classmethod
     def spec(cls, layout: BatchLayout, sharding: Any = None) -> TrainBatch:
@@ -131,7 +136,8 @@ class TrainBatch:
                                 probs=arr((b, s, t), jnp.float32))
         return cls(tokens=arr((b, s), jnp.int32), loss_mask=arr((b, s), jnp.float32),
                    features=arr((b, s, layout.feature_dim), jnp.bfloat16) if layout.feature_dim else None,
-                   segment_ids=arr((b, s), jnp.int32) if layout.packed else None, labels=labels)
+                   segment_ids=arr((b, s), jnp.int32) if layout.packed else None, labels=labels,
+                   walk=arr((b, s), jnp.float32) if layout.walk else None)
 
     def check(self, layout: BatchLayout | None = None) -> TrainBatch:
         """Raise ValueError unless every array has its field's shape and dtype (those of `layout`, when given,
@@ -150,7 +156,8 @@ class TrainBatch:
             if shape != expected.shape or dtype != expected.dtype:
                 raise ValueError(f"{name} must be {expected.dtype.name} {list(expected.shape)}; received "
                                  f"{dtype.name} {list(shape)}")
-        extra = [f for f in ("features", "segment_ids") if getattr(want, f) is None and getattr(self, f) is not None]
+        extra = [f for f in ("features", "segment_ids", "walk")
+                 if getattr(want, f) is None and getattr(self, f) is not None]
         if extra:
             raise ValueError(f"batch.{extra[0]} must be None for this layout; received an array")
         return self
@@ -181,7 +188,8 @@ def batch_layout(data: Any, batch_size: int, feature_dim: int) -> BatchLayout:
     features being `feature_dim` wide (F*D; stored only in offline mode)."""
     return BatchLayout(batch_size=batch_size, seq_len=data.pack or data.seq_len,
                        feature_dim=feature_dim if data.features == "offline" else 0, labels=data.labels,
-                       soft_topk=data.soft_topk if data.labels == "soft" else 0, packed=bool(data.pack))
+                       soft_topk=data.soft_topk if data.labels == "soft" else 0, packed=bool(data.pack),
+                       walk=bool(data.walk))
 
 
 __all__ = ["LABEL_KINDS", "BatchLayout", "Labels", "SoftLabels", "TargetLabels", "TrainBatch", "batch_layout"]

@@ -7,6 +7,7 @@ Files under `data.dir` (one directory per dataset; the stages resume in place):
     regenerated.jsonl.errors.jsonl items that failed (id, kind, message); a rerun skips them
     regenerated.jsonl.meta.json    the regeneration settings; a rerun with other settings is refused
     shards/                        offline features: shard-XXXXX.array_record + manifest.json
+    walk/                          `dflash data walk`: <drafter fingerprint>.jsonl + .meta.json (data.walk)
 
 Training reads them by `source` and `features`: `source: regenerated` takes regenerated.jsonl as its
 conversations (online features, or the input of `capture`); `features: offline` reads shards/.
@@ -122,6 +123,9 @@ class DataConfig:
     loader_workers: Grain worker processes reading shards in offline training (0 = in the trainer process).
     skip_bad_records: offline training skips (and counts) unreadable records instead of stopping.
     verify_shards: check every shard's sha256 before offline training (slow on large captures).
+    walk:        the serving walk training may draw anchors from (`train.walk_anchors`): '' (none), `auto` (the
+                 newest complete walk of these rows under dir/walk, written by `dflash data walk`), or the path
+                 of a walk's .jsonl or .meta.json (`data.walk`).
     """
 
     dir: str = "runs/default/data"
@@ -146,6 +150,7 @@ class DataConfig:
     loader_workers: int = 0
     skip_bad_records: bool = False
     verify_shards: bool = False
+    walk: str = ""
 
     def __post_init__(self) -> None:
         require(bool(self.prompts.strip()), "data.prompts", self.prompts, "name at least one source")

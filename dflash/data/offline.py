@@ -55,15 +55,18 @@ class ReadSamples(grain.transforms.Map):
 
     source: RecordSource
     skip_bad_records: bool
+    walk: dict[int, np.ndarray] | None = None  # data.walk: serving-walk anchor weights by sample index
 
     def map(self, indices_B: np.ndarray) -> list[Sample | None]:
         samples = self.source.read_or_errors([int(i) for i in indices_B])
         out: list[Sample | None] = []
-        for sample in samples:
+        for index, sample in zip(indices_B, samples, strict=True):
             if isinstance(sample, ShardError):
                 if not self.skip_bad_records:
                     raise sample
                 out.append(None)
+            elif self.walk is not None:
+                out.append(dataclasses.replace(sample, walk=self.walk.get(int(index))))
             else:
                 out.append(sample)
         return out
@@ -105,7 +108,8 @@ def _empty_batch(layout: BatchLayout, pad_id: int) -> TrainBatch:
                             probs=np.zeros((b, length, layout.soft_topk), np.float32))
     return TrainBatch(tokens=np.full((b, length), pad_id, np.int32), loss_mask=np.zeros((b, length), np.float32),
                       features=np.zeros((b, length, layout.feature_dim), BF16),
-                      segment_ids=np.zeros((b, length), np.int32) if layout.packed else None, labels=labels)
+                      segment_ids=np.zeros((b, length), np.int32) if layout.packed else None, labels=labels,
+                      walk=np.zeros((b, length), np.float32) if layout.walk else None)
 
 
 def _put(batch: TrainBatch, row: int, at: int, sample: Sample, n: int) -> None:
@@ -118,6 +122,8 @@ def _put(batch: TrainBatch, row: int, at: int, sample: Sample, n: int) -> None:
     if isinstance(batch.labels, SoftLabels):
         batch.labels.ids[row, at:at + n] = sample.topk_ids[:n]
         batch.labels.probs[row, at:at + n] = sample.topk_probs[:n]
+    if batch.walk is not None and sample.walk is not None:  # walk positions move with the row offset `at`
+        batch.walk[row, at:at + n] = sample.walk[:n]
 
 
 # ----------------------------------------------------------------------------- packing
@@ -205,9 +211,10 @@ class ReadPacked(grain.transforms.Map):
 
     source: RecordSource
     skip_bad_records: bool
+    walk: dict[int, np.ndarray] | None = None
 
     def map(self, rows: list[np.ndarray]) -> list[list[Sample | None]]:
-        flat = ReadSamples(self.source, self.skip_bad_records).map(np.concatenate(rows))
+        flat = ReadSamples(self.source, self.skip_bad_records, self.walk).map(np.concatenate(rows))
         out, start = [], 0
         for row in rows:
             out.append(flat[start:start + len(row)])
@@ -327,6 +334,7 @@ def make_offline_batches(
     skip_bad_records: bool = False,
     pad_id: int | None = None,
     verify: bool = False,
+    walk: dict[int, np.ndarray] | None = None,
 ) -> OfflineBatches:
     """An endless iterator of this host's `TrainBatch`es of `layout` (`layout.batch_size` rows of
     `layout.seq_len` tokens, the stored features [B, S, F*D] bf16, and the labels and packing `layout` asks for).
@@ -357,6 +365,9 @@ def make_offline_batches(
     once, before the first batch), numbered by `segment_ids` so the trainer keeps each conversation's attention
     and labels to itself. The chain is then `MapDataset.range` (global batch indices) -> `GlobalRows` ->
     `HostRows` -> `ReadPacked` -> `PackAndStack`, resumed by slicing as above.
+
+    `walk` (`data.walk`, with `layout.walk`): serving-walk anchor weights f32 [>= n] by sample index, attached when a
+    sample is read and written at its place in the row (`TrainBatch.walk`; packed, shifted with its offset).
     """
     batch_size = layout.batch_size
     seq_len = layout.seq_len if seq_len is None else seq_len
@@ -397,7 +408,7 @@ def make_offline_batches(
         dataset = grain.MapDataset.range(sys.maxsize // (batch_size * shard_count))
         dataset = dataset.map(GlobalRows(rows, batch_size * shard_count))
         dataset = dataset.map(HostRows(shard_index, batch_size))
-        dataset = dataset.map(ReadPacked(source, skip_bad_records))
+        dataset = dataset.map(ReadPacked(source, skip_bad_records, walk))
         dataset = dataset.map(PackAndStack(seq_len, pad_id, layout))
         return OfflineBatches(dataset, manifest, worker_count)
 
@@ -406,7 +417,7 @@ def make_offline_batches(
     dataset = dataset.repeat()
     dataset = dataset.batch(batch_size * shard_count, drop_remainder=True)
     dataset = dataset.map(HostRows(shard_index, batch_size))
-    dataset = dataset.map(ReadSamples(source, skip_bad_records))
+    dataset = dataset.map(ReadSamples(source, skip_bad_records, walk))
     dataset = dataset.map(PadAndStack(seq_len, pad_id, layout))
     return OfflineBatches(dataset, manifest, worker_count)
 

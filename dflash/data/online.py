@@ -27,6 +27,7 @@ def make_batches(
     *,
     shard_index: int = 0,
     shard_count: int = 1,
+    walk: list[np.ndarray] | None = None,
 ) -> grain.DatasetIterator:
     """An endless iterator of `TrainBatch(tokens int32 [B, S], loss_mask float32 [B, S])` for this host.
 
@@ -42,6 +43,9 @@ def make_batches(
     number of batches returned, plain JSON). It does not identify the pipeline: restoring it into one
     built with another seed, batch size, sharding or example list silently gives other data, so
     checkpoint the data config beside it.
+
+    `walk` (`data.walk`): one f32 [S] array of serving-walk anchor weights per example; the batches then hold them
+    as `TrainBatch.walk`.
     """
     if not examples:
         raise ValueError("examples must hold at least one example; received none (were all of them skipped?)")
@@ -58,7 +62,10 @@ def make_batches(
     if len(seq_lens) != 1:
         raise ValueError(f"examples must all have one shape [S]; received shapes {sorted(seq_lens)}")
 
-    dataset = grain.MapDataset.source(examples)
+    if walk is not None and len(walk) != len(examples):
+        raise ValueError(f"walk must hold one weight row per example ({len(examples)}); received {len(walk)}")
+    dataset = grain.MapDataset.source(examples if walk is None else [(*e, w) for e, w in zip(examples, walk,
+                                                                                            strict=True)])
     dataset = dataset.shuffle(seed=seed)
     dataset = dataset.repeat()
     dataset = dataset.map(_to_arrays)
@@ -71,11 +78,12 @@ def make_batches(
     return iter(iter_dataset)
 
 
-def _to_arrays(example: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    tokens_S, loss_mask_S = example
-    return np.asarray(tokens_S, np.int32), np.asarray(loss_mask_S, np.float32)
+def _to_arrays(example: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    tokens_S, loss_mask_S, *walk_S = example
+    return (np.asarray(tokens_S, np.int32), np.asarray(loss_mask_S, np.float32),
+            *(np.asarray(w, np.float32) for w in walk_S))
 
 
-def _to_batch(stacked: tuple[np.ndarray, np.ndarray]) -> TrainBatch:
-    tokens_BxS, loss_mask_BxS = stacked
-    return TrainBatch(tokens=tokens_BxS, loss_mask=loss_mask_BxS)
+def _to_batch(stacked: tuple[np.ndarray, ...]) -> TrainBatch:
+    tokens_BxS, loss_mask_BxS, *walk_BxS = stacked
+    return TrainBatch(tokens=tokens_BxS, loss_mask=loss_mask_BxS, walk=walk_BxS[0] if walk_BxS else None)

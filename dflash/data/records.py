@@ -44,6 +44,7 @@ class Sample:
     next_ids: np.ndarray | None = None
     topk_ids: np.ndarray | None = None
     topk_probs: np.ndarray | None = None
+    walk: np.ndarray | None = None  # not stored: serving-walk anchor weights f32 [n] the loader attaches (data.walk)
 
 
 def encode_record(sample_index: int, tokens_N: np.ndarray, loss_mask_N: np.ndarray,

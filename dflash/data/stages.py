@@ -5,6 +5,10 @@
     dflash data capture      data.source conversations -> chat tokens + assistant-only mask ->
                              target features of the drafter's layer ids -> data.dir/shards (resumable,
                              shard by shard); then `dflash train data.features=offline` reads them
+    dflash data walk         data.source rows -> greedy DFlash decode of their prompts with a drafter (teacher-
+                             forced from the stored answers or a capture's features, or through the engine)
+                             -> data.dir/walk/ (the block starts serving visits and the drafts each accepted;
+                             resumable, row chunk by chunk)
     dflash data inspect      the manifest, the counts, one decoded sample with its loss mask shown
 
 Each takes the whole recipe and returns what it did; the CLI prints it.
@@ -21,12 +25,13 @@ from typing import Any
 import numpy as np
 
 from dflash.configs.recipe import Recipe
-from dflash.data.capture import CaptureReport, capture
+from dflash.data.capture import CaptureReport, capture, examples_hash
 from dflash.data.examples import build_examples
 from dflash.data.manifest import Manifest, Provenance, load_manifest
 from dflash.data.regenerate import RegenStats, make_regen_engine, regenerate
 from dflash.data.shards import RecordSource
 from dflash.data.sources import MixStats, mix, parse_mix
+from dflash.data.walk import WalkSummary, run_walk
 from dflash.models.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,33 @@ def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool 
                    samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress,
                    target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0,
                    length_bucket=cfg.capture_bucket)
+
+
+def run_walk_stage(recipe: Recipe, *, drafter: str = "", step: int | str | None = None, mode: str = "teacher",
+                   limit: int = 0, slots: int = 8, target: Target | None = None, progress: bool = True) -> WalkSummary:
+    """Walk `data.source`'s training rows (`build_examples`, the trainer's rows) with the drafter at `drafter` (a
+    run dir, its `best`, or an export; default: train.run_dir's latest checkpoint) into data.dir/walk/."""
+    from dflash.models.drafter_io import load_drafter
+
+    target = target if target is not None else load_target(recipe.target)
+    source = drafter or recipe.train.run_dir
+    loaded = load_drafter(source, target.cfg, step=step)
+    examples, _ = build_examples(recipe.data, target.tokenizer)
+    digest = examples_hash(examples)
+    stored = None
+    if mode == "stored":  # the capture's features (bf16) and, when it holds them, the target's next ids
+        manifest = load_manifest(recipe.data.shard_dir)
+        if manifest.examples_hash != digest:
+            raise ValueError(f"--mode stored reads the capture in {recipe.data.shard_dir}, which holds other rows "
+                             f"(examples_hash {manifest.examples_hash[:12]}, these rows {digest[:12]}); capture again")
+        source_rows = RecordSource(recipe.data.shard_dir, manifest)
+
+        def stored(i: int) -> tuple[np.ndarray, np.ndarray | None]:
+            sample = source_rows.read_one(i)
+            return sample.features, sample.next_ids
+
+    return run_walk(examples, loaded, target, recipe.data.dir, examples_hash=digest, mode=mode, slots=slots,
+                    drafter_source=str(source), limit=limit, progress=progress, stored=stored)
 
 
 def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:
@@ -140,4 +172,4 @@ def render_masked(tokenizer: Any, tokens: np.ndarray, loss_mask: np.ndarray) -> 
     return "".join(out)
 
 
-__all__ = ["inspect_data", "render_masked", "run_capture", "run_regenerate"]
+__all__ = ["inspect_data", "render_masked", "run_capture", "run_regenerate", "run_walk_stage"]

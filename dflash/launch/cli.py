@@ -147,6 +147,13 @@ def cmd_data(args: argparse.Namespace) -> int:
         _, stats, out = run_regenerate(recipe, progress=progress)  # the mix's table is logged before the run
         print(f"{stats.summary()}\nwritten to {out}")
         return 0 if stats.succeeded + stats.skipped > 0 or not (stats.errors + stats.dropped) else 1
+    if args.stage == "walk":
+        from dflash.data.stages import run_walk_stage
+
+        summary = run_walk_stage(recipe, drafter=args.drafter or "", step=_step(args.step), mode=args.mode,
+                                 limit=args.limit, slots=args.slots, progress=progress)
+        print(summary.summary())
+        return 0
     from dflash.data.stages import run_capture
 
     report = run_capture(recipe, progress=progress)
@@ -300,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     for stage, text in [("regenerate", "data.prompts -> the target's answers -> data.dir/regenerated.jsonl (resumes)"),
                         ("capture", "data.source -> target features -> data.dir/shards, read by "
                                     "`dflash train data.features=offline` (resumes)"),
+                        ("walk", "data.source rows -> the blocks greedy DFlash serving visits and the drafts each "
+                                 "accepted -> data.dir/walk/ (resumes; read by data.walk, train.walk_anchors)"),
                         ("inspect", "the counts, the capture manifest and one decoded sample with its loss mask")]:
         q = stages.add_parser(stage, help=text, description=text)
         _add_config_args(q)
@@ -307,6 +316,16 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--sample", type=int, default=0, help="which captured sample to decode (default 0)")
         else:
             q.add_argument("--no-progress", action="store_true", help="no progress bar")
+        if stage == "walk":
+            q.add_argument("--drafter", help="a `dflash train` run dir or an exported drafter dir (default: "
+                           "train.run_dir)")
+            q.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
+            q.add_argument("--mode", choices=("teacher", "engine", "stored"), default="teacher",
+                           help="teacher: one target + one drafter forward per row over the stored answer (default; "
+                           "tested equal to the engine's walk); engine: decode the prompts through the engine; "
+                           "stored: the drafter alone over the features `dflash data capture` stored (bf16)")
+            q.add_argument("--limit", type=int, default=0, help="walk only the first N rows (a measurement)")
+            q.add_argument("--slots", type=int, default=8, help="engine slots (--mode engine)")
         q.set_defaults(func=cmd_data)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server: target + DFlash drafter (or AR)")

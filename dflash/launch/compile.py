@@ -314,11 +314,12 @@ def train_step_flops(recipe: Any, ins: dict[str, Any]) -> float:
 
     import jax
 
+    from dflash.train.loop import walk_count
     from dflash.train.step import train_step
 
     body = partial(train_step, graphdef=ins["graphdef"], target_cfg=ins["known"].cfg, arch=ins["arch"],
                    num_anchors=recipe.train.num_anchors, objective=ins["objective"], optimizer=ins["optimizer"],
-                   compute_dtype=ins["compute_dtype"])
+                   compute_dtype=ins["compute_dtype"], walk_count=walk_count(recipe.train))
     bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                         (ins["state"], ins["batch"], ins["target"], ins["head"]))
     return jaxpr_flops(jax.make_jaxpr(body)(*bare).jaxpr)  # global shapes: the whole batch's FLOPs
@@ -326,13 +327,14 @@ def train_step_flops(recipe: Any, ins: dict[str, Any]) -> float:
 
 def compile_train_step(recipe: Any, mesh: Any) -> tuple[ProgramMemory, dict[str, Any]]:
     """(the train step's memory and FLOPs per chip, its abstract inputs) for `recipe` on `mesh`."""
+    from dflash.train.loop import walk_count
     from dflash.train.step import make_train_step
 
     ins = abstract_train_inputs(recipe, mesh)
     step = make_train_step(graphdef=ins["graphdef"], target_params=ins["target"], head=ins["head"],
                            target_cfg=ins["known"].cfg, arch=ins["arch"], num_anchors=recipe.train.num_anchors,
                            objective=ins["objective"], optimizer=ins["optimizer"], compute_dtype=ins["compute_dtype"],
-                           state_shardings=ins["state_shardings"])
+                           state_shardings=ins["state_shardings"], walk_count=walk_count(recipe.train))
     lowered = step.lower(ins["state"], ins["batch"])
     args = (ins["state"], ins["batch"], ins["target"], ins["head"])
     return _compile("train_step", lowered, mesh.devices.size, args), ins

@@ -315,16 +315,16 @@ def propose(models: Models, state: SpecState, block_size: int, span: int | None 
     ctx_kv, ctx_valid = state.draft.visible(state.lengths, span)
     hidden = drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
     if drafter.markov is None:
-        return _argmax_drafts(models, hidden[:, 1:])
+        return argmax_drafts(models, hidden[:, 1:])
     drafts, prev = [], state.pending
     for slot in range(1, k):  # the Markov head: slot k reads the token drafted at k-1 (the anchor for slot 1)
         h = drafter.with_previous(hidden[:, slot:slot + 1], embed(models.target_params, prev[:, None]))
-        prev = _argmax_drafts(models, h)[:, 0]
+        prev = argmax_drafts(models, h)[:, 0]
         drafts.append(prev)
     return jnp.stack(drafts, axis=1)
 
 
-def _argmax_drafts(models: Models, hidden_BxTxD: jax.Array) -> jax.Array:
+def argmax_drafts(models: Models, hidden_BxTxD: jax.Array) -> jax.Array:
     """Greedy token ids [B, T] from the drafter's final hidden states: the argmax over the draft vocabulary's
     rows of the target's head when the drafter has one, else over the full head."""
     if models.draft_ids is not None:
@@ -430,6 +430,7 @@ __all__ = [
     "TokenLogprobs",
     "accept_greedy",
     "accept_sampled",
+    "argmax_drafts",
     "bucket",
     "empty_state",
     "prefill",

@@ -60,6 +60,11 @@ class TrainConfig:
              current drafter decodes `eval_prompts` held-out prompts of each of `eval_sets` (first turns,
              greedy, `eval_tokens` new tokens each) with the engine; the best drafter by real τ is kept in
              run_dir/best (z-lab layout + best.json).
+    walk_anchors: the fraction of each row's num_anchors drawn from the serving walk's block starts (`data.walk`,
+             `dflash data walk`), the rest uniformly among the row's valid positions as without it (0 = off).
+    walk_oversample: p of the walk anchors' weights (K - accepted)^p: 0 draws the walk's block starts alike, p > 0
+             favours the blocks that rejected early (a block that rejected its first draft weighs K^p, one that
+             accepted all K-1 drafts 1); drawn without replacement by Gumbel top-k over those weights.
     """
 
     run_dir: str = "runs/default"
@@ -91,6 +96,8 @@ class TrainConfig:
     eval_prompts: int = 2
     eval_sets: tuple[str, ...] = ("gsm8k", "mtbench", "humaneval")
     eval_tokens: int = 48
+    walk_anchors: float = 0.0
+    walk_oversample: float = 0.0
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
@@ -119,6 +126,8 @@ class TrainConfig:
         require(len(set(self.eval_sets)) == len(self.eval_sets), "train.eval_sets", self.eval_sets,
                 "name each set once")
         require(self.eval_tokens >= 1, "train.eval_tokens", self.eval_tokens, "be at least 1")
+        require(0 <= self.walk_anchors <= 1, "train.walk_anchors", self.walk_anchors, "lie in [0, 1] (0 = off)")
+        require(self.walk_oversample >= 0, "train.walk_oversample", self.walk_oversample, "be >= 0")
 
 
 __all__ = ["MeshConfig", "TrainConfig"]

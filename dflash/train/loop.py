@@ -28,11 +28,13 @@ from tqdm import tqdm
 from dflash.configs.recipe import Recipe
 from dflash.configs.schema import ConfigError, require, to_dict
 from dflash.data.batch import TrainBatch, batch_layout
+from dflash.data.capture import examples_hash as capture_examples_hash
 from dflash.data.config import DataConfig
 from dflash.data.examples import build_examples, training_vocab
 from dflash.data.manifest import chat_template_hash, check_manifest, load_manifest
 from dflash.data.offline import make_offline_batches
 from dflash.data.online import make_batches
+from dflash.data.walk import find_walk, load_walk, walk_weights
 from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, init_from_target, target_init_layers
 from dflash.models.target import Target, load_target
 from dflash.train.checkpoint import Checkpointer
@@ -169,7 +171,10 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
     head = train_head(target_params, target.cfg, ids)
     head = place(head, head_rules(head.vocab_major), mesh)
     curriculum_phases(cfg, arch)  # a bad K curriculum fails before any data is read
-    batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples)
+    require(not cfg.walk_anchors or bool(data.walk), "train.walk_anchors", cfg.walk_anchors,
+            "be 0 unless data.walk names a serving walk (`auto` or a path; `dflash data walk` writes it)")
+    batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples,
+                                              walk_power=cfg.walk_oversample)
     return TrainRun(target=target, target_params=target_params, head=head, arch=arch, mesh=mesh,
                     optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),
                     objective=make_objective(cfg, arch), compute_dtype=compute_dtype,
@@ -177,19 +182,39 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
 
 
 def build_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int,
-                  examples: tuple[list[Any], str] | None = None) -> tuple[Any, str]:
+                  examples: tuple[list[Any], str] | None = None, walk_power: float = 0.0) -> tuple[Any, str]:
     """This host's Grain iterator of `per_host`-row batches and the data fingerprint: online (conversations
     tokenised with the target's chat template; `examples`, when given, is `build_examples`' result, not
-    rebuilt) or offline (stored features, `data.features`)."""
+    rebuilt) or offline (stored features, `data.features`). With `data.walk`, the batches carry the serving
+    walk's anchor weights ((K - accepted)^walk_power at its block starts; `walk_anchor_weights`)."""
     if data.features == "offline":
-        return _offline_batches(data, target, arch, per_host)
+        return _offline_batches(data, target, arch, per_host, walk_power)
     examples, fingerprint = examples if examples is not None else build_examples(data, target.tokenizer)
+    walk, walk_tag = None, ""
+    if data.walk:
+        weights, walk_tag = walk_anchor_weights(data, capture_examples_hash(examples), len(examples), arch, walk_power)
+        walk = [weights.get(i, np.zeros(data.seq_len, np.float32)) for i in range(len(examples))]
     batches = make_batches([(t, m) for t, m, _ in examples], per_host, data.shuffle_seed,
-                           shard_index=jax.process_index(), shard_count=jax.process_count())
-    return batches, fingerprint
+                           shard_index=jax.process_index(), shard_count=jax.process_count(), walk=walk)
+    return batches, fingerprint + walk_tag
 
 
-def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int) -> tuple[Any, str]:
+def walk_anchor_weights(data: DataConfig, examples_hash: str, num_examples: int, arch: DrafterArch,
+                        power: float) -> tuple[dict[int, np.ndarray], str]:
+    """The serving walk of `data.walk` for these rows (checked by their examples hash and count) as anchor weights
+    f32 [seq_len] by row index (`data.walk.walk_weights`), and the tag it adds to the data fingerprint (a resume
+    with another walk or weighting is refused)."""
+    meta = find_walk(data.dir, data.walk, examples_hash)
+    records = load_walk(meta, examples_hash, num_examples)
+    blocks = sum(len(r.starts) for r in records.values())
+    log.info("serving walk %s: %d rows, %d block starts (%d rows whose decode left the stored answer)", meta,
+             len(records), blocks, sum(r.mismatch for r in records.values()))
+    weights = {i: walk_weights(r, data.seq_len, arch.block_size, power) for i, r in records.items()}
+    return weights, f":walk-{meta.name.removesuffix('.meta.json')}-p{power:g}"
+
+
+def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int,
+                     walk_power: float = 0.0) -> tuple[Any, str]:
     """The Grain iterator over data.dir/shards, after checking the capture against this run (every differing
     field named), and the fingerprint of the stored examples (their manifest's examples_hash)."""
     shard_dir = data.shard_dir
@@ -202,14 +227,18 @@ def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_ho
                    target_topk=data.soft_topk if data.labels == "soft" else None)
     width = arch.num_features * arch.hidden_size  # stored features, whatever data.features says of training
     layout = dataclasses.replace(batch_layout(data, per_host, width), feature_dim=width)
+    walk, walk_tag = None, ""
+    if data.walk:
+        walk, walk_tag = walk_anchor_weights(data, manifest.examples_hash, manifest.num_samples, arch, walk_power)
     batches = make_offline_batches(shard_dir, layout, data.shuffle_seed, seq_len=data.seq_len,
                                    shard_index=jax.process_index(), shard_count=jax.process_count(),
-                                   worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records)
+                                   worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records,
+                                   walk=walk)
     log.info("offline features: %d samples, %d tokens in %d shards under %s (%.0f bytes/token)",
              manifest.num_samples, manifest.total_tokens, manifest.num_shards, shard_dir, manifest.bytes_per_token)
     labels = {"text": "", "target": ":target-labels", "soft": f":soft-labels-{data.soft_topk}"}[data.labels]
     return batches, (f"offline:{manifest.examples_hash}" + labels
-                     + (f":packed-{data.pack}" if data.pack else ""))
+                     + (f":packed-{data.pack}" if data.pack else "") + walk_tag)
 
 
 def make_train_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -244,6 +273,11 @@ def curriculum_phases(cfg: TrainConfig, arch: DrafterArch) -> list[Phase]:
     require(1 <= switch < cfg.steps, "train.curriculum_frac", cfg.curriculum_frac,
             f"leave at least one step in each phase of the {cfg.steps} steps")
     return [Phase(1, switch, dataclasses.replace(arch, block_size=k), big // k), Phase(switch + 1, cfg.steps, arch)]
+
+
+def walk_count(cfg: TrainConfig) -> int:
+    """Anchors per row drawn from the serving walk: round(train.walk_anchors x num_anchors)."""
+    return round(cfg.walk_anchors * cfg.num_anchors)
 
 
 def make_objective(cfg: TrainConfig, arch: DrafterArch) -> Objective:
@@ -378,7 +412,8 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
         step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, head=run.head,
                                   target_cfg=run.target.cfg, arch=phase.arch, num_anchors=cfg.num_anchors,
                                   objective=make_objective(cfg, phase.arch), optimizer=run.optimizer,
-                                  compute_dtype=run.compute_dtype, state_shardings=shardings)
+                                  compute_dtype=run.compute_dtype, state_shardings=shardings,
+                                  walk_count=walk_count(cfg))
         if cfg.curriculum_block_size:
             log.info("steps %d-%d: blocks of %d slots, %d sequences per update", phase.first, phase.last,
                      phase.arch.block_size, phase.batches_per_step * cfg.batch_size)

@@ -37,8 +37,8 @@ def valid_anchor_positions(loss_mask_S: jax.Array) -> jax.Array:
     return m_S & next_S
 
 
-def sample_anchors(loss_mask_S: jax.Array, num_anchors: int, block_size: int,
-                   rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+def sample_anchors(loss_mask_S: jax.Array, num_anchors: int, block_size: int, rng: jax.Array,
+                   walk_S: jax.Array | None = None, walk_count: int = 0) -> tuple[jax.Array, jax.Array]:
     """Sample up to N distinct valid anchors uniformly without replacement; pad to the static N.
 
     Returns (anchors_N int32, keep_N bool). Kept anchors come first, in increasing position order;
@@ -47,6 +47,13 @@ def sample_anchors(loss_mask_S: jax.Array, num_anchors: int, block_size: int,
     `block_size` (K) does not restrict the choice: blocks may run past the end (labels are masked there);
     it is only checked (K >= 2) so call sites read the same as `build_blocks`.
     Implementation: top-N of iid uniform scores over the valid positions (= a uniform random subset).
+
+    Serving-walk anchors (`walk_S` f32 [S], > 0 at the walk's block starts: their weights; `walk_count` > 0, static,
+    `train.walk_anchors`): first up to `walk_count` valid walk positions are drawn without replacement with
+    probability by weight (Gumbel top-k: log w + Gumbel noise from `fold_in(rng, 1)`; one draw picks position i
+    with probability w_i / sum w), then the remaining N - (those drawn) uniformly among the other valid
+    positions, by the same uniform scores as without a walk. With `walk_S` None or `walk_count` 0 the draw is the
+    plain one, bit for bit.
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1; received {num_anchors}")
@@ -55,6 +62,14 @@ def sample_anchors(loss_mask_S: jax.Array, num_anchors: int, block_size: int,
     valid_S = valid_anchor_positions(loss_mask_S)
     S = valid_S.shape[0]
     scores_S = jnp.where(valid_S, jax.random.uniform(rng, (S,)), -1.0)
+    if walk_S is not None and walk_count > 0:
+        w_S = jnp.asarray(walk_S, jnp.float32)
+        on_S = valid_S & (w_S > 0)
+        keys_S = jnp.where(on_S, jnp.log(jnp.where(on_S, w_S, 1.0)) + jax.random.gumbel(jax.random.fold_in(rng, 1),
+                                                                                           (S,)), -jnp.inf)
+        top_W, idx_W = jax.lax.top_k(keys_S, min(walk_count, S))
+        drawn_S = jnp.zeros((S,), bool).at[idx_W].set(top_W > -jnp.inf)
+        scores_S = jnp.where(drawn_S, 2.0, scores_S)  # above every uniform score: kept first
     if num_anchors > S:  # static: top_k needs at least N candidates
         scores_S = jnp.concatenate([scores_S, jnp.full((num_anchors - S,), -1.0, scores_S.dtype)])
     top_N, idx_N = jax.lax.top_k(scores_S, num_anchors)
@@ -65,11 +80,15 @@ def sample_anchors(loss_mask_S: jax.Array, num_anchors: int, block_size: int,
     return anchors_N, keep_N
 
 
-def sample_anchors_batch(loss_mask_BxS: jax.Array, num_anchors: int, block_size: int,
-                         rng: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`sample_anchors` per row with independent keys split from `rng`: (anchors_BxN, keep_BxN)."""
+def sample_anchors_batch(loss_mask_BxS: jax.Array, num_anchors: int, block_size: int, rng: jax.Array,
+                         walk_BxS: jax.Array | None = None, walk_count: int = 0) -> tuple[jax.Array, jax.Array]:
+    """`sample_anchors` per row with independent keys split from `rng`: (anchors_BxN, keep_BxN); with `walk_BxS`
+    and `walk_count` > 0, up to `walk_count` of each row's anchors come from its serving walk."""
     keys_B = jax.random.split(rng, loss_mask_BxS.shape[0])
-    return jax.vmap(lambda m, r: sample_anchors(m, num_anchors, block_size, r))(loss_mask_BxS, keys_B)
+    if walk_BxS is None or walk_count == 0:
+        return jax.vmap(lambda m, r: sample_anchors(m, num_anchors, block_size, r))(loss_mask_BxS, keys_B)
+    return jax.vmap(lambda m, r, w: sample_anchors(m, num_anchors, block_size, r, w, walk_count))(
+        loss_mask_BxS, keys_B, walk_BxS)
 
 
 # ----------------------------------------------------------------------------- blocks

@@ -21,13 +21,14 @@ import numpy as np
 from flax import nnx
 
 from dflash.data.eval_sets import load_eval_set
+from dflash.data.walk import teacher_taus
 from dflash.files import fsync_path, fsync_tree
 from dflash.models.drafter import DFlashDrafter, DraftVocab
 from dflash.models.target import Target
 from dflash.models.tokenizer import ChatTokenizer
 from dflash.models.zlab import save_zlab
 from dflash.serve.engine import decode
-from dflash.serve.speculative import bucket
+from dflash.serve.speculative import Models, bucket
 from dflash.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,10 @@ def decode_max_len(prompts: Sequence[EvalPrompt], new_tokens: int, block_size: i
 def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], new_tokens: int) -> dict[str, Any]:
     """Greedy DFlash decode of `prompts` in one batch with the target's params as loaded; host metrics:
     `tau` (pooled over prompts: sum(accepted + 1) / verify steps), `tau/<set>`, `accept_per_position`
-    (pooled share of steps whose draft i+1 was accepted), `tokens` (new tokens) and `seconds`."""
+    (pooled share of steps whose draft i+1 was accepted), `tokens` (new tokens) and `seconds`; and, on the decoded
+    answers, teacher-forced τ (`data.walk.teacher_taus`) at the serving walk's blocks (`tf_tau_walk`: `tau` again,
+    computed from the stored tokens as `dflash data walk` does, equal to it up to numerics) and at every answer
+    position (`tf_tau_uniform`: what uniform training anchors measure; minus `tau`, the train/serve gap)."""
     t0 = time.perf_counter()
     k = drafter.arch.block_size
     done = decode(target.params, target.cfg, [list(p.ids) for p in prompts], new_tokens,
@@ -78,6 +82,14 @@ def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPromp
     accepted = np.asarray([a for c in done for a in c.accepted], np.int64)
     metrics["accept_per_position"] = [float(np.mean(accepted > i)) if accepted.size else 0.0 for i in range(k - 1)]
     metrics["tokens"] = sum(len(c.token_ids) for c in done)
+    rows = []
+    for c in done:
+        tokens = np.asarray(c.prompt_ids + c.token_ids, np.int32)
+        mask = np.zeros(tokens.size, np.float32)
+        mask[len(c.prompt_ids):] = 1
+        rows.append((tokens, mask, tokens.size))
+    taus = teacher_taus(Models.of(target.params, target.cfg, drafter), rows, k)
+    metrics["tf_tau_walk"], metrics["tf_tau_uniform"] = taus["walk"], taus["uniform"]
     metrics["seconds"] = time.perf_counter() - t0
     return metrics
 
@@ -154,11 +166,14 @@ class RealTauEval:
         metrics = real_tau(self.target, drafter, self.prompts, self.new_tokens)
         if self.best is None or metrics["tau"] > self.best["tau"]:
             self.best = save_best(self.run_dir, drafter, step, metrics)
-        log.info("step %d: real τ %.3f on %d prompts (%s; %d tokens in %.1f s); best %.3f at step %d", step,
+        log.info("step %d: real τ %.3f on %d prompts (%s; %d tokens in %.1f s); best %.3f at step %d; "
+                 "teacher-forced τ at the serving walk %.3f, at uniform anchors %.3f", step,
                  metrics["tau"], len(self.prompts), ", ".join(f"{k[4:]} {v:.2f}" for k, v in metrics.items()
                                                              if k.startswith("tau/")),
-                 metrics["tokens"], metrics["seconds"], self.best["tau"], self.best["step"])
+                 metrics["tokens"], metrics["seconds"], self.best["tau"], self.best["step"],
+                 metrics["tf_tau_walk"], metrics["tf_tau_uniform"])
         out = {f"eval/{k}": v for k, v in metrics.items() if k == "tau" or k.startswith("tau/")}
+        out["eval/tf_tau_walk"], out["eval/tf_tau_uniform"] = metrics["tf_tau_walk"], metrics["tf_tau_uniform"]
         out.update({f"eval/accept_pos_{i}": v for i, v in enumerate(metrics["accept_per_position"])})
         out["eval/tokens"], out["eval/seconds"] = metrics["tokens"], metrics["seconds"]
         return out

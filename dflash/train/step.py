@@ -198,15 +198,17 @@ def check_batch(batch: TrainBatch, arch: DrafterArch) -> None:
 
 
 def block_inputs(batch: TrainBatch, target_params: Params, target_cfg: DecoderConfig, arch: DrafterArch,
-                 num_anchors: int, rng: jax.Array) -> StepInputs:
+                 num_anchors: int, rng: jax.Array, walk_count: int = 0) -> StepInputs:
     """The blocks, block embeddings and target features of `batch` with anchors drawn from `rng`: what the
     drafter's loss reads (no gradient into any of it).
 
     Features are `batch.features` when the batch holds them (offline mode: stored bf16 features, cast to the
     target params' dtype, i.e. the compute dtype), else the target's forward over the tokens (online). The labels
     (`batch.labels`: the text's, the target's, or its top-k distributions) and packed rows' segments shape the
-    blocks (`build_blocks`)."""
-    anchors_BxN, keep_BxN = sample_anchors_batch(batch.loss_mask, num_anchors, arch.block_size, rng)
+    blocks (`build_blocks`). With `batch.walk` (`data.walk`), `walk_count` of each row's anchors are drawn from
+    the serving walk's block starts (`sample_anchors`, `train.walk_anchors`)."""
+    anchors_BxN, keep_BxN = sample_anchors_batch(batch.loss_mask, num_anchors, arch.block_size, rng, batch.walk,
+                                                 walk_count)
     blocks = build_blocks_batch(batch, anchors_BxN, keep_BxN, arch.block_size, arch.mask_token_id)
     if batch.features is not None:
         feats_BxSxFD = jax.lax.stop_gradient(batch.features.astype(target_params["embed"].dtype))
@@ -220,7 +222,7 @@ def block_inputs(batch: TrainBatch, target_params: Params, target_cfg: DecoderCo
 def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head: TrainHead, *,
                graphdef: nnx.GraphDef, target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int,
                objective: Objective, optimizer: optax.GradientTransformation,
-               compute_dtype: Any = jnp.float32) -> StepOut:
+               compute_dtype: Any = jnp.float32, walk_count: int = 0) -> StepOut:
     """One update of the drafter on `batch`; pure.
 
     Data flow (F captured layers, D hidden, Q = N*K, V' the head's rows):
@@ -235,7 +237,8 @@ def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head
         loss, metrics         = head_loss(hidden, head, blocks): the frozen head and a weighted CE in chunks of
                                 rows; only one chunk's [rows, V'] logits exist at a time, never [B, Q, V']
 
-    Anchors are resampled from `state.rng` each step (new key per step). Gradients are taken w.r.t.
+    Anchors are resampled from `state.rng` each step (new key per step); with `batch.walk` (`data.walk`),
+    `walk_count` of each row's are drawn from the serving walk's block starts first. Gradients are taken w.r.t.
     `state.params` only. The forward runs in `compute_dtype` (params cast inside the differentiated
     function, so gradients and the optimizer stay in the fp32 master precision); the loss's softmax is
     fp32. `target_params` and `head` should already be in `compute_dtype` (cast once by the caller).
@@ -244,7 +247,7 @@ def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head
     """
     check_batch(batch, arch)
     rng, anchor_rng = jax.random.split(state.rng)
-    inputs = block_inputs(batch, target_params, target_cfg, arch, num_anchors, anchor_rng)
+    inputs = block_inputs(batch, target_params, target_cfg, arch, num_anchors, anchor_rng, walk_count)
     if objective.feature_noise > 0:  # its own key, derived so that the anchor stream is the noiseless run's
         inputs = dataclasses.replace(inputs, feats_BxSxFD=noisy_features(
             inputs.feats_BxSxFD, len(arch.layer_ids), objective.feature_noise, jax.random.fold_in(anchor_rng, 1)))
@@ -272,7 +275,7 @@ def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head
 def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, head: TrainHead, target_cfg: DecoderConfig,
                     arch: DrafterArch, num_anchors: int, objective: Objective,
                     optimizer: optax.GradientTransformation, compute_dtype: Any = jnp.float32,
-                    state_shardings: Any = None) -> Callable[[TrainState, TrainBatch], StepOut]:
+                    state_shardings: Any = None, walk_count: int = 0) -> Callable[[TrainState, TrainBatch], StepOut]:
     """`(state, batch) -> (state, metrics)`: `train_step` jitted once with the state and the batch donated.
 
     Everything but the state, the batch, `target_params` and `head` is fixed at trace time; the target's weights
@@ -283,7 +286,7 @@ def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, head: Trai
     lowers the same jitted program (for ahead-of-time compilation and XLA memory analysis).
     """
     body = partial(train_step, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
-                   objective=objective, optimizer=optimizer, compute_dtype=compute_dtype)
+                   objective=objective, optimizer=optimizer, compute_dtype=compute_dtype, walk_count=walk_count)
     if state_shardings is None:
         jitted = jax.jit(body, donate_argnums=(0, 1))
     else:
