@@ -178,39 +178,48 @@ def build_tree(ids_BxDxM: jax.Array, logp_BxDxM: jax.Array, pending_B: jax.Array
 def _walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_depth: int
           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(path [B, D+1] node ids (path[:, 0] = 0; entries past n repeat node 0), n accepted [B], bonus [B], next
-    keys): greedy rows follow the argmax, sampled rows recursive rejection sampling (module docstring)."""
+    keys): greedy rows follow the argmax, sampled rows recursive rejection sampling (module docstring). A batch
+    of greedy rows never runs the sampling branch (`lax.cond`)."""
     b, n_nodes, vocab = logits_BxNxV.shape
     rows = jnp.arange(b)
-    keys = jax.vmap(lambda key: jax.random.split(key, 3))(state.rng)
-    u_BxDxN = jax.vmap(lambda key: jax.random.uniform(key, (max_depth, n_nodes)))(keys[:, 1])
     greedy = state.sampling.greedy
-    logp = row_logprobs(logits_BxNxV, state.sampling)  # [B, N, V]; greedy rows unused
     argmax_BxN = jnp.argmax(logits_BxNxV, axis=-1).astype(jnp.int32)
-    # p(token of node j | its parent's path): the target's filtered probability at the parent
-    p_tok_BxN = jnp.exp(logp[rows[:, None], jnp.maximum(tree.parent, 0), tree.token])
-    cur = jnp.zeros((b,), jnp.int32)
-    going = jnp.ones((b,), bool)
-    n = jnp.zeros((b,), jnp.int32)
-    path = [cur]
-    for d in range(max_depth):
-        child = tree.parent == cur[:, None]
-        mass_before = jnp.cumsum(jnp.where(child, p_tok_BxN, 0.0), axis=1) - jnp.where(child, p_tok_BxN, 0.0)
-        ratio = p_tok_BxN / jnp.maximum(1.0 - mass_before, 1e-30)
-        sampled_ok = u_BxDxN[:, d] < ratio
-        greedy_ok = tree.token == argmax_BxN[rows, cur][:, None]
-        ok = child & jnp.where(greedy[:, None], greedy_ok, sampled_ok)
-        step = going & jnp.any(ok, axis=1)
-        nxt = jnp.argmax(ok, axis=1).astype(jnp.int32)  # the first accepted child, in sibling order
-        cur = jnp.where(step, nxt, cur)
-        n = n + step
-        going = step
-        path.append(jnp.where(step, nxt, 0))
-    removed_BxV = jnp.zeros((b, vocab), bool).at[rows[:, None], tree.token].max(tree.parent == cur[:, None])
-    residual = jnp.where(removed_BxV, -jnp.inf, logp[rows, cur])
-    drawn = jax.vmap(jax.random.categorical)(keys[:, 2], residual).astype(jnp.int32)
-    bonus = jnp.where(greedy, argmax_BxN[rows, cur], drawn)
-    rng = jnp.where(greedy[:, None], state.rng, keys[:, 0])
-    return jnp.stack(path, axis=1), n, bonus, rng
+
+    def run(sampled: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        if sampled:
+            keys = jax.vmap(lambda key: jax.random.split(key, 3))(state.rng)
+            u_BxDxN = jax.vmap(lambda key: jax.random.uniform(key, (max_depth, n_nodes)))(keys[:, 1])
+            logp = row_logprobs(logits_BxNxV, state.sampling)  # [B, N, V]; greedy rows unused
+            # p(token of node j | its parent's path): the target's filtered probability at the parent
+            p_tok_BxN = jnp.exp(logp[rows[:, None], jnp.maximum(tree.parent, 0), tree.token])
+        cur = jnp.zeros((b,), jnp.int32)
+        going = jnp.ones((b,), bool)
+        n = jnp.zeros((b,), jnp.int32)
+        path = [cur]
+        for d in range(max_depth):
+            child = tree.parent == cur[:, None]
+            ok = tree.token == argmax_BxN[rows, cur][:, None]
+            if sampled:
+                mass = jnp.where(child, p_tok_BxN, 0.0)
+                ratio = p_tok_BxN / jnp.maximum(1.0 - (jnp.cumsum(mass, axis=1) - mass), 1e-30)
+                ok = jnp.where(greedy[:, None], ok, u_BxDxN[:, d] < ratio)
+            ok = child & ok
+            step = going & jnp.any(ok, axis=1)
+            nxt = jnp.argmax(ok, axis=1).astype(jnp.int32)  # the first accepted child, in sibling order
+            cur = jnp.where(step, nxt, cur)
+            n = n + step
+            going = step
+            path.append(jnp.where(step, nxt, 0))
+        bonus, rng = argmax_BxN[rows, cur], state.rng
+        if sampled:
+            removed_BxV = jnp.zeros((b, vocab), bool).at[rows[:, None], tree.token].max(tree.parent == cur[:, None])
+            residual = jnp.where(removed_BxV, -jnp.inf, logp[rows, cur])
+            drawn = jax.vmap(jax.random.categorical)(keys[:, 2], residual).astype(jnp.int32)
+            bonus = jnp.where(greedy, bonus, drawn)
+            rng = jnp.where(greedy[:, None], rng, keys[:, 0])
+        return jnp.stack(path, axis=1), n, bonus, rng
+
+    return jax.lax.cond(jnp.all(greedy), lambda _: run(False), lambda _: run(True), None)
 
 
 def _verify_tree(models: Models, state: SpecState, tree: Tree, block_size: int, span_pages: int | None,
