@@ -1,18 +1,18 @@
 """Tree drafting and tree verification (docs/design.md §4.4): a best-first token tree built from one DFlash block's
 per-position distributions, verified in one target pass with an ancestor-only mask over the paged cache.
 
-    ids, logp = propose_topk(models, state, block_size=16, m=N - 1, span=span)     # [B, K-1, M] each
-    tree = build_tree(ids, logp, state.pending, nodes=N)                             # N nodes per slot
-    state, out, n = verify_tree(models, state, tree, span_pages)                     # like `verify`
+    ids, logp = propose_topk(models, state, block_size=K, m=N - 1, span=span)    # [B, K-1, M] each
+    tree = build_tree(ids, logp, state.pending, nodes=N)                           # N nodes per slot
+    state, out, n = verify_tree(models, state, tree, K, span_pages)                # like `verify`
 
 The drafter predicts every block position at once and independently (same-position prediction, §4.1), so a
 node at depth d with the tokens t_1 .. t_d has path probability prod_i q_i(t_i), and the children of every node
 at depth d are the same ranked list, the top tokens of q_{d+1}. `build_tree` pops the N - 1 most probable paths
 best-first (a node's path probability never exceeds its parent's or its elder sibling's, so a frontier of
-"first child" and "next sibling" candidates enumerates paths in order; DDTree, arXiv 2604.xxxxx, does the same
-on the host). Node 0 is the root (the pending token); nodes are numbered in the order they were popped, so a
-parent comes before its children and siblings come in rank order. Optional extra paths (prompt lookup,
-`ngram`) are merged in as a trie after the drafter's nodes.
+"first child" and "next sibling" candidates enumerates paths in order; the training-free DDTree tree of
+issue 35, here on the device with static shapes). Node 0 is the root (the pending token); nodes are numbered in
+the order they were popped, so a parent comes before its children and siblings come in rank order. Optional
+extra paths (prompt lookup, `ngram`) are merged in as a trie after the drafter's nodes.
 
 `verify_tree` writes all N nodes after each slot's committed tokens (node j at token L + j, rotated at position
 L + depth(j)), each node attending to the committed tokens and its ancestors only (`paged.TreeChunkCache`), then
