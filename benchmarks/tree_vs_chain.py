@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--nodes", default="4,8,16")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--json", default=None, help="also dump the raw numbers here (after every mode)")
+    parser.add_argument("--note", default="", help="a sentence added to the recorded section (e.g. the machine's load)")
     parser.add_argument("--from-json", default=None, help="render (and --write) the numbers a run saved with --json")
     args = parser.parse_args()
 
@@ -119,7 +120,8 @@ def main() -> None:
     modes += [(f"tree N={n}", k, n, False) for n in nodes]
     modes += [(f"n-gram only K={k}", k, 0, True), (f"tree N={mid} + n-gram", k, mid, True)]
     results: dict[str, dict[str, dict]] = {}
-    meta = {"k": k, "source": recipe.target.source, "minutes": None}
+    meta = {"k": k, "source": recipe.target.source, "minutes": None,
+            "command": shlex.join([".venv/bin/python", "benchmarks/tree_vs_chain.py", *sys.argv[1:]])}
     for batch in batches:
         for name, kk, n, ngram in modes:
             r = run_mode(target, drafter, prompts, args.tokens, batch, max_len, kk, n, ngram)
@@ -160,7 +162,7 @@ def render(results: dict[str, dict[str, dict]], meta: dict, args: argparse.Names
     table = "\n".join(lines)
     print(table)
     if args.write:
-        command = shlex.join([".venv/bin/python", "benchmarks/tree_vs_chain.py", *sys.argv[1:]])
+        command = meta.get("command") or shlex.join([".venv/bin/python", "benchmarks/tree_vs_chain.py", *sys.argv[1:]])
         minutes = f", {meta['minutes']:.0f} min" if meta.get("minutes") else ""
         n_prompts = len(first["outputs"])
         write_section("Tree vs chain verification", "\n".join([
@@ -174,7 +176,7 @@ def render(results: dict[str, dict[str, dict]], meta: dict, args: argparse.Names
             "token for token. The ms/step column is this machine's verify-cost curve by width (AR = width 1). "
             "Projected on TPU v5p, where verifying up to ~1024 tokens costs about what 16 do (design §9 of the "
             "issue's DESIGN.md), a step costs the same at every width here, so tree vs chain speed-up there is "
-            "the τ / chain column.",
+            "the τ / chain column." + (f" {args.note}" if args.note else ""),
             "",
             table,
         ]))
