@@ -7,10 +7,21 @@ import argparse
 import pytest
 from flax import nnx
 
-from dflash.launch.cli import _block_size
+from dflash.configs.schema import ConfigError
+from dflash.launch.cli import _block_size, _tree_nodes
+from dflash.launch.serving import ServeOptions
 from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from dflash.models.loading import load_hf_dir
-from dflash.serve.autoblock import candidate_ks, expected_tokens, pick_block_size, step_costs
+from dflash.serve.autoblock import (
+    candidate_ks,
+    candidate_nodes,
+    expected_tokens,
+    pick_block_size,
+    pick_tree_nodes,
+    step_costs,
+    tree_costs,
+)
+from dflash.serve.config import ServeConfig
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
@@ -51,3 +62,37 @@ def test_cli_block_size_values():
     for bad in ("1", "-2", "wide"):
         with pytest.raises(argparse.ArgumentTypeError):
             _block_size(bad)
+
+
+def test_tree_budget_pick_maximises_measured_tokens_per_second():
+    assert candidate_nodes(4) == [0, 4, 8, 16, 32, 64] and candidate_nodes(16) == [0, 4, 16, 32, 64]
+    # (tau, seconds per step): a CPU whose verify cost grows with N -> a middle budget wins
+    steep = {0: (1.6, 0.030), 8: (2.1, 0.034), 16: (2.3, 0.045), 32: (2.4, 0.080)}
+    n, table = pick_tree_nodes(steep)
+    assert n == 8 and [c.k for c in table] == [0, 8, 16, 32]  # 61.8 tokens/s > 53.3 > 51.1 > 30
+    flat = {0: (1.6, 0.030), 8: (2.1, 0.030), 16: (2.3, 0.031), 32: (2.4, 0.031)}  # an accelerator: widest
+    assert pick_tree_nodes(flat)[0] == 32
+    with pytest.raises(ValueError, match="at least one"):
+        pick_tree_nodes({})
+
+
+def test_tree_costs_measure_each_budget_with_the_engine(golden_dir):
+    cfg, params = load_hf_dir(golden_dir / "tiny" / "qwen3_untied")
+    arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(1, 3), block_size=4), cfg,
+                           mask_token_id=255)
+    costs = tree_costs(params, cfg, DFlashDrafter(arch, nnx.Rngs(0)), 4, [0, 6], [list(range(3, 19))], max_len=64,
+                       new_tokens=6)
+    assert sorted(costs) == [0, 6] and all(1.0 <= tau <= 4.0 and s > 0 for tau, s in costs.values())
+
+
+def test_tree_options_are_validated():
+    assert _tree_nodes("auto") == "auto" and _tree_nodes("0") == 0 and _tree_nodes("32") == 32
+    for bad in ("-1", "many"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _tree_nodes(bad)
+    with pytest.raises(ValueError, match="tree_nodes must be an integer >= 0"):
+        ServeOptions(tree_nodes=-3)
+    with pytest.raises(ConfigError, match=r"serve.tree_ngram must be false unless serve.tree_nodes >= 3"):
+        ServeConfig(tree_nodes=2, tree_ngram=True)
+    with pytest.raises(ConfigError, match=r"serve.tree_nodes must be an integer >= 0 \(0: the chain\) or 'auto'"):
+        ServeConfig(tree_nodes=-1)

@@ -15,7 +15,7 @@ import yaml
 from dflash.configs.schema import ConfigError, apply_overrides, build, to_dict
 from dflash.data.config import DataConfig
 from dflash.models.config import DrafterConfig, TargetConfig
-from dflash.serve.config import SamplingConfig
+from dflash.serve.config import SamplingConfig, ServeConfig
 from dflash.train.config import TrainConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -30,6 +30,7 @@ class Recipe:
     drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
 
 
 def shipped_configs() -> list[Path]:

@@ -173,6 +173,16 @@ def _block_size(text: str) -> int | str:
     return int(text)
 
 
+def _tree_nodes(text: str) -> int | str:
+    """--tree-nodes: N >= 0 (0 or 1: the chain), or `auto` (measured at start-up, `serve.autoblock`)."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a number of tree nodes >= 0 (0: the chain) or 'auto'; "
+                                         f"received {text!r}")
+    return int(text)
+
+
 def _step(text: str | None) -> int | str | None:
     """--step: a checkpoint step, `best` (the best real-τ drafter of a run), or None (the latest)."""
     if text is None or text == "best":
@@ -200,7 +210,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _recipe(args)  # the recipe and overrides must be valid before servers start with them
     try:
         results, paths = run_eval(settings, args.out, url=args.url, ar_url=args.ar_url, drafter=args.drafter,
-                                  step=args.step, block_size=args.block_size, config=args.config,
+                                  step=args.step, block_size=args.block_size, tree_nodes=args.tree_nodes,
+                                  tree_ngram=args.tree_ngram, config=args.config,
                                   overrides=args.overrides, api_key=args.api_key, progress=not args.no_progress)
     except ServerError as err:
         print(f"dflash eval: error: {err}", file=sys.stderr)
@@ -220,7 +231,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     _log_devices()
     options = ServeOptions(drafter=args.drafter, step=None if args.ar else _step(args.step), ar=args.ar,
-                           block_size=args.block_size, slots=args.slots, host=args.host, port=args.port,
+                           block_size=args.block_size, tree_nodes=args.tree_nodes,
+                           tree_ngram=True if args.tree_ngram else None, slots=args.slots, host=args.host,
+                           port=args.port,
                            model_name=args.model_name,
                            api_key=args.api_key or os.environ.get("DFLASH_API_KEY") or None,
                            max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout or None,
@@ -336,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_block_size, default=0,
                    help="K at inference: a number, 'auto' (the K <= the training K with the most expected tokens "
                    "per second, from measured acceptance and step cost), default the drafter's training K")
+    p.add_argument("--tree-nodes", type=_tree_nodes, default=None,
+                   help="verify a best-first tree of N nodes per step built from the block's distributions (0: the "
+                   "chain of K; 'auto': the N with the most tokens per second, measured at start-up); default "
+                   "the recipe's serve.tree_nodes")
+    p.add_argument("--tree-ngram", action="store_true",
+                   help="merge a prompt-lookup path (n-gram match in the prompt + output) into the tree")
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences per step (continuous batching)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -365,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1", help="client concurrencies, e.g. 1,4,16 (default 1)")
     p.add_argument("--block-size", type=_block_size, default=0,
                    help="K at inference: a number or 'auto' (see dflash serve --help); default the training K")
+    p.add_argument("--tree-nodes", type=_tree_nodes, default=None,
+                   help="verify a best-first tree of N nodes per step built from the block's distributions (0: the "
+                   "chain of K; 'auto': the N with the most tokens per second, measured at start-up); default "
+                   "the recipe's serve.tree_nodes")
+    p.add_argument("--tree-ngram", action="store_true",
+                   help="merge a prompt-lookup path (n-gram match in the prompt + output) into the tree")
     p.add_argument("--out", default="runs/eval", help="output directory; a rerun resumes it (default runs/eval)")
     p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -87,11 +87,19 @@ def short_eval(recipe: Recipe, target: Any, out: TextIO, progress: bool = True) 
     settings = EvalSettings(sets=EVAL_SETS, limit=1, max_new_tokens=recipe.sampling.max_new_tokens)
     which = (f"the drafter shipped for this target ({source}; see its README)" if shipped is not None
              else f"the drafter just trained ({source})")
+    tree = recipe.serve.tree_nodes
     out.write(f"\n== evaluation against the served engine of {which}: greedy DFlash (block "
-              f"{drafter.arch.block_size}) vs AR on {settings.limit} prompt each of {', '.join(EVAL_SETS)}\n")
+              f"{drafter.arch.block_size}{f', tree nodes {tree}' if tree else ''}) vs AR on {settings.limit} "
+              f"prompt each of {', '.join(EVAL_SETS)}\n")
     out.flush()
     max_len = recipe.target.max_seq_len
-    with serve_in_process(target, drafter, slots=1, max_len=max_len) as url, \
+    nodes, ngram = recipe.serve.tree_nodes, recipe.serve.tree_ngram
+    if nodes == "auto":
+        from dflash.launch.serving import _auto_tree_nodes
+
+        nodes = _auto_tree_nodes(target, drafter, drafter.arch.block_size, max_len, ngram)
+    with serve_in_process(target, drafter, slots=1, max_len=max_len, tree_nodes=nodes,
+                          tree_ngram=ngram and nodes >= 3) as url, \
             serve_in_process(target, None, slots=1, max_len=max_len) as ar_url:
         results, paths = evaluate(url, ar_url, settings, Path(recipe.train.run_dir) / "eval",
                                   drafter={"path": str(source)}, progress=progress)

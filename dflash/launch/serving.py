@@ -28,15 +28,18 @@ class ServeOptions:
 
     drafter: a `dflash train` run dir or an exported drafter dir (None: the recipe's train.run_dir); step: a
     checkpoint step of a run dir, "best", or None (the latest); ar: serve the target alone; block_size: K
-    at inference, a K >= 2, 0 (the drafter's training K) or "auto" (`_auto_block_size`); slots: concurrent
-    sequences per step; model_name: the model id clients send (None: target.source); precompile: compile every
-    shape the engine can use before serving (`Engine.precompile`; False: requests compile as they come); the
-    rest as `make_server`'s arguments."""
+    at inference, a K >= 2, 0 (the drafter's training K) or "auto" (`_auto_block_size`); tree_nodes /
+    tree_ngram: the recipe's `serve` section when None (`ServeConfig`: 0 the chain, N a tree of N nodes, "auto"
+    measured here, `_auto_tree_nodes`); slots: concurrent sequences per step; model_name: the model id clients
+    send (None: target.source); precompile: compile every shape the engine can use before serving
+    (`Engine.precompile`; False: requests compile as they come); the rest as `make_server`'s arguments."""
 
     drafter: str | Path | None = None
     step: int | str | None = None
     ar: bool = False
     block_size: int | str = 0
+    tree_nodes: int | str | None = None
+    tree_ngram: bool | None = None
     slots: int = 8
     host: str = "127.0.0.1"
     port: int = 8000
@@ -52,6 +55,10 @@ class ServeOptions:
         if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and (k == 0 or k >= 2))):
             raise ValueError(f"block_size must be an integer >= 2, 0 (the drafter's training K) or 'auto'; "
                              f"received {k!r}")
+        n = self.tree_nodes
+        if not (n is None or n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 0)):
+            raise ValueError(f"tree_nodes must be an integer >= 0 (0: the chain), 'auto' or None (the recipe's); "
+                             f"received {n!r}")
 
     def drafter_dir(self, recipe: Recipe) -> Path:
         return Path(self.drafter or recipe.train.run_dir).expanduser()
@@ -78,13 +85,30 @@ def _auto_block_size(target: Any, drafter: Any, source: Path, max_len: int) -> i
     return k
 
 
+def _auto_tree_nodes(target: Any, drafter: Any, k: int, max_len: int, ngram: bool) -> int:
+    """`tree_nodes="auto"`: τ and step cost measured here for each candidate budget (`autoblock.tree_costs`) on
+    held-out prompts (1 each of GSM8K, MT-Bench, HumanEval, 32 tokens); the N with the most tokens per second."""
+    from dflash.serve.autoblock import candidate_nodes, format_table, pick_tree_nodes, tree_costs
+    from dflash.train.real_eval import eval_prompts
+
+    prompts = [p.ids for p in eval_prompts(target.tokenizer, ("gsm8k", "mtbench", "humaneval"), 1)]
+    costs = tree_costs(target.params, target.cfg, drafter, k, candidate_nodes(k), prompts, max_len=max_len,
+                       ngram=ngram)
+    n, table = pick_tree_nodes(costs)
+    print(f"--tree-nodes auto (K={k}; 0 = the chain): tau and step cost measured here\n"
+          + format_table(table, n).replace("  K   E[tokens/step]", "  N   E[tokens/step]"), flush=True)
+    return n
+
+
 def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
     """Load the recipe's target and (unless `options.ar`) the drafter, pick K, build the engine (the recipe's
     sampling as the requests' default) and return a bound server with its engine thread started."""
     target = load_target(recipe.target)
     max_len = recipe.target.max_seq_len
+    nodes = recipe.serve.tree_nodes if options.tree_nodes is None else options.tree_nodes
+    ngram = recipe.serve.tree_ngram if options.tree_ngram is None else options.tree_ngram
     if options.ar:
-        block, drafter = None, None  # the engine's AR mode needs no drafter
+        block, drafter, nodes, ngram = None, None, 0, False  # the engine's AR mode needs no drafter
     else:
         source = options.drafter_dir(recipe)
         drafter = load_drafter(source, target.cfg, step=options.step)
@@ -92,8 +116,10 @@ def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
             block = _auto_block_size(target, drafter, source, max_len)
         else:
             block = options.block_size or drafter.arch.block_size
+        if nodes == "auto":
+            nodes = _auto_tree_nodes(target, drafter, block, max_len, ngram)
     engine = Engine(target.params, target.cfg, drafter, slots=options.slots, max_len=max_len, block_size=block,
-                    sampling=recipe.sampling)
+                    sampling=recipe.sampling, tree_nodes=nodes, ngram=ngram and nodes >= 3)
     if options.precompile:
         count, seconds = engine.precompile()
         print(f"precompiled {count} programs in {seconds:.1f} s (every prompt length and attention span up to "
@@ -107,7 +133,10 @@ def serve_recipe(recipe: Recipe, options: ServeOptions) -> None:
     """`build_server`, then serve until SIGINT or SIGTERM (which finish the requests in flight); call from the
     main thread (signal handlers are installed)."""
     server = build_server(recipe, options)
-    mode = "AR" if options.ar else f"DFlash K={server.worker.engine.k} (drafter {options.drafter_dir(recipe)})"
+    engine = server.worker.engine
+    tree = f", tree of {engine.tree_nodes} nodes" + (" + prompt lookup" if engine.ngram_nodes else "")
+    mode = "AR" if options.ar else (f"DFlash K={engine.k}{tree if engine.tree_nodes else ''} "
+                                    f"(drafter {options.drafter_dir(recipe)})")
     print(f"serving {server.model_name} on http://{options.host}:{server.server_address[1]}/v1 - {mode}, "
           f"{options.slots} slots; Ctrl-C stops", flush=True)
 

@@ -8,6 +8,12 @@ A DFlash step at block K emits E(K) = 1 + sum_{i < K-1} p_i tokens on average, p
 draft i+1 was accepted (`Completion.accept_per_position`, measured at the training K: a smaller K drafts the
 same first positions), and costs c(K) seconds (draft + verify + host, measured here by decoding at K). The
 pick maximises E(K) / c(K); K = 1 (AR, no drafter) is in the table as the reference, E = 1.
+
+`--tree-nodes auto` does the same over tree budgets at the chosen K (`tree_costs`, `pick_tree_nodes`): for each
+candidate N (0 = the chain) it decodes held-out prompts here, measuring the expected tokens per step (τ, the
+acceptance of that tree budget: with a tree the acceptance of a position depends on N, so it is measured per N
+rather than extrapolated) and the step cost (the verify-cost curve of tree masks, drafting included), and keeps
+the N with the most tokens per second.
 """
 
 from __future__ import annotations
@@ -83,6 +89,41 @@ def pick_block_size(accept_per_position: Sequence[float], costs: dict[int, float
     return max(drafting, key=lambda c: c.tokens_per_s).k, table
 
 
+def candidate_nodes(k: int) -> list[int]:
+    """0 (the chain of K) and the tree budgets N among 4, K, 2K, 4K, 8K, 16, 32 and 64 that lie in [3, 64]."""
+    return [0] + sorted({n for n in (4, k, 2 * k, 4 * k, 8 * k, 16, 32, 64) if 3 <= n <= 64})
+
+
+def tree_costs(target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter, k: int,
+               nodes: Sequence[int], prompts: Sequence[Sequence[int]], *, max_len: int, new_tokens: int = 32,
+               ngram: bool = False) -> dict[int, tuple[float, float]]:
+    """{N: (τ, seconds per step)} at batch 1 for each tree budget N (0: the chain) at block size K: the engine
+    decodes each prompt once to compile, then once timed; τ pooled over the prompts' steps."""
+    from dflash.serve.engine import decode
+
+    out = {}
+    for n in nodes:
+        kwargs = {"drafter": drafter, "block_size": k, "tree_nodes": n, "ngram": ngram and n >= 3}
+        decode(target_params, target_cfg, [list(prompts[0])], new_tokens, max_len=max_len, **kwargs)  # compile
+        steps, seconds, tokens = 0, 0.0, 0
+        for prompt in prompts:
+            done, = decode(target_params, target_cfg, [list(prompt)], new_tokens, max_len=max_len, **kwargs)
+            steps += len(done.accepted)
+            tokens += sum(a + 1 for a in done.accepted)
+            seconds += done.decode_s
+        out[n] = (tokens / max(steps, 1), seconds / max(steps, 1))
+        log.info("tree nodes %d: tau %.2f, %.2f ms per step", n, out[n][0], 1e3 * out[n][1])
+    return out
+
+
+def pick_tree_nodes(costs: dict[int, tuple[float, float]]) -> tuple[int, list[BlockChoice]]:
+    """(the N with the most measured tokens per second, the table in N order as `BlockChoice`s: k = N)."""
+    if not costs:
+        raise ValueError("costs must hold at least one tree budget; received none")
+    table = [BlockChoice(n, tau, step_s) for n, (tau, step_s) in sorted(costs.items())]
+    return max(table, key=lambda c: c.tokens_per_s).k, table
+
+
 def format_table(table: Sequence[BlockChoice], chosen: int) -> str:
     """A small text table of the candidates (expected tokens, ms per step, tokens/s, speed vs AR)."""
     ar = next((c for c in table if c.k == 1), None)
@@ -94,4 +135,5 @@ def format_table(table: Sequence[BlockChoice], chosen: int) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["BlockChoice", "candidate_ks", "expected_tokens", "format_table", "pick_block_size", "step_costs"]
+__all__ = ["BlockChoice", "candidate_ks", "candidate_nodes", "expected_tokens", "format_table", "pick_block_size",
+           "pick_tree_nodes", "step_costs", "tree_costs"]

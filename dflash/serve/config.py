@@ -1,8 +1,10 @@
-"""The `sampling` section of a recipe: how the next token is chosen (greedy when temperature == 0)."""
+"""The `sampling` section of a recipe (how the next token is chosen; greedy when temperature == 0) and the `serve`
+section (how the engine verifies: chain or tree)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from dflash.configs.schema import require
 
@@ -28,4 +30,23 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
-__all__ = ["SamplingConfig"]
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """How the engine verifies drafts (`dflash serve`, `dflash eval`'s servers, the demo's evaluation).
+
+    tree_nodes: 0 (or 1) verifies the drafter's chain of K - 1 drafts; N >= 2 a best-first tree of N nodes
+    (depth <= K - 1) built from the block's distributions (`serve.tree`); "auto": the N (chain included) with
+    the most tokens per second measured here at start-up. tree_ngram: merge a prompt-lookup path into the tree
+    (needs tree_nodes >= 3 or auto)."""
+
+    tree_nodes: int | Literal["auto"] = 0
+    tree_ngram: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.tree_nodes == "auto" or self.tree_nodes >= 0, "serve.tree_nodes", self.tree_nodes,
+                "be an integer >= 0 (0: the chain) or 'auto'")
+        require(not self.tree_ngram or self.tree_nodes == "auto" or self.tree_nodes >= 3, "serve.tree_ngram",
+                self.tree_ngram, "be false unless serve.tree_nodes >= 3 or 'auto' (the lookup path takes nodes)")
+
+
+__all__ = ["SamplingConfig", "ServeConfig"]

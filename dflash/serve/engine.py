@@ -62,12 +62,14 @@ from dflash.serve.speculative import (
     verify,
     verify_logprobs,
 )
+from dflash.serve.tree import Tree, build_tree, ngram_continuation, propose_topk, verify_tree, verify_tree_logprobs
 
 log = logging.getLogger(__name__)
 
 INT32_MAX = (1 << 31) - 1
 SEED_LIMIT = 1 << 63
-_PROGRAMS = (prefill, prefill_logprobs, propose, verify, verify_logprobs)
+_PROGRAMS = (prefill, prefill_logprobs, propose, verify, verify_logprobs, propose_topk, build_tree, verify_tree,
+             verify_tree_logprobs)
 
 
 class RequestRejected(ValueError):
@@ -237,17 +239,37 @@ class Engine:
                  slots: int, max_len: int, block_size: int | None = None,
                  draft_fn: Callable[[SpecState, int], Any] | None = None, sampling: SamplingConfig | None = None,
                  page_size: int = 16, num_pages: int | None = None,
-                 detokenize: Callable[[Sequence[int]], str] | None = None):
+                 detokenize: Callable[[Sequence[int]], str] | None = None, tree_nodes: int | None = None,
+                 ngram: bool = False, tree_fn: Callable[[SpecState, int, int], Any] | None = None):
         """block_size: K per step with `drafter` (None: AR mode, the drafter unused); draft_fn: replaces the
         drafter's proposals (tests); sampling: the default rule of requests that bring none (None: greedy);
         page_size / num_pages: the target cache's pages (default: every slot at max_len, plus the null
-        page); detokenize: ids -> text, needed for stop strings."""
+        page); detokenize: ids -> text, needed for stop strings.
+
+        tree_nodes: N > 1 verifies a tree of N nodes per step (depth <= K - 1) built from the block's
+        distributions (`serve.tree`) instead of the chain (None, 0 or 1); tree_fn: (state, K, M) -> the
+        ranked lists (ids, logp) [B, K-1, M] in place of the drafter's (tests). ngram: add prompt lookup (the
+        continuation of the recent tokens' latest earlier match in the prompt + output) as an extra tree path;
+        without a drafter (and with block_size), prompt lookup alone drafts the chain."""
+        if tree_nodes is not None and (not _is_int(tree_nodes) or tree_nodes < 0):
+            raise ValueError(f"tree_nodes must be an integer >= 0 (0 or 1: the chain); received {tree_nodes!r}")
+        self.tree_nodes = tree_nodes if tree_nodes is not None and tree_nodes > 1 else 0
+        self.ngram = ngram
+        self.ngram_only = ngram and drafter is None and block_size is not None
+        if self.ngram_only:
+            if self.tree_nodes:
+                raise ValueError(f"tree_nodes needs a drafter; received tree_nodes={tree_nodes} with prompt "
+                                 "lookup alone (ngram=True, drafter=None)")
+            if block_size < 2:
+                raise ValueError(f"block_size must be >= 2 for prompt lookup; received {block_size}")
         if slots < 1:
             raise ValueError(f"slots must be >= 1; received {slots}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1; received {page_size}")
         self.proposer: Proposer
-        if block_size is None:
+        if self.ngram_only:
+            self.proposer = GivenProposals(block_size, self._ngram_drafts)
+        elif block_size is None:
             drafter, self.proposer = None, NoDrafts()
         elif drafter is None:
             raise ValueError(f"a drafter is needed for block_size={block_size}; received None (None is for AR "
@@ -260,6 +282,16 @@ class Engine:
         self.models = Models.of(target_params, target_cfg, drafter)
         self.arch = None if drafter is None else drafter.arch
         self.k = self.proposer.block_size
+        if self.tree_nodes and self.k < 2:
+            raise ValueError(f"tree_nodes needs a drafter and block_size >= 2; received tree_nodes={tree_nodes}, "
+                             f"block_size={block_size}")
+        if self.tree_nodes and self.ngram and self.tree_nodes < 3:
+            raise ValueError(f"tree_nodes must be >= 3 with ngram (nodes for the drafter and for the lookup path); "
+                             f"received {tree_nodes}")
+        self.tree_fn = tree_fn
+        # tokens written into the target cache per step: the chain's K, or the tree's N nodes
+        self.width = max(self.k, self.tree_nodes)
+        self.ngram_nodes = min(self.k - 1, self.tree_nodes // 2) if self.tree_nodes and self.ngram else 0
         self.slots, self.max_len = slots, max_len
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.detokenize = detokenize
@@ -317,7 +349,7 @@ class Engine:
 
     def _worst_case_tokens(self, request: Completion) -> int:
         """Most tokens the request's slot ever holds: the prompt, its budget, and the last block's K."""
-        return len(request.prompt_ids) + request.max_new_tokens + self.k
+        return len(request.prompt_ids) + request.max_new_tokens + self.width
 
     def _prefill_len(self, n: int) -> int:
         """The padded length a prompt of n tokens is prefilled at: a power of two, at most max_len."""
@@ -368,12 +400,12 @@ class Engine:
             raise RequestRejected("stop_strings", "stop_strings need an engine built with detokenize=...; "
                                   "received none")
         n = len(prompt_ids)
-        room = self.max_len - n - self.k  # new tokens the context leaves (the last block's K reserved)
+        room = self.max_len - n - self.width  # new tokens the context leaves (the last block's width reserved)
         if max_new_tokens is None:
             _reject_unless(room >= 1, "prompt_ids",
                            f"the prompt ({n} tokens) must leave room to generate in the context length max_len "
                            f"({self.max_len} tokens); received a prompt of {n} tokens, at most "
-                           f"{self.max_len - self.k - 1} fit")
+                           f"{self.max_len - self.width - 1} fit")
             max_new_tokens = room
         else:
             _reject_unless(_is_int(max_new_tokens) and max_new_tokens >= 1, "max_new_tokens",
@@ -588,8 +620,43 @@ class Engine:
                 return True
         raise AssertionError("unreachable: the full text holds a stop string")  # pragma: no cover
 
+    def _lookup(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Prompt lookup for every running slot: (continuations [B, length] int32, their lengths [B])."""
+        paths = np.zeros((self.slots, length), np.int32)
+        lengths = np.zeros(self.slots, np.int32)
+        for slot, request in self.running.items():
+            found = ngram_continuation(request.prompt_ids + request.token_ids, length)
+            paths[slot, :len(found)] = found
+            lengths[slot] = len(found)
+        return paths, lengths
+
+    def _ngram_drafts(self, state: SpecState, k: int) -> np.ndarray:
+        """Prompt lookup alone: the chain's K - 1 drafts (a short or missing match padded with token 0)."""
+        return self._lookup(k - 1)[0]
+
+    def _tree(self, span: int) -> Tree:
+        """This step's trees: the drafter's (or `tree_fn`'s) ranked lists, best-first, plus the lookup path."""
+        m = self.tree_nodes - 1 - self.ngram_nodes
+        if self.tree_fn is not None:
+            ids, logp = (jnp.asarray(a) for a in self.tree_fn(self.state, self.k, m))
+        else:
+            ids, logp = self._counted(propose_topk, self.models, self.state, self.k, m, span)
+        extra = extra_len = None
+        if self.ngram_nodes:
+            extra, extra_len = (jnp.asarray(a) for a in self._lookup(self.ngram_nodes))
+        return self._counted(build_tree, ids, logp, self.state.pending, self.tree_nodes, extra, extra_len)
+
     def _device_step(self, pages: int, scored: bool) -> tuple[jax.Array, jax.Array, TokenLogprobs | None]:
         """One propose + verify over every slot at an attention span of `pages` pages; (tokens, n, scores)."""
+        if self.tree_nodes:
+            self._note_shape("verify_tree", (self.slots, self.k, self.tree_nodes, pages))
+            tree = self._tree(pages * self.page_size)
+            if scored:
+                self.state, out, n, scores = self._counted(verify_tree_logprobs, self.models, self.state, tree,
+                                                           self.k, pages)
+                return out, n, scores
+            self.state, out, n = self._counted(verify_tree, self.models, self.state, tree, self.k, pages)
+            return out, n, None
         self._note_shape("verify", (self.slots, self.k, pages))
         drafts = self._counted(self.proposer, self.models, self.state, pages * self.page_size)
         if scored:
@@ -609,10 +676,10 @@ class Engine:
         self.state = self._counted(_set_active, self.state, jnp.asarray(active))
         # Verify appends K tokens per active slot; admission already reserved them, so this only raises on a
         # bookkeeping bug.
-        self.table.ensure_batch(np.where(active, self.lengths + self.k, 0))
+        self.table.ensure_batch(np.where(active, self.lengths + self.width, 0))
         self._sync_table()
         # Attention sees only the pages in use, bucketed to a power of two (a bounded number of shapes).
-        pages = span_pages(int(self.lengths[active].max()) + self.k, self.page_size, self.max_pages)
+        pages = span_pages(int(self.lengths[active].max()) + self.width, self.page_size, self.max_pages)
         scored = any(r.top_n is not None for r in self.running.values())
         out, n, scores = self._device_step(pages, scored)
         out, n = np.asarray(out), np.asarray(n)
@@ -637,15 +704,15 @@ class Engine:
         if self.busy:
             raise RuntimeError("precompile needs an idle engine; requests are queued or running")
         t0, before = time.perf_counter(), self.compiles
-        longest = self.max_len - self.k - 1  # the longest prompt that leaves room for one token
+        longest = self.max_len - self.width - 1  # the longest prompt that leaves room for one token
         lengths = sorted({self._prefill_len(n) for n in range(1, longest + 1)})
-        spans = sorted({span_pages(t, self.page_size, self.max_pages) for t in range(1 + self.k, self.max_len + 1)})
+        spans = sorted({span_pages(t, self.page_size, self.max_pages) for t in range(1 + self.width, self.max_len + 1)})
         probe = Completion(-1, [0], 1, (), 0)
         variants = (False, True) if logprobs else (False,)
         for length in lengths:
             for scored in variants:
                 probe.prompt_ids, probe.top_n = [0] * min(length, longest), 0 if scored else None
-                self.table.ensure(0, len(probe.prompt_ids) + 1 + self.k)
+                self.table.ensure(0, len(probe.prompt_ids) + 1 + self.width)
                 self._prefill(0, probe)
                 self.table.release(0)
         self.state = self._counted(_set_active, self.state, jnp.zeros(self.slots, bool))
@@ -670,23 +737,26 @@ def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[S
            *, max_len: int, drafter: DFlashDrafter | None = None, block_size: int | None = None,
            stop_ids: Sequence[int] = (), sampling: SamplingConfig | None = None, seeds: Sequence[int] | None = None,
            draft_fn: Callable[[SpecState, int], Any] | None = None,
-           on_token: Callable[[int], None] | None = None) -> list[Completion]:
+           on_token: Callable[[int], None] | None = None, tree_nodes: int | None = None, ngram: bool = False,
+           tree_fn: Callable[[SpecState, int, int], Any] | None = None) -> list[Completion]:
     """Decode `prompts` together, one slot each, through the engine: AR without a drafter, else DFlash at
     `block_size` (default: the drafter's training K). Greedy DFlash equals AR token for token; sampled
     DFlash has AR sampling's distribution.
 
     seeds: one per prompt (default: sampling.seed + index); on_token: called with each new token of a
-    single prompt as the engine emits it (streaming)."""
+    single prompt as the engine emits it (streaming); tree_nodes, ngram, tree_fn: as `Engine` (prompt lookup
+    alone: ngram with block_size and no drafter)."""
     if not prompts:
         raise ValueError("prompts must be a non-empty list of non-empty token lists; received none")
     if on_token is not None and len(prompts) != 1:
         raise ValueError(f"on_token streams one prompt; received {len(prompts)}")
     k = None if drafter is None else (block_size or drafter.arch.block_size)
+    k = block_size if drafter is None and ngram else k
     seeds = [(sampling.seed if sampling else 0) + i for i in range(len(prompts))] if seeds is None else seeds
     if len(seeds) != len(prompts):
         raise ValueError(f"seeds must hold one seed per prompt ({len(prompts)}); received {len(seeds)}")
     engine = Engine(target_params, target_cfg, drafter, slots=len(prompts), max_len=max_len, block_size=k,
-                    draft_fn=draft_fn, sampling=sampling)
+                    draft_fn=draft_fn, sampling=sampling, tree_nodes=tree_nodes, ngram=ngram, tree_fn=tree_fn)
     for prompt, seed in zip(prompts, seeds, strict=True):
         engine.submit(prompt, max_new_tokens, stop_ids, seed=int(seed))
     requests = list(engine.queue)

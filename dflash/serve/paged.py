@@ -293,21 +293,40 @@ class PagedKVCache:
         """This (viewed) cache's pages and lengths over `full`'s page table again."""
         return dataclasses.replace(self, page_table=full.page_table)
 
-    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array,
-                         v: jax.Array) -> tuple[jax.Array, PagedKVCache]:
-        b, chunk = q.shape[:2]
+    def _locate(self, slots_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(page, offset) of token slots [B, T]; a slot past capacity or on the null page gets page
+        `num_pages` (out of range), so a scatter there is dropped."""
         max_pages = self.page_table.shape[1]
-        slots_BxT = self.lengths[:, None] + jnp.arange(chunk)[None, :]
         index_BxT = slots_BxT // self.page_size
         page_BxT = jnp.take_along_axis(self.page_table, jnp.minimum(index_BxT, max_pages - 1), axis=1)
-        # Past capacity or on the null page: point out of range so the scatter drops the write.
         page_BxT = jnp.where((index_BxT < max_pages) & (page_BxT != NULL_PAGE), page_BxT, self.num_pages)
-        offset_BxT = slots_BxT % self.page_size
+        return page_BxT, slots_BxT % self.page_size
+
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> PagedKVCache:
+        """The cache with a chunk's K/V [B, T, Hk, Dh] of `layer` stored at tokens lengths[b] .. lengths[b]+T-1."""
+        chunk = k.shape[1]
+        page_BxT, offset_BxT = self._locate(self.lengths[:, None] + jnp.arange(chunk)[None, :])
         # Scatter only the chunk into the full page arrays: in place in the scan carry (docs/decisions.md D4).
         k_pages = self.k_pages.at[layer, page_BxT, offset_BxT].set(k.astype(self.k_pages.dtype), mode="drop")
         v_pages = self.v_pages.at[layer, page_BxT, offset_BxT].set(v.astype(self.v_pages.dtype), mode="drop")
-        out = self.attention(q, k_pages, v_pages, layer, self.page_table, self.lengths)
-        return out, dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+        return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+
+    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array,
+                         v: jax.Array) -> tuple[jax.Array, PagedKVCache]:
+        cache = self.write(layer, k, v)
+        out = self.attention(q, cache.k_pages, cache.v_pages, layer, self.page_table, self.lengths)
+        return out, cache
+
+    def copy_tokens(self, src_BxT: jax.Array, dst_BxT: jax.Array) -> PagedKVCache:
+        """The cache with token slots `dst` of every layer holding what slots `src` held (all read before any is
+        written, so the two may overlap): a tree step moves its accepted path's K/V onto consecutive slots."""
+        src_page, src_off = self._locate(src_BxT)
+        dst_page, dst_off = self._locate(dst_BxT)
+        src_page = jnp.minimum(src_page, self.num_pages - 1)  # a read of a dropped slot lands on a dropped write
+        k = self.k_pages[:, src_page, src_off]
+        v = self.v_pages[:, src_page, src_off]
+        return dataclasses.replace(self, k_pages=self.k_pages.at[:, dst_page, dst_off].set(k, mode="drop"),
+                                   v_pages=self.v_pages.at[:, dst_page, dst_off].set(v, mode="drop"))
 
     def advance(self, num_tokens: int) -> PagedKVCache:
         return dataclasses.replace(self, lengths=self.lengths + num_tokens)
@@ -315,3 +334,43 @@ class PagedKVCache:
     def rollback(self, lengths: jax.Array) -> PagedKVCache:
         """Forget every token at or after `lengths[b]`; pages stay owned (the host frees finished sequences)."""
         return dataclasses.replace(self, lengths=jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths))
+
+
+def tree_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
+                         page_table_BxM: jax.Array, lengths_B: jax.Array, chunk_visible_BxTxT: jax.Array) -> jax.Array:
+    """`reference_paged_attention` for a chunk that is a token tree: query i sees every cached token before
+    lengths[b] and, of the chunk (written at lengths[b] ..), only the tokens j with chunk_visible[b, i, j]
+    (its ancestors and itself)."""
+    b, t = q_BxTxHxDh.shape[:2]
+    _, _, page_size, hk, dh = k_pages.shape
+    kv_len = page_table_BxM.shape[1] * page_size
+    k_seq = k_pages[layer, page_table_BxM].reshape(b, kv_len, hk, dh)
+    v_seq = v_pages[layer, page_table_BxM].reshape(b, kv_len, hk, dh)
+    rel_BxS = jnp.arange(kv_len)[None, :] - lengths_B[:, None]  # chunk index of each cached token
+    in_chunk_BxS = (rel_BxS >= 0) & (rel_BxS < t)
+    index_BxTxS = jnp.broadcast_to(jnp.clip(rel_BxS, 0, t - 1)[:, None, :], (b, t, kv_len))
+    tree_BxTxS = jnp.take_along_axis(chunk_visible_BxTxT, index_BxTxS, axis=2)
+    visible = (rel_BxS < 0)[:, None, :] | (in_chunk_BxS[:, None, :] & tree_BxTxS)
+    return attend(q_BxTxHxDh, k_seq, v_seq, visible)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeChunkCache:
+    """A `PagedKVCache` whose next chunk is a token tree (`KVCacheLike` for one `forward_cached`): the chunk is
+    written at tokens lengths[b] .. like any chunk, but each of its queries attends only to the committed
+    tokens and its own ancestors (`tree_paged_attention`, the reference path whatever `paged.attention` is).
+    `paged` afterwards holds the whole chunk; the caller keeps the accepted path (`PagedKVCache.copy_tokens`)."""
+
+    paged: PagedKVCache
+    chunk_visible: jax.Array  # [B, T, T] bool: query i sees chunk token j
+
+    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array,
+                         v: jax.Array) -> tuple[jax.Array, TreeChunkCache]:
+        cache = self.paged.write(layer, k, v)
+        out = tree_paged_attention(q, cache.k_pages, cache.v_pages, layer, cache.page_table, cache.lengths,
+                                   self.chunk_visible)
+        return out, dataclasses.replace(self, paged=cache)
+
+    def advance(self, num_tokens: int) -> TreeChunkCache:
+        return dataclasses.replace(self, paged=self.paged.advance(num_tokens))

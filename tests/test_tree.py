@@ -1,0 +1,235 @@
+"""Tree drafting and verification (serve/tree.py; docs/design.md §4.4): the best-first tree holds the most probable
+paths, greedy tree decoding equals AR token for token (fp32, CPU) at several budgets and batch sizes with requests
+joining and leaving, sampled tree decoding has the target's distribution (chi-square), prompt lookup alone and
+merged into the tree stays exact.
+
+The tiny random target (vocab 256) and an untrained drafter, whose trees are mostly rejected; an oracle gives
+ranked lists whose right token is never the first choice, so accepted paths run through siblings.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_engine_models
+
+from dflash.serve.engine import Engine, decode
+from dflash.serve.sampling import SamplingConfig
+from dflash.serve.tree import build_tree, ngram_continuation
+
+TRAIN_K = 8
+MAX_LEN = 128
+NEW = 20
+
+
+def test_best_first_tree_holds_the_most_probable_paths():
+    """The N - 1 non-root nodes are exactly the N - 1 most probable paths of the product of the per-depth lists
+    (brute force over every path), parents come before children, siblings in rank order."""
+    rng = np.random.default_rng(3)
+    d, m, nodes = 3, 4, 14
+    logp = -np.sort(rng.exponential(1.0, size=(2, d, m)), axis=-1)  # descending at each depth
+    ids = rng.permutation(256)[: 2 * d * m].reshape(2, d, m)
+    tree = build_tree(jnp.asarray(ids, jnp.int32), jnp.asarray(logp, jnp.float32), jnp.asarray([7, 9]), nodes)
+    token, parent, depth = (np.asarray(a) for a in (tree.token, tree.parent, tree.depth))
+    for b in range(2):
+        paths = {}
+        for length in range(1, d + 1):
+            for ranks in itertools.product(range(m), repeat=length):
+                paths[tuple(int(ids[b, i, r]) for i, r in enumerate(ranks))] = sum(logp[b, i, r]
+                                                                                   for i, r in enumerate(ranks))
+        want = sorted(paths, key=paths.get, reverse=True)[: nodes - 1]
+        got = []
+        for i in range(1, nodes):
+            assert 0 <= parent[b, i] < i and depth[b, i] == depth[b, parent[b, i]] + 1
+            path, j = [], i
+            while j > 0:
+                path.append(int(token[b, j]))
+                j = parent[b, j]
+            got.append(tuple(path[::-1]))
+        assert sorted(got) == sorted(want) and token[b, 0] == [7, 9][b] and parent[b, 0] == -1
+        for i in range(1, nodes):  # siblings in rank order: an elder sibling's token ranks higher at its depth
+            for j in range(i + 1, nodes):
+                if parent[b, i] == parent[b, j]:
+                    row = list(ids[b, depth[b, i] - 1])
+                    assert row.index(token[b, i]) < row.index(token[b, j])
+
+
+def test_an_extra_path_merges_as_a_trie():
+    """A lookup path sharing its first token with a drafter node follows that node and adds the rest as new
+    nodes; a path of length 0 adds nothing (its nodes stay unused: no parent)."""
+    ids = jnp.asarray([[[5, 6], [8, 9]]] * 2, jnp.int32)
+    logp = jnp.log(jnp.asarray([[[0.6, 0.4], [0.7, 0.3]]] * 2, jnp.float32))
+    tree = build_tree(ids, logp, jnp.asarray([1, 1]), 6, jnp.asarray([[5, 3], [4, 4]]), jnp.asarray([2, 0]))
+    token, parent = np.asarray(tree.token), np.asarray(tree.parent)
+    # drafter nodes: 5 (p .6), 5-8 (.42), 6 (.4); lookup [5, 3]: follows node 1, adds 3 under it
+    assert token[0].tolist()[:4] == [1, 5, 8, 6] and parent[0].tolist()[:4] == [-1, 0, 1, 0]
+    assert token[0, 5] == 3 and parent[0, 5] == 1 and parent[0, 4] == -1
+    assert parent[1, 4:].tolist() == [-1, -1]
+
+
+def test_ngram_continuation_takes_the_latest_longest_match():
+    assert ngram_continuation([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]
+    assert ngram_continuation([4, 5, 6, 4], 2) == [5, 6]
+    assert ngram_continuation([1, 2, 3], 4) == []
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target_cfg, target_params, drafter = tiny_engine_models(TRAIN_K)
+    rng = np.random.default_rng(0)
+    # the last prompt repeats itself, so prompt lookup finds matches
+    prompts = [list(rng.integers(0, 255, size=n)) for n in (5, 17, 9)] + [[3, 4, 5, 6, 7] * 4]
+    ar = [decode(target_params, target_cfg, [p], NEW, max_len=MAX_LEN)[0].token_ids for p in prompts]
+    return target_cfg, target_params, drafter, prompts, ar
+
+
+def _oracle_lists(prompts, ar):
+    """Ranked lists whose right token (read from AR) is second at every depth, just behind a wrong one, with a
+    third, unlikely choice: a binary best-first tree, so an accepted path always runs through siblings."""
+    def lists(state, k, m):
+        lengths, pending = np.asarray(state.lengths), np.asarray(state.pending)
+        ids = np.zeros((len(pending), k - 1, m), np.int32)
+        logp = np.full((len(pending), k - 1, m), -30.0, np.float32)
+        logp[:, :, 0], logp[:, :, 1], logp[:, :, 2:] = -0.69, -0.70, -20.0
+        for b in range(len(pending)):
+            ids[b] = np.arange(m)[None, :] + 100
+            done = int(lengths[b]) - len(prompts[b % len(prompts)])
+            ref = ar[b % len(ar)]
+            for i in range(1, k):
+                right = ref[done + i] if 0 <= done and done + i < len(ref) else 0
+                ids[b, i - 1, 0], ids[b, i - 1, 1] = (right + 1) % 256, right
+                ids[b, i - 1, 2:] = [(right + 2 + j) % 256 for j in range(m - 2)]
+        return ids, logp
+    return lists
+
+
+@pytest.mark.parametrize("nodes, ngram", [(5, False), pytest.param(12, True, marks=pytest.mark.slow)])
+def test_greedy_tree_equals_ar_batch_4(setup, nodes, ngram):
+    target_cfg, target_params, drafter, prompts, ar = setup
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=TRAIN_K,
+                     tree_nodes=nodes, ngram=ngram)
+    for res, ref in zip(results, ar, strict=True):
+        assert res.token_ids == ref
+        assert sum(a + 1 for a in res.accepted) == len(res.token_ids) - 1
+
+
+def test_greedy_tree_follows_siblings_and_equals_ar(setup):
+    """Oracle lists with the right token second: 16 nodes form a binary tree 3 levels deep (plus one node),
+    so every full step accepts 3 drafts, each through a second child."""
+    target_cfg, target_params, drafter, prompts, ar = setup
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=TRAIN_K,
+                     tree_nodes=16, tree_fn=_oracle_lists(prompts, ar))
+    for res, ref in zip(results, ar, strict=True):
+        assert res.token_ids == ref
+        assert all(a == 3 for a in res.accepted[:-1]) and res.accepted[-1] <= 3
+
+
+def test_tree_requests_joining_and_leaving_equal_ar(setup):
+    """Two slots, four requests of different budgets (a stop token in one): requests join as others leave,
+    and each output equals AR alone."""
+    target_cfg, target_params, drafter, prompts, ar = setup
+    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=TRAIN_K, tree_nodes=12,
+                    ngram=True)
+    budgets = [NEW, 7, 13, NEW]
+    stop = ar[2][4]
+    ids = [engine.submit(p, n, stop_ids=(stop,) if i == 2 else ()) for i, (p, n) in enumerate(zip(prompts, budgets,
+                                                                                                    strict=True))]
+    done = engine.run()
+    for i, rid in enumerate(ids):
+        want = ar[i][: budgets[i]]
+        if i == 2 and stop in want:
+            want = want[: want.index(stop) + 1]
+        assert done[rid].token_ids == want
+    assert engine.pool.num_free == engine.pool.num_usable
+
+
+def test_prompt_lookup_alone_equals_ar(setup):
+    """No drafter: the chain's drafts are the lookup continuation; the output equals AR and each step accepts
+    exactly the continuation's prefix that AR agrees with (replayed here from the AR reference)."""
+    target_cfg, target_params, _, prompts, ar = setup
+    k = 4
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, block_size=k, ngram=True)
+    for prompt, res, ref in zip(prompts, results, ar, strict=True):
+        assert res.token_ids == ref
+        want, pos = [], 0  # ref[pos] is the pending token
+        while pos < len(ref) - 1:
+            drafts = ngram_continuation(prompt + ref[:pos + 1], k - 1)
+            n = 0
+            while n < len(drafts) and pos + 1 + n < len(ref) and drafts[n] == ref[pos + 1 + n]:
+                n += 1
+            n = min(n, len(ref) - 2 - pos)  # the budget cuts the last step
+            want.append(n)
+            pos += n + 1
+        assert res.accepted == want
+    assert sum(sum(r.accepted) for r in results) > 0
+
+
+def test_sampled_tree_has_the_target_distribution(setup):
+    """T=1, top-k 3: the joint law of the first three tokens (prefill, then one tree step) equals the target's
+    exact law (chi-square over the 27 cells, 4000 draws). The tree (7 nodes): a child outside the support first,
+    then two of the target's tokens, the first two children with children of their own, so rejection, acceptance
+    of a later sibling and the depth-2 walk all occur."""
+    from scipy.stats import chisquare
+
+    from dflash.models.decoder import forward
+    from dflash.serve.sampling import filtered_logprobs
+
+    target_cfg, target_params, drafter, _, _ = setup
+    sampling = SamplingConfig(temperature=1.0, top_k=3)
+    prompt = [11, 42, 7, 99, 3, 150]
+
+    def law(tokens):
+        logits, _ = forward(target_params, target_cfg, jnp.asarray([tokens]))
+        return np.exp(np.asarray(filtered_logprobs(logits[0, -1], sampling), np.float64))
+
+    p1 = law(prompt)
+    firsts = [int(t) for t in np.flatnonzero(p1 > 0)]
+    p2 = {a: law(prompt + [a]) for a in firsts}
+    p3 = {(a, b): law(prompt + [a, b]) for a in firsts for b in np.flatnonzero(p2[a] > 0).tolist()}
+    cells = [(a, b, c) for (a, b), p in p3.items() for c in np.flatnonzero(p > 0).tolist()]
+    expected = np.array([p1[a] * p2[a][b] * p3[(a, b)][c] for a, b, c in cells])
+    second = {a: [int(t) for t in np.argsort(-p2[a])[:2]] for a in firsts}
+    third = {a: [int(t) for t in np.argsort(-p3[(a, second[a][0])])[:2]] for a in firsts}
+    outside = {a: int(np.flatnonzero(p2[a] == 0)[0]) for a in firsts}
+
+    def lists(state, k, m):
+        pending = np.asarray(state.pending)
+        ids = np.zeros((len(pending), k - 1, m), np.int32)
+        logp = np.full((len(pending), k - 1, m), -30.0, np.float32)
+        logp[:, 0, :3] = [-0.1, -1.0, -2.0]
+        logp[:, 1, :2] = [-0.5, -1.5]
+        for b, a in enumerate(pending.tolist()):
+            if a in second:
+                ids[b, 0, :3] = [outside[a], second[a][1], second[a][0]]
+                ids[b, 1, :2] = third[a]
+        return ids, logp
+
+    n = 4000  # a budget of 3: the prefill's token, then one step's first two
+    results = decode(target_params, target_cfg, [prompt] * n, 3, max_len=32, drafter=drafter, block_size=3,
+                     tree_nodes=7, tree_fn=lists, sampling=sampling, seeds=list(range(n)))
+    triples = [tuple(r.token_ids[:3]) for r in results]
+    observed = np.array([sum(1 for t in triples if t == c) for c in cells])
+    assert observed.sum() == n, "a sequence outside the target's support was sampled"
+    stat = chisquare(observed, expected / expected.sum() * n)
+    assert stat.pvalue > 1e-3, (stat, list(zip(cells, observed, (expected * n).round(1), strict=True)))
+    accepted = np.array([r.accepted[0] for r in results])
+    assert 0.1 < np.mean(accepted) < 0.9, "both acceptance and rejection must be exercised"
+    through_sibling = [r.accepted[0] > 0 and r.token_ids[1] != second[r.token_ids[0]][1] for r in results]
+    assert np.mean(through_sibling) > 0.05, "a later sibling must be accepted after an earlier one's rejection"
+
+
+@pytest.mark.slow  # ~40 s of compiles
+def test_after_precompile_tree_requests_compile_nothing(setup):
+    target_cfg, target_params, drafter, prompts, _ = setup
+    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=48, block_size=4, page_size=8,
+                    tree_nodes=6, ngram=True)
+    count, _ = engine.precompile()
+    assert count == engine.compiles > 0
+    for i, p in enumerate(prompts):
+        engine.submit(p[:20], 10, seed=i, logprobs=2 if i % 2 else None,
+                      sampling=SamplingConfig(temperature=0.8) if i % 3 == 0 else None)
+    done = engine.run()
+    assert len(done) == 4 and engine.compiles == count
