@@ -157,6 +157,10 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
             f"be a multiple of mesh data x fsdp = {batch_divisor(mesh)}")
     require(cfg.batch_size % jax.process_count() == 0, "train.batch_size", cfg.batch_size,
             f"be a multiple of the process count {jax.process_count()}")
+    objective = make_objective(cfg, arch)
+    require(not objective.divergences or data.labels == "soft", "train.loss", cfg.loss,
+            f"be ce alone unless data.labels=soft (the other terms compare the drafter's distribution with the "
+            f"target's stored top-k; data.labels is {data.labels!r})")
     compute_dtype = jnp.dtype(cfg.compute_dtype)
     target_params = place(cast_floats(target.params, compute_dtype), TARGET_RULES, mesh)
     examples = build_examples(data, target.tokenizer) if cfg.head_vocab or data.features == "online" else None
@@ -172,7 +176,7 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
     batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples)
     return TrainRun(target=target, target_params=target_params, head=head, arch=arch, mesh=mesh,
                     optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),
-                    objective=make_objective(cfg, arch), compute_dtype=compute_dtype,
+                    objective=objective, compute_dtype=compute_dtype,
                     batches=batches, data_fingerprint=data_fingerprint, draft_vocab=vocab)
 
 
@@ -247,9 +251,10 @@ def curriculum_phases(cfg: TrainConfig, arch: DrafterArch) -> list[Phase]:
 
 
 def make_objective(cfg: TrainConfig, arch: DrafterArch) -> Objective:
-    """The loss `train` configures (gamma 0 = by block size)."""
-    return Objective(kind=cfg.loss, gamma=cfg.gamma or default_gamma(arch.block_size), dpace_alpha=cfg.dpace_alpha,
-                     head_chunk=cfg.head_chunk, feature_noise=cfg.feature_noise)
+    """The loss `train` configures (gamma 0 = by block size): its terms (`train.loss`) and weighting."""
+    return Objective(kind=cfg.weighting, gamma=cfg.gamma or default_gamma(arch.block_size),
+                     dpace_alpha=cfg.dpace_alpha, head_chunk=cfg.head_chunk, feature_noise=cfg.feature_noise,
+                     terms=cfg.loss_terms, opd_gamma=cfg.opd_gamma)
 
 
 def drafter_graphdef(arch: DrafterArch, compute_dtype: Any = jnp.float32) -> nnx.GraphDef:
