@@ -194,8 +194,8 @@ def test_a_sampled_eval_records_its_rule_and_is_the_engine_sampling_with_those_s
 def test_sampled_reports_do_not_compare_replies():
     records = [_reply("dflash", "gsm8k:1", 0, "the answer is 7", [2], 0.05),
                _reply("ar", "gsm8k:1", 0, "the answer is 8", [], 0.10)]
-    meta = {"environment": {}, "target": {"model": "m"}, "drafter": {},
-            "settings": {"block_size": 4, "temperature": 0.7, "top_p": 1.0}}
+    settings = dataclasses.asdict(EvalSettings(sets=("gsm8k",), limit=1, temperature=0.7))
+    meta = {"environment": {}, "target": {"model": "m"}, "drafter": {}, "settings": {**settings, "block_size": 4}}
     r = summarize(records, ["gsm8k"], [1], 4, {}, meta, compare=False)
     assert r["sets"]["gsm8k"]["mismatches"] is None and r["headline"]["mismatches"] is None
     assert headline_line(r).endswith("K=4, sampled at T=0.7)")
