@@ -183,7 +183,7 @@ def test_soft_labels_are_captured_and_trained_on(data_dir, tmp_path, capsys):
     logged = [json.loads(line) for line in (tmp_path / "mix" / "metrics.jsonl").read_text().splitlines()]
     assert any({"loss/ce", "loss/tv", "loss/opd"} <= set(r) for r in logged)
     assert main(["train", *_args(data_dir), f"train.run_dir={tmp_path / 'bad3'}", "train.loss=tv",
-                 "--no-progress"]) == 2
+                 "train.batch_size=8", "--no-progress"]) == 2
     assert "train.loss must be ce alone unless data.labels=soft" in capsys.readouterr().err
     assert main(["train", *_args(soft_dir), "data.features=offline", "data.labels=soft", "data.soft_topk=8",
                  f"train.run_dir={tmp_path / 'bad'}", "train.batch_size=8", "--no-progress"]) == 2

@@ -148,6 +148,10 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
 def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterArch) -> TrainRun:
     """The mesh of `train.mesh` (the global batch size checked against it), the target placed on it in the
     compute dtype, this host's batches of `data`, the optimizer and the drafter's graph."""
+    objective = make_objective(cfg, arch)
+    require(not objective.divergences or data.labels == "soft", "train.loss", cfg.loss,
+            f"be ce alone unless data.labels=soft (the other terms compare the drafter's distribution with the "
+            f"target's stored top-k; data.labels is {data.labels!r})")
     if target.cfg.num_layers - 1 in arch.layer_ids:
         log.warning("drafter.layer_ids %s include the target's last layer %d: vLLM and SGLang feed HF "
                     "hidden_states[L], which is post-final-norm, while this trainer uses the pre-norm output; "
@@ -157,10 +161,6 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
             f"be a multiple of mesh data x fsdp = {batch_divisor(mesh)}")
     require(cfg.batch_size % jax.process_count() == 0, "train.batch_size", cfg.batch_size,
             f"be a multiple of the process count {jax.process_count()}")
-    objective = make_objective(cfg, arch)
-    require(not objective.divergences or data.labels == "soft", "train.loss", cfg.loss,
-            f"be ce alone unless data.labels=soft (the other terms compare the drafter's distribution with the "
-            f"target's stored top-k; data.labels is {data.labels!r})")
     compute_dtype = jnp.dtype(cfg.compute_dtype)
     target_params = place(cast_floats(target.params, compute_dtype), TARGET_RULES, mesh)
     examples = build_examples(data, target.tokenizer) if cfg.head_vocab or data.features == "online" else None
