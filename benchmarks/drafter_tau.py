@@ -1,8 +1,9 @@
-"""Drafters side by side on the same held-out prompts: real greedy τ of the engine per set, per drafter.
+"""Drafters side by side on the same held-out prompts: real τ of the engine per set, per drafter, greedy or sampled.
 
     .venv/bin/python benchmarks/drafter_tau.py --config smollm2 \
         --drafter shipped=dflash/data/assets/drafters/smollm2-dflash --drafter mix2=runs/mix2 \
-        [--sets gsm8k,mtbench,humaneval,math500,mbpp] [--skip 8] [--per-set 6] [--tokens 128] [--write] [--json F]
+        [--sets gsm8k,mtbench,humaneval,math500,mbpp] [--skip 8] [--per-set 6] [--tokens 128] \\
+        [--temperature T [--top-p P] [--seed S]] [--write] [--json F]
 
 A drafter is NAME=PATH[@STEP]: an exported directory, or a run dir (latest checkpoint, a step, or `best`).
 Every drafter decodes the same prompts (items `--skip` .. `--skip + --per-set - 1` of each set, first turn,
@@ -10,7 +11,10 @@ greedy, in one batch) with the serving engine and the recipe's target, so the co
 the target and the engine fixed. The default `--skip 8` leaves out the items that training's in-loop
 evaluation (`train.eval_prompts`, the first 2) and `dflash eval` (`--limit`, default 8) look at, so a
 drafter picked by either is not measured on the prompts it was picked on. τ is deterministic for greedy
-decoding, so unlike a speed ratio it can be compared across runs and machines. `--write` records the table
+decoding, so unlike a speed ratio it can be compared across runs and machines. With `--temperature` T > 0 the
+prompts are sampled (lossless speculative sampling: the output has the target's sampling distribution), prompt i
+seeded `--seed` + i, so a drafter's τ at T is reproducible on one machine; it varies with the seed, so compare
+drafters at the same seed and enough prompts. `--write` records the table
 in a study page under a section named after the drafters (`--page`, default a new dated page in docs/studies/).
 """
 
@@ -43,6 +47,9 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=8, help="items left out at the start of each set")
     parser.add_argument("--per-set", type=int, default=6, help="prompts per set")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (default 1: off)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (default 0)")
     parser.add_argument("--write", action="store_true", help="record the table in a study page (see --page)")
     parser.add_argument("--page", type=Path, default=None,
                         help="with --write: the study page to add the section to (default: a new dated page "
@@ -52,28 +59,34 @@ def main() -> None:
     args = parser.parse_args()
     if args.skip < 0 or args.per_set < 1 or args.tokens < 1:
         parser.error("--skip must be >= 0, --per-set and --tokens >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        parser.error("--temperature must be >= 0 and --top-p lie in (0, 1]")
 
     from benchmarks._report import machine, write_study
     from dflash.configs.recipe import load_recipe
     from dflash.models.drafter_io import load_drafter
     from dflash.models.target import load_target
+    from dflash.serve.config import SamplingConfig
     from dflash.train.real_eval import eval_prompts, real_tau
 
     recipe = load_recipe(args.config)
     target = load_target(recipe.target)
     sets = [s for s in args.sets.split(",") if s]
     prompts = eval_prompts(target.tokenizer, sets, args.per_set, skip=args.skip)
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed) \
+        if args.temperature > 0 else None
     rows = []
     for name, path, step in args.drafter:
         drafter = load_drafter(path, target.cfg, step=step)
-        found = real_tau(target, drafter, prompts, args.tokens)
+        found = real_tau(target, drafter, prompts, args.tokens, sampling)
         rows.append({"name": name, "path": path, "step": step, "block_size": drafter.arch.block_size, **found})
         print(json.dumps(rows[-1]), flush=True)
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"sets": sets, "skip": args.skip, "per_set": args.per_set,
-                                         "tokens": args.tokens, "rows": rows}, indent=1) + "\n")
+                                         "tokens": args.tokens, "temperature": args.temperature,
+                                         "top_p": args.top_p, "seed": args.seed, "rows": rows}, indent=1) + "\n")
     lines = ["| drafter | K | real τ | " + " | ".join(f"τ {s}" for s in sets) + " | acceptance by position |",
              "|---|---|---|" + "---|" * len(sets) + "---|"]
     for r in rows:
@@ -82,14 +95,20 @@ def main() -> None:
         lines.append(f"| {r['name']} (`{where}`) | {r['block_size']} | {r['tau']:.2f} | "
                      + " | ".join(f"{r[f'tau/{s}']:.2f}" for s in sets) + f" | {accept} |")
     command = shlex.join([".venv/bin/python", "benchmarks/drafter_tau.py", *sys.argv[1:]])
-    body = "\n".join([f"## Drafters on held-out prompts: {' vs '.join(r['name'] for r in rows)}", "",
+    how = "greedy" if sampling is None else (f"sampled at temperature {args.temperature:g}"
+                                             + (f", top-p {args.top_p:g}" if args.top_p < 1 else "")
+                                             + f", prompt i seeded {args.seed} + i")
+    at = "" if sampling is None else f" at temperature {args.temperature:g}"
+    body = "\n".join([f"## Drafters on held-out prompts{at}: {' vs '.join(r['name'] for r in rows)}", "",
                       f"`{command}` on {machine()}; target of recipe `{args.config}`; items {args.skip}-"
-                      f"{args.skip + args.per_set - 1} of each set (first turn), greedy, {args.tokens} new tokens, "
+                      f"{args.skip + args.per_set - 1} of each set (first turn), {how}, {args.tokens} new tokens, "
                       "one batch through the serving engine; τ = (accepted + 1) per verify step, pooled.", "",
                       *lines])
     print(body)
     if args.write:
-        print(f"written to {write_study('drafter_tau_' + '_'.join(r['name'] for r in rows), body, args.page)}")
+        key = "drafter_tau_" + "_".join(r["name"] for r in rows) + ("" if sampling is None else
+                                                                    f"_t{args.temperature:g}")
+        print(f"written to {write_study(key, body, args.page)}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Training choices measured by real τ at equal compute: one short `dflash train` run per variant of a recipe.
 
     .venv/bin/python benchmarks/training_study.py --recipe smollm2 --block-tokens 600000 \
-        --variant decay: --variant dpace:train.loss=dpace [--eval-tokens 64] [--eval-prompts 2] [--write]
+        --variant decay: --variant dpace:train.weighting=dpace [--eval-tokens 64] [--eval-prompts 2] [--write]
     .venv/bin/python benchmarks/training_study.py --recipe smollm2 --block-tokens 600000 \
         --variant K8:drafter.block_size=8 --variant K16:drafter.block_size=16 --variant K32:drafter.block_size=32
 

@@ -159,7 +159,8 @@ def test_target_labels_are_captured_and_trained_on(data_dir, tmp_path, capsys):
 @pytest.mark.e2e
 def test_soft_labels_are_captured_and_trained_on(data_dir, tmp_path, capsys):
     """data.labels=soft: the capture stores the target's top-k, offline training (padded and packed rows)
-    distils it, and a capture of another k or without it is refused before any step."""
+    distils it, a fine-tune of that drafter with a mix of distribution losses runs and logs each term, those
+    terms are refused without soft labels, and a capture of another k or without it is refused before any step."""
     soft_dir = tmp_path / "soft"
     soft_dir.mkdir()
     shutil.copy(data_dir / "regenerated.jsonl", soft_dir)
@@ -173,6 +174,17 @@ def test_soft_labels_are_captured_and_trained_on(data_dir, tmp_path, capsys):
                "train.batch_size=8", "train.steps=2", "--no-progress"]
         assert main(run) == 0
         assert "trained 2 steps (to step 2)" in capsys.readouterr().out
+    # the distribution losses fine-tune that drafter (train.init_from) on the same soft labels, each term logged
+    mix = ["train", *_args(soft_dir), *soft, f"train.run_dir={tmp_path / 'mix'}", "train.batch_size=8",
+           "train.steps=2", f"train.init_from={tmp_path / 'run0'}", "train.loss=ce:0.1,tv:0.9,opd:0.5",
+           "train.weighting=dpace", "--no-progress"]
+    assert main(mix) == 0
+    assert "trained 2 steps (to step 2)" in capsys.readouterr().out
+    logged = [json.loads(line) for line in (tmp_path / "mix" / "metrics.jsonl").read_text().splitlines()]
+    assert any({"loss/ce", "loss/tv", "loss/opd"} <= set(r) for r in logged)
+    assert main(["train", *_args(data_dir), f"train.run_dir={tmp_path / 'bad3'}", "train.loss=tv",
+                 "train.batch_size=8", "--no-progress"]) == 2
+    assert "train.loss must be ce alone unless data.labels=soft" in capsys.readouterr().err
     assert main(["train", *_args(soft_dir), "data.features=offline", "data.labels=soft", "data.soft_topk=8",
                  f"train.run_dir={tmp_path / 'bad'}", "train.batch_size=8", "--no-progress"]) == 2
     assert "target_topk: manifest 4, run 8" in capsys.readouterr().err

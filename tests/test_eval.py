@@ -4,6 +4,7 @@ statistics on known records."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 from flax import nnx
 
 from dflash.configs.recipe import load_recipe
-from dflash.eval.report import final_answer, summarize
+from dflash.eval.report import final_answer, headline_line, render_markdown, summarize
 from dflash.eval.run import EvalSettings, RecordStore, evaluate
 from dflash.eval.servers import serve_in_process
 from dflash.models.drafter import DFlashDrafter
@@ -156,6 +157,56 @@ def test_a_rerun_against_another_drafter_measures_it_again(tiny, served, tmp_pat
     # 3 replies, the wall time and the compile count of the timed region
     assert sorted(k[0] for k in RecordStore(legacy).records if k[1] == "dflash") == ["compiles", *["reply"] * 3,
                                                                                      "wall"]
+
+
+def test_a_sampled_eval_records_its_rule_and_is_the_engine_sampling_with_those_seeds(tiny, served, tmp_path):
+    """`temperature` > 0: every request is sampled with its own stable seed (the same for both modes), results.json
+    records the rule, replies are not compared with AR (mismatches None), and each DFlash first turn's acceptance
+    equals an in-process sampled decode of the prompt with that seed; a greedy run in the same directory drops
+    the sampled records instead of reporting them."""
+    from dflash.serve.config import SamplingConfig
+
+    recipe, target, drafter, _ = tiny
+    _, _, _, (url, ar_url, settings) = served
+    sampled = dataclasses.replace(settings, temperature=1.0, top_p=0.9, seed=7)
+    results, paths = evaluate(url, ar_url, sampled, tmp_path, progress=False)
+    assert {k: results["settings"][k] for k in ("temperature", "top_p", "seed")} == {"temperature": 1.0,
+                                                                                    "top_p": 0.9, "seed": 7}
+    assert results["headline"]["mismatches"] is None and "T=1 top-p 0.9" in paths["report.md"].read_text()
+    records = [r for r in RecordStore(tmp_path / "records.jsonl").records.values() if r["kind"] == "reply"]
+    tok = target.tokenizer
+    from dflash.data.eval_sets import load_eval_set
+
+    items = {i.id: i for name in ("gsm8k", "mtbench") for i in load_eval_set(name, 1)}
+    firsts = [r for r in records if r["mode"] == "dflash" and r["turn"] == 0]
+    assert len(firsts) == 2
+    for r in firsts:
+        prompt = tok.encode_chat([{"role": "user", "content": items[r["id"]].turns[0]}], add_generation_prompt=True)
+        [local] = decode(target.params, target.cfg, [prompt], NEW, max_len=recipe.target.max_seq_len,
+                         drafter=drafter, stop_ids=tok.stop_token_ids,
+                         sampling=SamplingConfig(temperature=1.0, top_p=0.9),
+                         seeds=[sampled.request_seed(r["id"], 0)])
+        assert r["accepted"] == local.accepted and r["tokens"] == len(local.token_ids), r["id"]
+    greedy, _ = evaluate(url, ar_url, settings, tmp_path, progress=False)
+    assert greedy["headline"]["mismatches"] == 0 and greedy["settings"]["temperature"] == 0.0
+
+
+def test_sampled_reports_do_not_compare_replies():
+    records = [_reply("dflash", "gsm8k:1", 0, "the answer is 7", [2], 0.05),
+               _reply("ar", "gsm8k:1", 0, "the answer is 8", [], 0.10)]
+    settings = dataclasses.asdict(EvalSettings(sets=("gsm8k",), limit=1, temperature=0.7))
+    meta = {"environment": {}, "target": {"model": "m"}, "drafter": {}, "settings": {**settings, "block_size": 4}}
+    r = summarize(records, ["gsm8k"], [1], 4, {}, meta, compare=False)
+    assert r["sets"]["gsm8k"]["mismatches"] is None and r["headline"]["mismatches"] is None
+    assert headline_line(r).endswith("K=4, sampled at T=0.7)")
+    assert "not compared" in render_markdown(r)
+    with pytest.raises(ValueError, match="temperature"):
+        EvalSettings(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        EvalSettings(temperature=1.0, top_p=0.0)
+    assert EvalSettings().request_seed("gsm8k:0", 0) is None
+    one = EvalSettings(temperature=1.0, seed=3)
+    assert one.request_seed("gsm8k:0", 1) == one.request_seed("gsm8k:0", 1) != one.request_seed("gsm8k:0", 0)
 
 
 def _reply(mode, item, turn, text, accepted, tpot):

@@ -126,6 +126,33 @@ def test_a_resumed_run_compares_with_the_recorded_best_and_replaces_it_whole(run
                         _checkpoint_params(run_dir, STEPS), "new best")
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_eval_temperature_logs_sampled_tau_beside_the_greedy_one(runs, smollm2_target, tmp_path):
+    """train.eval_temperature > 0: the same prompts also decoded sampled at that temperature (seeded from
+    train.seed), logged as eval/real_tau_t[/<set>] and equal to `real_tau` with that rule; the greedy metrics and
+    the best drafter's criterion are unchanged."""
+    from dflash.serve.config import SamplingConfig
+
+    run_dir = shutil.copytree(runs[0].run_dir, tmp_path / "run")
+    recipe = load_recipe("tiny", [*COMMON, f"train.eval_every={EVERY}", f"train.run_dir={run_dir}",
+                                  "train.eval_temperature=0.8"])
+    graphdef = drafter_graphdef(smollm2_target.drafter_arch(recipe.drafter))
+    params = nnx.state(load_drafter(run_dir, smollm2_target.cfg, step=STEPS), nnx.Param)
+    greedy = RealTauEval(_recipe(run_dir, EVERY).train, smollm2_target, graphdef, run_dir)(STEPS, params)
+    both = RealTauEval(recipe.train, smollm2_target, graphdef, run_dir)(STEPS, params)
+    assert {k: v for k, v in both.items() if not k.startswith("eval/real_tau_t") and k != "eval/seconds"} == \
+        {k: v for k, v in greedy.items() if k != "eval/seconds"}
+    prompts = eval_prompts(smollm2_target.tokenizer, recipe.train.eval_sets, 1)
+    drafter = load_drafter(run_dir, smollm2_target.cfg, step=STEPS)
+    rule = SamplingConfig(temperature=0.8, seed=recipe.train.seed)
+    sampled = real_tau(smollm2_target, drafter, prompts, TOKENS, rule)
+    assert both["eval/real_tau_t"] == sampled["tau"] and both["eval/real_tau_t/temperature"] == 0.8
+    assert {k.removeprefix("eval/real_tau_t/") for k in both if k.startswith("eval/real_tau_t/")} == \
+        {"gsm8k", "mtbench", "humaneval", "temperature"}
+    assert json.loads((run_dir / "best" / "best.json").read_text())["tau"] >= both["eval/tau"]  # greedy criterion
+
+
 def test_a_missing_best_drafter_says_to_set_eval_every(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "best")) + r".*train\.eval_every"):

@@ -92,10 +92,12 @@ class Client:
         """The id of the served model (`GET /v1/models`)."""
         return self.get("/v1/models")["data"][0]["id"]
 
-    def chat(self, model: str, messages: list[dict[str, str]], max_tokens: int) -> Reply:
-        """One greedy streamed chat completion."""
-        body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                           "stream": True})
+    def chat(self, model: str, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None) -> Reply:
+        """One streamed chat completion: greedy, or sampled at `temperature` (> 0) with `top_p` and `seed`."""
+        sampled = {"top_p": top_p, **({"seed": seed} if seed is not None else {})} if temperature > 0 else {}
+        body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
+                           "temperature": temperature, **sampled, "stream": True})
         conn = self._conn()
         sent = time.perf_counter()
         try:

@@ -10,11 +10,14 @@ A warm-up request per set (not recorded) lets each server compile first (a `dfla
 shape at start-up anyway); the engine's compile count (`dflash_compiles_total` at /metrics) is read before and
 after each timed segment, and results.json records the difference per mode (`compiles`; it must be 0). Each
 conversation's turns go one after another (MT-Bench's second turn follows the model's own first answer);
-conversations run `concurrency` at a time. Every reply is one fsynced JSONL line keyed by (mode, concurrency,
+conversations run `concurrency` at a time. With `temperature` > 0 every request is sampled (top_p; turn t of
+item i seeded from `seed`, the item id and t, the same seed for DFlash and AR); sampled replies are not compared
+with AR's (lossless speculative sampling gives the target's distribution, not its draws: that rests on the
+engine's sampled-decoding tests). Every reply is one fsynced JSONL line keyed by (mode, concurrency,
 item id, turn), so a rerun into the same directory sends only what is missing. Each mode's records start with
-the setup they were made with (the server's model, K, drafter fingerprint and the token budget): a rerun
-against another drafter, or with another budget, drops that mode's old records instead of reporting them as
-its own.
+the setup they were made with (the server's model, K, drafter fingerprint, the token budget and the sampling
+settings): a rerun against another drafter, with another budget or another sampling rule, drops that mode's old
+records instead of reporting them as its own.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,12 +45,30 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
-    """What to send: prompt sets, items per set, new tokens per turn, client concurrencies."""
+    """What to send: prompt sets, items per set, new tokens per turn, client concurrencies, and the sampling rule
+    (temperature 0: greedy; top_p with temperature > 0; seed: the base of each request's seed)."""
 
     sets: tuple[str, ...] = ("gsm8k", "mtbench")
     limit: int = 8
     max_new_tokens: int = 256
     concurrency: tuple[int, ...] = (1,)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling settings a mode's records are made with (part of its setup)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed} if not self.greedy \
+            else {"temperature": 0.0}
+
+    def request_seed(self, item_id: str, turn: int) -> int | None:
+        """The seed of turn `turn` of item `item_id` (None when greedy): stable across runs and modes."""
+        return None if self.greedy else (self.seed + zlib.crc32(f"{item_id}#{turn}".encode())) % (1 << 31)
 
     def __post_init__(self) -> None:
         if not self.sets:
@@ -55,6 +77,10 @@ class EvalSettings:
             raise ValueError(f"limit and max_new_tokens must be >= 1; received {self.limit}, {self.max_new_tokens}")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency must list integers >= 1; received {self.concurrency}")
+        if not (self.temperature >= 0 and self.temperature < float("inf")):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy); received {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1]; received {self.top_p}")
 
 
 class RecordStore:
@@ -113,12 +139,13 @@ class RecordStore:
                 os.fsync(f.fileno())
 
 
-def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurrency: int, max_new_tokens: int,
+def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurrency: int, settings: EvalSettings,
                   store: RecordStore, bar: tqdm) -> None:
     messages: list[dict[str, str]] = []
     for turn, text in enumerate(item.turns):
         messages.append({"role": "user", "content": text})
-        reply = client.chat(model, messages, max_new_tokens)
+        reply = client.chat(model, messages, settings.max_new_tokens, settings.temperature, settings.top_p,
+                            settings.request_seed(item.id, turn))
         messages.append({"role": "assistant", "content": reply.text})
         store.add({"kind": "reply", "mode": mode, "concurrency": concurrency, "id": item.id, "set": item.set,
                    "turn": turn, "text": reply.text, "tokens": reply.tokens, "finish": reply.finish_reason,
@@ -138,8 +165,8 @@ def _run_mode(client: Client, mode: str, concurrency: int, items: Sequence[EvalI
                disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for future in [pool.submit(_conversation, client, model, item, mode, concurrency, settings.max_new_tokens,
-                                   store, bar) for item in todo]:
+        for future in [pool.submit(_conversation, client, model, item, mode, concurrency, settings, store, bar)
+                       for item in todo]:
             future.result()
     bar.close()
     # Throughput counts the replies of finished segments only: an interrupted segment left no wall time.
@@ -159,12 +186,13 @@ def _run_mode(client: Client, mode: str, concurrency: int, items: Sequence[EvalI
                     concurrency)
 
 
-def warm_up(client: Client, items: Sequence[EvalItem], max_new_tokens: int) -> None:
-    """First turns of each set's first item, not recorded: the server compiles its common shapes here, not
-    inside the timed requests."""
+def warm_up(client: Client, items: Sequence[EvalItem], settings: EvalSettings) -> None:
+    """First turns of each set's first item, not recorded, under the run's sampling rule: the server compiles
+    its common shapes here, not inside the timed requests."""
     model = client.model()
     for item in {item.set: item for item in reversed(items)}.values():
-        client.chat(model, [{"role": "user", "content": item.turns[0]}], max_new_tokens)
+        client.chat(model, [{"role": "user", "content": item.turns[0]}], settings.max_new_tokens,
+                    settings.temperature, settings.top_p, settings.request_seed(item.id, 0))
 
 
 def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, items: Sequence[EvalItem],
@@ -176,9 +204,10 @@ def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, i
     for mode, client in clients.items():
         served = client.get("/v1/models")["data"][0]
         store.begin(mode, {"model": served["id"], "block_size": served.get("block_size"),
-                           "drafter": served.get("drafter"), "max_new_tokens": settings.max_new_tokens})
+                           "drafter": served.get("drafter"), "max_new_tokens": settings.max_new_tokens,
+                           **({} if settings.greedy else {"sampling": settings.sampling})})
         if any(not store.has_conversation(mode, c, i) for c in settings.concurrency for i in items):
-            warm_up(client, items, settings.max_new_tokens)
+            warm_up(client, items, settings)
     for concurrency in settings.concurrency:
         for mode, client in clients.items():
             _run_mode(client, mode, concurrency, items, settings, store, progress)
@@ -230,7 +259,8 @@ def _results(records: list[dict[str, Any]], items: Sequence[EvalItem], served: d
     meta = {"environment": environment(), "target": {"model": served["id"]},
             "drafter": {"url": dflash_url, **(drafter or {})},
             "settings": {**dataclasses.asdict(settings), "block_size": block_size}}
-    results = summarize(records, settings.sets, settings.concurrency, block_size, answers, meta)
+    results = summarize(records, settings.sets, settings.concurrency, block_size, answers, meta,
+                        compare=settings.greedy)
     results["compiles"] = timed_compiles(records)
     return results, write_outputs(results, out_dir)
 

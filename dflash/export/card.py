@@ -78,6 +78,14 @@ def _eval_section(results: dict[str, Any] | None, source: str | None) -> list[st
     return lines + [""]
 
 
+def _loss(train: dict[str, Any]) -> str:
+    """`train.loss` and its weighting; a recipe from before `train.weighting` named the weighting in `loss`."""
+    loss, weighting = str(train.get("loss", "ce")), train.get("weighting")
+    if weighting is None and loss in ("decay", "dpace"):
+        loss, weighting = "ce", loss
+    return f"{loss} weighted {weighting or 'decay'}"
+
+
 def _packed(pack: Any) -> str:
     return f" packed end to end into rows of {pack}" if pack else ""
 
@@ -99,7 +107,7 @@ def _training_section(meta: dict[str, Any] | None, step: int | None, best: bool)
               f"`{str(meta.get('target_fingerprint', '?'))[:16]}`.",
               f"- Recipe: batch {train.get('batch_size')}, {train.get('num_anchors')} anchors per sequence, AdamW lr "
               f"{train.get('lr')} (cosine, warmup {train.get('warmup_frac')}), clip {train.get('clip')}, weight decay "
-              f"{train.get('weight_decay')}, loss {train.get('loss', 'decay')} (γ {train.get('gamma')}, 0 = by K), "
+              f"{train.get('weight_decay')}, loss {_loss(train)} (γ {train.get('gamma')}, 0 = by K), "
               f"compute {train.get('compute_dtype')}, seed {train.get('seed')}.",
               f"- Data: `{data.get('source')}` (prompts `{data.get('prompts')}`), sequences of {data.get('seq_len')} "
               f"tokens{_packed(data.get('pack'))}, {_examples(data.get('max_examples'))}, target features computed "

@@ -3,9 +3,40 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
-from dflash.configs.schema import require
+from dflash.configs.schema import ConfigError, require
+
+LOSS_TERMS = ("ce", "tv", "kl", "rkl", "opd")  # train.objective.LOSS_TERMS
+
+
+def parse_loss(text: str) -> tuple[tuple[str, float], ...]:
+    """`train.loss` as ((term, weight), ...): `NAME` or `NAME:WEIGHT,NAME:WEIGHT,...` over LOSS_TERMS (weight 1 when
+    left out), each name at most once, each weight a finite number > 0 (ConfigError naming the rule otherwise).
+    `decay` / `dpace`, the per-slot weightings `train.loss` named until the distribution losses, are refused with
+    a pointer to `train.weighting`."""
+    field = "train.loss"
+    text = str(text)
+    require(text.strip() not in ("decay", "dpace"), field, text,
+            "name loss terms; the per-slot weighting it used to name is now train.weighting (e.g. train.loss=ce "
+            f"train.weighting={text.strip()})")
+    terms = []
+    for part in text.split(","):
+        name, _, weight = part.strip().partition(":")
+        name = name.strip()
+        require(name in LOSS_TERMS, field, text, f"name terms among {list(LOSS_TERMS)}, as NAME or NAME:WEIGHT joined "
+                                                 "by commas (e.g. ce:0.1,tv:0.9)")
+        try:
+            value = float(weight) if weight.strip() else 1.0
+        except ValueError:
+            raise ConfigError(f"{field} must give each term's weight as a number (NAME:WEIGHT); received "
+                              f"{text!r}") from None
+        require(math.isfinite(value) and value > 0, field, text, f"give each term a finite weight > 0 ({name})")
+        terms.append((name, value))
+    names = [n for n, _ in terms]
+    require(len(set(names)) == len(names), field, text, "name each term once")
+    return tuple(terms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +62,8 @@ class TrainConfig:
              checkpoint automatically.
     init_from: a fresh run starts from this drafter's weights instead of a random init: a run dir (its latest
              checkpoint), a z-lab or speculators export, or an HF Hub export downloaded locally; its
-             architecture must equal the recipe's (every differing field is named). Ignored on resume.
+             architecture must equal the recipe's (every differing field is named). Weights ignored on resume;
+             with head_vocab the run trains over that drafter's draft vocabulary when it has one.
     layer_init: how a fresh run (no init_from) starts the drafter: `random`, or `target`: its layers copy the
              target's layers right after the deepest captured feature layer, fc selects that feature and the
              norms are the target's (`models.drafter.init_from_target`; docs/decisions.md D24).
@@ -45,9 +77,17 @@ class TrainConfig:
              decay applies to kernels only, not to the RMSNorm scales (`train.step.decays`).
     feature_noise: sigma of Gaussian noise added to the target features at every training step, relative to
              each captured layer's RMS at that position (`train.objective.noisy_features`; 0 = none).
-    loss: `decay` (the paper's fixed weights exp(-(k-1)/gamma)) or `dpace` (D-PACE: weights from the
-             drafter's own per-slot confidence, `train.objective.dpace_weights`); docs/decisions.md D19.
+    loss: the loss terms, `NAME` or a weighted mix `NAME:WEIGHT,...` (`parse_loss`) of `ce` (cross-entropy
+             against the label, or with data.labels=soft the target's renormalised top-k), and, needing
+             data.labels=soft, `tv` (total variation to the target's distribution: the rejection probability of
+             sampled speculative decoding), `kl` (forward KL(target || drafter)), `rkl` (reverse KL(drafter ||
+             target)) and `opd` (per block, kl on the slots the teacher-forced chain accepts, rkl decayed by
+             opd_gamma per slot from the first rejection on); `train.objective.head_loss` has the definitions.
+    weighting: the per-slot weights on top of every term: `decay` (the paper's fixed exp(-(k-1)/gamma)) or `dpace`
+             (D-PACE: from the drafter's own confidence in each slot's label, `train.objective.dpace_weights`);
+             docs/decisions.md D19, D27.
     gamma: loss decay of docs/design.md §4.2 (0 = chosen from the block size). dpace_alpha: D-PACE's confidence floor.
+    opd_gamma: the `opd` term's decay per slot past a block's first rejection, in (0, 1].
     head_chunk: rows per chunk of the LM head + cross-entropy (0 = about 128 MiB of fp32 logits per chunk).
     head_vocab: train the softmax over the `head_vocab` most frequent tokens of the training answers (labels
              outside it are left out), 0 = the full vocabulary; the served drafter proposes over the same
@@ -65,6 +105,9 @@ class TrainConfig:
     walk_oversample: p of the walk anchors' weights (K - accepted)^p: 0 draws the walk's block starts alike, p > 0
              favours the blocks that rejected early (a block that rejected its first draft weighs K^p, one that
              accepted all K-1 drafts 1); drawn without replacement by Gumbel top-k over those weights.
+    eval_temperature: when > 0, each real-τ evaluation also decodes the same prompts sampled at this temperature
+             (a fixed seed; lossless speculative sampling) and logs that τ as its own metric (`real_tau_t/...`);
+             the best drafter is still chosen by greedy τ.
     """
 
     run_dir: str = "runs/default"
@@ -80,8 +123,10 @@ class TrainConfig:
     clip: float = 1.0
     weight_decay: float = 0.0
     feature_noise: float = 0.0
-    loss: Literal["decay", "dpace"] = "decay"
+    loss: str = "ce"
+    weighting: Literal["decay", "dpace"] = "decay"
     gamma: float = 0.0
+    opd_gamma: float = 0.5
     dpace_alpha: float = 0.5
     head_chunk: int = 0
     head_vocab: int = 0
@@ -98,6 +143,7 @@ class TrainConfig:
     eval_tokens: int = 48
     walk_anchors: float = 0.0
     walk_oversample: float = 0.0
+    eval_temperature: float = 0.0
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
@@ -112,6 +158,8 @@ class TrainConfig:
         require(self.clip > 0, "train.clip", self.clip, "be > 0")
         require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "be >= 0")
         require(self.feature_noise >= 0, "train.feature_noise", self.feature_noise, "be >= 0")
+        _ = self.loss_terms  # parse_loss validates the spelling
+        require(0 < self.opd_gamma <= 1, "train.opd_gamma", self.opd_gamma, "lie in (0, 1]")
         require(self.gamma >= 0, "train.gamma", self.gamma, "be >= 0 (0 = chosen from the block size)")
         require(0 < self.dpace_alpha <= 1, "train.dpace_alpha", self.dpace_alpha, "lie in (0, 1]")
         require(self.head_vocab >= 0, "train.head_vocab", self.head_vocab, "be >= 0 (0 = the full vocabulary)")
@@ -128,6 +176,13 @@ class TrainConfig:
         require(self.eval_tokens >= 1, "train.eval_tokens", self.eval_tokens, "be at least 1")
         require(0 <= self.walk_anchors <= 1, "train.walk_anchors", self.walk_anchors, "lie in [0, 1] (0 = off)")
         require(self.walk_oversample >= 0, "train.walk_oversample", self.walk_oversample, "be >= 0")
+        require(math.isfinite(self.eval_temperature) and self.eval_temperature >= 0, "train.eval_temperature",
+                self.eval_temperature, "be >= 0 (0 = greedy only)")
+
+    @property
+    def loss_terms(self) -> tuple[tuple[str, float], ...]:
+        """`loss` parsed: ((term, weight), ...)."""
+        return parse_loss(self.loss)
 
 
-__all__ = ["MeshConfig", "TrainConfig"]
+__all__ = ["LOSS_TERMS", "MeshConfig", "TrainConfig", "parse_loss"]

@@ -150,6 +150,10 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
 def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterArch) -> TrainRun:
     """The mesh of `train.mesh` (the global batch size checked against it), the target placed on it in the
     compute dtype, this host's batches of `data`, the optimizer and the drafter's graph."""
+    objective = make_objective(cfg, arch)
+    require(not objective.divergences or data.labels == "soft", "train.loss", cfg.loss,
+            f"be ce alone unless data.labels=soft (the other terms compare the drafter's distribution with the "
+            f"target's stored top-k; data.labels is {data.labels!r})")
     if target.cfg.num_layers - 1 in arch.layer_ids:
         log.warning("drafter.layer_ids %s include the target's last layer %d: vLLM and SGLang feed HF "
                     "hidden_states[L], which is post-final-norm, while this trainer uses the pre-norm output; "
@@ -164,8 +168,10 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
     examples = build_examples(data, target.tokenizer) if cfg.head_vocab or data.features == "online" else None
     vocab, ids = None, None
     if cfg.head_vocab:
-        ids = training_vocab(examples[0], min(cfg.head_vocab, target.cfg.vocab_size), target.cfg.vocab_size,
-                             tuple(target.tokenizer.stop_token_ids))
+        ids = init_vocab(cfg.init_from, target) if cfg.init_from else None
+        if ids is None:
+            ids = training_vocab(examples[0], min(cfg.head_vocab, target.cfg.vocab_size), target.cfg.vocab_size,
+                                 tuple(target.tokenizer.stop_token_ids))
         vocab = DraftVocab(np.asarray(ids)) if len(ids) < target.cfg.vocab_size else None
         log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
     head = train_head(target_params, target.cfg, ids)
@@ -177,7 +183,7 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
                                               walk_power=cfg.walk_oversample)
     return TrainRun(target=target, target_params=target_params, head=head, arch=arch, mesh=mesh,
                     optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),
-                    objective=make_objective(cfg, arch), compute_dtype=compute_dtype,
+                    objective=objective, compute_dtype=compute_dtype,
                     batches=batches, data_fingerprint=data_fingerprint, draft_vocab=vocab)
 
 
@@ -281,9 +287,10 @@ def walk_count(cfg: TrainConfig) -> int:
 
 
 def make_objective(cfg: TrainConfig, arch: DrafterArch) -> Objective:
-    """The loss `train` configures (gamma 0 = by block size)."""
-    return Objective(kind=cfg.loss, gamma=cfg.gamma or default_gamma(arch.block_size), dpace_alpha=cfg.dpace_alpha,
-                     head_chunk=cfg.head_chunk, feature_noise=cfg.feature_noise)
+    """The loss `train` configures (gamma 0 = by block size): its terms (`train.loss`) and weighting."""
+    return Objective(kind=cfg.weighting, gamma=cfg.gamma or default_gamma(arch.block_size),
+                     dpace_alpha=cfg.dpace_alpha, head_chunk=cfg.head_chunk, feature_noise=cfg.feature_noise,
+                     terms=cfg.loss_terms, opd_gamma=cfg.opd_gamma)
 
 
 def drafter_graphdef(arch: DrafterArch, compute_dtype: Any = jnp.float32) -> nnx.GraphDef:
@@ -320,6 +327,19 @@ def create_state(seed: int, arch: DrafterArch, optimizer: optax.GradientTransfor
     _, shardings = state_layout(seed, arch, optimizer, mesh)
     state = jax.jit(functools.partial(fresh_state, seed, arch, optimizer), out_shardings=shardings)(init_params)
     return state, shardings
+
+
+def init_vocab(path: str, target: Target) -> list[int] | None:
+    """The draft vocabulary of the drafter at `train.init_from` (its token ids), or None when it has none: a run
+    with `train.head_vocab` that starts from a drafter keeps the vocabulary it was trained and is served over
+    (a fine-tune on a slice of the data would otherwise count another one)."""
+    from dflash.models.drafter_io import load_drafter
+
+    vocab = load_drafter(Path(path).expanduser(), target.cfg).draft_vocab
+    if vocab is None:
+        return None
+    log.info("train.init_from %s: training over its draft vocabulary (%d tokens)", path, len(vocab.ids))
+    return [int(t) for t in np.asarray(vocab.ids)]
 
 
 def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
@@ -519,15 +539,19 @@ def _iterator_state(batches: Any) -> dict[str, Any]:
 
 
 def evaluate(data: DataConfig, num_anchors: int, run: TrainRun, params: Any) -> dict[str, Any]:
-    """Teacher-forced metrics of `params` on the first EVAL_EXAMPLES GSM8K test conversations (fixed anchors)."""
+    """Teacher-forced metrics of `params` on the first EVAL_EXAMPLES GSM8K test conversations (fixed anchors).
+    Those carry the text's labels only, so a loss of distribution terms (`train.loss` beyond ce) is measured
+    there as ce with the run's weighting."""
     examples, _ = build_examples(data, run.target.tokenizer, split="test", limit=EVAL_EXAMPLES)
+    objective = dataclasses.replace(run.objective, terms=(("ce", 1.0),)) if run.objective.divergences \
+        else run.objective
     unit = math.lcm(batch_divisor(run.mesh), jax.process_count())  # same global rows whatever the process count
     rows = len(examples) // unit * unit // jax.process_count()
     if rows == 0:
         return {}
     eval_step = make_eval_step(graphdef=run.graphdef, target_params=run.target_params, head=run.head,
                                target_cfg=run.target.cfg, arch=run.arch, num_anchors=num_anchors,
-                               objective=run.objective, compute_dtype=run.compute_dtype)
+                               objective=objective, compute_dtype=run.compute_dtype)
     mine = examples[jax.process_index() * rows:(jax.process_index() + 1) * rows]
     batch = TrainBatch(tokens=np.stack([t for t, _, _ in mine]), loss_mask=np.stack([m for _, m, _ in mine]))
     return _host(eval_step(params, shard_batch(batch, run.mesh), jax.random.PRNGKey(1234)))

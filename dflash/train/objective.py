@@ -471,14 +471,136 @@ def _head_soft_ce_bwd(vocab_major, chunk, res, cotangents):  # noqa: ANN001, ANN
 head_soft_ce.defvjp(_head_soft_ce_fwd, _head_soft_ce_bwd)
 
 
+# Per-row quantities `head_divergences` can form (each with its gradient), and the loss terms built on them.
+DIVERGENCES = ("ce", "tv", "kl", "rkl")
+LOSS_TERMS = ("ce", "tv", "kl", "rkl", "opd")
+RKL_FLOOR = 1e-6  # the target's 'other' mass below this counts as this much in the reverse KL (else it is infinite)
+
+
+def _divergence_chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Array, ids_CxT: jax.Array,
+                            probs_CxT: jax.Array, vocab_major: bool, names: tuple[str, ...],
+                            with_grad: bool) -> tuple[jax.Array, ...]:
+    """values [C, M] of the M divergences `names` (of DIVERGENCES), hard nll [C], top-1 hit [C] and (with_grad)
+    d value_m / d h [C, M, D] f32 of one chunk of rows (contract in `head_divergences`).
+
+    With p = softmax(logits) over the head's rows, t_i the stored probabilities of the row's top-T tokens (0 for
+    an entry that is not a token of the head), the rest of the vocabulary one outcome 'other' (the drafter's
+    mass there P_o = 1 - sum_T p_i, formed as exp(logsumexp over the non-top-T logits - lse) so it keeps its
+    precision near 0; the target's r = 1 - sum t):
+      ce  = -sum_T t^_i log p_i, t^ = t / sum t  (the soft cross-entropy of `head_soft_ce`, renormalised)
+      tv  = 1/2 (sum_T |p_i - t_i| + |P_o - r|)
+      kl  = sum_T t_i log(t_i / p_i) + r log(r / P_o)
+      rkl = sum_T p_i log(p_i / t_i) + P_o log(P_o / max(r, RKL_FLOOR))
+    Gradients w.r.t. the logits z, all of the form p_j (c_j - sum_l p_l c_l) with c the derivative by the
+    outcome's probability (the 'other' tokens sharing theirs): ce: p - t^; tv: p_j (s_j - sum p s),
+    s = sign(p - t)/2 per outcome; kl: p (sum t + r) - t on T - r p / P_o off T; rkl: p_j (log(p_j / t_j) - rkl)
+    (log(P_o / r) off T)."""
+    spec = "cd,vd->cv" if vocab_major else "cd,dv->cv"
+    logits_CxV = jnp.einsum(spec, h_CxD, head.astype(h_CxD.dtype), preferred_element_type=jnp.float32)
+    C, V = logits_CxV.shape
+    rows_Cx1 = jnp.arange(C)[:, None]
+    lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
+    nll_C = lse_C - jnp.take_along_axis(logits_CxV, labels_C[:, None], axis=-1)[:, 0]
+    hit_C = (jnp.argmax(logits_CxV, axis=-1) == labels_C).astype(jnp.float32)
+    on_CxT = probs_CxT > 0  # a stored token of the head (others carry no mass and may repeat id 0)
+    t_CxT = jnp.where(on_CxT, probs_CxT, 0.0)
+    logp_CxT = jnp.take_along_axis(logits_CxV, ids_CxT, axis=-1) - lse_C[:, None]
+    p_CxT = jnp.where(on_CxT, jnp.exp(logp_CxT), 0.0)
+    other_CxV = logits_CxV.at[rows_Cx1, ids_CxT].add(jnp.where(on_CxT, -jnp.inf, 0.0))
+    lse_o_C = jax.nn.logsumexp(other_CxV, axis=-1)
+    logp_o_C = lse_o_C - lse_C
+    p_o_C = jnp.exp(logp_o_C)
+    mass_C = jnp.sum(t_CxT, axis=-1)
+    r_C = jnp.maximum(1.0 - mass_C, 0.0)
+    log_t_CxT = jnp.log(jnp.where(on_CxT, t_CxT, 1.0))
+    xlogy = lambda x, y: jnp.where(x > 0, x * (jnp.log(jnp.where(x > 0, x, 1.0)) - y), 0.0)  # noqa: E731  x log(x) - x y
+    values, grads = [], []
+    p_CxV = jnp.exp(logits_CxV - lse_C[:, None]) if with_grad else None
+    for name in names:
+        if name == "ce":
+            that_CxT = t_CxT / jnp.maximum(mass_C, 1e-20)[:, None]
+            value = -jnp.sum(jnp.where(on_CxT, that_CxT * logp_CxT, 0.0), axis=-1)
+            if with_grad:
+                dz = (p_CxV * jnp.sum(that_CxT, axis=-1)[:, None]).at[rows_Cx1, ids_CxT].add(-that_CxT)
+        elif name == "tv":
+            value = 0.5 * (jnp.sum(jnp.abs(p_CxT - t_CxT), axis=-1) + jnp.abs(p_o_C - r_C))
+            if with_grad:
+                s_CxT = jnp.where(on_CxT, 0.5 * jnp.sign(p_CxT - t_CxT), 0.0)
+                s_o_C = 0.5 * jnp.sign(p_o_C - r_C)
+                mean_C = jnp.sum(p_CxT * s_CxT, axis=-1) + p_o_C * s_o_C
+                dz = (p_CxV * (s_o_C - mean_C)[:, None]).at[rows_Cx1, ids_CxT].add(p_CxT * (s_CxT - s_o_C[:, None]))
+        elif name == "kl":
+            value = jnp.sum(jnp.where(on_CxT, t_CxT * (log_t_CxT - logp_CxT), 0.0), axis=-1) + xlogy(r_C, logp_o_C)
+            if with_grad:
+                q_o_CxV = jnp.exp(other_CxV - jnp.where(jnp.isfinite(lse_o_C), lse_o_C, 0.0)[:, None])  # p / P_o off T
+                dz = (p_CxV * (mass_C + r_C)[:, None] - r_C[:, None] * q_o_CxV).at[rows_Cx1, ids_CxT].add(-t_CxT)
+        elif name == "rkl":
+            ratio_o_C = logp_o_C - jnp.log(jnp.maximum(r_C, RKL_FLOOR))
+            ratio_CxT = jnp.where(on_CxT, logp_CxT - log_t_CxT, 0.0)
+            value = jnp.sum(p_CxT * ratio_CxT, axis=-1) + jnp.where(p_o_C > 0, p_o_C * ratio_o_C, 0.0)
+            if with_grad:
+                dz = (p_CxV * (ratio_o_C - value)[:, None]).at[rows_Cx1, ids_CxT].add(
+                    p_CxT * (ratio_CxT - ratio_o_C[:, None]))
+        else:
+            raise ValueError(f"divergence names must be among {DIVERGENCES}; received {name!r}")
+        values.append(value)
+        if with_grad:
+            back = "cv,vd->cd" if vocab_major else "cv,dv->cd"
+            grads.append(jnp.einsum(back, dz.astype(h_CxD.dtype), head.astype(h_CxD.dtype),
+                                    preferred_element_type=jnp.float32))
+    values_CxM = jnp.stack(values, axis=-1)
+    if not with_grad:
+        return values_CxM, nll_C, hit_C
+    return values_CxM, nll_C, hit_C, jnp.stack(grads, axis=1)
+
+
+def _divergence_over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, names,  # noqa: ANN001
+                            with_grad) -> tuple[jax.Array, ...]:  # noqa: ANN001
+    """`_divergence_chunk_stats` over T rows in chunks of `chunk` rows (`_map_chunks`)."""
+    fn = lambda h, lab, ids, probs: _divergence_chunk_stats(h, head, lab, ids, probs, vocab_major, names,  # noqa: E731
+                                                            with_grad)
+    return _map_chunks(fn, chunk, h_TxD, labels_T, ids_TxK, probs_TxK)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def head_divergences(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, ids_TxK: jax.Array,
+                     probs_TxK: jax.Array, vocab_major: bool, chunk: int,
+                     names: tuple[str, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(values [T, M] f32 of the divergences `names` (of DIVERGENCES; see `_divergence_chunk_stats`), hard nll [T]
+    f32, top-1 hit [T] f32) of rows `h_TxD` through the frozen LM head against the target's stored top-K tokens
+    `ids_TxK` with their probabilities `probs_TxK` AS STORED (not renormalised: their sum is the mass the stored
+    tokens of the head hold, the rest of the target's mass is the outcome 'other'; an entry of probability 0 is
+    not a token, a row of zeros a row without loss, whose values are all 0), in chunks of rows as `head_nll`
+    does. Differentiable in `h` through the values only: the forward keeps d value_m / d h ([T, M, D], no [T, V]
+    array outlives a chunk) and the backward is a weighted sum of those."""
+    return _divergence_over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, names, False)
+
+
+def _head_divergences_fwd(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, names):  # noqa: ANN001, ANN202
+    values, nll_T, hit_T, dh_TxMxD = _divergence_over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major,
+                                                             chunk, names, True)
+    return (values, nll_T, hit_T), dh_TxMxD.astype(h_TxD.dtype)
+
+
+def _head_divergences_bwd(vocab_major, chunk, names, res, cotangents):  # noqa: ANN001, ANN202 (custom_vjp rule)
+    g_TxM = cotangents[0]
+    return jnp.einsum("tm,tmd->td", g_TxM.astype(res.dtype), res), None, None, None, None
+
+
+head_divergences.defvjp(_head_divergences_fwd, _head_divergences_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """The training loss (static: it is part of the compiled step).
 
-    kind: `decay`, the paper's fixed weights w_k = exp(-(k-1)/gamma) (`decay_weights`), or `dpace`
-      (D-PACE, arXiv 2605.18810, `dpace_weights`): weights from the drafter's own confidence, recomputed
-      every step without gradient.
+    kind: the per-slot weighting, `decay`, the paper's fixed weights w_k = exp(-(k-1)/gamma) (`decay_weights`),
+      or `dpace` (D-PACE, arXiv 2605.18810, `dpace_weights`): weights from the drafter's own confidence in the
+      label, recomputed every step without gradient.
+    terms: the loss terms and their weights, ((name, weight), ...) of LOSS_TERMS (`head_loss`); ce alone is the
+      cross-entropy every recipe trained with before; any other needs soft labels.
     gamma: decay of `decay`. dpace_alpha: confidence floor of `dpace`, in (0, 1].
+    opd_gamma: the decay, per slot past a block's first rejection, of the `opd` term's reverse KL, in (0, 1].
     head_chunk: rows of the LM head + CE per chunk (0: `auto_head_chunk(V)`).
     feature_noise: sigma of the training-time noise on the target features (`noisy_features`; 0 = none).
     """
@@ -488,6 +610,8 @@ class Objective:
     dpace_alpha: float = 0.5
     head_chunk: int = 0
     feature_noise: float = 0.0
+    terms: tuple[tuple[str, float], ...] = (("ce", 1.0),)
+    opd_gamma: float = 0.5
 
     def __post_init__(self) -> None:
         if self.kind not in ("decay", "dpace"):
@@ -500,6 +624,22 @@ class Objective:
             raise ValueError(f"head_chunk must be >= 0 (0: automatic); received {self.head_chunk}")
         if self.feature_noise < 0:
             raise ValueError(f"feature_noise must be >= 0; received {self.feature_noise}")
+        names = [n for n, _ in self.terms]
+        if not names or any(n not in LOSS_TERMS for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"terms must name each of {LOSS_TERMS} at most once, at least one; received {self.terms}")
+        if any(not (w > 0 and np.isfinite(w)) for _, w in self.terms):
+            raise ValueError(f"terms' weights must be finite and > 0; received {self.terms}")
+        if not 0 < self.opd_gamma <= 1:
+            raise ValueError(f"opd_gamma must lie in (0, 1]; received {self.opd_gamma}")
+
+    @property
+    def divergences(self) -> tuple[str, ...]:
+        """The per-row divergences (of DIVERGENCES) the terms read, in DIVERGENCES order; () for ce alone."""
+        names = {n for n, _ in self.terms}
+        if names == {"ce"}:
+            return ()
+        need = names - {"opd"} | ({"kl", "rkl"} if "opd" in names else set())
+        return tuple(n for n in DIVERGENCES if n in need)
 
 
 def noisy_features(feats_BxSxFD: jax.Array, num_features: int, sigma: float, rng: jax.Array) -> jax.Array:
@@ -551,21 +691,35 @@ class TrainHead:
 
 def head_loss(hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks, block_size: int,
               objective: Objective) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The weighted CE of `objective` from the drafter's normed hidden states through the frozen LM head `head`,
-    without materialising [B, Q, V] logits: loss = sum_q w_q m_q CE_q / sum_q w_q m_q, with the labels and the
-    label mask m of `blocks`.
+    """The weighted loss of `objective` from the drafter's normed hidden states through the frozen LM head `head`,
+    without materialising [B, Q, V] logits: loss = sum_q w_q m_q L_q / sum_q w_q m_q, with the label mask m of
+    `blocks`, the per-slot weights w of `objective.kind` (decay: exp(-(k-1)/gamma); dpace: from the drafter's
+    confidence in the hard label) and L_q = sum over `objective.terms` of weight x term_q.
 
     Slot 0 of each block (the anchor, never labelled) is skipped before the head, so the head runs on
-    B*N*(K-1) rows, `objective.head_chunk` rows at a time; see `head_nll`. With `decay`, the same loss,
+    B*N*(K-1) rows, `objective.head_chunk` rows at a time; see `head_nll`. With `decay` and `ce`, the same loss,
     gradient and metrics as the dense reference (full [B, Q, V] logits, tests/reference.py) in fp32.
 
     With a training vocabulary (`head.label_map`), the softmax runs over the subset's rows; a label outside it is
     left out of the loss and the metrics.
 
-    With soft labels (`blocks.soft_ids` / `blocks.soft_probs` [B, Q, T]), CE_q is the cross-entropy against the
-    target's top-T distribution at q, renormalised over the tokens the head holds (`head_soft_ce`; a slot none of
-    whose T tokens it holds is left out), instead of against label_q alone; the weights (D-PACE's confidences) and
-    the metrics still read label_q, the distribution's argmax.
+    `ce` with hard labels is the cross-entropy against label_q; with soft labels (`blocks.soft_ids` /
+    `blocks.soft_probs` [B, Q, T]) against the target's top-T distribution at q, renormalised over the tokens the
+    head holds (`head_soft_ce`; a slot none of whose T tokens it holds is left out, whatever the terms). The
+    other terms need soft labels and compare the drafter's distribution p with the target's t as stored (top-T
+    probabilities of the head's tokens, the rest of its mass, beyond its top T or outside the head, one outcome
+    'other' against the drafter's mass off those T tokens; `head_divergences`):
+      tv:  total variation 1/2 |p - t|_1, the probability that speculative sampling rejects a token drawn from p
+           when the target samples from t (at T >= its support; with the tail as one outcome it is a lower bound);
+      kl:  forward KL(t || p), mass-covering (its gradient is soft ce's plus the tail's);
+      rkl: reverse KL(p || t), mode-seeking (the target's tail mass is floored at RKL_FLOOR, so drafter mass off
+           the stored tokens is penalised but finite);
+      opd: on-policy distillation per block (Draft-OPD, teacher-forced): slot k is accepted when it and every
+           earlier labelled slot of its block are top-1 hits (an unlabelled slot stops the chain); accepted slots
+           take kl, the first rejected slot and every later one rkl x opd_gamma^(slots past the first rejection).
+    The weighting applies on top of every term: decay and dpace weigh slot k's whole L_q (dpace reading the hard
+    label's confidence, as with ce); the metrics read the hard labels (the distribution's argmax). With more
+    than `ce`, each term's weighted mean is reported as metric `loss/<term>`.
     """
     B, Q, D = hidden_BxQxD.shape
     K = block_size
@@ -580,6 +734,10 @@ def head_loss(hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks, block_si
         mask_BxQ = mask_BxQ * (labels_BxQ >= 0)
         labels_BxQ = jnp.maximum(labels_BxQ, 0)
     chunk = objective.head_chunk or auto_head_chunk(vocab)
+    divergences = objective.divergences
+    if divergences and blocks.soft_ids is None:
+        raise ValueError(f"loss terms {[n for n, _ in objective.terms]} compare distributions and need soft labels "
+                         "(data.labels: soft); only ce trains on hard labels")
     if blocks.soft_ids is None:
         nll_T, hit_T = head_nll(rows(hidden_BxQxD), matrix, rows(labels_BxQ), vocab_major, chunk)
         ce_T = nll_T
@@ -592,20 +750,47 @@ def head_loss(hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks, block_si
             ids_BxQxT = jnp.maximum(ids_BxQxT, 0)
         mass_BxQ = jnp.sum(probs_BxQxT, axis=-1)
         mask_BxQ = mask_BxQ * (mass_BxQ > 0)
-        probs_BxQxT = probs_BxQxT * (mask_BxQ / jnp.maximum(mass_BxQ, 1e-20))[..., None]
-        ce_T, nll_T, hit_T = head_soft_ce(rows(hidden_BxQxD), matrix, rows(labels_BxQ), rows(ids_BxQxT),
-                                          rows(probs_BxQxT), vocab_major, chunk)
+        if divergences:
+            values_TxM, nll_T, hit_T = head_divergences(rows(hidden_BxQxD), matrix, rows(labels_BxQ),
+                                                        rows(ids_BxQxT), rows(probs_BxQxT * mask_BxQ[..., None]),
+                                                        vocab_major, chunk, divergences)
+        else:
+            probs_BxQxT = probs_BxQxT * (mask_BxQ / jnp.maximum(mass_BxQ, 1e-20))[..., None]
+            ce_T, nll_T, hit_T = head_soft_ce(rows(hidden_BxQxD), matrix, rows(labels_BxQ), rows(ids_BxQxT),
+                                              rows(probs_BxQxT), vocab_major, chunk)
     k_BxQ = jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32) % K, (B, Q))
+    m_T = rows(mask_BxQ)
     if objective.kind == "dpace":
-        m_BxNxJ = rows(mask_BxQ).reshape(B, Q // K, K - 1)
+        m_BxNxJ = m_T.reshape(B, Q // K, K - 1)
         wm_T = dpace_weights(nll_T.reshape(B, Q // K, K - 1), m_BxNxJ, objective.dpace_alpha).reshape(-1)
     else:
         wm_T = rows(decay_weights(K, objective.gamma)[k_BxQ] * mask_BxQ)
     weighted_count = jnp.sum(wm_T)
-    loss = jnp.sum(wm_T * ce_T) / jnp.maximum(weighted_count, 1e-9)
+    mean = lambda x_T: jnp.sum(wm_T * x_T) / jnp.maximum(weighted_count, 1e-9)  # noqa: E731
+    extra = {}
+    if divergences:
+        per_row = {name: values_TxM[:, i] for i, name in enumerate(divergences)}
+        if "opd" in dict(objective.terms):
+            per_row["opd"] = opd_rows(per_row["kl"], per_row["rkl"], hit_T * m_T, B, Q // K, objective.opd_gamma)
+        ce_T = sum(weight * per_row[name] for name, weight in objective.terms)
+        extra = {f"loss/{name}": mean(per_row[name]) for name, _ in objective.terms}
+    elif objective.terms[0][1] != 1.0:  # ce alone, weighted
+        ce_T = objective.terms[0][1] * ce_T
+    loss = mean(ce_T)
     zeros_BxNx1 = jnp.zeros((B, Q // K, 1), jnp.float32)
     hit_BxQ = jnp.concatenate([zeros_BxNx1, hit_T.reshape(B, Q // K, K - 1)], axis=-1).reshape(B, Q)
-    return loss, {**block_metrics(hit_BxQ * mask_BxQ, mask_BxQ, K), "weighted_count": weighted_count}
+    return loss, {**block_metrics(hit_BxQ * mask_BxQ, mask_BxQ, K), "weighted_count": weighted_count, **extra}
+
+
+def opd_rows(kl_T: jax.Array, rkl_T: jax.Array, hits_T: jax.Array, B: int, N: int, gamma: float) -> jax.Array:
+    """The `opd` term per labelled row (rows laid out [B, N, K-1], slots 1..K-1 of each block): kl where the slot and
+    every earlier slot of its block are hits (`hits_T`: top-1 hit times the label mask), else rkl x gamma^d, d the
+    slots past the block's first miss (0 at the miss itself). The split carries no gradient."""
+    hits_BxNxJ = jax.lax.stop_gradient(hits_T).reshape(B, N, -1)
+    accepted = jnp.cumprod(hits_BxNxJ, axis=-1)
+    past = jnp.maximum(jnp.cumsum(1.0 - accepted, axis=-1) - 1.0, 0.0)
+    w_rkl = (1.0 - accepted) * jnp.power(jnp.float32(gamma), past)
+    return accepted.reshape(-1) * kl_T + w_rkl.reshape(-1) * rkl_T
 
 
 __all__ = [
@@ -624,6 +809,10 @@ __all__ = [
     "head_loss",
     "head_nll",
     "head_soft_ce",
+    "head_divergences",
+    "opd_rows",
+    "DIVERGENCES",
+    "LOSS_TERMS",
     "noisy_features",
     "sample_anchors",
     "sample_anchors_batch",

@@ -1,7 +1,9 @@
 """Real τ inside training (`train.eval_every`): the current drafter decodes a small fixed set of held-out
 prompts with the serving engine (greedy, one batch) beside the teacher-forced proxy, and the best drafter
 by real τ is kept in `<run_dir>/best/` (z-lab layout + best.json), which `load_drafter(run_dir, cfg,
-step="best")`, `dflash serve --drafter RUN_DIR/best` and `dflash eval` read.
+step="best")`, `dflash serve --drafter RUN_DIR/best` and `dflash eval` read. With `train.eval_temperature` > 0
+the same prompts are also decoded sampled at that temperature (fixed seeds, so the same drafter gives the same
+τ) and logged as `eval/real_tau_t/...`; the best drafter is still picked by greedy τ.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dflash.models.drafter import DFlashDrafter, DraftVocab
 from dflash.models.target import Target
 from dflash.models.tokenizer import ChatTokenizer
 from dflash.models.zlab import save_zlab
+from dflash.serve.config import SamplingConfig
 from dflash.serve.engine import decode
 from dflash.serve.speculative import Models, bucket
 from dflash.train.config import TrainConfig
@@ -64,8 +67,10 @@ def decode_max_len(prompts: Sequence[EvalPrompt], new_tokens: int, block_size: i
     return -(-need // 16) * 16
 
 
-def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], new_tokens: int) -> dict[str, Any]:
-    """Greedy DFlash decode of `prompts` in one batch with the target's params as loaded; host metrics:
+def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], new_tokens: int,
+             sampling: SamplingConfig | None = None) -> dict[str, Any]:
+    """DFlash decode of `prompts` in one batch with the target's params as loaded, greedy or by `sampling`
+    (prompt i seeded `sampling.seed + i`: the same drafter and prompts give the same τ); host metrics:
     `tau` (pooled over prompts: sum(accepted + 1) / verify steps), `tau/<set>`, `accept_per_position`
     (pooled share of steps whose draft i+1 was accepted), `tokens` (new tokens) and `seconds`; and, on the decoded
     answers, teacher-forced τ (`data.walk.teacher_taus`) at the serving walk's blocks (`tf_tau_walk`: `tau` again,
@@ -75,7 +80,7 @@ def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPromp
     k = drafter.arch.block_size
     done = decode(target.params, target.cfg, [list(p.ids) for p in prompts], new_tokens,
                   max_len=decode_max_len(prompts, new_tokens, k), drafter=drafter,
-                  stop_ids=target.tokenizer.stop_token_ids)
+                  stop_ids=target.tokenizer.stop_token_ids, sampling=sampling)
     metrics: dict[str, Any] = {"tau": _pooled_tau([c.accepted for c in done])}
     for name in dict.fromkeys(p.set for p in prompts):
         metrics[f"tau/{name}"] = _pooled_tau([c.accepted for c, p in zip(done, prompts, strict=True) if p.set == name])
@@ -148,6 +153,8 @@ class RealTauEval:
     def __init__(self, cfg: TrainConfig, target: Target, graphdef: nnx.GraphDef, run_dir: Path,
                  draft_vocab: DraftVocab | None = None):
         self.every, self.final_step, self.new_tokens = cfg.eval_every, cfg.steps, cfg.eval_tokens
+        self.sampling = SamplingConfig(temperature=cfg.eval_temperature, seed=cfg.seed) \
+            if cfg.eval_temperature > 0 else None
         self.draft_vocab = draft_vocab  # proposals over the training vocabulary, as the served drafter's
         self.target, self.graphdef, self.run_dir = target, graphdef, run_dir
         if self.every and jax.process_count() > 1:
@@ -176,6 +183,13 @@ class RealTauEval:
         out["eval/tf_tau_walk"], out["eval/tf_tau_uniform"] = metrics["tf_tau_walk"], metrics["tf_tau_uniform"]
         out.update({f"eval/accept_pos_{i}": v for i, v in enumerate(metrics["accept_per_position"])})
         out["eval/tokens"], out["eval/seconds"] = metrics["tokens"], metrics["seconds"]
+        if self.sampling is not None:  # the same prompts sampled: its own metric, not the best drafter's criterion
+            sampled = real_tau(self.target, drafter, self.prompts, self.new_tokens, self.sampling)
+            log.info("step %d: real τ at temperature %g %.3f (%s)", step, self.sampling.temperature, sampled["tau"],
+                     ", ".join(f"{k[4:]} {v:.2f}" for k, v in sampled.items() if k.startswith("tau/")))
+            out["eval/real_tau_t"] = sampled["tau"]
+            out.update({f"eval/real_tau_t/{k[4:]}": v for k, v in sampled.items() if k.startswith("tau/")})
+            out["eval/real_tau_t/temperature"] = self.sampling.temperature
         return out
 
 

@@ -243,7 +243,7 @@ def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head
     function, so gradients and the optimizer stay in the fp32 master precision); the loss's softmax is
     fp32. `target_params` and `head` should already be in `compute_dtype` (cast once by the caller).
     metrics: loss, acceptance_length, accuracy_per_position [K], grad_norm (before clipping), lr (used by
-    this update), num_labels, num_blocks.
+    this update), num_labels, num_blocks, and with terms beyond ce each term's weighted mean (loss/<term>).
     """
     check_batch(batch, arch)
     rng, anchor_rng = jax.random.split(state.rng)
@@ -267,6 +267,7 @@ def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head
         "lr": current_lr(opt_state),
         "num_labels": aux["num_labels"],
         "num_blocks": aux["num_blocks"],
+        **{k: v for k, v in aux.items() if k.startswith("loss/")},  # each term of a mix (train.loss)
     }
     new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
     return new_state, metrics
