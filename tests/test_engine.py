@@ -50,6 +50,28 @@ def test_requests_joining_and_leaving_equal_ar_alone(setup, block_size):
             assert 1.0 <= done[rid].tau <= block_size
 
 
+def test_requests_arriving_together_share_one_padded_prefill(setup):
+    """Three requests joining a running one are prefilled in one call of 4 rows (one padding row, which writes
+    nothing); greedy outputs equal AR alone, a sampled one equals its seed's output alone."""
+    target_cfg, target_params, drafter, requests = setup
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    engine = Engine(target_params, target_cfg, drafter, slots=4, max_len=MAX_LEN, block_size=4)
+    first = engine.submit(*requests[1])
+    engine.step()
+    ids = [engine.submit(*requests[0]), engine.submit(*requests[2]), engine.submit(*requests[3], seed=7,
+                                                                                    sampling=sampling)]
+    engine.step()
+    assert len(engine.running) == 4 and not engine.queue
+    assert ("prefill", 4, 64) in engine.compiled_shapes  # 3 prompts (5, 9, 33 tokens) padded to 4 rows x 64
+    done = engine.run()
+    for rid, (prompt, budget) in zip([first, *ids[:2]], [requests[1], requests[0], requests[2]], strict=True):
+        assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
+    [alone] = decode(target_params, target_cfg, [requests[3][0]], requests[3][1], max_len=MAX_LEN, drafter=drafter,
+                     block_size=4, sampling=sampling, seeds=[7])
+    assert done[ids[2]].token_ids == alone.token_ids
+    assert engine.pool.num_free == engine.pool.num_usable
+
+
 def test_stop_tokens_free_the_slot_early(setup):
     target_cfg, target_params, drafter, requests = setup
     prompt, budget = requests[1]
@@ -193,7 +215,9 @@ def test_compiled_shapes_are_logged_and_bounded(setup, caplog):
             engine.submit(prompt, budget)
         engine.run()
     prefills = sorted(shape[1:] for shape in engine.compiled_shapes if shape[0] == "prefill")
-    assert prefills == [(1, 16), (1, 32), (1, 64)]  # prompts of 2..33 tokens: three buckets
+    # the first three requests (5, 20 and 9 tokens) are admitted together in one prefill of 3 rows (all slots);
+    # the others join one at a time as slots free: prompts of 2..33 tokens, three length buckets
+    assert prefills == [(1, 16), (1, 64), (3, 32)]
     # verify: one program per power-of-two span of 16-token pages; the longest request (33 + 17 tokens + K)
     # needs 4 pages, so the spans seen are 1, 2 and 4 at most (prompts start at 2..33 tokens).
     spans = sorted(s[3] for s in engine.compiled_shapes if s[0] == "verify")
@@ -323,9 +347,9 @@ def test_after_precompile_no_request_compiles(setup):
     target_cfg, target_params, drafter, requests = setup
     engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=48, block_size=4, page_size=8)
     count, seconds = engine.precompile()
-    # prefill lengths 16, 32, 48 x (plain, logprobs); spans of 1, 2, 4, 6 pages x (verify, verify with logprobs,
-    # propose); the activation update once
-    assert count == engine.compiles == 3 * 2 + 4 * 3 + 1 and seconds > 0
+    # prefill lengths 16, 32, 48 x (plain at 1, 2 and 3 rows, logprobs at 1 row); spans of 1, 2, 4, 6 pages x
+    # (verify, verify with logprobs, propose); the activation update once
+    assert count == engine.compiles == 3 * 3 + 3 + 4 * 3 + 1 and seconds > 0
     assert not engine.busy and engine.pool.num_free == engine.pool.num_usable
     rng = np.random.default_rng(9)
     for i, (n, budget) in enumerate([(1, 3), (15, None), (17, 5), (33, 10), (43, 1), (30, None)]):

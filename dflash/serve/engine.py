@@ -485,50 +485,78 @@ class Engine:
         finally:
             self.compiles += _compile_count() - before
 
-    def _prefill(self, slot: int, request: Completion) -> tuple[int, TokenLogprobs | None]:
-        """Prefill `request` into `slot` (pages already given); returns its first token and, when the request
-        asks for log-probabilities, the prompt's scores."""
-        n = len(request.prompt_ids)
-        tokens = np.zeros((1, self._prefill_len(n)), np.int32)
-        tokens[0, :n] = request.prompt_ids
+    def _prefill_rows(self, n: int) -> int:
+        """The padded row count of a prefill admitting n requests: a power of two, at most `slots`."""
+        return min(bucket(n, minimum=1), self.slots)
+
+    def _prefill(self, admitted: Sequence[tuple[int, Completion]]) -> tuple[list[int], TokenLogprobs | None]:
+        """Prefill requests into their slots (pages already given) in one call, padded to a bucket of rows and
+        of tokens; returns their first tokens and, for a single request asking for log-probabilities, the
+        prompt's scores (a scored request is always prefilled alone: its logits cover every position)."""
+        n_max = max(len(request.prompt_ids) for _, request in admitted)
+        rows = self._prefill_rows(len(admitted))
+        tokens = np.zeros((rows, self._prefill_len(n_max)), np.int32)
+        slots = np.full(rows, self.slots, np.int32)  # padding rows: slot B writes nothing
+        lengths = np.ones(rows, np.int32)
+        seeds = [0] * rows
+        rules: list[SamplingConfig | None] = [None] * rows
+        for i, (slot, request) in enumerate(admitted):
+            tokens[i, :len(request.prompt_ids)] = request.prompt_ids
+            slots[i], lengths[i], seeds[i], rules[i] = slot, len(request.prompt_ids), request.seed, request.sampling
         self._sync_table()
-        scored = request.top_n is not None or request.prompt_top_n is not None
+        scored = any(r.top_n is not None or r.prompt_top_n is not None for _, r in admitted)
+        if scored and len(admitted) > 1:
+            raise AssertionError("a scored request is prefilled alone")  # pragma: no cover - _admit's rule
         self._note_shape("prefill", tokens.shape)
-        new = Admission(jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
-                        jax.random.PRNGKey(request.seed)[None], SamplingRows.of([request.sampling]))
+        keys = jnp.stack([jax.random.PRNGKey(seed) for seed in seeds])
+        new = Admission(jnp.asarray(slots), jnp.asarray(tokens), jnp.asarray(lengths), keys,
+                        SamplingRows.of(rules))
         scores = None
         if scored:
             self.state, scores = self._counted(prefill_logprobs, self.models, self.state, new)
             scores = jax.device_get(scores)
         else:
             self.state = self._counted(prefill, self.models, self.state, new)
-        return int(self.state.pending[slot]), scores  # waits for the prefill
+        pending = np.asarray(self.state.pending)  # waits for the prefill
+        return [int(pending[slot]) for slot, _ in admitted], scores
 
     def _admit(self) -> None:
-        """Admit queued requests in order while a slot is free and the pool holds the head's worst case."""
+        """Admit queued requests in order while a slot is free and the pool holds the head's worst case: all
+        of them in one prefill call, except that a request asking for log-probabilities is prefilled alone."""
         free = [s for s in range(self.slots) if s not in self.running]
         while self.queue and free:
-            slot, request = free[0], self.queue[0]
-            try:
-                self.table.ensure(slot, self._worst_case_tokens(request))
-            except OutOfPagesError:
-                return  # stays queued until finished requests release pages
-            free.pop(0)
-            self.queue.popleft()
-            first, scores = self._prefill(slot, request)  # a device failure propagates: the engine fails
-            n = len(request.prompt_ids)
-            self.lengths[slot] = n
-            request.first_token_s = time.perf_counter()
-            self.running[slot] = request
-            try:
-                if scores is not None and request.prompt_top_n is not None:
-                    request.prompt_logprobs = [None, *(float(v) for v in scores.chosen[0, :n - 1])]
-                    request.prompt_top_logprobs = [[], *(self._top(scores, 0, i, request.prompt_top_n)
-                                                         for i in range(n - 1))]
-                self._emit(slot, [first], scores, [n - 1])
-            except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
-                self._fail(request, slot, err)
-
+            batch: list[tuple[int, Completion]] = []
+            while self.queue and free:
+                slot, request = free[0], self.queue[0]
+                alone = request.top_n is not None or request.prompt_top_n is not None
+                if alone and batch:
+                    break  # prefilled in the next call
+                try:
+                    self.table.ensure(slot, self._worst_case_tokens(request))
+                except OutOfPagesError:
+                    break  # stays queued until finished requests release pages
+                free.pop(0)
+                self.queue.popleft()
+                batch.append((slot, request))
+                if alone:
+                    break
+            if not batch:
+                return
+            firsts, scores = self._prefill(batch)  # a device failure propagates: the engine fails
+            now = time.perf_counter()
+            for (slot, request), first in zip(batch, firsts, strict=True):
+                n = len(request.prompt_ids)
+                self.lengths[slot] = n
+                request.first_token_s = now
+                self.running[slot] = request
+                try:
+                    if scores is not None and request.prompt_top_n is not None:
+                        request.prompt_logprobs = [None, *(float(v) for v in scores.chosen[0, :n - 1])]
+                        request.prompt_top_logprobs = [[], *(self._top(scores, 0, i, request.prompt_top_n)
+                                                             for i in range(n - 1))]
+                    self._emit(slot, [first], scores, [n - 1])
+                except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
+                    self._fail(request, slot, err)
     @staticmethod
     def _top(scores: TokenLogprobs, row: int, i: int, n: int) -> list[tuple[int, float]]:
         return [(int(t), float(v)) for t, v in zip(scores.top_ids[row, i, :n], scores.top_values[row, i, :n],
@@ -707,14 +735,18 @@ class Engine:
         longest = self.max_len - self.width - 1  # the longest prompt that leaves room for one token
         lengths = sorted({self._prefill_len(n) for n in range(1, longest + 1)})
         spans = sorted({span_pages(t, self.page_size, self.max_pages) for t in range(1 + self.width, self.max_len + 1)})
-        probe = Completion(-1, [0], 1, (), 0)
         variants = (False, True) if logprobs else (False,)
+        rows = sorted({self._prefill_rows(r) for r in range(1, self.slots + 1)})
         for length in lengths:
             for scored in variants:
-                probe.prompt_ids, probe.top_n = [0] * min(length, longest), 0 if scored else None
-                self.table.ensure(0, len(probe.prompt_ids) + 1 + self.width)
-                self._prefill(0, probe)
-                self.table.release(0)
+                for r in rows if not scored else (1,):  # a scored request is prefilled alone
+                    probes = [(slot, Completion(-1, [0] * min(length, longest), 1, (), 0, top_n=0 if scored else None))
+                              for slot in range(r)]
+                    for slot, probe in probes:
+                        self.table.ensure(slot, len(probe.prompt_ids) + 1 + self.width)
+                    self._prefill(probes)
+                    for slot, _ in probes:
+                        self.table.release(slot)
         self.state = self._counted(_set_active, self.state, jnp.zeros(self.slots, bool))
         self._sync_table()
         for pages in spans:
@@ -722,8 +754,8 @@ class Engine:
                 jax.block_until_ready(self._device_step(pages, scored))
         self._fresh_state()
         seconds = time.perf_counter() - t0
-        log.info("engine: precompiled %d programs (%d prefill lengths, %d attention spans) in %.1f s",
-                 self.compiles - before, len(lengths), len(spans), seconds)
+        log.info("engine: precompiled %d programs (%d prefill lengths x %d row counts, %d attention spans) in %.1f s",
+                 self.compiles - before, len(lengths), len(rows), len(spans), seconds)
         return self.compiles - before, seconds
 
     def run(self) -> dict[int, Completion]:

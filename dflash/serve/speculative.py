@@ -31,7 +31,7 @@ from dflash.models.drafter import (
     draft_head_rows,
     drafter_logits,
 )
-from dflash.serve.paged import PagedKVCache, PageTable
+from dflash.serve.paged import NULL_PAGE, PagedKVCache, PageTable
 from dflash.serve.sampling import SamplingRows, row_logprobs
 
 MAX_TOP_LOGPROBS = 20  # alternatives computed per token when log-probabilities are asked (OpenAI's maximum)
@@ -203,15 +203,17 @@ def _prefill(models: Models, state: SpecState, new: Admission,
     drafter = models.drafter()
     r, t = new.tokens.shape
     pages = min(state.target.page_table.shape[1], -(-t // state.target.page_size))  # the prompt's pages only
-    view = dataclasses.replace(state.target, page_table=state.target.page_table[new.slots][:, :pages],
-                               lengths=jnp.zeros((r,), jnp.int32))
+    real = new.slots < state.lengths.shape[0]  # padding rows (slot B) write nowhere: their table is the null page
+    rows = jnp.where(real[:, None], state.target.page_table[jnp.minimum(new.slots, state.lengths.shape[0] - 1)],
+                     NULL_PAGE)
+    view = dataclasses.replace(state.target, page_table=rows[:, :pages], lengths=jnp.zeros((r,), jnp.int32))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
     num_valid = new.num_valid.astype(jnp.int32)
     last = None if logprobs else (num_valid - 1)[:, None]  # logprobs: the logits of every prompt position
     logits, feats, view = forward_cached(models.target_params, models.target_cfg, new.tokens, positions, view,
                                          layer_ids=_layer_ids(drafter), logits_at_BxI=last)
     target = dataclasses.replace(state.target, k_pages=view.k_pages, v_pages=view.v_pages,
-                                 lengths=state.target.lengths.at[new.slots].set(num_valid))
+                                 lengths=state.target.lengths.at[new.slots].set(num_valid, mode="drop"))
     draft = _add_context(drafter, state.draft, feats, jnp.zeros((r,), jnp.int32), new.slots)
     if logprobs:
         at_last = jnp.take_along_axis(logits, (num_valid - 1)[:, None, None], axis=1)[:, 0]
@@ -222,15 +224,17 @@ def _prefill(models: Models, state: SpecState, new: Admission,
     if logprobs:  # position i scores the token after it: prompt token i + 1, then the first generated token
         following = jnp.pad(new.tokens[:, 1:], ((0, 0), (0, 1))).at[jnp.arange(r), num_valid - 1].set(pending)
         scores = TokenLogprobs.of(logits, following)
-    return SpecState(target, draft, state.lengths.at[new.slots].set(num_valid),
-                     state.pending.at[new.slots].set(pending), state.active.at[new.slots].set(True),
-                     state.rng.at[new.slots].set(rng), state.sampling.set(new.slots, new.sampling)), scores
+    return SpecState(target, draft, state.lengths.at[new.slots].set(num_valid, mode="drop"),
+                     state.pending.at[new.slots].set(pending, mode="drop"),
+                     state.active.at[new.slots].set(True, mode="drop"), state.rng.at[new.slots].set(rng, mode="drop"),
+                     state.sampling.set(new.slots, new.sampling)), scores
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def prefill(models: Models, state: SpecState, new: Admission) -> SpecState:
     """`state` with the prompts of `new` prefilled into their slots: both caches filled from position 0
     (whatever the slot held is forgotten), sampling rules set, the first token pending, the slots active.
+    A row whose slot is B (one past the last) is padding (the engine pads R to a bucket): it writes nothing.
 
     The host must have given each slot pages for its prompt (`PageTable.ensure`) and uploaded the table;
     the prompt runs through a view of the cache holding only those slots' page-table rows, so it writes
