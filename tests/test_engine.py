@@ -72,6 +72,39 @@ def test_requests_arriving_together_share_one_padded_prefill(setup):
     assert engine.pool.num_free == engine.pool.num_usable
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_decodes(setup):
+    """With prefill_chunk=16 a 33-token prompt joining a running batch takes 3 engine steps (16 + 16 + 1 tokens),
+    and the running request decodes in each of them; greedy outputs equal AR, a sampled long prompt equals its
+    seed's unchunked output, and a request cancelled part way through its prefill frees its slot and pages."""
+    target_cfg, target_params, drafter, requests = setup
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=4, prefill_chunk=16)
+    running = engine.submit(*requests[4])
+    engine.step()
+    long_ = engine.submit(*requests[3])  # 33 tokens
+    sampled = engine.submit(requests[1][0] + requests[3][0], 6, seed=5, sampling=sampling)  # 53 tokens
+    progress = []
+    for _ in range(3):
+        before = len(engine.running[0].token_ids)
+        engine.step()
+        progress.append(len(engine.running[0].token_ids) - before)
+        assert set(engine.running) == ({0, 1} if len(progress) == 3 else {0})
+    assert min(progress) >= 1  # the running request was not stalled by the long prompt
+    assert [(slot, r.request_id, n) for slot, (r, n) in engine.prefilling.items()] == [(2, sampled, 0)]  # next
+    done = engine.run()
+    for rid, (prompt, budget) in [(running, requests[4]), (long_, requests[3])]:
+        assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
+    plain = Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4)
+    rid = plain.submit(requests[1][0] + requests[3][0], 6, seed=5, sampling=sampling)
+    assert done[sampled].token_ids == plain.run()[rid].token_ids
+    assert ("prefill_chunk", 1, 16, 2) in engine.compiled_shapes and engine.pool.num_free == engine.pool.num_usable
+    rid = engine.submit(requests[3][0], 4)
+    engine.step()
+    assert rid in [r.request_id for r, _ in engine.prefilling.values()] and engine.cancel(rid)
+    assert done[rid].finish_reason == "cancelled" and not engine.busy
+    assert engine.pool.num_free == engine.pool.num_usable
+
+
 def test_stop_tokens_free_the_slot_early(setup):
     target_cfg, target_params, drafter, requests = setup
     prompt, budget = requests[1]

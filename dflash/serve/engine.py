@@ -55,6 +55,7 @@ from dflash.serve.speculative import (
     bucket,
     empty_state,
     prefill,
+    prefill_chunk,
     prefill_logprobs,
     propose,
     span_pages,
@@ -68,8 +69,8 @@ log = logging.getLogger(__name__)
 
 INT32_MAX = (1 << 31) - 1
 SEED_LIMIT = 1 << 63
-_PROGRAMS = (prefill, prefill_logprobs, propose, verify, verify_logprobs, propose_topk, build_tree, verify_tree,
-             verify_tree_logprobs)
+_PROGRAMS = (prefill, prefill_chunk, prefill_logprobs, propose, verify, verify_logprobs, propose_topk, build_tree,
+             verify_tree, verify_tree_logprobs)
 
 
 class RequestRejected(ValueError):
@@ -224,9 +225,12 @@ class Completion:
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _set_active(state: SpecState, active_B: jax.Array) -> SpecState:
-    """`state` with these slots active; inactive slots' lengths return to 0 (their pages are released)."""
-    target = dataclasses.replace(state.target, lengths=jnp.where(active_B, state.target.lengths, 0))
-    return dataclasses.replace(state, target=target, lengths=jnp.where(active_B, state.lengths, 0), active=active_B)
+    """`state` with these slots active; inactive slots' lengths are parked at the cache capacity, so that a
+    decode step writes none of their target or draft cache slots (a slot part way through a chunked prefill
+    keeps its prompt's K/V; a free slot has no pages anyway)."""
+    park = state.target.capacity  # >= max_len: writes there are dropped in both caches
+    target = dataclasses.replace(state.target, lengths=jnp.where(active_B, state.target.lengths, park))
+    return dataclasses.replace(state, target=target, lengths=jnp.where(active_B, state.lengths, park), active=active_B)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -240,7 +244,8 @@ class Engine:
                  draft_fn: Callable[[SpecState, int], Any] | None = None, sampling: SamplingConfig | None = None,
                  page_size: int = 16, num_pages: int | None = None,
                  detokenize: Callable[[Sequence[int]], str] | None = None, tree_nodes: int | None = None,
-                 ngram: bool = False, tree_fn: Callable[[SpecState, int, int], Any] | None = None):
+                 ngram: bool = False, tree_fn: Callable[[SpecState, int, int], Any] | None = None,
+                 prefill_chunk: int | None = None):
         """block_size: K per step with `drafter` (None: AR mode, the drafter unused); draft_fn: replaces the
         drafter's proposals (tests); sampling: the default rule of requests that bring none (None: greedy);
         page_size / num_pages: the target cache's pages (default: every slot at max_len, plus the null
@@ -250,7 +255,11 @@ class Engine:
         distributions (`serve.tree`) instead of the chain (None, 0 or 1); tree_fn: (state, K, M) -> the
         ranked lists (ids, logp) [B, K-1, M] in place of the drafter's (tests). ngram: add prompt lookup (the
         continuation of the recent tokens' latest earlier match in the prompt + output) as an extra tree path;
-        without a drafter (and with block_size), prompt lookup alone drafts the chain."""
+        without a drafter (and with block_size), prompt lookup alone drafts the chain.
+
+        prefill_chunk: a prompt longer than this many tokens (a power of two >= 16) is prefilled one chunk per
+        engine step, between the running requests' decode steps, so that it stalls them by at most one chunk's
+        prefill per step (None: every prompt in one call; a request asking for log-probabilities always is)."""
         if tree_nodes is not None and (not _is_int(tree_nodes) or tree_nodes < 0):
             raise ValueError(f"tree_nodes must be an integer >= 0 (0 or 1: the chain); received {tree_nodes!r}")
         self.tree_nodes = tree_nodes if tree_nodes is not None and tree_nodes > 1 else 0
@@ -264,6 +273,10 @@ class Engine:
                 raise ValueError(f"block_size must be >= 2 for prompt lookup; received {block_size}")
         if slots < 1:
             raise ValueError(f"slots must be >= 1; received {slots}")
+        if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 16
+                                          or prefill_chunk & (prefill_chunk - 1)):
+            raise ValueError(f"prefill_chunk must be None or a power of two >= 16; received {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1; received {page_size}")
         self.proposer: Proposer
@@ -300,6 +313,7 @@ class Engine:
         self._ids = iter(range(1 << 62))
         self.queue: collections.deque[Completion] = collections.deque()
         self.running: dict[int, Completion] = {}  # slot -> request
+        self.prefilling: dict[int, tuple[Completion, int]] = {}  # slot -> (request, prompt tokens prefilled)
         self.done: dict[int, Completion] = {}
         self.steps = 0
         self.page_size = page_size
@@ -344,6 +358,7 @@ class Engine:
         failed step, whose donated state may be gone). Compiled programs are kept."""
         self.queue.clear()
         self.running.clear()
+        self.prefilling.clear()
         self.done.clear()
         self._fresh_state()
 
@@ -360,7 +375,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue or self.running)
+        return bool(self.queue or self.running or self.prefilling)
 
     @property
     def vocab_size(self) -> int:
@@ -443,7 +458,8 @@ class Engine:
 
     def cancel(self, request_id: int) -> bool:
         """End a queued or running request now (finish_reason "cancelled"), freeing its slot and pages; it
-        moves to `done` with the tokens it has. Returns False when the request is not queued or running."""
+        moves to `done` with the tokens it has. Returns False when the request is not queued, being prefilled
+        or running."""
         for request in self.queue:
             if request.request_id == request_id:
                 self.queue.remove(request)
@@ -456,6 +472,14 @@ class Engine:
                 request.finish_reason, request.finished_s = "cancelled", time.perf_counter()
                 self._settle_text(request)
                 self._finish(slot)
+                return True
+        for slot, (request, _) in self.prefilling.items():
+            if request.request_id == request_id:
+                del self.prefilling[slot]
+                request.finish_reason, request.finished_s = "cancelled", time.perf_counter()
+                self._settle_text(request)
+                self.done[request_id] = request
+                self.table.release(slot)
                 return True
         return False
 
@@ -523,12 +547,13 @@ class Engine:
     def _admit(self) -> None:
         """Admit queued requests in order while a slot is free and the pool holds the head's worst case: all
         of them in one prefill call, except that a request asking for log-probabilities is prefilled alone."""
-        free = [s for s in range(self.slots) if s not in self.running]
+        free = [s for s in range(self.slots) if s not in self.running and s not in self.prefilling]
         while self.queue and free:
             batch: list[tuple[int, Completion]] = []
             while self.queue and free:
                 slot, request = free[0], self.queue[0]
                 alone = request.top_n is not None or request.prompt_top_n is not None
+                chunked = not alone and self.prefill_chunk is not None and len(request.prompt_ids) > self.prefill_chunk
                 if alone and batch:
                     break  # prefilled in the next call
                 try:
@@ -537,26 +562,65 @@ class Engine:
                     break  # stays queued until finished requests release pages
                 free.pop(0)
                 self.queue.popleft()
+                if chunked:  # prefilled chunk by chunk in the coming steps (`_prefill_next_chunk`)
+                    self.prefilling[slot] = (request, 0)
+                    continue
                 batch.append((slot, request))
                 if alone:
                     break
             if not batch:
                 return
             firsts, scores = self._prefill(batch)  # a device failure propagates: the engine fails
-            now = time.perf_counter()
             for (slot, request), first in zip(batch, firsts, strict=True):
-                n = len(request.prompt_ids)
-                self.lengths[slot] = n
-                request.first_token_s = now
-                self.running[slot] = request
-                try:
-                    if scores is not None and request.prompt_top_n is not None:
-                        request.prompt_logprobs = [None, *(float(v) for v in scores.chosen[0, :n - 1])]
-                        request.prompt_top_logprobs = [[], *(self._top(scores, 0, i, request.prompt_top_n)
-                                                             for i in range(n - 1))]
-                    self._emit(slot, [first], scores, [n - 1])
-                except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
-                    self._fail(request, slot, err)
+                self._start(slot, request, first, scores)
+
+    def _start(self, slot: int, request: Completion, first: int, scores: TokenLogprobs | None) -> None:
+        """A prefilled request starts running: its first token is emitted (and its prompt's scores kept)."""
+        n = len(request.prompt_ids)
+        self.lengths[slot] = n
+        request.first_token_s = time.perf_counter()
+        self.running[slot] = request
+        try:
+            if scores is not None and request.prompt_top_n is not None:
+                request.prompt_logprobs = [None, *(float(v) for v in scores.chosen[0, :n - 1])]
+                request.prompt_top_logprobs = [[], *(self._top(scores, 0, i, request.prompt_top_n)
+                                                     for i in range(n - 1))]
+            self._emit(slot, [first], scores, [n - 1])
+        except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
+            self._fail(request, slot, err)
+
+    def _chunk_spans(self) -> list[tuple[int, int]]:
+        """(start, attention span in pages) of every chunk a prompt of up to the longest admissible length has."""
+        longest = self.max_len - self.width - 1
+        return [(start, span_pages(start + self.prefill_chunk, self.page_size, self.max_pages))
+                for start in range(0, longest, self.prefill_chunk)]
+
+    def _prefill_chunk(self, slot: int, request: Completion, start: int) -> int:
+        """Prefill the prompt's next chunk (from token `start`) into `slot`; returns the tokens prefilled now."""
+        chunk = self.prefill_chunk
+        n = min(chunk, len(request.prompt_ids) - start)
+        tokens = np.zeros((1, chunk), np.int32)
+        tokens[0, :n] = request.prompt_ids[start:start + n]
+        pages = span_pages(start + chunk, self.page_size, self.max_pages)
+        self._sync_table()
+        self._note_shape("prefill_chunk", (1, chunk, pages))
+        new = Admission(jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
+                        jax.random.PRNGKey(request.seed)[None], SamplingRows.of([request.sampling]))
+        self.state = self._counted(prefill_chunk, self.models, self.state, new, jnp.asarray([start], jnp.int32),
+                                   pages)
+        return n
+
+    def _prefill_next_chunk(self) -> None:
+        """One chunk of the longest-waiting chunked prompt; after its last chunk the request starts running."""
+        if not self.prefilling:
+            return
+        slot, (request, done) = next(iter(self.prefilling.items()))
+        done += self._prefill_chunk(slot, request, done)  # a device failure propagates: the engine fails
+        if done < len(request.prompt_ids):
+            self.prefilling[slot] = (request, done)
+            return
+        del self.prefilling[slot]
+        self._start(slot, request, int(np.asarray(self.state.pending)[slot]), None)
     @staticmethod
     def _top(scores: TokenLogprobs, row: int, i: int, n: int) -> list[tuple[int, float]]:
         return [(int(t), float(v)) for t, v in zip(scores.top_ids[row, i, :n], scores.top_values[row, i, :n],
@@ -694,9 +758,11 @@ class Engine:
         return out, n, None
 
     def step(self) -> None:
-        """Admit what fits, then one propose + verify over every running request. A request whose host-side
+        """Admit what fits (one chunk of a long prompt at most), then one propose + verify over every running
+        request. A request whose host-side
         work raises ends alone (finish_reason "error"); a failing device call raises (reset the engine)."""
         self._admit()
+        self._prefill_next_chunk()
         if not self.running:
             return
         active = np.zeros(self.slots, bool)
@@ -737,8 +803,11 @@ class Engine:
         spans = sorted({span_pages(t, self.page_size, self.max_pages) for t in range(1 + self.width, self.max_len + 1)})
         variants = (False, True) if logprobs else (False,)
         rows = sorted({self._prefill_rows(r) for r in range(1, self.slots + 1)})
+        whole = lengths if self.prefill_chunk is None else [n for n in lengths if n <= self.prefill_chunk]
         for length in lengths:
             for scored in variants:
+                if not scored and length not in whole:
+                    continue  # a longer unscored prompt is prefilled in chunks
                 for r in rows if not scored else (1,):  # a scored request is prefilled alone
                     probes = [(slot, Completion(-1, [0] * min(length, longest), 1, (), 0, top_n=0 if scored else None))
                               for slot in range(r)]
@@ -747,6 +816,13 @@ class Engine:
                     self._prefill(probes)
                     for slot, _ in probes:
                         self.table.release(slot)
+        chunks = [] if self.prefill_chunk is None else sorted({span for _, span in self._chunk_spans()})
+        for span in chunks:
+            start = max(s for s, p in self._chunk_spans() if p == span)
+            probe = Completion(-1, [0] * (start + 1), 1, (), 0)
+            self.table.ensure(0, start + 1 + self.width)
+            self._prefill_chunk(0, probe, start)
+            self.table.release(0)
         self.state = self._counted(_set_active, self.state, jnp.zeros(self.slots, bool))
         self._sync_table()
         for pages in spans:
@@ -754,8 +830,9 @@ class Engine:
                 jax.block_until_ready(self._device_step(pages, scored))
         self._fresh_state()
         seconds = time.perf_counter() - t0
-        log.info("engine: precompiled %d programs (%d prefill lengths x %d row counts, %d attention spans) in %.1f s",
-                 self.compiles - before, len(lengths), len(rows), len(spans), seconds)
+        log.info("engine: precompiled %d programs (%d prefill lengths x %d row counts, %d prefill chunk spans, %d "
+                 "attention spans) in %.1f s", self.compiles - before, len(lengths), len(rows), len(chunks), len(spans),
+                 seconds)
         return self.compiles - before, seconds
 
     def run(self) -> dict[int, Completion]:

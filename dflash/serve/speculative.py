@@ -198,23 +198,24 @@ def _first_tokens(logits_RxV: jax.Array, rules: SamplingRows, rng_Rx2: jax.Array
     return jax.lax.cond(jnp.all(rules.greedy), lambda _: (greedy, rng_Rx2), draw, None)
 
 
-def _prefill(models: Models, state: SpecState, new: Admission,
-             logprobs: bool) -> tuple[SpecState, TokenLogprobs | None]:
+def _prefill(models: Models, state: SpecState, new: Admission, logprobs: bool, starts_R: jax.Array | None = None,
+             span_pages: int | None = None) -> tuple[SpecState, TokenLogprobs | None]:
     drafter = models.drafter()
     r, t = new.tokens.shape
-    pages = min(state.target.page_table.shape[1], -(-t // state.target.page_size))  # the prompt's pages only
+    starts_R = jnp.zeros((r,), jnp.int32) if starts_R is None else starts_R.astype(jnp.int32)
+    pages = min(state.target.page_table.shape[1], -(-t // state.target.page_size) if span_pages is None else span_pages)
     real = new.slots < state.lengths.shape[0]  # padding rows (slot B) write nowhere: their table is the null page
     rows = jnp.where(real[:, None], state.target.page_table[jnp.minimum(new.slots, state.lengths.shape[0] - 1)],
                      NULL_PAGE)
-    view = dataclasses.replace(state.target, page_table=rows[:, :pages], lengths=jnp.zeros((r,), jnp.int32))
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+    view = dataclasses.replace(state.target, page_table=rows[:, :pages], lengths=starts_R)
+    positions = starts_R[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     num_valid = new.num_valid.astype(jnp.int32)
     last = None if logprobs else (num_valid - 1)[:, None]  # logprobs: the logits of every prompt position
     logits, feats, view = forward_cached(models.target_params, models.target_cfg, new.tokens, positions, view,
                                          layer_ids=_layer_ids(drafter), logits_at_BxI=last)
     target = dataclasses.replace(state.target, k_pages=view.k_pages, v_pages=view.v_pages,
-                                 lengths=state.target.lengths.at[new.slots].set(num_valid, mode="drop"))
-    draft = _add_context(drafter, state.draft, feats, jnp.zeros((r,), jnp.int32), new.slots)
+                                 lengths=state.target.lengths.at[new.slots].set(starts_R + num_valid, mode="drop"))
+    draft = _add_context(drafter, state.draft, feats, starts_R, new.slots)
     if logprobs:
         at_last = jnp.take_along_axis(logits, (num_valid - 1)[:, None, None], axis=1)[:, 0]
     else:
@@ -224,7 +225,7 @@ def _prefill(models: Models, state: SpecState, new: Admission,
     if logprobs:  # position i scores the token after it: prompt token i + 1, then the first generated token
         following = jnp.pad(new.tokens[:, 1:], ((0, 0), (0, 1))).at[jnp.arange(r), num_valid - 1].set(pending)
         scores = TokenLogprobs.of(logits, following)
-    return SpecState(target, draft, state.lengths.at[new.slots].set(num_valid, mode="drop"),
+    return SpecState(target, draft, state.lengths.at[new.slots].set(starts_R + num_valid, mode="drop"),
                      state.pending.at[new.slots].set(pending, mode="drop"),
                      state.active.at[new.slots].set(True, mode="drop"), state.rng.at[new.slots].set(rng, mode="drop"),
                      state.sampling.set(new.slots, new.sampling)), scores
@@ -248,6 +249,17 @@ def prefill_logprobs(models: Models, state: SpecState, new: Admission) -> tuple[
     token i + 1, position num_valid - 1 the first generated token (the logits of the whole prompt are
     computed, so only requests that ask pay for them)."""
     return _prefill(models, state, new, True)
+
+
+@functools.partial(jax.jit, static_argnames=("span_pages",), donate_argnames=("state",))
+def prefill_chunk(models: Models, state: SpecState, new: Admission, starts_R: jax.Array,
+                  span_pages: int) -> SpecState:
+    """`prefill` of a chunk of each prompt, tokens [R, T] at positions starts_R .. starts_R + T - 1, after the
+    starts_R tokens already in the slots' caches (a long prompt prefilled over several engine steps). The chunk
+    attends over the first `span_pages` (static) pages of its slot, which must hold starts_R + T tokens. After
+    the last chunk the slot holds its whole prompt and the first token is pending, as after `prefill`; after an
+    earlier one the pending token is meaningless (the engine keeps the slot inactive until the last chunk)."""
+    return _prefill(models, state, new, False, starts_R, span_pages)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "span"))
@@ -382,6 +394,7 @@ __all__ = [
     "bucket",
     "empty_state",
     "prefill",
+    "prefill_chunk",
     "prefill_logprobs",
     "propose",
     "span_pages",
