@@ -373,16 +373,20 @@ def test_logprobs_are_the_targets_own_for_greedy_and_sampled_requests(setup, blo
 
 
 @pytest.mark.slow  # ~60 s of compiles; the default tier checks 0 compiles in `dflash eval`'s timed region (test_eval)
-def test_after_precompile_no_request_compiles(setup):
-    """precompile runs every prefill length (a max_len that is no power of two caps the last bucket) and every
-    attention span, with and without log-probabilities; requests of any prompt length, budget and kind then
-    compile nothing."""
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_after_precompile_no_request_compiles(setup, chunk):
+    """precompile runs every prefill length (a max_len that is no power of two caps the last bucket) and row
+    count, every prefill chunk's span and every attention span, with and without log-probabilities; requests of
+    any prompt length, budget and kind then compile nothing."""
     target_cfg, target_params, drafter, requests = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=48, block_size=4, page_size=8)
+    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=48, block_size=4, page_size=8,
+                    prefill_chunk=chunk)
     count, seconds = engine.precompile()
     # prefill lengths 16, 32, 48 x (plain at 1, 2 and 3 rows, logprobs at 1 row); spans of 1, 2, 4, 6 pages x
-    # (verify, verify with logprobs, propose); the activation update once
-    assert count == engine.compiles == 3 * 3 + 3 + 4 * 3 + 1 and seconds > 0
+    # (verify, verify with logprobs, propose); the activation update once. With chunks of 16: plain prompts of
+    # 16 tokens at most, and chunks starting at 0, 16, 32 (spans of 2, 4, 6 pages).
+    prefills = 3 * 3 + 3 if chunk is None else 1 * 3 + 3 + 3
+    assert count == engine.compiles == prefills + 4 * 3 + 1 and seconds > 0
     assert not engine.busy and engine.pool.num_free == engine.pool.num_usable
     rng = np.random.default_rng(9)
     for i, (n, budget) in enumerate([(1, 3), (15, None), (17, 5), (33, 10), (43, 1), (30, None)]):

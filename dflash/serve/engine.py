@@ -6,10 +6,11 @@
     while engine.busy: engine.step()                  # or engine.run() -> {request id: Completion}
     [done] = decode(target_params, target_cfg, [prompt_ids], 64, max_len=512)   # one-shot: AR (no drafter)
 
-Each step admits queued requests into free slots (each prefilled alone, straight into its slot's pages),
-asks the proposer for drafts, and verifies them over all slots; a request that hits a stop token, a stop
-string or its budget leaves at once and frees its slot and pages. AR mode is the proposer that proposes
-nothing (K = 1). Requests carry their own sampling rule and seed, so neighbours never change an output.
+Each step admits queued requests into free slots (those joining together prefilled in one call, straight
+into their slots' pages; with `prefill_chunk`, a long prompt one chunk per step), asks the proposer for
+drafts, and verifies them over all slots; a request that hits a stop token, a stop string or its budget
+leaves at once and frees its slot and pages. AR mode is the proposer that proposes nothing (K = 1).
+Requests carry their own sampling rule and seed, so neighbours never change an output.
 
 Isolation: `submit` refuses (`RequestRejected`, naming the field) anything the device could not take (token
 ids outside [0, vocab), int32 overflows, a prompt + budget over the context `max_len`); a request whose
