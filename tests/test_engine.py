@@ -385,8 +385,14 @@ def test_after_precompile_no_request_compiles(setup, chunk):
     # prefill lengths 16, 32, 48 x (plain at 1, 2 and 3 rows, logprobs at 1 row); spans of 1, 2, 4, 6 pages x
     # (verify, verify with logprobs, propose); the activation update once. With chunks of 16: plain prompts of
     # 16 tokens at most, and chunks starting at 0, 16, 32 (spans of 2, 4, 6 pages).
-    prefills = 3 * 3 + 3 if chunk is None else 1 * 3 + 3 + 3
-    assert count == engine.compiles == prefills + 4 * 3 + 1 and seconds > 0
+    if chunk is None:
+        assert count == engine.compiles == 3 * 3 + 3 + 4 * 3 + 1 and seconds > 0
+    else:  # jit caches are process-wide: count only what this engine's shapes added, checked by kind
+        assert count == engine.compiles and seconds > 0
+        assert {s[1:] for s in engine.compiled_shapes if s[0] == "prefill_chunk"} == {(1, 16, 2), (1, 16, 4),
+                                                                                     (1, 16, 6)}
+        assert {s[1:] for s in engine.compiled_shapes if s[0] == "prefill"} == {(1, 16), (2, 16), (3, 16), (1, 32),
+                                                                               (1, 48)}
     assert not engine.busy and engine.pool.num_free == engine.pool.num_usable
     rng = np.random.default_rng(9)
     for i, (n, budget) in enumerate([(1, 3), (15, None), (17, 5), (33, 10), (43, 1), (30, None)]):
@@ -397,3 +403,39 @@ def test_after_precompile_no_request_compiles(setup, chunk):
     done = engine.run()
     assert len(done) == 6 and all(r.finish_reason == "length" for r in done.values())
     assert engine.compiles == count  # nothing compiled inside a request
+
+
+@pytest.mark.parametrize("block_size", [4, pytest.param(None, marks=pytest.mark.slow)])
+def test_several_steps_per_dispatch_change_no_output(setup, block_size):
+    """R = 4 decode steps per dispatch (one device loop) against R = 1, same requests: a stop id, a stop string and
+    a budget that fall inside a chunk, a seeded sampled request, requests joining while others run, and one
+    cancelled; every request's tokens, finish reason and acceptance are identical, and the stops cut exactly."""
+    target_cfg, target_params, drafter, requests = setup
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    ar1, ar3 = _ar(target_cfg, target_params, *requests[1]), _ar(target_cfg, target_params, *requests[3])
+    stop_id, stop_text = ar1[6], _text(ar3)[9:13]
+
+    def run(r):
+        engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=block_size,
+                        detokenize=_text, steps_per_dispatch=r)
+        ids = [engine.submit(*requests[0]), engine.submit(*requests[1], stop_ids=[stop_id]),
+               engine.submit(*requests[3], stop_strings=[stop_text])]
+        engine.step()
+        ids += [engine.submit(*requests[2], seed=3, sampling=sampling), engine.submit(*requests[6])]
+        engine.step()
+        engine.cancel(ids[-1])
+        ids.append(engine.submit(*requests[5], seed=4, sampling=sampling))
+        done = engine.run()
+        assert engine.pool.num_free == engine.pool.num_usable
+        return engine, [done[rid] for rid in ids]
+
+    (_, one), (looped, four) = run(1), run(4)
+    assert any(s[0] == "decode_steps" for s in looped.compiled_shapes)
+    for a, b in zip(one, four, strict=True):
+        assert (a.token_ids, a.finish_reason, a.stop_string, a.accepted) == (b.token_ids, b.finish_reason,
+                                                                             b.stop_string, b.accepted)
+        assert a.text == b.text
+    assert four[0].token_ids == _ar(target_cfg, target_params, *requests[0]) and four[0].finish_reason == "length"
+    assert four[1].token_ids == ar1[:ar1.index(stop_id) + 1] and four[1].finish_reason == "stop"
+    assert four[2].finish_reason == "stop" and four[2].stop_string == stop_text and len(four[2].token_ids) < len(ar3)
+    assert four[4].finish_reason == "cancelled"

@@ -54,6 +54,7 @@ from dflash.serve.speculative import (
     SpecState,
     TokenLogprobs,
     bucket,
+    decode_steps,
     empty_state,
     prefill,
     prefill_chunk,
@@ -70,8 +71,8 @@ log = logging.getLogger(__name__)
 
 INT32_MAX = (1 << 31) - 1
 SEED_LIMIT = 1 << 63
-_PROGRAMS = (prefill, prefill_chunk, prefill_logprobs, propose, verify, verify_logprobs, propose_topk, build_tree,
-             verify_tree, verify_tree_logprobs)
+_PROGRAMS = (prefill, prefill_chunk, prefill_logprobs, decode_steps, propose, verify, verify_logprobs, propose_topk,
+             build_tree, verify_tree, verify_tree_logprobs)
 
 
 class RequestRejected(ValueError):
@@ -246,7 +247,7 @@ class Engine:
                  page_size: int = 16, num_pages: int | None = None,
                  detokenize: Callable[[Sequence[int]], str] | None = None, tree_nodes: int | None = None,
                  ngram: bool = False, tree_fn: Callable[[SpecState, int, int], Any] | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, steps_per_dispatch: int = 1):
         """block_size: K per step with `drafter` (None: AR mode, the drafter unused); draft_fn: replaces the
         drafter's proposals (tests); sampling: the default rule of requests that bring none (None: greedy);
         page_size / num_pages: the target cache's pages (default: every slot at max_len, plus the null
@@ -260,7 +261,13 @@ class Engine:
 
         prefill_chunk: a prompt longer than this many tokens (a power of two >= 16) is prefilled one chunk per
         engine step, between the running requests' decode steps, so that it stalls them by at most one chunk's
-        prefill per step (None: every prompt in one call; a request asking for log-probabilities always is)."""
+        prefill per step (None: every prompt in one call; a request asking for log-probabilities always is).
+
+        steps_per_dispatch: R > 1 runs up to R decode steps (propose + verify) in one jitted device loop
+        (`speculative.decode_steps`) and returns to the host after R steps, or after the first step in which a
+        request hits a stop id or its budget; stop strings are checked on the host afterwards (tokens past one are
+        discarded). Steps that score log-probabilities, tree steps and `draft_fn` / prompt-lookup proposals run
+        one step per dispatch. R = 1: one propose and one verify call per step."""
         if tree_nodes is not None and (not _is_int(tree_nodes) or tree_nodes < 0):
             raise ValueError(f"tree_nodes must be an integer >= 0 (0 or 1: the chain); received {tree_nodes!r}")
         self.tree_nodes = tree_nodes if tree_nodes is not None and tree_nodes > 1 else 0
@@ -278,6 +285,9 @@ class Engine:
                                           or prefill_chunk & (prefill_chunk - 1)):
             raise ValueError(f"prefill_chunk must be None or a power of two >= 16; received {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
+        if not _is_int(steps_per_dispatch) or steps_per_dispatch < 1:
+            raise ValueError(f"steps_per_dispatch must be an integer >= 1; received {steps_per_dispatch!r}")
+        self.steps_per_dispatch = steps_per_dispatch
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1; received {page_size}")
         self.proposer: Proposer
@@ -776,6 +786,9 @@ class Engine:
         # Attention sees only the pages in use, bucketed to a power of two (a bounded number of shapes).
         pages = span_pages(int(self.lengths[active].max()) + self.width, self.page_size, self.max_pages)
         scored = any(r.top_n is not None for r in self.running.values())
+        if self._loop_steps(scored) > 1:
+            self._loop(active)
+            return
         out, n, scores = self._device_step(pages, scored)
         out, n = np.asarray(out), np.asarray(n)
         scores = None if scores is None else jax.device_get(scores)
@@ -789,6 +802,45 @@ class Engine:
                     request.accepted.append(len(request.token_ids) - before - 1)
             except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
                 self._fail(request, slot, err)
+
+    def _loop_steps(self, scored: bool) -> int:
+        """Decode steps the next dispatch may run (1 unless the device loop applies)."""
+        looped = isinstance(self.proposer, DrafterProposals | NoDrafts) and not self.tree_nodes
+        return self.steps_per_dispatch if looped and not scored else 1
+
+    def _loop_pages(self, lengths_B: np.ndarray) -> int:
+        """The attention span of a device loop over slots holding lengths_B tokens (0: inactive)."""
+        most = int(lengths_B.max()) + self.steps_per_dispatch * self.width
+        return span_pages(min(most, self.max_len), self.page_size, self.max_pages)
+
+    def _loop(self, active: np.ndarray) -> None:
+        """Up to R decode steps in one dispatch (`decode_steps`), then each step's tokens emitted in order."""
+        stops = bucket(max(len(r.stop_ids) for r in self.running.values()), minimum=8)  # few shapes
+        stop_ids = np.full((self.slots, stops), -1, np.int32)
+        budget = np.full(self.slots, INT32_MAX, np.int32)
+        for slot, request in self.running.items():
+            stop_ids[slot, :len(request.stop_ids)] = request.stop_ids
+            budget[slot] = request.max_new_tokens - len(request.token_ids)
+        pages = self._loop_pages(np.where(active, self.lengths, 0))
+        self._note_shape("decode_steps", (self.slots, self.k, stops, self.steps_per_dispatch, pages))
+        self.state, out, n, ran = self._counted(decode_steps, self.models, self.state, jnp.asarray(stop_ids),
+                                                jnp.asarray(budget), self.k, self.steps_per_dispatch, pages)
+        ran = int(ran)
+        out, n = (np.asarray(a[:ran]) for a in jax.device_get((out, n)))
+        for i in range(ran):
+            self.lengths = np.where(active, self.lengths + n[i] + 1, self.lengths)
+            self.steps += 1
+            for slot, request in list(self.running.items()):
+                if not active[slot]:
+                    continue
+                try:
+                    before = len(request.token_ids)
+                    self._emit(slot, [int(t) for t in out[i, slot, : n[i, slot] + 1]])
+                    if not self.ar:
+                        request.accepted.append(len(request.token_ids) - before - 1)
+                except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
+                    self._fail(request, slot, err)
+            active = active & np.isin(np.arange(self.slots), list(self.running))  # a stop string ends one early
 
     def precompile(self, *, logprobs: bool = True) -> tuple[int, float]:
         """Compile every program the engine can use (each prefill length up to max_len and each attention span,
@@ -829,6 +881,11 @@ class Engine:
         for pages in spans:
             for scored in variants:
                 jax.block_until_ready(self._device_step(pages, scored))
+            if self._loop_steps(False) > 1:
+                self.state, *outputs = self._counted(
+                    decode_steps, self.models, self.state, jnp.full((self.slots, 8), -1, jnp.int32),
+                    jnp.ones(self.slots, jnp.int32), self.k, self.steps_per_dispatch, pages)
+                jax.block_until_ready(outputs)
         self._fresh_state()
         seconds = time.perf_counter() - t0
         log.info("engine: precompiled %d programs (%d prefill lengths x %d row counts, %d prefill chunk spans, %d "

@@ -382,6 +382,34 @@ def verify_logprobs(models: Models, state: SpecState, drafts_BxKm1: jax.Array, s
     return _verify(models, state, drafts_BxKm1, span_pages, True)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "steps", "span_pages"), donate_argnames=("state",))
+def decode_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, block_size: int,
+                 steps: int, span_pages: int) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
+    """Up to `steps` decode steps (the drafter's `propose` then `verify`; AR when block_size is 1) in one device
+    loop; returns (state, tokens [steps, B, K], accepted n [steps, B], steps run). Row i < steps run holds step
+    i's `verify` output; the loop ends early after a step in which an active slot emitted one of its stop ids
+    (stop_ids_BxS, padded with -1) or reached `budget_B` new tokens (counted from this call), so the host, which
+    checks stops and budgets exactly, finds a finished request only in the last step run. Each step is the same
+    computation as one `propose` + `verify` call (the same outputs, the same state)."""
+    b, k = state.lengths.shape[0], block_size
+    page_size = state.target.page_size
+
+    def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        i, st, tokens, accepted, emitted, _ = carry
+        drafts = jnp.zeros((b, 0), jnp.int32) if k == 1 else propose(models, st, k, span_pages * page_size)
+        st, out, n, _ = _verify(models, st, drafts, span_pages, False)
+        valid = jnp.arange(k)[None, :] <= n[:, None]
+        hit = jnp.any(valid & jnp.any(out[:, :, None] == stop_ids_BxS[:, None, :], axis=-1), axis=-1)
+        emitted = emitted + jnp.where(st.active, n + 1, 0)
+        finished = jnp.any(st.active & (hit | (emitted >= budget_B)))
+        return i + 1, st, tokens.at[i].set(out), accepted.at[i].set(n), emitted, finished
+
+    carry = (jnp.int32(0), state, jnp.zeros((steps, b, k), jnp.int32), jnp.zeros((steps, b), jnp.int32),
+             jnp.zeros((b,), jnp.int32), jnp.bool_(False))
+    i, state, tokens, accepted, _, _ = jax.lax.while_loop(lambda c: (c[0] < steps) & ~c[5], body, carry)
+    return state, tokens, accepted, i
+
+
 __all__ = [
     "Admission",
     "DraftCache",
@@ -392,6 +420,7 @@ __all__ = [
     "accept_greedy",
     "accept_sampled",
     "bucket",
+    "decode_steps",
     "empty_state",
     "prefill",
     "prefill_chunk",
