@@ -31,7 +31,8 @@ class ServeOptions:
     at inference, a K >= 2, 0 (the drafter's training K) or "auto" (`_auto_block_size`); tree_nodes /
     tree_ngram: the recipe's `serve` section when None (`ServeConfig`: 0 the chain, N a tree of N nodes, "auto"
     measured here, `_auto_tree_nodes`); slots: concurrent sequences per step; prefill_chunk: a longer prompt is
-    prefilled one chunk of this many tokens per engine step (0: in one call; `Engine`); model_name: the model id clients
+    prefilled one chunk of this many tokens per engine step (0: in one call; `Engine`); steps_per_dispatch: decode
+    steps per host round trip (`Engine`); model_name: the model id clients
     send (None: target.source); precompile: compile every shape the engine can use before serving
     (`Engine.precompile`; False: requests compile as they come); the rest as `make_server`'s arguments."""
 
@@ -43,6 +44,7 @@ class ServeOptions:
     tree_ngram: bool | None = None
     slots: int = 8
     prefill_chunk: int = 512
+    steps_per_dispatch: int = 4
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None
@@ -64,6 +66,9 @@ class ServeOptions:
         c = self.prefill_chunk
         if not (isinstance(c, int) and not isinstance(c, bool) and (c == 0 or (c >= 16 and c & (c - 1) == 0))):
             raise ValueError(f"prefill_chunk must be 0 (off) or a power of two >= 16; received {c!r}")
+        r = self.steps_per_dispatch
+        if not (isinstance(r, int) and not isinstance(r, bool) and r >= 1):
+            raise ValueError(f"steps_per_dispatch must be an integer >= 1; received {r!r}")
 
     def drafter_dir(self, recipe: Recipe) -> Path:
         return Path(self.drafter or recipe.train.run_dir).expanduser()
@@ -125,7 +130,7 @@ def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
             nodes = _auto_tree_nodes(target, drafter, block, max_len, ngram)
     engine = Engine(target.params, target.cfg, drafter, slots=options.slots, max_len=max_len, block_size=block,
                     sampling=recipe.sampling, tree_nodes=nodes, ngram=ngram and nodes >= 3,
-                    prefill_chunk=options.prefill_chunk or None)
+                    prefill_chunk=options.prefill_chunk or None, steps_per_dispatch=options.steps_per_dispatch)
     if options.precompile:
         count, seconds = engine.precompile()
         print(f"precompiled {count} programs in {seconds:.1f} s (every prompt length and attention span up to "
