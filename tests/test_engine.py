@@ -439,3 +439,13 @@ def test_several_steps_per_dispatch_change_no_output(setup, block_size):
     assert four[1].token_ids == ar1[:ar1.index(stop_id) + 1] and four[1].finish_reason == "stop"
     assert four[2].finish_reason == "stop" and four[2].stop_string == stop_text and len(four[2].token_ids) < len(ar3)
     assert four[4].finish_reason == "cancelled"
+
+
+def test_prefill_chunk_and_steps_per_dispatch_are_checked(setup):
+    target_cfg, target_params, drafter, _ = setup
+    for chunk in (8, 24, True):
+        with pytest.raises(ValueError, match=rf"prefill_chunk must be None or a power of two >= 16; received {chunk}"):
+            Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4, prefill_chunk=chunk)
+    for r in (0, 2.0):
+        with pytest.raises(ValueError, match=rf"steps_per_dispatch must be an integer >= 1; received {r}"):
+            Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4, steps_per_dispatch=r)
