@@ -804,9 +804,10 @@ class Engine:
                 self._fail(request, slot, err)
 
     def _loop_steps(self, scored: bool) -> int:
-        """Decode steps the next dispatch may run (1 unless the device loop applies)."""
+        """Decode steps the next dispatch may run: 1 unless the device loop applies and no prompt is part way
+        through its chunked prefill (which then takes a chunk per step, not per R steps)."""
         looped = isinstance(self.proposer, DrafterProposals | NoDrafts) and not self.tree_nodes
-        return self.steps_per_dispatch if looped and not scored else 1
+        return self.steps_per_dispatch if looped and not scored and not self.prefilling else 1
 
     def _loop_pages(self, lengths_B: np.ndarray) -> int:
         """The attention span of a device loop over slots holding lengths_B tokens (0: inactive)."""
