@@ -23,6 +23,7 @@ share), C requests of 64-token prompts submitted at once into C slots, exactly `
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -112,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     from benchmarks._report import machine, write_section
 
-    t_start = time.perf_counter()
+    t_start, load_start = time.perf_counter(), os.getloadavg()[0]
     cfg, params, drafter = models(args.target)
     lines = ["| concurrency | R | tok/s | wall/step (ms) | device/step (ms) | host share | tok/s vs R=1 |",
              "|---|---|---|---|---|---|---|"]
@@ -132,11 +133,13 @@ def main() -> None:
         write_section("Engine host loop: steps per dispatch", "\n".join([
             "## Engine host loop: steps per dispatch",
             "",
-            f"`{command}` on {machine()}, {(time.perf_counter() - t_start) / 60:.0f} min. Target "
+            f"`{command}` on {machine()}, {(time.perf_counter() - t_start) / 60:.0f} min, load average "
+            f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end. Target "
             f"{args.target} fp32, random-init 2-layer K=4 drafter (tau ~ 1), C requests of {PROMPT_LEN}-token "
             f"prompts, {args.new_tokens} new tokens each. Device/step: `decode_steps` calls of 8 steps on C fresh "
             "slots, over 8 (best of 3, the same for every R); host share = (wall/step - device/step) / wall/step. "
-            "One timed run per row after a warm-up run: on a shared CPU, differences under ~10% are noise.",
+            "One timed run per row after a warm-up run: with a load average above the core count, rows vary "
+            "several-fold between runs (compare rows of one concurrency only, and rerun).",
             "",
             *lines,
             "",
