@@ -50,6 +50,61 @@ def test_requests_joining_and_leaving_equal_ar_alone(setup, block_size):
             assert 1.0 <= done[rid].tau <= block_size
 
 
+def test_requests_arriving_together_share_one_padded_prefill(setup):
+    """Three requests joining a running one are prefilled in one call of 4 rows (one padding row, which writes
+    nothing); greedy outputs equal AR alone, a sampled one equals its seed's output alone."""
+    target_cfg, target_params, drafter, requests = setup
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    engine = Engine(target_params, target_cfg, drafter, slots=4, max_len=MAX_LEN, block_size=4)
+    first = engine.submit(*requests[1])
+    engine.step()
+    ids = [engine.submit(*requests[0]), engine.submit(*requests[2]), engine.submit(*requests[3], seed=7,
+                                                                                    sampling=sampling)]
+    engine.step()
+    assert len(engine.running) == 4 and not engine.queue
+    assert ("prefill", 4, 64) in engine.compiled_shapes  # 3 prompts (5, 9, 33 tokens) padded to 4 rows x 64
+    done = engine.run()
+    for rid, (prompt, budget) in zip([first, *ids[:2]], [requests[1], requests[0], requests[2]], strict=True):
+        assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
+    [alone] = decode(target_params, target_cfg, [requests[3][0]], requests[3][1], max_len=MAX_LEN, drafter=drafter,
+                     block_size=4, sampling=sampling, seeds=[7])
+    assert done[ids[2]].token_ids == alone.token_ids
+    assert engine.pool.num_free == engine.pool.num_usable
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_decodes(setup):
+    """With prefill_chunk=16 a 33-token prompt joining a running batch takes 3 engine steps (16 + 16 + 1 tokens),
+    and the running request decodes in each of them; greedy outputs equal AR, a sampled long prompt equals its
+    seed's unchunked output, and a request cancelled part way through its prefill frees its slot and pages."""
+    target_cfg, target_params, drafter, requests = setup
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=4, prefill_chunk=16)
+    running = engine.submit(*requests[4])
+    engine.step()
+    long_ = engine.submit(*requests[3])  # 33 tokens
+    sampled = engine.submit(requests[1][0] + requests[3][0], 6, seed=5, sampling=sampling)  # 53 tokens
+    progress = []
+    for _ in range(3):
+        before = len(engine.running[0].token_ids)
+        engine.step()
+        progress.append(len(engine.running[0].token_ids) - before)
+        assert set(engine.running) == ({0, 1} if len(progress) == 3 else {0})
+    assert min(progress) >= 1  # the running request was not stalled by the long prompt
+    assert [(slot, r.request_id, n) for slot, (r, n) in engine.prefilling.items()] == [(2, sampled, 0)]  # next
+    done = engine.run()
+    for rid, (prompt, budget) in [(running, requests[4]), (long_, requests[3])]:
+        assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
+    plain = Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4)
+    rid = plain.submit(requests[1][0] + requests[3][0], 6, seed=5, sampling=sampling)
+    assert done[sampled].token_ids == plain.run()[rid].token_ids
+    assert ("prefill_chunk", 1, 16, 2) in engine.compiled_shapes and engine.pool.num_free == engine.pool.num_usable
+    rid = engine.submit(requests[3][0], 4)
+    engine.step()
+    assert rid in [r.request_id for r, _ in engine.prefilling.values()] and engine.cancel(rid)
+    assert done[rid].finish_reason == "cancelled" and not engine.busy
+    assert engine.pool.num_free == engine.pool.num_usable
+
+
 def test_stop_tokens_free_the_slot_early(setup):
     target_cfg, target_params, drafter, requests = setup
     prompt, budget = requests[1]
@@ -193,7 +248,9 @@ def test_compiled_shapes_are_logged_and_bounded(setup, caplog):
             engine.submit(prompt, budget)
         engine.run()
     prefills = sorted(shape[1:] for shape in engine.compiled_shapes if shape[0] == "prefill")
-    assert prefills == [(1, 16), (1, 32), (1, 64)]  # prompts of 2..33 tokens: three buckets
+    # the first three requests (5, 20 and 9 tokens) are admitted together in one prefill of 3 rows (all slots);
+    # the others join one at a time as slots free: prompts of 2..33 tokens, three length buckets
+    assert prefills == [(1, 16), (1, 64), (3, 32)]
     # verify: one program per power-of-two span of 16-token pages; the longest request (33 + 17 tokens + K)
     # needs 4 pages, so the spans seen are 1, 2 and 4 at most (prompts start at 2..33 tokens).
     spans = sorted(s[3] for s in engine.compiled_shapes if s[0] == "verify")
@@ -316,16 +373,26 @@ def test_logprobs_are_the_targets_own_for_greedy_and_sampled_requests(setup, blo
 
 
 @pytest.mark.slow  # ~60 s of compiles; the default tier checks 0 compiles in `dflash eval`'s timed region (test_eval)
-def test_after_precompile_no_request_compiles(setup):
-    """precompile runs every prefill length (a max_len that is no power of two caps the last bucket) and every
-    attention span, with and without log-probabilities; requests of any prompt length, budget and kind then
-    compile nothing."""
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_after_precompile_no_request_compiles(setup, chunk):
+    """precompile runs every prefill length (a max_len that is no power of two caps the last bucket) and row
+    count, every prefill chunk's span and every attention span, with and without log-probabilities; requests of
+    any prompt length, budget and kind then compile nothing."""
     target_cfg, target_params, drafter, requests = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=48, block_size=4, page_size=8)
+    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=48, block_size=4, page_size=8,
+                    prefill_chunk=chunk)
     count, seconds = engine.precompile()
-    # prefill lengths 16, 32, 48 x (plain, logprobs); spans of 1, 2, 4, 6 pages x (verify, verify with logprobs,
-    # propose); the activation update once
-    assert count == engine.compiles == 3 * 2 + 4 * 3 + 1 and seconds > 0
+    # prefill lengths 16, 32, 48 x (plain at 1, 2 and 3 rows, logprobs at 1 row); spans of 1, 2, 4, 6 pages x
+    # (verify, verify with logprobs, propose); the activation update once. With chunks of 16: plain prompts of
+    # 16 tokens at most, and chunks starting at 0, 16, 32 (spans of 2, 4, 6 pages).
+    if chunk is None:
+        assert count == engine.compiles == 3 * 3 + 3 + 4 * 3 + 1 and seconds > 0
+    else:  # jit caches are process-wide: count only what this engine's shapes added, checked by kind
+        assert count == engine.compiles and seconds > 0
+        assert {s[1:] for s in engine.compiled_shapes if s[0] == "prefill_chunk"} == {(1, 16, 2), (1, 16, 4),
+                                                                                     (1, 16, 6)}
+        assert {s[1:] for s in engine.compiled_shapes if s[0] == "prefill"} == {(1, 16), (2, 16), (3, 16), (1, 32),
+                                                                               (1, 48)}
     assert not engine.busy and engine.pool.num_free == engine.pool.num_usable
     rng = np.random.default_rng(9)
     for i, (n, budget) in enumerate([(1, 3), (15, None), (17, 5), (33, 10), (43, 1), (30, None)]):
@@ -336,3 +403,50 @@ def test_after_precompile_no_request_compiles(setup):
     done = engine.run()
     assert len(done) == 6 and all(r.finish_reason == "length" for r in done.values())
     assert engine.compiles == count  # nothing compiled inside a request
+
+
+@pytest.mark.parametrize("block_size", [4, pytest.param(None, marks=pytest.mark.slow)])
+def test_several_steps_per_dispatch_change_no_output(setup, block_size):
+    """R = 4 decode steps per dispatch (one device loop) against R = 1, same requests: a stop id, a stop string and
+    a budget that fall inside a chunk, a seeded sampled request, requests joining while others run (one prefilled
+    in chunks), and one cancelled; every request's tokens, finish reason and acceptance are identical, and the
+    stops cut exactly."""
+    target_cfg, target_params, drafter, requests = setup
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    ar1, ar3 = _ar(target_cfg, target_params, *requests[1]), _ar(target_cfg, target_params, *requests[3])
+    stop_id, stop_text = ar1[6], _text(ar3)[9:13]
+
+    def run(r):
+        engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=block_size,
+                        detokenize=_text, steps_per_dispatch=r, prefill_chunk=16)  # requests[3]: 33 tokens
+        ids = [engine.submit(*requests[0]), engine.submit(*requests[1], stop_ids=[stop_id]),
+               engine.submit(*requests[3], stop_strings=[stop_text])]
+        engine.step()
+        ids += [engine.submit(*requests[2], seed=3, sampling=sampling), engine.submit(*requests[6])]
+        engine.step()
+        engine.cancel(ids[-1])
+        ids.append(engine.submit(*requests[5], seed=4, sampling=sampling))
+        done = engine.run()
+        assert engine.pool.num_free == engine.pool.num_usable
+        return engine, [done[rid] for rid in ids]
+
+    (_, one), (looped, four) = run(1), run(4)
+    assert any(s[0] == "decode_steps" for s in looped.compiled_shapes)
+    for a, b in zip(one, four, strict=True):
+        assert (a.token_ids, a.finish_reason, a.stop_string, a.accepted) == (b.token_ids, b.finish_reason,
+                                                                             b.stop_string, b.accepted)
+        assert a.text == b.text
+    assert four[0].token_ids == _ar(target_cfg, target_params, *requests[0]) and four[0].finish_reason == "length"
+    assert four[1].token_ids == ar1[:ar1.index(stop_id) + 1] and four[1].finish_reason == "stop"
+    assert four[2].finish_reason == "stop" and four[2].stop_string == stop_text and len(four[2].token_ids) < len(ar3)
+    assert four[4].finish_reason == "cancelled"
+
+
+def test_prefill_chunk_and_steps_per_dispatch_are_checked(setup):
+    target_cfg, target_params, drafter, _ = setup
+    for chunk in (8, 24, True):
+        with pytest.raises(ValueError, match=rf"prefill_chunk must be None or a power of two >= 16; received {chunk}"):
+            Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4, prefill_chunk=chunk)
+    for r in (0, 2.0):
+        with pytest.raises(ValueError, match=rf"steps_per_dispatch must be an integer >= 1; received {r}"):
+            Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4, steps_per_dispatch=r)

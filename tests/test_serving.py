@@ -25,6 +25,18 @@ def test_block_size_is_checked_at_construction():
             ServeOptions(block_size=k)
 
 
+def test_prefill_chunk_and_steps_per_dispatch_are_checked_at_construction():
+    assert (ServeOptions().prefill_chunk, ServeOptions().steps_per_dispatch) == (512, 4)
+    assert ServeOptions(prefill_chunk=0, steps_per_dispatch=1).prefill_chunk == 0
+    for c in (8, 100, -16, True, 64.0):
+        with pytest.raises(ValueError, match=rf"prefill_chunk must be 0 \(off\) or a power of two >= 16; "
+                                             rf"received {c!r}"):
+            ServeOptions(prefill_chunk=c)
+    for r in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match=rf"steps_per_dispatch must be an integer >= 1; received {r!r}"):
+            ServeOptions(steps_per_dispatch=r)
+
+
 def _built(recipe, options):
     server = build_server(recipe, options)
     try:

@@ -239,7 +239,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _log_devices()
     options = ServeOptions(drafter=args.drafter, step=None if args.ar else _step(args.step), ar=args.ar,
                            block_size=args.block_size, tree_nodes=args.tree_nodes,
-                           tree_ngram=True if args.tree_ngram else None, slots=args.slots, host=args.host,
+                           tree_ngram=True if args.tree_ngram else None, slots=args.slots,
+                           prefill_chunk=args.prefill_chunk, steps_per_dispatch=args.steps_per_dispatch,
+                           host=args.host,
                            port=args.port,
                            model_name=args.model_name,
                            api_key=args.api_key or os.environ.get("DFLASH_API_KEY") or None,
@@ -363,6 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-ngram", action="store_true",
                    help="merge a prompt-lookup path (n-gram match in the prompt + output) into the tree")
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences per step (continuous batching)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prefill a longer prompt one chunk of this many tokens (a power of two >= 16) per engine "
+                   "step, between the running requests' steps (0: every prompt in one call; default 512)")
+    p.add_argument("--steps-per-dispatch", type=int, default=4,
+                   help="decode steps run on the device per host round trip (one jitted loop; back early when a "
+                   "request finishes); 1: one propose and one verify call per step (default 4)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="the model id clients send (default: target.source)")

@@ -30,7 +30,9 @@ class ServeOptions:
     checkpoint step of a run dir, "best", or None (the latest); ar: serve the target alone; block_size: K
     at inference, a K >= 2, 0 (the drafter's training K) or "auto" (`_auto_block_size`); tree_nodes /
     tree_ngram: the recipe's `serve` section when None (`ServeConfig`: 0 the chain, N a tree of N nodes, "auto"
-    measured here, `_auto_tree_nodes`); slots: concurrent sequences per step; model_name: the model id clients
+    measured here, `_auto_tree_nodes`); slots: concurrent sequences per step; prefill_chunk: a longer prompt is
+    prefilled one chunk of this many tokens per engine step (0: in one call; `Engine`); steps_per_dispatch: decode
+    steps per host round trip (`Engine`); model_name: the model id clients
     send (None: target.source); precompile: compile every shape the engine can use before serving
     (`Engine.precompile`; False: requests compile as they come); the rest as `make_server`'s arguments."""
 
@@ -41,6 +43,8 @@ class ServeOptions:
     tree_nodes: int | str | None = None
     tree_ngram: bool | None = None
     slots: int = 8
+    prefill_chunk: int = 512
+    steps_per_dispatch: int = 4
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None
@@ -59,6 +63,12 @@ class ServeOptions:
         if not (n is None or n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 0)):
             raise ValueError(f"tree_nodes must be an integer >= 0 (0: the chain), 'auto' or None (the recipe's); "
                              f"received {n!r}")
+        c = self.prefill_chunk
+        if not (isinstance(c, int) and not isinstance(c, bool) and (c == 0 or (c >= 16 and c & (c - 1) == 0))):
+            raise ValueError(f"prefill_chunk must be 0 (off) or a power of two >= 16; received {c!r}")
+        r = self.steps_per_dispatch
+        if not (isinstance(r, int) and not isinstance(r, bool) and r >= 1):
+            raise ValueError(f"steps_per_dispatch must be an integer >= 1; received {r!r}")
 
     def drafter_dir(self, recipe: Recipe) -> Path:
         return Path(self.drafter or recipe.train.run_dir).expanduser()
@@ -119,7 +129,8 @@ def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
         if nodes == "auto":
             nodes = _auto_tree_nodes(target, drafter, block, max_len, ngram)
     engine = Engine(target.params, target.cfg, drafter, slots=options.slots, max_len=max_len, block_size=block,
-                    sampling=recipe.sampling, tree_nodes=nodes, ngram=ngram and nodes >= 3)
+                    sampling=recipe.sampling, tree_nodes=nodes, ngram=ngram and nodes >= 3,
+                    prefill_chunk=options.prefill_chunk or None, steps_per_dispatch=options.steps_per_dispatch)
     if options.precompile:
         count, seconds = engine.precompile()
         print(f"precompiled {count} programs in {seconds:.1f} s (every prompt length and attention span up to "

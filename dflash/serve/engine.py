@@ -6,10 +6,11 @@
     while engine.busy: engine.step()                  # or engine.run() -> {request id: Completion}
     [done] = decode(target_params, target_cfg, [prompt_ids], 64, max_len=512)   # one-shot: AR (no drafter)
 
-Each step admits queued requests into free slots (each prefilled alone, straight into its slot's pages),
-asks the proposer for drafts, and verifies them over all slots; a request that hits a stop token, a stop
-string or its budget leaves at once and frees its slot and pages. AR mode is the proposer that proposes
-nothing (K = 1). Requests carry their own sampling rule and seed, so neighbours never change an output.
+Each step admits queued requests into free slots (those joining together prefilled in one call, straight
+into their slots' pages; with `prefill_chunk`, a long prompt one chunk per step), asks the proposer for
+drafts, and verifies them over all slots; a request that hits a stop token, a stop string or its budget
+leaves at once and frees its slot and pages. AR mode is the proposer that proposes nothing (K = 1).
+Requests carry their own sampling rule and seed, so neighbours never change an output.
 
 Isolation: `submit` refuses (`RequestRejected`, naming the field) anything the device could not take (token
 ids outside [0, vocab), int32 overflows, a prompt + budget over the context `max_len`); a request whose
@@ -53,8 +54,10 @@ from dflash.serve.speculative import (
     SpecState,
     TokenLogprobs,
     bucket,
+    decode_steps,
     empty_state,
     prefill,
+    prefill_chunk,
     prefill_logprobs,
     propose,
     span_pages,
@@ -68,8 +71,8 @@ log = logging.getLogger(__name__)
 
 INT32_MAX = (1 << 31) - 1
 SEED_LIMIT = 1 << 63
-_PROGRAMS = (prefill, prefill_logprobs, propose, verify, verify_logprobs, propose_topk, build_tree, verify_tree,
-             verify_tree_logprobs)
+_PROGRAMS = (prefill, prefill_chunk, prefill_logprobs, decode_steps, propose, verify, verify_logprobs, propose_topk,
+             build_tree, verify_tree, verify_tree_logprobs)
 
 
 class RequestRejected(ValueError):
@@ -224,9 +227,12 @@ class Completion:
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _set_active(state: SpecState, active_B: jax.Array) -> SpecState:
-    """`state` with these slots active; inactive slots' lengths return to 0 (their pages are released)."""
-    target = dataclasses.replace(state.target, lengths=jnp.where(active_B, state.target.lengths, 0))
-    return dataclasses.replace(state, target=target, lengths=jnp.where(active_B, state.lengths, 0), active=active_B)
+    """`state` with these slots active; inactive slots' lengths are parked at the cache capacity, so that a
+    decode step writes none of their target or draft cache slots (a slot part way through a chunked prefill
+    keeps its prompt's K/V; a free slot has no pages anyway)."""
+    park = state.target.capacity  # >= max_len: writes there are dropped in both caches
+    target = dataclasses.replace(state.target, lengths=jnp.where(active_B, state.target.lengths, park))
+    return dataclasses.replace(state, target=target, lengths=jnp.where(active_B, state.lengths, park), active=active_B)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -240,7 +246,8 @@ class Engine:
                  draft_fn: Callable[[SpecState, int], Any] | None = None, sampling: SamplingConfig | None = None,
                  page_size: int = 16, num_pages: int | None = None,
                  detokenize: Callable[[Sequence[int]], str] | None = None, tree_nodes: int | None = None,
-                 ngram: bool = False, tree_fn: Callable[[SpecState, int, int], Any] | None = None):
+                 ngram: bool = False, tree_fn: Callable[[SpecState, int, int], Any] | None = None,
+                 prefill_chunk: int | None = None, steps_per_dispatch: int = 1):
         """block_size: K per step with `drafter` (None: AR mode, the drafter unused); draft_fn: replaces the
         drafter's proposals (tests); sampling: the default rule of requests that bring none (None: greedy);
         page_size / num_pages: the target cache's pages (default: every slot at max_len, plus the null
@@ -250,7 +257,17 @@ class Engine:
         distributions (`serve.tree`) instead of the chain (None, 0 or 1); tree_fn: (state, K, M) -> the
         ranked lists (ids, logp) [B, K-1, M] in place of the drafter's (tests). ngram: add prompt lookup (the
         continuation of the recent tokens' latest earlier match in the prompt + output) as an extra tree path;
-        without a drafter (and with block_size), prompt lookup alone drafts the chain."""
+        without a drafter (and with block_size), prompt lookup alone drafts the chain.
+
+        prefill_chunk: a prompt longer than this many tokens (a power of two >= 16) is prefilled one chunk per
+        engine step, between the running requests' decode steps, so that it stalls them by at most one chunk's
+        prefill per step (None: every prompt in one call; a request asking for log-probabilities always is).
+
+        steps_per_dispatch: R > 1 runs up to R decode steps (propose + verify) in one jitted device loop
+        (`speculative.decode_steps`) and returns to the host after R steps, or after the first step in which a
+        request hits a stop id or its budget; stop strings are checked on the host afterwards (tokens past one are
+        discarded). Steps that score log-probabilities, tree steps and `draft_fn` / prompt-lookup proposals run
+        one step per dispatch. R = 1: one propose and one verify call per step."""
         if tree_nodes is not None and (not _is_int(tree_nodes) or tree_nodes < 0):
             raise ValueError(f"tree_nodes must be an integer >= 0 (0 or 1: the chain); received {tree_nodes!r}")
         self.tree_nodes = tree_nodes if tree_nodes is not None and tree_nodes > 1 else 0
@@ -264,6 +281,13 @@ class Engine:
                 raise ValueError(f"block_size must be >= 2 for prompt lookup; received {block_size}")
         if slots < 1:
             raise ValueError(f"slots must be >= 1; received {slots}")
+        if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 16
+                                          or prefill_chunk & (prefill_chunk - 1)):
+            raise ValueError(f"prefill_chunk must be None or a power of two >= 16; received {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
+        if not _is_int(steps_per_dispatch) or steps_per_dispatch < 1:
+            raise ValueError(f"steps_per_dispatch must be an integer >= 1; received {steps_per_dispatch!r}")
+        self.steps_per_dispatch = steps_per_dispatch
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1; received {page_size}")
         self.proposer: Proposer
@@ -300,6 +324,7 @@ class Engine:
         self._ids = iter(range(1 << 62))
         self.queue: collections.deque[Completion] = collections.deque()
         self.running: dict[int, Completion] = {}  # slot -> request
+        self.prefilling: dict[int, tuple[Completion, int]] = {}  # slot -> (request, prompt tokens prefilled)
         self.done: dict[int, Completion] = {}
         self.steps = 0
         self.page_size = page_size
@@ -344,6 +369,7 @@ class Engine:
         failed step, whose donated state may be gone). Compiled programs are kept."""
         self.queue.clear()
         self.running.clear()
+        self.prefilling.clear()
         self.done.clear()
         self._fresh_state()
 
@@ -360,7 +386,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue or self.running)
+        return bool(self.queue or self.running or self.prefilling)
 
     @property
     def vocab_size(self) -> int:
@@ -443,7 +469,8 @@ class Engine:
 
     def cancel(self, request_id: int) -> bool:
         """End a queued or running request now (finish_reason "cancelled"), freeing its slot and pages; it
-        moves to `done` with the tokens it has. Returns False when the request is not queued or running."""
+        moves to `done` with the tokens it has. Returns False when the request is not queued, being prefilled
+        or running."""
         for request in self.queue:
             if request.request_id == request_id:
                 self.queue.remove(request)
@@ -456,6 +483,14 @@ class Engine:
                 request.finish_reason, request.finished_s = "cancelled", time.perf_counter()
                 self._settle_text(request)
                 self._finish(slot)
+                return True
+        for slot, (request, _) in self.prefilling.items():
+            if request.request_id == request_id:
+                del self.prefilling[slot]
+                request.finish_reason, request.finished_s = "cancelled", time.perf_counter()
+                self._settle_text(request)
+                self.done[request_id] = request
+                self.table.release(slot)
                 return True
         return False
 
@@ -485,50 +520,118 @@ class Engine:
         finally:
             self.compiles += _compile_count() - before
 
-    def _prefill(self, slot: int, request: Completion) -> tuple[int, TokenLogprobs | None]:
-        """Prefill `request` into `slot` (pages already given); returns its first token and, when the request
-        asks for log-probabilities, the prompt's scores."""
-        n = len(request.prompt_ids)
-        tokens = np.zeros((1, self._prefill_len(n)), np.int32)
-        tokens[0, :n] = request.prompt_ids
+    def _prefill_rows(self, n: int) -> int:
+        """The padded row count of a prefill admitting n requests: a power of two, at most `slots`."""
+        return min(bucket(n, minimum=1), self.slots)
+
+    def _prefill(self, admitted: Sequence[tuple[int, Completion]]) -> tuple[list[int], TokenLogprobs | None]:
+        """Prefill requests into their slots (pages already given) in one call, padded to a bucket of rows and
+        of tokens; returns their first tokens and, for a single request asking for log-probabilities, the
+        prompt's scores (a scored request is always prefilled alone: its logits cover every position)."""
+        n_max = max(len(request.prompt_ids) for _, request in admitted)
+        rows = self._prefill_rows(len(admitted))
+        tokens = np.zeros((rows, self._prefill_len(n_max)), np.int32)
+        slots = np.full(rows, self.slots, np.int32)  # padding rows: slot B writes nothing
+        lengths = np.ones(rows, np.int32)
+        seeds = [0] * rows
+        rules: list[SamplingConfig | None] = [None] * rows
+        for i, (slot, request) in enumerate(admitted):
+            tokens[i, :len(request.prompt_ids)] = request.prompt_ids
+            slots[i], lengths[i], seeds[i], rules[i] = slot, len(request.prompt_ids), request.seed, request.sampling
         self._sync_table()
-        scored = request.top_n is not None or request.prompt_top_n is not None
+        scored = any(r.top_n is not None or r.prompt_top_n is not None for _, r in admitted)
+        if scored and len(admitted) > 1:
+            raise AssertionError("a scored request is prefilled alone")  # pragma: no cover - _admit's rule
         self._note_shape("prefill", tokens.shape)
-        new = Admission(jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
-                        jax.random.PRNGKey(request.seed)[None], SamplingRows.of([request.sampling]))
+        keys = jnp.stack([jax.random.PRNGKey(seed) for seed in seeds])
+        new = Admission(jnp.asarray(slots), jnp.asarray(tokens), jnp.asarray(lengths), keys,
+                        SamplingRows.of(rules))
         scores = None
         if scored:
             self.state, scores = self._counted(prefill_logprobs, self.models, self.state, new)
             scores = jax.device_get(scores)
         else:
             self.state = self._counted(prefill, self.models, self.state, new)
-        return int(self.state.pending[slot]), scores  # waits for the prefill
+        pending = np.asarray(self.state.pending)  # waits for the prefill
+        return [int(pending[slot]) for slot, _ in admitted], scores
 
     def _admit(self) -> None:
-        """Admit queued requests in order while a slot is free and the pool holds the head's worst case."""
-        free = [s for s in range(self.slots) if s not in self.running]
+        """Admit queued requests in order while a slot is free and the pool holds the head's worst case: all
+        of them in one prefill call, except that a request asking for log-probabilities is prefilled alone."""
+        free = [s for s in range(self.slots) if s not in self.running and s not in self.prefilling]
         while self.queue and free:
-            slot, request = free[0], self.queue[0]
-            try:
-                self.table.ensure(slot, self._worst_case_tokens(request))
-            except OutOfPagesError:
-                return  # stays queued until finished requests release pages
-            free.pop(0)
-            self.queue.popleft()
-            first, scores = self._prefill(slot, request)  # a device failure propagates: the engine fails
-            n = len(request.prompt_ids)
-            self.lengths[slot] = n
-            request.first_token_s = time.perf_counter()
-            self.running[slot] = request
-            try:
-                if scores is not None and request.prompt_top_n is not None:
-                    request.prompt_logprobs = [None, *(float(v) for v in scores.chosen[0, :n - 1])]
-                    request.prompt_top_logprobs = [[], *(self._top(scores, 0, i, request.prompt_top_n)
-                                                         for i in range(n - 1))]
-                self._emit(slot, [first], scores, [n - 1])
-            except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
-                self._fail(request, slot, err)
+            batch: list[tuple[int, Completion]] = []
+            while self.queue and free:
+                slot, request = free[0], self.queue[0]
+                alone = request.top_n is not None or request.prompt_top_n is not None
+                chunked = not alone and self.prefill_chunk is not None and len(request.prompt_ids) > self.prefill_chunk
+                if alone and batch:
+                    break  # prefilled in the next call
+                try:
+                    self.table.ensure(slot, self._worst_case_tokens(request))
+                except OutOfPagesError:
+                    break  # stays queued until finished requests release pages
+                free.pop(0)
+                self.queue.popleft()
+                if chunked:  # prefilled chunk by chunk in the coming steps (`_prefill_next_chunk`)
+                    self.prefilling[slot] = (request, 0)
+                    continue
+                batch.append((slot, request))
+                if alone:
+                    break
+            if not batch:
+                return
+            firsts, scores = self._prefill(batch)  # a device failure propagates: the engine fails
+            for (slot, request), first in zip(batch, firsts, strict=True):
+                self._start(slot, request, first, scores)
 
+    def _start(self, slot: int, request: Completion, first: int, scores: TokenLogprobs | None) -> None:
+        """A prefilled request starts running: its first token is emitted (and its prompt's scores kept)."""
+        n = len(request.prompt_ids)
+        self.lengths[slot] = n
+        request.first_token_s = time.perf_counter()
+        self.running[slot] = request
+        try:
+            if scores is not None and request.prompt_top_n is not None:
+                request.prompt_logprobs = [None, *(float(v) for v in scores.chosen[0, :n - 1])]
+                request.prompt_top_logprobs = [[], *(self._top(scores, 0, i, request.prompt_top_n)
+                                                     for i in range(n - 1))]
+            self._emit(slot, [first], scores, [n - 1])
+        except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
+            self._fail(request, slot, err)
+
+    def _chunk_spans(self) -> list[tuple[int, int]]:
+        """(start, attention span in pages) of every chunk a prompt of up to the longest admissible length has."""
+        longest = self.max_len - self.width - 1
+        return [(start, span_pages(start + self.prefill_chunk, self.page_size, self.max_pages))
+                for start in range(0, longest, self.prefill_chunk)]
+
+    def _prefill_chunk(self, slot: int, request: Completion, start: int) -> int:
+        """Prefill the prompt's next chunk (from token `start`) into `slot`; returns the tokens prefilled now."""
+        chunk = self.prefill_chunk
+        n = min(chunk, len(request.prompt_ids) - start)
+        tokens = np.zeros((1, chunk), np.int32)
+        tokens[0, :n] = request.prompt_ids[start:start + n]
+        pages = span_pages(start + chunk, self.page_size, self.max_pages)
+        self._sync_table()
+        self._note_shape("prefill_chunk", (1, chunk, pages))
+        new = Admission(jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
+                        jax.random.PRNGKey(request.seed)[None], SamplingRows.of([request.sampling]))
+        self.state = self._counted(prefill_chunk, self.models, self.state, new, jnp.asarray([start], jnp.int32),
+                                   pages)
+        return n
+
+    def _prefill_next_chunk(self) -> None:
+        """One chunk of the longest-waiting chunked prompt; after its last chunk the request starts running."""
+        if not self.prefilling:
+            return
+        slot, (request, done) = next(iter(self.prefilling.items()))
+        done += self._prefill_chunk(slot, request, done)  # a device failure propagates: the engine fails
+        if done < len(request.prompt_ids):
+            self.prefilling[slot] = (request, done)
+            return
+        del self.prefilling[slot]
+        self._start(slot, request, int(np.asarray(self.state.pending)[slot]), None)
     @staticmethod
     def _top(scores: TokenLogprobs, row: int, i: int, n: int) -> list[tuple[int, float]]:
         return [(int(t), float(v)) for t, v in zip(scores.top_ids[row, i, :n], scores.top_values[row, i, :n],
@@ -666,9 +769,11 @@ class Engine:
         return out, n, None
 
     def step(self) -> None:
-        """Admit what fits, then one propose + verify over every running request. A request whose host-side
+        """Admit what fits (one chunk of a long prompt at most), then one propose + verify over every running
+        request. A request whose host-side
         work raises ends alone (finish_reason "error"); a failing device call raises (reset the engine)."""
         self._admit()
+        self._prefill_next_chunk()
         if not self.running:
             return
         active = np.zeros(self.slots, bool)
@@ -681,6 +786,9 @@ class Engine:
         # Attention sees only the pages in use, bucketed to a power of two (a bounded number of shapes).
         pages = span_pages(int(self.lengths[active].max()) + self.width, self.page_size, self.max_pages)
         scored = any(r.top_n is not None for r in self.running.values())
+        if self._loop_steps(scored) > 1:
+            self._loop(active)
+            return
         out, n, scores = self._device_step(pages, scored)
         out, n = np.asarray(out), np.asarray(n)
         scores = None if scores is None else jax.device_get(scores)
@@ -695,6 +803,46 @@ class Engine:
             except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
                 self._fail(request, slot, err)
 
+    def _loop_steps(self, scored: bool) -> int:
+        """Decode steps the next dispatch may run: 1 unless the device loop applies and no prompt is part way
+        through its chunked prefill (which then takes a chunk per step, not per R steps)."""
+        looped = isinstance(self.proposer, DrafterProposals | NoDrafts) and not self.tree_nodes
+        return self.steps_per_dispatch if looped and not scored and not self.prefilling else 1
+
+    def _loop_pages(self, lengths_B: np.ndarray) -> int:
+        """The attention span of a device loop over slots holding lengths_B tokens (0: inactive)."""
+        most = int(lengths_B.max()) + self.steps_per_dispatch * self.width
+        return span_pages(min(most, self.max_len), self.page_size, self.max_pages)
+
+    def _loop(self, active: np.ndarray) -> None:
+        """Up to R decode steps in one dispatch (`decode_steps`), then each step's tokens emitted in order."""
+        stops = bucket(max(len(r.stop_ids) for r in self.running.values()), minimum=8)  # few shapes
+        stop_ids = np.full((self.slots, stops), -1, np.int32)
+        budget = np.full(self.slots, INT32_MAX, np.int32)
+        for slot, request in self.running.items():
+            stop_ids[slot, :len(request.stop_ids)] = request.stop_ids
+            budget[slot] = request.max_new_tokens - len(request.token_ids)
+        pages = self._loop_pages(np.where(active, self.lengths, 0))
+        self._note_shape("decode_steps", (self.slots, self.k, stops, self.steps_per_dispatch, pages))
+        self.state, out, n, ran = self._counted(decode_steps, self.models, self.state, jnp.asarray(stop_ids),
+                                                jnp.asarray(budget), self.k, self.steps_per_dispatch, pages)
+        ran = int(ran)
+        out, n = (np.asarray(a[:ran]) for a in jax.device_get((out, n)))
+        for i in range(ran):
+            self.lengths = np.where(active, self.lengths + n[i] + 1, self.lengths)
+            self.steps += 1
+            for slot, request in list(self.running.items()):
+                if not active[slot]:
+                    continue
+                try:
+                    before = len(request.token_ids)
+                    self._emit(slot, [int(t) for t in out[i, slot, : n[i, slot] + 1]])
+                    if not self.ar:
+                        request.accepted.append(len(request.token_ids) - before - 1)
+                except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
+                    self._fail(request, slot, err)
+            active = active & np.isin(np.arange(self.slots), list(self.running))  # a stop string ends one early
+
     def precompile(self, *, logprobs: bool = True) -> tuple[int, float]:
         """Compile every program the engine can use (each prefill length up to max_len and each attention span,
         with and without log-probabilities) by running each once on empty slots; afterwards no request
@@ -707,23 +855,43 @@ class Engine:
         longest = self.max_len - self.width - 1  # the longest prompt that leaves room for one token
         lengths = sorted({self._prefill_len(n) for n in range(1, longest + 1)})
         spans = sorted({span_pages(t, self.page_size, self.max_pages) for t in range(1 + self.width, self.max_len + 1)})
-        probe = Completion(-1, [0], 1, (), 0)
         variants = (False, True) if logprobs else (False,)
+        rows = sorted({self._prefill_rows(r) for r in range(1, self.slots + 1)})
+        whole = lengths if self.prefill_chunk is None else [n for n in lengths if n <= self.prefill_chunk]
         for length in lengths:
             for scored in variants:
-                probe.prompt_ids, probe.top_n = [0] * min(length, longest), 0 if scored else None
-                self.table.ensure(0, len(probe.prompt_ids) + 1 + self.width)
-                self._prefill(0, probe)
-                self.table.release(0)
+                if not scored and length not in whole:
+                    continue  # a longer unscored prompt is prefilled in chunks
+                for r in rows if not scored else (1,):  # a scored request is prefilled alone
+                    probes = [(slot, Completion(-1, [0] * min(length, longest), 1, (), 0, top_n=0 if scored else None))
+                              for slot in range(r)]
+                    for slot, probe in probes:
+                        self.table.ensure(slot, len(probe.prompt_ids) + 1 + self.width)
+                    self._prefill(probes)
+                    for slot, _ in probes:
+                        self.table.release(slot)
+        chunks = [] if self.prefill_chunk is None else sorted({span for _, span in self._chunk_spans()})
+        for span in chunks:
+            start = max(s for s, p in self._chunk_spans() if p == span)
+            probe = Completion(-1, [0] * (start + 1), 1, (), 0)
+            self.table.ensure(0, start + 1 + self.width)
+            self._prefill_chunk(0, probe, start)
+            self.table.release(0)
         self.state = self._counted(_set_active, self.state, jnp.zeros(self.slots, bool))
         self._sync_table()
         for pages in spans:
             for scored in variants:
                 jax.block_until_ready(self._device_step(pages, scored))
+            if self._loop_steps(False) > 1:
+                self.state, *outputs = self._counted(
+                    decode_steps, self.models, self.state, jnp.full((self.slots, 8), -1, jnp.int32),
+                    jnp.ones(self.slots, jnp.int32), self.k, self.steps_per_dispatch, pages)
+                jax.block_until_ready(outputs)
         self._fresh_state()
         seconds = time.perf_counter() - t0
-        log.info("engine: precompiled %d programs (%d prefill lengths, %d attention spans) in %.1f s",
-                 self.compiles - before, len(lengths), len(spans), seconds)
+        log.info("engine: precompiled %d programs (%d prefill lengths x %d row counts, %d prefill chunk spans, %d "
+                 "attention spans) in %.1f s", self.compiles - before, len(lengths), len(rows), len(chunks), len(spans),
+                 seconds)
         return self.compiles - before, seconds
 
     def run(self) -> dict[int, Completion]:

@@ -47,7 +47,7 @@ class SamplingRows:
 
     def set(self, rows_R: jax.Array, values: SamplingRows) -> SamplingRows:
         """These rules with rows `rows_R` replaced by `values` (R rows)."""
-        return jax.tree.map(lambda a, v: a.at[rows_R].set(v), self, values)
+        return jax.tree.map(lambda a, v: a.at[rows_R].set(v, mode="drop"), self, values)  # rows >= B: dropped
 
 
 def row_logprobs(logits: jax.Array, rows: SamplingRows) -> jax.Array:

@@ -31,7 +31,7 @@ from dflash.models.drafter import (
     draft_head_rows,
     drafter_logits,
 )
-from dflash.serve.paged import PagedKVCache, PageTable
+from dflash.serve.paged import NULL_PAGE, PagedKVCache, PageTable
 from dflash.serve.sampling import SamplingRows, row_logprobs
 
 MAX_TOP_LOGPROBS = 20  # alternatives computed per token when log-probabilities are asked (OpenAI's maximum)
@@ -124,7 +124,8 @@ class DraftCache:
         T, are real) into batch rows `rows_B` (default 0 .. B-1). Full layers: slots past the end are dropped.
         Sliding layers: each ring slot takes the latest real new position that maps to it, if any (so a prompt
         longer than the ring keeps its last R positions); with `counts_B` (a prefill) the rows' other ring slots
-        are emptied, forgetting what the slot held before."""
+        are emptied when the prefill starts at 0, forgetting what the slot held before (a later chunk of a chunked
+        prefill keeps the earlier chunks' positions)."""
         b, t = new_kv[0][0].shape[:2]
         rows_B = jnp.arange(b) if rows_B is None else rows_B
         full_kv = [kv for kv, s in zip(new_kv, self.sliding, strict=True) if not s]
@@ -149,7 +150,9 @@ class DraftCache:
             keep = take_BxR[None, :, :, None, None]
             wk = wk.at[:, rows_B].set(jnp.where(keep, new_k, wk[:, rows_B]))
             wv = wv.at[:, rows_B].set(jnp.where(keep, new_v, wv[:, rows_B]))
-            old_pos = jnp.full((b, r), -1, jnp.int32) if counts_B is not None else pos[rows_B]
+            old_pos = pos[rows_B]
+            if counts_B is not None:  # a prefill: its first chunk (start 0) forgets the slot's previous request
+                old_pos = jnp.where(starts_B[:, None] == 0, -1, old_pos)
             pos = pos.at[rows_B].set(jnp.where(take_BxR, held_BxR, old_pos))
         return dataclasses.replace(self, k=k, v=v, wk=wk, wv=wv, ring_pos=pos)
 
@@ -254,21 +257,24 @@ def _first_tokens(logits_RxV: jax.Array, rules: SamplingRows, rng_Rx2: jax.Array
     return jax.lax.cond(jnp.all(rules.greedy), lambda _: (greedy, rng_Rx2), draw, None)
 
 
-def _prefill(models: Models, state: SpecState, new: Admission,
-             logprobs: bool) -> tuple[SpecState, TokenLogprobs | None]:
+def _prefill(models: Models, state: SpecState, new: Admission, logprobs: bool, starts_R: jax.Array | None = None,
+             span_pages: int | None = None) -> tuple[SpecState, TokenLogprobs | None]:
     drafter = models.drafter()
     r, t = new.tokens.shape
-    pages = min(state.target.page_table.shape[1], -(-t // state.target.page_size))  # the prompt's pages only
-    view = dataclasses.replace(state.target, page_table=state.target.page_table[new.slots][:, :pages],
-                               lengths=jnp.zeros((r,), jnp.int32))
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+    starts_R = jnp.zeros((r,), jnp.int32) if starts_R is None else starts_R.astype(jnp.int32)
+    pages = min(state.target.page_table.shape[1], -(-t // state.target.page_size) if span_pages is None else span_pages)
+    real = new.slots < state.lengths.shape[0]  # padding rows (slot B) write nowhere: their table is the null page
+    rows = jnp.where(real[:, None], state.target.page_table[jnp.minimum(new.slots, state.lengths.shape[0] - 1)],
+                     NULL_PAGE)
+    view = dataclasses.replace(state.target, page_table=rows[:, :pages], lengths=starts_R)
+    positions = starts_R[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     num_valid = new.num_valid.astype(jnp.int32)
     last = None if logprobs else (num_valid - 1)[:, None]  # logprobs: the logits of every prompt position
     logits, feats, view = forward_cached(models.target_params, models.target_cfg, new.tokens, positions, view,
                                          layer_ids=_layer_ids(drafter), logits_at_BxI=last)
     target = dataclasses.replace(state.target, k_pages=view.k_pages, v_pages=view.v_pages,
-                                 lengths=state.target.lengths.at[new.slots].set(num_valid))
-    draft = _add_context(drafter, state.draft, feats, jnp.zeros((r,), jnp.int32), new.slots, num_valid)
+                                 lengths=state.target.lengths.at[new.slots].set(starts_R + num_valid, mode="drop"))
+    draft = _add_context(drafter, state.draft, feats, starts_R, new.slots, num_valid)
     if logprobs:
         at_last = jnp.take_along_axis(logits, (num_valid - 1)[:, None, None], axis=1)[:, 0]
     else:
@@ -278,15 +284,17 @@ def _prefill(models: Models, state: SpecState, new: Admission,
     if logprobs:  # position i scores the token after it: prompt token i + 1, then the first generated token
         following = jnp.pad(new.tokens[:, 1:], ((0, 0), (0, 1))).at[jnp.arange(r), num_valid - 1].set(pending)
         scores = TokenLogprobs.of(logits, following)
-    return SpecState(target, draft, state.lengths.at[new.slots].set(num_valid),
-                     state.pending.at[new.slots].set(pending), state.active.at[new.slots].set(True),
-                     state.rng.at[new.slots].set(rng), state.sampling.set(new.slots, new.sampling)), scores
+    return SpecState(target, draft, state.lengths.at[new.slots].set(starts_R + num_valid, mode="drop"),
+                     state.pending.at[new.slots].set(pending, mode="drop"),
+                     state.active.at[new.slots].set(True, mode="drop"), state.rng.at[new.slots].set(rng, mode="drop"),
+                     state.sampling.set(new.slots, new.sampling)), scores
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def prefill(models: Models, state: SpecState, new: Admission) -> SpecState:
     """`state` with the prompts of `new` prefilled into their slots: both caches filled from position 0
     (whatever the slot held is forgotten), sampling rules set, the first token pending, the slots active.
+    A row whose slot is B (one past the last) is padding (the engine pads R to a bucket): it writes nothing.
 
     The host must have given each slot pages for its prompt (`PageTable.ensure`) and uploaded the table;
     the prompt runs through a view of the cache holding only those slots' page-table rows, so it writes
@@ -300,6 +308,17 @@ def prefill_logprobs(models: Models, state: SpecState, new: Admission) -> tuple[
     token i + 1, position num_valid - 1 the first generated token (the logits of the whole prompt are
     computed, so only requests that ask pay for them)."""
     return _prefill(models, state, new, True)
+
+
+@functools.partial(jax.jit, static_argnames=("span_pages",), donate_argnames=("state",))
+def prefill_chunk(models: Models, state: SpecState, new: Admission, starts_R: jax.Array,
+                  span_pages: int) -> SpecState:
+    """`prefill` of a chunk of each prompt, tokens [R, T] at positions starts_R .. starts_R + T - 1, after the
+    starts_R tokens already in the slots' caches (a long prompt prefilled over several engine steps). The chunk
+    attends over the first `span_pages` (static) pages of its slot, which must hold starts_R + T tokens. After
+    the last chunk the slot holds its whole prompt and the first token is pending, as after `prefill`; after an
+    earlier one the pending token is meaningless (the engine keeps the slot inactive until the last chunk)."""
+    return _prefill(models, state, new, False, starts_R, span_pages)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "span"))
@@ -421,6 +440,34 @@ def verify_logprobs(models: Models, state: SpecState, drafts_BxKm1: jax.Array, s
     return _verify(models, state, drafts_BxKm1, span_pages, True)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "steps", "span_pages"), donate_argnames=("state",))
+def decode_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, block_size: int,
+                 steps: int, span_pages: int) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
+    """Up to `steps` decode steps (the drafter's `propose` then `verify`; AR when block_size is 1) in one device
+    loop; returns (state, tokens [steps, B, K], accepted n [steps, B], steps run). Row i < steps run holds step
+    i's `verify` output; the loop ends early after a step in which an active slot emitted one of its stop ids
+    (stop_ids_BxS, padded with -1) or reached `budget_B` new tokens (counted from this call), so the host, which
+    checks stops and budgets exactly, finds a finished request only in the last step run. Each step is the same
+    computation as one `propose` + `verify` call (the same outputs, the same state)."""
+    b, k = state.lengths.shape[0], block_size
+    page_size = state.target.page_size
+
+    def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        i, st, tokens, accepted, emitted, _ = carry
+        drafts = jnp.zeros((b, 0), jnp.int32) if k == 1 else propose(models, st, k, span_pages * page_size)
+        st, out, n, _ = _verify(models, st, drafts, span_pages, False)
+        valid = jnp.arange(k)[None, :] <= n[:, None]
+        hit = jnp.any(valid & jnp.any(out[:, :, None] == stop_ids_BxS[:, None, :], axis=-1), axis=-1)
+        emitted = emitted + jnp.where(st.active, n + 1, 0)
+        finished = jnp.any(st.active & (hit | (emitted >= budget_B)))
+        return i + 1, st, tokens.at[i].set(out), accepted.at[i].set(n), emitted, finished
+
+    carry = (jnp.int32(0), state, jnp.zeros((steps, b, k), jnp.int32), jnp.zeros((steps, b), jnp.int32),
+             jnp.zeros((b,), jnp.int32), jnp.bool_(False))
+    i, state, tokens, accepted, _, _ = jax.lax.while_loop(lambda c: (c[0] < steps) & ~c[5], body, carry)
+    return state, tokens, accepted, i
+
+
 __all__ = [
     "Admission",
     "DraftCache",
@@ -432,8 +479,10 @@ __all__ = [
     "accept_sampled",
     "argmax_drafts",
     "bucket",
+    "decode_steps",
     "empty_state",
     "prefill",
+    "prefill_chunk",
     "prefill_logprobs",
     "propose",
     "span_pages",

@@ -1,0 +1,150 @@
+"""Host round trips of the engine's decode loop, side by side in one run: R decode steps per dispatch
+(`Engine(steps_per_dispatch=R)`, `serve --steps-per-dispatch`) against R = 1.
+
+    .venv/bin/python benchmarks/engine_loop.py [--target smollm2|tiny] [--rs 1 4] [--concurrency 1 4 16]
+        [--new-tokens 32] [--write]
+
+Workload: the target in fp32 (the embedded SmolLM2-135M, or the tests' tiny qwen3), a random-init 2-layer K=4
+drafter (seed 0; tau ~ 1, so every step costs a full verify and emits ~1 token: the worst case for the host
+share), C requests of 64-token prompts submitted at once into C slots, exactly `--new-tokens` tokens each
+(no stop ids). Per (C, R): one warm-up run (compiles), then a timed run:
+
+- tok/s: decode tokens per second (the tokens after the first engine step, over the time of the rest: prefill
+  and compile excluded);
+- wall/step: that time over the decode steps run (`Engine.steps`);
+- device/step: `speculative.decode_steps` calls of 8 steps on C fresh slots (jax.block_until_ready), best of
+  3 after a warm-up, over the 8 steps: the device's own time per step (one dispatch per 8 steps), the same for
+  every R;
+- host share: (wall/step - device/step) / wall/step, the part of a step the host loop adds.
+
+`--write` records the table in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MAX_LEN = 256
+PROMPT_LEN = 64
+
+
+def models(target: str) -> tuple[Any, Any, Any]:
+    from flax import nnx
+
+    from dflash.models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, resolve_drafter
+
+    if target == "tiny":
+        from dflash.models.loading import load_hf_dir
+
+        cfg, params = load_hf_dir(ROOT / "tests" / "golden" / "tiny" / "qwen3_untied")
+        arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=4), cfg,
+                               mask_token_id=255)
+        return cfg, params, DFlashDrafter(arch, nnx.Rngs(0))
+    from dflash.models.config import TargetConfig
+    from dflash.models.target import load_target
+
+    loaded = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=1024))
+    mask = default_mask_token_id(loaded.tokenizer, loaded.cfg)
+    arch = resolve_drafter(DrafterConfig(num_layers=2, block_size=4), loaded.cfg, mask)
+    return loaded.cfg, loaded.params, DFlashDrafter(arch, nnx.Rngs(0))
+
+
+def run(cfg: Any, params: Any, drafter: Any, c: int, r: int, new_tokens: int) -> dict[str, float]:
+    """One engine run of C requests at R steps per dispatch: tok/s, wall/step (seconds)."""
+    from dflash.serve.engine import Engine
+
+    engine = Engine(params, cfg, drafter, slots=c, max_len=MAX_LEN, block_size=4, steps_per_dispatch=r)
+    vocab = cfg.vocab_size
+    for i in range(c):
+        engine.submit([int(t) % vocab for t in range(100 + i, 100 + i + PROMPT_LEN)], new_tokens)
+    engine.step()
+    first, steps0 = sum(len(q.token_ids) for q in engine.running.values()), engine.steps
+    t0 = time.perf_counter()
+    done = engine.run()
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(q.token_ids) for q in done.values()) - first
+    return {"tok_s": tokens / seconds, "wall": seconds / max(1, engine.steps - steps0)}
+
+
+def device_step_s(cfg: Any, params: Any, drafter: Any, c: int, new_tokens: int) -> float:
+    """The device alone: seconds per step of `decode_steps` (8 steps per call) on c slots, best of 3 calls after
+    a warm-up call, at the attention span the engine runs use (prompt + new tokens)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dflash.serve.engine import Engine
+    from dflash.serve.speculative import decode_steps, span_pages
+
+    vocab = cfg.vocab_size
+    probe = Engine(params, cfg, drafter, slots=c, max_len=MAX_LEN, block_size=4)
+    for i in range(c):
+        probe.submit([int(t) % vocab for t in range(100 + i, 100 + i + PROMPT_LEN)], 64)
+    probe._admit()
+    probe.table.ensure_batch(np.full(c, min(MAX_LEN, PROMPT_LEN + 4 * 8 * 4 + 4)))  # four calls of 8 steps
+    probe._sync_table()
+    pages = span_pages(PROMPT_LEN + new_tokens + 8, probe.page_size, probe.max_pages)
+    stops, budget = jnp.full((c, 8), -1, jnp.int32), jnp.full((c,), 1 << 30, jnp.int32)
+    times = []
+    for _ in range(4):
+        t1 = time.perf_counter()
+        probe.state, out, n, ran = decode_steps(probe.models, probe.state, stops, budget, 4, 8, pages)
+        jax.block_until_ready((out, n))
+        times.append((time.perf_counter() - t1) / int(ran))
+    return min(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", choices=["smollm2", "tiny"], default="smollm2")
+    parser.add_argument("--rs", type=int, nargs="+", default=[1, 4], help="steps per dispatch compared")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    args = parser.parse_args()
+    from benchmarks._report import machine, write_section
+
+    t_start, load_start = time.perf_counter(), os.getloadavg()[0]
+    cfg, params, drafter = models(args.target)
+    lines = ["| concurrency | R | tok/s | wall/step (ms) | device/step (ms) | host share | tok/s vs R=1 |",
+             "|---|---|---|---|---|---|---|"]
+    for c in args.concurrency:
+        base, device = None, device_step_s(cfg, params, drafter, c, args.new_tokens)
+        for r in args.rs:
+            run(cfg, params, drafter, c, r, args.new_tokens)  # warm-up: compiles
+            m = run(cfg, params, drafter, c, r, args.new_tokens)
+            base = m["tok_s"] if base is None else base
+            share = max(0.0, (m["wall"] - device) / m["wall"])
+            lines.append(f"| {c} | {r} | {m['tok_s']:.1f} | {m['wall'] * 1e3:.2f} | {device * 1e3:.2f} | "
+                         f"{share:.0%} | {m['tok_s'] / base:.2f}x |")
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+    if args.write:
+        command = shlex.join([".venv/bin/python", "benchmarks/engine_loop.py", *sys.argv[1:]])
+        write_section("Engine host loop: steps per dispatch", "\n".join([
+            "## Engine host loop: steps per dispatch",
+            "",
+            f"`{command}` on {machine()}, {(time.perf_counter() - t_start) / 60:.0f} min, load average "
+            f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end. Target "
+            f"{args.target} fp32, random-init 2-layer K=4 drafter (tau ~ 1), C requests of {PROMPT_LEN}-token "
+            f"prompts, {args.new_tokens} new tokens each. Device/step: `decode_steps` calls of 8 steps on C fresh "
+            "slots, over 8 (best of 3, the same for every R); host share = (wall/step - device/step) / wall/step. "
+            "One timed run per row after a warm-up run: with a load average above the core count, rows vary "
+            "several-fold between runs (compare rows of one concurrency only, and rerun).",
+            "",
+            *lines,
+            "",
+        ]))
+
+
+if __name__ == "__main__":
+    main()
