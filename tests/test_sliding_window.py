@@ -112,20 +112,24 @@ def test_a_sliding_drafter_in_training_reads_only_the_window(setup):
         np.testing.assert_allclose(whole[:, j * K:(j + 1) * K], alone, rtol=1e-5, atol=1e-5)
 
 
-def test_the_engine_ring_holds_the_last_w_positions(setup):
+@pytest.mark.parametrize(("chunk", "w", "n"), [(None, W, 29), (16, 24, 45)])
+def test_the_engine_ring_holds_the_last_w_positions(setup, chunk, w, n):
     """After a prompt longer than the ring and a few steps, the engine's draft (hidden states and drafts) equals
     a reference that recomputes the context of every committed token and gives the sliding layer only the last
-    W positions, the full layer all of them; the ring holds W + K_train slots per sequence."""
+    W positions, the full layer all of them; the ring holds W + K_train slots per sequence. With a chunked
+    prefill (16-token chunks, shorter than a 28-slot ring) each later chunk keeps what the earlier ones wrote."""
     target_cfg, target_params, arch = setup
+    arch = dataclasses.replace(arch, sliding_window=w)
     drafter = DFlashDrafter(arch, nnx.Rngs(2))
-    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=128, block_size=K)
-    prompts = [list(np.random.default_rng(s).integers(0, 255, size=n)) for s, n in ((3, 29), (4, 6))]
+    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=128, block_size=K, prefill_chunk=chunk)
+    prompts = [list(np.random.default_rng(s).integers(0, 255, size=n)) for s, n in ((3, n), (4, 6))]
     for prompt in prompts:
         engine.submit(prompt, 40)
-    for _ in range(5):
+    for _ in range(5 if chunk is None else 7):
         engine.step()
+    assert len(engine.running) == 2 and not engine.prefilling
     state = engine.state
-    assert state.draft.wk.shape == (1, 2, W + K, arch.num_kv_heads, arch.head_dim)
+    assert state.draft.wk.shape == (1, 2, w + K, arch.num_kv_heads, arch.head_dim)
     assert state.draft.k.shape[0] == 1  # the full layer only
     drafts = np.asarray(propose(engine.models, state, K))
     for slot, request in engine.running.items():
@@ -135,7 +139,7 @@ def test_the_engine_ring_holds_the_last_w_positions(setup):
         tokens = jnp.asarray([committed], jnp.int32)
         fused = drafter.fuse(_features(target_params, target_cfg, tokens, arch.layer_ids))
         kv = drafter.context_kv(fused, jnp.arange(length, dtype=jnp.int32)[None])
-        lo = max(0, length - W)
+        lo = max(0, length - w)
         per_layer = [(k[:, lo:], v[:, lo:]) if arch.sliding(i) else (k, v) for i, (k, v) in enumerate(kv)]
         ids = jnp.asarray([[request.token_ids[-1]] + [255] * (K - 1)], jnp.int32)
         pos = length + jnp.arange(K, dtype=jnp.int32)[None]
@@ -145,7 +149,7 @@ def test_the_engine_ring_holds_the_last_w_positions(setup):
         ctx_kv = [(k[slot:slot + 1], v[slot:slot + 1]) for k, v in ctx_kv]
         got = _draft_block(drafter, embed(target_params, ids), pos, ctx_kv, [m[slot:slot + 1] for m in valid])
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-        assert int(valid[0][slot].sum()) == min(W, length)
+        assert int(valid[0][slot].sum()) == min(w, length)
         want_drafts = np.asarray(jnp.argmax(drafter_logits(target_params, target_cfg, want[:, 1:]), -1))[0]
         np.testing.assert_array_equal(drafts[slot], want_drafts)
 
