@@ -35,7 +35,7 @@ def main() -> None:
 
     from dflash.configs.recipe import load_recipe
     from dflash.data.examples import build_examples
-    from dflash.data.walk import answer_spans, chain, matched_prefix, teacher_leads, walk_engine, walk_teacher
+    from dflash.data.walk import teacher_taus, walk_engine, walk_teacher
     from dflash.models.drafter_io import load_drafter
     from dflash.models.target import load_target
     from dflash.serve.engine import Engine
@@ -51,13 +51,7 @@ def main() -> None:
     t0 = time.perf_counter()
     teacher = [walk_teacher(models, t, m, n, k, i) for i, (t, m, n) in enumerate(examples)]
     teacher_s = (time.perf_counter() - t0) / len(examples)
-    walk_tau, uniform_tau = [], []
-    for tokens, mask, n in examples:
-        next_s, lead = teacher_leads(models, tokens, n, k)
-        for p0, e in answer_spans(mask, n):
-            last = p0 + matched_prefix(tokens, next_s, p0, e) - 1
-            walk_tau += [acc + 1 for _, acc in chain(lead.__getitem__, p0, last)]
-            uniform_tau += [1 + min(int(lead[a]), last - a - 1) for a in range(p0, last)]
+    taus = teacher_taus(models, examples, k)
     counts = np.bincount([a for r in teacher for a in r.accepted], minlength=k)
     rows = [(i, t, m, n) for i, (t, m, n) in enumerate(examples[:args.engine_rows])]
     max_len = -(-(max(n for _, _, n in examples) + k + 1) // 16) * 16
@@ -75,7 +69,7 @@ def main() -> None:
         "mismatched_rows": sum(r.mismatch for r in teacher),
         "answer_tokens": sum(r.answer for r in teacher), "matched_tokens": sum(r.matched for r in teacher),
         "blocks": int(counts.sum()), "accept_share": [float(c / max(counts.sum(), 1)) for c in counts],
-        "walk_tau": float(np.mean(walk_tau)), "uniform_tf_tau": float(np.mean(uniform_tau)),
+        "walk_tau": taus["walk"], "uniform_tf_tau": taus["uniform"],
         "engine_walk_tau": float(np.mean([a + 1 for r in by_engine for a in r.accepted])),
         "teacher_s_per_row": teacher_s, "engine_s_per_row": engine_s,
         "engine_rows_identical": same, "engine_blocks_identical": blocks_same,

@@ -38,6 +38,24 @@ def tiny_engine_models(block_size: int = 8):
     return target_cfg, target_params, DFlashDrafter(arch, nnx.Rngs(0))
 
 
+def drafter_params(drafter) -> dict:
+    """A drafter's parameters as {path: numpy array}."""
+    import numpy as np
+    from flax import nnx
+
+    return {keys: np.asarray(v[...]) for keys, v in nnx.to_flat_state(nnx.state(drafter, nnx.Param))}
+
+
+def assert_same_params(want, got) -> None:
+    """The two drafters hold the same parameter paths with bit-identical values."""
+    import numpy as np
+
+    want, got = drafter_params(want), drafter_params(got)
+    assert want.keys() == got.keys()
+    for keys in want:
+        np.testing.assert_array_equal(got[keys], want[keys])
+
+
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     return GOLDEN

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN
+from conftest import GOLDEN, assert_same_params
 from flax import nnx
 from reference import split_drafter
 from safetensors.numpy import load_file
@@ -61,10 +61,6 @@ def _live(arch, seed: int) -> DFlashDrafter:
             proj = conv.kernel_projection.kernel
             proj.set_value(0.05 * jax.random.normal(b, proj.get_value().shape))
     return drafter
-
-
-def _params(drafter: DFlashDrafter) -> dict:
-    return {keys: np.asarray(v[...]) for keys, v in nnx.to_flat_state(nnx.state(drafter, nnx.Param))}
 
 
 def test_variant_and_convolution_fields_are_validated(setup):
@@ -185,10 +181,7 @@ def test_dflash2_layouts_round_trip_bit_exact(setup, tmp_path, layout):
     assert tensors["candidate_selector.predecessor_codebook"].shape == (256, SELECTOR_RANK)
     assert tensors["candidate_selector.hidden_projection.weight"].shape == (SELECTOR_RANK, 64)
     assert loaded.arch == a
-    want, got = _params(drafter), _params(loaded)
-    assert want.keys() == got.keys()
-    for keys in want:
-        np.testing.assert_array_equal(got[keys], want[keys])
+    assert_same_params(drafter, loaded)
 
 
 def test_a_dflash2_drafter_without_its_convolution_exports_identity_convolutions(setup, tmp_path):

@@ -19,7 +19,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import GOLDEN
+from conftest import GOLDEN, drafter_params
 from flax import nnx
 
 from dflash.configs.recipe import load_recipe
@@ -39,10 +39,6 @@ pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not i
 
 TARGET_DIR = GOLDEN / "tiny" / "llama3_scaled_untied"
 STEP = 3
-
-
-def _params(drafter: DFlashDrafter) -> dict:
-    return {keys: np.asarray(v[...]) for keys, v in nnx.to_flat_state(nnx.state(drafter, nnx.Param))}
 
 
 def _make_run(run_dir: Path, drafter: DFlashDrafter, results: bool = True) -> Path:
@@ -104,7 +100,7 @@ def test_export_then_import_is_bit_exact_in_fp32(setup, tmp_path, fmt):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary directory left beside it
     loaded = load_drafter(tmp_path / "out", target_cfg)
     assert loaded.arch == drafter.arch
-    want, got = _params(drafter), _params(loaded)
+    want, got = drafter_params(drafter), drafter_params(loaded)
     assert want.keys() == got.keys()
     for keys in want:
         np.testing.assert_array_equal(got[keys], want[keys])
@@ -125,7 +121,7 @@ def test_bf16_export_is_the_fp32_weights_rounded_to_bf16(setup, tmp_path):
     header = json.loads(header[8:8 + int.from_bytes(header[:8], "little")])
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    want, got = _params(drafter), _params(load_drafter(tmp_path / "bf16", target_cfg))
+    want, got = drafter_params(drafter), drafter_params(load_drafter(tmp_path / "bf16", target_cfg))
     for keys, value in want.items():
         rounded = value.astype(ml_dtypes.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(got[keys], rounded)
@@ -385,7 +381,7 @@ def test_the_best_drafter_exports_with_its_step(setup, tmp_path):
     assert result.step == 2
     card = (tmp_path / "out" / "README.md").read_text()
     assert "step 2 (the best drafter by real τ during training)" in card and "Data: `gsm8k`" in card
-    want, got = _params(best), _params(load_drafter(tmp_path / "out", target_cfg))
+    want, got = drafter_params(best), drafter_params(load_drafter(tmp_path / "out", target_cfg))
     for keys in want:
         np.testing.assert_array_equal(got[keys], want[keys])
 
@@ -407,7 +403,7 @@ def test_a_markov_head_exports_beside_the_layout_bit_exact(setup, tmp_path, fmt)
                                              "model.safetensors"]
     loaded = load_drafter(tmp_path / "out", target_cfg)
     assert loaded.arch == arch
-    want, got = _params(drafter), _params(loaded)
+    want, got = drafter_params(drafter), drafter_params(loaded)
     assert want.keys() == got.keys() and any("markov" in str(k) for k in want)
     for keys in want:
         np.testing.assert_array_equal(got[keys], want[keys])
@@ -427,7 +423,7 @@ def test_dflash_export_subcommand_exports_like_dflash_export(setup, tmp_path, ca
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     loaded = load_drafter(out, target_cfg)
     assert loaded.arch == drafter.arch
-    want, got = _params(drafter), _params(loaded)
+    want, got = drafter_params(drafter), drafter_params(loaded)
     for keys in want:
         np.testing.assert_array_equal(got[keys], want[keys])
     # --config (+ overrides) names the target: the speculators verifier is it, the drafter is checked against it.

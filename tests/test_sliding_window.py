@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN
+from conftest import GOLDEN, assert_same_params
 from flax import nnx
 
 from dflash.models.config import DrafterConfig
@@ -45,10 +45,6 @@ def setup():
     arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=K,
                                          layer_types=TYPES, sliding_window=W), target_cfg, mask_token_id=255)
     return target_cfg, target_params, arch
-
-
-def _params(drafter: DFlashDrafter) -> dict:
-    return {keys: np.asarray(v[...]) for keys, v in nnx.to_flat_state(nnx.state(drafter, nnx.Param))}
 
 
 def test_layer_types_and_window_are_validated():
@@ -182,10 +178,7 @@ def test_sliding_layers_export_and_import_bit_exact(setup, tmp_path, layout):
     assert config["layer_types"] == list(TYPES) and config["sliding_window"] == W
     assert config["use_sliding_window"] is True
     assert loaded.arch == arch
-    want, got = _params(drafter), _params(loaded)
-    assert want.keys() == got.keys()
-    for keys in want:
-        np.testing.assert_array_equal(got[keys], want[keys])
+    assert_same_params(drafter, loaded)
 
 
 def test_importing_a_sliding_config_names_every_mismatching_field(setup, tmp_path):

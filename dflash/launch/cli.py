@@ -300,6 +300,16 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
     return 0 if all(report.fits(p) for p in report.programs) else 3
 
 
+def _add_tree_args(p: argparse.ArgumentParser) -> None:
+    """`--tree-nodes` and `--tree-ngram`, shared by `serve` and `eval`."""
+    p.add_argument("--tree-nodes", type=_tree_nodes, default=None,
+                   help="verify a best-first tree of N nodes per step built from the block's distributions (0: the "
+                   "chain of K; 'auto': the N with the most tokens per second, measured at start-up); default "
+                   "the recipe's serve.tree_nodes")
+    p.add_argument("--tree-ngram", action="store_true",
+                   help="merge a prompt-lookup path (n-gram match in the prompt + output) into the tree")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="DFlash drafter pipeline for JAX.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -358,12 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_block_size, default=0,
                    help="K at inference: a number, 'auto' (the K <= the training K with the most expected tokens "
                    "per second, from measured acceptance and step cost), default the drafter's training K")
-    p.add_argument("--tree-nodes", type=_tree_nodes, default=None,
-                   help="verify a best-first tree of N nodes per step built from the block's distributions (0: the "
-                   "chain of K; 'auto': the N with the most tokens per second, measured at start-up); default "
-                   "the recipe's serve.tree_nodes")
-    p.add_argument("--tree-ngram", action="store_true",
-                   help="merge a prompt-lookup path (n-gram match in the prompt + output) into the tree")
+    _add_tree_args(p)
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences per step (continuous batching)")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prefill a longer prompt one chunk of this many tokens (a power of two >= 16) per engine "
@@ -399,12 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1", help="client concurrencies, e.g. 1,4,16 (default 1)")
     p.add_argument("--block-size", type=_block_size, default=0,
                    help="K at inference: a number or 'auto' (see dflash serve --help); default the training K")
-    p.add_argument("--tree-nodes", type=_tree_nodes, default=None,
-                   help="verify a best-first tree of N nodes per step built from the block's distributions (0: the "
-                   "chain of K; 'auto': the N with the most tokens per second, measured at start-up); default "
-                   "the recipe's serve.tree_nodes")
-    p.add_argument("--tree-ngram", action="store_true",
-                   help="merge a prompt-lookup path (n-gram match in the prompt + output) into the tree")
+    _add_tree_args(p)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature (default 0: greedy; the equality check against AR is greedy only)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (default 1: off)")
