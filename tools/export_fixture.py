@@ -12,8 +12,10 @@ run dir and exported from there by `dflash-export` (export.run.export_run), as a
 - `<out>/speculators/config.json`: the speculators layout's config (its model.safetensors is the z-lab one
   byte for byte, which tests/test_export_parity.py checks, so it is not stored twice).
 
-With `--kind dflash2` or `--kind sliding`, the same 2-layer drafter in one of the newer layouts, z-lab layout only
-(`<out>/zlab_<kind>/`), whose references are recorded by tools/golden_zlab.py from z-lab's DFlash2-era model.py:
+With `--kind dflash2` or `--kind sliding`, the same 2-layer drafter in one of the newer layouts, as
+`<out>/zlab_<kind>/` and `<out>/speculators_<kind>/config.json` (its tensors again the z-lab ones byte for byte),
+recorded by tools/golden_zlab.py (z-lab's DFlash2-era model.py) and tools/golden_speculators.py (speculators 0.9.0,
+which has `dflash2` and sliding-window layers):
 
 - `dflash2`: `drafter.variant: dflash2` with its convolution on, every base kernel and kernel projection drawn at
   random (nonzero, so the convolutions are not the identity); exported as `DFlash2DraftModel` with the zero
@@ -91,8 +93,6 @@ def main() -> int:
 
     drafter, _ = build_drafter(args.kind)
     layouts = {"zlab": ("config.json", "model.safetensors"), "speculators": ("config.json",)}
-    if args.kind != "dflash":
-        layouts = {"zlab": layouts["zlab"]}
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "fixture_run"
         state = init_state(nnx.state(drafter, nnx.Param), make_optimizer(1e-3, 10), jax.random.PRNGKey(0))

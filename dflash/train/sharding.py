@@ -36,7 +36,8 @@ DRAFTER_RULES: tuple[Rule, ...] = (
     (r"fc/kernel$", ("fsdp", None)),  # [F*D, D]; output NOT on tensor: see docs/decisions.md D11
     (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", ("fsdp", "tensor")),  # [D, heads | mlp]
     (r"(o_proj|down_proj)/kernel$", ("tensor", "fsdp")),                  # [heads | mlp, D]
-    (r".", ()),                                                           # norms: replicated
+    (r"kernel_projection/kernel$", ("fsdp", None)),  # DFlash2's convolutions: [D, 2*taps*D/group], as fc
+    (r".", ()),                                                           # norms, conv base kernels: replicated
 )
 
 # Target (models.decoder params: layers stacked on a leading L axis; kernels are [in, out]).
