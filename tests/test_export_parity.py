@@ -10,9 +10,8 @@ The newer layouts (issue 34), each a 2-layer drafter exported by `dflash-export 
 (tools/export_fixture.py --kind ...) and run through z-lab's DFlash2-era model.py (MANIFEST.json names it):
 `zlab_dflash2/` (`DFlash2DraftModel`, convolutions on with random nonzero kernels, the zero candidate selector:
 hidden states and the reference's own selector walk) and `zlab_sliding/` (layer_types [full, sliding], W = 8,
-context 37 and 70 > W). speculators' DFlash2 / sliding-window model code is not in any snapshot reachable here
-(its newest snapshot, vllm-project/speculators c05b95b, has DFlash v1 only), so its `dflash2` layout keeps the
-config-contract tests of tests/test_dflash2.py.
+context 37 and 70 > W); the same drafters in the speculators layout through speculators 0.9.0's own `dflash2` and
+sliding-window model code (`speculators_dflash2/`, `speculators_sliding/`: configs; tensors the z-lab ones).
 """
 
 from __future__ import annotations
@@ -95,27 +94,38 @@ def test_zlab_export_matches_zlab_reference_model(zlab_drafter):
     assert np.abs(_draft(unscaled, ctx[:, :s2], ref["block2"], s2) - ref["hidden2"]).max() > 100 * TOL
 
 
-def test_speculators_export_matches_speculators_reference_model(target_cfg, tmp_path):
-    """speculators' DFlashDraftModel (anchored-block training forward) on our speculators export equals our
-    drafter's training forward with the same anchors within 1e-4."""
-    ref = np.load(FIXTURE / "speculators_reference.npz")
+@pytest.mark.parametrize("kind", ["", "_dflash2", "_sliding"])
+def test_speculators_export_matches_speculators_reference_model(target_cfg, tmp_path, kind):
+    """speculators' DFlashDraftModel / DFlash2DraftModel (anchored-block training forward) on our speculators export
+    (v1; DFlash2 with its convolutions on; sliding layers with W = 8 at anchors past W) equals our drafter's
+    training forward with the same anchors within 1e-4. speculators' window is block-level like ours (context
+    s >= anchor - W), so the sliding layers compare exactly; without the window ours would miss."""
+    ref = np.load(FIXTURE / f"speculators{kind}_reference.npz")
     directory = tmp_path / "speculators"
     directory.mkdir()
-    shutil.copyfile(FIXTURE / "speculators" / "config.json", directory / "config.json")
-    shutil.copyfile(FIXTURE / "zlab" / "model.safetensors", directory / "model.safetensors")
+    shutil.copyfile(FIXTURE / f"speculators{kind}" / "config.json", directory / "config.json")
+    shutil.copyfile(FIXTURE / f"zlab{kind}" / "model.safetensors", directory / "model.safetensors")
     drafter = load_drafter(directory, target_cfg)
     assert drafter.arch.layer_ids == (1, 2)  # aux_hidden_state_layer_ids [2, 3] - 1
+    assert drafter.arch.variant == ("dflash2" if kind == "_dflash2" else "dflash")
     anchors = jnp.asarray(ref["anchors"])[None, :]
-    k = drafter.arch.block_size
+    k, w = drafter.arch.block_size, drafter.arch.sliding_window
     feats = jnp.asarray(ref["feats"])
     t = feats.shape[1]
     embeds = jnp.asarray(ref["embed"])[jnp.asarray(ref["block_ids"])][None]
     block_pos = (anchors[:, :, None] + jnp.arange(k)).reshape(1, -1)
-    vis = BlockVisibility.from_anchors(anchors, jnp.ones((1, t), jnp.int32))
-    ours = np.asarray(drafter(embeds, block_pos, feats, jnp.arange(t)[None], vis))
+
+    def forward(window: int) -> np.ndarray:
+        vis = BlockVisibility.from_anchors(anchors, jnp.ones((1, t), jnp.int32), window=window)
+        return np.asarray(drafter(embeds, block_pos, feats, jnp.arange(t)[None], vis))
+
+    ours = forward(w)
     assert ours.shape == ref["hidden"].shape
     err = np.abs(ours - ref["hidden"]).max()
     assert err < TOL, err
+    if kind == "_sliding":
+        assert int(ref["anchors"].max()) > w + k
+        assert np.abs(forward(t) - ref["hidden"]).max() > 100 * TOL
 
 
 def test_zlab_dflash2_export_matches_the_reference_dflash2_model(target):
