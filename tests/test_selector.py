@@ -1,0 +1,211 @@
+"""DFlash2's path selector (`drafter.selector`, issue 34 item 2): the walk equals a loop-by-loop reference, its two
+training losses (the labelled path's CRF log-likelihood over the top-k lattice, and the per-slot edge
+cross-entropy) equal brute-force references in value and gradient, greedy serving with it equals AR, and a trained
+selector round-trips bit-exactly through both DFlash2 layouts (fp32, CPU)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GOLDEN, assert_same_params
+from flax import nnx
+from safetensors.numpy import load_file
+
+from dflash.data.batch import TrainBatch
+from dflash.models.config import DrafterConfig
+from dflash.models.drafter import DFlashDrafter, resolve_drafter
+from dflash.models.loading import load_hf_dir
+from dflash.models.speculators import load_speculators, save_speculators
+from dflash.models.zlab import load_zlab, save_zlab
+from dflash.serve.engine import decode
+from dflash.train.objective import Objective, build_blocks_batch, decay_weights
+from dflash.train.selector import selector_loss
+from dflash.train.step import train_head
+
+pytestmark = pytest.mark.heavy  # compiles a model's engine: not in `bin/test --fast`
+
+K = 4
+RANK = 8
+TOP_K = 3
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target_cfg, target_params = load_hf_dir(GOLDEN / "tiny" / "qwen3_untied")
+    arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=K,
+                                         variant="dflash2", selector=True, selector_rank=RANK,
+                                         selector_top_k=TOP_K), target_cfg, mask_token_id=255)
+    return target_cfg, target_params, arch
+
+
+def _live(arch, seed: int, scale: float = 1.0) -> DFlashDrafter:
+    """A selector drafter whose edge scores are far from zero (all three selector tensors drawn at random)."""
+    drafter = DFlashDrafter(arch, nnx.Rngs(seed))
+    sel = drafter.candidate_selector
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    for key, var in zip(keys, (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.kernel),
+                        strict=True):
+        var.set_value(scale * jax.random.normal(key, var.get_value().shape))
+    return drafter
+
+
+def test_selector_fields_are_validated(setup):
+    with pytest.raises(ValueError, match="drafter.selector"):
+        DrafterConfig(selector=True)  # DFlash v1
+    with pytest.raises(ValueError, match="drafter.selector"):
+        DrafterConfig(variant="dflash2", selector=True, markov_rank=8)
+    for field in ("selector_rank", "selector_top_k"):
+        with pytest.raises(ValueError, match=f"drafter.{field}"):
+            DrafterConfig(variant="dflash2", selector=True, **{field: 0})
+    target_cfg, _, arch = setup
+    assert (arch.selector_rank, arch.selector_top_k) == (RANK, TOP_K)
+    off = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=K,
+                                        variant="dflash2"), target_cfg, mask_token_id=255)
+    assert off.selector_rank == 0 and DFlashDrafter(off, nnx.Rngs(0)).candidate_selector is None
+
+
+def test_the_walk_equals_a_loop_reference(setup):
+    """Top-k candidates of each slot re-ranked by u + <P[prev] * W h, S[c]>, the previous slot's choice (the
+    anchor first) feeding the next; the random selector makes the walk leave the argmax somewhere."""
+    _, _, arch = setup
+    sel = _live(arch, 0).candidate_selector
+    rng = np.random.default_rng(0)
+    b, t, v, d = 3, 5, 256, 64
+    logits = rng.standard_normal((b, t, v)).astype(np.float32)
+    hidden = rng.standard_normal((b, t, d)).astype(np.float32)
+    anchor = rng.integers(0, v, size=b)
+    unary, cand = jax.lax.top_k(jnp.asarray(logits), TOP_K)
+    got = np.asarray(jax.jit(sel.walk)(cand.astype(jnp.int32), unary, jnp.asarray(hidden), jnp.asarray(anchor)))
+    pred = np.asarray(sel.predecessor_codebook[...], np.float64)
+    succ = np.asarray(sel.successor_codebook[...], np.float64)
+    w = np.asarray(sel.hidden_projection.kernel[...], np.float64)  # [D, r]
+    want = np.zeros((b, t), np.int64)
+    for i in range(b):
+        prev = anchor[i]
+        for j in range(t):
+            order = np.argsort(-logits[i, j], kind="stable")[:TOP_K]
+            proj = hidden[i, j].astype(np.float64) @ w
+            scores = [logits[i, j, c] + np.sum(pred[prev] * proj * succ[c]) for c in order]
+            prev = order[int(np.argmax(scores))]
+            want[i, j] = prev
+    np.testing.assert_array_equal(got, want)
+    assert np.any(want != np.argmax(logits, axis=-1))
+
+
+def _selector_inputs(setup, seed: int):
+    """Hidden states, head, blocks (two rows; one block cut by the row's end) for the selector loss."""
+    target_cfg, target_params, arch = setup
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, 255, size=(2, 20)), jnp.int32)
+    batch = TrainBatch(tokens=tokens, loss_mask=jnp.ones(tokens.shape, jnp.float32))
+    blocks = build_blocks_batch(batch, jnp.asarray([[2, 9, 17], [0, 6, 11]]), jnp.ones((2, 3), bool), K, 255)
+    hidden = jnp.asarray(rng.standard_normal((2, 3 * K, 64)), jnp.float32)
+    return hidden, train_head(target_params, target_cfg), blocks
+
+
+def _reference_loss(params, hidden, head, blocks, kind: str):
+    """The selector loss by brute force in jnp: candidates from the full logits, the label put in
+    place of the last one when missing, and (path) log Z summed over every path through the lattice."""
+    pred, succ, w = params
+    logits = jnp.einsum("bqd,vd->bqv" if head.vocab_major else "bqd,dv->bqv", hidden, head.matrix)
+    labels, mask, ids = np.asarray(blocks.labels), np.asarray(blocks.label_mask), np.asarray(blocks.block_ids)
+    total, count = 0.0, 0.0
+    decay = np.asarray(decay_weights(K, 4.0))
+    for b in range(hidden.shape[0]):
+        for n in range(hidden.shape[1] // K):
+            slots = [n * K + k for k in range(1, K)]
+            cands, unaries, golds = [], [], []
+            for q in slots:
+                top = [int(c) for c in np.argsort(-np.asarray(logits[b, q]), kind="stable")[:TOP_K]]
+                if labels[b, q] not in top:
+                    top[-1] = int(labels[b, q])
+                cands.append(top)
+                unaries.append(logits[b, q, jnp.asarray(top)])
+                golds.append(top.index(int(labels[b, q])) if mask[b, q] else 0)
+
+            def score(j, prev, c, q=None, cands=cands, unaries=unaries, slots=slots, b=b):
+                proj = hidden[b, slots[j]] @ w
+                return unaries[j][c] + jnp.sum(pred[prev] * proj * succ[cands[j][c]])
+
+            anchor = int(ids[b, n * K])
+            if kind == "edge":
+                for j, q in enumerate(slots):
+                    if not mask[b, q]:
+                        continue
+                    prev = anchor if j == 0 else int(labels[b, q - 1])
+                    s = jnp.stack([score(j, prev, c) for c in range(TOP_K)])
+                    total += decay[j + 1] * (jax.nn.logsumexp(s) - s[golds[j]])
+                    count += decay[j + 1]
+            else:
+                n_valid = 0
+                while n_valid < len(slots) and mask[b, slots[n_valid]]:
+                    n_valid += 1
+                if n_valid == 0:
+                    continue
+
+                def path_score(path, anchor=anchor, cands=cands, score=score):
+                    prev, s = anchor, 0.0
+                    for j, c in enumerate(path):
+                        s = s + score(j, prev, c)
+                        prev = cands[j][c]
+                    return s
+
+                all_paths = jnp.stack([path_score(p) for p in itertools.product(range(TOP_K), repeat=n_valid)])
+                total += jax.nn.logsumexp(all_paths) - path_score(golds[:n_valid])
+                count += n_valid
+    return total / count
+
+
+@pytest.mark.parametrize("kind", ["path", "edge"])
+def test_selector_loss_and_gradient_equal_a_brute_force_reference(setup, kind):
+    _, _, arch = setup
+    sel = _live(arch, 1, scale=0.5).candidate_selector
+    hidden, head, blocks = _selector_inputs(setup, 2)
+    assert not np.all(np.asarray(blocks.label_mask)[0, -K + 1:])  # the last block of row 0 is cut by the row's end
+    objective = Objective(gamma=4.0, selector_loss=kind)
+    graphdef, state = nnx.split(sel, nnx.Param)
+
+    def ours(state, hidden):
+        return selector_loss(nnx.merge(graphdef, state), hidden, head, blocks, K, objective)[0]
+
+    def ref(state):
+        flat = {".".join(map(str, k)): v[...] for k, v in nnx.to_flat_state(state)}
+        params = (flat["predecessor_codebook"], flat["successor_codebook"], flat["hidden_projection.kernel"])
+        return _reference_loss(params, hidden, head, blocks, kind)
+
+    got_loss, got_grad = jax.jit(jax.value_and_grad(ours))(state, hidden)
+    want_loss, want_grad = jax.value_and_grad(ref)(state)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for (path, g), (_, w) in zip(nnx.to_flat_state(got_grad), nnx.to_flat_state(want_grad), strict=True):
+        assert np.abs(np.asarray(w[...])).max() > 0, path
+        np.testing.assert_allclose(g[...], w[...], rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
+def test_greedy_with_the_selector_equals_ar(setup):
+    target_cfg, target_params, arch = setup
+    drafter = _live(arch, 3)
+    prompts = [list(np.random.default_rng(4).integers(0, 255, size=n)) for n in (7, 19)]
+    ar = decode(target_params, target_cfg, prompts, 20, max_len=128)
+    spec = decode(target_params, target_cfg, prompts, 20, max_len=128, drafter=drafter, block_size=K)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+
+
+@pytest.mark.parametrize("layout", ["zlab", "speculators"])
+def test_a_trained_selector_round_trips_bit_exact(setup, tmp_path, layout):
+    target_cfg, _, arch = setup
+    drafter = _live(arch, 5)
+    if layout == "zlab":
+        save_zlab(drafter, tmp_path)
+        loaded = load_zlab(tmp_path, target_cfg, expect=arch)
+    else:
+        save_speculators(drafter, tmp_path, verifier="tiny")
+        loaded = load_speculators(tmp_path, target_cfg, expect=arch)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert tensors["candidate_selector.predecessor_codebook"].shape == (256, RANK)
+    assert tensors["candidate_selector.hidden_projection.weight"].shape == (RANK, 64)
+    assert loaded.arch == arch
+    assert_same_params(drafter, loaded)
