@@ -76,13 +76,12 @@ def path_nll(first_MxC: jax.Array, trans_MxJxCxC: jax.Array, gold_MxJ: jax.Array
 
 def selector_loss(selector: CandidateSelector, hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks,
                   block_size: int, objective: Objective) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(`objective.selector_loss` of the selector on the blocks, metrics): `selector/accuracy` (teacher-forced
-    top-1 of the selector's scores among the labelled slots whose label is a candidate) and
+    """(`objective.selector_loss` of the selector on the blocks, metrics); with a training vocabulary
+    (`head.label_map`) the candidates are its rows' tokens and a label outside it is left out. Metrics:
+    `selector/accuracy` (teacher-forced top-1 of the selector's scores among the labelled slots whose label is a
+    candidate) and
     `selector/acceptance_length` (the walk `CandidateSelector.walk` over the unary candidates from each block's
     anchor, scored like `acceptance_length`: 1 + the labelled prefix it gets right)."""
-    if head.label_map is not None:
-        raise ValueError("train.head_vocab must be 0 with drafter.selector: the selector's codebooks are indexed by "
-                         "token id over the full vocabulary")
     B, Q, D = hidden_BxQxD.shape
     K, N, C = block_size, Q // block_size, selector.top_k
     M, J = B * N, K - 1
@@ -90,10 +89,20 @@ def selector_loss(selector: CandidateSelector, hidden_BxQxD: jax.Array, head: Tr
     matrix, vocab_major = jax.lax.stop_gradient(head.matrix), head.vocab_major
     h_TxD = jax.lax.stop_gradient(rows(hidden_BxQxD)).astype(jnp.float32)
     labels_T = rows(jnp.asarray(blocks.labels, jnp.int32))
-    mask_MxJ = rows(jnp.asarray(blocks.label_mask, jnp.float32)).reshape(M, J) > 0
+    mask_T = rows(jnp.asarray(blocks.label_mask, jnp.float32)) > 0
     vocab = matrix.shape[0] if vocab_major else matrix.shape[1]
     unary0, cand0 = head_topk(h_TxD, matrix, vocab_major, C, objective.head_chunk or auto_head_chunk(vocab))
-    label_rows = matrix[labels_T] if vocab_major else matrix[:, labels_T].T
+    row_T = labels_T
+    if head.label_map is not None:  # a training vocabulary: head rows -> token ids (the codebooks' index)
+        label_map = jnp.asarray(head.label_map, jnp.int32)
+        row_T = label_map[labels_T]
+        mask_T = mask_T & (row_T >= 0)
+        row_T = jnp.maximum(row_T, 0)
+        ids_of_row = jnp.zeros(vocab, jnp.int32).at[jnp.where(label_map >= 0, label_map, vocab)].set(
+            jnp.arange(label_map.shape[0], dtype=jnp.int32), mode="drop")
+        cand0 = ids_of_row[cand0]
+    mask_MxJ = mask_T.reshape(M, J)
+    label_rows = matrix[row_T] if vocab_major else matrix[:, row_T].T
     label_logit_T = jnp.sum(h_TxD * label_rows.astype(jnp.float32), axis=-1)
     cand, unary, gold_T = with_labels(cand0, unary0, labels_T, label_logit_T)
     proj_TxR = selector.hidden_projection(h_TxD).astype(jnp.float32)
@@ -113,7 +122,7 @@ def selector_loss(selector: CandidateSelector, hidden_BxQxD: jax.Array, head: Tr
         nll_M = path_nll(scores_TxC.reshape(M, J, C)[:, 0], trans, gold_MxJ, prefix_MxJ)
         loss = jnp.sum(nll_M) / jnp.maximum(jnp.sum(prefix_MxJ), 1.0)
     hit_T = (jnp.argmax(scores_TxC, axis=-1) == gold_T) & jnp.any(cand0 == labels_T[:, None], axis=-1)
-    m_T = mask_MxJ.reshape(-1)
+    m_T = mask_T
     walk_MxJ = selector.walk(cand0.reshape(M, J, C), unary0.reshape(M, J, C), h_TxD.reshape(M, J, D), anchor_M)
     chain_M = jnp.sum(jnp.cumprod((walk_MxJ == labels_T.reshape(M, J)) & mask_MxJ, axis=1), axis=1)
     kept_M = jnp.any(mask_MxJ, axis=1)
