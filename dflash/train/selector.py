@@ -101,30 +101,43 @@ def selector_loss(selector: CandidateSelector, hidden_BxQxD: jax.Array, head: Tr
         ids_of_row = jnp.zeros(vocab, jnp.int32).at[jnp.where(label_map >= 0, label_map, vocab)].set(
             jnp.arange(label_map.shape[0], dtype=jnp.int32), mode="drop")
         cand0 = ids_of_row[cand0]
-    mask_MxJ = mask_T.reshape(M, J)
     label_rows = matrix[row_T] if vocab_major else matrix[:, row_T].T
     label_logit_T = jnp.sum(h_TxD * label_rows.astype(jnp.float32), axis=-1)
-    cand, unary, gold_T = with_labels(cand0, unary0, labels_T, label_logit_T)
-    proj_TxR = selector.hidden_projection(h_TxD).astype(jnp.float32)
     anchor_M = jnp.asarray(blocks.block_ids, jnp.int32).reshape(M, K)[:, 0]
-    prev_MxJ = jnp.concatenate([anchor_M[:, None], labels_T.reshape(M, J)[:, :-1]], axis=1)
+    return lattice_loss(selector, h_TxD.reshape(M, J, D), cand0.reshape(M, J, C), unary0.reshape(M, J, C),
+                        labels_T.reshape(M, J), label_logit_T.reshape(M, J), mask_T.reshape(M, J), anchor_M,
+                        objective.selector_loss, objective.gamma)
+
+
+def lattice_loss(selector: CandidateSelector, h_MxJxD: jax.Array, cand_MxJxC: jax.Array, unary_MxJxC: jax.Array,
+                 labels_MxJ: jax.Array, label_logit_MxJ: jax.Array, mask_MxJ: jax.Array, anchor_M: jax.Array,
+                 kind: str, gamma: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`selector_loss` of M blocks of J = K-1 slots from their unary candidates (token ids, top first) and
+    scores, labels (token ids), the labels' own unary logits, the label mask and the anchors; `kind` `path` or
+    `edge` (`gamma`: the per-slot decay of `edge`)."""
+    M, J, C = cand_MxJxC.shape
+    cand0, unary0 = cand_MxJxC.reshape(M * J, C), unary_MxJxC.reshape(M * J, C)
+    labels_T = labels_MxJ.reshape(-1)
+    cand, unary, gold_T = with_labels(cand0, unary0, labels_T, label_logit_MxJ.reshape(-1))
+    proj_TxR = selector.hidden_projection(h_MxJxD.reshape(M * J, -1)).astype(jnp.float32)
+    prev_MxJ = jnp.concatenate([anchor_M[:, None], labels_MxJ[:, :-1]], axis=1)
     scores_TxC = unary + selector.edges(prev_MxJ.reshape(-1), proj_TxR, cand).astype(jnp.float32)
     gold_MxJ = gold_T.reshape(M, J)
-    if objective.selector_loss == "edge":
+    if kind == "edge":
         nll_T = jax.nn.logsumexp(scores_TxC, axis=-1) - jnp.take_along_axis(scores_TxC, gold_T[:, None], 1)[:, 0]
-        w_T = jnp.broadcast_to(decay_weights(K, objective.gamma)[1:], (M, J)).reshape(-1) * mask_MxJ.reshape(-1)
+        w_T = jnp.broadcast_to(decay_weights(J + 1, gamma)[1:], (M, J)).reshape(-1) * mask_MxJ.reshape(-1)
         loss = jnp.sum(w_T * nll_T) / jnp.maximum(jnp.sum(w_T), 1e-9)
     else:
         prefix_MxJ = jnp.cumprod(mask_MxJ, axis=1).astype(bool)
-        cand_MxJxC, proj_MxJxR = cand.reshape(M, J, C), proj_TxR.reshape(M, J, -1)
+        cand_j, proj_MxJxR = cand.reshape(M, J, C), proj_TxR.reshape(M, J, -1)
         trans = unary.reshape(M, J, C)[:, 1:, None, :] + selector.edges(
-            cand_MxJxC[:, :-1], proj_MxJxR[:, 1:], cand_MxJxC[:, 1:]).astype(jnp.float32)
+            cand_j[:, :-1], proj_MxJxR[:, 1:], cand_j[:, 1:]).astype(jnp.float32)
         nll_M = path_nll(scores_TxC.reshape(M, J, C)[:, 0], trans, gold_MxJ, prefix_MxJ)
         loss = jnp.sum(nll_M) / jnp.maximum(jnp.sum(prefix_MxJ), 1.0)
+    m_T = mask_MxJ.reshape(-1)
     hit_T = (jnp.argmax(scores_TxC, axis=-1) == gold_T) & jnp.any(cand0 == labels_T[:, None], axis=-1)
-    m_T = mask_T
-    walk_MxJ = selector.walk(cand0.reshape(M, J, C), unary0.reshape(M, J, C), h_TxD.reshape(M, J, D), anchor_M)
-    chain_M = jnp.sum(jnp.cumprod((walk_MxJ == labels_T.reshape(M, J)) & mask_MxJ, axis=1), axis=1)
+    walk_MxJ = selector.walk(cand_MxJxC, unary_MxJxC, h_MxJxD, anchor_M)
+    chain_M = jnp.sum(jnp.cumprod((walk_MxJ == labels_MxJ) & mask_MxJ, axis=1), axis=1)
     kept_M = jnp.any(mask_MxJ, axis=1)
     metrics = {
         "loss/selector": loss,
