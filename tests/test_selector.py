@@ -209,3 +209,40 @@ def test_a_trained_selector_round_trips_bit_exact(setup, tmp_path, layout):
     assert tensors["candidate_selector.hidden_projection.weight"].shape == (RANK, 64)
     assert loaded.arch == arch
     assert_same_params(drafter, loaded)
+
+
+@pytest.mark.slow  # an engine walk and two teacher walks: ~1 min on a loaded 2-core CPU
+def test_the_teacher_walk_with_the_selector_is_the_engine_walk(setup):
+    """`data.walk`'s teacher-forced walk (slot k's walk step from the target's token at a + k - 1) equals greedy
+    serving block for block with a selector drafter over a 4-token draft vocabulary (so blocks get drafts
+    accepted), and the selector changes the walk against the same drafter's argmax."""
+    from dflash.data.walk import walk_engine, walk_teacher
+    from dflash.models.drafter import DraftVocab
+    from dflash.serve.engine import Engine
+    from dflash.serve.speculative import Models
+
+    target_cfg, target_params, arch = setup
+    s = 96
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(8, target_cfg.vocab_size, size=8).tolist() for _ in range(3)]
+    done = decode(target_params, target_cfg, prompts, 60, max_len=s + 16)
+    rows = []
+    for i, (prompt, c) in enumerate(zip(prompts, done, strict=True)):
+        tokens, mask = np.zeros(s, np.int32), np.zeros(s, np.float32)
+        n = len(prompt) + len(c.token_ids)
+        tokens[:n], mask[len(prompt):n] = prompt + list(c.token_ids), 1
+        rows.append((i, tokens, mask, n))
+    counts = np.bincount(np.concatenate([t[m > 0] for _, t, m, _ in rows]), minlength=target_cfg.vocab_size)
+    vocab = DraftVocab(np.sort(np.argsort(-counts, kind="stable")[:4]))
+    drafter = _live(arch, 7, scale=0.3)
+    drafter.draft_vocab = vocab
+    plain = DFlashDrafter(resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=K,
+                                                        variant="dflash2"), target_cfg, mask_token_id=255), nnx.Rngs(0))
+    nnx.update(plain, {k: v for k, v in nnx.state(drafter, nnx.Param).items() if k != "candidate_selector"})
+    plain.draft_vocab = vocab
+    walks = {name: [walk_teacher(Models.of(target_params, target_cfg, d), t, m, n, K, i) for i, t, m, n in rows]
+             for name, d in (("selector", drafter), ("argmax", plain))}
+    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=s + 16, block_size=K)
+    assert walk_engine(engine, rows, ()) == walks["selector"]
+    assert np.concatenate([r.accepted for r in walks["selector"]]).max() >= 1
+    assert [r.accepted for r in walks["selector"]] != [r.accepted for r in walks["argmax"]]
