@@ -246,3 +246,18 @@ def test_the_teacher_walk_with_the_selector_is_the_engine_walk(setup):
     assert walk_engine(engine, rows, ()) == walks["selector"]
     assert np.concatenate([r.accepted for r in walks["selector"]]).max() >= 1
     assert [r.accepted for r in walks["selector"]] != [r.accepted for r in walks["argmax"]]
+
+
+def test_a_trained_selector_beside_a_logit_multiplier_is_skipped(setup, tmp_path, caplog):
+    """A z-lab DFlash2 config whose output_multiplier rescales the unary logits: the trained selector is not used
+    (warned; the drafter proposes each slot's argmax)."""
+    import json
+
+    target_cfg, _, arch = setup
+    save_zlab(_live(arch, 8), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dflash_config"]["output_multiplier"] = 0.5
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_zlab(tmp_path, target_cfg)
+    assert loaded.arch.selector_rank == 0 and loaded.candidate_selector is None
+    assert "output_multiplier 0.5" in caplog.text
