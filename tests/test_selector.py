@@ -261,3 +261,36 @@ def test_a_trained_selector_beside_a_logit_multiplier_is_skipped(setup, tmp_path
     loaded = load_zlab(tmp_path, target_cfg)
     assert loaded.arch.selector_rank == 0 and loaded.candidate_selector is None
     assert "output_multiplier 0.5" in caplog.text
+
+
+def test_the_drafter_loss_adds_the_selector_loss_and_only_the_selector_learns_from_it(setup):
+    """`train.step.drafter_loss` with a selector drafter: the unary loss plus selector_weight x the selector's,
+    whose gradient reaches the selector's three tensors and nothing else (the backbone's gradient is the one
+    without it)."""
+    from reference import split_drafter
+
+    from dflash.models.decoder import embed
+    from dflash.models.drafter import online_features
+    from dflash.train.step import StepInputs, drafter_loss
+
+    target_cfg, target_params, arch = setup
+    graphdef, params = split_drafter(_live(arch, 9, scale=0.5))
+    tokens = jnp.asarray(np.random.default_rng(9).integers(0, 255, size=(1, 24)), jnp.int32)
+    batch = TrainBatch(tokens=tokens, loss_mask=jnp.ones(tokens.shape, jnp.float32))
+    blocks = build_blocks_batch(batch, jnp.asarray([[3, 9, 16]]), jnp.ones((1, 3), bool), K, 255)
+    inputs = StepInputs(blocks=blocks, embeds_BxQxD=embed(target_params, blocks.block_ids),
+                        feats_BxSxFD=online_features(target_params, target_cfg, tokens, (1, 3)))
+    head = train_head(target_params, target_cfg)
+
+    def run(weight):
+        fn = lambda p: drafter_loss(p, graphdef, inputs, head, target_params, K, Objective(selector_weight=weight))  # noqa: E731
+        return jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
+
+    (with_loss, metrics), with_grad = run(0.5)
+    (without_loss, _), without_grad = run(0.0)
+    np.testing.assert_allclose(with_loss, without_loss + 0.5 * metrics["loss/selector"], rtol=1e-6)
+    for (path, g), (_, h) in zip(nnx.to_flat_state(with_grad), nnx.to_flat_state(without_grad), strict=True):
+        if "candidate_selector" in map(str, path):
+            assert np.abs(np.asarray(g[...])).max() > 0 and not np.any(np.asarray(h[...])), path
+        else:
+            np.testing.assert_array_equal(g[...], h[...], err_msg=str(path))
