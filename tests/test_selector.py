@@ -22,7 +22,7 @@ from dflash.models.loading import load_hf_dir
 from dflash.models.speculators import load_speculators, save_speculators
 from dflash.models.zlab import load_zlab, save_zlab
 from dflash.serve.engine import decode
-from dflash.train.objective import Objective, build_blocks_batch, decay_weights
+from dflash.train.objective import Objective, build_blocks_batch
 from dflash.train.selector import selector_loss
 from dflash.train.step import train_head
 
@@ -111,20 +111,21 @@ def _reference_loss(params, hidden, head, blocks, kind: str):
     """The selector loss by brute force in jnp: candidates from the full logits, the label put in
     place of the last one when missing, and (path) log Z summed over every path through the lattice."""
     pred, succ, w = params
-    logits = jnp.einsum("bqd,vd->bqv" if head.vocab_major else "bqd,dv->bqv", hidden, head.matrix)
+    logits = np.einsum("bqd,vd->bqv" if head.vocab_major else "bqd,dv->bqv", np.asarray(hidden),
+                       np.asarray(head.matrix))  # constants: the candidates do not depend on the selector
     labels, mask, ids = np.asarray(blocks.labels), np.asarray(blocks.label_mask), np.asarray(blocks.block_ids)
     total, count = 0.0, 0.0
-    decay = np.asarray(decay_weights(K, 4.0))
+    decay = np.exp(-(np.arange(K) - 1.0) / 4.0)  # the paper's per-slot weights (slot 0, the anchor, is never used)
     for b in range(hidden.shape[0]):
         for n in range(hidden.shape[1] // K):
             slots = [n * K + k for k in range(1, K)]
             cands, unaries, golds = [], [], []
             for q in slots:
-                top = [int(c) for c in np.argsort(-np.asarray(logits[b, q]), kind="stable")[:TOP_K]]
+                top = [int(c) for c in np.argsort(-logits[b, q], kind="stable")[:TOP_K]]
                 if labels[b, q] not in top:
                     top[-1] = int(labels[b, q])
                 cands.append(top)
-                unaries.append(logits[b, q, jnp.asarray(top)])
+                unaries.append(jnp.asarray(logits[b, q, top]))
                 golds.append(top.index(int(labels[b, q])) if mask[b, q] else 0)
 
             def score(j, prev, c, q=None, cands=cands, unaries=unaries, slots=slots, b=b):
@@ -147,15 +148,13 @@ def _reference_loss(params, hidden, head, blocks, kind: str):
                 if n_valid == 0:
                     continue
 
-                def path_score(path, anchor=anchor, cands=cands, score=score):
-                    prev, s = anchor, 0.0
-                    for j, c in enumerate(path):
-                        s = s + score(j, prev, c)
-                        prev = cands[j][c]
-                    return s
-
-                all_paths = jnp.stack([path_score(p) for p in itertools.product(range(TOP_K), repeat=n_valid)])
-                total += jax.nn.logsumexp(all_paths) - path_score(golds[:n_valid])
+                # s(first slot's c after the anchor), s(slot j's c after slot j-1's candidate p): then every path
+                first = jnp.stack([score(0, anchor, c) for c in range(TOP_K)])
+                trans = [jnp.stack([jnp.stack([score(j, cands[j - 1][p], c) for c in range(TOP_K)])
+                                    for p in range(TOP_K)]) for j in range(1, n_valid)]
+                paths = np.asarray(list(itertools.product(range(TOP_K), repeat=n_valid)) + [golds[:n_valid]])
+                scores = first[paths[:, 0]] + sum(trans[j - 1][paths[:, j - 1], paths[:, j]] for j in range(1, n_valid))
+                total += jax.nn.logsumexp(scores[:-1]) - scores[-1]
                 count += n_valid
     return total / count
 
