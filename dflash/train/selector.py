@@ -6,12 +6,13 @@ drafter's normed hidden state), the label put in place of the k-th candidate whe
 labelled slot has a label inside its set; speculators does the same). Scores s_t(a, b) = u_t(b) + e_t(a, b), with
 e the selector's edge score (predecessor a, candidate b). Two objectives (`train.selector_loss`):
 
+  edge (default): a per-slot k-way cross-entropy of s_t(y_{t-1}, .) over C_t given the label before it (teacher
+        forcing, exact for greedy acceptance: slot t only counts when the slots before it were right;
+        speculators' objective), weighted per slot with the paper's decay exp(-(t-1)/gamma);
   path: the log-likelihood of the labelled path through the candidate lattice, a linear-chain CRF over each
         block's labelled prefix (slots after the first unlabelled one are left out): -log P(y) with
         P(y) = exp(sum_t s_t(y_{t-1}, y_t)) / Z, Z summed over every path through C_1 x ... x C_n by the forward
-        algorithm, y_0 the anchor; averaged over the labelled slots it covers;
-  edge: a per-slot k-way cross-entropy of s_t(y_{t-1}, .) over C_t given the label before it (teacher forcing;
-        speculators' objective), weighted per slot like the unary loss (`train.weighting`).
+        algorithm, y_0 the anchor; averaged over the labelled slots it covers.
 
 Only the selector's parameters learn from it: the hidden states and unary logits it reads are constants here
 (stop_gradient), so the backbone trains on the unary loss alone, as without a selector. Decision and
