@@ -51,7 +51,7 @@ from dflash.files import fsync_path, write_atomic
 from dflash.models.decoder import embed, forward
 from dflash.models.drafter import BlockVisibility, DFlashDrafter, concat_features
 from dflash.serve.engine import Engine
-from dflash.serve.speculative import Models, argmax_drafts
+from dflash.serve.speculative import Models, argmax_drafts, selector_drafts
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +136,9 @@ def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: 
     """(next_ids int32 [S], hits bool [S, K-1]) of one row: next_ids[p] the target's greedy token after
     tokens[:p+1]; hits[a, k-1] whether the drafter's argmax at slot k of a block anchored at a (ids [x_a, MASK..],
     context the target features at positions < a, as the engine proposes it) equals the target's greedy token
-    at a + k, i.e. next_ids[a + k - 1]. With a Markov head, slot k reads the target's token at a + k - 1 (what the
-    engine's drafted token there is whenever the chain has reached slot k). The head runs `chunk` rows at a time
+    at a + k, i.e. next_ids[a + k - 1]. With a Markov head or DFlash2's path selector, slot k reads the target's
+    token at a + k - 1 (what the engine's drafted token there is whenever the chain has reached slot k). The
+    head runs `chunk` rows at a time
     over the draft vocabulary's rows or the full head, as `speculative.propose` does.
 
     Stored features (`feats_1xSxFD`, e.g. a capture's) replace the target's forward; then `next_S` is the stored
@@ -167,7 +168,14 @@ def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: 
     c = min(chunk, t)
     pad = -(-t // c) * c - t
     parts = jnp.pad(hidden_TxD, ((0, pad), (0, 0))).reshape(-1, c, hidden_TxD.shape[-1])
-    drafts = jax.lax.map(lambda h: argmax_drafts(models, h[None])[0], parts).reshape(-1)[:t].reshape(s, k - 1)
+    if drafter.candidate_selector is None:
+        drafts = jax.lax.map(lambda h: argmax_drafts(models, h[None])[0], parts).reshape(-1)[:t].reshape(s, k - 1)
+    else:  # the path selector: slot k's walk step from the target's token at a + k - 1 (the anchor for slot 1)
+        prev_T = jnp.concatenate([tokens_1xS[0][:, None], next_S[jnp.clip(pos_SxK[:, 1:-1] - 1, 0, s - 1)]],
+                                 axis=1).reshape(-1)
+        prevs = jnp.pad(prev_T, (0, pad)).reshape(-1, c)
+        step = lambda hp: selector_drafts(models, drafter, hp[0][:, None], hp[1])[:, 0]  # noqa: E731
+        drafts = jax.lax.map(step, (parts, prevs)).reshape(-1)[:t].reshape(s, k - 1)
     want = next_S[jnp.clip(pos_SxK[:, 1:] - 1, 0, s - 1)]
     return next_S, (drafts == want) & (pos_SxK[:, 1:] - 1 < s)
 

@@ -116,6 +116,11 @@ class DrafterConfig:
     conv: DFlash2's convolution on (dflash2 only; off = the DFlash2 layout with identity convolutions).
     conv_kernel_size / conv_group_size: the convolution's taps and the channels sharing one dynamic kernel
       (DFlash2's published 2 and 16).
+    selector: DFlash2's low-rank path selector on (dflash2 only): each draft slot re-ranks its top
+      `selector_top_k` unary candidates (the LM head's logits) by an edge score from the token chosen at the slot
+      before (the anchor for the first), <P[prev] * (W h), S[cand]> at rank `selector_rank`, walked left to
+      right (`models.drafter.CandidateSelector`); still one backbone pass and a chain verify. Off = each slot's
+      argmax (the layout then carries a zero selector). Published 256 / 16.
     """
 
     num_layers: int = 5
@@ -134,6 +139,9 @@ class DrafterConfig:
     conv: bool = True
     conv_kernel_size: int = 2
     conv_group_size: int = 16
+    selector: bool = False
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     def __post_init__(self) -> None:
         check_layer_types(self.layer_types, self.num_layers, self.sliding_window, self.block_size, "drafter")
@@ -141,6 +149,13 @@ class DrafterConfig:
         require(self.conv_kernel_size >= 1, "drafter.conv_kernel_size", self.conv_kernel_size, "be >= 1")
         require(self.conv_group_size >= 1, "drafter.conv_group_size", self.conv_group_size, "be >= 1")
         require(self.markov_rank >= 0, "drafter.markov_rank", self.markov_rank, "be >= 0 (0 = no Markov head)")
+        require(not self.selector or self.variant == "dflash2", "drafter.selector", self.selector,
+                "be false unless drafter.variant is dflash2 (the path selector is DFlash2's)")
+        require(not self.selector or self.markov_rank == 0, "drafter.selector", self.selector,
+                f"be false with a Markov head (drafter.markov_rank={self.markov_rank}): both condition a slot on "
+                "the token before it; use one")
+        require(self.selector_rank >= 1, "drafter.selector_rank", self.selector_rank, "be >= 1")
+        require(self.selector_top_k >= 1, "drafter.selector_top_k", self.selector_top_k, "be >= 1")
         require(self.num_layers >= 1, "drafter.num_layers", self.num_layers, "be at least 1")
         require(self.num_features >= 1, "drafter.num_features", self.num_features, "be at least 1")
         require(not self.layer_ids or len(self.layer_ids) == self.num_features, "drafter.layer_ids",

@@ -79,9 +79,13 @@ class DrafterArch:
     variant: str = "dflash"
     conv_kernel_size: int = 0  # 0 = no convolution (DFlash v1, or DFlash2 with drafter.conv off)
     conv_group_size: int = 16
+    selector_rank: int = 0  # 0 = no path selector (drafts are each slot's argmax)
+    selector_top_k: int = 16
 
     def __post_init__(self) -> None:
         check_layer_types(self.layer_types, self.num_layers, self.sliding_window, self.block_size, "drafter")
+        require(self.selector_rank == 0 or 1 <= self.selector_top_k <= self.target_vocab_size,
+                "drafter.selector_top_k", self.selector_top_k, f"lie in [1, {self.target_vocab_size}] (the vocab)")
         require(self.conv_kernel_size == 0 or self.hidden_size % self.conv_group_size == 0,
                 "drafter.conv_group_size", self.conv_group_size,
                 f"divide the hidden size {self.hidden_size} (channels sharing one dynamic kernel)")
@@ -183,7 +187,8 @@ def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: in
         layer_types=tuple(cfg.layer_types) if "sliding_attention" in cfg.layer_types else (),
         sliding_window=cfg.sliding_window, variant=cfg.variant,
         conv_kernel_size=cfg.conv_kernel_size if cfg.variant == "dflash2" and cfg.conv else 0,
-        conv_group_size=cfg.conv_group_size,
+        conv_group_size=cfg.conv_group_size, selector_rank=cfg.selector_rank if cfg.selector else 0,
+        selector_top_k=cfg.selector_top_k,
     )
 
 
@@ -449,6 +454,52 @@ class MarkovHead(nnx.Module):
         return hidden_xD + self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class CandidateSelector(nnx.Module):
+    """DFlash2's low-rank path selector (`drafter.selector`; rank r = `arch.selector_rank`, top-k k =
+    `arch.selector_top_k`), tensor names and shapes of the public layout (`candidate_selector.*`).
+
+    Slot t of a block has unary scores u_t (the LM head's logits of its normed hidden state h_t) and candidates
+    C_t, its top k tokens by u_t. The edge score of candidate b after token a is
+
+        e_t(a, b) = sum_r P[a, r] * (W h_t)[r] * S[b, r]     (P, S: predecessor / successor codebooks [V, r])
+
+    and the walk (`walk`) picks d_t = argmax_{b in C_t} u_t(b) + e_t(d_{t-1}, b) left to right from d_0 = the
+    anchor: still one backbone pass, and a chain of drafts. The successor codebook starts at zero (e = 0): a new
+    selector drafts each slot's argmax, i.e. what DFlash2 without it drafts.
+    """
+
+    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
+        v, r = arch.target_vocab_size, arch.selector_rank
+        self.top_k = arch.selector_top_k
+        self.predecessor_codebook = nnx.Param(0.02 * jax.random.normal(rngs.params(), (v, r), dtype))
+        self.successor_codebook = nnx.Param(jnp.zeros((v, r), dtype))
+        self.hidden_projection = _linear(arch.hidden_size, r, dtype, rngs)
+
+    def edges(self, prev_ids: jax.Array, proj_xR: jax.Array, cand_ids_xC: jax.Array) -> jax.Array:
+        """e(prev, c) [..., C] for predecessor ids [...] (or [..., C'] of them: then [..., C', C]), the slot's
+        projected hidden state W h [..., r] and its candidates [..., C]."""
+        pred = self.predecessor_codebook[...][prev_ids]
+        succ = self.successor_codebook[...][cand_ids_xC]
+        if pred.ndim == proj_xR.ndim + 1:  # a lattice: every predecessor candidate against every candidate
+            return jnp.einsum("...pr,...cr->...pc", pred * proj_xR[..., None, :], succ)
+        return jnp.einsum("...r,...cr->...c", pred * proj_xR, succ)
+
+    def walk(self, cand_ids_BxTxC: jax.Array, unary_BxTxC: jax.Array, hidden_BxTxD: jax.Array,
+             anchor_B: jax.Array) -> jax.Array:
+        """Draft ids [B, T]: slot t's candidate with the largest u + e(previous draft, .), the anchor before
+        slot 0 (ties: the earlier candidate, i.e. the higher unary score)."""
+        proj_BxTxR = self.hidden_projection(hidden_BxTxD).astype(jnp.float32)
+        unary = unary_BxTxC.astype(jnp.float32)
+
+        def step(prev_B, t):
+            scores = unary[:, t] + self.edges(prev_B, proj_BxTxR[:, t], cand_ids_BxTxC[:, t]).astype(jnp.float32)
+            pick = jnp.take_along_axis(cand_ids_BxTxC[:, t], jnp.argmax(scores, axis=-1)[:, None], axis=1)[:, 0]
+            return pick, pick
+
+        _, ids_TxB = jax.lax.scan(step, anchor_B.astype(jnp.int32), jnp.arange(cand_ids_BxTxC.shape[1]))
+        return ids_TxB.T
+
+
 class DrafterLayer(nnx.Module):
     """One Qwen3-style layer with KV injection of the fused context; with `arch.conv_kernel_size` > 0 (DFlash2) a
     `BlockConv` around the attention (`attention_conv`) and around the MLP (`mlp_conv`)."""
@@ -494,7 +545,9 @@ class DFlashDrafter(nnx.Module):
     - with `arch.conv_kernel_size` > 0 (`drafter.variant: dflash2`), DFlash2's `BlockConv` around each layer's
       attention and MLP, local to each block;
     - with `arch.markov_rank` > 0, a `MarkovHead` (`markov`) on the normed output: slot k's hidden state also
-      sees the block's previous token (`with_previous`).
+      sees the block's previous token (`with_previous`);
+    - with `arch.selector_rank` > 0 (`drafter.selector`, DFlash2), a `CandidateSelector` (`candidate_selector`)
+      that walks each block's top-k candidates instead of taking each slot's argmax.
 
     Holds no embedding and no LM head: block embeddings come from the target's table (the train step embeds
     `Blocks.block_ids`, the engine `block_token_ids`) and logits from the target's head. Parameter paths map one
@@ -510,6 +563,7 @@ class DFlashDrafter(nnx.Module):
         self.layers = nnx.List([DrafterLayer(arch, dtype, rngs) for _ in range(arch.num_layers)])
         self.norm = RMSNorm(d, arch.rms_norm_eps)
         self.markov = MarkovHead(arch, dtype, rngs) if arch.markov_rank else None
+        self.candidate_selector = CandidateSelector(arch, dtype, rngs) if arch.selector_rank else None
         self.draft_vocab: DraftVocab | None = None  # set by the loaders for a drafter trained on a head vocabulary
 
     def fuse(self, ctx_feats_BxSxFD: jax.Array) -> jax.Array:

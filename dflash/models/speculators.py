@@ -42,9 +42,9 @@ from dflash.models.zlab import (
     hf_tensors,
     qwen3_fields,
     read_config,
-    selector_tensors,
     with_dflash2,
     with_markov,
+    with_selector,
     write_markov,
 )
 
@@ -166,11 +166,12 @@ def load_speculators(directory: str | Path, target_cfg: DecoderConfig,
                      expect: DrafterArch | None = None) -> DFlashDrafter:
     """A drafter from a speculators layout directory, checked against `target_cfg` (and `expect`)."""
     directory = Path(directory).expanduser()
-    arch, tensors = with_markov(arch_from_speculators(read_config(directory), str(directory / "config.json"),
-                                                      target_cfg.family, target_cfg.num_layers), directory)
+    config = read_config(directory)
+    arch, tensors = with_markov(arch_from_speculators(config, str(directory / "config.json"), target_cfg.family,
+                                                      target_cfg.num_layers), directory)
+    arch, skip = with_selector(arch, config, tensors, str(directory))
     check_import(arch, target_cfg, str(directory), expect)
-    drafter = drafter_from_tensors(arch, tensors, str(directory),
-                                   ignored=VERIFIER_FILLED | selector_tensors(arch, tensors, str(directory)))
+    drafter = drafter_from_tensors(arch, tensors, str(directory), ignored=VERIFIER_FILLED | skip)
     drafter.draft_vocab = DraftVocab.read(directory, target_cfg.vocab_size)
     return drafter
 

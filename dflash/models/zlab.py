@@ -45,8 +45,8 @@ MODELING_FILE = "dflash.py"
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 AUTO_MAP2 = {"AutoModel": "dflash.DFlash2DraftModel"}
 # DFlash2's candidate selector (top-k unary candidates re-ranked by a rank-r edge score from the previous slot's
-# choice): the layout's shapes. This project drafts without it (argmax); exports carry a zero selector, under which
-# the reference's walk picks each slot's top unary candidate, i.e. the same argmax drafts.
+# choice): the layout's default shapes. A drafter with `drafter.selector` exports its own; one without exports a zero
+# selector of these shapes, under which the reference's walk picks each slot's top unary candidate (its argmax).
 SELECTOR_RANK = 256
 SELECTOR_TOP_K = 16
 SELECTOR_PREFIX = "candidate_selector."
@@ -148,20 +148,22 @@ def zlab_config(arch: DrafterArch, dtype: str = "float32") -> dict[str, Any]:
 def dflash2_fields(arch: DrafterArch) -> dict[str, Any]:
     """The DFlash2 fields z-lab's `dflash_config` and speculators' `DFlash2SpeculatorConfig` share: block size,
     convolution taps and group size (the published 2 for a drafter trained with `drafter.conv` off, exported as
-    identity convolutions), and the selector's rank and top-k (`SELECTOR_RANK`, `SELECTOR_TOP_K`)."""
+    identity convolutions), and the selector's rank and top-k (the drafter's, else `SELECTOR_RANK` / `SELECTOR_TOP_K`
+    of the zero selector)."""
     return {"block_size": arch.block_size, "conv_kernel_size": arch.conv_kernel_size or PUBLISHED_CONV_KERNEL,
-            "conv_group_size": arch.conv_group_size, "selector_rank": SELECTOR_RANK, "selector_top_k": SELECTOR_TOP_K}
+            "conv_group_size": arch.conv_group_size, "selector_rank": arch.selector_rank or SELECTOR_RANK,
+            "selector_top_k": arch.selector_top_k if arch.selector_rank else SELECTOR_TOP_K}
 
 
 def dflash2_extra_tensors(arch: DrafterArch) -> dict[str, np.ndarray]:
     """The DFlash2 layout's tensors a drafter of `arch` does not hold, float32 [out, in]: identity convolutions
-    when it was trained with `drafter.conv` off, and the zero candidate selector (see SELECTOR_RANK)."""
+    when it was trained with `drafter.conv` off, and the zero candidate selector when it has none (SELECTOR_RANK)."""
     if arch.variant != "dflash2":
         return {}
     d, v, r = arch.hidden_size, arch.target_vocab_size, SELECTOR_RANK
-    extra = {SELECTOR_PREFIX + "hidden_projection.weight": np.zeros((r, d), np.float32),
-             SELECTOR_PREFIX + "predecessor_codebook": np.zeros((v, r), np.float32),
-             SELECTOR_PREFIX + "successor_codebook": np.zeros((v, r), np.float32)}
+    extra = {} if arch.selector_rank else {SELECTOR_PREFIX + "hidden_projection.weight": np.zeros((r, d), np.float32),
+                                           SELECTOR_PREFIX + "predecessor_codebook": np.zeros((v, r), np.float32),
+                                           SELECTOR_PREFIX + "successor_codebook": np.zeros((v, r), np.float32)}
     if arch.conv_kernel_size == 0:
         t, groups = PUBLISHED_CONV_KERNEL, d // arch.conv_group_size
         base = np.zeros((2, t, d), np.float32)
@@ -349,8 +351,8 @@ def with_dflash2(arch: DrafterArch, fields: dict[str, Any], where: str) -> Draft
     """`arch` as a DFlash2 drafter with the convolution of `fields` (z-lab's dflash_config, or a speculators
     dflash2 config), refusing what the drafter cannot run and naming every field: the convolution's taps and
     group size must be set (the group size dividing the hidden size), the input embeddings unscaled. The
-    selector's fields are read for their shapes only (it is not used: drafts are the argmax), and so are the
-    logit multiplier and softcap, which only the selector and sampled drafts see (they keep the argmax)."""
+    selector is read with the tensors (`with_selector`); the logit multiplier and softcap keep each slot's argmax
+    and are read only there (a trained selector next to them is skipped)."""
     problems = [f"{name} must be a positive integer (DFlash2's convolution); received {fields.get(name)!r}"
                 for name in ("conv_kernel_size", "conv_group_size")
                 if not isinstance(fields.get(name), int) or fields[name] < 1]
@@ -367,15 +369,37 @@ def with_dflash2(arch: DrafterArch, fields: dict[str, Any], where: str) -> Draft
                                conv_group_size=int(fields["conv_group_size"]))
 
 
-def selector_tensors(arch: DrafterArch, tensors: dict[str, np.ndarray], where: str) -> frozenset[str]:
-    """The names of a DFlash2 layout's candidate-selector tensors (skipped on import: drafts are the argmax); a
-    trained (nonzero) selector is reported, since its re-ranking of the top candidates is not reproduced."""
+def with_selector(arch: DrafterArch, fields: dict[str, Any], tensors: dict[str, np.ndarray],
+                  where: str) -> tuple[DrafterArch, frozenset[str]]:
+    """(`arch` with the candidate selector of a DFlash2 layout's `tensors`, the selector tensor names to skip).
+
+    A trained (nonzero) selector is loaded: its rank from `predecessor_codebook` [V, r], its top-k from
+    `selector_top_k` of `fields` (the config's DFlash2 fields; the published 16 when absent); the engine drafts with
+    its walk. A zero selector (what this project exports for a drafter without one) is skipped: its walk drafts
+    each slot's argmax, which is what a drafter without a selector proposes. A trained selector next to a logit
+    multiplier or softcap other than 1 / none is skipped with a warning: the walk adds edge scores to the
+    unary logits as the target's head gives them, and these would rescale them (drafts stay lossless: each
+    slot's argmax)."""
     names = frozenset(n for n in tensors if n.startswith(SELECTOR_PREFIX)) if arch.variant == "dflash2" else frozenset()
-    if any(np.any(np.asarray(tensors[n], np.float32)) for n in names):
-        log.warning("%s: the DFlash2 candidate selector is not used here; the drafter proposes each slot's argmax "
-                    "(its top unary candidate) instead of the selector's walk: lossless, possibly lower acceptance",
-                    where)
-    return names
+    if not any(np.any(np.asarray(tensors[n], np.float32)) for n in names):
+        return arch, names
+    scale = float(fields.get("output_multiplier", 1.0) or 1.0)
+    cap = fields.get("final_logit_softcapping")
+    if scale != 1.0 or cap:
+        log.warning("%s: the trained DFlash2 candidate selector is not used: output_multiplier %s / "
+                    "final_logit_softcapping %s rescale the unary logits its edge scores add to, which this engine "
+                    "does not; the drafter proposes each slot's argmax instead (lossless, possibly lower acceptance)",
+                    where, scale, cap)
+        return arch, names
+    book = tensors.get(SELECTOR_PREFIX + "predecessor_codebook")
+    if book is None or np.ndim(book) != 2:
+        raise WeightsError(f"{where}: a DFlash2 candidate selector must hold {SELECTOR_PREFIX}predecessor_codebook "
+                           f"of shape [vocab, rank]; received {None if book is None else np.shape(book)}")
+    top_k = fields.get("selector_top_k", SELECTOR_TOP_K)
+    if not isinstance(top_k, int) or not 1 <= top_k <= arch.target_vocab_size:
+        raise WeightsError(f"{where}: selector_top_k must be an integer in [1, {arch.target_vocab_size}]; "
+                           f"received {top_k!r}")
+    return dataclasses.replace(arch, selector_rank=int(np.shape(book)[1]), selector_top_k=top_k), frozenset()
 
 
 def drafter_from_tensors(arch: DrafterArch, tensors: dict[str, np.ndarray], where: str,
@@ -407,9 +431,10 @@ def drafter_from_tensors(arch: DrafterArch, tensors: dict[str, np.ndarray], wher
 def read_zlab(directory: str | Path, target_family: str = "qwen3") -> DFlashDrafter:
     """The drafter of a z-lab layout directory, unchecked against any target (see `load_zlab`)."""
     directory = Path(directory).expanduser()
-    arch, tensors = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"), target_family),
-                                directory)
-    drafter = drafter_from_tensors(arch, tensors, str(directory), selector_tensors(arch, tensors, str(directory)))
+    config = read_config(directory)
+    arch, tensors = with_markov(arch_from_zlab(config, str(directory / "config.json"), target_family), directory)
+    arch, skip = with_selector(arch, {**config, **(config.get("dflash_config") or {})}, tensors, str(directory))
+    drafter = drafter_from_tensors(arch, tensors, str(directory), skip)
     drafter.draft_vocab = DraftVocab.read(directory)
     return drafter
 
@@ -437,7 +462,7 @@ def check_import(arch: DrafterArch, target: DecoderConfig, where: str, expect: D
     if expect is not None:
         for name in ("layer_ids", "mask_token_id", "block_size", "hidden_size", "num_features", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "layer_types", "sliding_window",
-                     "variant", "conv_kernel_size", "conv_group_size"):
+                     "variant", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             got, want = getattr(arch, name), getattr(expect, name)
             if got != want:
                 bad.append(f"{name}: drafter {got} vs expected {want}")
@@ -449,10 +474,11 @@ def load_zlab(directory: str | Path, target_cfg: DecoderConfig, expect: DrafterA
     """A drafter from a z-lab layout directory, checked against `target_cfg` (and `expect`; every mismatch
     named in one error)."""
     directory = Path(directory).expanduser()
-    arch, tensors = with_markov(arch_from_zlab(read_config(directory), str(directory / "config.json"),
-                                               target_cfg.family), directory)
+    config = read_config(directory)
+    arch, tensors = with_markov(arch_from_zlab(config, str(directory / "config.json"), target_cfg.family), directory)
+    arch, skip = with_selector(arch, {**config, **(config.get("dflash_config") or {})}, tensors, str(directory))
     check_import(arch, target_cfg, str(directory), expect)
-    drafter = drafter_from_tensors(arch, tensors, str(directory), selector_tensors(arch, tensors, str(directory)))
+    drafter = drafter_from_tensors(arch, tensors, str(directory), skip)
     drafter.draft_vocab = DraftVocab.read(directory, target_cfg.vocab_size)
     return drafter
 
@@ -460,5 +486,5 @@ def load_zlab(directory: str | Path, target_cfg: DecoderConfig, expect: DrafterA
 __all__ = ["ARCHITECTURE", "ARCHITECTURE2", "AUTO_MAP", "AUTO_MAP2", "DTYPES", "MARKOV_DIR", "MODELING_FILE",
            "SELECTOR_RANK", "SELECTOR_TOP_K", "arch_from_zlab", "check_exportable_ids", "check_import", "decoder_arch",
            "dflash2_extra_tensors", "dflash2_fields", "drafter_from_tensors", "hf_rope", "hf_tensors", "json_float",
-           "load_zlab", "qwen3_fields", "read_config", "read_tensors", "read_zlab", "save_zlab", "selector_tensors",
-           "sliding_layers", "with_dflash2", "with_markov", "write_markov", "zlab_config"]
+           "load_zlab", "qwen3_fields", "read_config", "read_tensors", "read_zlab", "save_zlab",
+           "sliding_layers", "with_dflash2", "with_markov", "with_selector", "write_markov", "zlab_config"]

@@ -333,6 +333,8 @@ def propose(models: Models, state: SpecState, block_size: int, span: int | None 
     positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     ctx_kv, ctx_valid = state.draft.visible(state.lengths, span)
     hidden = drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
+    if drafter.candidate_selector is not None:
+        return selector_drafts(models, drafter, hidden[:, 1:], state.pending)
     if drafter.markov is None:
         return argmax_drafts(models, hidden[:, 1:])
     drafts, prev = [], state.pending
@@ -346,11 +348,26 @@ def propose(models: Models, state: SpecState, block_size: int, span: int | None 
 def argmax_drafts(models: Models, hidden_BxTxD: jax.Array) -> jax.Array:
     """Greedy token ids [B, T] from the drafter's final hidden states: the argmax over the draft vocabulary's
     rows of the target's head when the drafter has one, else over the full head."""
+    rows = jnp.argmax(draft_logits(models, hidden_BxTxD), axis=-1)
+    return (rows if models.draft_ids is None else jnp.take(models.draft_ids, rows)).astype(jnp.int32)
+
+
+def draft_logits(models: Models, hidden_BxTxD: jax.Array) -> jax.Array:
+    """The drafter's unary logits [B, T, V'] (fp32): over the draft vocabulary's rows of the target's head when
+    the drafter has one (`models.draft_ids` maps them to token ids), else over the full head."""
     if models.draft_ids is not None:
-        logits = jnp.einsum("bkd,vd->bkv", hidden_BxTxD, models.draft_head).astype(jnp.float32)
-        return jnp.take(models.draft_ids, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-    logits = drafter_logits(models.target_params, models.target_cfg, hidden_BxTxD)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jnp.einsum("bkd,vd->bkv", hidden_BxTxD, models.draft_head).astype(jnp.float32)
+    return drafter_logits(models.target_params, models.target_cfg, hidden_BxTxD)
+
+
+def selector_drafts(models: Models, drafter: DFlashDrafter, hidden_BxTxD: jax.Array, anchor_B: jax.Array) -> jax.Array:
+    """Drafts [B, T] of DFlash2's path selector (`CandidateSelector.walk`): each slot's top-k unary candidates,
+    re-ranked by the edge score from the token chosen before it (the anchor for the first slot). Deterministic
+    given the context, like the argmax, so the one-hot verify stays exact at any temperature."""
+    selector = drafter.candidate_selector
+    unary, rows = jax.lax.top_k(draft_logits(models, hidden_BxTxD), selector.top_k)
+    ids = rows if models.draft_ids is None else jnp.take(models.draft_ids, rows)
+    return selector.walk(ids.astype(jnp.int32), unary, hidden_BxTxD, anchor_B)
 
 
 def accept_greedy(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -290,7 +290,8 @@ def make_objective(cfg: TrainConfig, arch: DrafterArch) -> Objective:
     """The loss `train` configures (gamma 0 = by block size): its terms (`train.loss`) and weighting."""
     return Objective(kind=cfg.weighting, gamma=cfg.gamma or default_gamma(arch.block_size),
                      dpace_alpha=cfg.dpace_alpha, head_chunk=cfg.head_chunk, feature_noise=cfg.feature_noise,
-                     terms=cfg.loss_terms, opd_gamma=cfg.opd_gamma)
+                     terms=cfg.loss_terms, opd_gamma=cfg.opd_gamma, selector_loss=cfg.selector_loss,
+                     selector_weight=cfg.selector_weight)
 
 
 def drafter_graphdef(arch: DrafterArch, compute_dtype: Any = jnp.float32) -> nnx.GraphDef:
@@ -344,18 +345,22 @@ def init_vocab(path: str, target: Target) -> list[int] | None:
 
 def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     """The drafter params of `train.init_from` (a run dir or an export), checked against the recipe's `arch`
-    (ConfigError naming every differing field). A drafter without a Markov head may start a recipe that has
-    one (`drafter.markov_rank`): the head starts as a new one does (its output at zero), so step 0 drafts
-    exactly what the loaded drafter does."""
+    (ConfigError naming every differing field). A drafter without a Markov head or a path selector may start a
+    recipe that has one (`drafter.markov_rank`, `drafter.selector`): it starts as a new one does (its output or
+    edge scores at zero), so step 0 drafts exactly what the loaded drafter does."""
     from dflash.models.drafter_io import load_drafter
 
     loaded = load_drafter(Path(path).expanduser(), target.cfg)
     mine = arch_dict(arch)
-    if arch.markov_rank and not loaded.arch.markov_rank:
-        fresh = DFlashDrafter(arch, nnx.Rngs(params=0))
-        nnx.update(fresh, nnx.state(loaded, nnx.Param))
-        fresh.draft_vocab, loaded = loaded.draft_vocab, fresh
-        log.info("train.init_from %s has no Markov head: a new one (rank %d) is added", path, arch.markov_rank)
+    for field, what in (("markov_rank", "Markov head"), ("selector_rank", "path selector")):
+        if getattr(arch, field) and not getattr(loaded.arch, field):
+            grown = dataclasses.replace(loaded.arch, **{field: getattr(arch, field)},
+                                        selector_top_k=arch.selector_top_k if field == "selector_rank"
+                                        else loaded.arch.selector_top_k)
+            fresh = DFlashDrafter(grown, nnx.Rngs(params=0))
+            nnx.update(fresh, nnx.state(loaded, nnx.Param))
+            fresh.draft_vocab, loaded = loaded.draft_vocab, fresh
+            log.info("train.init_from %s has no %s: a new one (rank %d) is added", path, what, getattr(arch, field))
 
     def same(a: Any, b: Any) -> bool:  # float fields may have been written in float32 by an export
         return math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) and isinstance(b, float) else a == b

@@ -603,6 +603,8 @@ class Objective:
     opd_gamma: the decay, per slot past a block's first rejection, of the `opd` term's reverse KL, in (0, 1].
     head_chunk: rows of the LM head + CE per chunk (0: `auto_head_chunk(V)`).
     feature_noise: sigma of the training-time noise on the target features (`noisy_features`; 0 = none).
+    selector_loss / selector_weight: the path selector's objective (`edge` | `path`, `train.selector`) and its
+      weight in the drafter's loss (read only for a drafter with `drafter.selector`).
     """
 
     kind: str = "decay"
@@ -612,8 +614,14 @@ class Objective:
     feature_noise: float = 0.0
     terms: tuple[tuple[str, float], ...] = (("ce", 1.0),)
     opd_gamma: float = 0.5
+    selector_loss: str = "edge"
+    selector_weight: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.selector_loss not in ("path", "edge"):
+            raise ValueError(f"selector_loss must be 'path' or 'edge'; received {self.selector_loss!r}")
+        if not (self.selector_weight >= 0 and np.isfinite(self.selector_weight)):
+            raise ValueError(f"selector_weight must be finite and >= 0; received {self.selector_weight}")
         if self.kind not in ("decay", "dpace"):
             raise ValueError(f"kind must be 'decay' or 'dpace'; received {self.kind!r}")
         if self.gamma <= 0:

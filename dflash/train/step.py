@@ -36,6 +36,7 @@ from dflash.train.objective import (
     noisy_features,
     sample_anchors_batch,
 )
+from dflash.train.selector import selector_loss
 
 Metrics = dict[str, jax.Array]
 
@@ -165,8 +166,9 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, inputs: StepInputs, 
     sliding-window layer only the last W of them (s >= a_j - W, `drafter.sliding_window`). Positions stay
     the row's: RoPE sees only differences, which are the same within a conversation wherever it sits. The
     frozen head and the CE run in chunks (`head_loss`), in the dtype of the drafter's output (the compute dtype)
-    with fp32 accumulation and softmax. `target_params` is read only for the Markov head's token embeddings.
-    Returns (loss, head_loss metrics).
+    with fp32 accumulation and softmax. `target_params` is read only for the Markov head's token embeddings. With
+    DFlash2's path selector (`drafter.selector`), `objective.selector_weight` x its loss (`train.selector`) is added.
+    Returns (loss, head_loss metrics, and the selector's).
     """
     blocks, feats_BxSxFD = inputs.blocks, inputs.feats_BxSxFD
     b, s, _ = feats_BxSxFD.shape
@@ -179,7 +181,11 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, inputs: StepInputs, 
     if drafter.markov is not None:  # slot k also sees the block's token before it (teacher-forced: its label)
         previous = embed(jax.lax.stop_gradient(target_params), previous_ids(blocks, block_size))
         hidden_BxQxD = drafter.with_previous(hidden_BxQxD, previous)
-    return head_loss(hidden_BxQxD, head, blocks, block_size, objective)
+    loss, metrics = head_loss(hidden_BxQxD, head, blocks, block_size, objective)
+    if drafter.candidate_selector is None or objective.selector_weight == 0:
+        return loss, metrics
+    extra, sel_metrics = selector_loss(drafter.candidate_selector, hidden_BxQxD, head, blocks, block_size, objective)
+    return loss + objective.selector_weight * extra, {**metrics, **sel_metrics}
 
 
 # ----------------------------------------------------------------------------- the step
@@ -267,7 +273,7 @@ def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head
         "lr": current_lr(opt_state),
         "num_labels": aux["num_labels"],
         "num_blocks": aux["num_blocks"],
-        **{k: v for k, v in aux.items() if k.startswith("loss/")},  # each term of a mix (train.loss)
+        **{k: v for k, v in aux.items() if k.startswith(("loss/", "selector/"))},  # each term of a mix (train.loss)
     }
     new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
     return new_state, metrics

@@ -1,0 +1,148 @@
+"""The training loss of DFlash2's path selector (`drafter.selector`, `models.drafter.CandidateSelector`), added to
+the drafter's loss with weight `train.selector_weight` (`train.step.drafter_loss`).
+
+Each block slot t >= 1 has candidates C_t: its top k tokens by the unary logits (the frozen LM head on the
+drafter's normed hidden state), the label put in place of the k-th candidate when it is not among them (so every
+labelled slot has a label inside its set; speculators does the same). Scores s_t(a, b) = u_t(b) + e_t(a, b), with
+e the selector's edge score (predecessor a, candidate b). Two objectives (`train.selector_loss`):
+
+  edge (default): a per-slot k-way cross-entropy of s_t(y_{t-1}, .) over C_t given the label before it (teacher
+        forcing, exact for greedy acceptance: slot t only counts when the slots before it were right;
+        speculators' objective), weighted per slot with the paper's decay exp(-(t-1)/gamma);
+  path: the log-likelihood of the labelled path through the candidate lattice, a linear-chain CRF over each
+        block's labelled prefix (slots after the first unlabelled one are left out): -log P(y) with
+        P(y) = exp(sum_t s_t(y_{t-1}, y_t)) / Z, Z summed over every path through C_1 x ... x C_n by the forward
+        algorithm, y_0 the anchor; averaged over the labelled slots it covers.
+
+Only the selector's parameters learn from it: the hidden states and unary logits it reads are constants here
+(stop_gradient), so the backbone trains on the unary loss alone, as without a selector. Decision and
+measurements: docs/decisions.md (the DFlash2 selector record).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dflash.models.drafter import CandidateSelector
+from dflash.train.objective import Blocks, Objective, TrainHead, _map_chunks, auto_head_chunk, decay_weights
+
+SELECTOR_LOSSES = ("path", "edge")
+
+
+def head_topk(h_TxD: jax.Array, matrix: jax.Array, vocab_major: bool, k: int, chunk: int) -> tuple[jax.Array, ...]:
+    """(unary logits [T, k] f32, their token rows [T, k] int32): each row's top k logits of the LM head, in
+    chunks of `chunk` rows (only one chunk's [chunk, V] logits exist at a time)."""
+    spec = "cd,vd->cv" if vocab_major else "cd,dv->cv"
+
+    def top(h_CxD):
+        logits = jnp.einsum(spec, h_CxD, matrix.astype(h_CxD.dtype), preferred_element_type=jnp.float32)
+        values, rows = jax.lax.top_k(logits, k)
+        return values, rows.astype(jnp.int32)
+
+    return _map_chunks(top, chunk, h_TxD)
+
+
+def with_labels(cand_TxC: jax.Array, unary_TxC: jax.Array, labels_T: jax.Array,
+                label_logit_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(candidates, unary scores, the label's index [T]): the label put in place of the last candidate (with its
+    own unary logit) where it is not among them."""
+    match = cand_TxC == labels_T[:, None]
+    found = jnp.any(match, axis=-1)
+    last = cand_TxC.shape[1] - 1
+    cand = cand_TxC.at[:, last].set(jnp.where(found, cand_TxC[:, last], labels_T))
+    unary = unary_TxC.at[:, last].set(jnp.where(found, unary_TxC[:, last], label_logit_T))
+    return cand, unary, jnp.where(found, jnp.argmax(match, axis=-1), last).astype(jnp.int32)
+
+
+def path_nll(first_MxC: jax.Array, trans_MxJxCxC: jax.Array, gold_MxJ: jax.Array, prefix_MxJ: jax.Array) -> jax.Array:
+    """-log P(labelled path) [M] of each block's lattice over its labelled prefix: `first` the scores of slot 1's
+    candidates after the anchor, trans[m, j] the scores s(p, c) from candidate p of slot j to candidate c of slot
+    j + 1, gold[m, j] the label's candidate index at slot j + 1 ... (slot 1 first), prefix[m, j] whether slot
+    j + 1 is inside the labelled prefix. A block without a labelled slot gives 0."""
+    def step(alpha_MxC, xs):
+        trans_MxCxC, keep_M = xs
+        new = jax.nn.logsumexp(alpha_MxC[:, :, None] + trans_MxCxC, axis=1)
+        return jnp.where(keep_M[:, None], new, alpha_MxC), None
+
+    alpha, _ = jax.lax.scan(step, first_MxC, (jnp.moveaxis(trans_MxJxCxC, 1, 0), jnp.moveaxis(prefix_MxJ[:, 1:], 1, 0)))
+    log_z = jax.nn.logsumexp(alpha, axis=-1)
+    gold = jnp.take_along_axis(first_MxC, gold_MxJ[:, :1], axis=1)[:, 0]
+    prev, nxt = gold_MxJ[:, :-1], gold_MxJ[:, 1:]
+    steps = jnp.take_along_axis(jnp.take_along_axis(trans_MxJxCxC, prev[:, :, None, None], axis=2)[:, :, 0],
+                                nxt[:, :, None], axis=2)[..., 0]
+    score = gold + jnp.sum(jnp.where(prefix_MxJ[:, 1:], steps, 0.0), axis=1)
+    return jnp.where(prefix_MxJ[:, 0], log_z - score, 0.0)
+
+
+def selector_loss(selector: CandidateSelector, hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks,
+                  block_size: int, objective: Objective) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(`objective.selector_loss` of the selector on the blocks, metrics); with a training vocabulary
+    (`head.label_map`) the candidates are its rows' tokens and a label outside it is left out. Metrics:
+    `selector/accuracy` (teacher-forced top-1 of the selector's scores among the labelled slots whose label is a
+    candidate) and
+    `selector/acceptance_length` (the walk `CandidateSelector.walk` over the unary candidates from each block's
+    anchor, scored like `acceptance_length`: 1 + the labelled prefix it gets right)."""
+    B, Q, D = hidden_BxQxD.shape
+    K, N, C = block_size, Q // block_size, selector.top_k
+    M, J = B * N, K - 1
+    rows = lambda x: x.reshape(B, N, K, *x.shape[2:])[:, :, 1:].reshape(M * J, *x.shape[2:])  # noqa: E731
+    matrix, vocab_major = jax.lax.stop_gradient(head.matrix), head.vocab_major
+    h_TxD = jax.lax.stop_gradient(rows(hidden_BxQxD)).astype(jnp.float32)
+    labels_T = rows(jnp.asarray(blocks.labels, jnp.int32))
+    mask_T = rows(jnp.asarray(blocks.label_mask, jnp.float32)) > 0
+    vocab = matrix.shape[0] if vocab_major else matrix.shape[1]
+    unary0, cand0 = head_topk(h_TxD, matrix, vocab_major, C, objective.head_chunk or auto_head_chunk(vocab))
+    row_T = labels_T
+    if head.label_map is not None:  # a training vocabulary: head rows -> token ids (the codebooks' index)
+        label_map = jnp.asarray(head.label_map, jnp.int32)
+        row_T = label_map[labels_T]
+        mask_T = mask_T & (row_T >= 0)
+        row_T = jnp.maximum(row_T, 0)
+        ids_of_row = jnp.zeros(vocab, jnp.int32).at[jnp.where(label_map >= 0, label_map, vocab)].set(
+            jnp.arange(label_map.shape[0], dtype=jnp.int32), mode="drop")
+        cand0 = ids_of_row[cand0]
+    label_rows = matrix[row_T] if vocab_major else matrix[:, row_T].T
+    label_logit_T = jnp.sum(h_TxD * label_rows.astype(jnp.float32), axis=-1)
+    anchor_M = jnp.asarray(blocks.block_ids, jnp.int32).reshape(M, K)[:, 0]
+    return lattice_loss(selector, h_TxD.reshape(M, J, D), cand0.reshape(M, J, C), unary0.reshape(M, J, C),
+                        labels_T.reshape(M, J), label_logit_T.reshape(M, J), mask_T.reshape(M, J), anchor_M,
+                        objective.selector_loss, objective.gamma)
+
+
+def lattice_loss(selector: CandidateSelector, h_MxJxD: jax.Array, cand_MxJxC: jax.Array, unary_MxJxC: jax.Array,
+                 labels_MxJ: jax.Array, label_logit_MxJ: jax.Array, mask_MxJ: jax.Array, anchor_M: jax.Array,
+                 kind: str, gamma: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`selector_loss` of M blocks of J = K-1 slots from their unary candidates (token ids, top first) and
+    scores, labels (token ids), the labels' own unary logits, the label mask and the anchors; `kind` `path` or
+    `edge` (`gamma`: the per-slot decay of `edge`)."""
+    M, J, C = cand_MxJxC.shape
+    cand0, unary0 = cand_MxJxC.reshape(M * J, C), unary_MxJxC.reshape(M * J, C)
+    labels_T = labels_MxJ.reshape(-1)
+    cand, unary, gold_T = with_labels(cand0, unary0, labels_T, label_logit_MxJ.reshape(-1))
+    proj_TxR = selector.hidden_projection(h_MxJxD.reshape(M * J, -1)).astype(jnp.float32)
+    prev_MxJ = jnp.concatenate([anchor_M[:, None], labels_MxJ[:, :-1]], axis=1)
+    scores_TxC = unary + selector.edges(prev_MxJ.reshape(-1), proj_TxR, cand).astype(jnp.float32)
+    gold_MxJ = gold_T.reshape(M, J)
+    if kind == "edge":
+        nll_T = jax.nn.logsumexp(scores_TxC, axis=-1) - jnp.take_along_axis(scores_TxC, gold_T[:, None], 1)[:, 0]
+        w_T = jnp.broadcast_to(decay_weights(J + 1, gamma)[1:], (M, J)).reshape(-1) * mask_MxJ.reshape(-1)
+        loss = jnp.sum(w_T * nll_T) / jnp.maximum(jnp.sum(w_T), 1e-9)
+    else:
+        prefix_MxJ = jnp.cumprod(mask_MxJ, axis=1).astype(bool)
+        cand_j, proj_MxJxR = cand.reshape(M, J, C), proj_TxR.reshape(M, J, -1)
+        trans = unary.reshape(M, J, C)[:, 1:, None, :] + selector.edges(
+            cand_j[:, :-1], proj_MxJxR[:, 1:], cand_j[:, 1:]).astype(jnp.float32)
+        nll_M = path_nll(scores_TxC.reshape(M, J, C)[:, 0], trans, gold_MxJ, prefix_MxJ)
+        loss = jnp.sum(nll_M) / jnp.maximum(jnp.sum(prefix_MxJ), 1.0)
+    m_T = mask_MxJ.reshape(-1)
+    hit_T = (jnp.argmax(scores_TxC, axis=-1) == gold_T) & jnp.any(cand0 == labels_T[:, None], axis=-1)
+    walk_MxJ = selector.walk(cand_MxJxC, unary_MxJxC, h_MxJxD, anchor_M)
+    chain_M = jnp.sum(jnp.cumprod((walk_MxJ == labels_MxJ) & mask_MxJ, axis=1), axis=1)
+    kept_M = jnp.any(mask_MxJ, axis=1)
+    metrics = {
+        "loss/selector": loss,
+        "selector/accuracy": jnp.sum(hit_T & m_T) / jnp.maximum(jnp.sum(m_T), 1),
+        "selector/acceptance_length": jnp.sum(kept_M * (1.0 + chain_M)) / jnp.maximum(jnp.sum(kept_M), 1),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
