@@ -46,8 +46,8 @@ def served(tiny, tmp_path_factory):
     recipe, target, drafter, _ = tiny
     out = tmp_path_factory.mktemp("eval")
     settings = EvalSettings(sets=("gsm8k", "mtbench"), limit=1, max_new_tokens=NEW, concurrency=(1,))
-    with serve_in_process(target, drafter, slots=2, max_len=recipe.target.max_seq_len) as url, \
-            serve_in_process(target, None, slots=2, max_len=recipe.target.max_seq_len) as ar_url:
+    with serve_in_process(target, drafter, slots=1, max_len=recipe.target.max_seq_len) as url, \
+            serve_in_process(target, None, slots=1, max_len=recipe.target.max_seq_len) as ar_url:
         results, paths = evaluate(url, ar_url, settings, out, progress=False)
         yield results, paths, out, (url, ar_url, settings)
 

@@ -232,6 +232,8 @@ def test_an_auth_failure_is_a_clear_error(hub, run_dir, tmp_path, monkeypatch):
         export_run(run_dir, fmt="zlab", push_to_hub="noowner", endpoint=hub.url, token=GOOD_TOKEN, say=lambda _: None)
 
 
+@pytest.mark.slow  # ~30 s, a subprocess: the in-process uploads above make the same requests; the nightly tier runs it
+@pytest.mark.e2e
 def test_the_console_script_uploads_through_hf_endpoint(hub, run_dir, tmp_path):
     """`dflash-export ... --push-to-hub` as a user runs it, huggingface_hub pointed at the stand-in by
     HF_ENDPOINT, the token in HF_TOKEN; then --dry-run sends nothing."""
