@@ -100,8 +100,8 @@ def main() -> None:
             "## Tree vs chain: projected accelerator speed-up",
             "",
             f"`{command}`. **A projection, not a measurement**: τ by mode measured on this CPU by `{source}` "
-            f"(batch {batch}, greedy, the shipped K = {k} drafter on {meta.get('source', 'smollm2')}; section "
-            "\"Tree vs chain verification\"), step cost by verify width taken from elsewhere: TPU v5p flat up to "
+            f"(batch {batch}, greedy, the shipped K = {k} drafter on {meta.get('source', 'smollm2')}; modes "
+            f"finished: {len(by_mode)}), step cost by verify width taken from elsewhere: TPU v5p flat up to "
             "1024 tokens at batch 1 (published, docs/design.md §9), H200 `verify` ms by K measured at B=1 and B=8 "
             "(section engine_throughput_gpu, interpolated between measured widths). Projected speed-up = (τ_N / "
             "cost(N)) / (τ_chain / cost(K)); the drafter's forward (one for chain and tree alike), the tree's "
