@@ -2,22 +2,25 @@
 (`Engine(steps_per_dispatch=R)`, `serve --steps-per-dispatch`) against R = 1.
 
     .venv/bin/python benchmarks/engine_loop.py [--target smollm2|tiny] [--rs 1 4] [--concurrency 1 4 16]
-        [--new-tokens 32] [--write]
+        [--new-tokens 32] [--drafter PATH] [--tree-nodes N [--tree-ngram]] [--write]
 
 Workload: the target in fp32 (the embedded SmolLM2-135M, or the tests' tiny qwen3), a random-init 2-layer K=4
 drafter (seed 0; tau ~ 1, so every step costs a full verify and emits ~1 token: the worst case for the host
-share), C requests of 64-token prompts submitted at once into C slots, exactly `--new-tokens` tokens each
-(no stop ids). Per (C, R): one warm-up run (compiles), then a timed run:
+share) or the K=4 drafter at `--drafter` (SmolLM2 only, e.g. the shipped one), the chain or a tree of
+`--tree-nodes` nodes (`tree.decode_tree_steps` in the device loop), C requests of 64-token prompts submitted at
+once into C slots, exactly `--new-tokens` tokens each (no stop ids). Per (C, R): one warm-up run (compiles), then
+a timed run:
 
 - tok/s: decode tokens per second (the tokens after the first engine step, over the time of the rest: prefill
   and compile excluded);
 - wall/step: that time over the decode steps run (`Engine.steps`);
-- device/step: `speculative.decode_steps` calls of 8 steps on C fresh slots (jax.block_until_ready), best of
-  3 after a warm-up, over the 8 steps: the device's own time per step (one dispatch per 8 steps), the same for
-  every R;
+- tau: tokens per step (bonus included);
+- device/step: `speculative.decode_steps` (or `decode_tree_steps`) calls of 8 steps on C fresh slots
+  (jax.block_until_ready), best of 3 after a warm-up, over the 8 steps: the device's own time per step (one
+  dispatch per 8 steps), the same for every R;
 - host share: (wall/step - device/step) / wall/step, the part of a step the host loop adds.
 
-`--write` records the table in docs/benchmarks.md.
+`--write` records the table in docs/benchmarks.md (one section per target, drafter and tree setting).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ MAX_LEN = 256
 PROMPT_LEN = 64
 
 
-def models(target: str) -> tuple[Any, Any, Any]:
+def models(target: str, drafter_path: str | None = None) -> tuple[Any, Any, Any]:
     from flax import nnx
 
     from dflash.models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, resolve_drafter
@@ -53,16 +56,30 @@ def models(target: str) -> tuple[Any, Any, Any]:
     from dflash.models.target import load_target
 
     loaded = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=1024))
+    if drafter_path:
+        from dflash.models.drafter_io import load_drafter
+
+        drafter = load_drafter(drafter_path, loaded.cfg)
+        if drafter.arch.block_size != 4:
+            raise SystemExit(f"--drafter must be a K=4 drafter; {drafter_path} has block_size "
+                             f"{drafter.arch.block_size}")
+        return loaded.cfg, loaded.params, drafter
     mask = default_mask_token_id(loaded.tokenizer, loaded.cfg)
     arch = resolve_drafter(DrafterConfig(num_layers=2, block_size=4), loaded.cfg, mask)
     return loaded.cfg, loaded.params, DFlashDrafter(arch, nnx.Rngs(0))
 
 
-def run(cfg: Any, params: Any, drafter: Any, c: int, r: int, new_tokens: int) -> dict[str, float]:
-    """One engine run of C requests at R steps per dispatch: tok/s, wall/step (seconds)."""
+def engine_of(cfg: Any, params: Any, drafter: Any, c: int, r: int, tree: tuple[int, bool]) -> Any:
     from dflash.serve.engine import Engine
 
-    engine = Engine(params, cfg, drafter, slots=c, max_len=MAX_LEN, block_size=4, steps_per_dispatch=r)
+    return Engine(params, cfg, drafter, slots=c, max_len=MAX_LEN, block_size=4, steps_per_dispatch=r,
+                  tree_nodes=tree[0], ngram=tree[1])
+
+
+def run(cfg: Any, params: Any, drafter: Any, c: int, r: int, new_tokens: int,
+        tree: tuple[int, bool] = (0, False)) -> dict[str, float]:
+    """One engine run of C requests at R steps per dispatch: tok/s, wall/step (seconds), tau."""
+    engine = engine_of(cfg, params, drafter, c, r, tree)
     vocab = cfg.vocab_size
     for i in range(c):
         engine.submit([int(t) % vocab for t in range(100 + i, 100 + i + PROMPT_LEN)], new_tokens)
@@ -72,32 +89,40 @@ def run(cfg: Any, params: Any, drafter: Any, c: int, r: int, new_tokens: int) ->
     done = engine.run()
     seconds = time.perf_counter() - t0
     tokens = sum(len(q.token_ids) for q in done.values()) - first
-    return {"tok_s": tokens / seconds, "wall": seconds / max(1, engine.steps - steps0)}
+    accepted = [a for q in done.values() for a in q.accepted]
+    return {"tok_s": tokens / seconds, "wall": seconds / max(1, engine.steps - steps0),
+            "tau": sum(a + 1 for a in accepted) / max(1, len(accepted))}
 
 
-def device_step_s(cfg: Any, params: Any, drafter: Any, c: int, new_tokens: int) -> float:
+def device_step_s(cfg: Any, params: Any, drafter: Any, c: int, new_tokens: int,
+                  tree: tuple[int, bool] = (0, False)) -> float:
     """The device alone: seconds per step of `decode_steps` (8 steps per call) on c slots, best of 3 calls after
     a warm-up call, at the attention span the engine runs use (prompt + new tokens)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from dflash.serve.engine import Engine
     from dflash.serve.speculative import decode_steps, span_pages
+    from dflash.serve.tree import decode_tree_steps
 
     vocab = cfg.vocab_size
-    probe = Engine(params, cfg, drafter, slots=c, max_len=MAX_LEN, block_size=4)
+    probe = engine_of(cfg, params, drafter, c, 1, tree)
     for i in range(c):
         probe.submit([int(t) % vocab for t in range(100 + i, 100 + i + PROMPT_LEN)], 64)
     probe._admit()
-    probe.table.ensure_batch(np.full(c, min(MAX_LEN, PROMPT_LEN + 4 * 8 * 4 + 4)))  # four calls of 8 steps
+    probe.table.ensure_batch(np.full(c, min(MAX_LEN, PROMPT_LEN + 4 * 8 * 4 + probe.width)))  # 4 calls of 8 steps
     probe._sync_table()
-    pages = span_pages(PROMPT_LEN + new_tokens + 8, probe.page_size, probe.max_pages)
+    pages = span_pages(PROMPT_LEN + new_tokens + 8 + probe.width, probe.page_size, probe.max_pages)
     stops, budget = jnp.full((c, 8), -1, jnp.int32), jnp.full((c,), 1 << 30, jnp.int32)
     times = []
     for _ in range(4):
         t1 = time.perf_counter()
-        probe.state, out, n, ran = decode_steps(probe.models, probe.state, stops, budget, 4, 8, pages)
+        if tree[0]:
+            history, sizes = (jnp.asarray(a) for a in probe._history())
+            probe.state, out, n, ran = decode_tree_steps(probe.models, probe.state, stops, budget, history, sizes, 4,
+                                                         tree[0], probe.ngram_nodes, 8, pages)
+        else:
+            probe.state, out, n, ran = decode_steps(probe.models, probe.state, stops, budget, 4, 8, pages)
         jax.block_until_ready((out, n))
         times.append((time.perf_counter() - t1) / int(ran))
     return min(times[1:])
@@ -109,34 +134,48 @@ def main() -> None:
     parser.add_argument("--rs", type=int, nargs="+", default=[1, 4], help="steps per dispatch compared")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--drafter", default=None, help="a K=4 drafter directory (SmolLM2; default: random init)")
+    parser.add_argument("--tree-nodes", type=int, default=0, help="verify a tree of N nodes (0: the chain)")
+    parser.add_argument("--tree-ngram", action="store_true", help="merge the prompt-lookup path into the tree")
     parser.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
     args = parser.parse_args()
     from benchmarks._report import machine, write_section
 
     t_start, load_start = time.perf_counter(), os.getloadavg()[0]
-    cfg, params, drafter = models(args.target)
-    lines = ["| concurrency | R | tok/s | wall/step (ms) | device/step (ms) | host share | tok/s vs R=1 |",
-             "|---|---|---|---|---|---|---|"]
+    if args.drafter and args.target != "smollm2":
+        raise SystemExit(f"--drafter needs --target smollm2; received --target {args.target}")
+    tree = (args.tree_nodes, args.tree_ngram)
+    cfg, params, drafter = models(args.target, args.drafter)
+    lines = ["| concurrency | R | tau | tok/s | wall/step (ms) | device/step (ms) | host share | tok/s vs R=1 |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in args.concurrency:
-        base, device = None, device_step_s(cfg, params, drafter, c, args.new_tokens)
+        base, device = None, device_step_s(cfg, params, drafter, c, args.new_tokens, tree)
         for r in args.rs:
-            run(cfg, params, drafter, c, r, args.new_tokens)  # warm-up: compiles
-            m = run(cfg, params, drafter, c, r, args.new_tokens)
+            run(cfg, params, drafter, c, r, args.new_tokens, tree)  # warm-up: compiles
+            m = run(cfg, params, drafter, c, r, args.new_tokens, tree)
             base = m["tok_s"] if base is None else base
             share = max(0.0, (m["wall"] - device) / m["wall"])
-            lines.append(f"| {c} | {r} | {m['tok_s']:.1f} | {m['wall'] * 1e3:.2f} | {device * 1e3:.2f} | "
-                         f"{share:.0%} | {m['tok_s'] / base:.2f}x |")
+            lines.append(f"| {c} | {r} | {m['tau']:.2f} | {m['tok_s']:.1f} | {m['wall'] * 1e3:.2f} | "
+                         f"{device * 1e3:.2f} | {share:.0%} | {m['tok_s'] / base:.2f}x |")
             print(lines[-1], flush=True)
     print("\n".join(lines))
     if args.write:
         command = shlex.join([".venv/bin/python", "benchmarks/engine_loop.py", *sys.argv[1:]])
-        write_section("Engine host loop: steps per dispatch", "\n".join([
-            "## Engine host loop: steps per dispatch",
+        setting = [args.target] if args.target != "tiny" or args.drafter or tree[0] else []
+        setting += (["shipped drafter" if "assets/drafters" in args.drafter else args.drafter] if args.drafter
+                    else []) + ([f"tree N={tree[0]}{' + n-gram' if tree[1] else ''}"] if tree[0] else [])
+        name = "Engine host loop: steps per dispatch" + (f" ({', '.join(setting)})" if setting else "")
+        drafter_text = f"the K=4 drafter at `{args.drafter}`" if args.drafter else "random-init 2-layer K=4 drafter"
+        verify_text = (f"a tree of {tree[0]} nodes{' with the prompt-lookup path' if tree[1] else ''} per step"
+                       if tree[0] else "the chain")
+        write_section(name, "\n".join([
+            f"## {name}",
             "",
             f"`{command}` on {machine()}, {(time.perf_counter() - t_start) / 60:.0f} min, load average "
             f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end. Target "
-            f"{args.target} fp32, random-init 2-layer K=4 drafter (tau ~ 1), C requests of {PROMPT_LEN}-token "
-            f"prompts, {args.new_tokens} new tokens each. Device/step: `decode_steps` calls of 8 steps on C fresh "
+            f"{args.target} fp32, {drafter_text} ({verify_text}; tau = tokens per step), C requests of "
+            f"{PROMPT_LEN}-token prompts (consecutive token ids), {args.new_tokens} new tokens each. Device/step: "
+            "`decode_steps` (or `decode_tree_steps`) calls of 8 steps on C fresh "
             "slots, over 8 (best of 3, the same for every R); host share = (wall/step - device/step) / wall/step. "
             "One timed run per row after a warm-up run: with a load average above the core count, rows vary "
             "several-fold between runs (compare rows of one concurrency only, and rerun).",

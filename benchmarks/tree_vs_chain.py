@@ -2,17 +2,20 @@
 
     .venv/bin/python benchmarks/tree_vs_chain.py [--config smollm2]
         [--drafter dflash/data/assets/drafters/smollm2-dflash] [--per-kind 2] [--tokens 64]
-        [--batches 1,4] [--nodes 4,8,16] [--write] [--json F]
+        [--batches 1,4] [--nodes 4,8,16] [--modes ar,chain,tree,ngram,tree+ngram] [--steps-per-dispatch R]
+        [--write] [--json F]
 
 The recipe's target (default: the embedded SmolLM2, fp32) and the shipped drafter decode the same greedy prompts
 of four kinds (GSM8K, MT-Bench, HumanEval: items 8.. of each set, so not the ones training or `dflash eval` look
 at; and "copy", prompts that ask to repeat and edit a given SQL query or text, where prompt lookup should shine)
 with the serving engine, in these modes: AR; the DFlash chain at the drafter's K; the tree at N nodes (depth <= K -
 1) for each `--nodes`; prompt lookup alone (an n-gram chain of K - 1 drafts); the tree at the middle N with the
-lookup path merged (`--tree-ngram`). Each mode runs at each batch (`--batches`: slots; every prompt submitted at
-once) twice, the first run compiling; the second is reported: τ (tokens per verify step, bonus included, pooled),
-verify width (tokens the target scores per step: K, or N), ms per step, tokens/s (new tokens over the wall time
-of the run, prefill included, the same prompts in every mode) and the speed-up over AR. Greedy outputs are
+lookup path merged (`--tree-ngram`); `--modes` keeps a subset (AR always runs: the reference);
+`--steps-per-dispatch R` runs every mode with R steps per dispatch (the device loop). Each mode runs at each batch
+(`--batches`: slots; every prompt submitted at once) twice, the first run compiling; the second is reported: τ
+(tokens per verify step, bonus included, pooled), verify width (tokens the target scores per step: K, or N), ms
+per step, tokens/s (new tokens over the wall time of the run, prefill included, the same prompts in every mode)
+and the speed-up over AR. Greedy outputs are
 checked equal to AR's. `--write` records the tables in docs/benchmarks.md.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -55,13 +59,14 @@ def prompts_by_kind(tokenizer, per_kind: int) -> list[tuple[str, list[int]]]:
 
 
 def run_mode(target, drafter, prompts, tokens: int, batch: int, max_len: int, k: int | None, nodes: int = 0,
-             ngram: bool = False) -> dict:
+             ngram: bool = False, steps_per_dispatch: int = 1) -> dict:
     from dflash.serve.engine import Engine
 
     result = {}
     for rep in range(2):  # the first run compiles
         engine = Engine(target.params, target.cfg, drafter if (k and not (ngram and not nodes)) else None,
-                        slots=batch, max_len=max_len, block_size=k, tree_nodes=nodes, ngram=ngram)
+                        slots=batch, max_len=max_len, block_size=k, tree_nodes=nodes, ngram=ngram,
+                        steps_per_dispatch=steps_per_dispatch)
         ids = [engine.submit(ids, tokens) for _, ids in prompts]
         t0 = time.perf_counter()
         done = engine.run()
@@ -88,6 +93,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--nodes", default="4,8,16")
+    parser.add_argument("--modes", default="ar,chain,tree,ngram,tree+ngram",
+                        help="modes run (AR always): chain, tree (each --nodes), ngram (alone), tree+ngram (middle N)")
+    parser.add_argument("--steps-per-dispatch", type=int, default=1, help="R decode steps per dispatch, every mode")
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--json", default=None, help="also dump the raw numbers here (after every mode)")
     parser.add_argument("--note", default="", help="a sentence added to the recorded section (e.g. the machine's load)")
@@ -116,20 +124,27 @@ def main() -> None:
     longest = max(len(ids) for _, ids in prompts)
     max_len = -(-(max(1 << (longest - 1).bit_length(), longest + args.tokens + max(nodes + [k]))) // 16) * 16
     mid = nodes[len(nodes) // 2]
-    modes = [("AR", None, 0, False), (f"chain K={k}", k, 0, False)]
-    modes += [(f"tree N={n}", k, n, False) for n in nodes]
-    modes += [(f"n-gram only K={k}", k, 0, True), (f"tree N={mid} + n-gram", k, mid, True)]
+    wanted = set(args.modes.split(","))
+    unknown = wanted - {"ar", "chain", "tree", "ngram", "tree+ngram"}
+    if unknown:
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; choose from ar, chain, tree, ngram, tree+ngram")
+    modes = [("AR", None, 0, False)] + ([(f"chain K={k}", k, 0, False)] if "chain" in wanted else [])
+    modes += [(f"tree N={n}", k, n, False) for n in nodes] if "tree" in wanted else []
+    modes += [(f"n-gram only K={k}", k, 0, True)] if "ngram" in wanted else []
+    modes += [(f"tree N={mid} + n-gram", k, mid, True)] if "tree+ngram" in wanted else []
     results: dict[str, dict[str, dict]] = {}
-    meta = {"k": k, "source": recipe.target.source, "minutes": None,
+    meta = {"k": k, "source": recipe.target.source, "minutes": None, "steps_per_dispatch": args.steps_per_dispatch,
+            "load": [round(os.getloadavg()[0], 1)],
             "command": shlex.join([".venv/bin/python", "benchmarks/tree_vs_chain.py", *sys.argv[1:]])}
     for batch in batches:
         for name, kk, n, ngram in modes:
-            r = run_mode(target, drafter, prompts, args.tokens, batch, max_len, kk, n, ngram)
+            r = run_mode(target, drafter, prompts, args.tokens, batch, max_len, kk, n, ngram, args.steps_per_dispatch)
             r["width"] = 1 if kk is None else (n or kk)
             results.setdefault(str(batch), {})[name] = r
             print(f"batch {batch} {name}: tau {r['tau']:.2f} {r['ms_per_step']:.1f} ms/step "
                   f"{r['tokens_per_s']:.1f} tok/s {r['tau_by_kind']}", flush=True)
             meta["minutes"] = (time.perf_counter() - t_start) / 60
+            meta["load"] = [meta["load"][0], round(os.getloadavg()[0], 1)]
             if args.json:  # after every mode: a long run interrupted still leaves its numbers
                 Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     render(results, meta, args)
@@ -164,19 +179,24 @@ def render(results: dict[str, dict[str, dict]], meta: dict, args: argparse.Names
     if args.write:
         command = meta.get("command") or shlex.join([".venv/bin/python", "benchmarks/tree_vs_chain.py", *sys.argv[1:]])
         minutes = f", {meta['minutes']:.0f} min" if meta.get("minutes") else ""
+        if meta.get("load"):
+            minutes += f", load average {' -> '.join(str(x) for x in meta['load'])} (start -> end)"
+        r = meta.get("steps_per_dispatch", 1)
         n_prompts = len(first["outputs"])
         write_section("Tree vs chain verification", "\n".join([
             "## Tree vs chain verification",
             "",
             f"`{command}` on {machine()}{minutes}. {meta['source']} (fp32) with the drafter at `{args.drafter}` "
             f"(K = {k}: trees reach depth {k - 1}); {n_prompts} greedy prompts ({', '.join(kinds)}), "
-            f"{args.tokens} new tokens each, all submitted at once over `batch` slots; the second of two runs (the "
+            f"{args.tokens} new tokens each, all submitted at once over `batch` slots, {r} step{'s' if r > 1 else ''} "
+            "per dispatch; the second of two runs (the "
             "first compiles). τ = tokens per verify step (bonus included); verify width = tokens the target scores "
             "per step; ms/step and tokens/s over the whole run (prefill included); = AR: every output equals AR's "
             "token for token. The ms/step column is this machine's verify-cost curve by width (AR = width 1). "
-            "Projected on TPU v5p, where verifying up to ~1024 tokens costs about what 16 do (design §9 of the "
-            "issue's DESIGN.md), a step costs the same at every width here, so tree vs chain speed-up there is "
-            "the τ / chain column." + (f" {args.note}" if args.note else ""),
+            "Projected on TPU v5p, where verifying up to ~1024 tokens costs about what 16 do (docs/design.md "
+            "§9), a step costs the same at every width here, so tree vs chain speed-up there is "
+            "the τ / chain column (`benchmarks/tree_projection.py` tabulates it)." +
+            (f" {args.note}" if args.note else ""),
             "",
             table,
         ]))

@@ -18,7 +18,7 @@ from conftest import tiny_engine_models
 
 from dflash.serve.engine import Engine, decode
 from dflash.serve.sampling import SamplingConfig
-from dflash.serve.tree import build_tree, ngram_continuation
+from dflash.serve.tree import append_history, build_tree, lookup_paths, ngram_continuation
 
 TRAIN_K = 8
 MAX_LEN = 128
@@ -74,6 +74,24 @@ def test_ngram_continuation_takes_the_latest_longest_match():
     assert ngram_continuation([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]
     assert ngram_continuation([4, 5, 6, 4], 2) == [5, 6]
     assert ngram_continuation([1, 2, 3], 4) == []
+
+
+def test_device_lookup_equals_the_host_lookup():
+    """`lookup_paths` (the device loop's prompt lookup) finds what `ngram_continuation` finds, on 200 random
+    histories of every length 0 .. 40 over small vocabularies (so matches of 1, 2 and 3 tokens all occur), and
+    `append_history` appends exactly the counted tokens."""
+    rng = np.random.default_rng(5)
+    histories = rng.integers(0, 4, size=(200, 40))
+    histories[::2] = rng.integers(0, 9, size=(100, 40))
+    sizes = rng.integers(0, 41, size=200)
+    paths, lengths = (np.asarray(a) for a in lookup_paths(jnp.asarray(histories, jnp.int32), jnp.asarray(sizes), 5))
+    for h, size, path, n in zip(histories, sizes, paths, lengths, strict=True):
+        assert path[:n].tolist() == ngram_continuation(h[:size].tolist(), 5) and not path[n:].any()
+    assert 0 < np.count_nonzero(lengths < 5) and 0 < np.count_nonzero(lengths == 5)
+    history, size = append_history(jnp.zeros((2, 6), jnp.int32), jnp.asarray([1, 4]), jnp.asarray([[7, 8, 9],
+                                                                                                   [5, 6, 7]]),
+                                   jnp.asarray([2, 3]))
+    assert np.asarray(history).tolist() == [[0, 7, 8, 0, 0, 0], [0, 0, 0, 0, 5, 6]] and size.tolist() == [3, 7]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +162,32 @@ def test_tree_requests_joining_and_leaving_equal_ar(setup):
             want = want[: want.index(stop) + 1]
         assert done[rid].token_ids == want
     assert engine.pool.num_free == engine.pool.num_usable
+
+
+def test_tree_steps_per_dispatch_change_no_output(setup):
+    """A tree with prompt lookup at R = 4 steps per dispatch (`decode_tree_steps`, lookup on the device) against
+    R = 1, two slots, requests joining as others leave: a stop id and budgets inside a dispatch, and a seeded
+    sampled request; tokens, finish reasons and per-step acceptance are identical, and greedy outputs equal AR."""
+    target_cfg, target_params, drafter, prompts, ar = setup
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    stop = next(t for i, t in enumerate(ar[1]) if i >= 5 and ar[1].index(t) == i)  # first seen after 5 tokens
+
+    def run(r):
+        engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=TRAIN_K,
+                        tree_nodes=12, ngram=True, steps_per_dispatch=r)
+        ids = [engine.submit(prompts[3], NEW), engine.submit(prompts[1], NEW, stop_ids=(stop,)),
+               engine.submit(prompts[0], 7), engine.submit(prompts[2], NEW, seed=5, sampling=sampling)]
+        done = engine.run()
+        assert engine.pool.num_free == engine.pool.num_usable
+        return engine, [done[rid] for rid in ids]
+
+    (_, one), (looped, four) = run(1), run(4)
+    assert any(s[0] == "decode_tree_steps" for s in looped.compiled_shapes)
+    for a, b in zip(one, four, strict=True):
+        assert (a.token_ids, a.finish_reason, a.accepted) == (b.token_ids, b.finish_reason, b.accepted)
+    assert four[0].token_ids == ar[3] and sum(four[0].accepted) > 0
+    assert four[1].token_ids == ar[1][:ar[1].index(stop) + 1] and four[1].finish_reason == "stop"
+    assert four[2].token_ids == ar[0][:7] and four[2].finish_reason == "length"
 
 
 def test_prompt_lookup_alone_equals_ar(setup):
@@ -225,7 +269,7 @@ def test_sampled_tree_has_the_target_distribution(setup):
 def test_after_precompile_tree_requests_compile_nothing(setup):
     target_cfg, target_params, drafter, prompts, _ = setup
     engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=48, block_size=4, page_size=8,
-                    tree_nodes=6, ngram=True)
+                    tree_nodes=6, ngram=True, steps_per_dispatch=4)
     count, _ = engine.precompile()
     assert count == engine.compiles > 0
     for i, p in enumerate(prompts):

@@ -65,14 +65,22 @@ from dflash.serve.speculative import (
     verify,
     verify_logprobs,
 )
-from dflash.serve.tree import Tree, build_tree, ngram_continuation, propose_topk, verify_tree, verify_tree_logprobs
+from dflash.serve.tree import (
+    Tree,
+    build_tree,
+    decode_tree_steps,
+    ngram_continuation,
+    propose_topk,
+    verify_tree,
+    verify_tree_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
 INT32_MAX = (1 << 31) - 1
 SEED_LIMIT = 1 << 63
 _PROGRAMS = (prefill, prefill_chunk, prefill_logprobs, decode_steps, propose, verify, verify_logprobs, propose_topk,
-             build_tree, verify_tree, verify_tree_logprobs)
+             build_tree, verify_tree, verify_tree_logprobs, decode_tree_steps)
 
 
 class RequestRejected(ValueError):
@@ -264,10 +272,11 @@ class Engine:
         prefill per step (None: every prompt in one call; a request asking for log-probabilities always is).
 
         steps_per_dispatch: R > 1 runs up to R decode steps (propose + verify) in one jitted device loop
-        (`speculative.decode_steps`) and returns to the host after R steps, or after the first step in which a
-        request hits a stop id or its budget; stop strings are checked on the host afterwards (tokens past one are
-        discarded). Steps that score log-probabilities, tree steps and `draft_fn` / prompt-lookup proposals run
-        one step per dispatch. R = 1: one propose and one verify call per step."""
+        (`speculative.decode_steps`; with a tree `tree.decode_tree_steps`, prompt lookup found on the device) and
+        returns to the host after R steps, or after the first step in which a request hits a stop id or its
+        budget; stop strings are checked on the host afterwards (tokens past one are discarded). Steps that score
+        log-probabilities and `draft_fn` / `tree_fn` / prompt-lookup-alone proposals run one step per dispatch.
+        R = 1: one propose and one verify call per step (with a tree: propose, build, verify)."""
         if tree_nodes is not None and (not _is_int(tree_nodes) or tree_nodes < 0):
             raise ValueError(f"tree_nodes must be an integer >= 0 (0 or 1: the chain); received {tree_nodes!r}")
         self.tree_nodes = tree_nodes if tree_nodes is not None and tree_nodes > 1 else 0
@@ -806,13 +815,37 @@ class Engine:
     def _loop_steps(self, scored: bool) -> int:
         """Decode steps the next dispatch may run: 1 unless the device loop applies and no prompt is part way
         through its chunked prefill (which then takes a chunk per step, not per R steps)."""
-        looped = isinstance(self.proposer, DrafterProposals | NoDrafts) and not self.tree_nodes
+        looped = isinstance(self.proposer, DrafterProposals | NoDrafts) and self.tree_fn is None
         return self.steps_per_dispatch if looped and not scored and not self.prefilling else 1
 
     def _loop_pages(self, lengths_B: np.ndarray) -> int:
         """The attention span of a device loop over slots holding lengths_B tokens (0: inactive)."""
         most = int(lengths_B.max()) + self.steps_per_dispatch * self.width
         return span_pages(min(most, self.max_len), self.page_size, self.max_pages)
+
+    def _history(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each running slot's prompt and output so far (the tokens prompt lookup searches): ([slots, max_len]
+        int32, lengths [slots])."""
+        history = np.zeros((self.slots, self.max_len), np.int32)
+        sizes = np.zeros(self.slots, np.int32)
+        for slot, request in self.running.items():
+            tokens = (request.prompt_ids + request.token_ids)[:self.max_len]
+            history[slot, :len(tokens)] = tokens
+            sizes[slot] = len(tokens)
+        return history, sizes
+
+    def _dispatch(self, stop_ids: jax.Array, budget: jax.Array, pages: int) -> tuple[Any, ...]:
+        """One device loop of up to R steps (the chain's or the tree's); (state, tokens, n, steps run)."""
+        r = self.steps_per_dispatch
+        if not self.tree_nodes:
+            self._note_shape("decode_steps", (self.slots, self.k, stop_ids.shape[1], r, pages))
+            return self._counted(decode_steps, self.models, self.state, stop_ids, budget, self.k, r, pages)
+        self._note_shape("decode_tree_steps", (self.slots, self.k, self.tree_nodes, stop_ids.shape[1], r, pages))
+        history = sizes = None
+        if self.ngram_nodes:
+            history, sizes = (jnp.asarray(a) for a in self._history())
+        return self._counted(decode_tree_steps, self.models, self.state, stop_ids, budget, history, sizes, self.k,
+                             self.tree_nodes, self.ngram_nodes, r, pages)
 
     def _loop(self, active: np.ndarray) -> None:
         """Up to R decode steps in one dispatch (`decode_steps`), then each step's tokens emitted in order."""
@@ -823,9 +856,7 @@ class Engine:
             stop_ids[slot, :len(request.stop_ids)] = request.stop_ids
             budget[slot] = request.max_new_tokens - len(request.token_ids)
         pages = self._loop_pages(np.where(active, self.lengths, 0))
-        self._note_shape("decode_steps", (self.slots, self.k, stops, self.steps_per_dispatch, pages))
-        self.state, out, n, ran = self._counted(decode_steps, self.models, self.state, jnp.asarray(stop_ids),
-                                                jnp.asarray(budget), self.k, self.steps_per_dispatch, pages)
+        self.state, out, n, ran = self._dispatch(jnp.asarray(stop_ids), jnp.asarray(budget), pages)
         ran = int(ran)
         out, n = (np.asarray(a[:ran]) for a in jax.device_get((out, n)))
         for i in range(ran):
@@ -883,9 +914,8 @@ class Engine:
             for scored in variants:
                 jax.block_until_ready(self._device_step(pages, scored))
             if self._loop_steps(False) > 1:
-                self.state, *outputs = self._counted(
-                    decode_steps, self.models, self.state, jnp.full((self.slots, 8), -1, jnp.int32),
-                    jnp.ones(self.slots, jnp.int32), self.k, self.steps_per_dispatch, pages)
+                self.state, *outputs = self._dispatch(jnp.full((self.slots, 8), -1, jnp.int32),
+                                                      jnp.ones(self.slots, jnp.int32), pages)
                 jax.block_until_ready(outputs)
         self._fresh_state()
         seconds = time.perf_counter() - t0

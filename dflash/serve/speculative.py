@@ -457,6 +457,30 @@ def verify_logprobs(models: Models, state: SpecState, drafts_BxKm1: jax.Array, s
     return _verify(models, state, drafts_BxKm1, span_pages, True)
 
 
+def run_steps(step: Any, state: SpecState, aux: Any, stop_ids_BxS: jax.Array, budget_B: jax.Array, width: int,
+              steps: int) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
+    """The device loop of `decode_steps` (traced inside a jitted caller): up to `steps` calls of
+    step(state, aux) -> (state, aux, tokens [B, width], accepted n [B]); returns (state, tokens [steps, B, width],
+    accepted n [steps, B], steps run). It stops after a step in which an active slot emitted one of its stop ids
+    (stop_ids_BxS, padded with -1) or reached `budget_B` new tokens (counted from this call). `aux` is carried
+    from step to step (e.g. the token history of prompt lookup; None for none)."""
+    b = state.lengths.shape[0]
+
+    def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        i, st, aux, tokens, accepted, emitted, _ = carry
+        st, aux, out, n = step(st, aux)
+        valid = jnp.arange(width)[None, :] <= n[:, None]
+        hit = jnp.any(valid & jnp.any(out[:, :, None] == stop_ids_BxS[:, None, :], axis=-1), axis=-1)
+        emitted = emitted + jnp.where(st.active, n + 1, 0)
+        finished = jnp.any(st.active & (hit | (emitted >= budget_B)))
+        return i + 1, st, aux, tokens.at[i].set(out), accepted.at[i].set(n), emitted, finished
+
+    carry = (jnp.int32(0), state, aux, jnp.zeros((steps, b, width), jnp.int32), jnp.zeros((steps, b), jnp.int32),
+             jnp.zeros((b,), jnp.int32), jnp.bool_(False))
+    i, state, _, tokens, accepted, _, _ = jax.lax.while_loop(lambda c: (c[0] < steps) & ~c[6], body, carry)
+    return state, tokens, accepted, i
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "steps", "span_pages"), donate_argnames=("state",))
 def decode_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, block_size: int,
                  steps: int, span_pages: int) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
@@ -464,25 +488,18 @@ def decode_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budg
     loop; returns (state, tokens [steps, B, K], accepted n [steps, B], steps run). Row i < steps run holds step
     i's `verify` output; the loop ends early after a step in which an active slot emitted one of its stop ids
     (stop_ids_BxS, padded with -1) or reached `budget_B` new tokens (counted from this call), so the host, which
-    checks stops and budgets exactly, finds a finished request only in the last step run. Each step is the same
-    computation as one `propose` + `verify` call (the same outputs, the same state)."""
+    checks stops and budgets exactly, finds a finished request only in the last step run (`run_steps`). Each step
+    is the same computation as one `propose` + `verify` call (the same outputs, the same state). The tree's twin
+    is `tree.decode_tree_steps`."""
     b, k = state.lengths.shape[0], block_size
     page_size = state.target.page_size
 
-    def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-        i, st, tokens, accepted, emitted, _ = carry
+    def step(st: SpecState, aux: None) -> tuple[SpecState, None, jax.Array, jax.Array]:
         drafts = jnp.zeros((b, 0), jnp.int32) if k == 1 else propose(models, st, k, span_pages * page_size)
         st, out, n, _ = _verify(models, st, drafts, span_pages, False)
-        valid = jnp.arange(k)[None, :] <= n[:, None]
-        hit = jnp.any(valid & jnp.any(out[:, :, None] == stop_ids_BxS[:, None, :], axis=-1), axis=-1)
-        emitted = emitted + jnp.where(st.active, n + 1, 0)
-        finished = jnp.any(st.active & (hit | (emitted >= budget_B)))
-        return i + 1, st, tokens.at[i].set(out), accepted.at[i].set(n), emitted, finished
+        return st, aux, out, n
 
-    carry = (jnp.int32(0), state, jnp.zeros((steps, b, k), jnp.int32), jnp.zeros((steps, b), jnp.int32),
-             jnp.zeros((b,), jnp.int32), jnp.bool_(False))
-    i, state, tokens, accepted, _, _ = jax.lax.while_loop(lambda c: (c[0] < steps) & ~c[5], body, carry)
-    return state, tokens, accepted, i
+    return run_steps(step, state, None, stop_ids_BxS, budget_B, k, steps)
 
 
 __all__ = [
@@ -502,6 +519,7 @@ __all__ = [
     "prefill_chunk",
     "prefill_logprobs",
     "propose",
+    "run_steps",
     "span_pages",
     "sync_page_table",
     "verify",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ from dflash.models.decoder import embed, forward_cached
 from dflash.models.drafter import block_token_ids, drafter_logits
 from dflash.serve.paged import TreeChunkCache
 from dflash.serve.sampling import row_logprobs
-from dflash.serve.speculative import Models, SpecState, TokenLogprobs, _add_context, _layer_ids
+from dflash.serve.speculative import Models, SpecState, TokenLogprobs, _add_context, _layer_ids, run_steps
 
 
 @jax.tree_util.register_dataclass
@@ -272,6 +273,68 @@ def verify_tree_logprobs(models: Models, state: SpecState, tree: Tree, block_siz
     return _verify_tree(models, state, tree, block_size, span_pages, True)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "nodes", "lookup", "steps", "span_pages"),
+                   donate_argnames=("state",))
+def decode_tree_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array,
+                      history_BxH: jax.Array | None, history_len_B: jax.Array | None, block_size: int, nodes: int,
+                      lookup: int, steps: int, span_pages: int) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
+    """`speculative.decode_steps` with tree steps: up to `steps` of `propose_topk` + `build_tree` +
+    `verify_tree` in one device loop, with the same exit rules and outputs (tokens [steps, B, K], accepted n
+    [steps, B], steps run). lookup > 0 merges a prompt-lookup path of that many nodes into each tree, found on the
+    device (`lookup_paths`) in each slot's token history (history_BxH: prompt and output so far, its first
+    history_len_B entries real, the last the pending token), to which each step appends its output. Each step is
+    the same computation as one engine step at R = 1 (the same trees, outputs and state)."""
+    m = nodes - 1 - lookup
+    span = span_pages * state.target.page_size
+
+    def step(st: SpecState, hist: tuple[jax.Array, jax.Array] | None) -> tuple[SpecState, Any, jax.Array, jax.Array]:
+        ids, logp = propose_topk(models, st, block_size, m, span)
+        extra = extra_len = None
+        if lookup:
+            extra, extra_len = lookup_paths(*hist, lookup)
+            extra_len = jnp.where(st.active, extra_len, 0)
+        st, out, n, _ = _verify_tree(models, st, build_tree(ids, logp, st.pending, nodes, extra, extra_len),
+                                     block_size, span_pages, False)
+        if lookup:
+            hist = append_history(*hist, out, jnp.where(st.active, n + 1, 0))
+        return st, hist, out, n
+
+    hist = (history_BxH, history_len_B) if lookup else None
+    return run_steps(step, state, hist, stop_ids_BxS, budget_B, block_size, steps)
+
+
+def lookup_paths(history_BxH: jax.Array, size_B: jax.Array, length: int, max_ngram: int = 3
+                 ) -> tuple[jax.Array, jax.Array]:
+    """`ngram_continuation` of every row on the device: (continuations [B, length] int32, padded with 0, and their
+    lengths [B]) for histories history_BxH[b, :size_B[b]]."""
+    h = history_BxH.shape[1]
+    s = jnp.arange(h)
+
+    def one(hist_H: jax.Array, size: jax.Array) -> tuple[jax.Array, jax.Array]:
+        found, after = jnp.bool_(False), jnp.int32(0)
+        for g in range(max_ngram, 0, -1):  # the longest suffix first; within it the latest start
+            match = (s <= size - g - 1) & (g <= size - 1)
+            for i in range(g):
+                match &= hist_H[jnp.minimum(s + i, h - 1)] == hist_H[jnp.clip(size - g + i, 0, h - 1)]
+            start = jnp.max(jnp.where(match, s, -1))
+            after = jnp.where(found | (start < 0), after, start + g)
+            found = found | (start >= 0)
+        n = jnp.where(found, jnp.clip(size - after, 0, length), 0)
+        idx = jnp.arange(length)
+        return jnp.where(idx < n, hist_H[jnp.minimum(after + idx, h - 1)], 0).astype(jnp.int32), n.astype(jnp.int32)
+
+    return jax.vmap(one)(history_BxH, size_B)
+
+
+def append_history(history_BxH: jax.Array, size_B: jax.Array, tokens_BxT: jax.Array, count_B: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+    """The histories with the first count_B[b] of tokens_BxT[b] appended (entries past the buffer dropped)."""
+    t = jnp.arange(tokens_BxT.shape[1])[None, :]
+    pos = jnp.where(t < count_B[:, None], size_B[:, None] + t, history_BxH.shape[1])
+    rows = jnp.arange(history_BxH.shape[0])[:, None]
+    return history_BxH.at[rows, pos].set(tokens_BxT, mode="drop"), size_B + count_B
+
+
 def ngram_continuation(history: list[int], length: int, max_ngram: int = 3) -> list[int]:
     """Prompt lookup: the tokens that followed the most recent earlier occurrence of the longest suffix of
     `history` (max_ngram tokens down to 1) that occurred before, at most `length` of them ([] if none)."""
@@ -284,4 +347,5 @@ def ngram_continuation(history: list[int], length: int, max_ngram: int = 3) -> l
     return []
 
 
-__all__ = ["Tree", "build_tree", "ngram_continuation", "propose_topk", "verify_tree", "verify_tree_logprobs"]
+__all__ = ["Tree", "append_history", "build_tree", "decode_tree_steps", "lookup_paths", "ngram_continuation",
+           "propose_topk", "verify_tree", "verify_tree_logprobs"]
