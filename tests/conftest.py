@@ -56,6 +56,34 @@ def assert_same_params(want, got) -> None:
         np.testing.assert_array_equal(got[keys], want[keys])
 
 
+def assert_greedy_equals_ar(target_params, target_cfg, drafter, prompts, max_new_tokens: int, *, block_size: int,
+                            max_len: int = 128) -> None:
+    """Greedy DFlash decodes of `prompts` with `drafter` equal AR's token for token (through the engine)."""
+    from dflash.serve.engine import decode
+
+    ar = decode(target_params, target_cfg, prompts, max_new_tokens, max_len=max_len)
+    spec = decode(target_params, target_cfg, prompts, max_new_tokens, max_len=max_len, drafter=drafter,
+                  block_size=block_size)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+
+
+def export_round_trip(drafter, layout: str, directory: Path, target_cfg, expect):
+    """Save `drafter` in `layout` ("zlab" | "speculators", verifier "tiny") into `directory` and load it back
+    against `expect`; returns (the loaded drafter, the config.json written)."""
+    import json
+
+    from dflash.models.speculators import load_speculators, save_speculators
+    from dflash.models.zlab import load_zlab, save_zlab
+
+    if layout == "zlab":
+        save_zlab(drafter, directory)
+        loaded = load_zlab(directory, target_cfg, expect=expect)
+    else:
+        save_speculators(drafter, directory, verifier="tiny")
+        loaded = load_speculators(directory, target_cfg, expect=expect)
+    return loaded, json.loads((directory / "config.json").read_text())
+
+
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     return GOLDEN

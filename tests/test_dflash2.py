@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN, assert_same_params
+from conftest import GOLDEN, assert_greedy_equals_ar, assert_same_params, export_round_trip
 from flax import nnx
 from reference import split_drafter
 from safetensors.numpy import load_file
@@ -22,7 +22,6 @@ from dflash.models.config import DrafterConfig
 from dflash.models.decoder import embed
 from dflash.models.drafter import BlockVisibility, DFlashDrafter, online_features, resolve_drafter
 from dflash.models.loading import WeightsError, load_hf_dir
-from dflash.models.speculators import load_speculators, save_speculators
 from dflash.models.zlab import SELECTOR_RANK, load_zlab, save_zlab
 from dflash.serve.engine import decode
 from dflash.train.objective import Objective, build_blocks_batch
@@ -149,9 +148,7 @@ def test_greedy_dflash2_equals_ar(setup):
     target_cfg, target_params, arch = setup
     drafter = _live(arch(variant="dflash2", layer_types=("sliding_attention", "full_attention"), sliding_window=8), 4)
     prompts = [list(np.random.default_rng(5).integers(0, 255, size=n)) for n in (6, 21)]
-    ar = decode(target_params, target_cfg, prompts, 20, max_len=128)
-    spec = decode(target_params, target_cfg, prompts, 20, max_len=128, drafter=drafter, block_size=K)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    assert_greedy_equals_ar(target_params, target_cfg, drafter, prompts, 20, block_size=K)
 
 
 @pytest.mark.parametrize("layout", ["zlab", "speculators"])
@@ -159,17 +156,13 @@ def test_dflash2_layouts_round_trip_bit_exact(setup, tmp_path, layout):
     target_cfg, _, arch = setup
     a = arch(variant="dflash2")
     drafter = _live(a, 6)
+    loaded, config = export_round_trip(drafter, layout, tmp_path, target_cfg, a)
     if layout == "zlab":
-        save_zlab(drafter, tmp_path)
-        loaded = load_zlab(tmp_path, target_cfg, expect=a)
-        config = json.loads((tmp_path / "config.json").read_text())
         assert config["architectures"] == ["DFlash2DraftModel"]
         assert config["auto_map"] == {"AutoModel": "dflash.DFlash2DraftModel"}
         fields = config["dflash_config"]
     else:
-        save_speculators(drafter, tmp_path, verifier="tiny")
-        loaded = load_speculators(tmp_path, target_cfg, expect=a)
-        fields = json.loads((tmp_path / "config.json").read_text())
+        fields = config
         assert fields["speculators_model_type"] == "dflash2" and fields["architectures"] == ["DFlash2DraftModel"]
     assert {k: fields[k] for k in ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank",
                                    "selector_top_k")} == {"block_size": K, "conv_kernel_size": 2,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN, assert_same_params
+from conftest import GOLDEN, assert_greedy_equals_ar, assert_same_params, export_round_trip
 from flax import nnx
 from safetensors.numpy import load_file
 
@@ -19,7 +19,6 @@ from dflash.data.batch import TrainBatch
 from dflash.models.config import DrafterConfig
 from dflash.models.drafter import DFlashDrafter, resolve_drafter
 from dflash.models.loading import load_hf_dir
-from dflash.models.speculators import load_speculators, save_speculators
 from dflash.models.zlab import load_zlab, save_zlab
 from dflash.serve.engine import decode
 from dflash.train.objective import Objective, build_blocks_batch
@@ -188,21 +187,14 @@ def test_greedy_with_the_selector_equals_ar(setup):
     target_cfg, target_params, arch = setup
     drafter = _live(arch, 3)
     prompts = [list(np.random.default_rng(4).integers(0, 255, size=n)) for n in (7, 19)]
-    ar = decode(target_params, target_cfg, prompts, 20, max_len=128)
-    spec = decode(target_params, target_cfg, prompts, 20, max_len=128, drafter=drafter, block_size=K)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    assert_greedy_equals_ar(target_params, target_cfg, drafter, prompts, 20, block_size=K)
 
 
 @pytest.mark.parametrize("layout", ["zlab", "speculators"])
 def test_a_trained_selector_round_trips_bit_exact(setup, tmp_path, layout):
     target_cfg, _, arch = setup
     drafter = _live(arch, 5)
-    if layout == "zlab":
-        save_zlab(drafter, tmp_path)
-        loaded = load_zlab(tmp_path, target_cfg, expect=arch)
-    else:
-        save_speculators(drafter, tmp_path, verifier="tiny")
-        loaded = load_speculators(tmp_path, target_cfg, expect=arch)
+    loaded, _ = export_round_trip(drafter, layout, tmp_path, target_cfg, arch)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert tensors["candidate_selector.predecessor_codebook"].shape == (256, RANK)
     assert tensors["candidate_selector.hidden_projection.weight"].shape == (RANK, 64)

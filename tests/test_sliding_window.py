@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN, assert_same_params
+from conftest import GOLDEN, assert_greedy_equals_ar, assert_same_params, export_round_trip
 from flax import nnx
 
 from dflash.models.config import DrafterConfig
@@ -22,7 +22,7 @@ from dflash.models.drafter import BlockVisibility, DFlashDrafter, drafter_logits
 from dflash.models.loading import WeightsError, load_hf_dir
 from dflash.models.speculators import load_speculators, save_speculators
 from dflash.models.zlab import load_zlab, save_zlab
-from dflash.serve.engine import Engine, decode
+from dflash.serve.engine import Engine
 from dflash.serve.speculative import propose
 from dflash.train.objective import visible
 
@@ -155,24 +155,17 @@ def test_greedy_dflash_with_sliding_layers_equals_ar(setup):
     drafter = DFlashDrafter(arch, nnx.Rngs(3))
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(0, 255, size=n)) for n in (5, 17, 30)]
-    ar = decode(target_params, target_cfg, prompts, 24, max_len=128)
-    spec = decode(target_params, target_cfg, prompts, 24, max_len=128, drafter=drafter, block_size=K)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
+    assert_greedy_equals_ar(target_params, target_cfg, drafter, prompts, 24, block_size=K)
 
 
 @pytest.mark.parametrize("layout", ["zlab", "speculators"])
 def test_sliding_layers_export_and_import_bit_exact(setup, tmp_path, layout):
     target_cfg, _, arch = setup
     drafter = DFlashDrafter(arch, nnx.Rngs(4))
+    loaded, config = export_round_trip(drafter, layout, tmp_path, target_cfg, arch)
     if layout == "zlab":
-        save_zlab(drafter, tmp_path)
-        loaded = load_zlab(tmp_path, target_cfg, expect=arch)
-        config = json.loads((tmp_path / "config.json").read_text())
         assert config["is_causal"] is False
     else:
-        save_speculators(drafter, tmp_path, verifier="tiny")
-        loaded = load_speculators(tmp_path, target_cfg, expect=arch)
-        config = json.loads((tmp_path / "config.json").read_text())
         assert config["sliding_window_non_causal"] is True
         config = config["transformer_layer_config"]
     assert config["layer_types"] == list(TYPES) and config["sliding_window"] == W
