@@ -97,6 +97,38 @@ def test_the_convolution_equals_a_loop_reference_inside_each_block(setup):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_convolution_keeps_only_its_inputs_for_the_backward_and_its_gradient_is_unchanged(setup, capsys):
+    """The convolution is rematerialised (docs/decisions.md D58: the 8B DFlash2 train step 70.0 -> 56.6 GiB per
+    chip): its backward keeps x, the dynamic kernels and the base kernel, not the shifted copies of x and the
+    per-tap kernels broadcast over each group (x-sized each); the gradient is that of the same function without
+    rematerialisation."""
+    import functools
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from dflash.models.drafter import _block_convolution
+
+    _, _, arch = setup
+    conv = _live(arch(variant="dflash2"), 0).layers[0].attention_conv
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 3 * K, 64)), jnp.float32)
+    dyn = jnp.asarray(rng.standard_normal((2, 3 * K, 2, 64 // GROUP)), jnp.float32)
+    base = conv.base_kernel[...][1]
+    plain = functools.partial(_block_convolution, taps=2, group_size=GROUP, block_len=K)
+    remat = functools.partial(conv._convolve, block_len=K)
+    loss = {name: (lambda a, b, c, f=f: jnp.sum(jnp.sin(f(a, b, c)))) for name, f in (("plain", plain),
+                                                                                       ("remat", remat))}
+    print_saved_residuals(loss["remat"], x, dyn, base)
+    kept = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert all("from the argument" in line or "output of cos" in line for line in kept), kept
+    print_saved_residuals(loss["plain"], x, dyn, base)
+    assert sum("_block_convolution" in line for line in capsys.readouterr().out.splitlines()) >= 3
+    want = jax.grad(loss["plain"], argnums=(0, 1, 2))(x, dyn, base)
+    got = jax.grad(loss["remat"], argnums=(0, 1, 2))(x, dyn, base)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_a_new_dflash2_drafter_computes_what_dflash_does(setup):
     """Identity-initialised convolutions: the same weights with and without them give the same hidden states."""

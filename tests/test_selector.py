@@ -5,6 +5,7 @@ selector round-trips bit-exactly through both DFlash2 layouts (fp32, CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -15,6 +16,7 @@ from conftest import GOLDEN, assert_greedy_equals_ar, assert_same_params, export
 from flax import nnx
 from safetensors.numpy import load_file
 
+from dflash.configs.schema import ConfigError
 from dflash.data.batch import TrainBatch
 from dflash.models.config import DrafterConfig
 from dflash.models.drafter import DFlashDrafter, resolve_drafter
@@ -200,6 +202,42 @@ def test_a_trained_selector_round_trips_bit_exact(setup, tmp_path, layout):
     assert tensors["candidate_selector.hidden_projection.weight"].shape == (RANK, 64)
     assert loaded.arch == arch
     assert_same_params(drafter, loaded)
+
+
+def test_init_from_a_drafter_without_a_selector_adds_one_that_drafts_its_argmax(setup, tmp_path):
+    """`train.init_from` a DFlash2 drafter without a selector (a z-lab export) into a recipe with one: every
+    tensor of the source is loaded as it was, the new selector has the recipe's rank and top-k, and its
+    successor codebook is zero, so step 0 drafts each slot's argmax, what the source drafts."""
+    from types import SimpleNamespace
+
+    from dflash.train.loop import init_from_params
+
+    target_cfg, _, arch = setup
+    plain_arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 3), block_size=K,
+                                               variant="dflash2"), target_cfg, mask_token_id=255)
+    source = DFlashDrafter(plain_arch, nnx.Rngs(9))
+    save_zlab(source, tmp_path)
+    grown = DFlashDrafter(arch, nnx.Rngs(0))
+    nnx.update(grown, jax.tree.map(jnp.asarray, init_from_params(str(tmp_path), arch, SimpleNamespace(cfg=target_cfg))))
+    theirs = dict(nnx.to_flat_state(nnx.state(source, nnx.Param)))
+    added = set()
+    for keys, value in nnx.to_flat_state(nnx.state(grown, nnx.Param)):
+        if keys in theirs:
+            np.testing.assert_array_equal(np.asarray(value[...]), np.asarray(theirs[keys][...]), err_msg=str(keys))
+        else:
+            added.add(keys[:2])
+    assert added == {("candidate_selector", n) for n in ("predecessor_codebook", "successor_codebook",
+                                                         "hidden_projection")}
+    sel = grown.candidate_selector
+    assert sel.predecessor_codebook[...].shape == (target_cfg.vocab_size, RANK) and sel.top_k == TOP_K
+    assert not np.any(np.asarray(sel.successor_codebook[...]))
+    rng = np.random.default_rng(1)
+    unary, cand = jax.lax.top_k(jnp.asarray(rng.standard_normal((3, K - 1, 256)), jnp.float32), TOP_K)
+    hidden = jnp.asarray(rng.standard_normal((3, K - 1, 64)), jnp.float32)
+    walked = sel.walk(cand.astype(jnp.int32), unary, hidden, jnp.asarray([1, 2, 3]))
+    np.testing.assert_array_equal(np.asarray(walked), np.asarray(cand[..., 0]))
+    with pytest.raises(ConfigError, match="num_layers"):
+        init_from_params(str(tmp_path), dataclasses.replace(arch, num_layers=3), SimpleNamespace(cfg=target_cfg))
 
 
 @pytest.mark.slow  # an engine walk and two teacher walks: ~1 min on a loaded 2-core CPU

@@ -92,6 +92,26 @@ def test_teacher_walk_equals_the_engine_walk(tiny):
     assert taus["walk"] == pytest.approx(np.mean(accepted + 1))
 
 
+def test_the_teacher_walk_of_a_sliding_drafter_is_the_engine_walk(tiny):
+    """With sliding-window layers (W = 16, well inside the rows' 70+ positions) the teacher-forced walk, and so
+    `dflash data walk` and the in-loop eval's `tf_tau_walk`, gives each block the window the engine's ring does;
+    the window changes the walk against the same weights with full layers."""
+    from flax import nnx
+
+    from dflash.models.drafter import DFlashDrafter
+
+    arch = dataclasses.replace(tiny.drafter.arch, layer_types=("sliding_attention",) * 2, sliding_window=16)
+    windowed = DFlashDrafter(arch, nnx.Rngs(0))
+    nnx.update(windowed, nnx.state(tiny.drafter, nnx.Param))
+    windowed.draft_vocab = tiny.drafter.draft_vocab
+    models = Models.of(tiny.params, tiny.cfg, windowed)
+    teacher = [walk_teacher(models, t, m, n, K, i) for i, t, m, n in tiny.rows]
+    engine = Engine(tiny.params, tiny.cfg, windowed, slots=4, max_len=S + 16, block_size=K)
+    assert walk_engine(engine, tiny.rows, (STOP,)) == teacher
+    full = [walk_teacher(tiny.models, t, m, n, K, i) for i, t, m, n in tiny.rows]
+    assert [r.accepted for r in teacher] != [r.accepted for r in full]
+
+
 def test_a_walk_from_stored_features_is_the_teacher_walk(tiny):
     """Given the target's features and greedy next tokens as a capture stores them (fp32 here), the drafter alone
     walks each row as the teacher walk does; without stored next ids the stored answer is taken for the greedy

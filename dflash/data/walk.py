@@ -157,7 +157,7 @@ def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: 
     ids_SxK = jnp.concatenate([tokens_1xS[0][:, None], jnp.full((s, k - 1), arch.mask_token_id, jnp.int32)], axis=1)
     pos_SxK = a_S[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     embeds = embed(models.target_params, ids_SxK.reshape(1, s * k)).astype(jnp.float32)
-    visible = BlockVisibility.from_anchors(a_S[None], jnp.ones((1, s), bool))
+    visible = BlockVisibility.from_anchors(a_S[None], jnp.ones((1, s), bool), window=arch.sliding_window)
     hidden = drafter(embeds, pos_SxK.reshape(1, s * k), feats_1xSxFD, a_S[None], visible)
     hidden_TxD = hidden.reshape(s, k, -1)[:, 1:].reshape(s * (k - 1), -1)
     if drafter.markov is not None:

@@ -10,6 +10,7 @@ tensor names: `hf_tensor_names`. Design notes: docs/decisions.md D8 (mask id: D1
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -381,6 +382,24 @@ class DrafterMLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _block_convolution(x_BxQxD: jax.Array, dyn_BxQxTxG: jax.Array, base_TxD: jax.Array, *, taps: int,
+                       group_size: int, block_len: int) -> jax.Array:
+    """`BlockConv`'s convolution of x with one side's kernels. Rematerialised: its backward recomputes the shifted
+    copies of x and the per-tap kernels broadcast over each group's channels (T + 1 arrays of x's size per call,
+    4 calls per layer) from x and the small dynamic kernels instead of keeping them from the forward
+    (docs/decisions.md D58: the 8B DFlash2 train step 70.0 -> 56.6 GiB per chip on v5p-128)."""
+    b, q, d = x_BxQxD.shape
+    g = d // group_size
+    x = x_BxQxD.reshape(b, q // block_len, block_len, g, group_size)
+    dyn = dyn_BxQxTxG.reshape(b, q // block_len, block_len, taps, g, 1)
+    base = base_TxD.astype(x.dtype).reshape(taps, g, group_size)
+    out = jnp.zeros_like(x)
+    for o in range(taps):
+        shifted = x if o == 0 else jnp.pad(x[:, :, :-o], ((0, 0), (0, 0), (o, 0), (0, 0), (0, 0)))
+        out = out + (base[o] + dyn[:, :, :, o].astype(x.dtype)) * shifted
+    return out.reshape(b, q, d)
+
+
 class BlockConv(nnx.Module):
     """DFlash2's 2-tap grouped dynamic depthwise convolution around one sublayer (`drafter.variant: dflash2`,
     `drafter.conv`; z-lab's `GroupedDynamicCausalConv`), causal and local to each block of K.
@@ -402,27 +421,18 @@ class BlockConv(nnx.Module):
         self.kernel_projection = _linear(d, 2 * t * (d // arch.conv_group_size), dtype, rngs)
         self.kernel_projection.kernel.set_value(jnp.zeros_like(self.kernel_projection.kernel.get_value()))
 
-    def _convolve(self, x_BxQxD: jax.Array, dyn_BxQxTxG: jax.Array, base_TxD: jax.Array,
-                  block_len: int) -> jax.Array:
-        b, q, d = x_BxQxD.shape
-        g = d // self.group_size
-        x = x_BxQxD.reshape(b, q // block_len, block_len, g, self.group_size)
-        dyn = dyn_BxQxTxG.reshape(b, q // block_len, block_len, self.taps, g, 1)
-        base = base_TxD.astype(x.dtype).reshape(self.taps, g, self.group_size)
-        out = jnp.zeros_like(x)
-        for o in range(self.taps):
-            shifted = x if o == 0 else jnp.pad(x[:, :, :-o], ((0, 0), (0, 0), (o, 0), (0, 0), (0, 0)))
-            out = out + (base[o] + dyn[:, :, :, o].astype(x.dtype)) * shifted
-        return out.reshape(b, q, d)
-
     def prepare(self, h_BxQxD: jax.Array, block_len: int) -> tuple[jax.Array, jax.Array]:
         b, q, d = h_BxQxD.shape
         dyn = self.kernel_projection(h_BxQxD).reshape(b, q, 2, self.taps, d // self.group_size)
-        base = self.base_kernel[...]
-        return self._convolve(h_BxQxD, dyn[:, :, 0], base[0], block_len), dyn[:, :, 1]
+        return self._convolve(h_BxQxD, dyn[:, :, 0], self.base_kernel[...][0], block_len), dyn[:, :, 1]
 
     def finish(self, y_BxQxD: jax.Array, dyn_BxQxTxG: jax.Array, block_len: int) -> jax.Array:
         return self._convolve(y_BxQxD, dyn_BxQxTxG, self.base_kernel[...][1], block_len)
+
+    def _convolve(self, x_BxQxD: jax.Array, dyn_BxQxTxG: jax.Array, base_TxD: jax.Array,
+                  block_len: int) -> jax.Array:
+        conv = functools.partial(_block_convolution, taps=self.taps, group_size=self.group_size, block_len=block_len)
+        return jax.checkpoint(conv)(x_BxQxD, dyn_BxQxTxG, base_TxD)
 
 
 class MarkovHead(nnx.Module):
