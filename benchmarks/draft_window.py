@@ -36,9 +36,9 @@ def cache_bytes(draft) -> int:
     return (draft.k.nbytes + draft.v.nbytes + draft.wk.nbytes + draft.wv.nbytes) // batch
 
 
-def prepared(target, drafter, k: int, context: int):
-    """(models, state, span, draft cache bytes per slot): one active slot holding `context` committed positions,
-    its draft cache filled with random K/V."""
+def prepared(target, drafter, k: int, context: int, batch: int = 1):
+    """(models, state, span, draft cache bytes per slot): `batch` active slots each holding `context` committed
+    positions, the draft cache filled with random K/V."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -46,16 +46,16 @@ def prepared(target, drafter, k: int, context: int):
 
     max_len = context + 2 * k + PAGE
     models = Models.of(target.params, target.cfg, drafter)
-    state = empty_state(target.cfg, drafter.arch, 1, max_len, 2, PAGE)
+    state = empty_state(target.cfg, drafter.arch, batch, max_len, 2, PAGE)
     rng = np.random.default_rng(0)
     draft = state.draft
     noise = lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype)  # noqa: E731
     ring = draft.ring_pos.shape[1]
     ring_pos = jnp.asarray(context - ring + (np.arange(ring) - (context - ring)) % ring, jnp.int32)[None]
     draft = dataclasses.replace(draft, k=noise(draft.k), v=noise(draft.v), wk=noise(draft.wk), wv=noise(draft.wv),
-                                ring_pos=ring_pos if ring else draft.ring_pos)
-    state = dataclasses.replace(state, draft=draft, lengths=jnp.asarray([context], jnp.int32),
-                                pending=jnp.asarray([42], jnp.int32), active=jnp.asarray([True]))
+                                ring_pos=jnp.repeat(ring_pos, batch, axis=0) if ring else draft.ring_pos)
+    state = dataclasses.replace(state, draft=draft, lengths=jnp.full((batch,), context, jnp.int32),
+                                pending=jnp.full((batch,), 42, jnp.int32), active=jnp.ones((batch,), bool))
     span = span_pages(context + k, PAGE, -(-max_len // PAGE)) * PAGE
     return models, state, span, cache_bytes(draft)
 
