@@ -129,6 +129,47 @@ def test_the_convolution_keeps_only_its_inputs_for_the_backward_and_its_gradient
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+def test_init_from_a_dflash_drafter_starts_a_dflash2_recipe_with_identity_convolutions(setup, tmp_path):
+    """`train.init_from` a DFlash v1 export into a DFlash2 recipe: every tensor of the source is loaded as it was
+    and the convolutions are added at the identity (base tap 0 = 1, other taps and the kernel projections 0),
+    so step 0 computes what the source does; a different depth is still refused by name."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from dflash.configs.schema import ConfigError
+    from dflash.train.loop import init_from_params
+
+    target_cfg, _, arch = setup
+    source = DFlashDrafter(arch(), nnx.Rngs(4))
+    save_zlab(source, tmp_path)
+    want = arch(variant="dflash2")
+    grown = DFlashDrafter(want, nnx.Rngs(0))
+    nnx.update(grown, jax.tree.map(jnp.asarray, init_from_params(str(tmp_path), want,
+                                                                 SimpleNamespace(cfg=target_cfg))))
+    theirs = dict(nnx.to_flat_state(nnx.state(source, nnx.Param)))
+    added = []
+    for keys, value in nnx.to_flat_state(nnx.state(grown, nnx.Param)):
+        if keys in theirs:
+            np.testing.assert_array_equal(np.asarray(value[...]), np.asarray(theirs[keys][...]), err_msg=str(keys))
+        else:
+            added.append(keys)
+            identity = np.zeros_like(np.asarray(value[...]))
+            if keys[-1] == "base_kernel":
+                identity[:, 0] = 1.0
+            np.testing.assert_array_equal(np.asarray(value[...]), identity, err_msg=str(keys))
+    assert {k[2] for k in added} == {"attention_conv", "mlp_conv"} and len(added) == 2 * 2 * 2  # 2 layers
+    rng = np.random.default_rng(2)
+    embeds = jnp.asarray(rng.standard_normal((1, 2 * K, 64)), jnp.float32)
+    pos = jnp.asarray(np.arange(10, 10 + K)[None].repeat(2, 0).reshape(1, -1) + np.array([[0] * K + [5] * K]))
+    feats = jnp.asarray(rng.standard_normal((1, 16, 2 * 64)), jnp.float32)
+    visible = BlockVisibility.from_anchors(jnp.asarray([[10, 15]]), jnp.ones((1, 16), bool))
+    ctx = jnp.arange(16)[None]
+    np.testing.assert_allclose(np.asarray(_forward(grown, embeds, pos, feats, ctx, visible)),
+                               np.asarray(_forward(source, embeds, pos, feats, ctx, visible)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ConfigError, match="num_layers"):
+        init_from_params(str(tmp_path), dataclasses.replace(want, num_layers=3), SimpleNamespace(cfg=target_cfg))
+
+
 @pytest.mark.slow
 def test_a_new_dflash2_drafter_computes_what_dflash_does(setup):
     """Identity-initialised convolutions: the same weights with and without them give the same hidden states."""

@@ -346,12 +346,22 @@ def init_vocab(path: str, target: Target) -> list[int] | None:
 def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     """The drafter params of `train.init_from` (a run dir or an export), checked against the recipe's `arch`
     (ConfigError naming every differing field). A drafter without a Markov head or a path selector may start a
-    recipe that has one (`drafter.markov_rank`, `drafter.selector`): it starts as a new one does (its output or
-    edge scores at zero), so step 0 drafts exactly what the loaded drafter does."""
+    recipe that has one (`drafter.markov_rank`, `drafter.selector`), and a DFlash drafter a DFlash2 recipe
+    (`drafter.variant: dflash2`): what is added starts as in a new drafter (the head's output and the selector's
+    edge scores at zero, the convolutions at the identity), so step 0 drafts exactly what the loaded drafter
+    does."""
     from dflash.models.drafter_io import load_drafter
 
     loaded = load_drafter(Path(path).expanduser(), target.cfg)
     mine = arch_dict(arch)
+    if arch.variant == "dflash2" and loaded.arch.variant == "dflash":
+        grown = dataclasses.replace(loaded.arch, variant=arch.variant, conv_kernel_size=arch.conv_kernel_size,
+                                    conv_group_size=arch.conv_group_size)
+        fresh = DFlashDrafter(grown, nnx.Rngs(params=0))  # its convolutions start at the identity
+        nnx.update(fresh, nnx.state(loaded, nnx.Param))
+        fresh.draft_vocab, loaded = loaded.draft_vocab, fresh
+        log.info("train.init_from %s is a DFlash drafter: it starts this DFlash2 recipe with identity convolutions",
+                 path)
     for field, what in (("markov_rank", "Markov head"), ("selector_rank", "path selector")):
         if getattr(arch, field) and not getattr(loaded.arch, field):
             grown = dataclasses.replace(loaded.arch, **{field: getattr(arch, field)},
