@@ -114,13 +114,13 @@ def main() -> None:
     rows = []
     for context in args.contexts:
         prompts = long_prompts(target.tokenizer, context, args.prompts)
-        found = {name: real_tau(target, drafter, prompts, args.tokens) for name, drafter in variants.items()}
+        found = {name: real_tau(target, drafter, prompts, args.tokens, teacher=False)
+                 for name, drafter in variants.items()}
         cases = [prepared(target, variants[name], k, context) for name in ("full", "windowed")]
         cost = dict(zip(("full", "windowed"), propose_ms(cases, k, args.repeats), strict=True))
         lengths = [len(p.ids) for p in prompts]
         rows.append({"context": context, "prompt_tokens": lengths, **{f"{n}_{m}": found[n][m] for n in found
-                                                                       for m in ("tau", "accept_per_position",
-                                                                                 "tf_tau_uniform")},
+                                                                       for m in ("tau", "accept_per_position")},
                      "propose_ms": cost})
         acc = {n: " ".join(f"{a:.2f}" for a in found[n]["accept_per_position"]) for n in found}
         lines.append(f"| {context} | {min(lengths)}-{max(lengths)} | {found['full']['tau']:.2f} | "

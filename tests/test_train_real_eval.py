@@ -89,6 +89,8 @@ def test_real_tau_is_logged_at_its_steps_and_the_best_drafter_is_kept(runs, smol
     again = real_tau(smollm2_target, drafter, prompts, TOKENS)
     assert again["tau"] == best["tau"] and again["accept_per_position"] == best["accept_per_position"]
     assert again["tf_tau_walk"] == pytest.approx(again["tau"], abs=1e-9)  # the walk from the decoded tokens
+    bare = real_tau(smollm2_target, drafter, prompts, TOKENS, teacher=False)  # the decode alone
+    assert bare["tau"] == again["tau"] and not {"tf_tau_walk", "tf_tau_uniform"} & set(bare)
 
 
 @pytest.mark.slow

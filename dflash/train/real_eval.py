@@ -68,14 +68,16 @@ def decode_max_len(prompts: Sequence[EvalPrompt], new_tokens: int, block_size: i
 
 
 def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], new_tokens: int,
-             sampling: SamplingConfig | None = None) -> dict[str, Any]:
+             sampling: SamplingConfig | None = None, teacher: bool = True) -> dict[str, Any]:
     """DFlash decode of `prompts` in one batch with the target's params as loaded, greedy or by `sampling`
     (prompt i seeded `sampling.seed + i`: the same drafter and prompts give the same τ); host metrics:
     `tau` (pooled over prompts: sum(accepted + 1) / verify steps), `tau/<set>`, `accept_per_position`
     (pooled share of steps whose draft i+1 was accepted), `tokens` (new tokens) and `seconds`; and, on the decoded
     answers, teacher-forced τ (`data.walk.teacher_taus`) at the serving walk's blocks (`tf_tau_walk`: `tau` again,
     computed from the stored tokens as `dflash data walk` does, equal to it up to numerics) and at every answer
-    position (`tf_tau_uniform`: what uniform training anchors measure; minus `tau`, the train/serve gap)."""
+    position (`tf_tau_uniform`: what uniform training anchors measure; minus `tau`, the train/serve gap), unless
+    `teacher` is False (they run the drafter over every answer position of a row at once: at long contexts that
+    costs more than the decode)."""
     t0 = time.perf_counter()
     k = drafter.arch.block_size
     done = decode(target.params, target.cfg, [list(p.ids) for p in prompts], new_tokens,
@@ -87,14 +89,15 @@ def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPromp
     accepted = np.asarray([a for c in done for a in c.accepted], np.int64)
     metrics["accept_per_position"] = [float(np.mean(accepted > i)) if accepted.size else 0.0 for i in range(k - 1)]
     metrics["tokens"] = sum(len(c.token_ids) for c in done)
-    rows = []
-    for c in done:
-        tokens = np.asarray(c.prompt_ids + c.token_ids, np.int32)
-        mask = np.zeros(tokens.size, np.float32)
-        mask[len(c.prompt_ids):] = 1
-        rows.append((tokens, mask, tokens.size))
-    taus = teacher_taus(Models.of(target.params, target.cfg, drafter), rows, k)
-    metrics["tf_tau_walk"], metrics["tf_tau_uniform"] = taus["walk"], taus["uniform"]
+    if teacher:
+        rows = []
+        for c in done:
+            tokens = np.asarray(c.prompt_ids + c.token_ids, np.int32)
+            mask = np.zeros(tokens.size, np.float32)
+            mask[len(c.prompt_ids):] = 1
+            rows.append((tokens, mask, tokens.size))
+        taus = teacher_taus(Models.of(target.params, target.cfg, drafter), rows, k)
+        metrics["tf_tau_walk"], metrics["tf_tau_uniform"] = taus["walk"], taus["uniform"]
     metrics["seconds"] = time.perf_counter() - t0
     return metrics
 
