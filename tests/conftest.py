@@ -107,12 +107,15 @@ def _release_compiled_programs():
     gc.collect()
 
 
-# The files that take longest in the default tier (--durations, 2026-12-04), longest first. They are collected
-# first so that pytest-xdist (`--dist loadfile` hands out files in collection order) starts them early, and the
-# short files fill the other worker around them instead of one long file running alone at the end.
-_LONGEST_FIRST = ("test_train_resume.py", "test_eval.py", "test_engine.py", "test_speculative.py",
-                  "test_shipped_drafter.py", "test_export.py", "test_train_step.py", "test_data_regenerate.py",
-                  "test_trainer.py", "test_server.py", "test_engine_pages.py")
+# The files that take longest in the default tier (--durations and compile seconds per file, 2026-12-05), longest
+# first. They are collected first so that pytest-xdist (`--dist loadfile` hands out files in collection order)
+# starts them early, and the short files fill the other worker around them instead of one long file running alone
+# at the end (test_tree.py, 2-3 min, used to start among the last).
+_LONGEST_FIRST = ("test_train_resume.py", "test_engine.py", "test_eval.py", "test_tree.py", "test_speculative.py",
+                  "test_sliding_window.py", "test_engine_pages.py", "test_dflash2.py", "test_server_compat.py",
+                  "test_train_step.py", "test_walk.py", "test_data_regenerate.py", "test_server.py", "test_trainer.py",
+                  "test_selector.py", "test_objective.py", "test_export.py", "test_decoder_cache.py", "test_drafter.py",
+                  "test_shipped_drafter.py", "test_server_fuzz.py", "test_markov_head.py", "test_multihost.py")
 
 
 def pytest_collection_modifyitems(config, items):
