@@ -114,7 +114,7 @@ def main() -> None:
     rows = []
     for context in args.contexts:
         prompts = long_prompts(target.tokenizer, context, args.prompts)
-        found = {name: real_tau(target, drafter, prompts, args.tokens, teacher=False)
+        found = {name: real_tau(target, drafter, prompts, args.tokens, teacher=False, prefill_chunk=1024)
                  for name, drafter in variants.items()}
         cases = [prepared(target, variants[name], k, context) for name in ("full", "windowed")]
         cost = dict(zip(("full", "windowed"), propose_ms(cases, k, args.repeats), strict=True))

@@ -936,14 +936,15 @@ def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[S
            stop_ids: Sequence[int] = (), sampling: SamplingConfig | None = None, seeds: Sequence[int] | None = None,
            draft_fn: Callable[[SpecState, int], Any] | None = None,
            on_token: Callable[[int], None] | None = None, tree_nodes: int | None = None, ngram: bool = False,
-           tree_fn: Callable[[SpecState, int, int], Any] | None = None) -> list[Completion]:
+           tree_fn: Callable[[SpecState, int, int], Any] | None = None,
+           prefill_chunk: int | None = None) -> list[Completion]:
     """Decode `prompts` together, one slot each, through the engine: AR without a drafter, else DFlash at
     `block_size` (default: the drafter's training K). Greedy DFlash equals AR token for token; sampled
     DFlash has AR sampling's distribution.
 
     seeds: one per prompt (default: sampling.seed + index); on_token: called with each new token of a
-    single prompt as the engine emits it (streaming); tree_nodes, ngram, tree_fn: as `Engine` (prompt lookup
-    alone: ngram with block_size and no drafter)."""
+    single prompt as the engine emits it (streaming); tree_nodes, ngram, tree_fn, prefill_chunk: as `Engine`
+    (prompt lookup alone: ngram with block_size and no drafter)."""
     if not prompts:
         raise ValueError("prompts must be a non-empty list of non-empty token lists; received none")
     if on_token is not None and len(prompts) != 1:
@@ -954,7 +955,8 @@ def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[S
     if len(seeds) != len(prompts):
         raise ValueError(f"seeds must hold one seed per prompt ({len(prompts)}); received {len(seeds)}")
     engine = Engine(target_params, target_cfg, drafter, slots=len(prompts), max_len=max_len, block_size=k,
-                    draft_fn=draft_fn, sampling=sampling, tree_nodes=tree_nodes, ngram=ngram, tree_fn=tree_fn)
+                    draft_fn=draft_fn, sampling=sampling, tree_nodes=tree_nodes, ngram=ngram, tree_fn=tree_fn,
+                    prefill_chunk=prefill_chunk)
     for prompt, seed in zip(prompts, seeds, strict=True):
         engine.submit(prompt, max_new_tokens, stop_ids, seed=int(seed))
     requests = list(engine.queue)

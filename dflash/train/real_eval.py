@@ -68,7 +68,8 @@ def decode_max_len(prompts: Sequence[EvalPrompt], new_tokens: int, block_size: i
 
 
 def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], new_tokens: int,
-             sampling: SamplingConfig | None = None, teacher: bool = True) -> dict[str, Any]:
+             sampling: SamplingConfig | None = None, teacher: bool = True,
+             prefill_chunk: int | None = None) -> dict[str, Any]:
     """DFlash decode of `prompts` in one batch with the target's params as loaded, greedy or by `sampling`
     (prompt i seeded `sampling.seed + i`: the same drafter and prompts give the same τ); host metrics:
     `tau` (pooled over prompts: sum(accepted + 1) / verify steps), `tau/<set>`, `accept_per_position`
@@ -77,12 +78,13 @@ def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPromp
     computed from the stored tokens as `dflash data walk` does, equal to it up to numerics) and at every answer
     position (`tf_tau_uniform`: what uniform training anchors measure; minus `tau`, the train/serve gap), unless
     `teacher` is False (they run the drafter over every answer position of a row at once: at long contexts that
-    costs more than the decode)."""
+    costs more than the decode). `prefill_chunk`: as `Engine` (long prompts prefilled a chunk at a time, so a batch of
+    8K-token prompts does not materialise their whole attention at once)."""
     t0 = time.perf_counter()
     k = drafter.arch.block_size
     done = decode(target.params, target.cfg, [list(p.ids) for p in prompts], new_tokens,
                   max_len=decode_max_len(prompts, new_tokens, k), drafter=drafter,
-                  stop_ids=target.tokenizer.stop_token_ids, sampling=sampling)
+                  stop_ids=target.tokenizer.stop_token_ids, sampling=sampling, prefill_chunk=prefill_chunk)
     metrics: dict[str, Any] = {"tau": _pooled_tau([c.accepted for c in done])}
     for name in dict.fromkeys(p.set for p in prompts):
         metrics[f"tau/{name}"] = _pooled_tau([c.accepted for c, p in zip(done, prompts, strict=True) if p.set == name])
