@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN
+from conftest import GOLDEN, export_round_trip
 from flax import nnx
 from reference import split_drafter
 
@@ -136,18 +136,13 @@ def test_the_markov_head_travels_beside_the_layout(setup, tmp_path, layout):
     """Exports keep `markov.*` out of the layout's own weights (loaders that glob `*.safetensors` see a plain
     drafter) in markov_head/model.safetensors; our loaders read it back and decode the same steps."""
     from dflash.models.loading import _safetensors_files
-    from dflash.models.speculators import load_speculators, save_speculators
-    from dflash.models.zlab import MARKOV_DIR, load_zlab, read_tensors, save_zlab
+    from dflash.models.speculators import save_speculators
+    from dflash.models.zlab import MARKOV_DIR, read_tensors, save_zlab
 
     target_cfg, target_params, arch, prompts = setup
     drafter = _live(arch, 6)
     directory = tmp_path / layout
-    if layout == "zlab":
-        save_zlab(drafter, directory)
-        loaded = load_zlab(directory, target_cfg, expect=arch)
-    else:
-        save_speculators(drafter, directory, verifier="tiny")
-        loaded = load_speculators(directory, target_cfg, expect=arch)
+    loaded, _ = export_round_trip(drafter, layout, directory, target_cfg, arch)
     assert [p.name for p in _safetensors_files(directory)] == ["model.safetensors"]
     assert not any(name.startswith("markov.") for name in read_tensors(directory))
     assert (directory / MARKOV_DIR / "model.safetensors").is_file() and loaded.arch.markov_rank == arch.markov_rank
