@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/drafter_tau.py --config smollm2 \
         --drafter shipped=dflash/data/assets/drafters/smollm2-dflash --drafter mix2=runs/mix2 \
         [--sets gsm8k,mtbench,humaneval,math500,mbpp] [--skip 8] [--per-set 6] [--tokens 128] \\
-        [--temperature T [--top-p P] [--seed S]] [--write] [--json F]
+        [--temperature T [--top-p P] [--seed S]] [--write] [--json F] [--plot PNG]
 
 A drafter is NAME=PATH[@STEP]: an exported directory, or a run dir (latest checkpoint, a step, or `best`).
 Every drafter decodes the same prompts (items `--skip` .. `--skip + --per-set - 1` of each set, first turn,
@@ -16,6 +16,7 @@ prompts are sampled (lossless speculative sampling: the output has the target's 
 seeded `--seed` + i, so a drafter's τ at T is reproducible on one machine; it varies with the seed, so compare
 drafters at the same seed and enough prompts. `--write` records the table
 in a study page under a section named after the drafters (`--page`, default a new dated page in docs/studies/).
+`--plot` draws τ per set, one bar per drafter (the table as a picture).
 """
 
 from __future__ import annotations
@@ -39,6 +40,31 @@ def parse_drafter(text: str) -> tuple[str, str, str | None]:
     return name, path, step or None
 
 
+def plot_bars(rows: list[dict], sets: list[str], png: Path, how: str) -> None:
+    """Pooled τ and τ per set as grouped bars, one colour per drafter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels = ["pooled", *(Path(s).stem for s in sets)]
+    keys = ["tau", *(f"tau/{s}" for s in sets)]
+    width = 0.8 / len(rows)
+    fig, ax = plt.subplots(figsize=(1.1 * len(labels) + 2, 3.8))
+    for i, r in enumerate(rows):
+        ax.bar(np.arange(len(labels)) + (i - (len(rows) - 1) / 2) * width, [r[k] for k in keys], width, label=r["name"])
+    ax.set_xticks(np.arange(len(labels)), labels, rotation=20)
+    ax.set_ylabel(f"real τ (engine, {how})")
+    ax.set_ylim(1.0, None)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=min(len(rows), 4))
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    print(f"plot written to {png}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="smollm2", help="recipe whose target decodes (default smollm2)")
@@ -56,6 +82,9 @@ def main() -> None:
                         "docs/studies/<today>-<section>.md, listed in docs/studies/README.md)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON (benchmarks/tau_vs_compute.py "
                         "--held-out plots those of run-dir steps)")
+    parser.add_argument("--baseline", type=Path, help="an earlier `--json` file with the same prompts, tokens and "
+                        "sampling settings: its rows come first in the table and plot, without decoding again")
+    parser.add_argument("--plot", type=Path, help="also draw τ per set, one bar per drafter, into this PNG")
     args = parser.parse_args()
     if args.skip < 0 or args.per_set < 1 or args.tokens < 1:
         parser.error("--skip must be >= 0, --per-set and --tokens >= 1")
@@ -76,6 +105,14 @@ def main() -> None:
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed) \
         if args.temperature > 0 else None
     rows = []
+    settings = {"sets": sets, "skip": args.skip, "per_set": args.per_set, "tokens": args.tokens,
+                "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    if args.baseline:
+        earlier = json.loads(args.baseline.read_text())
+        differs = {k: (earlier.get(k), v) for k, v in settings.items() if earlier.get(k) != v}
+        if differs:
+            parser.error(f"--baseline {args.baseline} was measured with other settings: {differs}")
+        rows.extend(earlier["rows"])
     for name, path, step in args.drafter:
         drafter = load_drafter(path, target.cfg, step=step)
         found = real_tau(target, drafter, prompts, args.tokens, sampling)
@@ -84,9 +121,7 @@ def main() -> None:
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"sets": sets, "skip": args.skip, "per_set": args.per_set,
-                                         "tokens": args.tokens, "temperature": args.temperature,
-                                         "top_p": args.top_p, "seed": args.seed, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps({**settings, "rows": rows}, indent=1) + "\n")
     lines = ["| drafter | K | real τ | " + " | ".join(f"τ {s}" for s in sets) + " | acceptance by position |",
              "|---|---|---|" + "---|" * len(sets) + "---|"]
     for r in rows:
@@ -105,6 +140,8 @@ def main() -> None:
                       "one batch through the serving engine; τ = (accepted + 1) per verify step, pooled.", "",
                       *lines])
     print(body)
+    if args.plot:
+        plot_bars(rows, sets, args.plot, "greedy" if sampling is None else f"T={args.temperature:g}")
     if args.write:
         key = "drafter_tau_" + "_".join(r["name"] for r in rows) + ("" if sampling is None else
                                                                     f"_t{args.temperature:g}")
