@@ -108,10 +108,11 @@ def _release_compiled_programs():
 
 
 # The files that take longest in the default tier (--durations and compile seconds per file, 2026-12-05), longest
-# first. They are collected first so that pytest-xdist (`--dist loadfile` hands out files in collection order)
-# starts them early, and the short files fill the other worker around them instead of one long file running alone
-# at the end (test_tree.py, 2-3 min, used to start among the last).
-_LONGEST_FIRST = ("test_train_resume.py", "test_engine.py", "test_eval.py", "test_tree.py", "test_speculative.py",
+# first. They are collected first so that pytest-xdist starts them early (bin/test's `--dist loadfile
+# --no-loadscope-reorder` hands out files in collection order; xdist's default reorders them by number of tests,
+# which ran the one-test SIGKILL resume file, 2-3 min, alone at the end) and the short files fill the other worker
+# around them.
+_LONGEST_FIRST = ("test_eval.py", "test_train_resume.py", "test_engine.py", "test_tree.py", "test_speculative.py",
                   "test_sliding_window.py", "test_engine_pages.py", "test_dflash2.py", "test_server_compat.py",
                   "test_train_step.py", "test_walk.py", "test_data_regenerate.py", "test_server.py", "test_trainer.py",
                   "test_selector.py", "test_objective.py", "test_export.py", "test_decoder_cache.py", "test_drafter.py",
