@@ -91,6 +91,17 @@ def main() -> None:
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         parser.error("--temperature must be >= 0 and --top-p lie in (0, 1]")
 
+    sets = [s for s in args.sets.split(",") if s]
+    rows = []  # checked before the target loads: a mismatching --baseline fails at once
+    settings = {"sets": sets, "skip": args.skip, "per_set": args.per_set, "tokens": args.tokens,
+                "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    if args.baseline:
+        earlier = json.loads(args.baseline.read_text())
+        differs = {k: (earlier.get(k), v) for k, v in settings.items() if earlier.get(k) != v}
+        if differs:
+            parser.error(f"--baseline {args.baseline} was measured with other settings: {differs}")
+        rows.extend(earlier["rows"])
+
     from benchmarks._report import machine, write_study
     from dflash.configs.recipe import load_recipe
     from dflash.models.drafter_io import load_drafter
@@ -100,19 +111,9 @@ def main() -> None:
 
     recipe = load_recipe(args.config)
     target = load_target(recipe.target)
-    sets = [s for s in args.sets.split(",") if s]
     prompts = eval_prompts(target.tokenizer, sets, args.per_set, skip=args.skip)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed) \
         if args.temperature > 0 else None
-    rows = []
-    settings = {"sets": sets, "skip": args.skip, "per_set": args.per_set, "tokens": args.tokens,
-                "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
-    if args.baseline:
-        earlier = json.loads(args.baseline.read_text())
-        differs = {k: (earlier.get(k), v) for k, v in settings.items() if earlier.get(k) != v}
-        if differs:
-            parser.error(f"--baseline {args.baseline} was measured with other settings: {differs}")
-        rows.extend(earlier["rows"])
     for name, path, step in args.drafter:
         drafter = load_drafter(path, target.cfg, step=step)
         found = real_tau(target, drafter, prompts, args.tokens, sampling)

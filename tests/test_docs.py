@@ -156,3 +156,19 @@ def test_study_scripts_write_dated_study_pages_and_performance_scripts_benchmark
     for script in ("drafter_tau", "training_study", "tau_vs_compute", "data_effect"):
         source = (ROOT / "benchmarks" / f"{script}.py").read_text()
         assert "write_study(" in source and "--page" in source and "write_section" not in source, script
+
+
+def test_drafter_tau_refuses_a_baseline_measured_with_other_settings(tmp_path):
+    """`benchmarks/drafter_tau.py --baseline` reuses rows only when the prompts, tokens and sampling match, and a
+    mismatch fails naming the field before anything loads."""
+    import json
+    import subprocess
+    import sys
+
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"sets": ["gsm8k"], "skip": 0, "per_set": 6, "tokens": 96, "temperature": 0.0,
+                                   "top_p": 1.0, "seed": 0, "rows": []}))
+    done = subprocess.run([sys.executable, "benchmarks/drafter_tau.py", "--drafter", "a=nowhere", "--sets", "gsm8k",
+                           "--skip", "0", "--tokens", "64", "--baseline", str(earlier)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "measured with other settings: {'tokens': (96, 64)}" in done.stderr, done.stderr
