@@ -92,10 +92,10 @@ def main() -> None:
         parser.error("--temperature must be >= 0 and --top-p lie in (0, 1]")
 
     sets = [s for s in args.sets.split(",") if s]
-    rows = []  # checked before the target loads: a mismatching --baseline fails at once
+    rows = []
     settings = {"sets": sets, "skip": args.skip, "per_set": args.per_set, "tokens": args.tokens,
                 "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
-    if args.baseline:
+    if args.baseline:  # checked before the target loads: a mismatching file fails at once
         earlier = json.loads(args.baseline.read_text())
         differs = {k: (earlier.get(k), v) for k, v in settings.items() if earlier.get(k) != v}
         if differs:
