@@ -173,3 +173,81 @@ def test_not_a_model_path(tmp_path):
     f.write_bytes(b"x")
     with pytest.raises(WeightsError, match="must be a .gguf file or an HF model directory"):
         load_weights(f)
+
+
+def _every_kind_gguf(path, note: str = "") -> None:
+    """A GGUF with a value of every metadata type and tensors stored as F32, F16, I32 and Q8_0."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFValueType as V
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for i, (kind, value) in enumerate([(V.UINT8, 200), (V.INT8, -3), (V.UINT16, 60000), (V.INT16, -30000),
+                                       (V.UINT32, 4_000_000_000), (V.INT32, -2_000_000_000), (V.FLOAT32, 0.5),
+                                       (V.BOOL, True), (V.STRING, "héllo " + note), (V.UINT64, 2**63),
+                                       (V.INT64, -(2**62)), (V.FLOAT64, 1e-300)]):
+        w.add_key_value(f"test.scalar{i}", value, kind)
+    w.add_array("test.strings", ["a", "", "ü€", "x" * 300])
+    w.add_array("test.ints", [1, -2, 3])
+    w.add_array("test.floats", [0.25, -1.5])
+    w.add_array("test.empty", [])
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 4)).astype(np.float16))
+    w.add_tensor("i32", np.arange(7, dtype=np.int32))
+    q = rng.standard_normal((4, 64)).astype(np.float32)
+    w.add_tensor("q8", gguf.quants.quantize(q, Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _assert_readers_agree(path, dequantize: bool = True) -> None:
+    from dflash.models.gguf_file import read_gguf
+
+    want, got = gguf.GGUFReader(str(path)), read_gguf(path)
+    keys = [k for k in want.fields if not k.startswith("GGUF.")]
+    assert list(got.fields) == keys
+    for key in keys:
+        value = want.fields[key].contents()
+        assert (list(got.fields[key]) if isinstance(got.fields[key], tuple) else got.fields[key]) == value, key
+        assert type(got.fields[key]) is (tuple if isinstance(value, list) else type(value)), key
+    assert [t.name for t in got.tensors] == [t.name for t in want.tensors]
+    for a, b in zip(want.tensors, got.tensors, strict=True):
+        assert b.tensor_type == a.tensor_type and b.shape == tuple(reversed(a.shape.tolist())), a.name
+        assert b.data.dtype == a.data.dtype and b.data.shape == a.data.shape, a.name
+        np.testing.assert_array_equal(b.data, a.data)
+        if dequantize and a.tensor_type != gguf.GGMLQuantizationType.I32:  # gguf: float and quantised only
+            np.testing.assert_array_equal(gguf.quants.dequantize(b.data, b.tensor_type),
+                                          gguf.quants.dequantize(a.data, a.tensor_type))
+
+
+def test_gguf_reader_agrees_with_the_gguf_package(tmp_path):
+    """dflash.models.gguf_file reads every field and tensor as gguf.GGUFReader does: a file with every value and
+    storage type, and the shipped SmolLM2 GGUF (Q4_1, 49 K tokens and merges); a rewritten file is read again."""
+    from dflash.models.gguf_file import read_gguf
+
+    path = tmp_path / "kinds.gguf"
+    _every_kind_gguf(path)
+    _assert_readers_agree(path)
+    assert read_gguf(path) is read_gguf(path)  # one parse per file
+    _every_kind_gguf(path, note="again")
+    assert read_gguf(path).get("test.scalar8") == "héllo again"
+    _assert_readers_agree(resolve_source("smollm2"), dequantize=False)  # equal bytes: equal weights
+
+
+def test_gguf_reader_refuses_what_it_cannot_read(tmp_path):
+    from dflash.models.gguf_file import GGUFFormatError, read_gguf
+
+    good = tmp_path / "good.gguf"
+    _every_kind_gguf(good)
+    data = good.read_bytes()
+    cases = {"magic": (b"GGUX" + data[4:], r"bad magic"),
+             "version": (data[:4] + (1).to_bytes(4, "little") + data[8:], r"GGUF version 1 \(versions \[2, 3\]"),
+             "big": (data[:4] + (3).to_bytes(4, "big") + data[8:], r"big-endian"),
+             "cut": (data[:200], r"the file ends at byte 200|runs past the end of the file"),
+             "data": (data[:-100], r"tensor data at byte \d+ .* runs past the end of the file")}
+    for name, (content, message) in cases.items():
+        (tmp_path / f"{name}.gguf").write_bytes(content)
+        with pytest.raises(GGUFFormatError, match=message):
+            read_gguf(tmp_path / f"{name}.gguf")

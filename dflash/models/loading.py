@@ -5,7 +5,8 @@ documented in `dflash/models/decoder.py` (weights transposed to `[in, out]`, lay
 names the file or the tensor and what was expected: a missing file, an unreadable or corrupt file, an
 unsupported architecture, a tensor whose shape disagrees with the config.
 
-GGUF notes: tensors are dequantised to fp32 with the `gguf` package. llama.cpp's converter permutes
+GGUF notes: the file is parsed once per process by `dflash.models.gguf_file` (the tokenizer shares the parse) and
+tensors are dequantised to fp32 with the `gguf` package. llama.cpp's converter permutes
 the rows of Q and K of `llama`-arch models (interleaved RoPE); we undo that permutation so the
 rotate-half RoPE of the HF layout applies. Qwen2/Qwen3 GGUFs are not permuted.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from dflash.models.config import DecoderConfig, RopeScaling
+from dflash.models.gguf_file import GGUFFile, read_gguf
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 _LAYER_KEYS_HF = {
@@ -241,28 +243,20 @@ def unpermute_llama_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_reader(path: Path):
-    import gguf
-
+def _gguf_reader(path: Path) -> GGUFFile:
     if not path.is_file():
         raise WeightsError(f"{path}: GGUF file not found")
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as err:  # the reader raises ValueError/struct errors/IndexError on corrupt files
+        return read_gguf(path)
+    except Exception as err:  # GGUFFormatError, struct/unicode errors on corrupt files
         raise WeightsError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from err
 
 
-def gguf_metadata(reader: Any) -> dict[str, Any]:
+def gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
     """Scalar and string metadata of a GGUF file (arrays of tokens/merges are skipped)."""
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in ("tokens", "merges", "token_type", "scores"):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: BLE001 - unreadable exotic fields are irrelevant here
-            continue
-    return meta
+    return {key: value for key, value in reader.fields.items()
+            if not (key.startswith("tokenizer.ggml.") and key.split(".")[-1] in ("tokens", "merges", "token_type",
+                                                                                  "scores"))}
 
 
 def decoder_config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
@@ -316,7 +310,7 @@ def load_gguf(path: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
     path = Path(path)
     reader = _gguf_reader(path)
     by_name = {t.name: t for t in reader.tensors}
-    shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in by_name.items()}
+    shapes = {name: t.shape for name, t in by_name.items()}
     cfg = decoder_config_from_gguf(gguf_metadata(reader), shapes, str(path))
     if "rope_freqs.weight" in by_name:
         factors = tuple(float(x) for x in np.asarray(by_name["rope_freqs.weight"].data, np.float32).ravel())

@@ -158,12 +158,12 @@ def load_tokenizer(path: str | Path) -> ChatTokenizer:
 def load_tokenizer_from_gguf(path: str | Path) -> ChatTokenizer:
     """Build the tokenizer from a GGUF's `tokenizer.*` metadata (byte-level BPE: `tokenizer.ggml.model`
     must be 'gpt2'; `tokenizer.ggml.pre` picks the pre-tokenizer, see the module docstring)."""
-    import gguf  # local: only GGUF sources need it
+    from dflash.models.gguf_file import read_gguf  # local: only GGUF sources need it
 
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist; expected a .gguf model file")
-    reader = gguf.GGUFReader(str(path))
+    reader = read_gguf(path)  # cached: the target's weights were read from the same parse
     family, tokens, merges, token_types = _gguf_vocabulary(reader, path.name)
     backend = _gguf_backend(family, tokens, merges, token_types, path.name)
     bos_id = _optional_id(_field(reader, "tokenizer.ggml.bos_token_id"), len(tokens), "tokenizer.ggml.bos_token_id")
@@ -176,8 +176,7 @@ def load_tokenizer_from_gguf(path: str | Path) -> ChatTokenizer:
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     """The value of GGUF metadata `key`, or `default` when the file lacks it."""
-    entry = reader.fields.get(key)
-    return default if entry is None else entry.contents()
+    return reader.get(key, default)
 
 
 def _gguf_vocabulary(reader: Any, name: str) -> tuple[str, list[str], list[str], list[int]]:
