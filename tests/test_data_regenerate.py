@@ -201,6 +201,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(target, engines, tmp_p
     assert (again.succeeded, again.errors, again.skipped, again.generated_tokens) == (0, 0, 10, 0)
 
 
+@pytest.mark.slow  # ~27 s: nightly; test_engine's sampled-output-does-not-depend-on-the-batch stays
 def test_sampled_results_do_not_depend_on_slots(target, engines, tmp_path):
     items = _items(6)
     cfg = RegenConfig(temperature=0.8, top_p=0.9, max_new_tokens=MAX_NEW, max_len=MAX_LEN, seed=3)

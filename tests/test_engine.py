@@ -319,7 +319,7 @@ def test_stable_text_only_grows_and_ends_as_the_non_streamed_answer(setup):
     assert sum(engine.done[rid].finish_reason == "stop" for rid in cases) >= len(cases) // 2
 
 
-@pytest.mark.parametrize("block_size", [None, 4])
+@pytest.mark.parametrize("block_size", [pytest.param(None, marks=pytest.mark.slow), 4])  # AR: nightly
 def test_logprobs_are_the_targets_own_for_greedy_and_sampled_requests(setup, block_size):
     """Generated and prompt log-probabilities (and the top alternatives) equal a plain full forward of the
     target over prompt + output, in fp32, for AR and DFlash, greedy and sampled requests sharing steps; a

@@ -120,6 +120,7 @@ def test_an_interrupted_eval_resumes_sending_only_what_is_missing(served):
     assert resumed["headline"]["tau"] == again["headline"]["tau"]
 
 
+@pytest.mark.slow  # ~25 s: nightly; the record store's rule is checked without servers below
 def test_a_rerun_against_another_drafter_measures_it_again(tiny, served, tmp_path):
     """Records are kept per setup: the same directory evaluated against a server with other drafter weights
     (or an old directory whose records carry no setup) sends the DFlash requests again and keeps AR's, so a
@@ -159,6 +160,8 @@ def test_a_rerun_against_another_drafter_measures_it_again(tiny, served, tmp_pat
                                                                                      "wall"]
 
 
+@pytest.mark.slow  # ~40 s: nightly; the sampled report (test_sampled_reports_do_not_compare_replies) and the engine's
+# seeded sampling (test_engine) stay
 def test_a_sampled_eval_records_its_rule_and_is_the_engine_sampling_with_those_seeds(tiny, served, tmp_path):
     """`temperature` > 0: every request is sampled with its own stable seed (the same for both modes), results.json
     records the rule, replies are not compared with AR (mismatches None), and each DFlash first turn's acceptance
@@ -214,6 +217,37 @@ def _reply(mode, item, turn, text, accepted, tpot):
             "text": text, "tokens": 10, "finish": "length", "latency_s": 1.0, "ttft_s": 0.1, "tpot_s": tpot,
             "accepted": accepted}
 
+
+
+def test_replies_of_another_setup_are_dropped_and_the_other_modes_kept(tmp_path):
+    """The record store keeps a mode's replies only under the setup they were made with: a rerun against another
+    drafter drops DFlash's replies (on disk too) and keeps AR's; replies written before setups were recorded are
+    not trusted either. (The served version of this: test_a_rerun_against_another_drafter_measures_it_again.)"""
+    path = tmp_path / "records.jsonl"
+    first, other, ar = {"drafter": "aaa", "max_new_tokens": 8}, {"drafter": "bbb", "max_new_tokens": 8}, {
+        "drafter": None, "max_new_tokens": 8}
+    store = RecordStore(path)
+    store.begin("dflash", first)
+    store.begin("ar", ar)
+    for mode in ("dflash", "ar"):
+        for turn in (0, 1):
+            store.add(_reply(mode, "mtbench:0", turn, "x", [1] if mode == "dflash" else [], 0.1))
+    replies = lambda s, mode: sorted(k for k in s.records if k[0] == "reply" and k[1] == mode)  # noqa: E731
+    again = RecordStore(path)
+    again.begin("dflash", first)
+    again.begin("ar", ar)
+    assert len(replies(again, "dflash")) == len(replies(again, "ar")) == 2 and again.path.read_text() == \
+        path.read_text()
+    again.begin("dflash", other)
+    assert replies(again, "dflash") == [] and len(replies(again, "ar")) == 2
+    reread = RecordStore(path)
+    assert replies(reread, "dflash") == [] and len(replies(reread, "ar")) == 2
+    assert reread.records[("setup", "dflash", None, None, None)]["setup"] == other
+    legacy = tmp_path / "legacy.jsonl"
+    legacy.write_text("".join(json.dumps(r) + "\n" for r in store.records.values() if r["kind"] != "setup"))
+    old = RecordStore(legacy)
+    old.begin("ar", ar)
+    assert replies(old, "ar") == [] and len(replies(old, "dflash")) == 2
 
 def test_report_statistics_on_known_records():
     records = [_reply("dflash", "gsm8k:0", 0, "so \\boxed{1,234}", [3, 0, 1], 0.05),

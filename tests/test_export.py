@@ -129,6 +129,7 @@ def test_bf16_export_is_the_fp32_weights_rounded_to_bf16(setup, tmp_path):
     assert any(not np.array_equal(got[k], want[k]) for k in want)  # bf16 really rounded something
 
 
+@pytest.mark.slow  # ~20 s: nightly; the bit-exact fp32 round trips of both layouts stay (same weights, same decode)
 def test_the_engine_decodes_identically_from_the_export(setup, tmp_path):
     """The same accepted counts per step, the same τ (> 1: this drafter's drafts are often right) and the same
     tokens from the Orbax checkpoint and from both exported layouts."""

@@ -62,6 +62,7 @@ def _run(actions: list[str], processes: int, logs: Path, timeout: float = 300) -
     return [out.read_text() for _, out, _ in procs]
 
 
+@pytest.mark.slow  # ~40 s of worker processes: nightly; test_trainer's 8-vs-1-device and checkpoint tests stay
 @pytest.mark.e2e
 def test_checkpoints_move_between_process_counts_and_hosts_read_disjoint_data(tmp_path):
     logs = tmp_path / "logs"

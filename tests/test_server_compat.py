@@ -304,6 +304,7 @@ def test_guidellm_benchmarks_streaming_chat_with_ttft_and_itl(server, hf_tokeniz
     _still_serves(url)
 
 
+@pytest.mark.slow  # ~35 s: nightly; lm-eval's local-chat-completions run and the echo log-probability shapes stay
 @pytest.mark.e2e
 def test_lm_eval_local_completions_runs_generate_until_and_multiple_choice(server, hf_tokenizer, tmp_path):
     """lm-evaluation-harness's `local-completions` model with its default settings (tokenized requests: `prompt`

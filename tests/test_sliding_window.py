@@ -108,7 +108,8 @@ def test_a_sliding_drafter_in_training_reads_only_the_window(setup):
         np.testing.assert_allclose(whole[:, j * K:(j + 1) * K], alone, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("chunk", "w", "n"), [(None, W, 29), (16, 24, 45)])
+@pytest.mark.parametrize(("chunk", "w", "n"), [(None, W, 29),
+                                               pytest.param(16, 24, 45, marks=pytest.mark.slow)])  # chunked: nightly
 def test_the_engine_ring_holds_the_last_w_positions(setup, chunk, w, n):
     """After a prompt longer than the ring and a few steps, the engine's draft (hidden states and drafts) equals
     a reference that recomputes the context of every committed token and gives the sliding layer only the last

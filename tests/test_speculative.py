@@ -62,6 +62,7 @@ def test_greedy_dflash_equals_ar_batch_4(setup, k):
         assert 1.0 <= res.tau <= k and len(res.accept_per_position) == k - 1
 
 
+@pytest.mark.slow  # ~20 s of batch-1 shapes: nightly; the batch-4 equalities above stay
 def test_greedy_dflash_equals_ar_batch_1(setup):
     target_cfg, target_params, drafter, prompts, ar = setup
     for p, ref in zip(prompts, ar, strict=True):

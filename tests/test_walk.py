@@ -92,6 +92,7 @@ def test_teacher_walk_equals_the_engine_walk(tiny):
     assert taus["walk"] == pytest.approx(np.mean(accepted + 1))
 
 
+@pytest.mark.slow  # ~25 s: nightly; the full-attention walk above and test_sliding_window's ring stay
 def test_the_teacher_walk_of_a_sliding_drafter_is_the_engine_walk(tiny):
     """With sliding-window layers (W = 16, well inside the rows' 70+ positions) the teacher-forced walk, and so
     `dflash data walk` and the in-loop eval's `tf_tau_walk`, gives each block the window the engine's ring does;
