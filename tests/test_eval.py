@@ -218,7 +218,6 @@ def _reply(mode, item, turn, text, accepted, tpot):
             "accepted": accepted}
 
 
-
 def test_replies_of_another_setup_are_dropped_and_the_other_modes_kept(tmp_path):
     """The record store keeps a mode's replies only under the setup they were made with: a rerun against another
     drafter drops DFlash's replies (on disk too) and keeps AR's; replies written before setups were recorded are
@@ -248,6 +247,7 @@ def test_replies_of_another_setup_are_dropped_and_the_other_modes_kept(tmp_path)
     old = RecordStore(legacy)
     old.begin("ar", ar)
     assert replies(old, "ar") == [] and len(replies(old, "dflash")) == 2
+
 
 def test_report_statistics_on_known_records():
     records = [_reply("dflash", "gsm8k:0", 0, "so \\boxed{1,234}", [3, 0, 1], 0.05),

@@ -116,9 +116,10 @@ def test_sigkill_at_random_step_then_resume_is_bit_identical(tmp_path, features,
     assert list((straight / "wandb").glob("offline-run-*")), sorted(p.name for p in straight.iterdir())
     json.loads((straight / "metrics.jsonl").read_text().splitlines()[-1])
 
+    # The refusal below costs one more run: the (nightly) offline variant checks it; in the default tier
+    # test_trainer checks the same refusal in process.
     if features == "online":
-        return  # the refusal below costs one more run: checked with the (nightly) offline variant; in the default
-        # tier test_trainer checks the same refusal in process
+        return
     # The same run directory with another drafter architecture is refused, naming the field.
     other = subprocess.run(_cmd(straight, "drafter.num_layers=2", *extra), cwd=ROOT, env=_env(),
                            capture_output=True, text=True, timeout=600)

@@ -42,7 +42,6 @@ class GGUFTensor:
 @dataclasses.dataclass(frozen=True)
 class GGUFFile:
     path: Path
-    version: int
     fields: Mapping[str, Any]  # every metadata value: str, bool, int, float, or a tuple of them (shared: cached)
     tensors: tuple[GGUFTensor, ...]
 
@@ -89,18 +88,23 @@ class _Cursor:
         return self.unpack(_SCALARS[kind])
 
 
+@functools.cache
+def _typed_storage() -> dict[Any, type]:
+    """The numpy dtype of each tensor type that gguf's reader returns typed (the rest: bytes per row)."""
+    from gguf.constants import GGMLQuantizationType as Q
+
+    return {Q.F16: np.float16, Q.F32: np.float32, Q.F64: np.float64, Q.I8: np.int8, Q.I16: np.int16,
+            Q.I32: np.int32, Q.I64: np.int64}
+
+
 def _tensor_data(mm: np.ndarray, offset: int, qtype: Any, dims: tuple[int, ...]) -> np.ndarray:
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import quant_shape_to_byte_shape
 
     block, type_size = GGML_QUANT_SIZES[qtype]
-    n_elements = int(np.prod(dims))
-    n_bytes = n_elements * type_size // block
+    n_bytes = int(np.prod(dims)) * type_size // block
     shape = tuple(reversed(dims))
-    typed = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
-             GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
-             GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
-             GGMLQuantizationType.I64: np.int64}.get(qtype)
+    typed = _typed_storage().get(qtype)
     if offset + n_bytes > mm.size:
         raise GGUFFormatError(f"tensor data at byte {offset} ({n_bytes} bytes) runs past the end of the file")
     raw = mm[offset:offset + n_bytes]
@@ -146,7 +150,7 @@ def _parse(path: Path) -> GGUFFile:
         except ValueError:
             raise GGUFFormatError(f"tensor {name!r} has unknown type {kind}") from None
         tensors.append(GGUFTensor(name, qtype, tuple(reversed(dims)), _tensor_data(mm, start + offset, qtype, dims)))
-    return GGUFFile(path, version, MappingProxyType(fields), tuple(tensors))
+    return GGUFFile(path, MappingProxyType(fields), tuple(tensors))
 
 
 @functools.lru_cache(maxsize=4)

@@ -38,6 +38,8 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
+from dflash.models.gguf_file import GGUFFile, read_gguf
+
 # Tokens that end an assistant turn or a document, in the families we support.
 STOP_TOKEN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>")
 # A token whose text matches this opens something; it is never a stop token.
@@ -158,48 +160,41 @@ def load_tokenizer(path: str | Path) -> ChatTokenizer:
 def load_tokenizer_from_gguf(path: str | Path) -> ChatTokenizer:
     """Build the tokenizer from a GGUF's `tokenizer.*` metadata (byte-level BPE: `tokenizer.ggml.model`
     must be 'gpt2'; `tokenizer.ggml.pre` picks the pre-tokenizer, see the module docstring)."""
-    from dflash.models.gguf_file import read_gguf  # local: only GGUF sources need it
-
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist; expected a .gguf model file")
     reader = read_gguf(path)  # cached: the target's weights were read from the same parse
     family, tokens, merges, token_types = _gguf_vocabulary(reader, path.name)
     backend = _gguf_backend(family, tokens, merges, token_types, path.name)
-    bos_id = _optional_id(_field(reader, "tokenizer.ggml.bos_token_id"), len(tokens), "tokenizer.ggml.bos_token_id")
-    eos_id = _optional_id(_field(reader, "tokenizer.ggml.eos_token_id"), len(tokens), "tokenizer.ggml.eos_token_id")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+    bos_id = _optional_id(reader.get("tokenizer.ggml.bos_token_id"), len(tokens), "tokenizer.ggml.bos_token_id")
+    eos_id = _optional_id(reader.get("tokenizer.ggml.eos_token_id"), len(tokens), "tokenizer.ggml.eos_token_id")
+    add_bos = bool(reader.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(reader.get("tokenizer.ggml.add_eos_token", False))
     backend.post_processor = _post_processor(tokens, bos_id if add_bos else None, eos_id if add_eos else None)
-    return _make(backend, _field(reader, "tokenizer.chat_template"), bos_id, eos_id, extra_stop_ids=())
+    return _make(backend, reader.get("tokenizer.chat_template"), bos_id, eos_id, extra_stop_ids=())
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    """The value of GGUF metadata `key`, or `default` when the file lacks it."""
-    return reader.get(key, default)
-
-
-def _gguf_vocabulary(reader: Any, name: str) -> tuple[str, list[str], list[str], list[int]]:
+def _gguf_vocabulary(reader: GGUFFile, name: str) -> tuple[str, list[str], list[str], list[int]]:
     """(pre-tokenizer family, tokens, merges, token types) of a GGUF, each checked (`name`: the file's)."""
-    model = _field(reader, "tokenizer.ggml.model")
+    model = reader.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(
             f"tokenizer.ggml.model must be 'gpt2' (byte-level BPE, the only kind supported); "
             f"received {model!r} in {name}; load the model's Hugging Face directory instead"
         )
-    pre = _field(reader, "tokenizer.ggml.pre")
+    pre = reader.get("tokenizer.ggml.pre")
     if pre not in _PRE_FAMILIES:
         raise ValueError(
             f"tokenizer.ggml.pre must be one of {sorted(_PRE_FAMILIES)}; received {pre!r} in {name}; "
             "load the model's Hugging Face directory instead"
         )
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    merges = _field(reader, "tokenizer.ggml.merges")
+    tokens = reader.get("tokenizer.ggml.tokens")
+    merges = reader.get("tokenizer.ggml.merges")
     if not tokens or merges is None:
         raise ValueError(
             f"tokenizer.ggml.tokens and tokenizer.ggml.merges must be present; missing in {name}"
         )
-    token_types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    token_types = reader.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(token_types) != len(tokens):
         raise ValueError(
             f"tokenizer.ggml.token_type must have one entry per token ({len(tokens)}); "
