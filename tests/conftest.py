@@ -38,6 +38,19 @@ def tiny_engine_models(block_size: int = 8):
     return target_cfg, target_params, DFlashDrafter(arch, nnx.Rngs(0))
 
 
+AR_SLOTS, AR_LEN = 3, 128  # the AR references' engine: one shape for every file, so they share compiled programs
+
+
+def ar_alone(target_params, target_cfg, prompt, budget: int, stop_ids=()) -> list[int]:
+    """The greedy AR tokens of `prompt` decoded alone: the only request of an AR engine of AR_SLOTS slots and
+    AR_LEN context (the reference the engine tests compare against, whatever their own engine's shape)."""
+    from dflash.serve.engine import Engine
+
+    engine = Engine(target_params, target_cfg, None, slots=AR_SLOTS, max_len=AR_LEN)
+    rid = engine.submit(prompt, budget, stop_ids)
+    return engine.run()[rid].token_ids
+
+
 def drafter_params(drafter) -> dict:
     """A drafter's parameters as {path: numpy array}."""
     import numpy as np

@@ -6,15 +6,16 @@ import re
 
 import numpy as np
 import pytest
-from conftest import tiny_engine_models
+from conftest import ar_alone, tiny_engine_models
 
-from dflash.serve.engine import Engine, RequestRejected, decode
+from dflash.serve.engine import Engine, RequestRejected
 from dflash.serve.sampling import SamplingConfig
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
 
 MAX_LEN = 128
+SLOTS = 3  # the engines' slots wherever a test does not need another count: their programs are shared
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,17 @@ def setup():
     return target_cfg, target_params, drafter, requests
 
 
+def _alone(target_cfg, target_params, drafter, prompt, budget, *, block_size=None, stop_ids=(), sampling=None,
+           seed=0):
+    """The request's tokens decoded alone: the only request of an engine with the tests' usual SLOTS (so that
+    it runs the programs the batched engines compiled)."""
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=block_size)
+    rid = engine.submit(prompt, budget, stop_ids, seed=seed, sampling=sampling)
+    return engine.run()[rid].token_ids
+
+
 def _ar(target_cfg, target_params, prompt, budget, stop_ids=()):
-    sampling = SamplingConfig(temperature=0.0, max_new_tokens=budget)
-    [done] = decode(target_params, target_cfg, [prompt], budget, max_len=MAX_LEN, stop_ids=stop_ids, sampling=sampling)
-    return done.token_ids
+    return ar_alone(target_params, target_cfg, prompt, budget, stop_ids)
 
 
 @pytest.mark.parametrize("block_size", [pytest.param(None, marks=pytest.mark.slow), 4,
@@ -66,9 +74,8 @@ def test_requests_arriving_together_share_one_padded_prefill(setup):
     done = engine.run()
     for rid, (prompt, budget) in zip([first, *ids[:2]], [requests[1], requests[0], requests[2]], strict=True):
         assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
-    [alone] = decode(target_params, target_cfg, [requests[3][0]], requests[3][1], max_len=MAX_LEN, drafter=drafter,
-                     block_size=4, sampling=sampling, seeds=[7])
-    assert done[ids[2]].token_ids == alone.token_ids
+    alone = _alone(target_cfg, target_params, drafter, *requests[3], block_size=4, sampling=sampling, seed=7)
+    assert done[ids[2]].token_ids == alone
     assert engine.pool.num_free == engine.pool.num_usable
 
 
@@ -94,9 +101,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_decodes(setup)
     done = engine.run()
     for rid, (prompt, budget) in [(running, requests[4]), (long_, requests[3])]:
         assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
-    plain = Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4)
-    rid = plain.submit(requests[1][0] + requests[3][0], 6, seed=5, sampling=sampling)
-    assert done[sampled].token_ids == plain.run()[rid].token_ids
+    plain = _alone(target_cfg, target_params, drafter, requests[1][0] + requests[3][0], 6, block_size=4,
+                   sampling=sampling, seed=5)
+    assert done[sampled].token_ids == plain
     assert ("prefill_chunk", 1, 16, 2) in engine.compiled_shapes and engine.pool.num_free == engine.pool.num_usable
     rid = engine.submit(requests[3][0], 4)
     engine.step()
@@ -109,7 +116,7 @@ def test_stop_tokens_free_the_slot_early(setup):
     target_cfg, target_params, drafter, requests = setup
     prompt, budget = requests[1]
     stop = _ar(target_cfg, target_params, prompt, budget)[5]
-    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=4)
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4)
     rid = engine.submit(prompt, budget, stop_ids=[stop])
     done = engine.run()
     assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget, stop_ids=[stop])
@@ -120,18 +127,19 @@ def test_sampled_output_does_not_depend_on_the_batch(setup):
     """At T > 0 a request's tokens depend on its seed only, not on which requests share its steps."""
     target_cfg, target_params, drafter, requests = setup
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
-    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=4, sampling=sampling)
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4,
+                    sampling=sampling)
     ids = [engine.submit(p, budget, seed=100 + i) for i, (p, budget) in enumerate(requests)]
     done = engine.run()
     for i, (rid, (prompt, budget)) in enumerate(zip(ids, requests, strict=True)):
-        [alone] = decode(target_params, target_cfg, [prompt], budget, max_len=MAX_LEN, drafter=drafter, block_size=4,
-                         sampling=sampling, seeds=[100 + i])
-        assert done[rid].token_ids == alone.token_ids, rid
+        alone = _alone(target_cfg, target_params, drafter, prompt, budget, block_size=4, sampling=sampling,
+                       seed=100 + i)
+        assert done[rid].token_ids == alone, rid
 
 
 def test_bad_requests_are_refused_naming_the_field_and_a_normal_one_still_runs(setup):
     target_cfg, target_params, drafter, requests = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4)
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4)
     vocab = target_cfg.vocab_size
     cases = [  # (submit's arguments, the field named, a piece of the message)
         (([], 4), {}, "prompt_ids", "at least one token"),
@@ -161,11 +169,11 @@ def test_bad_requests_are_refused_naming_the_field_and_a_normal_one_still_runs(s
 
 def test_no_budget_means_until_the_context_is_full(setup):
     target_cfg, target_params, _, requests = setup
-    engine = Engine(target_params, target_cfg, None, slots=1, max_len=48)
-    prompt = requests[0][0]  # 5 tokens: 48 - 5 - K(1) = 42 new tokens fit
+    engine = Engine(target_params, target_cfg, None, slots=SLOTS, max_len=MAX_LEN)
+    prompt = requests[0][0]  # 5 tokens: 128 - 5 - K(1) = 122 new tokens fit
     rid = engine.submit(prompt, None)
     done = engine.run()[rid]
-    assert len(done.token_ids) == 42 and done.finish_reason == "length"
+    assert len(done.token_ids) == 122 and done.finish_reason == "length"
 
 
 def test_a_request_whose_host_side_work_fails_ends_alone(setup):
@@ -181,7 +189,8 @@ def test_a_request_whose_host_side_work_fails_ends_alone(setup):
             raise KeyError(f"token {poison} has no text")
         return _text(ids)
 
-    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=4, detokenize=detokenize)
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4,
+                    detokenize=detokenize)
     bad, good = engine.submit(victim, v_budget), engine.submit(other, o_budget)
     done = engine.run()
     assert done[bad].finish_reason == "error" and f"token {poison} has no text" in done[bad].error
@@ -204,7 +213,7 @@ def test_requests_with_different_sampling_rules_share_steps(setup):
     target_cfg, target_params, drafter, requests = setup
     rules = [None, SamplingConfig(temperature=0.7), None, SamplingConfig(temperature=1.2, top_k=20),
              SamplingConfig(temperature=0.9, top_p=0.8), None, SamplingConfig(temperature=1.0)]
-    engine = Engine(target_params, target_cfg, drafter, slots=4, max_len=MAX_LEN, block_size=4)
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4)
     ids = [engine.submit(p, budget, seed=7 + i, sampling=rule)
            for i, ((p, budget), rule) in enumerate(zip(requests, rules, strict=True))]
     done = engine.run()
@@ -212,9 +221,9 @@ def test_requests_with_different_sampling_rules_share_steps(setup):
         if rule is None:
             assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
         else:
-            [alone] = decode(target_params, target_cfg, [prompt], budget, max_len=MAX_LEN, drafter=drafter,
-                             block_size=4, sampling=rule, seeds=[7 + i])
-            assert done[rid].token_ids == alone.token_ids, rid
+            alone = _alone(target_cfg, target_params, drafter, prompt, budget, block_size=4, sampling=rule,
+                           seed=7 + i)
+            assert done[rid].token_ids == alone, rid
     sampled = [done[rid].token_ids for rid, rule in zip(ids, rules, strict=True) if rule is not None]
     greedy_of_same = [_ar(target_cfg, target_params, p, b) for (p, b), r in zip(requests, rules, strict=True) if r]
     assert sampled != greedy_of_same  # the sampled rows really sampled
@@ -227,7 +236,7 @@ def test_stop_strings_end_the_request_at_the_completing_token(setup, block_size)
     ar = _ar(target_cfg, target_params, prompt, budget)
     stop = _text(ar)[9:13]  # spans tokens 4, 5 and 6: the request must keep ar[:7]
     expected = next(ar[:end] for end in range(1, len(ar) + 1) if stop in _text(ar[:end]))
-    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=block_size,
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=block_size,
                     detokenize=_text)
     rid = engine.submit(prompt, budget, stop_strings=["zzzzzz", stop])
     other = engine.submit(requests[1][0], requests[1][1])
@@ -261,14 +270,15 @@ def test_compiled_shapes_are_logged_and_bounded(setup, caplog):
 
 def test_cancel_frees_the_slot_and_its_pages_and_spares_the_neighbours(setup):
     target_cfg, target_params, drafter, requests = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=4)
-    ids = [engine.submit(p, budget) for p, budget in requests[:3]]
-    engine.step()  # requests 0 and 1 run, 2 waits
-    assert engine.cancel(ids[1]) and engine.cancel(ids[2]) and not engine.cancel(12345)
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4)
+    ids = [engine.submit(p, budget) for p, budget in requests[:4]]
+    engine.step()  # requests 0, 1 and 2 run, 3 waits
+    assert engine.cancel(ids[1]) and engine.cancel(ids[3]) and not engine.cancel(12345)
     assert ids[1] not in [r.request_id for r in engine.running.values()] and not engine.queue
     done = engine.run()
-    assert done[ids[1]].finish_reason == done[ids[2]].finish_reason == "cancelled" and not done[ids[2]].token_ids
-    assert done[ids[0]].token_ids == _ar(target_cfg, target_params, *requests[0])
+    assert done[ids[1]].finish_reason == done[ids[3]].finish_reason == "cancelled" and not done[ids[3]].token_ids
+    for i in (0, 2):
+        assert done[ids[i]].token_ids == _ar(target_cfg, target_params, *requests[i])
     assert engine.pool.num_free == engine.pool.num_usable
 
 
@@ -293,7 +303,7 @@ def test_stable_text_only_grows_and_ends_as_the_non_streamed_answer(setup):
     step each request's stable_text extends the previous one (what a stream sends), never shows the start of a
     stop string that later matches, and ends equal to the text a non-streamed request returns."""
     target_cfg, target_params, drafter, requests = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=4, max_len=MAX_LEN, block_size=4,
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4,
                     detokenize=_bytes_text)
     cases = {}
     for prompt, budget in [requests[i] for i in (0, 1, 3, 4)]:

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import GOLDEN
+from conftest import GOLDEN, ar_alone
 from flax import nnx
 
 from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from dflash.models.loading import load_hf_dir
 from dflash.serve import speculative
-from dflash.serve.engine import Engine, decode
-from dflash.serve.sampling import SamplingConfig
+from dflash.serve.engine import Engine
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
 
 MAX_LEN = 32
 K = 4
+# the engines' slots and pool wherever a test needs no other: 4 slots but 10 usable pages of 4 tokens, so at most
+# one or two worst cases (<= 6 pages each) at once; one shape, so the tests share their compiled programs
+SLOTS, PAGES = 4, 11
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +37,7 @@ def _requests(n: int, seed: int) -> list[tuple[list[int], int]]:
 
 
 def _ar(target_cfg, target_params, prompt, budget):
-    sampling = SamplingConfig(temperature=0.0, max_new_tokens=budget)
-    [done] = decode(target_params, target_cfg, [prompt], budget, max_len=MAX_LEN, sampling=sampling)
-    return done.token_ids
+    return ar_alone(target_params, target_cfg, prompt, budget)
 
 
 def _all_pages_free(engine: Engine) -> bool:
@@ -64,9 +64,8 @@ def test_a_thousand_requests_leak_no_pages(setup):
 
 def test_requests_wait_for_pages_and_all_finish(setup):
     target_cfg, target_params, drafter = setup
-    # 4 slots but 10 usable pages of 4 tokens: at most one or two worst cases (<= 6 pages each) at once.
-    engine = Engine(target_params, target_cfg, drafter, slots=4, max_len=MAX_LEN, block_size=K, page_size=4,
-                    num_pages=11)
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=K, page_size=4,
+                    num_pages=PAGES)
     requests = _requests(24, seed=2)
     ids = [engine.submit(p, budget) for p, budget in requests]
     waited = False
@@ -88,8 +87,8 @@ def test_requests_wait_for_pages_and_all_finish(setup):
 def test_propose_and_verify_compile_once_while_page_tables_change(setup):
     target_cfg, target_params, drafter = setup
     before = {f: getattr(speculative, f)._cache_size() for f in ("propose", "verify")}
-    engine = Engine(target_params, target_cfg, drafter, slots=5, max_len=MAX_LEN, block_size=K, page_size=4,
-                    num_pages=16)
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=K, page_size=4,
+                    num_pages=PAGES)
     for p, budget in _requests(40, seed=3):
         engine.submit(p, budget)
     versions = set()
@@ -107,8 +106,8 @@ def test_propose_and_verify_compile_once_while_page_tables_change(setup):
 
 def test_reset_frees_every_page_and_the_engine_serves_again(setup):
     target_cfg, target_params, drafter = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=K, page_size=4,
-                    num_pages=9)
+    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=K, page_size=4,
+                    num_pages=PAGES)
     for p, budget in _requests(5, seed=4):
         engine.submit(p, budget)
     engine.step()

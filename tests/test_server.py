@@ -19,6 +19,7 @@ pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not i
 
 
 MAX_LEN = 512
+AR_LEN = 256  # the AR references' context: the AR shapes test_chat_templates and test_smollm2 compile too
 QUESTIONS = ["What is 2+2?", "Name a color.", "Say hi.", "What is the capital of France?", "Count to three.",
              "What is a cat?", "Give me a number.", "Is water wet?"]
 
@@ -28,7 +29,7 @@ def server(smollm2_target):
     target = smollm2_target
     arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(1, 3), block_size=4), target.cfg,
                            mask_token_id=16)
-    engine = Engine(target.params, target.cfg, DFlashDrafter(arch, nnx.Rngs(0)), slots=8, max_len=MAX_LEN,
+    engine = Engine(target.params, target.cfg, DFlashDrafter(arch, nnx.Rngs(0)), slots=4, max_len=MAX_LEN,
                     block_size=4)
     srv = make_server(engine, target.tokenizer, "smollm2", port=0)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -41,7 +42,7 @@ def server(smollm2_target):
 
 def _ar_text(target, question: str, max_tokens: int) -> str:
     ids = target.tokenizer.encode_chat([{"role": "user", "content": question}], add_generation_prompt=True)
-    [done] = decode(target.params, target.cfg, [ids], max_tokens, max_len=MAX_LEN,
+    [done] = decode(target.params, target.cfg, [ids], max_tokens, max_len=AR_LEN,
                     stop_ids=target.tokenizer.stop_token_ids)
     out = done.token_ids
     return target.tokenizer.decode([t for t in out if t not in target.tokenizer.stop_token_ids])

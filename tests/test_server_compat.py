@@ -40,7 +40,8 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFL
 @pytest.fixture(scope="module")
 def server(smollm2_target):
     target = smollm2_target
-    engine = Engine(target.params, target.cfg, None, slots=2, max_len=MAX_LEN)  # AR: the HTTP layer is under test
+    # AR: the HTTP layer is under test; test_server_fuzz's slots and context, so the two share compiled programs
+    engine = Engine(target.params, target.cfg, None, slots=4, max_len=MAX_LEN)
     srv = make_server(engine, target.tokenizer, "smollm2", port=0, max_body_bytes=CAP, read_timeout=1.0,
                       api_key=KEY, unknown_fields="ignore")
     thread = threading.Thread(target=srv.serve_forever, daemon=True)

@@ -12,7 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_engine_models
+from conftest import ar_alone, tiny_engine_models
 from flax import nnx
 
 from dflash.models.drafter import DFlashDrafter, DraftVocab
@@ -32,8 +32,7 @@ def setup():
     target_cfg, target_params, drafter = tiny_engine_models(TRAIN_K)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 255, size=n)) for n in (5, 17, 9, 30)]
-    ar = [decode(target_params, target_cfg, [p], NEW, max_len=MAX_LEN, sampling=SamplingConfig(temperature=0.0))[0]
-          .token_ids for p in prompts]
+    ar = [ar_alone(target_params, target_cfg, p, NEW) for p in prompts]
     return target_cfg, target_params, drafter, prompts, ar
 
 

@@ -14,7 +14,7 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_engine_models
+from conftest import ar_alone, tiny_engine_models
 
 from dflash.serve.engine import Engine, decode
 from dflash.serve.sampling import SamplingConfig
@@ -100,7 +100,7 @@ def setup():
     rng = np.random.default_rng(0)
     # the last prompt repeats itself, so prompt lookup finds matches
     prompts = [list(rng.integers(0, 255, size=n)) for n in (5, 17, 9)] + [[3, 4, 5, 6, 7] * 4]
-    ar = [decode(target_params, target_cfg, [p], NEW, max_len=MAX_LEN)[0].token_ids for p in prompts]
+    ar = [ar_alone(target_params, target_cfg, p, NEW) for p in prompts]
     return target_cfg, target_params, drafter, prompts, ar
 
 

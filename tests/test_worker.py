@@ -6,10 +6,10 @@ import re
 
 import numpy as np
 import pytest
-from conftest import tiny_engine_models
+from conftest import ar_alone, tiny_engine_models
 from prometheus_client import generate_latest
 
-from dflash.serve.engine import Engine, RequestRejected, decode
+from dflash.serve.engine import Engine, RequestRejected
 from dflash.serve.sampling import SamplingConfig
 from dflash.serve.worker import EngineWorker
 
@@ -57,7 +57,7 @@ def test_updates_stream_stable_text_refusals_are_synchronous_and_failures_stay_a
             raise RuntimeError("device lost")
         return np.zeros((state.pending.shape[0], k - 1), np.int32)
 
-    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=4, draft_fn=drafts,
+    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=4, draft_fn=drafts,
                     detokenize=_bytes_text)
     worker = EngineWorker(engine).start()
     try:
@@ -69,8 +69,8 @@ def test_updates_stream_stable_text_refusals_are_synchronous_and_failures_stay_a
             worker.submit([1, 2], 4, sampling=SamplingConfig(temperature=1.0, top_k=2**31))
         assert worker.inbox.empty()
 
-        [ar] = decode(target_params, target_cfg, [prompts[0]], 20, max_len=MAX_LEN)
-        stop = _bytes_text(ar.token_ids)[5:8]
+        ar = ar_alone(target_params, target_cfg, prompts[0], 20)
+        stop = _bytes_text(ar)[5:8]
         jobs = [worker.submit(prompts[0], 20, stop_strings=(stop,)), worker.submit(prompts[1], 12, logprobs=2)]
         for job in jobs:
             updates = _drain(job)
