@@ -170,6 +170,32 @@ def test_init_from_a_dflash_drafter_starts_a_dflash2_recipe_with_identity_convol
         init_from_params(str(tmp_path), dataclasses.replace(want, num_layers=3), SimpleNamespace(cfg=target_cfg))
 
 
+def test_init_from_a_drafter_trained_at_another_block_size_loads_every_weight(setup, tmp_path):
+    """A K = 4 DFlash export starts a K = 8 DFlash2 recipe (conv and selector on): no weight's shape depends on K,
+    so every tensor of the source is loaded as it was, and the drafter drafts 8-token blocks; a different feature
+    layer is still refused by name."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from dflash.configs.schema import ConfigError
+    from dflash.train.loop import init_from_params
+
+    target_cfg, _, arch = setup
+    source = DFlashDrafter(arch(), nnx.Rngs(4))
+    save_zlab(source, tmp_path)
+    want = dataclasses.replace(arch(variant="dflash2", conv=True, selector=True), block_size=2 * K)
+    wide = DFlashDrafter(want, nnx.Rngs(0))
+    nnx.update(wide, jax.tree.map(jnp.asarray, init_from_params(str(tmp_path), want, SimpleNamespace(cfg=target_cfg))))
+    assert wide.arch.block_size == 2 * K
+    theirs = dict(nnx.to_flat_state(nnx.state(source, nnx.Param)))
+    mine = dict(nnx.to_flat_state(nnx.state(wide, nnx.Param)))
+    assert set(theirs) < set(mine)
+    for keys, value in theirs.items():
+        np.testing.assert_array_equal(np.asarray(mine[keys][...]), np.asarray(value[...]), err_msg=str(keys))
+    with pytest.raises(ConfigError, match="layer_ids"):
+        init_from_params(str(tmp_path), dataclasses.replace(want, layer_ids=(0, 3)), SimpleNamespace(cfg=target_cfg))
+
+
 @pytest.mark.slow
 def test_a_new_dflash2_drafter_computes_what_dflash_does(setup):
     """Identity-initialised convolutions: the same weights with and without them give the same hidden states."""

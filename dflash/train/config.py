@@ -64,7 +64,8 @@ class TrainConfig:
              checkpoint), a z-lab or speculators export, or an HF Hub export downloaded locally; its
              architecture must equal the recipe's (every differing field is named), except that a Markov head,
              a path selector or DFlash2's convolutions the recipe adds start as in a new drafter (drafting what
-             the loaded one drafts: `loop.init_from_params`). Weights ignored on resume;
+             the loaded one drafts: `loop.init_from_params`), and the block size may differ (a drafter trained
+             at one K fine-tuned at another). Weights ignored on resume;
              with head_vocab the run trains over that drafter's draft vocabulary when it has one.
     layer_init: how a fresh run (no init_from) starts the drafter: `random`, or `target`: its layers copy the
              target's layers right after the deepest captured feature layer, fc selects that feature and the

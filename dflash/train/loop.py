@@ -349,7 +349,8 @@ def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     recipe that has one (`drafter.markov_rank`, `drafter.selector`), and a DFlash drafter a DFlash2 recipe
     (`drafter.variant: dflash2`): what is added starts as in a new drafter (the head's output and the selector's
     edge scores at zero, the convolutions at the identity), so step 0 drafts exactly what the loaded drafter
-    does."""
+    does. The block size may differ (no weight's shape depends on K): a drafter trained at K = 4 starts a K = 8
+    recipe with all its weights."""
     from dflash.models.drafter_io import load_drafter
 
     loaded = load_drafter(Path(path).expanduser(), target.cfg)
@@ -375,7 +376,12 @@ def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     def same(a: Any, b: Any) -> bool:  # float fields may have been written in float32 by an export
         return math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) and isinstance(b, float) else a == b
 
-    differ = [f"{k}: {v!r} there vs {mine[k]!r} in the recipe" for k, v in arch_dict(loaded.arch).items()
+    theirs = loaded.arch
+    if theirs.block_size != arch.block_size:  # K sizes no weight: a drafter trained at one K starts another
+        log.info("train.init_from %s was trained at block size %d: it starts this recipe's %d", path,
+                 theirs.block_size, arch.block_size)
+        theirs = dataclasses.replace(theirs, block_size=arch.block_size)
+    differ = [f"{k}: {v!r} there vs {mine[k]!r} in the recipe" for k, v in arch_dict(theirs).items()
               if not same(v, mine[k])]
     if differ:
         raise ConfigError(f"train.init_from {path} holds another drafter architecture (" + "; ".join(differ) + ")")
