@@ -27,12 +27,13 @@ def setup():
     return target_cfg, target_params, drafter, requests
 
 
-def _alone(target_cfg, target_params, drafter, prompt, budget, *, block_size=None, stop_ids=(), sampling=None,
-           seed=0):
+def _alone(target_cfg, target_params, drafter, prompt, budget, *, block_size, sampling, seed):
     """The request's tokens decoded alone: the only request of an engine with the tests' usual SLOTS (so that
-    it runs the programs the batched engines compiled)."""
+    it runs the programs the batched engines compiled; test_requests_arriving_together_share_one_padded_prefill
+    compares a 4-slot engine's sampled request with it, so a sampled output not depending on the slot count stays
+    checked)."""
     engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=block_size)
-    rid = engine.submit(prompt, budget, stop_ids, seed=seed, sampling=sampling)
+    rid = engine.submit(prompt, budget, seed=seed, sampling=sampling)
     return engine.run()[rid].token_ids
 
 
