@@ -138,6 +138,15 @@ def test_sampled_output_does_not_depend_on_the_batch(setup):
         assert done[rid].token_ids == alone, rid
 
 
+def test_seeds_that_differ_above_bit_32_sample_differently(setup):
+    """A request's key is built from its whole 64-bit seed (`request_keys`): seed 2**32 + 9 is not seed 9."""
+    target_cfg, target_params, drafter, requests = setup
+    sampling = SamplingConfig(temperature=1.0)
+    low, high = (_alone(target_cfg, target_params, drafter, *requests[1], block_size=4, sampling=sampling, seed=s)
+                 for s in (9, 2**32 + 9))
+    assert low != high and len(low) == len(high) == requests[1][1]
+
+
 def test_bad_requests_are_refused_naming_the_field_and_a_normal_one_still_runs(setup):
     target_cfg, target_params, drafter, requests = setup
     engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4)

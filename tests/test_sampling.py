@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dflash.configs.schema import ConfigError
+from dflash.serve.engine import request_keys
 from dflash.serve.sampling import SamplingConfig, filtered_logprobs, sample
 from dflash.serve.speculative import bucket
 
@@ -70,3 +71,19 @@ def test_top_k_ties_and_top_k_past_the_vocabulary():
     rows = SamplingRows.of([SamplingConfig(temperature=1.0, top_k=1), SamplingConfig(temperature=1.0, top_k=10)])
     kept = np.isfinite(np.asarray(row_logprobs(logits, rows)))
     assert kept.tolist() == [[False, True, True, False], [True, True, True, True]]
+
+
+def test_request_keys_are_jax_keys_of_the_whole_64_bit_seed():
+    """Below 2**32 a request's key is `jax.random.PRNGKey(seed)` (sampled outputs of those seeds are unchanged);
+    at any seed it is JAX's key of the 64-bit seed (as with jax_enable_x64), so seeds that differ only above bit
+    32 get different keys, which PRNGKey without x64 would not give them."""
+    seeds = [0, 1, 9, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 9, 2**40 + 7, 2**62 + 12345, 2**63 - 1]
+    keys = request_keys(seeds)
+    assert keys.shape == (len(seeds), 2) and keys.dtype == np.uint32
+    for seed, key in zip(seeds, keys, strict=True):
+        if seed < 2**32:
+            np.testing.assert_array_equal(key, np.asarray(jax.random.PRNGKey(seed)))
+        with jax.enable_x64(True):
+            np.testing.assert_array_equal(key, np.asarray(jax.random.PRNGKey(np.int64(seed))))
+    assert len({tuple(k) for k in keys.tolist()}) == len(seeds)
+    assert request_keys([]).shape == (0, 2)

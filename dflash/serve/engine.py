@@ -93,6 +93,14 @@ class RequestRejected(ValueError):
         self.field = field
 
 
+def request_keys(seeds: Sequence[int]) -> np.ndarray:
+    """The sampling keys [R, 2] uint32 of requests seeded `seeds` (each in [0, 2**63)): JAX's threefry key of the
+    64-bit seed, (seed >> 32, seed & 0xFFFFFFFF), built on the host. `jax.random.PRNGKey(seed)` would keep only
+    the low 32 bits (without jax_enable_x64), so that seeds 9 and 2**32 + 9 sampled alike, and an engine step
+    would dispatch one op per request and compile a stack of R keys per row count (20 s for R = 4096)."""
+    return np.asarray([((seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF) for seed in seeds], np.uint32).reshape(-1, 2)
+
+
 def _reject_unless(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise RequestRejected(field, message)
@@ -552,8 +560,7 @@ class Engine:
         if scored and len(admitted) > 1:
             raise AssertionError("a scored request is prefilled alone")  # pragma: no cover - _admit's rule
         self._note_shape("prefill", tokens.shape)
-        keys = jnp.stack([jax.random.PRNGKey(seed) for seed in seeds])
-        new = Admission(jnp.asarray(slots), jnp.asarray(tokens), jnp.asarray(lengths), keys,
+        new = Admission(jnp.asarray(slots), jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(request_keys(seeds)),
                         SamplingRows.of(rules))
         scores = None
         if scored:
@@ -625,7 +632,7 @@ class Engine:
         self._sync_table()
         self._note_shape("prefill_chunk", (1, chunk, pages))
         new = Admission(jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
-                        jax.random.PRNGKey(request.seed)[None], SamplingRows.of([request.sampling]))
+                        jnp.asarray(request_keys([request.seed])), SamplingRows.of([request.sampling]))
         self.state = self._counted(prefill_chunk, self.models, self.state, new, jnp.asarray([start], jnp.int32),
                                    pages)
         return n
@@ -971,4 +978,4 @@ def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[S
 
 
 __all__ = ["Completion", "DrafterProposals", "Engine", "GivenProposals", "NoDrafts", "Proposer", "RequestRejected",
-           "decode"]
+           "decode", "request_keys"]
