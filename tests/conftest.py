@@ -38,17 +38,25 @@ def tiny_engine_models(block_size: int = 8):
     return target_cfg, target_params, DFlashDrafter(arch, nnx.Rngs(0))
 
 
-AR_SLOTS, AR_LEN = 3, 128  # the AR references' engine: one shape for every file, so they share compiled programs
+# The reference engine's shape: one for every file, so that the references (and the engines of tests that take
+# this shape) share their compiled programs.
+ALONE_SLOTS, ALONE_LEN = 3, 128
+
+
+def decode_alone(target_params, target_cfg, drafter, prompt, budget: int, *, block_size=None, stop_ids=(),
+                 sampling=None, seed: int = 0) -> list[int]:
+    """The tokens of `prompt` decoded alone: the only request of an engine of ALONE_SLOTS slots and ALONE_LEN
+    context (AR when `drafter` is None), the reference the engine tests compare against."""
+    from dflash.serve.engine import Engine
+
+    engine = Engine(target_params, target_cfg, drafter, slots=ALONE_SLOTS, max_len=ALONE_LEN, block_size=block_size)
+    rid = engine.submit(prompt, budget, stop_ids, seed=seed, sampling=sampling)
+    return engine.run()[rid].token_ids
 
 
 def ar_alone(target_params, target_cfg, prompt, budget: int, stop_ids=()) -> list[int]:
-    """The greedy AR tokens of `prompt` decoded alone: the only request of an AR engine of AR_SLOTS slots and
-    AR_LEN context (the reference the engine tests compare against, whatever their own engine's shape)."""
-    from dflash.serve.engine import Engine
-
-    engine = Engine(target_params, target_cfg, None, slots=AR_SLOTS, max_len=AR_LEN)
-    rid = engine.submit(prompt, budget, stop_ids)
-    return engine.run()[rid].token_ids
+    """The greedy AR tokens of `prompt` decoded alone (`decode_alone` without a drafter)."""
+    return decode_alone(target_params, target_cfg, None, prompt, budget, stop_ids=stop_ids)
 
 
 def drafter_params(drafter) -> dict:

@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import ar_alone, tiny_engine_models
+from conftest import ALONE_LEN, ALONE_SLOTS, ar_alone, decode_alone, tiny_engine_models
 
 from dflash.serve.engine import Engine, RequestRejected
 from dflash.serve.sampling import SamplingConfig
@@ -14,8 +14,9 @@ from dflash.serve.sampling import SamplingConfig
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
 
-MAX_LEN = 128
-SLOTS = 3  # the engines' slots wherever a test does not need another count: their programs are shared
+# the engines' slots and context wherever a test needs no other: the references' (conftest.decode_alone), so the
+# tests and their references share compiled programs
+SLOTS, MAX_LEN = ALONE_SLOTS, ALONE_LEN
 
 
 @pytest.fixture(scope="module")
@@ -25,20 +26,6 @@ def setup():
     requests = [(list(rng.integers(0, 255, size=n)), budget) for n, budget in
                 [(5, 12), (20, 30), (9, 4), (33, 17), (2, 25), (14, 9), (7, 21)]]
     return target_cfg, target_params, drafter, requests
-
-
-def _alone(target_cfg, target_params, drafter, prompt, budget, *, block_size, sampling, seed):
-    """The request's tokens decoded alone: the only request of an engine with the tests' usual SLOTS (so that
-    it runs the programs the batched engines compiled; test_requests_arriving_together_share_one_padded_prefill
-    compares a 4-slot engine's sampled request with it, so a sampled output not depending on the slot count stays
-    checked)."""
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=block_size)
-    rid = engine.submit(prompt, budget, seed=seed, sampling=sampling)
-    return engine.run()[rid].token_ids
-
-
-def _ar(target_cfg, target_params, prompt, budget, stop_ids=()):
-    return ar_alone(target_params, target_cfg, prompt, budget, stop_ids)
 
 
 @pytest.mark.parametrize("block_size", [pytest.param(None, marks=pytest.mark.slow), 4,
@@ -53,7 +40,7 @@ def test_requests_joining_and_leaving_equal_ar_alone(setup, block_size):
     done = engine.run()
     assert sorted(done) == ids and not engine.running and not engine.queue
     for rid, (prompt, budget) in zip(ids, requests, strict=True):
-        assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
+        assert done[rid].token_ids == ar_alone(target_params, target_cfg, prompt, budget), rid
         assert done[rid].finish_reason == "length"
         if block_size is not None:
             assert 1.0 <= done[rid].tau <= block_size
@@ -74,8 +61,9 @@ def test_requests_arriving_together_share_one_padded_prefill(setup):
     assert ("prefill", 4, 64) in engine.compiled_shapes  # 3 prompts (5, 9, 33 tokens) padded to 4 rows x 64
     done = engine.run()
     for rid, (prompt, budget) in zip([first, *ids[:2]], [requests[1], requests[0], requests[2]], strict=True):
-        assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
-    alone = _alone(target_cfg, target_params, drafter, *requests[3], block_size=4, sampling=sampling, seed=7)
+        assert done[rid].token_ids == ar_alone(target_params, target_cfg, prompt, budget), rid
+    # a 4-slot engine's sampled request against its 3-slot solo run: the output does not depend on the slot count
+    alone = decode_alone(target_params, target_cfg, drafter, *requests[3], block_size=4, sampling=sampling, seed=7)
     assert done[ids[2]].token_ids == alone
     assert engine.pool.num_free == engine.pool.num_usable
 
@@ -101,8 +89,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_decodes(setup)
     assert [(slot, r.request_id, n) for slot, (r, n) in engine.prefilling.items()] == [(2, sampled, 0)]  # next
     done = engine.run()
     for rid, (prompt, budget) in [(running, requests[4]), (long_, requests[3])]:
-        assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
-    plain = _alone(target_cfg, target_params, drafter, requests[1][0] + requests[3][0], 6, block_size=4,
+        assert done[rid].token_ids == ar_alone(target_params, target_cfg, prompt, budget), rid
+    plain = decode_alone(target_params, target_cfg, drafter, requests[1][0] + requests[3][0], 6, block_size=4,
                    sampling=sampling, seed=5)
     assert done[sampled].token_ids == plain
     assert ("prefill_chunk", 1, 16, 2) in engine.compiled_shapes and engine.pool.num_free == engine.pool.num_usable
@@ -116,11 +104,11 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_decodes(setup)
 def test_stop_tokens_free_the_slot_early(setup):
     target_cfg, target_params, drafter, requests = setup
     prompt, budget = requests[1]
-    stop = _ar(target_cfg, target_params, prompt, budget)[5]
+    stop = ar_alone(target_params, target_cfg, prompt, budget)[5]
     engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4)
     rid = engine.submit(prompt, budget, stop_ids=[stop])
     done = engine.run()
-    assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget, stop_ids=[stop])
+    assert done[rid].token_ids == ar_alone(target_params, target_cfg, prompt, budget, stop_ids=[stop])
     assert done[rid].finish_reason == "stop"
 
 
@@ -133,7 +121,7 @@ def test_sampled_output_does_not_depend_on_the_batch(setup):
     ids = [engine.submit(p, budget, seed=100 + i) for i, (p, budget) in enumerate(requests)]
     done = engine.run()
     for i, (rid, (prompt, budget)) in enumerate(zip(ids, requests, strict=True)):
-        alone = _alone(target_cfg, target_params, drafter, prompt, budget, block_size=4, sampling=sampling,
+        alone = decode_alone(target_params, target_cfg, drafter, prompt, budget, block_size=4, sampling=sampling,
                        seed=100 + i)
         assert done[rid].token_ids == alone, rid
 
@@ -142,7 +130,7 @@ def test_seeds_that_differ_above_bit_32_sample_differently(setup):
     """A request's key is built from its whole 64-bit seed (`request_keys`): seed 2**32 + 9 is not seed 9."""
     target_cfg, target_params, drafter, requests = setup
     sampling = SamplingConfig(temperature=1.0)
-    low, high = (_alone(target_cfg, target_params, drafter, *requests[1], block_size=4, sampling=sampling, seed=s)
+    low, high = (decode_alone(target_params, target_cfg, drafter, *requests[1], block_size=4, sampling=sampling, seed=s)
                  for s in (9, 2**32 + 9))
     assert low != high and len(low) == len(high) == requests[1][1]
 
@@ -174,7 +162,7 @@ def test_bad_requests_are_refused_naming_the_field_and_a_normal_one_still_runs(s
     assert not engine.queue  # nothing refused was queued
     prompt, _ = requests[0]
     rid = engine.submit(prompt, 6)
-    assert engine.run()[rid].token_ids == _ar(target_cfg, target_params, prompt, 6)
+    assert engine.run()[rid].token_ids == ar_alone(target_params, target_cfg, prompt, 6)
 
 
 def test_no_budget_means_until_the_context_is_full(setup):
@@ -191,7 +179,8 @@ def test_a_request_whose_host_side_work_fails_ends_alone(setup):
     neighbours sharing its steps keep exactly their AR tokens, and the engine serves the next request."""
     target_cfg, target_params, drafter, requests = setup
     (victim, v_budget), (other, o_budget) = requests[1], requests[3]
-    v_ar, o_ar = _ar(target_cfg, target_params, victim, v_budget), _ar(target_cfg, target_params, other, o_budget)
+    v_ar = ar_alone(target_params, target_cfg, victim, v_budget)
+    o_ar = ar_alone(target_params, target_cfg, other, o_budget)
     poison = next(t for t in v_ar[2:] if t not in o_ar)
 
     def detokenize(ids):
@@ -229,13 +218,13 @@ def test_requests_with_different_sampling_rules_share_steps(setup):
     done = engine.run()
     for i, (rid, (prompt, budget), rule) in enumerate(zip(ids, requests, rules, strict=True)):
         if rule is None:
-            assert done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
+            assert done[rid].token_ids == ar_alone(target_params, target_cfg, prompt, budget), rid
         else:
-            alone = _alone(target_cfg, target_params, drafter, prompt, budget, block_size=4, sampling=rule,
+            alone = decode_alone(target_params, target_cfg, drafter, prompt, budget, block_size=4, sampling=rule,
                            seed=7 + i)
             assert done[rid].token_ids == alone, rid
     sampled = [done[rid].token_ids for rid, rule in zip(ids, rules, strict=True) if rule is not None]
-    greedy_of_same = [_ar(target_cfg, target_params, p, b) for (p, b), r in zip(requests, rules, strict=True) if r]
+    greedy_of_same = [ar_alone(target_params, target_cfg, p, b) for (p, b), r in zip(requests, rules, strict=True) if r]
     assert sampled != greedy_of_same  # the sampled rows really sampled
 
 
@@ -243,7 +232,7 @@ def test_requests_with_different_sampling_rules_share_steps(setup):
 def test_stop_strings_end_the_request_at_the_completing_token(setup, block_size):
     target_cfg, target_params, drafter, requests = setup
     prompt, budget = requests[3]
-    ar = _ar(target_cfg, target_params, prompt, budget)
+    ar = ar_alone(target_params, target_cfg, prompt, budget)
     stop = _text(ar)[9:13]  # spans tokens 4, 5 and 6: the request must keep ar[:7]
     expected = next(ar[:end] for end in range(1, len(ar) + 1) if stop in _text(ar[:end]))
     engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=block_size,
@@ -253,7 +242,7 @@ def test_stop_strings_end_the_request_at_the_completing_token(setup, block_size)
     done = engine.run()
     assert done[rid].token_ids == expected and len(expected) < budget
     assert done[rid].finish_reason == "stop" and done[rid].stop_string == stop
-    assert done[other].token_ids == _ar(target_cfg, target_params, *requests[1])  # its neighbour is unaffected
+    assert done[other].token_ids == ar_alone(target_params, target_cfg, *requests[1])  # its neighbour is unaffected
     assert engine.pool.num_free == engine.pool.num_usable  # both slots' pages came back
     with pytest.raises(ValueError, match="detokenize"):
         Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN).submit([1], 4, stop_strings=["x"])
@@ -288,7 +277,7 @@ def test_cancel_frees_the_slot_and_its_pages_and_spares_the_neighbours(setup):
     done = engine.run()
     assert done[ids[1]].finish_reason == done[ids[3]].finish_reason == "cancelled" and not done[ids[3]].token_ids
     for i in (0, 2):
-        assert done[ids[i]].token_ids == _ar(target_cfg, target_params, *requests[i])
+        assert done[ids[i]].token_ids == ar_alone(target_params, target_cfg, *requests[i])
     assert engine.pool.num_free == engine.pool.num_usable
 
 
@@ -317,7 +306,7 @@ def test_stable_text_only_grows_and_ends_as_the_non_streamed_answer(setup):
                     detokenize=_bytes_text)
     cases = {}
     for prompt, budget in [requests[i] for i in (0, 1, 3, 4)]:
-        ar = _ar(target_cfg, target_params, prompt, budget)
+        ar = ar_alone(target_params, target_cfg, prompt, budget)
         full = _bytes_text(ar)
         stop_sets = [(full[i:i + w],) for i, w in [(1, 3), (4, 2), (len(full) // 2, 4), (len(full) - 3, 3)]]
         stop_sets += [("zzzq",), (full[2:4] + "\x00\x00", full[6:9]), (full[3], full[-2:] + "#")]
@@ -351,7 +340,7 @@ def test_logprobs_are_the_targets_own_for_greedy_and_sampled_requests(setup, blo
 
     target_cfg, target_params, drafter, requests = setup
     chosen = [requests[1], requests[3], requests[0]]
-    greedy = {tuple(p): p + _ar(target_cfg, target_params, p, budget) for p, budget in chosen}
+    greedy = {tuple(p): p + ar_alone(target_params, target_cfg, p, budget) for p, budget in chosen}
     engine = None
 
     def oracle(state, k):  # drafts from the greedy continuation: whole blocks accepted, sampled rows mixed
@@ -433,7 +422,7 @@ def test_several_steps_per_dispatch_change_no_output(setup, block_size):
     stops cut exactly."""
     target_cfg, target_params, drafter, requests = setup
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
-    ar1, ar3 = _ar(target_cfg, target_params, *requests[1]), _ar(target_cfg, target_params, *requests[3])
+    ar1, ar3 = ar_alone(target_params, target_cfg, *requests[1]), ar_alone(target_params, target_cfg, *requests[3])
     stop_id, stop_text = ar1[6], _text(ar3)[9:13]
 
     def run(r):
@@ -456,7 +445,7 @@ def test_several_steps_per_dispatch_change_no_output(setup, block_size):
         assert (a.token_ids, a.finish_reason, a.stop_string, a.accepted) == (b.token_ids, b.finish_reason,
                                                                              b.stop_string, b.accepted)
         assert a.text == b.text
-    assert four[0].token_ids == _ar(target_cfg, target_params, *requests[0]) and four[0].finish_reason == "length"
+    assert four[0].token_ids == ar_alone(target_params, target_cfg, *requests[0]) and four[0].finish_reason == "length"
     assert four[1].token_ids == ar1[:ar1.index(stop_id) + 1] and four[1].finish_reason == "stop"
     assert four[2].finish_reason == "stop" and four[2].stop_string == stop_text and len(four[2].token_ids) < len(ar3)
     assert four[4].finish_reason == "cancelled"

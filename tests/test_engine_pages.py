@@ -36,10 +36,6 @@ def _requests(n: int, seed: int) -> list[tuple[list[int], int]]:
             for _ in range(n)]
 
 
-def _ar(target_cfg, target_params, prompt, budget):
-    return ar_alone(target_params, target_cfg, prompt, budget)
-
-
 def _all_pages_free(engine: Engine) -> bool:
     return (engine.pool.num_free == engine.pool.num_usable
             and all(not engine.table.pages(s) for s in range(engine.slots)))
@@ -59,7 +55,7 @@ def test_a_thousand_requests_leak_no_pages(setup):
     assert np.all(engine.lengths == 0)
     for i in np.random.default_rng(1).choice(len(requests), size=20, replace=False):
         prompt, budget = requests[i]
-        assert done[ids[i]].token_ids == _ar(target_cfg, target_params, prompt, budget), i
+        assert done[ids[i]].token_ids == ar_alone(target_params, target_cfg, prompt, budget), i
 
 
 def test_requests_wait_for_pages_and_all_finish(setup):
@@ -77,7 +73,7 @@ def test_requests_wait_for_pages_and_all_finish(setup):
     assert waited
     assert _all_pages_free(engine)
     for rid, (prompt, budget) in zip(ids, requests, strict=True):
-        assert engine.done[rid].token_ids == _ar(target_cfg, target_params, prompt, budget), rid
+        assert engine.done[rid].token_ids == ar_alone(target_params, target_cfg, prompt, budget), rid
     small = Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=K, page_size=4,
                    num_pages=4)
     with pytest.raises(ValueError, match="more than the whole pool"):
@@ -116,4 +112,4 @@ def test_reset_frees_every_page_and_the_engine_serves_again(setup):
     assert not engine.busy and not engine.done and _all_pages_free(engine)
     [(prompt, budget)] = _requests(1, seed=5)
     rid = engine.submit(prompt, budget)
-    assert engine.run()[rid].token_ids == _ar(target_cfg, target_params, prompt, budget)
+    assert engine.run()[rid].token_ids == ar_alone(target_params, target_cfg, prompt, budget)
