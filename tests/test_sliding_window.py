@@ -208,3 +208,28 @@ def test_importing_a_sliding_config_names_every_mismatching_field(setup, tmp_pat
     config["max_window_layers"] = 1
     (tmp_path / "ok" / "config.json").write_text(json.dumps(config))
     assert load_zlab(tmp_path / "ok", target_cfg).arch.layer_types == ("full_attention", "sliding_attention")
+
+
+def test_init_from_may_change_the_draft_window(setup, tmp_path):
+    """No weight depends on the window: a sliding-window export starts a full-attention recipe and a
+    full-attention export a sliding-window one, every tensor loaded as it was; another layer count is still
+    refused by name."""
+    from types import SimpleNamespace
+
+    from dflash.configs.schema import ConfigError
+    from dflash.train.loop import init_from_params
+
+    target_cfg, _, arch = setup
+    full = dataclasses.replace(arch, layer_types=(), sliding_window=0)
+    for source_arch, recipe in ((arch, full), (full, dataclasses.replace(arch, sliding_window=2 * W))):
+        source = DFlashDrafter(source_arch, nnx.Rngs(4))
+        save_zlab(source, tmp_path / str(source_arch.sliding_window))
+        params = init_from_params(str(tmp_path / str(source_arch.sliding_window)), recipe,
+                                  SimpleNamespace(cfg=target_cfg))
+        started = DFlashDrafter(recipe, nnx.Rngs(0))
+        nnx.update(started, jax.tree.map(jnp.asarray, params))
+        assert started.arch.sliding_window == recipe.sliding_window
+        assert_same_params(source, started)
+    with pytest.raises(ConfigError, match="num_layers"):
+        init_from_params(str(tmp_path / "0"), dataclasses.replace(arch, num_layers=3, layer_types=(*TYPES, TYPES[0])),
+                         SimpleNamespace(cfg=target_cfg))

@@ -350,7 +350,8 @@ def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     (`drafter.variant: dflash2`): what is added starts as in a new drafter (the head's output and the selector's
     edge scores at zero, the convolutions at the identity), so step 0 drafts exactly what the loaded drafter
     does. The block size may differ (no weight's shape depends on K): a drafter trained at K = 4 starts a K = 8
-    recipe with all its weights."""
+    recipe with all its weights. So may the draft window (`drafter.layer_types`, `drafter.sliding_window`): a
+    full-attention drafter starts a sliding-window recipe, or the reverse."""
     from dflash.models.drafter_io import load_drafter
 
     loaded = load_drafter(Path(path).expanduser(), target.cfg)
@@ -381,6 +382,12 @@ def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
         log.info("train.init_from %s was trained at block size %d: it starts this recipe's %d", path,
                  theirs.block_size, arch.block_size)
         theirs = dataclasses.replace(theirs, block_size=arch.block_size)
+    if (theirs.layer_types, theirs.sliding_window) != (arch.layer_types, arch.sliding_window):
+        # a window sizes no weight either: it only limits the context keys a layer sees (D63)
+        log.info("train.init_from %s has layer_types %s, window %d: it starts this recipe's %s, window %d", path,
+                 list(theirs.layer_types) or "all full_attention", theirs.sliding_window,
+                 list(arch.layer_types) or "all full_attention", arch.sliding_window)
+        theirs = dataclasses.replace(theirs, layer_types=arch.layer_types, sliding_window=arch.sliding_window)
     differ = [f"{k}: {v!r} there vs {mine[k]!r} in the recipe" for k, v in arch_dict(theirs).items()
               if not same(v, mine[k])]
     if differ:
