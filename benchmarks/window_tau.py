@@ -1,7 +1,7 @@
 """Real τ and draft step cost against context length, for drafters served with full-attention draft layers and
 with sliding-window ones (`drafter.layer_types`, `drafter.sliding_window`), side by side in one run.
 
-    .venv/bin/python benchmarks/window_tau.py [--drafter [NAME=]PATH ...] [--contexts 1024 2048 4096 8192] \
+    .venv/bin/python benchmarks/window_tau.py [--drafter [NAME=]PATH[@STEP] ...] [--contexts 1024 2048 4096 8192] \
         [--window 512] [--prompts 4] [--tokens 96] [--repeats 10] [--json F] [--write [--section S]]
 
 The long-prompt set: for each context length L, `--prompts` many-shot GSM8K prompts of about L tokens (chat
@@ -88,19 +88,19 @@ def layers_of(drafter) -> str:
     return " ".join("S" if arch.sliding(i) else "F" for i in range(arch.num_layers)) + f" W={arch.sliding_window}"
 
 
-def named_drafters(specs: list[str]) -> dict[str, str]:
-    """`--drafter` values (`PATH` or `NAME=PATH`) as {name: path}; a bare path is named `shipped` when it is the
-    shipped drafter, else by its last folder."""
-    out = {}
-    for spec in specs:
-        name, _, path = spec.rpartition("=")
-        out[name or ("shipped" if path == SHIPPED else Path(path).name)] = path
-    return out
+def drafter_arg(text: str) -> tuple[str, str, str | None]:
+    """A `--drafter`: `NAME=PATH[@STEP]` as benchmarks/drafter_tau.py reads it, or a bare PATH, named `shipped`
+    when it is the shipped drafter, else by its last folder."""
+    from benchmarks.drafter_tau import parse_drafter
+
+    if "=" in text:
+        return parse_drafter(text)
+    return "shipped" if text == SHIPPED else Path(text).name, text, None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drafter", action="append", metavar="[NAME=]PATH",
+    parser.add_argument("--drafter", type=drafter_arg, action="append", metavar="[NAME=]PATH[@STEP]",
                         help=f"an exported drafter or run dir, served as trained; repeat to compare (default "
                         f"{SHIPPED})")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
@@ -127,9 +127,10 @@ def main() -> None:
     started = time.time()
     target = load_target(TargetConfig(source="smollm2", dtype="float32",
                                       max_seq_len=max(args.contexts) + args.tokens + 64))
-    variants, sources = {}, named_drafters(args.drafter or [SHIPPED])
-    for name, path in sources.items():
-        drafter = load_drafter(Path(path), target.cfg)
+    drafters = args.drafter or [drafter_arg(SHIPPED)]
+    sources, variants = {name: path for name, path, _ in drafters}, {}
+    for name, path, step in drafters:
+        drafter = load_drafter(Path(path), target.cfg, step=step)
         variants[name] = drafter
         if args.window and not drafter.arch.num_sliding:
             variants[f"{name}, W={args.window} post hoc"] = windowed(drafter, args.window)

@@ -343,6 +343,9 @@ def init_vocab(path: str, target: Target) -> list[int] | None:
     return [int(t) for t in np.asarray(vocab.ids)]
 
 
+WEIGHTLESS_FIELDS = ("block_size", "layer_types", "sliding_window")  # drafter fields no weight depends on
+
+
 def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     """The drafter params of `train.init_from` (a run dir or an export), checked against the recipe's `arch`
     (ConfigError naming every differing field). A drafter without a Markov head or a path selector may start a
@@ -377,17 +380,13 @@ def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     def same(a: Any, b: Any) -> bool:  # float fields may have been written in float32 by an export
         return math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) and isinstance(b, float) else a == b
 
-    theirs = loaded.arch
-    if theirs.block_size != arch.block_size:  # K sizes no weight: a drafter trained at one K starts another
-        log.info("train.init_from %s was trained at block size %d: it starts this recipe's %d", path,
-                 theirs.block_size, arch.block_size)
-        theirs = dataclasses.replace(theirs, block_size=arch.block_size)
-    if (theirs.layer_types, theirs.sliding_window) != (arch.layer_types, arch.sliding_window):
-        # a window sizes no weight either: it only limits the context keys a layer sees (D63)
-        log.info("train.init_from %s has layer_types %s, window %d: it starts this recipe's %s, window %d", path,
-                 list(theirs.layer_types) or "all full_attention", theirs.sliding_window,
-                 list(arch.layer_types) or "all full_attention", arch.sliding_window)
-        theirs = dataclasses.replace(theirs, layer_types=arch.layer_types, sliding_window=arch.sliding_window)
+    # K and the draft window size no weight (the window only limits the context keys a layer sees, D63): the
+    # recipe's values are taken
+    taken = {f: getattr(arch, f) for f in WEIGHTLESS_FIELDS if getattr(loaded.arch, f) != getattr(arch, f)}
+    if taken:
+        log.info("train.init_from %s starts this recipe with its %s", path, "; ".join(
+            f"{f} {v!r} (trained with {getattr(loaded.arch, f)!r})" for f, v in taken.items()))
+    theirs = dataclasses.replace(loaded.arch, **taken)
     differ = [f"{k}: {v!r} there vs {mine[k]!r} in the recipe" for k, v in arch_dict(theirs).items()
               if not same(v, mine[k])]
     if differ:
