@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/drafter_tau.py --config smollm2 \
         --drafter shipped=dflash/data/assets/drafters/smollm2-dflash --drafter mix2=runs/mix2 \
         [--sets gsm8k,mtbench,humaneval,math500,mbpp] [--skip 8] [--per-set 6] [--tokens 128] \\
-        [--temperature T [--top-p P] [--seed S]] [--write] [--json F] [--plot PNG]
+        [--temperature T [--top-p P] [--seed S] [--draft-rules argmax,sample]] [--write] [--json F] [--plot PNG]
 
 A drafter is NAME=PATH[@STEP]: an exported directory, or a run dir (latest checkpoint, a step, or `best`).
 Every drafter decodes the same prompts (items `--skip` .. `--skip + --per-set - 1` of each set, first turn,
@@ -76,6 +76,10 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (default 1: off)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (default 0)")
+    parser.add_argument("--draft-rules", default="argmax",
+                        help="with --temperature: comma-separated draft rules, each drafter measured under each "
+                        "(argmax: one-hot drafts; sample: drafts drawn from the drafter, speculative sampling; "
+                        "a row per drafter and rule, named NAME+RULE past the first; default argmax)")
     parser.add_argument("--write", action="store_true", help="record the table in a study page (see --page)")
     parser.add_argument("--page", type=Path, default=None,
                         help="with --write: the study page to add the section to (default: a new dated page "
@@ -90,6 +94,11 @@ def main() -> None:
         parser.error("--skip must be >= 0, --per-set and --tokens >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         parser.error("--temperature must be >= 0 and --top-p lie in (0, 1]")
+    rules = [r for r in args.draft_rules.split(",") if r]
+    if not rules or any(r not in ("argmax", "sample") for r in rules) or len(set(rules)) != len(rules):
+        parser.error(f"--draft-rules must list argmax and/or sample once each; received {args.draft_rules!r}")
+    if rules != ["argmax"] and args.temperature == 0:
+        parser.error("--draft-rules applies to sampled decoding: give --temperature > 0 (greedy drafts are argmax)")
 
     sets = [s for s in args.sets.split(",") if s]
     rows = []
@@ -116,9 +125,11 @@ def main() -> None:
         if args.temperature > 0 else None
     for name, path, step in args.drafter:
         drafter = load_drafter(path, target.cfg, step=step)
-        found = real_tau(target, drafter, prompts, args.tokens, sampling)
-        rows.append({"name": name, "path": path, "step": step, "block_size": drafter.arch.block_size, **found})
-        print(json.dumps(rows[-1]), flush=True)
+        for i, rule in enumerate(rules):
+            found = real_tau(target, drafter, prompts, args.tokens, sampling, draft_rule=rule)
+            rows.append({"name": name if i == 0 else f"{name}+{rule}", "path": path, "step": step,
+                         "block_size": drafter.arch.block_size, "draft_rule": rule, **found})
+            print(json.dumps(rows[-1]), flush=True)
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +144,7 @@ def main() -> None:
     command = shlex.join([".venv/bin/python", "benchmarks/drafter_tau.py", *sys.argv[1:]])
     how = "greedy" if sampling is None else (f"sampled at temperature {args.temperature:g}"
                                              + (f", top-p {args.top_p:g}" if args.top_p < 1 else "")
+                                             + f", draft rule {' / '.join(rules)}"
                                              + f", prompt i seeded {args.seed} + i")
     at = "" if sampling is None else f" at temperature {args.temperature:g}"
     body = "\n".join([f"## Drafters on held-out prompts{at}: {' vs '.join(r['name'] for r in rows)}", "",

@@ -414,12 +414,13 @@ def test_after_precompile_no_request_compiles(setup, chunk):
     assert engine.compiles == count  # nothing compiled inside a request
 
 
-@pytest.mark.parametrize("block_size", [4, pytest.param(None, marks=pytest.mark.slow)])
-def test_several_steps_per_dispatch_change_no_output(setup, block_size):
+@pytest.mark.parametrize("block_size,draft_rule", [(4, "argmax"), (4, "sample"),
+                                                   pytest.param(None, "argmax", marks=pytest.mark.slow)])
+def test_several_steps_per_dispatch_change_no_output(setup, block_size, draft_rule):
     """R = 4 decode steps per dispatch (one device loop) against R = 1, same requests: a stop id, a stop string and
     a budget that fall inside a chunk, a seeded sampled request, requests joining while others run (one prefilled
     in chunks), and one cancelled; every request's tokens, finish reason and acceptance are identical, and the
-    stops cut exactly."""
+    stops cut exactly. With draft_rule "sample" the sampled requests' drafts are drawn from the drafter in both."""
     target_cfg, target_params, drafter, requests = setup
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
     ar1, ar3 = ar_alone(target_params, target_cfg, *requests[1]), ar_alone(target_params, target_cfg, *requests[3])
@@ -427,7 +428,8 @@ def test_several_steps_per_dispatch_change_no_output(setup, block_size):
 
     def run(r):
         engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=block_size,
-                        detokenize=_text, steps_per_dispatch=r, prefill_chunk=16)  # requests[3]: 33 tokens
+                        detokenize=_text, steps_per_dispatch=r, prefill_chunk=16,  # requests[3]: 33 tokens
+                        draft_rule=draft_rule)
         ids = [engine.submit(*requests[0]), engine.submit(*requests[1], stop_ids=[stop_id]),
                engine.submit(*requests[3], stop_strings=[stop_text])]
         engine.step()

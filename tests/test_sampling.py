@@ -87,3 +87,45 @@ def test_request_keys_are_jax_keys_of_the_whole_64_bit_seed():
             np.testing.assert_array_equal(key, np.asarray(jax.random.PRNGKey(np.int64(seed))))
     assert len({tuple(k) for k in keys.tolist()}) == len(seeds)
     assert request_keys([]).shape == (0, 2)
+
+
+@pytest.mark.parametrize("vocab", ["full", "draft"])
+def test_drafts_drawn_from_q_are_accepted_by_speculative_sampling(vocab):
+    """`accept_drafted`: with drafts drawn from q (over the whole vocabulary, or over a draft vocabulary of 4 of
+    the 6 ids, so that q is zero elsewhere) the first emitted token has exactly the target's law p (chi-square,
+    20,000 draws) and the first draft is accepted with probability sum_v min(p(v), q(v)), which is above the
+    one-hot rule's p(argmax q) here. Both branches (accepted, and the residual draw) are exercised."""
+    from scipy.stats import chisquare
+
+    from dflash.serve.sampling import SamplingRows
+    from dflash.serve.speculative import DraftLaw, accept_drafted, accept_sampled
+
+    n, k = 20000, 3
+    p = np.array([[0.30, 0.25, 0.20, 0.15, 0.06, 0.04], [0.1, 0.1, 0.2, 0.2, 0.2, 0.2], [1 / 6] * 6])  # [K, V]
+    ids = np.arange(6) if vocab == "full" else np.array([4, 0, 2, 1])  # the draft rows' token ids
+    q = np.array([[0.10, 0.40, 0.30, 0.20], [0.25, 0.25, 0.25, 0.25]]) if vocab == "draft" else \
+        np.array([[0.05, 0.40, 0.25, 0.10, 0.15, 0.05], [1 / 6] * 6])  # [K-1, V'] over the rows
+    keys = jax.random.split(jax.random.PRNGKey(7), n)
+    rows = jax.vmap(lambda key: jax.random.categorical(key, jnp.log(jnp.asarray(q)), axis=-1))(
+        jax.vmap(lambda key: jax.random.split(key, 4)[3])(keys))  # the draft key of `step_keys`
+    drafts = jnp.asarray(ids)[rows]
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(p, jnp.float32)), (n, k, 6))
+    law = DraftLaw(jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (n, k - 1, len(ids))), rows)
+    sampling = SamplingRows.of([SamplingConfig(temperature=1.0)] * n)
+    draft_ids = None if vocab == "full" else jnp.asarray(ids)
+    accepted, bonus, _ = accept_drafted(logits, drafts, law, draft_ids, sampling, keys)
+    accepted, bonus, drafts = np.asarray(accepted), np.asarray(bonus), np.asarray(drafts)
+    first = np.where(accepted >= 1, drafts[:, 0], bonus)
+    observed = np.bincount(first, minlength=6)
+    assert chisquare(observed, p[0] * n).pvalue > 1e-3, observed
+    q_full = np.zeros(6)
+    q_full[ids] = q[0]
+    expect = np.minimum(p[0], q_full).sum()
+    rate = np.mean(accepted >= 1)
+    assert abs(rate - expect) < 4 * np.sqrt(expect * (1 - expect) / n), (rate, expect)
+    one_hot = p[0, ids[np.argmax(q[0])]]
+    assert expect > one_hot + 0.05
+    assert 0.2 < rate < 0.9  # both branches
+    # the one-hot rule on the same drafts (treated as fixed) accepts d_1 with probability p(d_1)
+    n1, _, _ = accept_sampled(logits, jnp.asarray(drafts), sampling, keys)
+    assert abs(np.mean(np.asarray(n1) >= 1) - p[0][drafts[:, 0]].mean()) < 0.02

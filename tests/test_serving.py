@@ -58,3 +58,32 @@ def test_build_server_wires_the_recipe_and_the_options(tmp_path):
     assert k == recipe.drafter.block_size  # block_size 0: the drafter's training K
     k, name, protocol, key = _built(recipe, ServeOptions(ar=True, port=0, model_name="x", unknown_fields="reject"))
     assert (k, name, protocol.unknown_fields, key) == (1, "x", "reject", None)
+
+
+def test_draft_rule_is_checked_and_reaches_the_engine(tmp_path):
+    """serve.draft_rule (the recipe) and --draft-rule (ServeOptions, which wins) set the engine's rule for sampled
+    requests; an unknown rule, or "sample" with a tree, is refused by name; AR serves with argmax whatever is set."""
+    from dflash.configs.schema import ConfigError
+    from dflash.serve.config import ServeConfig
+
+    with pytest.raises(ValueError, match="draft_rule must be argmax, sample or None"):
+        ServeOptions(draft_rule="greedy")
+    with pytest.raises(ConfigError, match="serve.draft_rule"):
+        ServeConfig(tree_nodes=4, draft_rule="sample")
+    with pytest.raises(ConfigError, match="serve.draft_rule"):
+        ServeConfig(draft_rule="top1")
+    recipe = load_recipe("tiny", ["serve.draft_rule=sample"])
+    drafter = DFlashDrafter(load_target(recipe.target).drafter_arch(recipe.drafter), nnx.Rngs(0))
+    save_zlab(drafter, tmp_path)
+
+    def rule(options):
+        server = build_server(recipe, options)
+        try:
+            return server.worker.engine.draft_rule
+        finally:
+            server.worker.shutdown()
+            server.server_close()
+
+    assert rule(ServeOptions(drafter=tmp_path, port=0, precompile=False)) == "sample"
+    assert rule(ServeOptions(drafter=tmp_path, port=0, precompile=False, draft_rule="argmax")) == "argmax"
+    assert rule(ServeOptions(ar=True, port=0, precompile=False)) == "argmax"

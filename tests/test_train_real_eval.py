@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -132,8 +133,9 @@ def test_a_resumed_run_compares_with_the_recorded_best_and_replaces_it_whole(run
 @pytest.mark.e2e
 def test_eval_temperature_logs_sampled_tau_beside_the_greedy_one(runs, smollm2_target, tmp_path):
     """train.eval_temperature > 0: the same prompts also decoded sampled at that temperature (seeded from
-    train.seed), logged as eval/real_tau_t[/<set>] and equal to `real_tau` with that rule; the greedy metrics and
-    the best drafter's criterion are unchanged."""
+    train.seed), logged as eval/real_tau_t[/<set>] and equal to `real_tau` with that rule (and with
+    train.eval_draft_rule=sample, to `real_tau` drafting by that rule); the greedy metrics and the best drafter's
+    criterion are unchanged."""
     from dflash.serve.config import SamplingConfig
 
     run_dir = shutil.copytree(runs[0].run_dir, tmp_path / "run")
@@ -153,6 +155,10 @@ def test_eval_temperature_logs_sampled_tau_beside_the_greedy_one(runs, smollm2_t
     assert {k.removeprefix("eval/real_tau_t/") for k in both if k.startswith("eval/real_tau_t/")} == \
         {"gsm8k", "mtbench", "humaneval", "temperature"}
     assert json.loads((run_dir / "best" / "best.json").read_text())["tau"] >= both["eval/tau"]  # greedy criterion
+    drawn = RealTauEval(dataclasses.replace(recipe.train, eval_draft_rule="sample"), smollm2_target, graphdef,
+                        run_dir)(STEPS, params)  # train.eval_draft_rule: the sampled decode drafts by that rule
+    assert drawn["eval/real_tau_t"] == real_tau(smollm2_target, drafter, prompts, TOKENS, rule,
+                                                draft_rule="sample")["tau"]
 
 
 def test_a_missing_best_drafter_says_to_set_eval_every(tmp_path):

@@ -216,7 +216,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         results, paths = run_eval(settings, args.out, url=args.url, ar_url=args.ar_url, drafter=args.drafter,
                                   step=args.step, block_size=args.block_size, tree_nodes=args.tree_nodes,
-                                  tree_ngram=args.tree_ngram, config=args.config,
+                                  tree_ngram=args.tree_ngram, draft_rule=args.draft_rule, config=args.config,
                                   overrides=args.overrides, api_key=args.api_key, progress=not args.no_progress)
     except ServerError as err:
         print(f"dflash eval: error: {err}", file=sys.stderr)
@@ -239,7 +239,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _log_devices()
     options = ServeOptions(drafter=args.drafter, step=None if args.ar else _step(args.step), ar=args.ar,
                            block_size=args.block_size, tree_nodes=args.tree_nodes,
-                           tree_ngram=True if args.tree_ngram else None, slots=args.slots,
+                           tree_ngram=True if args.tree_ngram else None, draft_rule=args.draft_rule,
+                           slots=args.slots,
                            prefill_chunk=args.prefill_chunk, steps_per_dispatch=args.steps_per_dispatch,
                            host=args.host,
                            port=args.port,
@@ -301,13 +302,17 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
 
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
-    """`--tree-nodes` and `--tree-ngram`, shared by `serve` and `eval`."""
+    """`--tree-nodes`, `--tree-ngram` and `--draft-rule`, shared by `serve` and `eval`."""
     p.add_argument("--tree-nodes", type=_tree_nodes, default=None,
                    help="verify a best-first tree of N nodes per step built from the block's distributions (0: the "
                    "chain of K; 'auto': the N with the most tokens per second, measured at start-up); default "
                    "the recipe's serve.tree_nodes")
     p.add_argument("--tree-ngram", action="store_true",
                    help="merge a prompt-lookup path (n-gram match in the prompt + output) into the tree")
+    p.add_argument("--draft-rule", choices=("argmax", "sample"), default=None,
+                   help="how sampled requests draft: argmax (one-hot drafts) or sample (drawn from the drafter's "
+                   "distribution, speculative sampling; the chain only); both lossless; default the recipe's "
+                   "serve.draft_rule")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -99,7 +99,7 @@ def short_eval(recipe: Recipe, target: Any, out: TextIO, progress: bool = True) 
 
         nodes = _auto_tree_nodes(target, drafter, drafter.arch.block_size, max_len, ngram)
     with serve_in_process(target, drafter, slots=1, max_len=max_len, tree_nodes=nodes,
-                          tree_ngram=ngram and nodes >= 3) as url, \
+                          tree_ngram=ngram and nodes >= 3, draft_rule=recipe.serve.draft_rule) as url, \
             serve_in_process(target, None, slots=1, max_len=max_len) as ar_url:
         results, paths = evaluate(url, ar_url, settings, Path(recipe.train.run_dir) / "eval",
                                   drafter={"path": str(source)}, progress=progress)

@@ -30,10 +30,10 @@ class ServeOptions:
     checkpoint step of a run dir, "best", or None (the latest); ar: serve the target alone; block_size: K
     at inference, a K >= 2, 0 (the drafter's training K) or "auto" (`_auto_block_size`); tree_nodes /
     tree_ngram: the recipe's `serve` section when None (`ServeConfig`: 0 the chain, N a tree of N nodes, "auto"
-    measured here, `_auto_tree_nodes`); slots: concurrent sequences per step; prefill_chunk: a longer prompt is
-    prefilled one chunk of this many tokens per engine step (0: in one call; `Engine`); steps_per_dispatch: decode
-    steps per host round trip (`Engine`); model_name: the model id clients
-    send (None: target.source); precompile: compile every shape the engine can use before serving
+    measured here, `_auto_tree_nodes`); draft_rule: the recipe's serve.draft_rule when None; slots: concurrent
+    sequences per step; prefill_chunk: a longer prompt is prefilled one chunk of this many tokens per engine step
+    (0: in one call; `Engine`); steps_per_dispatch: decode steps per host round trip (`Engine`); model_name: the
+    model id clients send (None: target.source); precompile: compile every shape the engine can use before serving
     (`Engine.precompile`; False: requests compile as they come); the rest as `make_server`'s arguments."""
 
     drafter: str | Path | None = None
@@ -42,6 +42,7 @@ class ServeOptions:
     block_size: int | str = 0
     tree_nodes: int | str | None = None
     tree_ngram: bool | None = None
+    draft_rule: str | None = None
     slots: int = 8
     prefill_chunk: int = 512
     steps_per_dispatch: int = 4
@@ -63,6 +64,8 @@ class ServeOptions:
         if not (n is None or n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 0)):
             raise ValueError(f"tree_nodes must be an integer >= 0 (0: the chain), 'auto' or None (the recipe's); "
                              f"received {n!r}")
+        if self.draft_rule not in (None, "argmax", "sample"):
+            raise ValueError(f"draft_rule must be argmax, sample or None (the recipe's); received {self.draft_rule!r}")
         c = self.prefill_chunk
         if not (isinstance(c, int) and not isinstance(c, bool) and (c == 0 or (c >= 16 and c & (c - 1) == 0))):
             raise ValueError(f"prefill_chunk must be 0 (off) or a power of two >= 16; received {c!r}")
@@ -117,8 +120,9 @@ def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
     max_len = recipe.target.max_seq_len
     nodes = recipe.serve.tree_nodes if options.tree_nodes is None else options.tree_nodes
     ngram = recipe.serve.tree_ngram if options.tree_ngram is None else options.tree_ngram
+    rule = recipe.serve.draft_rule if options.draft_rule is None else options.draft_rule
     if options.ar:
-        block, drafter, nodes, ngram = None, None, 0, False  # the engine's AR mode needs no drafter
+        block, drafter, nodes, ngram, rule = None, None, 0, False, "argmax"  # AR mode needs no drafter
     else:
         source = options.drafter_dir(recipe)
         drafter = load_drafter(source, target.cfg, step=options.step)
@@ -130,7 +134,8 @@ def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
             nodes = _auto_tree_nodes(target, drafter, block, max_len, ngram)
     engine = Engine(target.params, target.cfg, drafter, slots=options.slots, max_len=max_len, block_size=block,
                     sampling=recipe.sampling, tree_nodes=nodes, ngram=ngram and nodes >= 3,
-                    prefill_chunk=options.prefill_chunk or None, steps_per_dispatch=options.steps_per_dispatch)
+                    prefill_chunk=options.prefill_chunk or None, steps_per_dispatch=options.steps_per_dispatch,
+                    draft_rule=rule)
     if options.precompile:
         count, seconds = engine.precompile()
         print(f"precompiled {count} programs in {seconds:.1f} s (every prompt length and attention span up to "

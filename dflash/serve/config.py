@@ -37,16 +37,22 @@ class ServeConfig:
     tree_nodes: 0 (or 1) verifies the drafter's chain of K - 1 drafts; N >= 2 a best-first tree of N nodes
     (depth <= K - 1) built from the block's distributions (`serve.tree`); "auto": the N (chain included) with
     the most tokens per second measured here at start-up. tree_ngram: merge a prompt-lookup path into the tree
-    (needs tree_nodes >= 3 or auto)."""
+    (needs tree_nodes >= 3 or auto). draft_rule: how a sampled request's chain drafts are chosen, "argmax" (one-hot
+    drafts) or "sample" (drawn from the drafter's distribution, speculative sampling; the chain only), both
+    lossless (`Engine`; docs/decisions.md D64)."""
 
     tree_nodes: int | Literal["auto"] = 0
     tree_ngram: bool = False
+    draft_rule: Literal["argmax", "sample"] = "argmax"
 
     def __post_init__(self) -> None:
         require(self.tree_nodes == "auto" or self.tree_nodes >= 0, "serve.tree_nodes", self.tree_nodes,
                 "be an integer >= 0 (0: the chain) or 'auto'")
         require(not self.tree_ngram or self.tree_nodes == "auto" or self.tree_nodes >= 3, "serve.tree_ngram",
                 self.tree_ngram, "be false unless serve.tree_nodes >= 3 or 'auto' (the lookup path takes nodes)")
+        require(self.draft_rule in ("argmax", "sample"), "serve.draft_rule", self.draft_rule, "be argmax or sample")
+        require(self.draft_rule == "argmax" or self.tree_nodes == 0, "serve.draft_rule", self.draft_rule,
+                "be argmax with a tree (serve.tree_nodes != 0): sampled drafts are the chain's")
 
 
 __all__ = ["SamplingConfig", "ServeConfig"]

@@ -48,8 +48,10 @@ from dflash.serve.config import SamplingConfig
 from dflash.serve.paged import OutOfPagesError, PagePool, PageTable
 from dflash.serve.sampling import SamplingRows
 from dflash.serve.speculative import (
+    DRAFT_RULES,
     MAX_TOP_LOGPROBS,
     Admission,
+    DraftLaw,
     Models,
     SpecState,
     TokenLogprobs,
@@ -150,11 +152,15 @@ class NoDrafts:
 
 @dataclasses.dataclass(frozen=True)
 class DrafterProposals:
-    """DFlash: the drafter's argmax block of K - 1 drafts from one forward (`speculative.propose`)."""
+    """DFlash: the drafter's argmax block of K - 1 drafts from one forward (`speculative.propose`); with `sample`,
+    sampled requests' drafts drawn from its distributions, returned with their law (`DraftLaw`)."""
 
     block_size: int
+    sample: bool = False
 
-    def __call__(self, models: Models, state: SpecState, span: int) -> jax.Array:
+    def __call__(self, models: Models, state: SpecState, span: int) -> jax.Array | tuple[jax.Array, DraftLaw]:
+        if self.sample:
+            return propose(models, state, self.block_size, span, sample=True)
         return propose(models, state, self.block_size, span)
 
 
@@ -263,7 +269,7 @@ class Engine:
                  page_size: int = 16, num_pages: int | None = None,
                  detokenize: Callable[[Sequence[int]], str] | None = None, tree_nodes: int | None = None,
                  ngram: bool = False, tree_fn: Callable[[SpecState, int, int], Any] | None = None,
-                 prefill_chunk: int | None = None, steps_per_dispatch: int = 1):
+                 prefill_chunk: int | None = None, steps_per_dispatch: int = 1, draft_rule: str = "argmax"):
         """block_size: K per step with `drafter` (None: AR mode, the drafter unused); draft_fn: replaces the
         drafter's proposals (tests); sampling: the default rule of requests that bring none (None: greedy);
         page_size / num_pages: the target cache's pages (default: every slot at max_len, plus the null
@@ -284,7 +290,23 @@ class Engine:
         returns to the host after R steps, or after the first step in which a request hits a stop id or its
         budget; stop strings are checked on the host afterwards (tokens past one are discarded). Steps that score
         log-probabilities and `draft_fn` / `tree_fn` / prompt-lookup-alone proposals run one step per dispatch.
-        R = 1: one propose and one verify call per step (with a tree: propose, build, verify)."""
+        R = 1: one propose and one verify call per step (with a tree: propose, build, verify).
+
+        draft_rule: how a sampled request's chain drafts are chosen: "argmax" (one-hot drafts, accepted with
+        probability p(d): `accept_sampled`) or "sample" (drawn from the drafter's distribution under the request's
+        rule and accepted with min(1, p(d) / q(d)): `accept_drafted`); both lossless, greedy requests unaffected.
+        "sample" needs the drafter's own chain proposals (no tree, `draft_fn`, prompt lookup alone, Markov head
+        or path selector)."""
+        if draft_rule not in DRAFT_RULES:
+            raise ValueError(f"draft_rule must be one of {DRAFT_RULES}; received {draft_rule!r}")
+        if draft_rule == "sample":
+            fixed = "a tree (tree_nodes > 1)" if tree_nodes and tree_nodes > 1 else "draft_fn" if draft_fn else \
+                "no drafter" if drafter is None else "a Markov head" if drafter.markov is not None else \
+                "a path selector" if drafter.candidate_selector is not None else None
+            if fixed:
+                raise ValueError(f"draft_rule 'sample' draws the drafter's chain drafts from its per-slot "
+                                 f"distributions; received it with {fixed} (use draft_rule 'argmax')")
+        self.draft_rule = draft_rule
         if tree_nodes is not None and (not _is_int(tree_nodes) or tree_nodes < 0):
             raise ValueError(f"tree_nodes must be an integer >= 0 (0 or 1: the chain); received {tree_nodes!r}")
         self.tree_nodes = tree_nodes if tree_nodes is not None and tree_nodes > 1 else 0
@@ -319,7 +341,8 @@ class Engine:
             raise ValueError(f"block_size must lie in [2, {drafter.arch.block_size}] (the drafter's training K) or "
                              f"be None for AR mode; received {block_size}")
         else:
-            self.proposer = GivenProposals(block_size, draft_fn) if draft_fn else DrafterProposals(block_size)
+            self.proposer = GivenProposals(block_size, draft_fn) if draft_fn else \
+                DrafterProposals(block_size, draft_rule == "sample")
         self.models = Models.of(target_params, target_cfg, drafter)
         self.arch = None if drafter is None else drafter.arch
         self.k = self.proposer.block_size
@@ -777,11 +800,13 @@ class Engine:
             self.state, out, n = self._counted(verify_tree, self.models, self.state, tree, self.k, pages)
             return out, n, None
         self._note_shape("verify", (self.slots, self.k, pages))
-        drafts = self._counted(self.proposer, self.models, self.state, pages * self.page_size)
+        drafts, law = self._counted(self.proposer, self.models, self.state, pages * self.page_size), None
+        if isinstance(drafts, tuple):
+            drafts, law = drafts
         if scored:
-            self.state, out, n, scores = self._counted(verify_logprobs, self.models, self.state, drafts, pages)
+            self.state, out, n, scores = self._counted(verify_logprobs, self.models, self.state, drafts, pages, law)
             return out, n, scores
-        self.state, out, n = self._counted(verify, self.models, self.state, drafts, pages)
+        self.state, out, n = self._counted(verify, self.models, self.state, drafts, pages, law)
         return out, n, None
 
     def step(self) -> None:
@@ -846,7 +871,8 @@ class Engine:
         r = self.steps_per_dispatch
         if not self.tree_nodes:
             self._note_shape("decode_steps", (self.slots, self.k, stop_ids.shape[1], r, pages))
-            return self._counted(decode_steps, self.models, self.state, stop_ids, budget, self.k, r, pages)
+            return self._counted(decode_steps, self.models, self.state, stop_ids, budget, self.k, r, pages,
+                                 self.draft_rule == "sample")
         self._note_shape("decode_tree_steps", (self.slots, self.k, self.tree_nodes, stop_ids.shape[1], r, pages))
         history = sizes = None
         if self.ngram_nodes:
@@ -944,14 +970,14 @@ def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[S
            draft_fn: Callable[[SpecState, int], Any] | None = None,
            on_token: Callable[[int], None] | None = None, tree_nodes: int | None = None, ngram: bool = False,
            tree_fn: Callable[[SpecState, int, int], Any] | None = None,
-           prefill_chunk: int | None = None) -> list[Completion]:
+           prefill_chunk: int | None = None, draft_rule: str = "argmax") -> list[Completion]:
     """Decode `prompts` together, one slot each, through the engine: AR without a drafter, else DFlash at
     `block_size` (default: the drafter's training K). Greedy DFlash equals AR token for token; sampled
     DFlash has AR sampling's distribution.
 
     seeds: one per prompt (default: sampling.seed + index); on_token: called with each new token of a
-    single prompt as the engine emits it (streaming); tree_nodes, ngram, tree_fn, prefill_chunk: as `Engine`
-    (prompt lookup alone: ngram with block_size and no drafter)."""
+    single prompt as the engine emits it (streaming); tree_nodes, ngram, tree_fn, prefill_chunk, draft_rule: as
+    `Engine` (prompt lookup alone: ngram with block_size and no drafter)."""
     if not prompts:
         raise ValueError("prompts must be a non-empty list of non-empty token lists; received none")
     if on_token is not None and len(prompts) != 1:
@@ -963,7 +989,7 @@ def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[S
         raise ValueError(f"seeds must hold one seed per prompt ({len(prompts)}); received {len(seeds)}")
     engine = Engine(target_params, target_cfg, drafter, slots=len(prompts), max_len=max_len, block_size=k,
                     draft_fn=draft_fn, sampling=sampling, tree_nodes=tree_nodes, ngram=ngram, tree_fn=tree_fn,
-                    prefill_chunk=prefill_chunk)
+                    prefill_chunk=prefill_chunk, draft_rule=draft_rule)
     for prompt, seed in zip(prompts, seeds, strict=True):
         engine.submit(prompt, max_new_tokens, stop_ids, seed=int(seed))
     requests = list(engine.queue)

@@ -1,5 +1,6 @@
 """The engine's jitted kernels (docs/design.md §4.3): prefill, propose, verify, over the paged target cache and the
-drafter's per-slot context cache; greedy or one-hot rejection-sampled acceptance.
+drafter's per-slot context cache; greedy acceptance, or for sampled requests one-hot rejection sampling of argmax
+drafts or speculative sampling of drafts drawn from the drafter's distributions (`draft_rule`, D64).
 
 Between steps each sequence b holds its committed tokens 0 .. L_b-1 in both caches and its newest token
 (`pending`, already output) at position L_b. One step: `propose` drafts d_1 .. d_{K-1} from the block
@@ -35,6 +36,26 @@ from dflash.serve.paged import NULL_PAGE, PagedKVCache, PageTable
 from dflash.serve.sampling import SamplingRows, row_logprobs
 
 MAX_TOP_LOGPROBS = 20  # alternatives computed per token when log-probabilities are asked (OpenAI's maximum)
+DRAFT_RULES = ("argmax", "sample")  # how a sampled request's drafts are chosen (`propose`, `Engine(draft_rule=)`)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftLaw:
+    """What drafts drawn from the drafter's distributions were drawn from (`propose(..., sample=True)`): per slot
+    the drafter's log-probabilities over its draft rows under the request's sampling rule, logq [B, K-1, V'], and
+    the row drawn, rows [B, K-1] (a token id when the drafter has no draft vocabulary). Verify needs both:
+    q(d) for the acceptance ratio, q for the residual at the first rejection (`accept_drafted`)."""
+
+    logq: jax.Array
+    rows: jax.Array
+
+
+def step_keys(rng_Bx2: jax.Array) -> jax.Array:
+    """The keys [B, 4, 2] of one step of a request sampled with `accept_drafted`, one split of its key: the
+    request's next key, the acceptance uniforms, the replacement draw, and (index 3) the drafts' draw in `propose`
+    (both programs split the same key the same way, so the four streams are distinct)."""
+    return jax.vmap(lambda key: jax.random.split(key, 4))(rng_Bx2)
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -321,9 +342,14 @@ def prefill_chunk(models: Models, state: SpecState, new: Admission, starts_R: ja
     return _prefill(models, state, new, False, starts_R, span_pages)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "span"))
-def propose(models: Models, state: SpecState, block_size: int, span: int | None = None) -> jax.Array:
-    """Greedy drafts [B, K-1] for positions L+1 .. L+K-1 from one drafter forward over the block.
+@functools.partial(jax.jit, static_argnames=("block_size", "span", "sample"))
+def propose(models: Models, state: SpecState, block_size: int, span: int | None = None,
+            sample: bool = False) -> jax.Array | tuple[jax.Array, DraftLaw]:
+    """Drafts [B, K-1] for positions L+1 .. L+K-1 from one drafter forward over the block: the argmax of each
+    slot's distribution. With `sample`, a sampled request's drafts are drawn instead from each slot's distribution
+    under the request's own rule (temperature, top-k, top-p over the draft rows), and the laws they were drawn
+    from come back too, `(drafts, DraftLaw)`, for `verify` to accept them by speculative sampling
+    (`accept_drafted`); greedy requests keep the argmax.
 
     span: context slots the full-attention layers attend over (static; default: all). Every L must be <= span.
     Sliding-window layers attend over their ring (the last W positions) whatever the span."""
@@ -333,6 +359,11 @@ def propose(models: Models, state: SpecState, block_size: int, span: int | None 
     positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     ctx_kv, ctx_valid = state.draft.visible(state.lengths, span)
     hidden = drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
+    if sample:
+        if drafter.candidate_selector is not None or drafter.markov is not None:
+            raise ValueError("sampled drafts need the drafter's independent per-slot distributions; a Markov-head or "
+                             "path-selector drafter drafts with argmax only (draft_rule 'argmax')")
+        return sampled_drafts(models, hidden[:, 1:], state)
     if drafter.candidate_selector is not None:
         return selector_drafts(models, drafter, hidden[:, 1:], state.pending)
     if drafter.markov is None:
@@ -343,6 +374,24 @@ def propose(models: Models, state: SpecState, block_size: int, span: int | None 
         prev = argmax_drafts(models, h)[:, 0]
         drafts.append(prev)
     return jnp.stack(drafts, axis=1)
+
+
+def sampled_drafts(models: Models, hidden_BxTxD: jax.Array, state: SpecState) -> tuple[jax.Array, DraftLaw]:
+    """(drafts [B, T], their law): each sampled row's slots drawn independently from the drafter's distribution
+    under the row's rule (`row_logprobs` over the draft rows) with the row's draft key (`step_keys`); greedy rows
+    take the argmax. A batch of greedy rows never draws (`lax.cond`)."""
+    logits = draft_logits(models, hidden_BxTxD)
+    logq = row_logprobs(logits, state.sampling)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_: None) -> jax.Array:
+        keys = step_keys(state.rng)[:, 3]
+        drawn = jax.vmap(lambda key, lq: jax.random.categorical(key, lq, axis=-1))(keys, logq).astype(jnp.int32)
+        return jnp.where(state.sampling.greedy[:, None], argmax, drawn)
+
+    rows = jax.lax.cond(jnp.all(state.sampling.greedy), lambda _: argmax, draw, None)
+    ids = rows if models.draft_ids is None else jnp.take(models.draft_ids, rows).astype(jnp.int32)
+    return ids, DraftLaw(logq, rows)
 
 
 def argmax_drafts(models: Models, hidden_BxTxD: jax.Array) -> jax.Array:
@@ -400,13 +449,45 @@ def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: S
     return n, bonus, keys[:, 0]
 
 
-def _accept(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, state: SpecState) -> tuple[jax.Array, ...]:
-    """(n, bonus, next keys), each row by its own rule; a batch of greedy rows never runs the sampling
-    branch (`lax.cond`)."""
+def accept_drafted(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, law: DraftLaw, draft_ids: jax.Array | None,
+                   sampling: SamplingRows, rng_Bx2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Speculative sampling of drafts drawn from the drafter's distributions q_i (`sampled_drafts`; lossless for
+    any q): (n [B], bonus [B], next keys). Draft i is accepted with probability min(1, p_i(d_i) / q_i(d_i)) under
+    the target's filtered distribution p_i; at the first rejection the replacement is drawn from the residual
+    max(p_i - q_i, 0), renormalised (q is zero off the draft rows); when all K-1 drafts are accepted the bonus is
+    drawn from p_{K-1}. Each slot's q is independent of the drafts before it (one forward drafts the block), which
+    the rule allows: the output has exactly the target's distribution. Against one-hot drafts (`accept_sampled`,
+    acceptance p_i(d_i)) a slot is accepted with probability sum_v min(p_i(v), q_i(v)), more where the target
+    spreads its mass and the drafter follows it."""
+    k = drafts_BxKm1.shape[1] + 1
+    keys = step_keys(rng_Bx2)
+    logp = row_logprobs(logits_BxKxV, sampling)  # [B, K, V]
+    logp_d = jnp.take_along_axis(logp[:, :-1], drafts_BxKm1[..., None], axis=-1)[..., 0]
+    logq_d = jnp.take_along_axis(law.logq, law.rows[..., None], axis=-1)[..., 0]
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k - 1,)))(keys[:, 1])
+    n = jnp.sum(jnp.cumprod((u < jnp.exp(jnp.minimum(logp_d - logq_d, 0.0))).astype(jnp.int32), axis=1), axis=1)
+    p_n = jnp.exp(jnp.take_along_axis(logp, n[:, None, None], axis=1)[:, 0])  # [B, V]
+    q_n = jnp.exp(jnp.take_along_axis(law.logq, jnp.minimum(n, k - 2)[:, None, None], axis=1)[:, 0])  # [B, V']
+    q_n = jnp.where((n < k - 1)[:, None], q_n, 0.0)  # all accepted: the bonus is drawn from p alone
+    q_full = q_n if draft_ids is None else jnp.zeros_like(p_n).at[:, draft_ids].set(q_n)
+    residual = jnp.maximum(p_n - q_full, 0.0)
+    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)  # p == q: never rejected
+    bonus = jax.vmap(jax.random.categorical)(keys[:, 2], jnp.log(residual)).astype(jnp.int32)
+    return n, bonus, keys[:, 0]
+
+
+def _accept(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, state: SpecState, law: DraftLaw | None = None,
+            draft_ids: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """(n, bonus, next keys), each row by its own rule (sampled rows: one-hot rejection, or with `law` speculative
+    sampling of drafts drawn from it); a batch of greedy rows never runs the sampling branch (`lax.cond`)."""
     n_greedy, bonus_greedy = accept_greedy(logits_BxKxV, drafts_BxKm1)
 
     def mixed(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        n_s, bonus_s, rng_s = accept_sampled(logits_BxKxV, drafts_BxKm1, state.sampling, state.rng)
+        if law is None:
+            n_s, bonus_s, rng_s = accept_sampled(logits_BxKxV, drafts_BxKm1, state.sampling, state.rng)
+        else:
+            n_s, bonus_s, rng_s = accept_drafted(logits_BxKxV, drafts_BxKm1, law, draft_ids, state.sampling,
+                                                 state.rng)
         greedy = state.sampling.greedy
         return (jnp.where(greedy, n_greedy, n_s), jnp.where(greedy, bonus_greedy, bonus_s),
                 jnp.where(greedy[:, None], state.rng, rng_s))
@@ -414,8 +495,8 @@ def _accept(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, state: SpecState) 
     return jax.lax.cond(jnp.all(state.sampling.greedy), lambda _: (n_greedy, bonus_greedy, state.rng), mixed, None)
 
 
-def _verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_pages: int | None,
-            logprobs: bool) -> tuple[SpecState, jax.Array, jax.Array, TokenLogprobs | None]:
+def _verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_pages: int | None, logprobs: bool,
+            law: DraftLaw | None = None) -> tuple[SpecState, jax.Array, jax.Array, TokenLogprobs | None]:
     drafter = models.drafter()
     k = drafts_BxKm1.shape[1] + 1
     tokens = jnp.concatenate([state.pending[:, None], drafts_BxKm1], axis=1)
@@ -424,7 +505,7 @@ def _verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_page
     logits, feats, cache = forward_cached(models.target_params, models.target_cfg, tokens, positions, seen,
                                           layer_ids=_layer_ids(drafter))
     cache = cache.with_full_table(state.target)
-    n, bonus, rng = _accept(logits, drafts_BxKm1, state)
+    n, bonus, rng = _accept(logits, drafts_BxKm1, state, law, models.draft_ids)
     n = jnp.where(state.active, n, 0)
     idx = jnp.arange(k)[None, :]
     out = jnp.where(idx < n[:, None], jnp.pad(drafts_BxKm1, ((0, 0), (0, 1))), 0)
@@ -439,22 +520,24 @@ def _verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_page
 
 @functools.partial(jax.jit, static_argnames=("span_pages",), donate_argnames=("state",))
 def verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array,
-           span_pages: int | None = None) -> tuple[SpecState, jax.Array, jax.Array]:
-    """Verify drafts with one target forward; returns (state, tokens [B, K], accepted n [B]).
+           span_pages: int | None = None, law: DraftLaw | None = None) -> tuple[SpecState, jax.Array, jax.Array]:
+    """Verify drafts with one target forward; returns (state, tokens [B, K], accepted n [B]). Sampled requests
+    accept one-hot drafts by `accept_sampled`, or drafts drawn from `law` (`propose(..., sample=True)`) by
+    `accept_drafted`.
 
     The host must have given every active slot pages for L + K tokens (the K block tokens are written
     before the rollback to L + n + 1). `span_pages` (static; default: the whole table) is how many
     page-table entries attention sees. tokens[b, :n+1] are the step's output (d_1 .. d_n, then the bonus);
     the rest is padding. Inactive slots are left as they were (n = 0, nothing output)."""
-    return _verify(models, state, drafts_BxKm1, span_pages, False)[:3]
+    return _verify(models, state, drafts_BxKm1, span_pages, False, law)[:3]
 
 
 @functools.partial(jax.jit, static_argnames=("span_pages",), donate_argnames=("state",))
-def verify_logprobs(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_pages: int | None = None
-                    ) -> tuple[SpecState, jax.Array, jax.Array, TokenLogprobs]:
+def verify_logprobs(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_pages: int | None = None,
+                    law: DraftLaw | None = None) -> tuple[SpecState, jax.Array, jax.Array, TokenLogprobs]:
     """`verify`, and the target's log-probabilities [B, K] of the output tokens (position i scores tokens[b, i];
     only i <= n are emitted). A separate program, so that steps with no request asking pay nothing."""
-    return _verify(models, state, drafts_BxKm1, span_pages, True)
+    return _verify(models, state, drafts_BxKm1, span_pages, True, law)
 
 
 def run_steps(step: Any, state: SpecState, aux: Any, stop_ids_BxS: jax.Array, budget_B: jax.Array, width: int,
@@ -481,22 +564,30 @@ def run_steps(step: Any, state: SpecState, aux: Any, stop_ids_BxS: jax.Array, bu
     return state, tokens, accepted, i
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "steps", "span_pages"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("block_size", "steps", "span_pages", "sample"),
+                   donate_argnames=("state",))
 def decode_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, block_size: int,
-                 steps: int, span_pages: int) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
+                 steps: int, span_pages: int,
+                 sample: bool = False) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
     """Up to `steps` decode steps (the drafter's `propose` then `verify`; AR when block_size is 1) in one device
     loop; returns (state, tokens [steps, B, K], accepted n [steps, B], steps run). Row i < steps run holds step
     i's `verify` output; the loop ends early after a step in which an active slot emitted one of its stop ids
     (stop_ids_BxS, padded with -1) or reached `budget_B` new tokens (counted from this call), so the host, which
     checks stops and budgets exactly, finds a finished request only in the last step run (`run_steps`). Each step
-    is the same computation as one `propose` + `verify` call (the same outputs, the same state). The tree's twin
-    is `tree.decode_tree_steps`."""
+    is the same computation as one `propose` + `verify` call (the same outputs, the same state; `sample` as
+    `propose`'s). The tree's twin is `tree.decode_tree_steps`."""
     b, k = state.lengths.shape[0], block_size
     page_size = state.target.page_size
 
     def step(st: SpecState, aux: None) -> tuple[SpecState, None, jax.Array, jax.Array]:
-        drafts = jnp.zeros((b, 0), jnp.int32) if k == 1 else propose(models, st, k, span_pages * page_size)
-        st, out, n, _ = _verify(models, st, drafts, span_pages, False)
+        law = None
+        if k == 1:
+            drafts = jnp.zeros((b, 0), jnp.int32)
+        elif sample:
+            drafts, law = propose(models, st, k, span_pages * page_size, sample=True)
+        else:
+            drafts = propose(models, st, k, span_pages * page_size)
+        st, out, n, _ = _verify(models, st, drafts, span_pages, False, law)
         return st, aux, out, n
 
     return run_steps(step, state, None, stop_ids_BxS, budget_B, k, steps)
@@ -504,11 +595,14 @@ def decode_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budg
 
 __all__ = [
     "Admission",
+    "DRAFT_RULES",
     "DraftCache",
+    "DraftLaw",
     "Models",
     "MAX_TOP_LOGPROBS",
     "SpecState",
     "TokenLogprobs",
+    "accept_drafted",
     "accept_greedy",
     "accept_sampled",
     "argmax_drafts",
@@ -520,7 +614,9 @@ __all__ = [
     "prefill_logprobs",
     "propose",
     "run_steps",
+    "sampled_drafts",
     "span_pages",
+    "step_keys",
     "sync_page_table",
     "verify",
     "verify_logprobs",

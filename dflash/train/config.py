@@ -115,6 +115,7 @@ class TrainConfig:
     eval_temperature: when > 0, each real-τ evaluation also decodes the same prompts sampled at this temperature
              (a fixed seed; lossless speculative sampling) and logs that τ as its own metric (`real_tau_t/...`);
              the best drafter is still chosen by greedy τ.
+    eval_draft_rule: how those sampled decodes draft (`serve.draft_rule`: argmax, or sample, D64).
     """
 
     run_dir: str = "runs/default"
@@ -153,6 +154,7 @@ class TrainConfig:
     walk_anchors: float = 0.0
     walk_oversample: float = 0.0
     eval_temperature: float = 0.0
+    eval_draft_rule: str = "argmax"
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
@@ -191,6 +193,8 @@ class TrainConfig:
         require(self.walk_oversample >= 0, "train.walk_oversample", self.walk_oversample, "be >= 0")
         require(math.isfinite(self.eval_temperature) and self.eval_temperature >= 0, "train.eval_temperature",
                 self.eval_temperature, "be >= 0 (0 = greedy only)")
+        require(self.eval_draft_rule in ("argmax", "sample"), "train.eval_draft_rule", self.eval_draft_rule,
+                "be argmax or sample (serve.draft_rule)")
 
     @property
     def loss_terms(self) -> tuple[tuple[str, float], ...]:

@@ -69,7 +69,7 @@ def decode_max_len(prompts: Sequence[EvalPrompt], new_tokens: int, block_size: i
 
 def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], new_tokens: int,
              sampling: SamplingConfig | None = None, teacher: bool = True,
-             prefill_chunk: int | None = None) -> dict[str, Any]:
+             prefill_chunk: int | None = None, draft_rule: str = "argmax") -> dict[str, Any]:
     """DFlash decode of `prompts` in one batch with the target's params as loaded, greedy or by `sampling`
     (prompt i seeded `sampling.seed + i`: the same drafter and prompts give the same τ); host metrics:
     `tau` (pooled over prompts: sum(accepted + 1) / verify steps), `tau/<set>`, `accept_per_position`
@@ -79,12 +79,14 @@ def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPromp
     position (`tf_tau_uniform`: what uniform training anchors measure; minus `tau`, the train/serve gap), unless
     `teacher` is False (they run the drafter over every answer position of a row at once: at long contexts that
     costs more than the decode). `prefill_chunk`: as `Engine` (long prompts prefilled a chunk at a time, so a batch of
-    8K-token prompts does not materialise their whole attention at once)."""
+    8K-token prompts does not materialise their whole attention at once); `draft_rule`: as `Engine` (how sampled
+    requests draft)."""
     t0 = time.perf_counter()
     k = drafter.arch.block_size
     done = decode(target.params, target.cfg, [list(p.ids) for p in prompts], new_tokens,
                   max_len=decode_max_len(prompts, new_tokens, k), drafter=drafter,
-                  stop_ids=target.tokenizer.stop_token_ids, sampling=sampling, prefill_chunk=prefill_chunk)
+                  stop_ids=target.tokenizer.stop_token_ids, sampling=sampling, prefill_chunk=prefill_chunk,
+                  draft_rule=draft_rule)
     metrics: dict[str, Any] = {"tau": _pooled_tau([c.accepted for c in done])}
     for name in dict.fromkeys(p.set for p in prompts):
         metrics[f"tau/{name}"] = _pooled_tau([c.accepted for c, p in zip(done, prompts, strict=True) if p.set == name])
@@ -160,6 +162,7 @@ class RealTauEval:
         self.every, self.final_step, self.new_tokens = cfg.eval_every, cfg.steps, cfg.eval_tokens
         self.sampling = SamplingConfig(temperature=cfg.eval_temperature, seed=cfg.seed) \
             if cfg.eval_temperature > 0 else None
+        self.draft_rule = cfg.eval_draft_rule
         self.draft_vocab = draft_vocab  # proposals over the training vocabulary, as the served drafter's
         self.target, self.graphdef, self.run_dir = target, graphdef, run_dir
         if self.every and jax.process_count() > 1:
@@ -189,7 +192,8 @@ class RealTauEval:
         out.update({f"eval/accept_pos_{i}": v for i, v in enumerate(metrics["accept_per_position"])})
         out["eval/tokens"], out["eval/seconds"] = metrics["tokens"], metrics["seconds"]
         if self.sampling is not None:  # the same prompts sampled: its own metric, not the best drafter's criterion
-            sampled = real_tau(self.target, drafter, self.prompts, self.new_tokens, self.sampling)
+            sampled = real_tau(self.target, drafter, self.prompts, self.new_tokens, self.sampling,
+                               draft_rule=self.draft_rule)
             log.info("step %d: real τ at temperature %g %.3f (%s)", step, self.sampling.temperature, sampled["tau"],
                      ", ".join(f"{k[4:]} {v:.2f}" for k, v in sampled.items() if k.startswith("tau/")))
             out["eval/real_tau_t"] = sampled["tau"]
