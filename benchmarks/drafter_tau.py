@@ -95,7 +95,9 @@ def main() -> None:
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         parser.error("--temperature must be >= 0 and --top-p lie in (0, 1]")
     rules = [r for r in args.draft_rules.split(",") if r]
-    if not rules or any(r not in ("argmax", "sample") for r in rules) or len(set(rules)) != len(rules):
+    from dflash.serve.config import DRAFT_RULES
+
+    if not rules or any(r not in DRAFT_RULES for r in rules) or len(set(rules)) != len(rules):
         parser.error(f"--draft-rules must list argmax and/or sample once each; received {args.draft_rules!r}")
     if rules != ["argmax"] and args.temperature == 0:
         parser.error("--draft-rules applies to sampled decoding: give --temperature > 0 (greedy drafts are argmax)")

@@ -309,7 +309,9 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
                    "the recipe's serve.tree_nodes")
     p.add_argument("--tree-ngram", action="store_true",
                    help="merge a prompt-lookup path (n-gram match in the prompt + output) into the tree")
-    p.add_argument("--draft-rule", choices=("argmax", "sample"), default=None,
+    from dflash.serve.config import DRAFT_RULES
+
+    p.add_argument("--draft-rule", choices=DRAFT_RULES, default=None,
                    help="how sampled requests draft: argmax (one-hot drafts) or sample (drawn from the drafter's "
                    "distribution, speculative sampling; the chain only); both lossless; default the recipe's "
                    "serve.draft_rule")

@@ -18,6 +18,7 @@ from typing import Any
 from dflash.configs.recipe import Recipe
 from dflash.models.drafter_io import load_drafter
 from dflash.models.target import load_target
+from dflash.serve.config import DRAFT_RULES
 from dflash.serve.engine import Engine
 from dflash.serve.http import DFlashServer, make_server
 
@@ -64,7 +65,7 @@ class ServeOptions:
         if not (n is None or n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 0)):
             raise ValueError(f"tree_nodes must be an integer >= 0 (0: the chain), 'auto' or None (the recipe's); "
                              f"received {n!r}")
-        if self.draft_rule not in (None, "argmax", "sample"):
+        if self.draft_rule is not None and self.draft_rule not in DRAFT_RULES:
             raise ValueError(f"draft_rule must be argmax, sample or None (the recipe's); received {self.draft_rule!r}")
         c = self.prefill_chunk
         if not (isinstance(c, int) and not isinstance(c, bool) and (c == 0 or (c >= 16 and c & (c - 1) == 0))):

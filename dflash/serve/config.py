@@ -8,6 +8,8 @@ from typing import Literal
 
 from dflash.configs.schema import require
 
+DRAFT_RULES = ("argmax", "sample")  # how a sampled request's chain drafts are chosen (`ServeConfig.draft_rule`)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -50,9 +52,9 @@ class ServeConfig:
                 "be an integer >= 0 (0: the chain) or 'auto'")
         require(not self.tree_ngram or self.tree_nodes == "auto" or self.tree_nodes >= 3, "serve.tree_ngram",
                 self.tree_ngram, "be false unless serve.tree_nodes >= 3 or 'auto' (the lookup path takes nodes)")
-        require(self.draft_rule in ("argmax", "sample"), "serve.draft_rule", self.draft_rule, "be argmax or sample")
+        require(self.draft_rule in DRAFT_RULES, "serve.draft_rule", self.draft_rule, f"be one of {DRAFT_RULES}")
         require(self.draft_rule == "argmax" or self.tree_nodes == 0, "serve.draft_rule", self.draft_rule,
                 "be argmax with a tree (serve.tree_nodes != 0): sampled drafts are the chain's")
 
 
-__all__ = ["SamplingConfig", "ServeConfig"]
+__all__ = ["DRAFT_RULES", "SamplingConfig", "ServeConfig"]

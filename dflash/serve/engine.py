@@ -44,11 +44,10 @@ import numpy as np
 from dflash.models.config import DecoderConfig
 from dflash.models.decoder import Params
 from dflash.models.drafter import DFlashDrafter
-from dflash.serve.config import SamplingConfig
+from dflash.serve.config import DRAFT_RULES, SamplingConfig
 from dflash.serve.paged import OutOfPagesError, PagePool, PageTable
 from dflash.serve.sampling import SamplingRows
 from dflash.serve.speculative import (
-    DRAFT_RULES,
     MAX_TOP_LOGPROBS,
     Admission,
     DraftLaw,

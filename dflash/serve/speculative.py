@@ -36,7 +36,6 @@ from dflash.serve.paged import NULL_PAGE, PagedKVCache, PageTable
 from dflash.serve.sampling import SamplingRows, row_logprobs
 
 MAX_TOP_LOGPROBS = 20  # alternatives computed per token when log-probabilities are asked (OpenAI's maximum)
-DRAFT_RULES = ("argmax", "sample")  # how a sampled request's drafts are chosen (`propose`, `Engine(draft_rule=)`)
 
 
 @jax.tree_util.register_dataclass
@@ -595,7 +594,6 @@ def decode_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budg
 
 __all__ = [
     "Admission",
-    "DRAFT_RULES",
     "DraftCache",
     "DraftLaw",
     "Models",

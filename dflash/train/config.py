@@ -7,6 +7,7 @@ import math
 from typing import Literal
 
 from dflash.configs.schema import ConfigError, require
+from dflash.serve.config import DRAFT_RULES
 
 LOSS_TERMS = ("ce", "tv", "kl", "rkl", "opd")  # train.objective.LOSS_TERMS
 
@@ -193,7 +194,7 @@ class TrainConfig:
         require(self.walk_oversample >= 0, "train.walk_oversample", self.walk_oversample, "be >= 0")
         require(math.isfinite(self.eval_temperature) and self.eval_temperature >= 0, "train.eval_temperature",
                 self.eval_temperature, "be >= 0 (0 = greedy only)")
-        require(self.eval_draft_rule in ("argmax", "sample"), "train.eval_draft_rule", self.eval_draft_rule,
+        require(self.eval_draft_rule in DRAFT_RULES, "train.eval_draft_rule", self.eval_draft_rule,
                 "be argmax or sample (serve.draft_rule)")
 
     @property
