@@ -172,3 +172,53 @@ def test_drafter_tau_refuses_a_baseline_measured_with_other_settings(tmp_path):
                            "--skip", "0", "--tokens", "64", "--baseline", str(earlier)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "measured with other settings: {'tokens': (96, 64)}" in done.stderr, done.stderr
+
+
+def test_tau_vs_compute_draws_a_run_from_held_out_files_with_its_start_as_step_zero(tmp_path):
+    """`benchmarks/tau_vs_compute.py` on a run trained without in-loop evaluations: rows NAME=RUN@STEP place that
+    step, NAME=RUN the newest step and the `train.init_from` drafter step 0, one line per draft rule, a row shared
+    by two files counts once, and files measured with other settings are refused naming the field. With an
+    in-loop evaluation in metrics.jsonl it draws that alone."""
+    import json
+
+    start, run = tmp_path / "start", tmp_path / "arm"
+    for step in (50, 150):
+        meta = run / "checkpoints" / str(step) / "meta"
+        meta.mkdir(parents=True)
+        (meta / "metadata").write_text(json.dumps({"recipe": {
+            "train": {"batch_size": 2, "num_anchors": 4, "loss": "kl", "init_from": str(start)},
+            "drafter": {"block_size": 4, "num_layers": 1}}}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 50, "loss": 1.0}) + "\n")
+    settings = {"sets": ["gsm8k"], "skip": 0, "per_set": 2, "tokens": 8, "temperature": 1.0, "top_p": 1.0, "seed": 0}
+
+    def row(path: Path, step: str | None, rule: str, tau: float) -> dict:
+        return {"name": "x", "path": str(path), "step": step, "draft_rule": rule, "tau": tau, "tau/gsm8k": tau,
+                "accept_per_position": [0.5, 0.25, 0.0]}
+
+    first, second, other = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    first.write_text(json.dumps({**settings, "rows": [row(start, None, "sample", 1.4), row(run, "50", "sample", 1.5),
+                                                      row(start, None, "argmax", 1.3)]}))
+    second.write_text(json.dumps({**settings, "rows": [row(run, None, "sample", 1.6), row(start, None, "sample", 1.4),
+                                                       row(tmp_path / "elsewhere", None, "sample", 9.0)]}))
+    other.write_text(json.dumps({**settings, "seed": 100, "rows": []}))
+
+    def script(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "benchmarks/tau_vs_compute.py", str(run), "--out", str(tmp_path),
+                               *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    done = script("--held-out", str(first), "--held-out", str(second))
+    assert done.returncode == 0, done.stderr
+    table = [line for line in done.stdout.splitlines() if line.startswith("| arm")]
+    assert table == ["| arm: 1 layers, K=4, kl | 0 | 0.00 | argmax | 1.30 | 1.30 | 0.50 0.25 0.00 |",
+                     "| arm: 1 layers, K=4, kl | 0 | 0.00 | sample | 1.40 | 1.40 | 0.50 0.25 0.00 |",
+                     "| arm: 1 layers, K=4, kl | 50 | 0.00 | sample | 1.50 | 1.50 | 0.50 0.25 0.00 |",
+                     "| arm: 1 layers, K=4, kl | 150 | 0.00 | sample | 1.60 | 1.60 | 0.50 0.25 0.00 |"], done.stdout
+    assert "In-loop" not in done.stdout and "T=1 (seed 0)" in done.stdout and (tmp_path / "tau_vs_compute.png").exists()
+    refused = script("--held-out", str(first), "--held-out", str(other))
+    assert refused.returncode == 1 and "other settings" in refused.stderr and "'seed': (0, 100)" in refused.stderr
+    nothing = script()
+    assert nothing.returncode == 1 and "no in-loop evaluations" in nothing.stderr
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 50, "eval/tau": 1.7, "eval/tau/gsm8k": 1.7}) + "\n")
+    in_loop = script()
+    assert in_loop.returncode == 0 and "In-loop" in in_loop.stdout, in_loop.stderr
+    assert "| arm: 1 layers, K=4, kl | 50 | 0.00 | 1.70 | 1.70 |" in in_loop.stdout.splitlines()
