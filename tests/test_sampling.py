@@ -129,3 +129,36 @@ def test_drafts_drawn_from_q_are_accepted_by_speculative_sampling(vocab):
     # the one-hot rule on the same drafts (treated as fixed) accepts d_1 with probability p(d_1)
     n1, _, _ = accept_sampled(logits, jnp.asarray(drafts), sampling, keys)
     assert abs(np.mean(np.asarray(n1) >= 1) - p[0][drafts[:, 0]].mean()) < 0.02
+
+
+def test_teacher_forced_sampled_acceptance_sees_only_the_prefix_and_scores_both_rules():
+    """`benchmarks/sampled_acceptance.py`: one call scores every anchor of a row at once. Each anchor's numbers
+    equal those of a drafter that sees only the row's prefix up to that anchor (target run on the prefix alone,
+    one block): p(argmax q) for argmax drafts and sum_v min(p, q) for sampled ones, p from the full row's target
+    logits one position before each slot, both at the temperature given; and `chain_tau` is the expected
+    accepted length of independent slots."""
+    from benchmarks.sampled_acceptance import chain_tau, slot_accept
+    from dflash.models.decoder import embed, forward
+    from dflash.models.drafter import BlockVisibility, concat_features
+    from dflash.serve.speculative import Models, draft_logits
+    from tests.conftest import tiny_engine_models
+
+    target_cfg, target_params, drafter = tiny_engine_models(block_size=4)
+    models, k, t = Models.of(target_params, target_cfg, drafter), 4, 0.7
+    tokens = jax.random.randint(jax.random.key(3), (1, 16), 0, 200, dtype=jnp.int32)
+    onehot, sampled = jax.device_get(slot_accept(models, drafter, tokens, t))
+    assert onehot.shape == sampled.shape == (16, k - 1)
+    logits, _ = forward(target_params, target_cfg, tokens)
+    for a in (0, 5, 11):
+        prefix = tokens[:, : a + 1]
+        _, feats = forward(target_params, target_cfg, prefix, layer_ids=drafter.arch.layer_ids)
+        ids = jnp.concatenate([prefix[:, a:], jnp.full((1, k - 1), drafter.arch.mask_token_id, jnp.int32)], 1)
+        hidden = drafter(embed(target_params, ids).astype(jnp.float32), a + jnp.arange(k)[None],
+                         concat_features(feats), jnp.arange(a + 1)[None],
+                         BlockVisibility.from_anchors(jnp.array([[a]]), jnp.ones((1, a + 1), bool)))
+        q = np.asarray(jax.nn.softmax(draft_logits(models, hidden[:, 1:]) / t, -1))[0]
+        p = np.asarray(jax.nn.softmax(logits[0, a: a + k - 1] / t, -1))
+        np.testing.assert_allclose(onehot[a], p[np.arange(k - 1), q.argmax(-1)], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(sampled[a], np.minimum(p, q).sum(-1), rtol=1e-5, atol=1e-6)
+        assert np.all(sampled[a] >= onehot[a] - 1e-6) or not np.allclose(q.max(-1), 1.0)
+    assert chain_tau([[1.0, 1.0, 1.0], [0.5, 0.5, 0.0]]) == pytest.approx((4.0 + 1.75) / 2)
