@@ -111,8 +111,8 @@ def main() -> None:
     held = read_held_out(args.held_out, runs) if args.held_out else None
     if held is None and not any(run["points"] for run in runs):
         raise SystemExit("these runs have no in-loop evaluations (train.eval_every=0): pass --held-out")
-    sets = sorted({s for run in runs for _, taus in run["points"] for s in taus if s != "all"}
-                  | set(held["sets"] if held else []))
+    in_loop = sorted({s for run in runs for _, taus in run["points"] for s in taus if s != "all"})
+    sets = [*(held["sets"] if held else []), *(s for s in in_loop if not held or s not in held["sets"])]
     how = "greedy" if held is None or not held["temperature"] else \
         f"T={held['temperature']:g}" + (f", top-p {held['top_p']:g}" if held["top_p"] < 1 else "")
     fig, axes = plt.subplots(1, 1 + len(sets), figsize=(4.2 * (1 + len(sets)), 3.6), sharey=True)
@@ -136,17 +136,19 @@ def main() -> None:
         ax.set_xlabel("training block tokens (millions)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"real τ (engine){'' if held is None else ', held-out ' + how}")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.tight_layout()  # the legend below the panels, so that it hides no line
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(4, len(labels)), fontsize=8)
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / f"{args.name}.png"
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
 
     def table(points_of: str, accept: bool = False) -> list[str]:
         """Markdown rows of each run's `points` or `held_out`; `accept` adds the draft rule and held-out acceptance
         by position."""
         rows = ["| run | step | block tokens (M) | " + ("draft rule | " if accept else "") + "τ pooled | "
-                + " | ".join(f"τ {s}" for s in sets) + " |" + (" acceptance by position |" if accept else ""),
+                + " | ".join(f"τ {Path(s).stem}" for s in sets) + " |"
+                + (" acceptance by position |" if accept else ""),
                 "|---|---|---|---|" + "---|" * (len(sets) + 2 * accept)]
         for run in runs:
             for step, taus, *rest in run[points_of]:
