@@ -45,8 +45,9 @@ def slot_accept(models: object, drafter: object, tokens_1xS: object, t: float) -
     import jax
     import jax.numpy as jnp
 
-    from dflash.models.decoder import embed, forward
-    from dflash.models.drafter import BlockVisibility, concat_features
+    from dflash.data.walk import block_hidden
+    from dflash.models.decoder import forward
+    from dflash.models.drafter import concat_features
     from dflash.serve.speculative import draft_logits
 
     k = drafter.arch.block_size
@@ -54,16 +55,8 @@ def slot_accept(models: object, drafter: object, tokens_1xS: object, t: float) -
     logits, feats = forward(models.target_params, models.target_cfg, tokens_1xS,
                             layer_ids=drafter.arch.layer_ids)
     logp = jax.nn.log_softmax(logits[0].astype(jnp.float32) / t, -1)  # [S, V]
-    anchors = jnp.arange(s, dtype=jnp.int32)
-    ids = jnp.concatenate([tokens_1xS[0][:, None],
-                           jnp.full((s, k - 1), drafter.arch.mask_token_id, jnp.int32)], 1)
-    positions = anchors[:, None] + jnp.arange(k)[None]
-    embeds = embed(models.target_params, ids.reshape(1, s * k)).astype(jnp.float32)
-    visible = BlockVisibility.from_anchors(anchors[None], jnp.ones((1, s), bool),
-                                           window=drafter.arch.sliding_window)
-    # every position is an anchor, and the context positions are the row's positions too
-    hidden = drafter(embeds, positions.reshape(1, s * k), concat_features(feats), anchors[None],
-                     visible).reshape(s, k, -1)[:, 1:]
+    positions = jnp.arange(s)[:, None] + jnp.arange(k)[None]
+    hidden = block_hidden(models, tokens_1xS, concat_features(feats), k)
     logq = jax.nn.log_softmax(draft_logits(models, hidden) / t, -1)  # [S, K-1, V']
     # slot j of the block at anchor a predicts position a + j, from the target's logits at a + j - 1
     p = jnp.exp(logp[jnp.clip(positions[:, 1:] - 1, 0, s - 1)])  # [S, K-1, V]
@@ -105,6 +98,7 @@ def main() -> None:
     from benchmarks._report import machine, write_study
     from dflash.configs.recipe import load_recipe
     from dflash.data.chat_tokens import tokenize_rows
+    from dflash.data.walk import LENGTH_STEP
     from dflash.models.drafter_io import load_drafter
     from dflash.models.target import load_target
     from dflash.serve.speculative import Models
@@ -122,12 +116,12 @@ def main() -> None:
         row_accept = jax.jit(functools.partial(slot_accept, models, drafter, t=t))
         found = {"argmax": [], "sample": []}
         for tokens, mask, n in rows:
-            length = -(-n // 64) * 64  # one compile per 64-token bucket
+            length = -(-n // LENGTH_STEP) * LENGTH_STEP  # one compile per length bucket, as the walk pads
             padded = np.zeros((1, length), np.int32)
             padded[0, :n] = tokens[:n]
             onehot, sampled = jax.device_get(row_accept(jnp.asarray(padded)))
             answer = np.flatnonzero(np.asarray(mask[:n]))
-            answer = answer[answer + k - 1 < n]  # blocks whose every slot is a real answer token
+            answer = answer[answer + k - 1 < n]  # blocks whose every slot lies inside the row
             found["argmax"].append(onehot[answer])
             found["sample"].append(sampled[answer])
         for rule, parts in found.items():

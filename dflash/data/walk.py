@@ -130,6 +130,22 @@ def drafter_fingerprint(drafter: DFlashDrafter) -> str:
 # ----------------------------------------------------------------------------- teacher-forced hits
 
 
+def block_hidden(models: Models, tokens_1xS: jax.Array, feats_1xSxFD: jax.Array, block_size: int) -> jax.Array:
+    """The drafter's hidden states [S, K-1, D] at the draft slots of a block anchored at every position a of one
+    row: ids [x_a, MASK..], context the target features at positions < a, as the engine proposes it."""
+    drafter = models.drafter()
+    s, k = tokens_1xS.shape[1], block_size
+    a_S = jnp.arange(s, dtype=jnp.int32)
+    ids_SxK = jnp.concatenate([tokens_1xS[0][:, None], jnp.full((s, k - 1), drafter.arch.mask_token_id, jnp.int32)],
+                              axis=1)
+    pos_SxK = a_S[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    embeds = embed(models.target_params, ids_SxK.reshape(1, s * k)).astype(jnp.float32)
+    visible = BlockVisibility.from_anchors(a_S[None], jnp.ones((1, s), bool), window=drafter.arch.sliding_window)
+    # every position is an anchor, and the context positions are the row's positions
+    hidden = drafter(embeds, pos_SxK.reshape(1, s * k), feats_1xSxFD, a_S[None], visible)
+    return hidden.reshape(s, k, -1)[:, 1:]
+
+
 @partial(jax.jit, static_argnames=("block_size", "chunk"))
 def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: int = 512,
                  feats_1xSxFD: jax.Array | None = None, next_S: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -153,13 +169,8 @@ def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: 
         feats_1xSxFD = concat_features(feats_FxBxSxD)
     elif next_S is None:
         next_S = jnp.concatenate([tokens_1xS[0, 1:], jnp.full((1,), -1, tokens_1xS.dtype)]).astype(jnp.int32)
-    a_S = jnp.arange(s, dtype=jnp.int32)
-    ids_SxK = jnp.concatenate([tokens_1xS[0][:, None], jnp.full((s, k - 1), arch.mask_token_id, jnp.int32)], axis=1)
-    pos_SxK = a_S[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    embeds = embed(models.target_params, ids_SxK.reshape(1, s * k)).astype(jnp.float32)
-    visible = BlockVisibility.from_anchors(a_S[None], jnp.ones((1, s), bool), window=arch.sliding_window)
-    hidden = drafter(embeds, pos_SxK.reshape(1, s * k), feats_1xSxFD, a_S[None], visible)
-    hidden_TxD = hidden.reshape(s, k, -1)[:, 1:].reshape(s * (k - 1), -1)
+    pos_SxK = jnp.arange(s, dtype=jnp.int32)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    hidden_TxD = block_hidden(models, tokens_1xS, feats_1xSxFD, k).reshape(s * (k - 1), -1)
     if drafter.markov is not None:
         prev_SxKm1 = jnp.concatenate([tokens_1xS[0][:, None], next_S[jnp.clip(pos_SxK[:, 1:-1] - 1, 0, s - 1)]],
                                      axis=1)
