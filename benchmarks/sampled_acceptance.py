@@ -113,13 +113,14 @@ def main() -> None:
         models = Models.of(target.params, target.cfg, drafter)
         k = drafter.arch.block_size
 
-        row_accept = jax.jit(functools.partial(slot_accept, models, drafter, t=t))
+        # the weights are arguments, not closed-over constants: XLA would otherwise fold them into the program
+        row_accept = jax.jit(functools.partial(slot_accept, drafter=drafter, t=t))
         found = {"argmax": [], "sample": []}
         for tokens, mask, n in rows:
             length = -(-n // LENGTH_STEP) * LENGTH_STEP  # one compile per length bucket, as the walk pads
             padded = np.zeros((1, length), np.int32)
             padded[0, :n] = tokens[:n]
-            onehot, sampled = jax.device_get(row_accept(jnp.asarray(padded)))
+            onehot, sampled = jax.device_get(row_accept(models, tokens_1xS=jnp.asarray(padded)))
             answer = np.flatnonzero(np.asarray(mask[:n]))
             answer = answer[answer + k - 1 < n]  # blocks whose every slot lies inside the row
             found["argmax"].append(onehot[answer])
