@@ -1,7 +1,7 @@
 """Drafters side by side on the same held-out prompts: real τ of the engine per set, per drafter, greedy or sampled.
 
     .venv/bin/python benchmarks/drafter_tau.py --config smollm2 \
-        --drafter shipped=dflash/data/assets/drafters/smollm2-dflash --drafter mix2=runs/mix2 \
+        --drafter shipped=data/assets/drafters/smollm2-dflash --drafter mix2=runs/mix2 \
         [--sets gsm8k,mtbench,humaneval,math500,mbpp] [--skip 8] [--per-set 6] [--tokens 128] \\
         [--temperature T [--top-p P] [--seed S] [--draft-rules argmax,sample]] [--write] [--json F] [--plot PNG]
 

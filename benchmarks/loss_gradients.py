@@ -3,7 +3,7 @@ data, the size of each term's gradient w.r.t. the drafter's hidden state per lab
 drafter gives the target's token.
 
     .venv/bin/python benchmarks/loss_gradients.py --config smollm2 \
-        --drafter dflash/data/assets/drafters/smollm2-dflash data.dir=runs/loss/data data.labels=soft [--batches 2]
+        --drafter data/assets/drafters/smollm2-dflash data.dir=runs/loss/data data.labels=soft [--batches 2]
 
 The batch, the anchors and the frozen head are what `dflash train` would use (`train.loop.build_run`, one step's
 `block_inputs`); the drafter is `--drafter` (a run dir or an export). For each labelled slot it forms

@@ -1,7 +1,7 @@
 """Teacher-forced acceptance of sampled drafts: drafters side by side on the same answers, both draft rules.
 
     .venv/bin/python benchmarks/sampled_acceptance.py --answers runs/t1/data/regenerated.jsonl \
-        --drafter shipped=dflash/data/assets/drafters/smollm2-dflash --drafter mix=runs/study33/mix \
+        --drafter shipped=data/assets/drafters/smollm2-dflash --drafter mix=runs/study33/mix \
         [--config smollm2] [--rows 103] [--temperature 1] [--seq-len 448] [--json F] [--write]
 
 Live sampled τ (`benchmarks/drafter_tau.py --temperature 1`) is a sample: each drafter's decode follows its own

@@ -1,7 +1,7 @@
 """Sampled decoding through the engine, side by side: AR, DFlash with one-hot drafts, DFlash with drafts drawn from
 the drafter (the two `serve.draft_rule`s), at one temperature, batch 1.
 
-    .venv/bin/python benchmarks/sampled_speed.py [--drafter dflash/data/assets/drafters/smollm2-dflash] \
+    .venv/bin/python benchmarks/sampled_speed.py [--drafter data/assets/drafters/smollm2-dflash] \
         [--temperature 1] [--sets gsm8k,mtbench,...] [--per-set 2] [--skip 8] [--tokens 96] [--write]
 
 Each prompt is decoded alone (one slot, as `dflash eval` at concurrency 1) by the three decoders in turn, so that
@@ -28,7 +28,7 @@ SETS = ("gsm8k,mtbench,humaneval,math500,mbpp,benchmarks/prompts/writing.jsonl,b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="smollm2", help="recipe whose target decodes (default smollm2)")
-    parser.add_argument("--drafter", default="dflash/data/assets/drafters/smollm2-dflash")
+    parser.add_argument("--drafter", default="data/assets/drafters/smollm2-dflash")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--sets", default=SETS)
     parser.add_argument("--per-set", type=int, default=2)

@@ -2,7 +2,7 @@
 greedy τ of the serving walk with the selector's walk against the drafter's argmax drafts.
 
     .venv/bin/python benchmarks/selector_fit.py --config smollm2 \
-        --drafter dflash/data/assets/drafters/smollm2-dflash [--train-rows 96] [--eval-rows 32] [--steps 400] \
+        --drafter data/assets/drafters/smollm2-dflash [--train-rows 96] [--eval-rows 32] [--steps 400] \
         [--losses path,edge] [--rank 256] [--top-k 16] [--lr 3e-3] [--batch 512] [--save DIR] [--json F]
 
 The selector's loss trains the selector only (`train.selector`: the backbone's hidden states and unary logits are
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="smollm2")
-    parser.add_argument("--drafter", default="dflash/data/assets/drafters/smollm2-dflash")
+    parser.add_argument("--drafter", default="data/assets/drafters/smollm2-dflash")
     parser.add_argument("--train-rows", type=int, default=96)
     parser.add_argument("--eval-rows", type=int, default=32)
     parser.add_argument("--steps", type=int, default=400)

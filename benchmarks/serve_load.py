@@ -143,7 +143,7 @@ def table(rows: dict[int, dict[str, Any]], baseline: dict[str, Any] | None) -> l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="demo", help="the recipe, as `dflash serve --config` (default demo)")
-    parser.add_argument("--drafter", default="dflash/data/assets/drafters/smollm2-dflash",
+    parser.add_argument("--drafter", default="data/assets/drafters/smollm2-dflash",
                         help="the drafter dir (default: the one shipped for SmolLM2)")
     parser.add_argument("--ar", action="store_true", help="serve the target alone (no drafter)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])

@@ -3,7 +3,7 @@ DFlash decoding puts its blocks, the accept-length distribution there, teacher-f
 against teacher-forced τ at uniform anchors (the train/serve gap), and what the two walks cost per row.
 
     .venv/bin/python benchmarks/serving_walk.py --config smollm2 \
-        --drafter dflash/data/assets/drafters/smollm2-dflash [--rows 48] [--engine-rows 16] [--json F]
+        --drafter data/assets/drafters/smollm2-dflash [--rows 48] [--engine-rows 16] [--json F]
 
 The teacher-forced walk (`data.walk.walk_teacher`: one target and one drafter forward per row) runs on `--rows`
 rows; the engine walk (`data.walk.walk_engine`, greedy DFlash through `serve.engine.Engine`, 8 slots) on the first
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="smollm2")
-    parser.add_argument("--drafter", default="dflash/data/assets/drafters/smollm2-dflash")
+    parser.add_argument("--drafter", default="data/assets/drafters/smollm2-dflash")
     parser.add_argument("--rows", type=int, default=48)
     parser.add_argument("--engine-rows", type=int, default=16)
     parser.add_argument("--json", default="")

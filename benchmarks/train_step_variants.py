@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/train_step_variants.py [--layers 2] [--block-size 8] [--anchors 64]
         [--batch-size 4] [--seq-len 448] [--rounds 7] [--write]
 
-What is timed is the differentiated part of a train step with offline features (what dflash/configs/smollm2.yaml
+What is timed is the differentiated part of a train step with offline features (what configs/smollm2.yaml
 runs): block embeddings + drafter forward + frozen LM head + loss, and the gradient w.r.t. the drafter's
 fp32 master params, on the embedded SmolLM2 target's head (V = 49,152). Variants:
   dense fp32    the previous path: [B, N*K, V] fp32 logits materialised, then `dense_loss`;

@@ -1,7 +1,7 @@
 """Chain vs tree verification side by side in one run: τ, verify width, step cost and tokens/s per prompt kind.
 
     .venv/bin/python benchmarks/tree_vs_chain.py [--config smollm2]
-        [--drafter dflash/data/assets/drafters/smollm2-dflash] [--per-kind 2] [--tokens 64]
+        [--drafter data/assets/drafters/smollm2-dflash] [--per-kind 2] [--tokens 64]
         [--batches 1,4] [--nodes 4,8,16] [--modes ar,chain,tree,ngram,tree+ngram] [--steps-per-dispatch R]
         [--write] [--json F]
 
@@ -88,7 +88,7 @@ def run_mode(target, drafter, prompts, tokens: int, batch: int, max_len: int, k:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="smollm2")
-    parser.add_argument("--drafter", default="dflash/data/assets/drafters/smollm2-dflash")
+    parser.add_argument("--drafter", default="data/assets/drafters/smollm2-dflash")
     parser.add_argument("--per-kind", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,4")

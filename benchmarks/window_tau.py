@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SHIPPED = "dflash/data/assets/drafters/smollm2-dflash"
+SHIPPED = "data/assets/drafters/smollm2-dflash"
 
 
 def long_prompts(tokenizer, context: int, n: int, skip: int = 8) -> list:

@@ -2,6 +2,7 @@
 
 import gc
 import os
+import tomllib
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -21,6 +22,9 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+ROOT = Path(__file__).resolve().parent.parent
+# The package folders at the repository root, each installed as `dflash.<folder>` (pyproject's package-dir, D67).
+PACKAGE_DIRS = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
 GOLDEN = Path(__file__).parent / "golden"
 TINY_CASES = sorted(p.name for p in (GOLDEN / "tiny").iterdir() if p.is_dir())
 

@@ -1,14 +1,13 @@
 """The package layers hold (docs/architecture.md): every import, lazy ones inside functions included, points
 down the order below, and the module graph has no cycle.
 
-    files  ->  configs.schema  ->  section configs (<pkg>/config.py)  ->  configs.recipe  ->  models  ->  serve
+    configs.schema  ->  section configs (<pkg>/config.py)  ->  configs.recipe  ->  models  ->  serve
     ->  data  ->  train  ->  eval  ->  export  ->  launch  ->  benchmarks
 
 A module may import a module of a lower layer, or one of its own package in the same layer. Section configs
 may import each other (a section may embed another's dataclass), but nothing heavier than configs.schema.
-`files` (durable writes, pure stdlib) is the base module: importable by everything, it imports nothing of
-the project.
-Modules are named here without the installed namespace (`train.loop` is `dflash.train.loop`).
+Modules are named here without the installed namespace (`train.loop` is `dflash.train.loop`, the file
+train/loop.py at the repository root: D67); every import names the namespace.
 """
 
 from __future__ import annotations
@@ -16,19 +15,18 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-BASE = ("files",)  # modules directly under dflash/, below every package
-PACKAGES = ("configs", "models", "serve", "data", "train", "eval", "export", "launch", "benchmarks")
+from conftest import PACKAGE_DIRS, ROOT
+
+PACKAGES = (*PACKAGE_DIRS, "benchmarks")
 CONFIG_LEAVES = {f"{p}.config" for p in PACKAGES}
 ORDER = ("models", "serve", "data", "train", "eval", "export", "launch", "benchmarks")
 
 
 def layer(module: str) -> int:
-    """0 the base modules, 1 schema, 2 section configs, 3 the recipe, then 4.. by ORDER."""
-    if module in BASE:
-        return 0
+    """1 schema, 2 section configs, 3 the recipe, then 4.. by ORDER."""
     if module == "configs.schema":
         return 1
     if module in CONFIG_LEAVES:
@@ -39,11 +37,10 @@ def layer(module: str) -> int:
 
 
 def project_modules() -> dict[str, Path]:
-    modules = {name: ROOT / "dflash" / f"{name}.py" for name in BASE}
+    modules = {}
     for package in PACKAGES:
-        base = ROOT if package == "benchmarks" else ROOT / "dflash"
-        for path in (base / package).rglob("*.py"):
-            parts = path.relative_to(base).with_suffix("").parts
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             modules[name] = path
     return modules
@@ -62,7 +59,7 @@ def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
             name = name.removeprefix("dflash.")
             while name and name not in modules:
                 name = name.rpartition(".")[0]
-            if name and name.split(".")[0] in (*BASE, *PACKAGES) and name not in ("configs", *ORDER):
+            if name and name.split(".")[0] in PACKAGES and name not in ("configs", *ORDER):
                 found.add(name)
     return found
 
@@ -110,9 +107,8 @@ def test_the_checker_sees_a_violation(tmp_path):
     modules = project_modules()
     assert imports_of(path, modules) == {"train.loop", "serve.engine"}
     assert layer("train.loop") > layer("serve.engine") > layer("models.drafter") > layer("configs.recipe")
-    assert layer("configs.schema") > layer("files") == 0
-    path.write_text("from dflash.files import fsync_path\nfrom dflash import files\n")
-    assert imports_of(path, modules) == {"files"}
+    path.write_text("from dflash.data.files import fsync_path\nfrom dflash.data import files\n")
+    assert imports_of(path, modules) == {"data.files"}
 
 
 def test_loading_a_recipe_imports_neither_engine_nor_trainer_nor_jax():
@@ -122,3 +118,66 @@ def test_loading_a_recipe_imports_neither_engine_nor_trainer_nor_jax():
             "and m.removeprefix('dflash.') not in ('serve', 'train', 'data', 'models')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def bypassing_imports(path) -> list[str]:
+    """Imports in `path` that reach a package folder without the `dflash.` namespace (`import train.loop`,
+    `from serve import engine`) or relatively (`from . import x`): either loads a second copy of the module."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            bad += [alias.name for alias in node.names if alias.name.split(".")[0] in PACKAGE_DIRS]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                bad.append("." * node.level + (node.module or ""))
+            elif node.module and node.module.split(".")[0] in PACKAGE_DIRS:
+                bad.append(node.module)
+    return bad
+
+
+def test_every_import_names_the_namespace(tmp_path):
+    """With the repository root on sys.path (`python -m pytest`, a benchmark script), `import train` would load
+    train/ a second time as a top-level package, apart from `dflash.train`: every file imports through `dflash.`."""
+    files = [p for folder in (*PACKAGE_DIRS, "tests", "benchmarks", "tools") for p in (ROOT / folder).rglob("*.py")]
+    bad = [f"{p.relative_to(ROOT)}: {name}" for p in files for name in bypassing_imports(p)]
+    assert not bad, "imports that bypass the dflash namespace (write `from dflash.<folder>...`):\n" + "\n".join(bad)
+    probe = tmp_path / "m.py"
+    probe.write_text("import train.loop\nfrom serve import engine\nfrom . import x\nfrom dflash.data import files\n")
+    assert bypassing_imports(probe) == ["train.loop", "serve", "."]
+
+
+def test_every_package_folder_is_installed():
+    """pyproject lists each package explicitly (a mapped namespace cannot be found by setuptools' `find`): a new
+    sub-package must be added there, or it is missing from the wheel and the editable tree."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {"dflash." + ".".join(init.parent.relative_to(ROOT).parts)
+               for folder in PACKAGE_DIRS for init in (ROOT / folder).rglob("__init__.py")}
+    assert on_disk == listed, f"packages on disk {sorted(on_disk)} != pyproject's packages {sorted(listed)}"
+
+
+def test_imports_resolve_to_the_root_folders_from_the_repository_root():
+    """Run from the repository root (sys.path[0] is the root), `dflash.<folder>` is the root folder's code, and
+    importing the CLI and the engine leaves no stray top-level copy of a package folder in sys.modules."""
+    code = ("import sys, dflash.launch.cli, dflash.serve.engine, dflash.train.loop; from pathlib import Path; "
+            "print(Path(dflash.train.loop.__file__).resolve()); "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {PACKAGE_DIRS!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    where, stray = out.stdout.strip().splitlines()
+    assert where == str(ROOT / "train" / "loop.py")
+    assert stray == "[]", stray
+
+
+def test_the_wheel_holds_the_namespace(tmp_path):
+    """A non-editable build (what the Docker image installs) puts each folder under dflash/ with its data files,
+    and nothing else of the repository."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
+                    str(ROOT)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("dflash_tpu-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in ("dflash/train/loop.py", "dflash/configs/smollm2.yaml", "dflash/data/files.py",
+                 "dflash/data/assets/drafters/smollm2-dflash/model.safetensors"):
+        assert name in names, name
+    assert {n.split("/")[0] for n in names} == {"dflash", wheel.name.split("-py3")[0] + ".dist-info"}
+    assert "dflash/__init__.py" not in names

@@ -1,4 +1,4 @@
-"""`--block-size auto` (dflash/serve/autoblock.py): expected tokens from acceptance, the pick, and measured costs."""
+"""`--block-size auto` (serve/autoblock.py): expected tokens from acceptance, the pick, and measured costs."""
 
 from __future__ import annotations
 

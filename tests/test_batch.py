@@ -1,4 +1,4 @@
-"""The typed training batch (dflash/data/batch.py): one layout, written once (`TrainBatch.spec`), that the loaders
+"""The typed training batch (data/batch.py): one layout, written once (`TrainBatch.spec`), that the loaders
 fill, the train step checks while tracing, and AOT compile builds."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Regeneration with the target (dflash/data/regenerate.py): equals direct AR decoding, multi-turn feeds the
+"""Regeneration with the target (data/regenerate.py): equals direct AR decoding, multi-turn feeds the
 regenerated replies back, resumes after a crash to exactly the uninterrupted file, errors are isolated.
 
 The target is a tiny random llama (vocab 49152, hidden 32) under the real SmolLM2 tokenizer from the

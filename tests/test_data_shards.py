@@ -22,6 +22,7 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 import dflash.data.capture as capture_module
 from dflash.data.batch import BatchLayout, TrainBatch
 from dflash.data.capture import capture, examples_hash
+from dflash.data.files import file_sha256
 from dflash.data.manifest import (
     MANIFEST_NAME,
     ManifestMismatchError,
@@ -34,7 +35,6 @@ from dflash.data.offline import OfflineBatches, PackedRows, make_offline_batches
 from dflash.data.online import make_batches
 from dflash.data.records import BF16, HEADER_SIZE, ShardError, record_size
 from dflash.data.shards import READER_OPTIONS, RecordSource, iter_shard
-from dflash.files import file_sha256
 from dflash.models.decoder import forward
 from dflash.models.drafter import online_features
 from dflash.models.loading import load_hf_dir, weights_fingerprint

@@ -1,9 +1,10 @@
 """Honest dependencies: every third-party module the code imports is declared in pyproject.toml, every declared
 dependency is imported (or listed below with why it is needed anyway), and the two locks agree with the pins.
 
-Runtime code (`dflash/`) may import only `[project] dependencies`; tests, benchmarks and tools may also import the
-`dev` extra. Imports are found with `ast` (module level and inside functions alike) and mapped to distributions
-with `importlib.metadata.packages_distributions()`, so the venv this runs in must hold the dev set (`bin/setup`).
+Runtime code (the package folders, `dflash.<folder>`) may import only `[project] dependencies`; tests, benchmarks and
+tools may also import the `dev` extra. Imports are found with `ast` (module level and inside functions alike) and
+mapped to distributions with `importlib.metadata.packages_distributions()`, so the venv this runs in must hold the
+dev set (`bin/setup`).
 """
 
 import ast
@@ -13,6 +14,8 @@ import re
 import sys
 import tomllib
 from pathlib import Path
+
+from conftest import PACKAGE_DIRS
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -75,11 +78,14 @@ def _imports(path: Path) -> set[str]:
 def _is_local(name: str, path: Path) -> bool:
     """The project itself, a repository folder (`benchmarks`), or, for a test or script (run with its folder on
     sys.path), a sibling module (`conftest`, `test_export`)."""
-    bases = [ROOT] if path.is_relative_to(ROOT / "dflash") else [ROOT, path.parent]
+    if name == "dflash":
+        return True
+    in_package = any(path.is_relative_to(ROOT / folder) for folder in PACKAGE_DIRS)
+    bases = [ROOT] if in_package else [ROOT, path.parent]
     return any((base / name).is_dir() or (base / f"{name}.py").is_file() for base in bases)
 
 
-def _third_party(folders: list[str]) -> dict[str, set[str]]:
+def _third_party(folders) -> dict[str, set[str]]:
     """Top-level third-party module -> files (relative) that import it."""
     found: dict[str, set[str]] = {}
     for folder in folders:
@@ -111,8 +117,8 @@ def _undeclared(imports: dict[str, set[str]], allowed: set[str]) -> list[str]:
 
 
 def test_runtime_code_imports_only_runtime_dependencies():
-    problems = _undeclared(_third_party(["dflash"]), set(RUNTIME))
-    assert not problems, ("dflash/ imports modules whose distribution is not in [project] dependencies; declare "
+    problems = _undeclared(_third_party(PACKAGE_DIRS), set(RUNTIME))
+    assert not problems, ("the packages import modules whose distribution is not in [project] dependencies; declare "
                           "each in pyproject.toml at its requirements.lock version:\n  " + "\n  ".join(problems))
 
 
@@ -124,7 +130,7 @@ def test_tests_benchmarks_and_tools_import_only_declared_dependencies():
 
 
 def test_torch_environment_scripts_are_the_excluded_ones():
-    for folder in ("dflash", "tests", "benchmarks", "tools"):
+    for folder in (*PACKAGE_DIRS, "tests", "benchmarks", "tools"):
         for path in _python_files(folder):
             torch_env = _imports(path) & TORCH_ENV_MODULES
             assert not torch_env, (f"{path.relative_to(ROOT)} imports {sorted(torch_env)}, which live only in the "
@@ -134,10 +140,10 @@ def test_torch_environment_scripts_are_the_excluded_ones():
 
 
 def test_every_declared_dependency_is_imported_or_justified():
-    runtime_used = {d for m in _third_party(["dflash"]) for d in _distributions(m)}
+    runtime_used = {d for m in _third_party(PACKAGE_DIRS) for d in _distributions(m)}
     all_used = runtime_used | {d for m in _third_party(["tests", "benchmarks", "tools"]) for d in _distributions(m)}
     unused_runtime = sorted(set(RUNTIME) - runtime_used - set(NOT_IMPORTED))
-    assert not unused_runtime, (f"[project] dependencies {unused_runtime} are imported by nothing under dflash/; "
+    assert not unused_runtime, (f"[project] dependencies {unused_runtime} are imported by no package; "
                                 "remove them (or move them to the dev extra), or list each in NOT_IMPORTED with why")
     unused_dev = sorted(set(DEV) - all_used - set(NOT_IMPORTED))
     assert not unused_dev, (f"dev dependencies {unused_dev} are imported by no test, benchmark or tool; remove them, "

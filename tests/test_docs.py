@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import PACKAGE_DIRS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -21,7 +22,8 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *sorted((DOCS / "studie
 CURRENT = [ROOT / "README.md", *(DOCS / f"{name}.md" for name in (
     "design", "architecture", "training", "data", "serving", "evaluation", "export", "pods", "development",
     "benchmarks"))]
-PACKAGES = ("configs", "models", "serve", "data", "train", "eval", "export", "launch")
+PACKAGES = PACKAGE_DIRS
+FOLDERS = (*PACKAGES, "benchmarks", "tools", "tests", "bin", "docker")  # what a backticked repository path starts with
 EXTERNAL = {"dflash/model.py"}  # z-lab's modelling file, in their repository (docs/export.md)
 
 
@@ -95,22 +97,22 @@ def _config_fields() -> dict[str, set[str]]:
 
 
 def _dangling_reference(ref: str, fields: dict[str, set[str]]) -> str | None:
-    """Why `pkg.module[.name]` (optionally `dflash.`-prefixed) names nothing in dflash/, or None. A recipe key
-    (`data.seq_len`, `train.mesh.fsdp`) is not a code reference."""
+    """Why `pkg.module[.name]` (optionally `dflash.`-prefixed) names nothing in the package folders, or None. A
+    recipe key (`data.seq_len`, `train.mesh.fsdp`) is not a code reference."""
     parts = ref.removeprefix("dflash.").split(".")
     if parts[0] in fields and parts[1] in fields[parts[0]]:
         return None
-    module = ROOT / "dflash" / parts[0] / f"{parts[1]}.py"
+    module = ROOT / parts[0] / f"{parts[1]}.py"
     if not module.is_file():
-        return f"no module dflash/{parts[0]}/{parts[1]}.py"
+        return f"no module {parts[0]}/{parts[1]}.py"
     if len(parts) > 2 and parts[2] not in _top_level_names(module):
-        return f"dflash/{parts[0]}/{parts[1]}.py defines no {parts[2]!r}"
+        return f"{parts[0]}/{parts[1]}.py defines no {parts[2]!r}"
     return None
 
 
 @pytest.mark.parametrize("page", CURRENT, ids=lambda p: str(p.relative_to(ROOT)))
 def test_code_the_docs_name_exists(page):
-    """`serve.engine.decode`, `dflash.models.registry.known_target`, `dflash/train/sharding.py`, `tools/lock.sh`:
+    """`serve.engine.decode`, `dflash.models.registry.known_target`, `train/sharding.py`, `tools/lock.sh`:
     each backticked module, name or repository path on a page about the current code must exist."""
     fields = _config_fields()
     bad = []
@@ -118,8 +120,9 @@ def test_code_the_docs_name_exists(page):
         for ref in re.findall(rf"(?<![\w./-])((?:dflash\.)?(?:{'|'.join(PACKAGES)})\.[a-z_]\w*(?:\.\w+)?)\b", span):
             if (why := _dangling_reference(ref, fields)) is not None:
                 bad.append(f"{ref}: {why}")
-        for path in re.findall(r"(?<![\w./-])((?:dflash|benchmarks|tools|tests|bin|docker)/[\w./-]*\w)", span):
-            if path not in EXTERNAL and not any(c in span for c in "<*{") and not (ROOT / path).exists():
+        for path in re.findall(rf"(?<![\w./-])((?:{'|'.join(FOLDERS)})/[\w./-]*\w)", span):
+            metric = path.split("/")[0] in PACKAGES and "." not in path.rsplit("/", 1)[1]  # `eval/tau`: a metric
+            if path not in EXTERNAL and not metric and not any(c in span for c in "<*{") and not (ROOT / path).exists():
                 bad.append(f"{path}: no such file or directory")
     assert not bad, f"{page.relative_to(ROOT)} names code that does not exist: {sorted(set(bad))}"
 
@@ -129,7 +132,7 @@ def test_the_code_reference_check_tells_code_from_recipe_keys():
     for ref in ("serve.engine.decode", "dflash.models.registry.known_target", "data.seq_len", "train.mesh",
                 "eval.client"):
         assert _dangling_reference(ref, fields) is None, ref
-    assert _dangling_reference("serve.generate.decode_step", fields) == "no module dflash/serve/generate.py"
+    assert _dangling_reference("serve.generate.decode_step", fields) == "no module serve/generate.py"
     assert "defines no 'speculative_generate'" in _dangling_reference("serve.speculative.speculative_generate", fields)
 
 

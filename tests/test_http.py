@@ -1,4 +1,4 @@
-"""The transport (dflash/serve/http.py) over a fake worker that keeps the worker contract (`submit` refuses
+"""The transport (serve/http.py) over a fake worker that keeps the worker contract (`submit` refuses
 synchronously with a `RequestRejected`-like error, jobs publish `JobUpdate`s, then the `Completion`, `error`
 and `status`): routes and methods, every error path answered (and the server serving the next request),
 4xx before a stream's first byte, several prompts and n, streaming shapes, log-probabilities over HTTP, and

@@ -1,4 +1,4 @@
-"""The distribution losses of `train.loss` (dflash/train/objective.py `head_divergences`, `head_loss` terms tv, kl,
+"""The distribution losses of `train.loss` (train/objective.py `head_divergences`, `head_loss` terms tv, kl,
 rkl, opd and mixes) against loop-by-loop fp32 references: plain Python loops over rows and the vocabulary, values
 and gradients (by central differences of the loop reference), masked slots, tokens outside the head's
 vocabulary and the target's mass beyond its stored top-k."""

@@ -1,4 +1,4 @@
-"""The DFlash objective (dflash/train/objective.py): anchors, same-position labels, strict mask, decayed loss."""
+"""The DFlash objective (train/objective.py): anchors, same-position labels, strict mask, decayed loss."""
 
 import functools
 

@@ -1,4 +1,4 @@
-"""The OpenAI protocol layer (dflash/serve/openai.py) without a server: each parse rule and its error, the
+"""The OpenAI protocol layer (serve/openai.py) without a server: each parse rule and its error, the
 field policy, the text of whole and streamed replies, and the shape of every response and stream chunk."""
 
 from __future__ import annotations

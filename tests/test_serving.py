@@ -1,4 +1,4 @@
-"""`dflash serve`'s library call (dflash/launch/serving.py): the options are checked at construction, and
+"""`dflash serve`'s library call (launch/serving.py): the options are checked at construction, and
 `build_server` wires the recipe's target, drafter, K and sampling into a bound server. Serving itself, with
 its printed line and signals, runs in tests/test_eval.py through `dflash serve` subprocesses."""
 

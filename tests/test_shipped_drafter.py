@@ -1,4 +1,4 @@
-"""The drafter shipped for the embedded default target (dflash/data/assets/drafters/smollm2-dflash): it is the file its
+"""The drafter shipped for the embedded default target (data/assets/drafters/smollm2-dflash): it is the file its
 README records, small enough to ship, fits the target, decodes losslessly and accepts drafts (it was trained)."""
 
 import hashlib

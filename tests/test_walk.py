@@ -1,4 +1,4 @@
-"""The serving walk (dflash/data/walk.py, `dflash data walk`) and walk anchors in training (`TrainBatch.walk`,
+"""The serving walk (data/walk.py, `dflash data walk`) and walk anchors in training (`TrainBatch.walk`,
 `sample_anchors`): the teacher-forced walk gives the engine's block starts and accept lengths (fp32, tiny models),
 the stage resumes without losing or repeating rows, and the sampler draws walk anchors at the stated rate and
 weights."""

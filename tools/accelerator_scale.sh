@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU recipe (dflash/configs/smollm2.yaml) at many times its compute, on one accelerator, in one budgeted run:
+# The CPU recipe (configs/smollm2.yaml) at many times its compute, on one accelerator, in one budgeted run:
 # what τ the default recipe reaches when compute is no longer the limit, and the engine's K-flat curve there.
 #
 #   tools/accelerator_scale.sh OUT_DIR [BUDGET_SECONDS]
@@ -74,6 +74,6 @@ cp "$RUN/metrics.jsonl" "$OUT_DIR/train.jsonl"; cp "$RUN-probe/metrics.jsonl" "$
 # a run killed at its limit still has its last checkpoint only if it reached save_every; say which step tau measures
 log "checkpoints: $(ls "$RUN" 2>/dev/null | tr '\n' ' ')"
 stage tau $(( $(left) > 60 ? $(left) : 60 )) $PY benchmarks/drafter_tau.py --config smollm2 --per-set ${PER_SET:-16} \
-  --drafter shipped=dflash/data/assets/drafters/smollm2-dflash --drafter accel="$RUN" --json "$OUT_DIR/tau.json" --write
+  --drafter shipped=data/assets/drafters/smollm2-dflash --drafter accel="$RUN" --json "$OUT_DIR/tau.json" --write
 cp docs/studies/README.md "$OUT_DIR/studies_index.md"; cp "$(ls -t docs/studies/*.md | grep -v README | head -1)" "$OUT_DIR/study.md"
 log "done"

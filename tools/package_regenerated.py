@@ -1,7 +1,7 @@
-"""Package a `dflash data regenerate` output as a training set shipped in the repo (dflash/data/assets/regenerated).
+"""Package a `dflash data regenerate` output as a training set shipped in the repo (data/assets/regenerated).
 
     .venv/bin/python tools/package_regenerated.py runs/smollm2/data/regenerated.jsonl \
-        dflash/data/assets/regenerated/smollm2-mix.jsonl.xz --name smollm2_mix --recipe smollm2 \
+        data/assets/regenerated/smollm2-mix.jsonl.xz --name smollm2_mix --recipe smollm2 \
         [data.max_prompts=2400 ...]
 
 Writes NAME.jsonl.xz (the records sorted by id, so the file does not depend on the order replies finished in;

@@ -17,7 +17,7 @@ log = logging.getLogger("dflash")
 
 def _add_config_args(p: argparse.ArgumentParser, default: str = "default") -> None:
     p.add_argument("--config", default=default,
-                   help=f"recipe name in dflash/configs/ or a YAML path (default: {default})")
+                   help=f"recipe name in configs/ or a YAML path (default: {default})")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="dotted overrides, e.g. target.dtype=bfloat16")
 
@@ -285,7 +285,7 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
     from dflash.launch.compile import recipe_topology, run_compile
 
     if args.config is None:
-        raise ConfigError("--config must name the recipe to compile (a name in dflash/configs/ or a YAML path); "
+        raise ConfigError("--config must name the recipe to compile (a name in configs/ or a YAML path); "
                           "received none")
     load_recipe(args.config, args.overrides)  # a bad recipe or override stops here, not in the subprocess
     topology = args.topology or recipe_topology(args.config)
@@ -453,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "propose and verify) ahead of time for a TPU slice from this machine; print memory per chip "
                            "and whether it fits HBM, and the run's cost from the step's FLOPs.")
     q.add_argument("--config", "--recipe", dest="config", default=None,
-                   help="the recipe to compile: a name in dflash/configs/ or a YAML path (--recipe: the older name)")
+                   help="the recipe to compile: a name in configs/ or a YAML path (--recipe: the older name)")
     q.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
     q.add_argument("--topology", default=None, help="TPU slice type, e.g. v5p-128 (default: the recipe header's "
                    "`# Topology:` line)")

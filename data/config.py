@@ -86,7 +86,7 @@ class DataConfig:
                  (dir/regenerated.jsonl: the target's own answers, what lifts acceptance) or `smollm2_mix` /
                  `smollm2_mix2` / `smollm2_mix3` (packaged: SmolLM2-135M-Instruct's own greedy answers to a
                  ShareGPT / GSM8K / MATH / MBPP-train mix, 1,105, 2,211 and 4,409 of them, each a superset of
-                 the one before, dflash/data/assets/regenerated/README.md; only meaningful for that target). Tokenised
+                 the one before, data/assets/regenerated/README.md; only meaningful for that target). Tokenised
                  with the target's chat template, loss on the assistant tokens only.
     features:    `online` runs the frozen target inside the train step (features never touch disk);
                  `offline` reads the features `dflash data capture` stored under dir/shards (checked

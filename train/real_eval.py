@@ -23,8 +23,8 @@ import numpy as np
 from flax import nnx
 
 from dflash.data.eval_sets import load_eval_set
+from dflash.data.files import fsync_path, fsync_tree
 from dflash.data.walk import teacher_taus
-from dflash.files import fsync_path, fsync_tree
 from dflash.models.drafter import DFlashDrafter, DraftVocab
 from dflash.models.target import Target
 from dflash.models.tokenizer import ChatTokenizer

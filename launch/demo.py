@@ -8,7 +8,7 @@
 4. evaluate against the served engine: greedy DFlash vs AR over HTTP on a few prompts of four kinds (GSM8K,
    MT-Bench, HumanEval, MATH-500), reporting τ, acceptance by position, whether the output equals AR, and as
    the last line `DFlash vs AR: <speedup>x tokens/s (tau <τ>, K=<K>)`. The drafter evaluated is the one
-   shipped for the target in dflash/data/assets/drafters (trained by dflash/configs/smollm2.yaml for an hour: what
+   shipped for the target in data/assets/drafters (trained by configs/smollm2.yaml for an hour: what
    training in earnest gives) when there is one, else the drafter just trained.
 The server (`dflash serve`) and the data stages (`dflash data`) are separate commands.
 """

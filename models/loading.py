@@ -1,7 +1,7 @@
 """Load target weights into the decoder's params layout, from an HF safetensors dir or a GGUF file.
 
 Both loaders return `(DecoderConfig, params)` with params as host numpy arrays in the layout
-documented in `dflash/models/decoder.py` (weights transposed to `[in, out]`, layers stacked). Every problem
+documented in `models/decoder.py` (weights transposed to `[in, out]`, layers stacked). Every problem
 names the file or the tensor and what was expected: a missing file, an unreadable or corrupt file, an
 unsupported architecture, a tensor whose shape disagrees with the config.
 

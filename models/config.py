@@ -1,4 +1,4 @@
-"""Configs owned by `dflash/models/`: the target and drafter sections of a recipe, and the decoder architecture.
+"""Configs owned by `models/`: the target and drafter sections of a recipe, and the decoder architecture.
 
 `TargetConfig` is the recipe section (what to load, at which dtype). `DecoderConfig` describes the
 architecture of a Llama 3.x / Qwen2 / Qwen3 dense decoder; it is read from the weights (HF config.json

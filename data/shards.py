@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash.data.files import TMP_SUFFIX, file_sha256, fsync_path, write_atomic
 from dflash.data.manifest import (
     IDENTITY_FIELDS,
     MANIFEST_NAME,
@@ -36,7 +37,6 @@ from dflash.data.manifest import (
     shard_name,
 )
 from dflash.data.records import Sample, ShardError, decode_record, encode_record, record_tokens
-from dflash.files import TMP_SUFFIX, file_sha256, fsync_path, write_atomic
 
 READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"  # random access (ArrayRecord's advice)
 _COMPRESSIONS = re.compile(r"uncompressed|(zstd|brotli)(:-?\d+)?|snappy")

@@ -29,9 +29,9 @@ from typing import Any
 
 from dflash.configs.recipe import load_recipe
 from dflash.configs.schema import ConfigError, apply_overrides, build
+from dflash.data.files import fsync_path, fsync_tree
 from dflash.export.card import find_results, read_results, render_card, target_id
 from dflash.export.hub import Upload, plan_upload, upload_folder
-from dflash.files import fsync_path, fsync_tree
 from dflash.models.config import TargetConfig
 from dflash.models.drafter import DrafterArch, check_fits_target, hf_tensor_names, param_count
 from dflash.models.drafter_io import RunDrafter, read_run

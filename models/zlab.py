@@ -3,7 +3,7 @@
 `load_zlab` reads them back (and reads z-lab's released drafters).
 
 config.json: `architectures ["DFlashDraftModel"]`, `auto_map` (remote code: a `dflash.py` modelling file
-beside the weights, see `dflash/export/`), `model_type "qwen3"` (the drafter's layers are Qwen3-style whatever
+beside the weights, see `export/`), `model_type "qwen3"` (the drafter's layers are Qwen3-style whatever
 the target's family), `block_size`, `num_target_layers`, `dflash_config {mask_token_id, target_layer_ids}`
 and the Qwen3 decoder fields of the drafter, with RoPE both as `rope_theta` + `rope_scaling` (transformers
 4.x and the released configs) and as `rope_parameters` (transformers >= 5).

@@ -15,7 +15,7 @@ log = logging.getLogger("dflash")
 
 DESCRIPTION = ("Export a trained DFlash drafter (a `dflash train` run dir) to the Hugging Face layout vLLM, SGLang "
                "(zlab) or speculators load, with a model card; optionally push it to the Hub.")
-CONFIG_HELP = ("the recipe (a name in dflash/configs/ or a YAML path) whose target the drafter is exported for: "
+CONFIG_HELP = ("the recipe (a name in configs/ or a YAML path) whose target the drafter is exported for: "
                "its target.source names the target in the card's serving lines and the speculators verifier "
                "(unless --target), and the drafter is checked against that target's architecture, read without "
                "weights (a known target or a Hugging Face directory's config.json). Default: the recipe recorded "
