@@ -34,9 +34,10 @@ def propose_ms(target, drafter, k: int, repeats: int = 20) -> float:
     import numpy as np
 
     from dflash.serve.engine import Engine
+    from dflash.serve.plan import Chain, Limits
     from dflash.serve.speculative import propose
 
-    engine = Engine(target.params, target.cfg, drafter, slots=1, max_len=MAX_LEN, block_size=k)
+    engine = Engine(target.params, target.cfg, drafter, Chain(k), Limits(slots=1, max_len=MAX_LEN))
     engine.submit(list(np.random.default_rng(0).integers(0, 10000, 96)), 8)
     engine.step()
     times = []
@@ -62,11 +63,12 @@ def main() -> None:
 
 
     from benchmarks._report import machine, write_section
+    from dflash.data.eval_sets import eval_prompts
     from dflash.models.config import TargetConfig
     from dflash.models.drafter_io import load_drafter
     from dflash.models.target import load_target
     from dflash.serve.engine import decode
-    from dflash.train.real_eval import eval_prompts
+    from dflash.serve.plan import AR, Chain
 
     started = time.time()
     target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=MAX_LEN))
@@ -102,13 +104,13 @@ def main() -> None:
     for _, ids in prompts:  # compile every prompt's shapes once, untimed
         for _, drafter, k in decoders:
             decode(target.params, target.cfg, [ids], args.new_tokens, max_len=MAX_LEN, drafter=drafter,
-                   block_size=k, stop_ids=stops)
+                   plan=Chain(k) if k else AR(), stop_ids=stops)
     for r in range(args.rounds):
         for _, ids in prompts:
             outputs = {}
             for name, drafter, k in decoders:
                 [c] = decode(target.params, target.cfg, [ids], args.new_tokens, max_len=MAX_LEN, drafter=drafter,
-                             block_size=k, stop_ids=stops)
+                             plan=Chain(k) if k else AR(), stop_ids=stops)
                 outputs[name] = c.token_ids
                 if len(c.token_ids) > 1:
                     tpot[name].append(c.decode_s / (len(c.token_ids) - 1))

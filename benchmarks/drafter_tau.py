@@ -115,10 +115,11 @@ def main() -> None:
 
     from benchmarks._report import machine, write_study
     from dflash.configs.recipe import load_recipe
+    from dflash.data.eval_sets import eval_prompts
     from dflash.models.drafter_io import load_drafter
     from dflash.models.target import load_target
+    from dflash.serve.acceptance import real_tau
     from dflash.serve.config import SamplingConfig
-    from dflash.train.real_eval import eval_prompts, real_tau
 
     recipe = load_recipe(args.config)
     target = load_target(recipe.target)

@@ -2,14 +2,15 @@
 
     .venv/bin/python benchmarks/engine_before_after.py --base REV [--rounds 4] [--new-tokens 128] [--write]
 
-Checks out REV in a temporary git worktree and runs the same workload in it and in this tree, alternating
-(base, new, base, new, ...) so that drifts of the machine hit both alike. The workload uses only the API
-both sides share (`serve.engine.Engine(target_params, target_cfg, drafter, slots=, max_len=, block_size=)`,
-`submit`, `step`, `run`): the embedded SmolLM2 target in fp32, a random-init 2-layer K=8 drafter (seed 0;
-tau ~ 1, the cost of a DFlash step), one 64-token prompt, batch 1. Per side and round: decode tokens/s
-(the tokens after the first step over the time of the rest, so prefill and compilation are excluded),
-median of 5 timed runs after a warm-up, for AR (`block_size=None`) and DFlash K=8. `--write` records the
-table in docs/benchmarks.md.
+Checks out REV in a temporary git worktree and runs the same workload in it and in this tree, alternating (base,
+new, base, new, ...) so that drifts of the machine hit both alike. The workload builds the engine the way its side
+does (`serve.engine.Engine(target_params, target_cfg, drafter, plan, limits)` since D68, before it `Engine(...,
+slots=, max_len=, block_size=)`) and uses `submit`, `step`, `run`; it imports each side's code from its own tree
+(the card's folders as `dflash.<folder>` since D67, a `dflash/` folder before): the embedded SmolLM2 target in fp32,
+a random-init 2-layer K=8 drafter (seed 0; tau ~ 1, the cost of a DFlash step), one 64-token prompt, batch 1. Per
+side and round: decode tokens/s (the tokens after the first step over the time of the rest, so prefill and
+compilation are excluded), median of 5 timed runs after a warm-up, for AR (`block_size=None`) and DFlash K=8.
+`--write` records the table in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -29,13 +30,29 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 WORKLOAD = textwrap.dedent("""
-    import json, statistics, sys, time
-    sys.path.insert(0, sys.argv[1])
+    import json, statistics, sys, tempfile, time
+    from pathlib import Path
+    root = Path(sys.argv[1])
+    if (root / "dflash").is_dir():  # before D67: one dflash/ folder
+        sys.path.insert(0, str(root))
+    else:  # the card's folders, installed as dflash.<folder>: a view of this tree under that name
+        view = Path(tempfile.mkdtemp()) / "dflash"
+        view.mkdir()
+        for folder in ("configs", "models", "serve", "data", "train", "eval", "export", "launch"):
+            (view / folder).symlink_to(root / folder)
+        sys.path.insert(0, str(view.parent))
     from flax import nnx
     from dflash.models.config import TargetConfig
     from dflash.models.drafter import DFlashDrafter, DrafterConfig, default_mask_token_id, resolve_drafter
     from dflash.models.target import load_target
     from dflash.serve.engine import Engine
+    def engine_at(k):
+        try:
+            from dflash.serve.plan import AR, Chain, Limits
+        except ImportError:  # before D68
+            return Engine(target.params, target.cfg, drafter, slots=1, max_len=1024, block_size=k)
+        plan = AR() if k is None else Chain(k)
+        return Engine(target.params, target.cfg, drafter, plan, Limits(slots=1, max_len=1024))
     new_tokens = int(sys.argv[2])
     target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=1024))
     mask = default_mask_token_id(target.tokenizer, target.cfg)
@@ -44,7 +61,7 @@ WORKLOAD = textwrap.dedent("""
     for name, k in (("AR", None), ("DFlash K=8", 8)):
         rates = []
         for rep in range(6):
-            engine = Engine(target.params, target.cfg, drafter, slots=1, max_len=1024, block_size=k)
+            engine = engine_at(k)
             engine.submit(list(range(100, 164)), new_tokens)
             engine.step()
             first = sum(len(c.token_ids) for c in engine.running.values())

@@ -71,9 +71,11 @@ def models(target: str, drafter_path: str | None = None) -> tuple[Any, Any, Any]
 
 def engine_of(cfg: Any, params: Any, drafter: Any, c: int, r: int, tree: tuple[int, bool]) -> Any:
     from dflash.serve.engine import Engine
+    from dflash.serve.plan import Chain, Limits, Tree
 
-    return Engine(params, cfg, drafter, slots=c, max_len=MAX_LEN, block_size=4, steps_per_dispatch=r,
-                  tree_nodes=tree[0], ngram=tree[1])
+    nodes, lookup = tree
+    plan = Tree(4, nodes, lookup) if nodes > 1 else Chain(4)
+    return Engine(params, cfg, drafter, plan, Limits(slots=c, max_len=MAX_LEN, steps_per_dispatch=r))
 
 
 def run(cfg: Any, params: Any, drafter: Any, c: int, r: int, new_tokens: int,

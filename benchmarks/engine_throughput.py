@@ -156,6 +156,7 @@ def engine_sweep(target: Any, drafters: dict[int, Any], batches: list[int], n_pr
 
     from dflash.data.packaged import load_gsm8k
     from dflash.serve.engine import Engine
+    from dflash.serve.plan import AR, Chain, Limits
 
     convs = load_gsm8k("test", limit=max(n_prompts, max(batches)))
     prompts = [target.tokenizer.encode_chat(c[:1], add_generation_prompt=True) for c in convs]
@@ -164,7 +165,8 @@ def engine_sweep(target: Any, drafters: dict[int, Any], batches: list[int], n_pr
     for b in batches:
         for k, drafter in [(None, any_drafter), *sorted(drafters.items())]:
             for _ in range(2):  # a warm-up run (compiles), then the timed run
-                engine = Engine(target.params, target.cfg, drafter, slots=b, max_len=MAX_LEN, block_size=k)
+                engine = Engine(target.params, target.cfg, drafter, AR() if k is None else Chain(k),
+                                Limits(slots=b, max_len=MAX_LEN))
                 for prompt in prompts[:b]:
                     engine.submit(prompt, new_tokens)
                 t0 = time.perf_counter()

@@ -45,9 +45,9 @@ def slot_accept(models: object, drafter: object, tokens_1xS: object, t: float) -
     import jax
     import jax.numpy as jnp
 
-    from dflash.data.walk import block_hidden
     from dflash.models.decoder import forward
     from dflash.models.drafter import concat_features
+    from dflash.serve.acceptance import block_hidden
     from dflash.serve.speculative import draft_logits
 
     k = drafter.arch.block_size
@@ -98,9 +98,9 @@ def main() -> None:
     from benchmarks._report import machine, write_study
     from dflash.configs.recipe import load_recipe
     from dflash.data.chat_tokens import tokenize_rows
-    from dflash.data.walk import LENGTH_STEP
     from dflash.models.drafter_io import load_drafter
     from dflash.models.target import load_target
+    from dflash.serve.acceptance import LENGTH_STEP
     from dflash.serve.speculative import Models
 
     recipe = load_recipe(args.config)

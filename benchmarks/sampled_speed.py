@@ -41,11 +41,13 @@ def main() -> None:
 
     from benchmarks._report import machine, write_section
     from dflash.configs.recipe import load_recipe
+    from dflash.data.eval_sets import eval_prompts
     from dflash.models.drafter_io import load_drafter
     from dflash.models.target import load_target
+    from dflash.serve.acceptance import decode_max_len
     from dflash.serve.config import SamplingConfig
     from dflash.serve.engine import Engine
-    from dflash.train.real_eval import decode_max_len, eval_prompts
+    from dflash.serve.plan import AR, Chain, Limits
 
     t_start = time.perf_counter()
     recipe = load_recipe(args.config)
@@ -56,10 +58,10 @@ def main() -> None:
     max_len = decode_max_len(prompts, args.tokens, k)
     sampling = SamplingConfig(temperature=args.temperature, seed=0)
     stops = target.tokenizer.stop_token_ids
-    engines = {"AR": Engine(target.params, target.cfg, None, slots=1, max_len=max_len),
-               "DFlash argmax": Engine(target.params, target.cfg, drafter, slots=1, max_len=max_len, block_size=k),
-               "DFlash sample": Engine(target.params, target.cfg, drafter, slots=1, max_len=max_len, block_size=k,
-                                       draft_rule="sample")}
+    engines = {"AR": Engine(target.params, target.cfg, None, AR(), Limits(slots=1, max_len=max_len)),
+               "DFlash argmax": Engine(target.params, target.cfg, drafter, Chain(k), Limits(slots=1, max_len=max_len)),
+               "DFlash sample": Engine(target.params, target.cfg, drafter, Chain(k, "sample"),
+                                       Limits(slots=1, max_len=max_len))}
 
     def one(engine: Engine, ids: list[int], seed: int) -> tuple[int, float, list[int]]:
         engine.submit(ids, args.tokens, stops, seed=seed, sampling=sampling)

@@ -56,12 +56,12 @@ def main() -> None:
 
     from dflash.configs.recipe import load_recipe
     from dflash.data.examples import build_examples
-    from dflash.data.walk import LENGTH_STEP, answer_spans, chain, matched_prefix
     from dflash.models.decoder import embed, forward
     from dflash.models.drafter import BlockVisibility, CandidateSelector, DFlashDrafter, concat_features
     from dflash.models.drafter_io import load_drafter
     from dflash.models.target import load_target
     from dflash.models.zlab import save_zlab
+    from dflash.serve.acceptance import LENGTH_STEP, answer_spans, chain, matched_prefix
     from dflash.serve.speculative import Models, draft_logits
     from dflash.train.objective import default_gamma
     from dflash.train.selector import lattice_loss

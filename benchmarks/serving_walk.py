@@ -35,10 +35,12 @@ def main() -> None:
 
     from dflash.configs.recipe import load_recipe
     from dflash.data.examples import build_examples
-    from dflash.data.walk import teacher_taus, walk_engine, walk_teacher
+    from dflash.data.walk import walk_engine, walk_teacher
     from dflash.models.drafter_io import load_drafter
     from dflash.models.target import load_target
+    from dflash.serve.acceptance import teacher_taus
     from dflash.serve.engine import Engine
+    from dflash.serve.plan import Chain, Limits
     from dflash.serve.speculative import Models
 
     recipe = load_recipe(args.config)
@@ -55,7 +57,7 @@ def main() -> None:
     counts = np.bincount([a for r in teacher for a in r.accepted], minlength=k)
     rows = [(i, t, m, n) for i, (t, m, n) in enumerate(examples[:args.engine_rows])]
     max_len = -(-(max(n for _, _, n in examples) + k + 1) // 16) * 16
-    engine = Engine(target.params, target.cfg, drafter, slots=8, max_len=max_len, block_size=k)
+    engine = Engine(target.params, target.cfg, drafter, Chain(k), Limits(slots=8, max_len=max_len))
     walk_engine(engine, rows[:1], target.tokenizer.stop_token_ids)  # compile outside the timing
     t0 = time.perf_counter()
     by_engine = walk_engine(engine, rows, target.tokenizer.stop_token_ids)

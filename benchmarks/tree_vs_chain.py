@@ -48,7 +48,7 @@ COPY_TEXTS = [
 
 
 def prompts_by_kind(tokenizer, per_kind: int) -> list[tuple[str, list[int]]]:
-    from dflash.train.real_eval import eval_prompts
+    from dflash.data.eval_sets import eval_prompts
 
     out = [(p.set, list(p.ids)) for p in eval_prompts(tokenizer, ("gsm8k", "mtbench", "humaneval"), per_kind,
                                                            skip=8)]
@@ -61,12 +61,13 @@ def prompts_by_kind(tokenizer, per_kind: int) -> list[tuple[str, list[int]]]:
 def run_mode(target, drafter, prompts, tokens: int, batch: int, max_len: int, k: int | None, nodes: int = 0,
              ngram: bool = False, steps_per_dispatch: int = 1) -> dict:
     from dflash.serve.engine import Engine
+    from dflash.serve.plan import AR, Chain, Limits, Lookup, Tree
 
+    plan = AR() if not k else Tree(k, nodes, ngram) if nodes > 1 else Lookup(k) if ngram else Chain(k)
     result = {}
     for rep in range(2):  # the first run compiles
-        engine = Engine(target.params, target.cfg, drafter if (k and not (ngram and not nodes)) else None,
-                        slots=batch, max_len=max_len, block_size=k, tree_nodes=nodes, ngram=ngram,
-                        steps_per_dispatch=steps_per_dispatch)
+        engine = Engine(target.params, target.cfg, drafter, plan,
+                        Limits(slots=batch, max_len=max_len, steps_per_dispatch=steps_per_dispatch))
         ids = [engine.submit(ids, tokens) for _, ids in prompts]
         t0 = time.perf_counter()
         done = engine.run()

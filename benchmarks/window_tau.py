@@ -37,9 +37,8 @@ SHIPPED = "data/assets/drafters/smollm2-dflash"
 def long_prompts(tokenizer, context: int, n: int, skip: int = 8) -> list:
     """`n` many-shot GSM8K prompts of at most `context` - 8 tokens each (so the engine's prefill bucket is
     `context`): prompt i = train examples from offset 300 i on, as many as fit, then test question skip + i."""
-    from dflash.data.eval_sets import MATH_SUFFIX, load_eval_set
+    from dflash.data.eval_sets import MATH_SUFFIX, EvalPrompt, load_eval_set
     from dflash.data.packaged import _read_jsonl, gsm8k_path
-    from dflash.train.real_eval import EvalPrompt
 
     train = _read_jsonl(gsm8k_path("train"), None)
     questions = load_eval_set("gsm8k", skip + n)[skip:]
@@ -122,7 +121,7 @@ def main() -> None:
     from dflash.models.config import TargetConfig
     from dflash.models.drafter_io import load_drafter
     from dflash.models.target import load_target
-    from dflash.train.real_eval import real_tau
+    from dflash.serve.acceptance import real_tau
 
     started = time.time()
     target = load_target(TargetConfig(source="smollm2", dtype="float32",

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dflash.data.packaged import _read_jsonl, gsm8k_path, humaneval_path, load_mbpp, load_mtbench, math_path, mbpp_path
+from dflash.models.tokenizer import ChatTokenizer
 
 PACKAGED = ("gsm8k", "math500", "humaneval", "mbpp", "mtbench")
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -123,4 +125,23 @@ def load_eval_set(name: str, limit: int | None = None) -> list[EvalItem]:
                      f"received {name!r}")
 
 
-__all__ = ["PACKAGED", "EvalItem", "load_eval_set"]
+@dataclasses.dataclass(frozen=True)
+class EvalPrompt:
+    """One held-out prompt: its set and its chat-templated first user turn."""
+
+    set: str
+    ids: tuple[int, ...]
+
+
+def eval_prompts(tokenizer: ChatTokenizer, sets: Sequence[str], per_set: int, skip: int = 0) -> list[EvalPrompt]:
+    """Items `skip` .. `skip + per_set - 1` of each evaluation set (default the first `per_set`), first turn
+    only, chat-templated for generation: the held-out prompts of real τ (`serve.acceptance`)."""
+    prompts = []
+    for name in sets:
+        for item in load_eval_set(name, skip + per_set)[skip:]:
+            ids = tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}], add_generation_prompt=True)
+            prompts.append(EvalPrompt(name, tuple(int(t) for t in ids)))
+    return prompts
+
+
+__all__ = ["PACKAGED", "EvalItem", "EvalPrompt", "eval_prompts", "load_eval_set"]

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from dflash.data.config import RegenConfig
 from dflash.serve.config import SamplingConfig
 from dflash.serve.engine import Completion, Engine
+from dflash.serve.plan import AR, Limits
 
 log = logging.getLogger(__name__)
 
@@ -409,8 +410,8 @@ def make_regen_engine(target: Any, *, slots: int, max_len: int, sampling: Sampli
 
     `sampling` is the engine's default rule; `regenerate` sends its config's rule with every request anyway.
     """
-    return Engine(target.params, target.cfg, None, slots=slots, max_len=max_len, block_size=None,
-                  sampling=sampling, page_size=page_size)
+    return Engine(target.params, target.cfg, None, AR(), Limits(slots=slots, max_len=max_len, page_size=page_size),
+                  sampling=sampling)
 
 
 __all__ = ["ItemError", "RegenConfig", "RegenStats", "make_regen_engine", "read_regenerated", "regenerate",

@@ -41,24 +41,23 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
 from dflash.data.files import fsync_path, write_atomic
 from dflash.data.regenerate import repair_jsonl
-from dflash.models.decoder import embed, forward
-from dflash.models.drafter import BlockVisibility, DFlashDrafter, concat_features
+from dflash.models.drafter import DFlashDrafter
+from dflash.serve.acceptance import answer_spans, chain, matched_prefix, teacher_leads
 from dflash.serve.engine import Engine
-from dflash.serve.speculative import Models, argmax_drafts, selector_drafts
+from dflash.serve.plan import Chain, Limits
+from dflash.serve.speculative import Models
 
 log = logging.getLogger(__name__)
 
 WALK_DIR = "walk"
 FORMAT = "dflash-walk/1"
 MODES = ("teacher", "engine", "stored")
-LENGTH_STEP = 64  # teacher rows are padded to a multiple of this (a power of two would waste up to half the forward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,25 +95,6 @@ def row_digest(tokens_S: np.ndarray, loss_mask_S: np.ndarray, n: int) -> str:
     return digest.hexdigest()[:16]
 
 
-def answer_spans(loss_mask_S: np.ndarray, n: int) -> list[tuple[int, int]]:
-    """The assistant turns of a row: (P, E) for each run of loss_mask 1 within its n real tokens (inclusive)."""
-    m = np.asarray(loss_mask_S[:n]) > 0
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], m.astype(np.int8), [0]])))
-    return [(int(s), int(e) - 1) for s, e in zip(edges[::2], edges[1::2], strict=True)]
-
-
-def chain(lead: Callable[[int], int], start: int, last: int) -> list[tuple[int, int]]:
-    """The blocks greedy decoding visits over positions start .. last (x_start is the pending token, x_last the
-    last one emitted): [(a_j, n_j)] with n_j = min(lead(a_j), last - a_j - 1) and a_{j+1} = a_j + n_j + 1,
-    while a_j < last. `lead(a)`: how many of the block at a's drafts equal the target's greedy tokens."""
-    out, a = [], start
-    while a < last:
-        n = min(int(lead(a)), last - a - 1)
-        out.append((a, n))
-        a += n + 1
-    return out
-
-
 def drafter_fingerprint(drafter: DFlashDrafter) -> str:
     """sha256 (16 hex digits) of the drafter's architecture, weights and draft vocabulary."""
     digest = hashlib.sha256(json.dumps(dataclasses.asdict(drafter.arch), sort_keys=True, default=str).encode())
@@ -127,101 +107,7 @@ def drafter_fingerprint(drafter: DFlashDrafter) -> str:
     return digest.hexdigest()[:16]
 
 
-# ----------------------------------------------------------------------------- teacher-forced hits
-
-
-def block_hidden(models: Models, tokens_1xS: jax.Array, feats_1xSxFD: jax.Array, block_size: int) -> jax.Array:
-    """The drafter's hidden states [S, K-1, D] at the draft slots of a block anchored at every position a of one
-    row: ids [x_a, MASK..], context the target features at positions < a, as the engine proposes it."""
-    drafter = models.drafter()
-    s, k = tokens_1xS.shape[1], block_size
-    a_S = jnp.arange(s, dtype=jnp.int32)
-    ids_SxK = jnp.concatenate([tokens_1xS[0][:, None], jnp.full((s, k - 1), drafter.arch.mask_token_id, jnp.int32)],
-                              axis=1)
-    pos_SxK = a_S[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    embeds = embed(models.target_params, ids_SxK.reshape(1, s * k)).astype(jnp.float32)
-    visible = BlockVisibility.from_anchors(a_S[None], jnp.ones((1, s), bool), window=drafter.arch.sliding_window)
-    # every position is an anchor, and the context positions are the row's positions
-    hidden = drafter(embeds, pos_SxK.reshape(1, s * k), feats_1xSxFD, a_S[None], visible)
-    return hidden.reshape(s, k, -1)[:, 1:]
-
-
-@partial(jax.jit, static_argnames=("block_size", "chunk"))
-def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: int = 512,
-                 feats_1xSxFD: jax.Array | None = None, next_S: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(next_ids int32 [S], hits bool [S, K-1]) of one row: next_ids[p] the target's greedy token after
-    tokens[:p+1]; hits[a, k-1] whether the drafter's argmax at slot k of a block anchored at a (ids [x_a, MASK..],
-    context the target features at positions < a, as the engine proposes it) equals the target's greedy token
-    at a + k, i.e. next_ids[a + k - 1]. With a Markov head or DFlash2's path selector, slot k reads the target's
-    token at a + k - 1 (what the engine's drafted token there is whenever the chain has reached slot k). The
-    head runs `chunk` rows at a time
-    over the draft vocabulary's rows or the full head, as `speculative.propose` does.
-
-    Stored features (`feats_1xSxFD`, e.g. a capture's) replace the target's forward; then `next_S` is the stored
-    greedy tokens (a capture's target labels, -1 where unknown) or, when None, the row's own next tokens (the
-    stored answer taken as the target's greedy one)."""
-    drafter = models.drafter()
-    arch, k = drafter.arch, block_size
-    s = tokens_1xS.shape[1]
-    if feats_1xSxFD is None:
-        logits, feats_FxBxSxD = forward(models.target_params, models.target_cfg, tokens_1xS, layer_ids=arch.layer_ids)
-        next_S = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
-        feats_1xSxFD = concat_features(feats_FxBxSxD)
-    elif next_S is None:
-        next_S = jnp.concatenate([tokens_1xS[0, 1:], jnp.full((1,), -1, tokens_1xS.dtype)]).astype(jnp.int32)
-    pos_SxK = jnp.arange(s, dtype=jnp.int32)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    hidden_TxD = block_hidden(models, tokens_1xS, feats_1xSxFD, k).reshape(s * (k - 1), -1)
-    if drafter.markov is not None:
-        prev_SxKm1 = jnp.concatenate([tokens_1xS[0][:, None], next_S[jnp.clip(pos_SxK[:, 1:-1] - 1, 0, s - 1)]],
-                                     axis=1)
-        hidden_TxD = drafter.with_previous(hidden_TxD, embed(models.target_params, prev_SxKm1.reshape(-1)))
-    t = hidden_TxD.shape[0]
-    c = min(chunk, t)
-    pad = -(-t // c) * c - t
-    parts = jnp.pad(hidden_TxD, ((0, pad), (0, 0))).reshape(-1, c, hidden_TxD.shape[-1])
-    if drafter.candidate_selector is None:
-        drafts = jax.lax.map(lambda h: argmax_drafts(models, h[None])[0], parts).reshape(-1)[:t].reshape(s, k - 1)
-    else:  # the path selector: slot k's walk step from the target's token at a + k - 1 (the anchor for slot 1)
-        prev_T = jnp.concatenate([tokens_1xS[0][:, None], next_S[jnp.clip(pos_SxK[:, 1:-1] - 1, 0, s - 1)]],
-                                 axis=1).reshape(-1)
-        prevs = jnp.pad(prev_T, (0, pad)).reshape(-1, c)
-        step = lambda hp: selector_drafts(models, drafter, hp[0][:, None], hp[1])[:, 0]  # noqa: E731
-        drafts = jax.lax.map(step, (parts, prevs)).reshape(-1)[:t].reshape(s, k - 1)
-    want = next_S[jnp.clip(pos_SxK[:, 1:] - 1, 0, s - 1)]
-    return next_S, (drafts == want) & (pos_SxK[:, 1:] - 1 < s)
-
-
-def leading(hits_SxJ: np.ndarray) -> np.ndarray:
-    """int [S]: the number of leading True of each row (drafts accepted before the first miss)."""
-    return np.cumprod(np.asarray(hits_SxJ, bool), axis=1).sum(axis=1)
-
-
-def teacher_leads(models: Models, tokens_S: np.ndarray, n: int, block_size: int,
-                  stored: tuple[np.ndarray, np.ndarray | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(next_ids [n], lead [n]) of one row's n real tokens (`teacher_hits` on the row padded to a multiple of
-    LENGTH_STEP, one compile per length; then the leading hits: how many drafts a block anchored at each position
-    gets accepted, before any cut). `stored`: (features [>= n, F*D], next ids [>= n] or None) to use instead of the
-    target's forward."""
-    length = -(-n // LENGTH_STEP) * LENGTH_STEP
-    padded = np.zeros((1, length), np.int32)
-    padded[0, :n] = tokens_S[:n]
-    feats = next_ids = None
-    if stored is not None:
-        feats_n, ids_n = stored
-        feats = np.zeros((1, length, feats_n.shape[-1]), np.float32)
-        feats[0, :n] = np.asarray(feats_n[:n], np.float32)
-        if ids_n is not None:
-            next_ids = np.full(length, -1, np.int32)
-            next_ids[:n] = ids_n[:n]
-    next_S, hits = jax.device_get(teacher_hits(models, jnp.asarray(padded), block_size, feats_1xSxFD=feats,
-                                               next_S=next_ids))
-    return np.asarray(next_S[:n]), leading(hits)[:n]
-
-
-def matched_prefix(tokens_S: np.ndarray, next_S: np.ndarray, p0: int, e: int) -> int:
-    """How many answer tokens x_P .. x_E the target's greedy choices reproduce (x_p == next_ids[p-1])."""
-    same = np.asarray(tokens_S[p0:e + 1]) == next_S[p0 - 1:e] if p0 > 0 else np.zeros(e + 1 - p0, bool)
-    return int(np.argmin(same)) if not same.all() else e + 1 - p0
+# ----------------------------------------------------------------------------- teacher-forced (serve.acceptance)
 
 
 def walk_teacher(models: Models, tokens_S: np.ndarray, loss_mask_S: np.ndarray, n: int, block_size: int,
@@ -238,23 +124,6 @@ def walk_teacher(models: Models, tokens_S: np.ndarray, loss_mask_S: np.ndarray, 
             starts.append(a)
             accepted.append(acc)
     return WalkRecord(index, row_digest(tokens_S, loss_mask_S, n), tuple(starts), tuple(accepted), answer, matched)
-
-
-def teacher_taus(models: Models, rows: Sequence[tuple[np.ndarray, np.ndarray, int]],
-                 block_size: int) -> dict[str, float]:
-    """Teacher-forced τ of `rows` (tokens, loss_mask, n) two ways, over each answer's reproduced prefix:
-    `walk` at the blocks serving visits (pooled mean accepted + 1 over the chain) and `uniform` at every answer
-    position a < last (1 + min(lead, last - a - 1)), what uniform training anchors measure; `walk_blocks` and
-    `uniform_blocks` count them. The gap uniform - walk is the train/serve gap of the issue."""
-    walk, uniform = [], []
-    for tokens, mask, n in rows:
-        next_S, lead = teacher_leads(models, tokens, n, block_size)
-        for p0, e in answer_spans(mask, n):
-            last = p0 + matched_prefix(tokens, next_S, p0, e) - 1
-            walk += [acc + 1 for _, acc in chain(lead.__getitem__, p0, last)]
-            uniform += [1 + min(int(lead[a]), last - a - 1) for a in range(p0, last)]
-    return {"walk": float(np.mean(walk)) if walk else 0.0, "uniform": float(np.mean(uniform)) if uniform else 0.0,
-            "walk_blocks": float(len(walk)), "uniform_blocks": float(len(uniform))}
 
 
 # ----------------------------------------------------------------------------- through the engine
@@ -372,7 +241,7 @@ def run_walk(examples: Sequence[tuple[np.ndarray, np.ndarray, int]], drafter: DF
     engine = None
     if mode == "engine":
         max_len = -(-(max(n for _, _, n in rows) + k + 1) // 16) * 16
-        engine = Engine(target.params, target.cfg, drafter, slots=slots, max_len=max_len, block_size=k)
+        engine = Engine(target.params, target.cfg, drafter, Chain(k), Limits(slots=slots, max_len=max_len))
     bar = tqdm(total=len(rows), initial=len(rows) - len(todo), disable=not progress, unit="row", desc="walk")
     t0 = time.perf_counter()
     with open(out, "a", encoding="utf-8") as fh:
@@ -445,7 +314,5 @@ def walk_weights(record: WalkRecord | None, seq_len: int, block_size: int, power
     return out
 
 
-__all__ = ["MODES", "WALK_DIR", "WalkRecord", "WalkSummary", "answer_spans", "chain", "drafter_fingerprint",
-           "find_walk", "leading", "load_walk", "matched_prefix", "row_digest", "run_walk", "teacher_hits",
-           "teacher_leads", "teacher_taus", "walk_engine",
-           "walk_paths", "walk_teacher", "walk_weights"]
+__all__ = ["MODES", "WALK_DIR", "WalkRecord", "WalkSummary", "drafter_fingerprint", "find_walk", "load_walk",
+           "row_digest", "run_walk", "walk_engine", "walk_paths", "walk_teacher", "walk_weights"]

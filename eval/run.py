@@ -276,14 +276,13 @@ def timed_compiles(records: Sequence[dict[str, Any]]) -> dict[str, int | None]:
 
 
 def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = None, ar_url: str | None = None,
-             drafter: str | None = None, step: str | None = None, block_size: int | str = 0,
-             tree_nodes: int | str | None = None, tree_ngram: bool = False, draft_rule: str | None = None,
-             config: str = "default",
+             drafter: str | None = None, step: str | None = None, config: str = "default",
              overrides: Sequence[str] = (), api_key: str | None = None, progress: bool = True
              ) -> tuple[dict[str, Any], dict[str, Path]]:
     """`dflash eval`: against the server at `url`, or a `dflash serve` subprocess of `drafter` (a run dir or
     an export; `step`: N or best) started here; the AR baseline at `ar_url`, or a `dflash serve --ar`
-    subprocess of the same recipe. Subprocess logs go to out_dir/server-*.log; servers stop at the end."""
+    subprocess of the same recipe (its `serve` section, with `overrides`, is the DFlash server's decode plan).
+    Subprocess logs go to out_dir/server-*.log; servers stop at the end."""
     import contextlib
 
     from dflash.eval import servers
@@ -297,11 +296,7 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
     # One server at a time: the DFlash phase, then the AR phase (a server started here stops before the next).
     with contextlib.ExitStack() as stack:
         if url is None:
-            args = ["--drafter", drafter, *(["--step", step] if step else []),
-                    *(["--block-size", str(block_size)] if block_size else []),
-                    *(["--tree-nodes", str(tree_nodes)] if tree_nodes is not None else []),
-                    *(["--tree-ngram"] if tree_ngram else []),
-                    *(["--draft-rule", draft_rule] if draft_rule else [])]
+            args = ["--drafter", drafter, *(["--step", step] if step else [])]
             url = stack.enter_context(servers.serve_subprocess([*args, *common], out_dir / "server-dflash.log", slots))
         dflash = Client(url, api_key)
         served = dflash.get("/v1/models")["data"][0]

@@ -68,21 +68,19 @@ def serve_subprocess(args: Sequence[str], log: Path, slots: int) -> Iterator[str
 
 
 @contextlib.contextmanager
-def serve_in_process(target: Any, drafter: Any, *, slots: int, max_len: int, block_size: int | None = None,
-                     model_name: str = "dflash", precompile: bool = True, tree_nodes: int = 0,
-                     tree_ngram: bool = False, draft_rule: str = "argmax") -> Iterator[str]:
-    """A real HTTP server in a thread of this process over `target` (and `drafter`; None: AR); yields its URL.
-    precompile: compile every shape the engine can use first (`Engine.precompile`), so that no timed request
-    compiles; the log-probability variants are left out, since the evaluation client never asks for them (a
-    request that did would compile, and `dflash eval` would count it and fail). tree_nodes / tree_ngram /
-    draft_rule: as `Engine`'s (ignored in AR)."""
+def serve_in_process(target: Any, drafter: Any, plan: Any = None, *, slots: int, max_len: int,
+                     model_name: str = "dflash", precompile: bool = True) -> Iterator[str]:
+    """A real HTTP server in a thread of this process over `target` and `drafter` by the decode `plan` (`serve.plan`;
+    None: `default_plan`, AR without a drafter); yields its URL. precompile: compile every shape the engine can
+    use first (`Engine.precompile`), so that no timed request compiles; the log-probability variants are left
+    out, since the evaluation client never asks for them (a request that did would compile, and `dflash eval`
+    would count it and fail)."""
     from dflash.serve.engine import Engine
     from dflash.serve.http import make_server
+    from dflash.serve.plan import Limits, default_plan
 
-    engine = Engine(target.params, target.cfg, drafter, slots=slots, max_len=max_len,
-                    block_size=None if drafter is None else (block_size or drafter.arch.block_size),
-                    tree_nodes=0 if drafter is None else tree_nodes, ngram=drafter is not None and tree_ngram,
-                    draft_rule="argmax" if drafter is None else draft_rule)
+    plan = default_plan(drafter) if plan is None else plan
+    engine = Engine(target.params, target.cfg, drafter, plan, Limits(slots=slots, max_len=max_len))
     if precompile:
         engine.precompile(logprobs=False)
     server = make_server(engine, target.tokenizer, model_name, "127.0.0.1", 0)

@@ -22,10 +22,23 @@ def _add_config_args(p: argparse.ArgumentParser, default: str = "default") -> No
                    help="dotted overrides, e.g. target.dtype=bfloat16")
 
 
+def _serve_overrides(args: argparse.Namespace) -> list[str]:
+    """`dflash serve` / `dflash eval`'s --block-size, --tree-nodes, --tree-ngram and --draft-rule as overrides of the
+    recipe's `serve` section (checked there, `serve.config.ServeConfig`)."""
+    flags = {"block_size": getattr(args, "block_size", None), "tree_nodes": getattr(args, "tree_nodes", None),
+             "tree_ngram": "true" if getattr(args, "tree_ngram", False) else None,
+             "draft_rule": getattr(args, "draft_rule", None)}
+    return [f"serve.{name}={value}" for name, value in flags.items() if value is not None]
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    return [*args.overrides, *_serve_overrides(args)]
+
+
 def _recipe(args: argparse.Namespace):
     from dflash.configs.recipe import load_recipe
 
-    return load_recipe(args.config, args.overrides)
+    return load_recipe(args.config, _overrides(args))
 
 
 def _init_distributed() -> None:
@@ -164,25 +177,6 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _block_size(text: str) -> int | str:
-    """--block-size: a K >= 2, `auto` (`serve.autoblock`), or 0 (the drafter's training K)."""
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) == 1:
-        raise argparse.ArgumentTypeError(f"must be a block size >= 2, 0 (the training K) or 'auto'; received {text!r}")
-    return int(text)
-
-
-def _tree_nodes(text: str) -> int | str:
-    """--tree-nodes: N >= 0 (0 or 1: the chain), or `auto` (measured at start-up, `serve.autoblock`)."""
-    if text == "auto":
-        return text
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a number of tree nodes >= 0 (0: the chain) or 'auto'; "
-                                         f"received {text!r}")
-    return int(text)
-
-
 def _step(text: str | None) -> int | str | None:
     """--step: a checkpoint step, `best` (the best real-τ drafter of a run), or None (the latest)."""
     if text is None or text == "best":
@@ -215,9 +209,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     _recipe(args)  # the recipe and overrides must be valid before servers start with them
     try:
         results, paths = run_eval(settings, args.out, url=args.url, ar_url=args.ar_url, drafter=args.drafter,
-                                  step=args.step, block_size=args.block_size, tree_nodes=args.tree_nodes,
-                                  tree_ngram=args.tree_ngram, draft_rule=args.draft_rule, config=args.config,
-                                  overrides=args.overrides, api_key=args.api_key, progress=not args.no_progress)
+                                  step=args.step, config=args.config, overrides=_overrides(args),
+                                  api_key=args.api_key, progress=not args.no_progress)
     except ServerError as err:
         print(f"dflash eval: error: {err}", file=sys.stderr)
         return 2
@@ -238,12 +231,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     _log_devices()
     options = ServeOptions(drafter=args.drafter, step=None if args.ar else _step(args.step), ar=args.ar,
-                           block_size=args.block_size, tree_nodes=args.tree_nodes,
-                           tree_ngram=True if args.tree_ngram else None, draft_rule=args.draft_rule,
-                           slots=args.slots,
-                           prefill_chunk=args.prefill_chunk, steps_per_dispatch=args.steps_per_dispatch,
-                           host=args.host,
-                           port=args.port,
+                           slots=args.slots, prefill_chunk=args.prefill_chunk,
+                           steps_per_dispatch=args.steps_per_dispatch, host=args.host, port=args.port,
                            model_name=args.model_name,
                            api_key=args.api_key or os.environ.get("DFLASH_API_KEY") or None,
                            max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout or None,
@@ -301,9 +290,14 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
     return 0 if all(report.fits(p) for p in report.programs) else 3
 
 
-def _add_tree_args(p: argparse.ArgumentParser) -> None:
-    """`--tree-nodes`, `--tree-ngram` and `--draft-rule`, shared by `serve` and `eval`."""
-    p.add_argument("--tree-nodes", type=_tree_nodes, default=None,
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    """--block-size, --tree-nodes, --tree-ngram and --draft-rule (`serve` and `eval`): overrides of the recipe's
+    `serve` section, the decode plan (`serve.plan`)."""
+    p.add_argument("--block-size", default=None,
+                   help="K at inference: a number >= 2, 0 (the drafter's training K) or 'auto' (the K <= the training "
+                   "K with the most expected tokens per second, from measured acceptance and step cost); default the "
+                   "recipe's serve.block_size")
+    p.add_argument("--tree-nodes", default=None,
                    help="verify a best-first tree of N nodes per step built from the block's distributions (0: the "
                    "chain of K; 'auto': the N with the most tokens per second, measured at start-up); default "
                    "the recipe's serve.tree_nodes")
@@ -372,10 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", help="a `dflash train` run dir or a z-lab HF drafter dir (default: train.run_dir)")
     p.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
     p.add_argument("--ar", action="store_true", help="serve the target alone (no drafter)")
-    p.add_argument("--block-size", type=_block_size, default=0,
-                   help="K at inference: a number, 'auto' (the K <= the training K with the most expected tokens "
-                   "per second, from measured acceptance and step cost), default the drafter's training K")
-    _add_tree_args(p)
+    _add_plan_args(p)
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences per step (continuous batching)")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prefill a longer prompt one chunk of this many tokens (a power of two >= 16) per engine "
@@ -409,9 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=8, help="conversations per set (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per turn (default 256)")
     p.add_argument("--concurrency", default="1", help="client concurrencies, e.g. 1,4,16 (default 1)")
-    p.add_argument("--block-size", type=_block_size, default=0,
-                   help="K at inference: a number or 'auto' (see dflash serve --help); default the training K")
-    _add_tree_args(p)
+    _add_plan_args(p)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature (default 0: greedy; the equality check against AR is greedy only)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (default 1: off)")

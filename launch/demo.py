@@ -62,10 +62,9 @@ def run_demo(recipe: Recipe, prompts: Sequence[str] = DEMO_PROMPTS, out: TextIO 
     out.write("\n== chat with the target (AR decoding)\n")
     turns = chat(target, recipe.sampling, recipe.target.max_seq_len, prompts, out=out)
     total = sum(len(t.result.token_ids) for t in turns)
-    decode_s = sum(t.result.decode_s for t in turns)
-    rate = (total - len(turns)) / max(decode_s, 1e-9)
-    out.write(f"\nAR: {len(turns)} prompts, {total} tokens generated, "
-              f"{rate:.1f} decode tokens/s overall (first call includes compile)\n")
+    steady_tokens, steady_s = sum(t.steady_tokens for t in turns), sum(t.steady_s for t in turns)
+    out.write(f"\nAR: {len(turns)} prompts, {total} tokens generated, {steady_tokens / max(steady_s, 1e-9):.1f} decode "
+              "tokens/s (the steps that compiled nothing)\n")
     if train:
         short_eval(recipe, target, out, progress)
     return turns
@@ -75,11 +74,15 @@ def short_eval(recipe: Recipe, target: Any, out: TextIO, progress: bool = True) 
     """Evaluate a drafter against the served engine (DFlash and AR servers in this process, real HTTP) on a
     few prompts of four kinds: the one shipped for the target when there is one, else the drafter just
     trained; the report goes to <run_dir>/eval (a rerun resumes it)."""
+    from dflash.data.eval_sets import eval_prompts
     from dflash.eval.report import headline_line
     from dflash.eval.run import EvalSettings, evaluate
     from dflash.eval.servers import serve_in_process
+    from dflash.launch.serving import AUTO_SETS
     from dflash.models.drafter_io import load_drafter
     from dflash.models.registry import shipped_drafter_path
+    from dflash.serve.acceptance import Measured
+    from dflash.serve.plan import plan_from
 
     shipped = shipped_drafter_path(recipe.target.source)
     source = shipped if shipped is not None else Path(recipe.train.run_dir)
@@ -87,19 +90,16 @@ def short_eval(recipe: Recipe, target: Any, out: TextIO, progress: bool = True) 
     settings = EvalSettings(sets=EVAL_SETS, limit=1, max_new_tokens=recipe.sampling.max_new_tokens)
     which = (f"the drafter shipped for this target ({source}; see its README)" if shipped is not None
              else f"the drafter just trained ({source})")
-    tree = recipe.serve.tree_nodes
-    out.write(f"\n== evaluation against the served engine of {which}: greedy DFlash (block "
-              f"{drafter.arch.block_size}{f', tree nodes {tree}' if tree else ''}) vs AR on {settings.limit} "
-              f"prompt each of {', '.join(EVAL_SETS)}\n")
-    out.flush()
     max_len = recipe.target.max_seq_len
-    nodes, ngram = recipe.serve.tree_nodes, recipe.serve.tree_ngram
-    if nodes == "auto":
-        from dflash.launch.serving import _auto_tree_nodes
-
-        nodes = _auto_tree_nodes(target, drafter, drafter.arch.block_size, max_len, ngram)
-    with serve_in_process(target, drafter, slots=1, max_len=max_len, tree_nodes=nodes,
-                          tree_ngram=ngram and nodes >= 3, draft_rule=recipe.serve.draft_rule) as url, \
+    chooser = None
+    if "auto" in (recipe.serve.block_size, recipe.serve.tree_nodes):
+        chooser = Measured(target, eval_prompts(target.tokenizer, AUTO_SETS, 2), max_len=max_len,
+                           say=lambda text: out.write(text + "\n"))
+    plan = plan_from(recipe.serve, drafter, chooser)
+    out.write(f"\n== evaluation against the served engine of {which}: greedy {plan.describe()} vs AR on "
+              f"{settings.limit} prompt each of {', '.join(EVAL_SETS)}\n")
+    out.flush()
+    with serve_in_process(target, drafter, plan, slots=1, max_len=max_len) as url, \
             serve_in_process(target, None, slots=1, max_len=max_len) as ar_url:
         results, paths = evaluate(url, ar_url, settings, Path(recipe.train.run_dir) / "eval",
                                   drafter={"path": str(source)}, progress=progress)

@@ -141,10 +141,25 @@ def load_hf_dir(directory: str | Path, target_cfg: DecoderConfig, expect: Drafte
     return load_zlab(directory, target_cfg, expect)
 
 
+BEST_DIR = "best"  # <run_dir>/best: the best drafter by real τ (z-lab layout) and best.json (`train.real_eval`)
+BEST_JSON = "best.json"
+
+
+def read_best(run_dir: str | Path) -> dict[str, Any] | None:
+    """`<run_dir>/best/best.json` ({step, tau, tau_per_set, accept_per_position}), or None when no best drafter was
+    kept (a replacement interrupted between its two renames is finished first)."""
+    best = Path(run_dir) / BEST_DIR
+    old = best.with_name(BEST_DIR + ".old")
+    if not best.exists() and (old / BEST_JSON).is_file():
+        old.rename(best)
+    path = best / BEST_JSON
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def _best_dir(path: Path) -> Path:
     """`<run_dir>/best` of a run dir (or of its checkpoints/ directory); FileNotFoundError when absent."""
     run_dir = path.parent if path.name == "checkpoints" and not (path / "best").is_dir() else path
-    best = run_dir / "best"
+    best = run_dir / BEST_DIR
     if not (best / "config.json").is_file():
         raise FileNotFoundError(f"{best} holds no best drafter: a run keeps <run_dir>/best/ (the best drafter "
                                 "by real τ) only when it evaluates real τ during training; set train.eval_every "

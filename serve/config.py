@@ -1,5 +1,5 @@
 """The `sampling` section of a recipe (how the next token is chosen; greedy when temperature == 0) and the `serve`
-section (how the engine verifies: chain or tree)."""
+section (what the engine drafts and verifies: `serve.plan.plan_from` turns it into the engine's decode plan)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ from typing import Literal
 from dflash.configs.schema import require
 
 DRAFT_RULES = ("argmax", "sample")  # how a sampled request's chain drafts are chosen (`ServeConfig.draft_rule`)
+
+
+def lookup_fits(nodes: int) -> bool:
+    """Whether a tree of `nodes` nodes has room for a prompt-lookup path beside the drafter's nodes."""
+    return nodes >= 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,27 +39,33 @@ class SamplingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    """How the engine verifies drafts (`dflash serve`, `dflash eval`'s servers, the demo's evaluation).
+    """What the engine drafts and verifies (`dflash serve`, `dflash eval`'s servers, the demo's evaluation, the
+    in-loop real τ's draft rule); `serve.plan.plan_from` makes the engine's plan of it. `dflash serve`'s flags
+    --block-size, --tree-nodes, --tree-ngram and --draft-rule set these fields.
 
-    tree_nodes: 0 (or 1) verifies the drafter's chain of K - 1 drafts; N >= 2 a best-first tree of N nodes
-    (depth <= K - 1) built from the block's distributions (`serve.tree`); "auto": the N (chain included) with
-    the most tokens per second measured here at start-up. tree_ngram: merge a prompt-lookup path into the tree
-    (needs tree_nodes >= 3 or auto). draft_rule: how a sampled request's chain drafts are chosen, "argmax" (one-hot
-    drafts) or "sample" (drawn from the drafter's distribution, speculative sampling; the chain only), both
-    lossless (`Engine`; docs/decisions.md D64)."""
+    block_size: K at inference, 0 for the drafter's training K, or "auto": the K with the most expected tokens per
+    second from the drafter's acceptance and step costs measured at start-up (`serve.acceptance`). tree_nodes: 0
+    (or 1) verifies the drafter's chain of K - 1 drafts; N >= 2 a best-first tree of N nodes (depth <= K - 1) built
+    from the block's distributions (`serve.tree`); "auto": the N (chain included) with the most tokens per second
+    measured at start-up. tree_ngram: merge a prompt-lookup path into the tree (needs tree_nodes >= 3 or auto).
+    draft_rule: how a sampled request's chain drafts are chosen, "argmax" (one-hot drafts) or "sample" (drawn from
+    the drafter's distribution, speculative sampling; the chain only), both lossless (D64)."""
 
+    block_size: int | Literal["auto"] = 0
     tree_nodes: int | Literal["auto"] = 0
     tree_ngram: bool = False
     draft_rule: Literal["argmax", "sample"] = "argmax"
 
     def __post_init__(self) -> None:
+        require(self.block_size == "auto" or self.block_size == 0 or self.block_size >= 2, "serve.block_size",
+                self.block_size, "be an integer >= 2, 0 (the drafter's training K) or 'auto'")
         require(self.tree_nodes == "auto" or self.tree_nodes >= 0, "serve.tree_nodes", self.tree_nodes,
                 "be an integer >= 0 (0: the chain) or 'auto'")
-        require(not self.tree_ngram or self.tree_nodes == "auto" or self.tree_nodes >= 3, "serve.tree_ngram",
+        require(not self.tree_ngram or self.tree_nodes == "auto" or lookup_fits(self.tree_nodes), "serve.tree_ngram",
                 self.tree_ngram, "be false unless serve.tree_nodes >= 3 or 'auto' (the lookup path takes nodes)")
         require(self.draft_rule in DRAFT_RULES, "serve.draft_rule", self.draft_rule, f"be one of {DRAFT_RULES}")
         require(self.draft_rule == "argmax" or self.tree_nodes == 0, "serve.draft_rule", self.draft_rule,
                 "be argmax with a tree (serve.tree_nodes != 0): sampled drafts are the chain's")
 
 
-__all__ = ["DRAFT_RULES", "SamplingConfig", "ServeConfig"]
+__all__ = ["DRAFT_RULES", "SamplingConfig", "ServeConfig", "lookup_fits"]

@@ -33,9 +33,8 @@ from dflash.models.drafter import (
     drafter_logits,
 )
 from dflash.serve.paged import NULL_PAGE, PagedKVCache, PageTable
+from dflash.serve.requests import MAX_TOP_LOGPROBS
 from dflash.serve.sampling import SamplingRows, row_logprobs
-
-MAX_TOP_LOGPROBS = 20  # alternatives computed per token when log-probabilities are asked (OpenAI's maximum)
 
 
 @jax.tree_util.register_dataclass

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from dflash.models.decoder import embed, forward_cached
 from dflash.models.drafter import block_token_ids, drafter_logits
+from dflash.serve.lookup import append_history, lookup_paths
 from dflash.serve.paged import TreeChunkCache
 from dflash.serve.sampling import row_logprobs
 from dflash.serve.speculative import Models, SpecState, TokenLogprobs, _add_context, _layer_ids, run_steps
@@ -303,49 +304,4 @@ def decode_tree_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array,
     return run_steps(step, state, hist, stop_ids_BxS, budget_B, block_size, steps)
 
 
-def lookup_paths(history_BxH: jax.Array, size_B: jax.Array, length: int, max_ngram: int = 3
-                 ) -> tuple[jax.Array, jax.Array]:
-    """`ngram_continuation` of every row on the device: (continuations [B, length] int32, padded with 0, and their
-    lengths [B]) for histories history_BxH[b, :size_B[b]]."""
-    h = history_BxH.shape[1]
-    s = jnp.arange(h)
-
-    def one(hist_H: jax.Array, size: jax.Array) -> tuple[jax.Array, jax.Array]:
-        found, after = jnp.bool_(False), jnp.int32(0)
-        for g in range(max_ngram, 0, -1):  # the longest suffix first; within it the latest start
-            match = (s <= size - g - 1) & (g <= size - 1)
-            for i in range(g):
-                match &= hist_H[jnp.minimum(s + i, h - 1)] == hist_H[jnp.clip(size - g + i, 0, h - 1)]
-            start = jnp.max(jnp.where(match, s, -1))
-            after = jnp.where(found | (start < 0), after, start + g)
-            found = found | (start >= 0)
-        n = jnp.where(found, jnp.clip(size - after, 0, length), 0)
-        idx = jnp.arange(length)
-        return jnp.where(idx < n, hist_H[jnp.minimum(after + idx, h - 1)], 0).astype(jnp.int32), n.astype(jnp.int32)
-
-    return jax.vmap(one)(history_BxH, size_B)
-
-
-def append_history(history_BxH: jax.Array, size_B: jax.Array, tokens_BxT: jax.Array, count_B: jax.Array
-                   ) -> tuple[jax.Array, jax.Array]:
-    """The histories with the first count_B[b] of tokens_BxT[b] appended (entries past the buffer dropped)."""
-    t = jnp.arange(tokens_BxT.shape[1])[None, :]
-    pos = jnp.where(t < count_B[:, None], size_B[:, None] + t, history_BxH.shape[1])
-    rows = jnp.arange(history_BxH.shape[0])[:, None]
-    return history_BxH.at[rows, pos].set(tokens_BxT, mode="drop"), size_B + count_B
-
-
-def ngram_continuation(history: list[int], length: int, max_ngram: int = 3) -> list[int]:
-    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the longest suffix of
-    `history` (max_ngram tokens down to 1) that occurred before, at most `length` of them ([] if none)."""
-    size = len(history)
-    for g in range(min(max_ngram, size - 1), 0, -1):
-        suffix = history[size - g:]
-        for start in range(size - g - 1, -1, -1):
-            if history[start:start + g] == suffix:
-                return history[start + g:start + g + length]
-    return []
-
-
-__all__ = ["Tree", "append_history", "build_tree", "decode_tree_steps", "lookup_paths", "ngram_continuation",
-           "propose_topk", "verify_tree", "verify_tree_logprobs"]
+__all__ = ["Tree", "build_tree", "decode_tree_steps", "propose_topk", "verify_tree", "verify_tree_logprobs"]

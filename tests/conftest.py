@@ -50,10 +50,12 @@ ALONE_SLOTS, ALONE_LEN = 3, 128
 def decode_alone(target_params, target_cfg, drafter, prompt, budget: int, *, block_size=None, stop_ids=(),
                  sampling=None, seed: int = 0) -> list[int]:
     """The tokens of `prompt` decoded alone: the only request of an engine of ALONE_SLOTS slots and ALONE_LEN
-    context (AR when `drafter` is None), the reference the engine tests compare against."""
+    context (AR without a block_size), the reference the engine tests compare against."""
     from dflash.serve.engine import Engine
+    from dflash.serve.plan import AR, Chain, Limits
 
-    engine = Engine(target_params, target_cfg, drafter, slots=ALONE_SLOTS, max_len=ALONE_LEN, block_size=block_size)
+    plan = AR() if block_size is None else Chain(block_size)
+    engine = Engine(target_params, target_cfg, drafter, plan, Limits(slots=ALONE_SLOTS, max_len=ALONE_LEN))
     rid = engine.submit(prompt, budget, stop_ids, seed=seed, sampling=sampling)
     return engine.run()[rid].token_ids
 
@@ -85,10 +87,11 @@ def assert_greedy_equals_ar(target_params, target_cfg, drafter, prompts, max_new
                             max_len: int = 128) -> None:
     """Greedy DFlash decodes of `prompts` with `drafter` equal AR's token for token (through the engine)."""
     from dflash.serve.engine import decode
+    from dflash.serve.plan import Chain
 
     ar = decode(target_params, target_cfg, prompts, max_new_tokens, max_len=max_len)
     spec = decode(target_params, target_cfg, prompts, max_new_tokens, max_len=max_len, drafter=drafter,
-                  block_size=block_size)
+                  plan=Chain(block_size))
     assert [r.token_ids for r in spec] == [r.token_ids for r in ar]
 
 

@@ -24,6 +24,7 @@ from dflash.models.drafter import BlockVisibility, DFlashDrafter, online_feature
 from dflash.models.loading import WeightsError, load_hf_dir
 from dflash.models.zlab import SELECTOR_RANK, load_zlab, save_zlab
 from dflash.serve.engine import decode
+from dflash.serve.plan import Chain
 from dflash.train.objective import Objective, build_blocks_batch
 from dflash.train.step import StepInputs, drafter_loss, train_head
 
@@ -285,8 +286,8 @@ def test_a_dflash2_drafter_without_its_convolution_exports_identity_convolutions
     loaded = load_zlab(tmp_path, target_cfg)
     assert loaded.arch.variant == "dflash2" and loaded.arch.conv_kernel_size == 2
     prompts = [list(np.random.default_rng(8).integers(0, 255, size=9))]
-    a = decode(target_params, target_cfg, prompts, 12, max_len=64, drafter=plain, block_size=K)
-    b = decode(target_params, target_cfg, prompts, 12, max_len=64, drafter=loaded, block_size=K)
+    a = decode(target_params, target_cfg, prompts, 12, max_len=64, plan=Chain(K), drafter=plain)
+    b = decode(target_params, target_cfg, prompts, 12, max_len=64, plan=Chain(K), drafter=loaded)
     assert a[0].accepted == b[0].accepted and a[0].token_ids == b[0].token_ids
 
 

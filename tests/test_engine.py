@@ -9,6 +9,7 @@ import pytest
 from conftest import ALONE_LEN, ALONE_SLOTS, ar_alone, decode_alone, tiny_engine_models
 
 from dflash.serve.engine import Engine, RequestRejected
+from dflash.serve.plan import AR, Chain, Limits
 from dflash.serve.sampling import SamplingConfig
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
@@ -32,7 +33,8 @@ def setup():
                                         pytest.param(8, marks=pytest.mark.slow)])
 def test_requests_joining_and_leaving_equal_ar_alone(setup, block_size):
     target_cfg, target_params, drafter, requests = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=block_size)
+    plan = AR() if block_size is None else Chain(block_size)
+    engine = Engine(target_params, target_cfg, drafter, plan, Limits(slots=3, max_len=MAX_LEN))
     ids = [engine.submit(p, budget) for p, budget in requests[:4]]
     engine.step()
     assert len(engine.running) == 3 and len(engine.queue) == 1  # 3 slots, 1 waiting
@@ -51,7 +53,7 @@ def test_requests_arriving_together_share_one_padded_prefill(setup):
     nothing); greedy outputs equal AR alone, a sampled one equals its seed's output alone."""
     target_cfg, target_params, drafter, requests = setup
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
-    engine = Engine(target_params, target_cfg, drafter, slots=4, max_len=MAX_LEN, block_size=4)
+    engine = Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=4, max_len=MAX_LEN))
     first = engine.submit(*requests[1])
     engine.step()
     ids = [engine.submit(*requests[0]), engine.submit(*requests[2]), engine.submit(*requests[3], seed=7,
@@ -74,7 +76,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_decodes(setup)
     seed's unchunked output, and a request cancelled part way through its prefill frees its slot and pages."""
     target_cfg, target_params, drafter, requests = setup
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
-    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=4, prefill_chunk=16)
+    engine = Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=3, max_len=MAX_LEN, prefill_chunk=16))
     running = engine.submit(*requests[4])
     engine.step()
     long_ = engine.submit(*requests[3])  # 33 tokens
@@ -105,7 +107,7 @@ def test_stop_tokens_free_the_slot_early(setup):
     target_cfg, target_params, drafter, requests = setup
     prompt, budget = requests[1]
     stop = ar_alone(target_params, target_cfg, prompt, budget)[5]
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4)
+    engine = Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=SLOTS, max_len=MAX_LEN))
     rid = engine.submit(prompt, budget, stop_ids=[stop])
     done = engine.run()
     assert done[rid].token_ids == ar_alone(target_params, target_cfg, prompt, budget, stop_ids=[stop])
@@ -116,7 +118,7 @@ def test_sampled_output_does_not_depend_on_the_batch(setup):
     """At T > 0 a request's tokens depend on its seed only, not on which requests share its steps."""
     target_cfg, target_params, drafter, requests = setup
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4,
+    engine = Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=SLOTS, max_len=MAX_LEN),
                     sampling=sampling)
     ids = [engine.submit(p, budget, seed=100 + i) for i, (p, budget) in enumerate(requests)]
     done = engine.run()
@@ -137,7 +139,7 @@ def test_seeds_that_differ_above_bit_32_sample_differently(setup):
 
 def test_bad_requests_are_refused_naming_the_field_and_a_normal_one_still_runs(setup):
     target_cfg, target_params, drafter, requests = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4)
+    engine = Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=SLOTS, max_len=MAX_LEN))
     vocab = target_cfg.vocab_size
     cases = [  # (submit's arguments, the field named, a piece of the message)
         (([], 4), {}, "prompt_ids", "at least one token"),
@@ -167,7 +169,7 @@ def test_bad_requests_are_refused_naming_the_field_and_a_normal_one_still_runs(s
 
 def test_no_budget_means_until_the_context_is_full(setup):
     target_cfg, target_params, _, requests = setup
-    engine = Engine(target_params, target_cfg, None, slots=SLOTS, max_len=MAX_LEN)
+    engine = Engine(target_params, target_cfg, None, AR(), Limits(slots=SLOTS, max_len=MAX_LEN))
     prompt = requests[0][0]  # 5 tokens: 128 - 5 - K(1) = 122 new tokens fit
     rid = engine.submit(prompt, None)
     done = engine.run()[rid]
@@ -188,7 +190,7 @@ def test_a_request_whose_host_side_work_fails_ends_alone(setup):
             raise KeyError(f"token {poison} has no text")
         return _text(ids)
 
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4,
+    engine = Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=SLOTS, max_len=MAX_LEN),
                     detokenize=detokenize)
     bad, good = engine.submit(victim, v_budget), engine.submit(other, o_budget)
     done = engine.run()
@@ -212,7 +214,7 @@ def test_requests_with_different_sampling_rules_share_steps(setup):
     target_cfg, target_params, drafter, requests = setup
     rules = [None, SamplingConfig(temperature=0.7), None, SamplingConfig(temperature=1.2, top_k=20),
              SamplingConfig(temperature=0.9, top_p=0.8), None, SamplingConfig(temperature=1.0)]
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4)
+    engine = Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=SLOTS, max_len=MAX_LEN))
     ids = [engine.submit(p, budget, seed=7 + i, sampling=rule)
            for i, ((p, budget), rule) in enumerate(zip(requests, rules, strict=True))]
     done = engine.run()
@@ -235,8 +237,8 @@ def test_stop_strings_end_the_request_at_the_completing_token(setup, block_size)
     ar = ar_alone(target_params, target_cfg, prompt, budget)
     stop = _text(ar)[9:13]  # spans tokens 4, 5 and 6: the request must keep ar[:7]
     expected = next(ar[:end] for end in range(1, len(ar) + 1) if stop in _text(ar[:end]))
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=block_size,
-                    detokenize=_text)
+    engine = Engine(target_params, target_cfg, drafter, AR() if block_size is None else Chain(block_size),
+                    Limits(slots=SLOTS, max_len=MAX_LEN), detokenize=_text)
     rid = engine.submit(prompt, budget, stop_strings=["zzzzzz", stop])
     other = engine.submit(requests[1][0], requests[1][1])
     done = engine.run()
@@ -245,12 +247,13 @@ def test_stop_strings_end_the_request_at_the_completing_token(setup, block_size)
     assert done[other].token_ids == ar_alone(target_params, target_cfg, *requests[1])  # its neighbour is unaffected
     assert engine.pool.num_free == engine.pool.num_usable  # both slots' pages came back
     with pytest.raises(ValueError, match="detokenize"):
-        Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN).submit([1], 4, stop_strings=["x"])
+        Engine(target_params, target_cfg, drafter, AR(), Limits(slots=1, max_len=MAX_LEN)).submit([1], 4,
+               stop_strings=["x"])
 
 
 def test_compiled_shapes_are_logged_and_bounded(setup, caplog):
     target_cfg, target_params, drafter, requests = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=4)
+    engine = Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=3, max_len=MAX_LEN))
     with caplog.at_level("INFO", logger="dflash.serve.engine"):
         for prompt, budget in requests:
             engine.submit(prompt, budget)
@@ -269,7 +272,7 @@ def test_compiled_shapes_are_logged_and_bounded(setup, caplog):
 
 def test_cancel_frees_the_slot_and_its_pages_and_spares_the_neighbours(setup):
     target_cfg, target_params, drafter, requests = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4)
+    engine = Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=SLOTS, max_len=MAX_LEN))
     ids = [engine.submit(p, budget) for p, budget in requests[:4]]
     engine.step()  # requests 0, 1 and 2 run, 3 waits
     assert engine.cancel(ids[1]) and engine.cancel(ids[3]) and not engine.cancel(12345)
@@ -302,7 +305,7 @@ def test_stable_text_only_grows_and_ends_as_the_non_streamed_answer(setup):
     step each request's stable_text extends the previous one (what a stream sends), never shows the start of a
     stop string that later matches, and ends equal to the text a non-streamed request returns."""
     target_cfg, target_params, drafter, requests = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=4,
+    engine = Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=SLOTS, max_len=MAX_LEN),
                     detokenize=_bytes_text)
     cases = {}
     for prompt, budget in [requests[i] for i in (0, 1, 3, 4)]:
@@ -351,8 +354,8 @@ def test_logprobs_are_the_targets_own_for_greedy_and_sampled_requests(setup, blo
             drafts[slot, :len(seq)] = seq
         return drafts
 
-    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=block_size,
-                    draft_fn=oracle if block_size else None)
+    engine = Engine(target_params, target_cfg, drafter, Chain(block_size, drafts=oracle) if block_size else AR(),
+                    Limits(slots=3, max_len=MAX_LEN))
     rules = [None, SamplingConfig(temperature=0.9, top_k=30), None]
     ids = [engine.submit(p, budget, seed=3 + i, sampling=rule, logprobs=[5, 20, None][i],
                          prompt_logprobs=[3, None, None][i])
@@ -388,8 +391,8 @@ def test_after_precompile_no_request_compiles(setup, chunk):
     count, every prefill chunk's span and every attention span, with and without log-probabilities; requests of
     any prompt length, budget and kind then compile nothing."""
     target_cfg, target_params, drafter, requests = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=48, block_size=4, page_size=8,
-                    prefill_chunk=chunk)
+    engine = Engine(target_params, target_cfg, drafter, Chain(4),
+                    Limits(slots=3, max_len=48, page_size=8, prefill_chunk=chunk))
     count, seconds = engine.precompile()
     # prefill lengths 16, 32, 48 x (plain at 1, 2 and 3 rows, logprobs at 1 row); spans of 1, 2, 4, 6 pages x
     # (verify, verify with logprobs, propose); the activation update once. With chunks of 16: plain prompts of
@@ -427,9 +430,9 @@ def test_several_steps_per_dispatch_change_no_output(setup, block_size, draft_ru
     stop_id, stop_text = ar1[6], _text(ar3)[9:13]
 
     def run(r):
-        engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=block_size,
-                        detokenize=_text, steps_per_dispatch=r, prefill_chunk=16,  # requests[3]: 33 tokens
-                        draft_rule=draft_rule)
+        plan = AR() if block_size is None else Chain(block_size, draft_rule)
+        engine = Engine(target_params, target_cfg, drafter, plan,  # requests[3] (33 tokens) prefilled in chunks
+                        Limits(slots=3, max_len=MAX_LEN, steps_per_dispatch=r, prefill_chunk=16), detokenize=_text)
         ids = [engine.submit(*requests[0]), engine.submit(*requests[1], stop_ids=[stop_id]),
                engine.submit(*requests[3], stop_strings=[stop_text])]
         engine.step()
@@ -457,7 +460,7 @@ def test_prefill_chunk_and_steps_per_dispatch_are_checked(setup):
     target_cfg, target_params, drafter, _ = setup
     for chunk in (8, 24, True):
         with pytest.raises(ValueError, match=rf"prefill_chunk must be None or a power of two >= 16; received {chunk}"):
-            Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4, prefill_chunk=chunk)
+            Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=1, max_len=MAX_LEN, prefill_chunk=chunk))
     for r in (0, 2.0):
         with pytest.raises(ValueError, match=rf"steps_per_dispatch must be an integer >= 1; received {r}"):
-            Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4, steps_per_dispatch=r)
+            Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=1, max_len=MAX_LEN, steps_per_dispatch=r))

@@ -11,6 +11,7 @@ from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from dflash.models.loading import load_hf_dir
 from dflash.serve import speculative
 from dflash.serve.engine import Engine
+from dflash.serve.plan import Chain, Limits
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
@@ -45,8 +46,8 @@ def _all_pages_free(engine: Engine) -> bool:
 def test_a_thousand_requests_leak_no_pages(setup):
     target_cfg, target_params, drafter = setup
     # 3 slots, page_size 4: a worst case of 12 + 6 + 4 = 22 tokens takes 6 pages; 14 usable pages.
-    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=K, page_size=4,
-                    num_pages=15)
+    engine = Engine(target_params, target_cfg, drafter, Chain(K),
+                    Limits(slots=3, max_len=MAX_LEN, page_size=4, num_pages=15))
     requests = _requests(1000, seed=0)
     ids = [engine.submit(p, budget) for p, budget in requests]
     done = engine.run()
@@ -60,8 +61,8 @@ def test_a_thousand_requests_leak_no_pages(setup):
 
 def test_requests_wait_for_pages_and_all_finish(setup):
     target_cfg, target_params, drafter = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=K, page_size=4,
-                    num_pages=PAGES)
+    engine = Engine(target_params, target_cfg, drafter, Chain(K),
+                    Limits(slots=SLOTS, max_len=MAX_LEN, page_size=4, num_pages=PAGES))
     requests = _requests(24, seed=2)
     ids = [engine.submit(p, budget) for p, budget in requests]
     waited = False
@@ -74,8 +75,8 @@ def test_requests_wait_for_pages_and_all_finish(setup):
     assert _all_pages_free(engine)
     for rid, (prompt, budget) in zip(ids, requests, strict=True):
         assert engine.done[rid].token_ids == ar_alone(target_params, target_cfg, prompt, budget), rid
-    small = Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=K, page_size=4,
-                   num_pages=4)
+    small = Engine(target_params, target_cfg, drafter, Chain(K),
+                   Limits(slots=1, max_len=MAX_LEN, page_size=4, num_pages=4))
     with pytest.raises(ValueError, match="more than the whole pool"):
         small.submit([1] * 8, 4)  # 16 tokens: 4 pages, the pool has 3
 
@@ -83,8 +84,8 @@ def test_requests_wait_for_pages_and_all_finish(setup):
 def test_propose_and_verify_compile_once_while_page_tables_change(setup):
     target_cfg, target_params, drafter = setup
     before = {f: getattr(speculative, f)._cache_size() for f in ("propose", "verify")}
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=K, page_size=4,
-                    num_pages=PAGES)
+    engine = Engine(target_params, target_cfg, drafter, Chain(K),
+                    Limits(slots=SLOTS, max_len=MAX_LEN, page_size=4, num_pages=PAGES))
     for p, budget in _requests(40, seed=3):
         engine.submit(p, budget)
     versions = set()
@@ -102,8 +103,8 @@ def test_propose_and_verify_compile_once_while_page_tables_change(setup):
 
 def test_reset_frees_every_page_and_the_engine_serves_again(setup):
     target_cfg, target_params, drafter = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=SLOTS, max_len=MAX_LEN, block_size=K, page_size=4,
-                    num_pages=PAGES)
+    engine = Engine(target_params, target_cfg, drafter, Chain(K),
+                    Limits(slots=SLOTS, max_len=MAX_LEN, page_size=4, num_pages=PAGES))
     for p, budget in _requests(5, seed=4):
         engine.submit(p, budget)
     engine.step()

@@ -33,6 +33,7 @@ from dflash.models.loading import WeightsError, load_hf_dir
 from dflash.models.speculators import speculators_config
 from dflash.models.zlab import zlab_config
 from dflash.serve.engine import decode
+from dflash.serve.plan import Chain
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
@@ -141,7 +142,7 @@ def test_the_engine_decodes_identically_from_the_export(setup, tmp_path):
         if name != "orbax":
             export_run(run_dir, fmt=name, out=path, say=lambda _: None)
         drafter = load_drafter(path, target_cfg)
-        runs[name] = decode(target_params, target_cfg, prompts, 20, max_len=128, drafter=drafter, block_size=4)
+        runs[name] = decode(target_params, target_cfg, prompts, 20, max_len=128, plan=Chain(4), drafter=drafter)
     assert REPEATED in runs["orbax"][1].token_ids and runs["orbax"][1].tau > 1.5  # drafts are accepted
     for name, results in runs.items():
         assert [r.token_ids for r in results] == [r.token_ids for r in runs["orbax"]], name

@@ -16,6 +16,7 @@ from dflash.models.decoder import embed
 from dflash.models.drafter import DFlashDrafter, DrafterConfig, drafter_logits, online_features, resolve_drafter
 from dflash.models.loading import load_hf_dir
 from dflash.serve.engine import Engine, decode
+from dflash.serve.plan import Chain, Limits
 from dflash.serve.speculative import propose
 from dflash.train.objective import Objective, build_blocks_batch
 from dflash.train.step import StepInputs, drafter_loss, previous_ids, train_head
@@ -59,8 +60,8 @@ def test_a_new_markov_head_is_plain_dflash(setup):
     drafter = DFlashDrafter(arch, nnx.Rngs(3))
     plain = _plain(target_cfg, 3)
     assert drafter.markov is not None and plain.markov is None
-    with_head = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=K)
-    without = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=plain, block_size=K)
+    with_head = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(K), drafter=drafter)
+    without = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(K), drafter=plain)
     assert [r.accepted for r in with_head] == [r.accepted for r in without]
 
 
@@ -68,7 +69,7 @@ def test_greedy_dflash_with_a_markov_head_equals_ar(setup):
     target_cfg, target_params, arch, prompts = setup
     ar = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN)
     drafter = _live(arch, 1)
-    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=K)
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(K), drafter=drafter)
     assert [r.token_ids for r in results] == [r.token_ids for r in ar]
 
 
@@ -77,7 +78,7 @@ def test_each_draft_reads_the_one_before_it(setup):
     token (the anchor) changes later drafts, and the drafts equal a slot-by-slot recomputation."""
     target_cfg, target_params, arch, prompts = setup
     drafter = _live(arch, 2)
-    engine = Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=K)
+    engine = Engine(target_params, target_cfg, drafter, Chain(K), Limits(slots=1, max_len=MAX_LEN))
     engine.submit(prompts[1], NEW)
     engine.step()
     drafts = np.asarray(propose(engine.models, engine.state, K))[0]
@@ -99,7 +100,7 @@ def test_training_reads_the_markov_head_as_the_engine_drafts(setup):
     the draft: the training forward + `previous_ids` and `propose` are the same function of the same inputs."""
     target_cfg, target_params, arch, prompts = setup
     drafter = _live(arch, 4)
-    engine = Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=K)
+    engine = Engine(target_params, target_cfg, drafter, Chain(K), Limits(slots=1, max_len=MAX_LEN))
     engine.submit(prompts[2], NEW)
     engine.step()
     [request] = engine.running.values()
@@ -146,8 +147,8 @@ def test_the_markov_head_travels_beside_the_layout(setup, tmp_path, layout):
     assert [p.name for p in _safetensors_files(directory)] == ["model.safetensors"]
     assert not any(name.startswith("markov.") for name in read_tensors(directory))
     assert (directory / MARKOV_DIR / "model.safetensors").is_file() and loaded.arch.markov_rank == arch.markov_rank
-    want = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=K)
-    got = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=loaded, block_size=K)
+    want = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(K), drafter=drafter)
+    got = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(K), drafter=loaded)
     assert [r.accepted for r in got] == [r.accepted for r in want]
     # exporting a plain drafter into the same directory removes the stale head
     plain = _plain(target_cfg, 0)

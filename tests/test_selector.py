@@ -23,6 +23,7 @@ from dflash.models.drafter import DFlashDrafter, resolve_drafter
 from dflash.models.loading import load_hf_dir
 from dflash.models.zlab import load_zlab, save_zlab
 from dflash.serve.engine import decode
+from dflash.serve.plan import Chain, Limits
 from dflash.train.objective import Objective, build_blocks_batch
 from dflash.train.selector import selector_loss
 from dflash.train.step import train_head
@@ -271,7 +272,7 @@ def test_the_teacher_walk_with_the_selector_is_the_engine_walk(setup):
     plain.draft_vocab = vocab
     walks = {name: [walk_teacher(Models.of(target_params, target_cfg, d), t, m, n, K, i) for i, t, m, n in rows]
              for name, d in (("selector", drafter), ("argmax", plain))}
-    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=s + 16, block_size=K)
+    engine = Engine(target_params, target_cfg, drafter, Chain(K), Limits(slots=3, max_len=s + 16))
     assert walk_engine(engine, rows, ()) == walks["selector"]
     assert np.concatenate([r.accepted for r in walks["selector"]]).max() >= 1
     assert [r.accepted for r in walks["selector"]] != [r.accepted for r in walks["argmax"]]

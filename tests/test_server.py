@@ -14,6 +14,7 @@ from flax import nnx
 from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from dflash.serve.engine import Engine, decode
 from dflash.serve.http import make_server
+from dflash.serve.plan import Chain, Limits
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
@@ -29,8 +30,8 @@ def server(smollm2_target):
     target = smollm2_target
     arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(1, 3), block_size=4), target.cfg,
                            mask_token_id=16)
-    engine = Engine(target.params, target.cfg, DFlashDrafter(arch, nnx.Rngs(0)), slots=4, max_len=MAX_LEN,
-                    block_size=4)
+    engine = Engine(target.params, target.cfg, DFlashDrafter(arch, nnx.Rngs(0)), Chain(4),
+                    Limits(slots=4, max_len=MAX_LEN))
     srv = make_server(engine, target.tokenizer, "smollm2", port=0)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()

@@ -24,6 +24,7 @@ import pytest
 
 from dflash.serve.engine import Engine
 from dflash.serve.http import make_server
+from dflash.serve.plan import AR, Limits
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
@@ -41,7 +42,7 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFL
 def server(smollm2_target):
     target = smollm2_target
     # AR: the HTTP layer is under test; test_server_fuzz's slots and context, so the two share compiled programs
-    engine = Engine(target.params, target.cfg, None, slots=4, max_len=MAX_LEN)
+    engine = Engine(target.params, target.cfg, None, AR(), Limits(slots=4, max_len=MAX_LEN))
     srv = make_server(engine, target.tokenizer, "smollm2", port=0, max_body_bytes=CAP, read_timeout=1.0,
                       api_key=KEY, unknown_fields="ignore")
     thread = threading.Thread(target=srv.serve_forever, daemon=True)

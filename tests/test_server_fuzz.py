@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from dflash.serve.engine import Engine
 from dflash.serve.http import make_server
+from dflash.serve.plan import AR, Limits
 
 pytestmark = [pytest.mark.heavy, pytest.mark.e2e]
 
@@ -46,7 +47,8 @@ STANDARD_METHODS = {b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"CONNECT", b"O
 @pytest.fixture(scope="module")
 def server(smollm2_target):
     target = smollm2_target
-    engine = Engine(target.params, target.cfg, None, slots=4, max_len=MAX_LEN)  # AR: the HTTP layer is under test
+    engine = Engine(target.params, target.cfg, None, AR(),
+                    Limits(slots=4, max_len=MAX_LEN))  # AR: the HTTP layer is under test
     srv = make_server(engine, target.tokenizer, "smollm2", port=0, max_body_bytes=1 << 20, read_timeout=2.0,
                       unknown_fields="ignore")
     thread = threading.Thread(target=srv.serve_forever, daemon=True)

@@ -30,9 +30,9 @@ def test_the_default_target_has_a_shipped_drafter_whose_files_match_its_readme()
 def test_the_shipped_drafter_is_lossless_and_accepts_drafts_on_held_out_prompts(smollm2_target):
     """Greedy DFlash with the shipped drafter emits AR's tokens, and it accepts drafts on GSM8K test questions
     (a random drafter's τ is about 1.0; the README's table reports what the recipe's drafter reaches)."""
+    from dflash.data.eval_sets import eval_prompts
     from dflash.models.drafter_io import load_drafter
     from dflash.serve.engine import decode
-    from dflash.train.real_eval import eval_prompts
 
     target = smollm2_target
     drafter = load_drafter(SHIPPED, target.cfg)

@@ -23,6 +23,7 @@ from dflash.models.loading import WeightsError, load_hf_dir
 from dflash.models.speculators import load_speculators, save_speculators
 from dflash.models.zlab import load_zlab, save_zlab
 from dflash.serve.engine import Engine
+from dflash.serve.plan import Chain, Limits
 from dflash.serve.speculative import propose
 from dflash.train.objective import visible
 
@@ -118,7 +119,7 @@ def test_the_engine_ring_holds_the_last_w_positions(setup, chunk, w, n):
     target_cfg, target_params, arch = setup
     arch = dataclasses.replace(arch, sliding_window=w)
     drafter = DFlashDrafter(arch, nnx.Rngs(2))
-    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=128, block_size=K, prefill_chunk=chunk)
+    engine = Engine(target_params, target_cfg, drafter, Chain(K), Limits(slots=2, max_len=128, prefill_chunk=chunk))
     prompts = [list(np.random.default_rng(s).integers(0, 255, size=n)) for s, n in ((3, n), (4, 6))]
     for prompt in prompts:
         engine.submit(prompt, 40)

@@ -18,6 +18,7 @@ from flax import nnx
 
 from dflash.models.drafter import DFlashDrafter, DraftVocab
 from dflash.serve.engine import decode
+from dflash.serve.plan import Chain, Limits
 from dflash.serve.sampling import SamplingConfig
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
@@ -56,7 +57,7 @@ def _oracle(prompts, ar, wrong: bool):
                                pytest.param(16, marks=pytest.mark.slow)])  # every K: `bin/test --all`
 def test_greedy_dflash_equals_ar_batch_4(setup, k):
     target_cfg, target_params, drafter, prompts, ar = setup
-    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=k)
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, plan=Chain(k))
     for res, ref in zip(results, ar, strict=True):
         assert res.token_ids == ref
         assert 1.0 <= res.tau <= k and len(res.accept_per_position) == k - 1
@@ -66,15 +67,15 @@ def test_greedy_dflash_equals_ar_batch_4(setup, k):
 def test_greedy_dflash_equals_ar_batch_1(setup):
     target_cfg, target_params, drafter, prompts, ar = setup
     for p, ref in zip(prompts, ar, strict=True):
-        [res] = decode(target_params, target_cfg, [p], NEW, max_len=MAX_LEN, drafter=drafter, block_size=8)
+        [res] = decode(target_params, target_cfg, [p], NEW, max_len=MAX_LEN, plan=Chain(8), drafter=drafter)
         assert res.token_ids == ref
 
 
 @pytest.mark.parametrize("k", [2, 8, 16])
 def test_full_acceptance_commits_k_tokens_per_step(setup, k):
     target_cfg, target_params, drafter, prompts, ar = setup
-    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=k,
-                                   draft_fn=_oracle(prompts, ar, wrong=False))
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter,
+                     plan=Chain(k, drafts=_oracle(prompts, ar, wrong=False)))
     for res, ref in zip(results, ar, strict=True):
         assert res.token_ids == ref
         # Every step but possibly the last accepts all K-1 drafts (the last may stop at max tokens).
@@ -84,8 +85,8 @@ def test_full_acceptance_commits_k_tokens_per_step(setup, k):
 
 def test_full_rejection_still_equals_ar(setup):
     target_cfg, target_params, drafter, prompts, ar = setup
-    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=8,
-                                   draft_fn=_oracle(prompts, ar, wrong=True))
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN,
+                     plan=Chain(8, drafts=_oracle(prompts, ar, wrong=True)), drafter=drafter)
     for res, ref in zip(results, ar, strict=True):
         assert res.token_ids == ref
         assert set(res.accepted) == {0} and res.tau == 1.0
@@ -94,8 +95,8 @@ def test_full_rejection_still_equals_ar(setup):
 def test_stop_tokens_end_each_sequence(setup):
     target_cfg, target_params, drafter, prompts, ar = setup
     stop = ar[1][6]
-    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=4,
-                                   stop_ids=[stop], draft_fn=_oracle(prompts, ar, wrong=False))
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN,
+                     plan=Chain(4, drafts=_oracle(prompts, ar, wrong=False)), drafter=drafter, stop_ids=[stop])
     for res, ref in zip(results, ar, strict=True):
         want = ref[: ref.index(stop) + 1] if stop in ref else ref
         assert res.token_ids == want
@@ -107,8 +108,8 @@ def test_acceptance_counts_only_what_was_emitted(setup):
     cut step counts fewer than K."""
     target_cfg, target_params, drafter, prompts, ar = setup
     stop = ar[1][6]  # inside the second block of prompt 1 at K=4
-    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=4,
-                     stop_ids=[stop], draft_fn=_oracle(prompts, ar, wrong=False))
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN,
+                     plan=Chain(4, drafts=_oracle(prompts, ar, wrong=False)), drafter=drafter, stop_ids=[stop])
     for res, ref in zip(results, ar, strict=True):
         want = ref[: ref.index(stop) + 1] if stop in ref else ref
         assert res.token_ids == want
@@ -116,15 +117,15 @@ def test_acceptance_counts_only_what_was_emitted(setup):
         assert all(a == 3 for a in res.accepted[:-1])
     cut = results[1]  # 7 tokens: 1 from the prefill, then 4 + 2: the stop cuts the second step at 2 tokens
     assert cut.accepted == [3, 1] and cut.tau == 3.0
-    budget = decode(target_params, target_cfg, prompts[:1], 7, max_len=MAX_LEN, drafter=drafter, block_size=4,
-                    draft_fn=_oracle(prompts[:1], ar[:1], wrong=False))[0]
+    budget = decode(target_params, target_cfg, prompts[:1], 7, max_len=MAX_LEN,
+                    plan=Chain(4, drafts=_oracle(prompts[:1], ar[:1], wrong=False)), drafter=drafter)[0]
     assert len(budget.token_ids) == 7 and budget.accepted == [3, 1]
 
 
 def test_bad_block_size_is_refused(setup):
     target_cfg, target_params, drafter, prompts, _ = setup
     with pytest.raises(ValueError, match=r"block_size must lie in \[2, 16\]"):
-        decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=32)
+        decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(32), drafter=drafter)
 
 
 @pytest.mark.slow
@@ -148,8 +149,8 @@ def test_a_trained_checkpoint_loads_into_the_engine(setup, tmp_path):
     got = dict(nnx.to_flat_state(nnx.state(loaded, nnx.Param)))
     for keys, variable in want:
         np.testing.assert_array_equal(np.asarray(got[keys][...]), np.asarray(variable[...]))
-    a = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=trained, block_size=8)
-    b = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=loaded, block_size=8)
+    a = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(8), drafter=trained)
+    b = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(8), drafter=loaded)
     assert [r.accepted for r in a] == [r.accepted for r in b] and [r.token_ids for r in b] == ar
     other = dataclasses.replace(target_cfg, vocab_size=target_cfg.vocab_size + 1)
     with pytest.raises(CheckpointError, match=r"trained for another target \(vocab_size: drafter 256 vs target 257\)"):
@@ -187,8 +188,8 @@ def test_sampled_dflash_has_the_target_distribution(setup):
         return jnp.asarray(np.stack([first, np.full_like(first, 7)], axis=1)[:, : k - 1])
 
     n = 4000  # a budget of 3: the first step can emit 2 tokens, so its acceptance of d_1 shows in the statistics
-    results = decode(target_params, target_cfg, [prompt] * n, 3, max_len=32, drafter=drafter, block_size=3,
-                                   draft_fn=draft, sampling=sampling, seeds=list(range(n)))
+    results = decode(target_params, target_cfg, [prompt] * n, 3, max_len=32, plan=Chain(3, drafts=draft),
+                     drafter=drafter, sampling=sampling, seeds=list(range(n)))
     pairs = [tuple(r.token_ids[:2]) for r in results]
     observed = np.array([sum(1 for p in pairs if p == c) for c in cells])
     assert observed.sum() == n, "a pair outside the target's support was sampled"
@@ -220,8 +221,8 @@ def test_drafts_drawn_from_the_drafter_keep_the_target_distribution(setup):
     np.add.at(cells, (np.arange(vocab)[:, None] % 8, np.arange(vocab)[None, :] % 8), joint)
 
     n = 4000
-    results = {rule: decode(target_params, target_cfg, [prompt] * n, 3, max_len=32, drafter=drafter, block_size=3,
-                            sampling=sampling, seeds=list(range(n)), draft_rule=rule) for rule in ("sample", "argmax")}
+    results = {rule: decode(target_params, target_cfg, [prompt] * n, 3, max_len=32, plan=Chain(3, rule),
+                            drafter=drafter, sampling=sampling, seeds=list(range(n))) for rule in ("sample", "argmax")}
     pairs = np.array([r.token_ids[:2] for r in results["sample"]])
     observed = np.zeros((8, 8))
     np.add.at(observed, (pairs[:, 0] % 8, pairs[:, 1] % 8), 1)
@@ -239,18 +240,16 @@ def test_the_sample_rule_leaves_greedy_requests_alone_and_is_checked(setup):
 
     target_cfg, target_params, drafter, prompts, ar = setup
     trained = DFlashDrafter(drafter.arch, nnx.Rngs(5))
-    argmax = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=trained, block_size=8)
-    sample = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=trained, block_size=8,
-                    draft_rule="sample")
+    argmax = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(8), drafter=trained)
+    sample = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(8, "sample"), drafter=trained)
     assert [r.token_ids for r in sample] == ar
     assert [r.accepted for r in sample] == [r.accepted for r in argmax]
     with pytest.raises(ValueError, match="draft_rule must be one of"):
-        Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4, draft_rule="topk")
-    with pytest.raises(ValueError, match="with a tree"):
-        Engine(target_params, target_cfg, drafter, slots=1, max_len=MAX_LEN, block_size=4, tree_nodes=4,
-               draft_rule="sample")
-    with pytest.raises(ValueError, match="with no drafter"):
-        Engine(target_params, target_cfg, None, slots=1, max_len=MAX_LEN, draft_rule="sample")
+        Engine(target_params, target_cfg, drafter, Chain(4, "topk"), Limits(slots=1, max_len=MAX_LEN))
+    with pytest.raises(ValueError, match="with given drafts"):
+        Chain(4, "sample", drafts=lambda state, k: None)
+    with pytest.raises(ValueError, match="drafter must be given"):
+        Engine(target_params, target_cfg, None, Chain(4, "sample"), Limits(slots=1, max_len=MAX_LEN))
 
 
 def test_zlab_directory_round_trip_decodes_identically(setup, tmp_path):
@@ -269,8 +268,8 @@ def test_zlab_directory_round_trip_decodes_identically(setup, tmp_path):
     assert config["model_type"] == target_cfg.family and config["num_target_layers"] == target_cfg.num_layers
     loaded = load_zlab(tmp_path / "zlab", target_cfg)
     assert loaded.arch == trained.arch
-    a = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=trained, block_size=8)
-    b = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=loaded, block_size=8)
+    a = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(8), drafter=trained)
+    b = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(8), drafter=loaded)
     assert [r.accepted for r in a] == [r.accepted for r in b] and [r.token_ids for r in b] == ar
     # A tensor set that does not match the config is refused, naming the tensor.
     from safetensors.numpy import load_file, save_file
@@ -296,8 +295,8 @@ def test_compiled_shapes_stay_bounded_over_a_long_generation(setup):
     rng = np.random.default_rng(1)
     lengths = [3, 9, 16, 17, 31, 33, 40]  # buckets 16, 32, 64
     for n in lengths:
-        decode(target_params, target_cfg, [list(rng.integers(0, 255, size=n))], 96, max_len=MAX_LEN, drafter=drafter,
-                             block_size=4)
+        decode(target_params, target_cfg, [list(rng.integers(0, 255, size=n))], 96, max_len=MAX_LEN, plan=Chain(4),
+               drafter=drafter)
     grown = {f: getattr(speculative, f)._cache_size() - before[f] for f in before}
     assert grown["prefill"] <= 3, grown
     bound = int(np.log2(MAX_LEN // 16)) + 1  # spans of 1, 2, 4, ... 16 pages
@@ -315,25 +314,25 @@ def test_draft_vocabulary_proposes_inside_it_and_stays_lossless(setup, tmp_path)
 
     target_cfg, target_params, drafter, prompts, ar = setup
     trained = DFlashDrafter(drafter.arch, nnx.Rngs(5))
-    full = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=trained, block_size=8)
+    full = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(8), drafter=trained)
     every = nnx.clone(trained)
     every.draft_vocab = DraftVocab(np.random.default_rng(0).permutation(target_cfg.vocab_size))
-    same = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=every, block_size=8)
+    same = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(8), drafter=every)
     assert [r.accepted for r in same] == [r.accepted for r in full] and [r.token_ids for r in same] == ar
 
     half = nnx.clone(trained)
     keep = np.arange(0, target_cfg.vocab_size, 2)
     half.draft_vocab = DraftVocab(keep)
-    engine = Engine(target_params, target_cfg, half, slots=len(prompts), max_len=MAX_LEN, block_size=8)
+    engine = Engine(target_params, target_cfg, half, Chain(8), Limits(slots=len(prompts), max_len=MAX_LEN))
     for p in prompts:
         engine.submit(p, NEW)
     engine.step()  # admit and prefill, one step
     drafts = np.asarray(propose(engine.models, engine.state, 8))
     assert np.isin(drafts, keep).all()
-    full_drafts = np.asarray(propose(Engine(target_params, target_cfg, trained, slots=len(prompts), max_len=MAX_LEN,
-                                            block_size=8).models, engine.state, 8))
+    full_drafts = np.asarray(propose(Engine(target_params, target_cfg, trained, Chain(8),
+                                            Limits(slots=len(prompts), max_len=MAX_LEN)).models, engine.state, 8))
     assert not np.isin(full_drafts, keep).all()  # the full head would have proposed odd ids
-    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=half, block_size=8)
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Chain(8), drafter=half)
     assert [r.token_ids for r in results] == ar
 
     save_zlab(half, tmp_path / "zlab")
@@ -341,6 +340,6 @@ def test_draft_vocabulary_proposes_inside_it_and_stays_lossless(setup, tmp_path)
     np.testing.assert_array_equal(loaded.draft_vocab.ids, keep)
     small = dataclasses.replace(target_cfg, vocab_size=int(keep.max()))
     with pytest.raises(ValueError, match="draft_vocab"):  # an id outside the target's vocab is refused
-        Engine(target_params, small, loaded, slots=1, max_len=MAX_LEN, block_size=8)
+        Engine(target_params, small, loaded, Chain(8), Limits(slots=1, max_len=MAX_LEN))
     with pytest.raises(ValueError, match="draft_vocab"):
         DraftVocab(np.array([3, 3]))

@@ -14,11 +14,13 @@ import pytest
 from flax import nnx
 
 from dflash.configs.recipe import load_recipe
+from dflash.data.eval_sets import eval_prompts
 from dflash.models.drafter_io import load_drafter
+from dflash.serve.acceptance import real_tau
 from dflash.train.checkpoint import Checkpointer
 from dflash.train.loop import drafter_graphdef, run_training
 from dflash.train.metrics import read_metrics
-from dflash.train.real_eval import RealTauEval, eval_prompts, real_tau
+from dflash.train.real_eval import RealTauEval
 from dflash.train.sharding import path_str
 
 STEPS, EVERY, TOKENS = 8, 4, 8

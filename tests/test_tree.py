@@ -17,8 +17,10 @@ import pytest
 from conftest import ar_alone, tiny_engine_models
 
 from dflash.serve.engine import Engine, decode
+from dflash.serve.lookup import append_history, lookup_paths, ngram_continuation
+from dflash.serve.plan import Limits, Lookup, Tree
 from dflash.serve.sampling import SamplingConfig
-from dflash.serve.tree import append_history, build_tree, lookup_paths, ngram_continuation
+from dflash.serve.tree import build_tree
 
 TRAIN_K = 8
 MAX_LEN = 128
@@ -127,8 +129,8 @@ def _oracle_lists(prompts, ar):
 @pytest.mark.parametrize("nodes, ngram", [(5, False), pytest.param(12, True, marks=pytest.mark.slow)])
 def test_greedy_tree_equals_ar_batch_4(setup, nodes, ngram):
     target_cfg, target_params, drafter, prompts, ar = setup
-    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=TRAIN_K,
-                     tree_nodes=nodes, ngram=ngram)
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter,
+                     plan=Tree(TRAIN_K, nodes, ngram))
     for res, ref in zip(results, ar, strict=True):
         assert res.token_ids == ref
         assert sum(a + 1 for a in res.accepted) == len(res.token_ids) - 1
@@ -138,8 +140,8 @@ def test_greedy_tree_follows_siblings_and_equals_ar(setup):
     """Oracle lists with the right token second: 16 nodes form a binary tree 3 levels deep (plus one node),
     so every full step accepts 3 drafts, each through a second child."""
     target_cfg, target_params, drafter, prompts, ar = setup
-    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, block_size=TRAIN_K,
-                     tree_nodes=16, tree_fn=_oracle_lists(prompts, ar))
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN,
+                     plan=Tree(TRAIN_K, 16, ranked=_oracle_lists(prompts, ar)), drafter=drafter)
     for res, ref in zip(results, ar, strict=True):
         assert res.token_ids == ref
         assert all(a == 3 for a in res.accepted[:-1]) and res.accepted[-1] <= 3
@@ -149,8 +151,8 @@ def test_tree_requests_joining_and_leaving_equal_ar(setup):
     """Two slots, four requests of different budgets (a stop token in one): requests join as others leave,
     and each output equals AR alone."""
     target_cfg, target_params, drafter, prompts, ar = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=TRAIN_K, tree_nodes=12,
-                    ngram=True)
+    engine = Engine(target_params, target_cfg, drafter, Tree(TRAIN_K, 12, lookup=True),
+                    Limits(slots=2, max_len=MAX_LEN))
     budgets = [NEW, 7, 13, NEW]
     stop = ar[2][4]
     ids = [engine.submit(p, n, stop_ids=(stop,) if i == 2 else ()) for i, (p, n) in enumerate(zip(prompts, budgets,
@@ -173,8 +175,8 @@ def test_tree_steps_per_dispatch_change_no_output(setup):
     stop = next(t for i, t in enumerate(ar[1]) if i >= 5 and ar[1].index(t) == i)  # first seen after 5 tokens
 
     def run(r):
-        engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=MAX_LEN, block_size=TRAIN_K,
-                        tree_nodes=12, ngram=True, steps_per_dispatch=r)
+        engine = Engine(target_params, target_cfg, drafter, Tree(TRAIN_K, 12, lookup=True),
+                        Limits(slots=2, max_len=MAX_LEN, steps_per_dispatch=r))
         ids = [engine.submit(prompts[3], NEW), engine.submit(prompts[1], NEW, stop_ids=(stop,)),
                engine.submit(prompts[0], 7), engine.submit(prompts[2], NEW, seed=5, sampling=sampling)]
         done = engine.run()
@@ -195,7 +197,7 @@ def test_prompt_lookup_alone_equals_ar(setup):
     exactly the continuation's prefix that AR agrees with (replayed here from the AR reference)."""
     target_cfg, target_params, _, prompts, ar = setup
     k = 4
-    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, block_size=k, ngram=True)
+    results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, plan=Lookup(k))
     for prompt, res, ref in zip(prompts, results, ar, strict=True):
         assert res.token_ids == ref
         want, pos = [], 0  # ref[pos] is the pending token
@@ -252,8 +254,8 @@ def test_sampled_tree_has_the_target_distribution(setup):
         return ids, logp
 
     n = 4000  # a budget of 3: the prefill's token, then one step's first two
-    results = decode(target_params, target_cfg, [prompt] * n, 3, max_len=32, drafter=drafter, block_size=3,
-                     tree_nodes=7, tree_fn=lists, sampling=sampling, seeds=list(range(n)))
+    results = decode(target_params, target_cfg, [prompt] * n, 3, max_len=32, plan=Tree(3, 7, ranked=lists),
+                     drafter=drafter, sampling=sampling, seeds=list(range(n)))
     triples = [tuple(r.token_ids[:3]) for r in results]
     observed = np.array([sum(1 for t in triples if t == c) for c in cells])
     assert observed.sum() == n, "a sequence outside the target's support was sampled"
@@ -268,8 +270,8 @@ def test_sampled_tree_has_the_target_distribution(setup):
 @pytest.mark.slow  # ~40 s of compiles
 def test_after_precompile_tree_requests_compile_nothing(setup):
     target_cfg, target_params, drafter, prompts, _ = setup
-    engine = Engine(target_params, target_cfg, drafter, slots=2, max_len=48, block_size=4, page_size=8,
-                    tree_nodes=6, ngram=True, steps_per_dispatch=4)
+    engine = Engine(target_params, target_cfg, drafter, Tree(4, 6, lookup=True),
+                    Limits(slots=2, max_len=48, page_size=8, steps_per_dispatch=4))
     count, _ = engine.precompile()
     assert count == engine.compiles > 0
     for i, p in enumerate(prompts):

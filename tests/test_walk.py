@@ -21,19 +21,18 @@ from dflash.data.online import make_batches
 from dflash.data.records import BF16, Sample
 from dflash.data.walk import (
     WalkRecord,
-    answer_spans,
-    chain,
     find_walk,
     load_walk,
     run_walk,
-    teacher_taus,
     walk_engine,
     walk_paths,
     walk_teacher,
     walk_weights,
 )
 from dflash.models.drafter import DraftVocab
+from dflash.serve.acceptance import answer_spans, chain, teacher_taus
 from dflash.serve.engine import Engine, decode
+from dflash.serve.plan import Chain, Limits
 from dflash.serve.speculative import Models
 from dflash.train.objective import sample_anchors, sample_anchors_batch, valid_anchor_positions
 
@@ -79,7 +78,7 @@ def test_teacher_walk_equals_the_engine_walk(tiny):
     row cut by its budget and one whose stored answer differs from the decode after 40 tokens (only its matching
     prefix is walked, and the mismatch is counted)."""
     teacher = [walk_teacher(tiny.models, t, m, n, K, i) for i, t, m, n in tiny.rows]
-    engine = Engine(tiny.params, tiny.cfg, tiny.drafter, slots=4, max_len=S + 16, block_size=K)
+    engine = Engine(tiny.params, tiny.cfg, tiny.drafter, Chain(K), Limits(slots=4, max_len=S + 16))
     assert walk_engine(engine, tiny.rows, (STOP,)) == teacher
     accepted = np.concatenate([r.accepted for r in teacher])
     assert {0, 1, K - 1} <= set(accepted.tolist())  # first-slot and later rejections, and full blocks
@@ -107,7 +106,7 @@ def test_the_teacher_walk_of_a_sliding_drafter_is_the_engine_walk(tiny):
     windowed.draft_vocab = tiny.drafter.draft_vocab
     models = Models.of(tiny.params, tiny.cfg, windowed)
     teacher = [walk_teacher(models, t, m, n, K, i) for i, t, m, n in tiny.rows]
-    engine = Engine(tiny.params, tiny.cfg, windowed, slots=4, max_len=S + 16, block_size=K)
+    engine = Engine(tiny.params, tiny.cfg, windowed, Chain(K), Limits(slots=4, max_len=S + 16))
     assert walk_engine(engine, tiny.rows, (STOP,)) == teacher
     full = [walk_teacher(tiny.models, t, m, n, K, i) for i, t, m, n in tiny.rows]
     assert [r.accepted for r in teacher] != [r.accepted for r in full]

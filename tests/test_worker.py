@@ -10,6 +10,7 @@ from conftest import ar_alone, tiny_engine_models
 from prometheus_client import generate_latest
 
 from dflash.serve.engine import Engine, RequestRejected
+from dflash.serve.plan import Chain, Limits
 from dflash.serve.sampling import SamplingConfig
 from dflash.serve.worker import EngineWorker
 
@@ -57,7 +58,7 @@ def test_updates_stream_stable_text_refusals_are_synchronous_and_failures_stay_a
             raise RuntimeError("device lost")
         return np.zeros((state.pending.shape[0], k - 1), np.int32)
 
-    engine = Engine(target_params, target_cfg, drafter, slots=3, max_len=MAX_LEN, block_size=4, draft_fn=drafts,
+    engine = Engine(target_params, target_cfg, drafter, Chain(4, drafts=drafts), Limits(slots=3, max_len=MAX_LEN),
                     detokenize=_bytes_text)
     worker = EngineWorker(engine).start()
     try:

@@ -1,27 +1,24 @@
-"""`--block-size auto` (serve/autoblock.py): expected tokens from acceptance, the pick, and measured costs."""
+"""The serving choices acceptance drives (serve/acceptance.py: `serve.block_size: auto`, `serve.tree_nodes: auto`):
+expected tokens from acceptance, the picks, and costs measured with the engine; and the pooled statistics."""
 
 from __future__ import annotations
-
-import argparse
 
 import pytest
 from flax import nnx
 
-from dflash.configs.schema import ConfigError
-from dflash.launch.cli import _block_size, _tree_nodes
-from dflash.launch.serving import ServeOptions
 from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
 from dflash.models.loading import load_hf_dir
-from dflash.serve.autoblock import (
+from dflash.serve.acceptance import (
+    accept_per_position,
     candidate_ks,
     candidate_nodes,
     expected_tokens,
     pick_block_size,
     pick_tree_nodes,
+    pooled_tau,
     step_costs,
     tree_costs,
 )
-from dflash.serve.config import ServeConfig
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
@@ -57,11 +54,11 @@ def test_step_costs_measure_each_k_with_the_engine(golden_dir):
     assert sorted(costs) == [1, 2, 4] and all(c > 0 for c in costs.values())
 
 
-def test_cli_block_size_values():
-    assert _block_size("auto") == "auto" and _block_size("0") == 0 and _block_size("16") == 16
-    for bad in ("1", "-2", "wide"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            _block_size(bad)
+def test_pooled_statistics_count_every_step_once():
+    accepted = [[3, 0, 1], [2], []]  # three requests' accepted drafts per step
+    assert pooled_tau(accepted) == pytest.approx((4 + 1 + 2 + 3) / 4) and pooled_tau([[], []]) == 0.0
+    assert accept_per_position(accepted, 4) == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert accept_per_position([], 3) == [0.0, 0.0]
 
 
 def test_tree_budget_pick_maximises_measured_tokens_per_second():
@@ -83,16 +80,3 @@ def test_tree_costs_measure_each_budget_with_the_engine(golden_dir):
     costs = tree_costs(params, cfg, DFlashDrafter(arch, nnx.Rngs(0)), 4, [0, 6], [list(range(3, 19))], max_len=64,
                        new_tokens=6)
     assert sorted(costs) == [0, 6] and all(1.0 <= tau <= 4.0 and s > 0 for tau, s in costs.values())
-
-
-def test_tree_options_are_validated():
-    assert _tree_nodes("auto") == "auto" and _tree_nodes("0") == 0 and _tree_nodes("32") == 32
-    for bad in ("-1", "many"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            _tree_nodes(bad)
-    with pytest.raises(ValueError, match="tree_nodes must be an integer >= 0"):
-        ServeOptions(tree_nodes=-3)
-    with pytest.raises(ConfigError, match=r"serve.tree_ngram must be false unless serve.tree_nodes >= 3"):
-        ServeConfig(tree_nodes=2, tree_ngram=True)
-    with pytest.raises(ConfigError, match=r"serve.tree_nodes must be an integer >= 0 \(0: the chain\) or 'auto'"):
-        ServeConfig(tree_nodes=-1)
