@@ -310,8 +310,10 @@ def main() -> None:
         f"efficiency of {efficiency:.2f} ({host}).")
     command = shlex.join([".venv/bin/python", "benchmarks/engine_throughput.py", *sys.argv[1:]])
     quick = " QUICK SMOKE RUN (small sizes; not representative)." if args.quick else ""
+    device = jax.devices()[0]
+    where = "this CPU" if device.platform == "cpu" else f"one {device.device_kind}"
     body = "\n".join([
-        "## Engine throughput (SmolLM2-135M target, fp32, greedy DFlash vs AR)",
+        f"## Engine throughput on {where} (SmolLM2-135M target, fp32, greedy DFlash vs AR)",
         "",
         f"`{command}` on {machine()}; the run took {total_min:.1f} min.{quick} Median of {args.repeats} timed "
         "calls after a warm-up, each blocked on; paged cache of 1024 slots, attention over the pages in use "
@@ -349,8 +351,8 @@ def main() -> None:
     print(body)
     if args.write:
         # one section per kind of device: an accelerator's run sits beside this machine's CPU one
-        platform = jax.devices()[0].platform
-        print(f"written to {write_section('engine_throughput' + ('' if platform == 'cpu' else '_' + platform), body)}")
+        suffix = "" if device.platform == "cpu" else "_" + device.platform
+        print(f"written to {write_section('engine_throughput' + suffix, body)}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import yaml
 
 from dflash.configs.schema import ConfigError, apply_overrides, build, to_dict
 from dflash.data.config import DataConfig
+from dflash.launch.config import LaunchConfig
 from dflash.models.config import DrafterConfig, TargetConfig
 from dflash.serve.config import SamplingConfig, ServeConfig
 from dflash.train.config import TrainConfig
@@ -31,6 +32,7 @@ class Recipe:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
+    launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
 
 
 def shipped_configs() -> list[Path]:

@@ -277,10 +277,10 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
         raise ConfigError("--config must name the recipe to compile (a name in configs/ or a YAML path); "
                           "received none")
     load_recipe(args.config, args.overrides)  # a bad recipe or override stops here, not in the subprocess
-    topology = args.topology or recipe_topology(args.config)
+    topology = args.topology or recipe_topology(args.config, args.overrides)
     if topology is None:
-        raise ConfigError(f"--topology must name a TPU slice (e.g. v5p-128): recipe {args.config!r} names none in a "
-                          "`# Topology:` header line; received none")
+        raise ConfigError(f"--topology must name a TPU slice (e.g. v5p-128): recipe {args.config!r} sets no "
+                          "launch.tpu_type; received none")
     report = run_compile(args.config, args.overrides, topology, args.num_slices, backend=args.backend,
                          libtpu=args.libtpu, engine=not args.no_engine)
     print(report.format(args.mfu))
@@ -444,8 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--config", "--recipe", dest="config", default=None,
                    help="the recipe to compile: a name in configs/ or a YAML path (--recipe: the older name)")
     q.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
-    q.add_argument("--topology", default=None, help="TPU slice type, e.g. v5p-128 (default: the recipe header's "
-                   "`# Topology:` line)")
+    q.add_argument("--topology", default=None, help="TPU slice type, e.g. v5p-128 (default: the recipe's "
+                   "launch.tpu_type)")
     q.add_argument("--num-slices", type=int, default=1)
     q.add_argument("--backend", default="auto", choices=("auto", "tpu", "cpu"),
                    help="tpu: XLA's TPU compiler through libtpu (tools/setup_libtpu.sh); cpu: a simulated CPU mesh of "

@@ -403,12 +403,11 @@ def _leaves(tree: Any) -> list[Any]:
 # ----------------------------------------------------------------------------- the subprocess (parent side)
 
 
-def recipe_topology(recipe: str) -> str | None:
-    """The slice a recipe file names in its header (`# Topology: v5p-128`), or None."""
-    from dflash.configs.recipe import resolve_config_path
+def recipe_topology(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> str | None:
+    """The TPU slice a recipe is sized for (its `launch.tpu_type`, e.g. `v5p-128`), or None."""
+    from dflash.configs.recipe import load_recipe
 
-    m = re.search(r"^# Topology: (\S+)", resolve_config_path(recipe).read_text(), flags=re.M)
-    return m.group(1) if m else None
+    return load_recipe(recipe, overrides).launch.tpu_type
 
 
 def find_libtpu(explicit: str | None = None) -> Path | None:

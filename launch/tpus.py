@@ -10,9 +10,8 @@ and v6e it counts chips. A slice's chips form a torus whose sides double from th
 from __future__ import annotations
 
 import dataclasses
-import re
 
-from dflash.configs.schema import ConfigError
+from dflash.launch.config import TPU_CORES_PER_CHIP, split_tpu_type
 
 GIB = 1 << 30
 
@@ -35,13 +34,14 @@ class Generation:
     peak_flops: float
 
 
+_C = TPU_CORES_PER_CHIP  # the slice-name rule's table (launch/config.py), so names and generations agree
 GENERATIONS: dict[str, Generation] = {
-    "v4": Generation("v4", "tpu-v4-podslice", "v4", 2, 3, 4, 4, round(30.75 * GIB), 275e12),
-    "v5p": Generation("v5p", "tpu-v5p-slice", "v5p", 2, 3, 4, 4, round(95.73 * GIB), 459e12),
-    "v5litepod": Generation("v5litepod", "tpu-v5-lite-podslice", "v5e", 1, 2, 4, 8, round(15.75 * GIB), 197e12),
-    "v6e": Generation("v6e", "tpu-v6e-slice", "v6e", 1, 2, 4, 8, round(31.24 * GIB), 918e12),
+    "v4": Generation("v4", "tpu-v4-podslice", "v4", _C["v4"], 3, 4, 4, round(30.75 * GIB), 275e12),
+    "v5p": Generation("v5p", "tpu-v5p-slice", "v5p", _C["v5p"], 3, 4, 4, round(95.73 * GIB), 459e12),
+    "v5litepod": Generation("v5litepod", "tpu-v5-lite-podslice", "v5e", _C["v5litepod"], 2, 4, 8,
+                            round(15.75 * GIB), 197e12),
+    "v6e": Generation("v6e", "tpu-v6e-slice", "v6e", _C["v6e"], 2, 4, 8, round(31.24 * GIB), 918e12),
 }
-_ALIASES = {"v5e": "v5litepod"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,19 +93,11 @@ def torus(chips: int, dims: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def parse_tpu_type(name: str) -> TpuType:
-    """`v5p-128` -> TpuType; ConfigError naming the known generations and the rule otherwise."""
-    m = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", name.strip())
-    gen_name = _ALIASES.get(m.group(1), m.group(1)) if m else None
-    if m is None or gen_name not in GENERATIONS:
-        raise ConfigError(f"--tpu-type must be <generation>-<size> with a generation of {sorted(GENERATIONS)} "
-                          f"(e.g. v5p-128, v5litepod-16, v6e-256); received {name!r}")
+def parse_tpu_type(name: str, field: str = "--tpu-type") -> TpuType:
+    """`v5p-128` -> TpuType; ConfigError naming `field`, the known generations and the rule otherwise
+    (`launch.config.split_tpu_type`, which a recipe's `launch.tpu_type` is checked by)."""
+    gen_name, size, chips = split_tpu_type(name, field)
     gen = GENERATIONS[gen_name]
-    size = int(m.group(2))
-    chips, rest = divmod(size, gen.cores_per_chip)
-    if rest or chips < 1 or chips & (chips - 1):
-        raise ConfigError(f"--tpu-type {name!r}: the size must be a power of two number of "
-                          f"{'TensorCores (2 per chip)' if gen.cores_per_chip == 2 else 'chips'}; received {size}")
     return TpuType(name=f"{gen.xpk}-{size}", gen=gen, chips=chips, shape=torus(chips, gen.dims))
 
 
