@@ -655,57 +655,6 @@ class DFlashDrafter(nnx.Module):
         return self.blocks(block_embeds_BxKxD, block_pos_BxK, ctx_kv, visible)
 
 
-# ----------------------------------------------------------------------------- init from the target
-
-
-def target_init_layers(arch: DrafterArch) -> tuple[int, ...]:
-    """The target layers whose weights start the drafter's layers under `train.layer_init=target`: the
-    `num_layers` layers right after the deepest captured feature layer (the one `fc` starts out selecting),
-    moved down so that they fit inside the target."""
-    start = min(max(arch.layer_ids) + 1, arch.target_num_layers - arch.num_layers)
-    return tuple(range(start, start + arch.num_layers))
-
-
-def init_from_target(drafter: DFlashDrafter, target_params: Params, target_cfg: DecoderConfig) -> None:
-    """Start `drafter` (in place) from the target's own upper layers instead of a random init.
-
-    - layer i copies target layer `target_init_layers(arch)[i]`: its attention and MLP kernels and both
-      norms (q/k norms too when the target has them; otherwise they stay ones; qkv biases are dropped);
-    - `fc` starts as the identity on the deepest captured feature (the other features' blocks zero), and
-      `hidden_norm` as the first copied layer's input norm, so each copied layer's context K/V start as its
-      own K/V of the target's residual stream at that depth;
-    - the final `norm` is the target's final norm (the drafter's output meets the target's LM head as the
-      target's last hidden state does).
-
-    The widths must match the target's (drafter.num_heads etc. left at 0 = follow the target)."""
-    arch = drafter.arch
-    differ = [f"{name}: drafter {mine} vs target {theirs}" for name, mine, theirs in (
-        ("num_heads", arch.num_heads, target_cfg.num_heads),
-        ("num_kv_heads", arch.num_kv_heads, target_cfg.num_kv_heads), ("head_dim", arch.head_dim, target_cfg.head_dim),
-        ("intermediate_size", arch.intermediate_size, target_cfg.intermediate_size)) if mine != theirs]
-    require(not differ, "train.layer_init", "target", "be used with the target's own widths (" + "; ".join(differ)
-            + "): leave drafter.num_heads / num_kv_heads / head_dim / intermediate_size at 0")
-    layers = target_params["layers"]
-    copy = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
-            "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
-    sources = target_init_layers(arch)
-    for layer, src in zip(drafter.layers, sources, strict=True):
-        for path, name in copy.items():
-            module = layer
-            for part in path.split("."):
-                module = getattr(module, part)
-            module.kernel[...] = jnp.asarray(layers[name][src], jnp.float32)
-        layer.input_layernorm.weight[...] = jnp.asarray(layers["attn_norm"][src], jnp.float32)
-        layer.post_attention_layernorm.weight[...] = jnp.asarray(layers["mlp_norm"][src], jnp.float32)
-        if target_cfg.qk_norm:
-            layer.self_attn.q_norm.weight[...] = jnp.asarray(layers["q_norm"][src], jnp.float32)
-            layer.self_attn.k_norm.weight[...] = jnp.asarray(layers["k_norm"][src], jnp.float32)
-    d, f = arch.hidden_size, arch.num_features
-    drafter.fc.kernel[...] = jnp.zeros((f * d, d), jnp.float32).at[(f - 1) * d:].set(jnp.eye(d, dtype=jnp.float32))
-    drafter.hidden_norm.weight[...] = jnp.asarray(layers["attn_norm"][sources[0]], jnp.float32)
-    drafter.norm.weight[...] = jnp.asarray(target_params["final_norm"], jnp.float32)
-
-
 # ----------------------------------------------------------------------------- inputs and outputs
 
 

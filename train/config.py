@@ -68,15 +68,8 @@ class TrainConfig:
              the loaded one drafts: `loop.init_from_params`), and the block size may differ (a drafter trained
              at one K fine-tuned at another). Weights ignored on resume;
              with head_vocab the run trains over that drafter's draft vocabulary when it has one.
-    layer_init: how a fresh run (no init_from) starts the drafter: `random`, or `target`: its layers copy the
-             target's layers right after the deepest captured feature layer, fc selects that feature and the
-             norms are the target's (`models.drafter.init_from_target`; docs/decisions.md D24).
     steps / batch_size / num_anchors: updates, sequences per update (global), anchors (blocks) per
              sequence (N).
-    curriculum_block_size / curriculum_frac: a K curriculum (0 = off): the first `curriculum_frac` of the
-             steps train blocks of `curriculum_block_size` slots (it must divide drafter.block_size K) on
-             K / that many times batch_size sequences per update, the same block tokens per step; the rest
-             train the drafter's K (`train.loop.curriculum_phases`; docs/decisions.md D30).
     lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping; the
              decay applies to kernels only, not to the RMSNorm scales (`train.step.decays`).
     feature_noise: sigma of Gaussian noise added to the target features at every training step, relative to
@@ -121,12 +114,9 @@ class TrainConfig:
 
     run_dir: str = "runs/default"
     init_from: str = ""
-    layer_init: Literal["random", "target"] = "random"
     steps: int = 2000
     batch_size: int = 8
     num_anchors: int = 16
-    curriculum_block_size: int = 0
-    curriculum_frac: float = 0.5
     lr: float = 6e-4
     warmup_frac: float = 0.04
     clip: float = 1.0
@@ -162,9 +152,6 @@ class TrainConfig:
         require(self.steps >= 1, "train.steps", self.steps, "be at least 1")
         require(self.batch_size >= 1, "train.batch_size", self.batch_size, "be at least 1")
         require(self.num_anchors >= 1, "train.num_anchors", self.num_anchors, "be at least 1")
-        require(self.curriculum_block_size == 0 or self.curriculum_block_size >= 2, "train.curriculum_block_size",
-                self.curriculum_block_size, "be 0 (off) or at least 2")
-        require(0 < self.curriculum_frac < 1, "train.curriculum_frac", self.curriculum_frac, "lie in (0, 1)")
         require(self.lr > 0, "train.lr", self.lr, "be > 0")
         require(0 <= self.warmup_frac < 1, "train.warmup_frac", self.warmup_frac, "lie in [0, 1)")
         require(self.clip > 0, "train.clip", self.clip, "be > 0")

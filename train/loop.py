@@ -35,7 +35,7 @@ from dflash.data.manifest import chat_template_hash, check_manifest, load_manife
 from dflash.data.offline import make_offline_batches
 from dflash.data.online import make_batches
 from dflash.data.walk import find_walk, load_walk, walk_weights
-from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, init_from_target, target_init_layers
+from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab
 from dflash.models.target import Target, load_target
 from dflash.train.checkpoint import Checkpointer
 from dflash.train.config import TrainConfig
@@ -176,7 +176,6 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
         log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
     head = train_head(target_params, target.cfg, ids)
     head = place(head, head_rules(head.vocab_major), mesh)
-    curriculum_phases(cfg, arch)  # a bad K curriculum fails before any data is read
     require(not cfg.walk_anchors or bool(data.walk), "train.walk_anchors", cfg.walk_anchors,
             "be 0 unless data.walk names a serving walk (`auto` or a path; `dflash data walk` writes it)")
     batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples,
@@ -250,35 +249,6 @@ def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_ho
 def make_train_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW on warmup + cosine with global-norm clipping, as `train` configures it."""
     return make_optimizer(cfg.lr, cfg.steps, cfg.warmup_frac, cfg.clip, cfg.weight_decay)
-
-
-@dataclasses.dataclass(frozen=True)
-class Phase:
-    """Steps first .. last train blocks of `arch.block_size` slots on `batches_per_step` of the loader's
-    batches per update (concatenated)."""
-
-    first: int
-    last: int
-    arch: DrafterArch
-    batches_per_step: int = 1
-
-
-def curriculum_phases(cfg: TrainConfig, arch: DrafterArch) -> list[Phase]:
-    """The run's phases: one (the drafter's K) without a K curriculum; with `train.curriculum_block_size` k,
-    first round(steps x curriculum_frac) steps of k-slot blocks on K / k times the sequences per update (the
-    same block tokens per step, the same anchors per sequence: a recipe's anchors often cover nearly every
-    answer position, so more anchors per sequence would only add padding blocks), then the drafter's K. The
-    drafter's weights do not depend on the block size, so both phases train the same parameters; only the
-    jitted step differs."""
-    k, big = cfg.curriculum_block_size, arch.block_size
-    if not k:
-        return [Phase(1, cfg.steps, arch)]
-    require(k < big and big % k == 0, "train.curriculum_block_size", k,
-            f"be below drafter.block_size {big} and divide it")
-    switch = round(cfg.steps * cfg.curriculum_frac)
-    require(1 <= switch < cfg.steps, "train.curriculum_frac", cfg.curriculum_frac,
-            f"leave at least one step in each phase of the {cfg.steps} steps")
-    return [Phase(1, switch, dataclasses.replace(arch, block_size=k), big // k), Phase(switch + 1, cfg.steps, arch)]
 
 
 def walk_count(cfg: TrainConfig) -> int:
@@ -395,14 +365,6 @@ def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     return jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.state(loaded, nnx.Param))  # host: jit places it
 
 
-def target_layer_params(seed: int, arch: DrafterArch, target: Target) -> Any:
-    """Drafter params (host arrays) initialised from the target's upper layers (`train.layer_init=target`)."""
-    drafter = DFlashDrafter(arch, nnx.Rngs(params=seed))
-    init_from_target(drafter, target.params, target.cfg)
-    log.info("initialised the drafter's layers from target layers %s", list(target_init_layers(arch)))
-    return jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.state(drafter, nnx.Param))
-
-
 def create_or_restore_state(cfg: TrainConfig, arch: DrafterArch, optimizer: optax.GradientTransformation,
                             mesh: Mesh, ckpt: Checkpointer, batches: Any, data_fingerprint: str,
                             target: Target | None = None) -> tuple[TrainState, Any, int]:
@@ -413,8 +375,7 @@ def create_or_restore_state(cfg: TrainConfig, arch: DrafterArch, optimizer: opta
     run_dir = _run_dir(cfg)
     latest = ckpt.latest_step()
     if latest is None:
-        init = init_from_params(cfg.init_from, arch, target) if cfg.init_from else \
-            target_layer_params(cfg.seed, arch, target) if cfg.layer_init == "target" else None
+        init = init_from_params(cfg.init_from, arch, target) if cfg.init_from else None
         state, shardings = create_state(cfg.seed, arch, optimizer, mesh, init)
     else:
         abstract, shardings = state_layout(cfg.seed, arch, optimizer, mesh)
@@ -451,30 +412,23 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
     """Steps start+1 .. train.steps: batch -> jitted step (state donated) -> the previous step's metrics ->
     an async checkpoint every save_every steps and at the last, once that step's metrics proved finite ->
     real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
-    neither the state nor the data, so training results are the same with it or without). Each phase of a K
-    curriculum (`curriculum_phases`) gets its own jitted step, built when the phase starts."""
-    for phase in curriculum_phases(cfg, run.arch):
-        if phase.last <= start:
-            continue  # resumed past this phase
-        step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, head=run.head,
-                                  target_cfg=run.target.cfg, arch=phase.arch, num_anchors=cfg.num_anchors,
-                                  objective=make_objective(cfg, phase.arch), optimizer=run.optimizer,
-                                  compute_dtype=run.compute_dtype, state_shardings=shardings,
-                                  walk_count=walk_count(cfg))
-        if cfg.curriculum_block_size:
-            log.info("steps %d-%d: blocks of %d slots, %d sequences per update", phase.first, phase.last,
-                     phase.arch.block_size, phase.batches_per_step * cfg.batch_size)
-        for step in range(max(start + 1, phase.first), phase.last + 1):
-            batch = shard_batch(_next_batch(run.batches, phase.batches_per_step), run.mesh)
-            state, device_metrics = step_fn(state, batch)
-            metrics.push(step, device_metrics)
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                metrics.flush()  # never checkpoint a state whose step went non-finite
-                ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
-                                        "data_fingerprint": run.data_fingerprint})
-            if real_eval is not None and real_eval.due(step):
-                metrics.flush()
-                metrics.write_eval(step, real_eval(step, state.params))
+    neither the state nor the data, so training results are the same with it or without)."""
+    step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, head=run.head,
+                              target_cfg=run.target.cfg, arch=run.arch, num_anchors=cfg.num_anchors,
+                              objective=run.objective, optimizer=run.optimizer,
+                              compute_dtype=run.compute_dtype, state_shardings=shardings,
+                              walk_count=walk_count(cfg))
+    for step in range(start + 1, cfg.steps + 1):
+        batch = shard_batch(next(run.batches), run.mesh)
+        state, device_metrics = step_fn(state, batch)
+        metrics.push(step, device_metrics)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            metrics.flush()  # never checkpoint a state whose step went non-finite
+            ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
+                                    "data_fingerprint": run.data_fingerprint})
+        if real_eval is not None and real_eval.due(step):
+            metrics.flush()
+            metrics.write_eval(step, real_eval(step, state.params))
     metrics.flush()
     return state
 
@@ -546,14 +500,6 @@ def _host(tree: Any) -> dict[str, Any]:
     return out
 
 
-def _next_batch(batches: Any, count: int) -> TrainBatch:
-    """The loader's next batch, or its next `count` batches concatenated row-wise (a K curriculum's first
-    phase)."""
-    if count == 1:
-        return next(batches)
-    return TrainBatch.concat([next(batches) for _ in range(count)])
-
-
 def _iterator_state(batches: Any) -> dict[str, Any]:
     """The data iterator's state. Orbax writes process 0's copy only, so every host's must be equal (it is:
     each host counts the same number of global batches); checked when there are several processes."""
@@ -584,6 +530,6 @@ def evaluate(data: DataConfig, num_anchors: int, run: TrainRun, params: Any) -> 
     return _host(eval_step(params, shard_batch(batch, run.mesh), jax.random.PRNGKey(1234)))
 
 
-__all__ = ["Phase", "StepMetrics", "TrainResult", "TrainRun", "arch_dict", "build_batches", "build_run",
-           "create_or_restore_state", "create_state", "curriculum_phases", "drafter_graphdef", "evaluate",
+__all__ = ["StepMetrics", "TrainResult", "TrainRun", "arch_dict", "build_batches", "build_run",
+           "create_or_restore_state", "create_state", "drafter_graphdef", "evaluate",
            "fresh_state", "make_objective", "make_train_optimizer", "run_training", "state_layout", "train_loop"]
