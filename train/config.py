@@ -72,8 +72,6 @@ class TrainConfig:
              sequence (N).
     lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping; the
              decay applies to kernels only, not to the RMSNorm scales (`train.step.decays`).
-    feature_noise: sigma of Gaussian noise added to the target features at every training step, relative to
-             each captured layer's RMS at that position (`train.objective.noisy_features`; 0 = none).
     loss: the loss terms, `NAME` or a weighted mix `NAME:WEIGHT,...` (`parse_loss`) of `ce` (cross-entropy
              against the label, or with data.labels=soft the target's renormalised top-k), and, needing
              data.labels=soft, `tv` (total variation to the target's distribution: the rejection probability of
@@ -121,7 +119,6 @@ class TrainConfig:
     warmup_frac: float = 0.04
     clip: float = 1.0
     weight_decay: float = 0.0
-    feature_noise: float = 0.0
     loss: str = "ce"
     weighting: Literal["decay", "dpace"] = "decay"
     gamma: float = 0.0
@@ -156,7 +153,6 @@ class TrainConfig:
         require(0 <= self.warmup_frac < 1, "train.warmup_frac", self.warmup_frac, "lie in [0, 1)")
         require(self.clip > 0, "train.clip", self.clip, "be > 0")
         require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "be >= 0")
-        require(self.feature_noise >= 0, "train.feature_noise", self.feature_noise, "be >= 0")
         _ = self.loss_terms  # parse_loss validates the spelling
         require(0 < self.opd_gamma <= 1, "train.opd_gamma", self.opd_gamma, "lie in (0, 1]")
         require(self.gamma >= 0, "train.gamma", self.gamma, "be >= 0 (0 = chosen from the block size)")

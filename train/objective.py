@@ -602,7 +602,6 @@ class Objective:
     gamma: decay of `decay`. dpace_alpha: confidence floor of `dpace`, in (0, 1].
     opd_gamma: the decay, per slot past a block's first rejection, of the `opd` term's reverse KL, in (0, 1].
     head_chunk: rows of the LM head + CE per chunk (0: `auto_head_chunk(V)`).
-    feature_noise: sigma of the training-time noise on the target features (`noisy_features`; 0 = none).
     selector_loss / selector_weight: the path selector's objective (`edge` | `path`, `train.selector`) and its
       weight in the drafter's loss (read only for a drafter with `drafter.selector`).
     """
@@ -611,7 +610,6 @@ class Objective:
     gamma: float = 4.0
     dpace_alpha: float = 0.5
     head_chunk: int = 0
-    feature_noise: float = 0.0
     terms: tuple[tuple[str, float], ...] = (("ce", 1.0),)
     opd_gamma: float = 0.5
     selector_loss: str = "edge"
@@ -630,8 +628,6 @@ class Objective:
             raise ValueError(f"dpace_alpha must lie in (0, 1]; received {self.dpace_alpha}")
         if self.head_chunk < 0:
             raise ValueError(f"head_chunk must be >= 0 (0: automatic); received {self.head_chunk}")
-        if self.feature_noise < 0:
-            raise ValueError(f"feature_noise must be >= 0; received {self.feature_noise}")
         names = [n for n, _ in self.terms]
         if not names or any(n not in LOSS_TERMS for n in names) or len(set(names)) != len(names):
             raise ValueError(f"terms must name each of {LOSS_TERMS} at most once, at least one; received {self.terms}")
@@ -648,21 +644,6 @@ class Objective:
             return ()
         need = names - {"opd"} | ({"kl", "rkl"} if "opd" in names else set())
         return tuple(n for n in DIVERGENCES if n in need)
-
-
-def noisy_features(feats_BxSxFD: jax.Array, num_features: int, sigma: float, rng: jax.Array) -> jax.Array:
-    """The target features with Gaussian noise scaled per captured layer and position: f + sigma * rms(f) * eps.
-
-    A regulariser for offline training, which shows the drafter the same stored features every epoch (EAGLE
-    perturbs its features with noise too). Each of the F layers' D-vectors gets noise in proportion to its own
-    root mean square, so layers of different scale are perturbed alike. No gradient flows into the features.
-    """
-    b, s, fd = feats_BxSxFD.shape
-    f_BxSxFxD = feats_BxSxFD.reshape(b, s, num_features, fd // num_features).astype(jnp.float32)
-    rms_BxSxFx1 = jnp.sqrt(jnp.mean(jnp.square(f_BxSxFxD), axis=-1, keepdims=True))
-    eps = jax.random.normal(rng, f_BxSxFxD.shape, jnp.float32)
-    out = f_BxSxFxD + sigma * rms_BxSxFx1 * eps
-    return jax.lax.stop_gradient(out.reshape(b, s, fd).astype(feats_BxSxFD.dtype))
 
 
 def dpace_weights(nll_BxNxJ: jax.Array, mask_BxNxJ: jax.Array, alpha: float) -> jax.Array:
@@ -821,7 +802,6 @@ __all__ = [
     "opd_rows",
     "DIVERGENCES",
     "LOSS_TERMS",
-    "noisy_features",
     "sample_anchors",
     "sample_anchors_batch",
     "valid_anchor_positions",

@@ -33,7 +33,6 @@ from dflash.train.objective import (
     TrainHead,
     build_blocks_batch,
     head_loss,
-    noisy_features,
     sample_anchors_batch,
 )
 from dflash.train.selector import selector_loss
@@ -254,9 +253,6 @@ def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head
     check_batch(batch, arch)
     rng, anchor_rng = jax.random.split(state.rng)
     inputs = block_inputs(batch, target_params, target_cfg, arch, num_anchors, anchor_rng, walk_count)
-    if objective.feature_noise > 0:  # its own key, derived so that the anchor stream is the noiseless run's
-        inputs = dataclasses.replace(inputs, feats_BxSxFD=noisy_features(
-            inputs.feats_BxSxFD, len(arch.layer_ids), objective.feature_noise, jax.random.fold_in(anchor_rng, 1)))
 
     def loss_fn(params: nnx.State) -> tuple[jax.Array, Metrics]:
         return drafter_loss(cast_floats(params, compute_dtype), graphdef, inputs, head, target_params,
