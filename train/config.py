@@ -84,10 +84,9 @@ class TrainConfig:
     gamma: loss decay of docs/design.md §4.2 (0 = chosen from the block size). dpace_alpha: D-PACE's confidence floor.
     opd_gamma: the `opd` term's decay per slot past a block's first rejection, in (0, 1].
     head_chunk: rows per chunk of the LM head + cross-entropy (0 = about 128 MiB of fp32 logits per chunk).
-    selector_loss / selector_weight: DFlash2's path selector (`drafter.selector`) trains on `edge` (default), a
-             per-slot k-way cross-entropy given the label before it (speculators' objective), or `path`, the
-             labelled path's log-likelihood through each block's top-k lattice (a linear-chain CRF), weighted by
-             selector_weight in the drafter's loss; only the selector learns from it (`train.selector`).
+    selector_weight: DFlash2's path selector (`drafter.selector`) trains on a per-slot k-way cross-entropy given
+             the label before it (speculators' objective), weighted by selector_weight in the drafter's loss; only
+             the selector learns from it (`train.selector`).
     head_vocab: train the softmax over the `head_vocab` most frequent tokens of the training answers (labels
              outside it are left out), 0 = the full vocabulary; the served drafter proposes over the same
              tokens (its draft vocabulary, `models.drafter.DraftVocab`; docs/decisions.md D24).
@@ -126,7 +125,6 @@ class TrainConfig:
     dpace_alpha: float = 0.5
     head_chunk: int = 0
     head_vocab: int = 0
-    selector_loss: Literal["edge", "path"] = "edge"
     selector_weight: float = 1.0
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     seed: int = 0
@@ -158,9 +156,6 @@ class TrainConfig:
         require(self.gamma >= 0, "train.gamma", self.gamma, "be >= 0 (0 = chosen from the block size)")
         require(0 < self.dpace_alpha <= 1, "train.dpace_alpha", self.dpace_alpha, "lie in (0, 1]")
         require(self.head_vocab >= 0, "train.head_vocab", self.head_vocab, "be >= 0 (0 = the full vocabulary)")
-        require(self.selector_loss in ("path", "edge"), "train.selector_loss", self.selector_loss,
-                "be 'edge' (a per-slot cross-entropy given the label before it) or 'path' (the labelled path's CRF "
-                "log-likelihood over the top-k lattice)")
         require(self.selector_weight >= 0, "train.selector_weight", self.selector_weight, "be >= 0")
         require(self.head_chunk >= 0, "train.head_chunk", self.head_chunk, "be >= 0 (0 = automatic)")
         require(self.save_every >= 1, "train.save_every", self.save_every, "be at least 1")

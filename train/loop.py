@@ -260,7 +260,7 @@ def make_objective(cfg: TrainConfig, arch: DrafterArch) -> Objective:
     """The loss `train` configures (gamma 0 = by block size): its terms (`train.loss`) and weighting."""
     return Objective(kind=cfg.weighting, gamma=cfg.gamma or default_gamma(arch.block_size),
                      dpace_alpha=cfg.dpace_alpha, head_chunk=cfg.head_chunk,
-                     terms=cfg.loss_terms, opd_gamma=cfg.opd_gamma, selector_loss=cfg.selector_loss,
+                     terms=cfg.loss_terms, opd_gamma=cfg.opd_gamma,
                      selector_weight=cfg.selector_weight)
 
 

@@ -602,8 +602,8 @@ class Objective:
     gamma: decay of `decay`. dpace_alpha: confidence floor of `dpace`, in (0, 1].
     opd_gamma: the decay, per slot past a block's first rejection, of the `opd` term's reverse KL, in (0, 1].
     head_chunk: rows of the LM head + CE per chunk (0: `auto_head_chunk(V)`).
-    selector_loss / selector_weight: the path selector's objective (`edge` | `path`, `train.selector`) and its
-      weight in the drafter's loss (read only for a drafter with `drafter.selector`).
+    selector_weight: the path selector's loss (`train.selector`) weight in the drafter's loss (read only for a
+      drafter with `drafter.selector`).
     """
 
     kind: str = "decay"
@@ -612,12 +612,9 @@ class Objective:
     head_chunk: int = 0
     terms: tuple[tuple[str, float], ...] = (("ce", 1.0),)
     opd_gamma: float = 0.5
-    selector_loss: str = "edge"
     selector_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.selector_loss not in ("path", "edge"):
-            raise ValueError(f"selector_loss must be 'path' or 'edge'; received {self.selector_loss!r}")
         if not (self.selector_weight >= 0 and np.isfinite(self.selector_weight)):
             raise ValueError(f"selector_weight must be finite and >= 0; received {self.selector_weight}")
         if self.kind not in ("decay", "dpace"):
