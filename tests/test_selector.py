@@ -56,8 +56,6 @@ def _live(arch, seed: int, scale: float = 1.0) -> DFlashDrafter:
 def test_selector_fields_are_validated(setup):
     with pytest.raises(ValueError, match="drafter.selector"):
         DrafterConfig(selector=True)  # DFlash v1
-    with pytest.raises(ValueError, match="drafter.selector"):
-        DrafterConfig(variant="dflash2", selector=True, markov_rank=8)
     for field in ("selector_rank", "selector_top_k"):
         with pytest.raises(ValueError, match=f"drafter.{field}"):
             DrafterConfig(variant="dflash2", selector=True, **{field: 0})

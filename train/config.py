@@ -63,8 +63,8 @@ class TrainConfig:
              checkpoint automatically.
     init_from: a fresh run starts from this drafter's weights instead of a random init: a run dir (its latest
              checkpoint), a z-lab or speculators export, or an HF Hub export downloaded locally; its
-             architecture must equal the recipe's (every differing field is named), except that a Markov head,
-             a path selector or DFlash2's convolutions the recipe adds start as in a new drafter (drafting what
+             architecture must equal the recipe's (every differing field is named), except that a path
+             selector or DFlash2's convolutions the recipe adds start as in a new drafter (drafting what
              the loaded one drafts: `loop.init_from_params`), and the block size may differ (a drafter trained
              at one K fine-tuned at another). Weights ignored on resume;
              with head_vocab the run trains over that drafter's draft vocabulary when it has one.

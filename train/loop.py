@@ -318,13 +318,13 @@ WEIGHTLESS_FIELDS = ("block_size", "layer_types", "sliding_window")  # drafter f
 
 def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     """The drafter params of `train.init_from` (a run dir or an export), checked against the recipe's `arch`
-    (ConfigError naming every differing field). A drafter without a Markov head or a path selector may start a
-    recipe that has one (`drafter.markov_rank`, `drafter.selector`), and a DFlash drafter a DFlash2 recipe
-    (`drafter.variant: dflash2`): what is added starts as in a new drafter (the head's output and the selector's
-    edge scores at zero, the convolutions at the identity), so step 0 drafts exactly what the loaded drafter
-    does. The block size may differ (no weight's shape depends on K): a drafter trained at K = 4 starts a K = 8
-    recipe with all its weights. So may the draft window (`drafter.layer_types`, `drafter.sliding_window`): a
-    full-attention drafter starts a sliding-window recipe, or the reverse."""
+    (ConfigError naming every differing field). A drafter without a path selector may start a recipe that has
+    one (`drafter.selector`), and a DFlash drafter a DFlash2 recipe (`drafter.variant: dflash2`): what is added
+    starts as in a new drafter (the selector's edge scores at zero, the convolutions at the identity), so step 0
+    drafts exactly what the loaded drafter does. The block size may differ (no weight's shape depends on K): a
+    drafter trained at K = 4 starts a K = 8 recipe with all its weights. So may the draft window
+    (`drafter.layer_types`, `drafter.sliding_window`): a full-attention drafter starts a sliding-window recipe, or
+    the reverse."""
     from dflash.models.drafter_io import load_drafter
 
     loaded = load_drafter(Path(path).expanduser(), target.cfg)
@@ -337,15 +337,12 @@ def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
         fresh.draft_vocab, loaded = loaded.draft_vocab, fresh
         log.info("train.init_from %s is a DFlash drafter: it starts this DFlash2 recipe with identity convolutions",
                  path)
-    for field, what in (("markov_rank", "Markov head"), ("selector_rank", "path selector")):
-        if getattr(arch, field) and not getattr(loaded.arch, field):
-            grown = dataclasses.replace(loaded.arch, **{field: getattr(arch, field)},
-                                        selector_top_k=arch.selector_top_k if field == "selector_rank"
-                                        else loaded.arch.selector_top_k)
-            fresh = DFlashDrafter(grown, nnx.Rngs(params=0))
-            nnx.update(fresh, nnx.state(loaded, nnx.Param))
-            fresh.draft_vocab, loaded = loaded.draft_vocab, fresh
-            log.info("train.init_from %s has no %s: a new one (rank %d) is added", path, what, getattr(arch, field))
+    if arch.selector_rank and not loaded.arch.selector_rank:
+        grown = dataclasses.replace(loaded.arch, selector_rank=arch.selector_rank, selector_top_k=arch.selector_top_k)
+        fresh = DFlashDrafter(grown, nnx.Rngs(params=0))  # its successor codebook starts at zero
+        nnx.update(fresh, nnx.state(loaded, nnx.Param))
+        fresh.draft_vocab, loaded = loaded.draft_vocab, fresh
+        log.info("train.init_from %s has no path selector: a new one (rank %d) is added", path, arch.selector_rank)
 
     def same(a: Any, b: Any) -> bool:  # float fields may have been written in float32 by an export
         return math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) and isinstance(b, float) else a == b

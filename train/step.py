@@ -144,17 +144,6 @@ class StepInputs:
     segment_ids: jax.Array | None = None
 
 
-def previous_ids(blocks: Blocks, block_size: int) -> jax.Array:
-    """int32 [B, Q]: each block slot's previous token as the Markov head reads it in training: the anchor for
-    slots 0 and 1, the label of slot k-1 for k >= 2 (what the target emitted there; when that slot is not
-    labelled, neither is slot k, so whatever stands there is never scored)."""
-    b = blocks.block_ids.shape[0]
-    ids_BxNxK = blocks.block_ids.reshape(b, -1, block_size)
-    labels_BxNxK = blocks.labels.reshape(b, -1, block_size)
-    anchor = ids_BxNxK[..., :1]
-    return jnp.concatenate([anchor, anchor, labels_BxNxK[..., 1:-1]], axis=-1).reshape(b, -1).astype(jnp.int32)
-
-
 def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, inputs: StepInputs, head: TrainHead,
                  target_params: Params, block_size: int, objective: Objective) -> tuple[jax.Array, Metrics]:
     """DFlash loss of the drafter on explicit inputs (so gradients w.r.t. embeds and features exist).
@@ -165,9 +154,9 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, inputs: StepInputs, 
     sliding-window layer only the last W of them (s >= a_j - W, `drafter.sliding_window`). Positions stay
     the row's: RoPE sees only differences, which are the same within a conversation wherever it sits. The
     frozen head and the CE run in chunks (`head_loss`), in the dtype of the drafter's output (the compute dtype)
-    with fp32 accumulation and softmax. `target_params` is read only for the Markov head's token embeddings. With
-    DFlash2's path selector (`drafter.selector`), `objective.selector_weight` x its loss (`train.selector`) is added.
-    Returns (loss, head_loss metrics, and the selector's).
+    with fp32 accumulation and softmax. With DFlash2's path selector (`drafter.selector`),
+    `objective.selector_weight` x its loss (`train.selector`) is added. Returns (loss, head_loss metrics, and the
+    selector's).
     """
     blocks, feats_BxSxFD = inputs.blocks, inputs.feats_BxSxFD
     b, s, _ = feats_BxSxFD.shape
@@ -177,9 +166,6 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, inputs: StepInputs, 
     visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool), inputs.segment_ids,
                                            window=drafter.arch.sliding_window)
     hidden_BxQxD = drafter(inputs.embeds_BxQxD, blocks.block_pos, feats_BxSxFD, ctx_pos_BxS, visible)
-    if drafter.markov is not None:  # slot k also sees the block's token before it (teacher-forced: its label)
-        previous = embed(jax.lax.stop_gradient(target_params), previous_ids(blocks, block_size))
-        hidden_BxQxD = drafter.with_previous(hidden_BxQxD, previous)
     loss, metrics = head_loss(hidden_BxQxD, head, blocks, block_size, objective)
     if drafter.candidate_selector is None or objective.selector_weight == 0:
         return loss, metrics
@@ -360,7 +346,6 @@ __all__ = [
     "make_optimizer",
     "make_schedule",
     "make_train_step",
-    "previous_ids",
     "train_head",
     "train_step",
 ]
