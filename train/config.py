@@ -9,7 +9,7 @@ from typing import Literal
 from dflash.configs.schema import ConfigError, require
 from dflash.serve.config import DRAFT_RULES
 
-LOSS_TERMS = ("ce", "tv", "kl", "rkl", "opd")  # train.objective.LOSS_TERMS
+LOSS_TERMS = ("ce", "tv", "kl", "rkl", "opd")  # the terms of train.loss, defined by train.objective.head_loss
 
 
 def parse_loss(text: str) -> tuple[tuple[str, float], ...]:

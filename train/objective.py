@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash.data.batch import SoftLabels, TrainBatch
+from dflash.train.config import LOSS_TERMS
 
 # Paper values (docs/design.md §4.2): block size K -> decay gamma.
 PAPER_GAMMA: dict[int, float] = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -471,9 +472,9 @@ def _head_soft_ce_bwd(vocab_major, chunk, res, cotangents):  # noqa: ANN001, ANN
 head_soft_ce.defvjp(_head_soft_ce_fwd, _head_soft_ce_bwd)
 
 
-# Per-row quantities `head_divergences` can form (each with its gradient), and the loss terms built on them.
+# Per-row quantities `head_divergences` can form (each with its gradient); the loss terms built on them are
+# `train.config.LOSS_TERMS`.
 DIVERGENCES = ("ce", "tv", "kl", "rkl")
-LOSS_TERMS = ("ce", "tv", "kl", "rkl", "opd")
 RKL_FLOOR = 1e-6  # the target's 'other' mass below this counts as this much in the reverse KL (else it is infinite)
 
 
@@ -798,7 +799,6 @@ __all__ = [
     "head_divergences",
     "opd_rows",
     "DIVERGENCES",
-    "LOSS_TERMS",
     "sample_anchors",
     "sample_anchors_batch",
     "valid_anchor_positions",
