@@ -280,7 +280,7 @@ def test_the_drafter_loss_adds_the_selector_loss_and_only_the_selector_learns_fr
 
     from dflash.models.decoder import embed
     from dflash.models.drafter import online_features
-    from dflash.train.step import StepInputs, drafter_loss
+    from dflash.train.step import StepInputs, StepSpec, drafter_loss
 
     target_cfg, target_params, arch = setup
     graphdef, params = split_drafter(_live(arch, 9, scale=0.5))
@@ -292,7 +292,9 @@ def test_the_drafter_loss_adds_the_selector_loss_and_only_the_selector_learns_fr
     head = train_head(target_params, target_cfg)
 
     def run(weight):
-        fn = lambda p: drafter_loss(p, graphdef, inputs, head, target_params, K, Objective(selector_weight=weight))  # noqa: E731
+        spec = StepSpec(graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=3,
+                        objective=Objective(selector_weight=weight))
+        fn = lambda p: drafter_loss(p, inputs, head, spec)  # noqa: E731
         return jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
 
     (with_loss, metrics), with_grad = run(0.5)

@@ -32,7 +32,7 @@ from dflash.train.sharding import (
     spec_for,
     tree_shardings,
 )
-from dflash.train.step import init_state, make_optimizer, make_train_step, train_head
+from dflash.train.step import FrozenTarget, StepSpec, init_state, make_optimizer, make_train_step, train_head
 
 K, N, S, B = 4, 4, 32, 4
 
@@ -77,9 +77,10 @@ def _train(tiny, mesh, steps: int, seed: int = 0):
     state = jax.jit(fresh, out_shardings=shardings)()
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
     placed = place(target_params, TARGET_RULES, mesh)
-    step = make_train_step(graphdef=graphdef, target_params=placed, head=train_head(placed, target_cfg),
-                           target_cfg=target_cfg, arch=arch, num_anchors=N, objective=Objective(gamma=default_gamma(K)),
-                           optimizer=optimizer, state_shardings=shardings)
+    spec = StepSpec(graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=N,
+                    objective=Objective(gamma=default_gamma(K)), optimizer=optimizer)
+    step = make_train_step(spec, FrozenTarget(params=placed, head=train_head(placed, target_cfg)),
+                           state_shardings=shardings)
     history = []
     for batch in _batches(steps):
         state, metrics = step(state, shard_batch(batch, mesh))
@@ -252,10 +253,9 @@ def test_bf16_compute_keeps_fp32_master_params(tiny):
     state = init_state(params, optimizer, jax.random.PRNGKey(1))
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
     bf16_target = jax.tree.map(lambda x: x.astype(jnp.bfloat16), target_params)
-    step = make_train_step(graphdef=graphdef, target_params=bf16_target, head=train_head(bf16_target, target_cfg),
-                           target_cfg=target_cfg, arch=arch,
-                           num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer,
-                           compute_dtype=jnp.bfloat16)
+    spec = StepSpec(graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=N,
+                    objective=Objective(gamma=default_gamma(K)), optimizer=optimizer, compute_dtype=jnp.bfloat16)
+    step = make_train_step(spec, FrozenTarget(params=bf16_target, head=train_head(bf16_target, target_cfg)))
     state, metrics = step(state, shard_batch(_batches(1)[0], mesh))
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
     assert np.isfinite(float(metrics["loss"]))

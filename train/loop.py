@@ -35,12 +35,13 @@ from dflash.data.manifest import chat_template_hash, check_manifest, load_manife
 from dflash.data.offline import make_offline_batches
 from dflash.data.online import make_batches
 from dflash.data.walk import find_walk, load_walk, walk_weights
+from dflash.models.config import DecoderConfig
 from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab
 from dflash.models.target import Target, load_target
 from dflash.train.checkpoint import Checkpointer
 from dflash.train.config import TrainConfig
 from dflash.train.metrics import MetricsWriter, check_finite, read_metrics
-from dflash.train.objective import Objective, TrainHead, default_gamma
+from dflash.train.objective import Objective, default_gamma
 from dflash.train.real_eval import RealTauEval
 from dflash.train.sharding import (
     DRAFTER_RULES,
@@ -53,6 +54,8 @@ from dflash.train.sharding import (
     tree_shardings,
 )
 from dflash.train.step import (
+    FrozenTarget,
+    StepSpec,
     TrainState,
     cast_floats,
     init_state,
@@ -85,23 +88,22 @@ class TrainResult:
 
 @dataclasses.dataclass(frozen=True)
 class TrainRun:
-    """What a run trains against (`build_run`): the frozen target with its params cast to the compute dtype
-    and placed by TARGET_RULES, the frozen head the loss runs through (the target's, or a training vocabulary's
-    rows), the drafter's architecture and graph, the optimizer, the loss, this host's batch iterator and the
-    fingerprint of its data (checked on resume)."""
+    """What a run trains against (`build_run`): the frozen target (`frozen`: its params cast to the compute dtype
+    and placed by TARGET_RULES, and the head the loss runs through, the target's or a training vocabulary's
+    rows), the step's static spec (`spec`: the drafter's architecture and graph, the loss, the optimizer), the
+    mesh, this host's batch iterator and the fingerprint of its data (checked on resume)."""
 
     target: Target
-    target_params: Any
-    head: TrainHead
-    arch: DrafterArch
+    frozen: FrozenTarget
+    spec: StepSpec
     mesh: Mesh
-    optimizer: optax.GradientTransformation
-    graphdef: nnx.GraphDef
-    objective: Objective
-    compute_dtype: Any
     batches: Any
     data_fingerprint: str
     draft_vocab: DraftVocab | None = None  # train.head_vocab's tokens: the drafter proposes over these at serving
+
+    @property
+    def arch(self) -> DrafterArch:
+        return self.spec.arch
 
 
 def arch_dict(arch: DrafterArch) -> dict[str, Any]:
@@ -122,8 +124,8 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     if run.draft_vocab is not None:
         meta["draft_vocab"] = run.draft_vocab.ids.tolist()
     ckpt = Checkpointer(run_dir / "checkpoints", meta, keep=cfg.keep_checkpoints)
-    state, shardings, start = create_or_restore_state(cfg, run.arch, run.optimizer, run.mesh, ckpt, run.batches,
-                                                      run.data_fingerprint, target)
+    state, shardings, start = create_or_restore_state(cfg, run.arch, run.spec.optimizer, run.mesh, ckpt,
+                                                      run.batches, run.data_fingerprint, target)
     writer = MetricsWriter(run_dir, config=to_dict(recipe), wandb_mode=cfg.wandb, tensorboard=cfg.tensorboard,
                            enabled=is_main)
     metrics = StepMetrics(cfg, writer, block_tokens=cfg.batch_size * cfg.num_anchors * run.arch.block_size,
@@ -149,9 +151,9 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
 
 def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterArch) -> TrainRun:
     """The mesh of `train.mesh` (the global batch size checked against it), the target placed on it in the
-    compute dtype, this host's batches of `data`, the optimizer and the drafter's graph."""
-    objective = make_objective(cfg, arch)
-    require(not objective.divergences or data.labels == "soft", "train.loss", cfg.loss,
+    compute dtype, this host's batches of `data`, and the step's spec (`step_spec`)."""
+    spec = step_spec(cfg, arch, target.cfg)
+    require(not spec.objective.divergences or data.labels == "soft", "train.loss", cfg.loss,
             f"be ce alone unless data.labels=soft (the other terms compare the drafter's distribution with the "
             f"target's stored top-k; data.labels is {data.labels!r})")
     if target.cfg.num_layers - 1 in arch.layer_ids:
@@ -163,8 +165,7 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
             f"be a multiple of mesh data x fsdp = {batch_divisor(mesh)}")
     require(cfg.batch_size % jax.process_count() == 0, "train.batch_size", cfg.batch_size,
             f"be a multiple of the process count {jax.process_count()}")
-    compute_dtype = jnp.dtype(cfg.compute_dtype)
-    target_params = place(cast_floats(target.params, compute_dtype), TARGET_RULES, mesh)
+    target_params = place(cast_floats(target.params, spec.compute_dtype), TARGET_RULES, mesh)
     examples = build_examples(data, target.tokenizer) if cfg.head_vocab or data.features == "online" else None
     vocab, ids = None, None
     if cfg.head_vocab:
@@ -180,9 +181,7 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
             "be 0 unless data.walk names a serving walk (`auto` or a path; `dflash data walk` writes it)")
     batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples,
                                               walk_power=cfg.walk_oversample)
-    return TrainRun(target=target, target_params=target_params, head=head, arch=arch, mesh=mesh,
-                    optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),
-                    objective=objective, compute_dtype=compute_dtype,
+    return TrainRun(target=target, frozen=FrozenTarget(params=target_params, head=head), spec=spec, mesh=mesh,
                     batches=batches, data_fingerprint=data_fingerprint, draft_vocab=vocab)
 
 
@@ -254,6 +253,15 @@ def make_train_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 def walk_count(cfg: TrainConfig) -> int:
     """Anchors per row drawn from the serving walk: round(train.walk_anchors x num_anchors)."""
     return round(cfg.walk_anchors * cfg.num_anchors)
+
+
+def step_spec(cfg: TrainConfig, arch: DrafterArch, target_cfg: DecoderConfig) -> StepSpec:
+    """The train step's static spec as `train` configures it: the drafter's graph in the compute dtype, the loss
+    (`make_objective`), the optimizer (`make_train_optimizer`), the anchors per row and the walk's share of them."""
+    compute_dtype = jnp.dtype(cfg.compute_dtype)
+    return StepSpec(graphdef=drafter_graphdef(arch, compute_dtype), target_cfg=target_cfg, arch=arch,
+                    num_anchors=cfg.num_anchors, objective=make_objective(cfg, arch),
+                    optimizer=make_train_optimizer(cfg), compute_dtype=compute_dtype, walk_count=walk_count(cfg))
 
 
 def make_objective(cfg: TrainConfig, arch: DrafterArch) -> Objective:
@@ -410,11 +418,7 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
     an async checkpoint every save_every steps and at the last, once that step's metrics proved finite ->
     real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
     neither the state nor the data, so training results are the same with it or without)."""
-    step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, head=run.head,
-                              target_cfg=run.target.cfg, arch=run.arch, num_anchors=cfg.num_anchors,
-                              objective=run.objective, optimizer=run.optimizer,
-                              compute_dtype=run.compute_dtype, state_shardings=shardings,
-                              walk_count=walk_count(cfg))
+    step_fn = make_train_step(run.spec, run.frozen, state_shardings=shardings)
     for step in range(start + 1, cfg.steps + 1):
         batch = shard_batch(next(run.batches), run.mesh)
         state, device_metrics = step_fn(state, batch)
@@ -513,15 +517,14 @@ def evaluate(data: DataConfig, num_anchors: int, run: TrainRun, params: Any) -> 
     Those carry the text's labels only, so a loss of distribution terms (`train.loss` beyond ce) is measured
     there as ce with the run's weighting."""
     examples, _ = build_examples(data, run.target.tokenizer, split="test", limit=EVAL_EXAMPLES)
-    objective = dataclasses.replace(run.objective, terms=(("ce", 1.0),)) if run.objective.divergences \
-        else run.objective
+    objective = run.spec.objective
+    objective = dataclasses.replace(objective, terms=(("ce", 1.0),)) if objective.divergences else objective
     unit = math.lcm(batch_divisor(run.mesh), jax.process_count())  # same global rows whatever the process count
     rows = len(examples) // unit * unit // jax.process_count()
     if rows == 0:
         return {}
-    eval_step = make_eval_step(graphdef=run.graphdef, target_params=run.target_params, head=run.head,
-                               target_cfg=run.target.cfg, arch=run.arch, num_anchors=num_anchors,
-                               objective=objective, compute_dtype=run.compute_dtype)
+    spec = dataclasses.replace(run.spec, num_anchors=num_anchors, objective=objective, optimizer=None, walk_count=0)
+    eval_step = make_eval_step(spec, run.frozen)
     mine = examples[jax.process_index() * rows:(jax.process_index() + 1) * rows]
     batch = TrainBatch(tokens=np.stack([t for t, _, _ in mine]), loss_mask=np.stack([m for _, m, _ in mine]))
     return _host(eval_step(params, shard_batch(batch, run.mesh), jax.random.PRNGKey(1234)))
@@ -529,4 +532,5 @@ def evaluate(data: DataConfig, num_anchors: int, run: TrainRun, params: Any) -> 
 
 __all__ = ["StepMetrics", "TrainResult", "TrainRun", "arch_dict", "build_batches", "build_run",
            "create_or_restore_state", "create_state", "drafter_graphdef", "evaluate",
-           "fresh_state", "make_objective", "make_train_optimizer", "run_training", "state_layout", "train_loop"]
+           "fresh_state", "make_objective", "make_train_optimizer", "run_training", "state_layout", "step_spec",
+           "train_loop"]
