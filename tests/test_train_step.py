@@ -269,12 +269,13 @@ def test_the_step_compiles_once_per_shape_and_donates_the_state(setup):
     assert hash(spec) == hash(dataclasses.replace(spec)) and spec == dataclasses.replace(spec)
     step = make_train_step(spec, _frozen(target_cfg, target_params))
     batch = _greedy_batch(target_cfg, target_params)
+    before = step.jitted._cache_size()  # jit's cache of train_step is shared with the other tests' steps
     for _ in range(3):
         given = state
         state, _ = step(state, batch)
         assert all(x.is_deleted() for x in jax.tree.leaves((given.params, given.step, given.rng)))
-    assert step.jitted._cache_size() == 1
+    assert step.jitted._cache_size() - before == 1
     shorter = TrainBatch(tokens=batch.tokens[:, : S // 2], loss_mask=batch.loss_mask[:, : S // 2])
     for _ in range(2):
         state, _ = step(state, shorter)
-    assert step.jitted._cache_size() == 2
+    assert step.jitted._cache_size() - before == 2
