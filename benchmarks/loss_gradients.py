@@ -47,8 +47,7 @@ def main() -> None:
     target = load_target(recipe.target)
     arch = target.drafter_arch(recipe.drafter)
     run = build_run(recipe.train, recipe.data, target, arch)
-    params = nnx.state(nnx.merge(run.graphdef, init_from_params(args.drafter, arch, target)), nnx.Param)
-    K = arch.block_size
+    params = nnx.state(nnx.merge(run.spec.graphdef, init_from_params(args.drafter, arch, target)), nnx.Param)
     captured = {}
 
     def grab(hidden_BxQxD, head, blocks, block_size, objective):  # replaces head_loss: keep what it reads
@@ -62,16 +61,16 @@ def main() -> None:
     for _ in range(args.batches):
         batch = next(run.batches)
         rng, key = jax.random.split(rng)
-        inputs = step_mod.block_inputs(batch, run.target_params, target.cfg, arch, recipe.train.num_anchors, key)
-        step_mod.drafter_loss(params, run.graphdef, inputs, run.head, run.target_params, K, run.objective)
+        inputs = step_mod.block_inputs(batch, run.frozen.params, run.spec, key)
+        step_mod.drafter_loss(params, inputs, run.frozen.head, run.spec)
         h, b = captured["hidden"], captured["blocks"]
-        lm = np.asarray(run.head.label_map)
+        lm = np.asarray(run.frozen.head.label_map)
         labels = lm[np.asarray(b.labels)]
         ids = lm[np.asarray(b.soft_ids)]
         probs = np.where(ids >= 0, np.asarray(b.soft_probs), 0.0) * (np.asarray(b.label_mask) > 0)[..., None]
         keep = (np.asarray(b.label_mask) > 0) & (labels >= 0) & (probs.sum(-1) > 0)
         h_T = jnp.asarray(np.asarray(h, np.float32)[keep])
-        args_T = (jax.lax.stop_gradient(run.head.matrix), jnp.asarray(labels[keep]),
+        args_T = (jax.lax.stop_gradient(run.frozen.head.matrix), jnp.asarray(labels[keep]),
                   jnp.asarray(np.maximum(ids[keep], 0)), jnp.asarray(probs[keep], jnp.float32))
 
         def term(x, m, args_T=args_T):  # rows are independent: the gradient of the sum is each row's own

@@ -1,9 +1,9 @@
-"""DFlash2's path selector trained on a fixed drafter, its two losses side by side (issue 34, item 2): held-out
-greedy τ of the serving walk with the selector's walk against the drafter's argmax drafts.
+"""DFlash2's path selector trained on a fixed drafter (issue 34, item 2): held-out greedy τ of the serving walk with
+the selector's walk against the drafter's argmax drafts.
 
     .venv/bin/python benchmarks/selector_fit.py --config smollm2 \
         --drafter data/assets/drafters/smollm2-dflash [--train-rows 96] [--eval-rows 32] [--steps 400] \
-        [--losses path,edge] [--rank 256] [--top-k 16] [--lr 3e-3] [--batch 512] [--save DIR] [--json F]
+        [--rank 256] [--top-k 16] [--lr 3e-3] [--batch 512] [--save DIR] [--json F]
 
 The selector's loss trains the selector only (`train.selector`: the backbone's hidden states and unary logits are
 held fixed), so a selector trained on top of a fixed drafter is what `drafter.selector` adds to it. Rows are the
@@ -11,10 +11,11 @@ recipe's training set (the target's own greedy answers): the first `--train-rows
 are held out. One target forward and one drafter forward per row (as `data.walk.teacher_hits`) give, at every
 answer position, the block's hidden states, its top-k unary candidates and the target's greedy labels; a fresh
 selector (`models.drafter.CandidateSelector`) is then fitted with Adam on blocks anchored at uniform answer
-positions, for each loss (`train.selector_loss`: `path`, the CRF over the top-k lattice, or `edge`, the
-per-slot cross-entropy given the label before it). τ is the teacher walk's (`data.walk.teacher_taus`' `walk`: the
-blocks greedy serving visits; equal to the engine's, tests/test_walk.py and tests/test_selector.py), from the
-same arrays for the argmax and each selector. Prints one screen; nothing is written unless --json.
+positions, on the selector's loss (`train.selector`: the per-slot cross-entropy given the label before it; D55's
+second loss, `path`, the CRF over the top-k lattice, is at git tag arch3-retired-options, docs/retired.md). τ is
+the teacher walk's (`data.walk.teacher_taus`' `walk`: the blocks greedy serving visits; equal to the engine's,
+tests/test_walk.py and tests/test_selector.py), from the same arrays for the argmax and the selector. Prints one
+screen; nothing is written unless --json.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ def main() -> None:
     parser.add_argument("--eval-rows", type=int, default=32)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--losses", default="path,edge")
     parser.add_argument("--rank", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -159,44 +159,43 @@ def main() -> None:
     print(json.dumps(result))
     gamma = default_gamma(k)
     sel_arch = dataclasses.replace(arch, selector_rank=args.rank, selector_top_k=c)
-    for kind in args.losses.split(","):
-        selector = CandidateSelector(sel_arch, jnp.float32, nnx.Rngs(args.seed))
-        graphdef, params = nnx.split(selector, nnx.Param)
-        opt = optax.adam(args.lr)
-        opt_state = opt.init(params)
+    kind = "edge"
+    selector = CandidateSelector(sel_arch, jnp.float32, nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(selector, nnx.Param)
+    opt = optax.adam(args.lr)
+    opt_state = opt.init(params)
 
-        @jax.jit
-        def update(params, opt_state, batch, kind=kind, graphdef=graphdef, opt=opt):
-            def loss_fn(p):
-                return lattice_loss(nnx.merge(graphdef, p), batch["hidden"], batch["cand"], batch["unary"],
-                                    batch["labels"], batch["label_logit"], batch["mask"], batch["anchor"], kind,
-                                    gamma)
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-            updates, opt_state = opt.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, metrics
+    @jax.jit
+    def update(params, opt_state, batch):
+        def loss_fn(p):
+            return lattice_loss(nnx.merge(graphdef, p), batch["hidden"], batch["cand"], batch["unary"],
+                                batch["labels"], batch["label_logit"], batch["mask"], batch["anchor"], gamma)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, metrics
 
-        rng = np.random.default_rng(args.seed)
-        history, t0 = [], time.perf_counter()
-        for step in range(1, args.steps + 1):
-            take = rng.integers(0, num_blocks, size=args.batch)
-            batch = {key: jnp.asarray(v[take]) for key, v in cat.items()}
-            params, opt_state, metrics = update(params, opt_state, batch)
-            if step % args.eval_every == 0 or step == args.steps:
-                fitted = nnx.merge(graphdef, params)
-                tau, _ = walk_tau(fitted, held)
-                tau_train, _ = walk_tau(fitted, train[:args.eval_rows])
-                history.append({"step": step, "loss": float(metrics["loss/selector"]),
-                                "tf_walk_tau_batch": float(metrics["selector/acceptance_length"]),
-                                "held_out_tau": tau, "train_tau": tau_train,
-                                "s_per_step": (time.perf_counter() - t0) / step})
-                print(json.dumps({kind: history[-1]}), flush=True)
-        result[kind] = history
-        if args.save:
-            two = DFlashDrafter(dataclasses.replace(sel_arch, variant="dflash2"), nnx.Rngs(0))
-            nnx.update(two, nnx.state(drafter, nnx.Param))
-            two.candidate_selector = nnx.merge(graphdef, params)
-            two.draft_vocab = drafter.draft_vocab
-            save_zlab(two, Path(args.save) / kind)
+    rng = np.random.default_rng(args.seed)
+    history, t0 = [], time.perf_counter()
+    for step in range(1, args.steps + 1):
+        take = rng.integers(0, num_blocks, size=args.batch)
+        batch = {key: jnp.asarray(v[take]) for key, v in cat.items()}
+        params, opt_state, metrics = update(params, opt_state, batch)
+        if step % args.eval_every == 0 or step == args.steps:
+            fitted = nnx.merge(graphdef, params)
+            tau, _ = walk_tau(fitted, held)
+            tau_train, _ = walk_tau(fitted, train[:args.eval_rows])
+            history.append({"step": step, "loss": float(metrics["loss/selector"]),
+                            "tf_walk_tau_batch": float(metrics["selector/acceptance_length"]),
+                            "held_out_tau": tau, "train_tau": tau_train,
+                            "s_per_step": (time.perf_counter() - t0) / step})
+            print(json.dumps({kind: history[-1]}), flush=True)
+    result[kind] = history
+    if args.save:
+        two = DFlashDrafter(dataclasses.replace(sel_arch, variant="dflash2"), nnx.Rngs(0))
+        nnx.update(two, nnx.state(drafter, nnx.Param))
+        two.candidate_selector = nnx.merge(graphdef, params)
+        two.draft_vocab = drafter.draft_vocab
+        save_zlab(two, Path(args.save) / kind)
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -18,6 +18,7 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import statistics
 import sys
@@ -41,7 +42,7 @@ def build(args: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, ...]]:
     from dflash.data.batch import TrainBatch
     from dflash.models.drafter import BlockVisibility, DFlashDrafter, drafter_logits
     from dflash.models.target import load_target
-    from dflash.train.loop import drafter_graphdef, make_objective
+    from dflash.train.loop import drafter_graphdef, step_spec
     from dflash.train.objective import dense_loss
     from dflash.train.step import block_inputs, cast_floats, drafter_loss, train_head
 
@@ -49,7 +50,8 @@ def build(args: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, ...]]:
                                      f"train.num_anchors={args.anchors}"])
     target = load_target(recipe.target)
     arch = target.drafter_arch(recipe.drafter)
-    objective = make_objective(recipe.train, arch)
+    spec = step_spec(recipe.train, arch, target.cfg)
+    objective = spec.objective
     params = nnx.state(DFlashDrafter(arch, nnx.Rngs(0)), nnx.Param)
     rng = np.random.default_rng(0)
     b, s, fd = args.batch_size, args.seq_len, arch.num_features * arch.hidden_size
@@ -60,7 +62,7 @@ def build(args: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, ...]]:
                        features=jnp.asarray(rng.normal(size=(b, s, fd)).astype(np.float32) * 0.5, jnp.bfloat16))
 
     def dense(p: Any, batch: Any, target_params: Any, dtype: Any) -> Any:
-        inputs = block_inputs(batch, target_params, target.cfg, arch, args.anchors, jax.random.key(1))
+        inputs = block_inputs(batch, target_params, spec, jax.random.key(1))
         blocks, embeds, feats = inputs.blocks, inputs.embeds_BxQxD, inputs.feats_BxSxFD
 
         def loss(p: Any) -> Any:
@@ -76,10 +78,10 @@ def build(args: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, ...]]:
         return jax.value_and_grad(loss)(p)
 
     def chunked(p: Any, batch: Any, target_params: Any, dtype: Any) -> Any:
-        inputs = block_inputs(batch, target_params, target.cfg, arch, args.anchors, jax.random.key(1))
+        inputs = block_inputs(batch, target_params, spec, jax.random.key(1))
         head = train_head(target_params, target.cfg)
-        return jax.value_and_grad(lambda p: drafter_loss(cast_floats(p, dtype), drafter_graphdef(arch, dtype), inputs,
-                                                         head, target_params, arch.block_size, objective)[0])(p)
+        at = dataclasses.replace(spec, graphdef=drafter_graphdef(arch, dtype), compute_dtype=dtype)
+        return jax.value_and_grad(lambda p: drafter_loss(cast_floats(p, dtype), inputs, head, at)[0])(p)
 
     variants = {}
     for name, fn, dtype in (("dense fp32", dense, jnp.float32), ("chunked fp32", chunked, jnp.float32),

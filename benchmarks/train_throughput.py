@@ -79,30 +79,26 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
             batch: Any) -> Row:
     """Build the state and the step for (K, N), compile, warm up, time; see the module docstring."""
     import jax
-    import jax.numpy as jnp
 
     from dflash.configs.recipe import load_recipe
-    from dflash.train.loop import create_state, drafter_graphdef, make_objective, make_train_optimizer
+    from dflash.train.loop import create_state, step_spec
     from dflash.train.objective import build_blocks_batch, head_loss, sample_anchors_batch
-    from dflash.train.step import make_train_step, train_head
+    from dflash.train.step import FrozenTarget, make_train_step, train_head
 
     recipe = load_recipe("default", [f"drafter.num_layers={args.layers}", f"drafter.block_size={k}",
                                      f"train.num_anchors={n}", f"train.batch_size={args.batch_size}",
                                      f"data.seq_len={args.seq_len}", f"train.compute_dtype={args.dtype}"])
     cfg = recipe.train
     arch = target.drafter_arch(recipe.drafter)
-    objective = make_objective(cfg, arch)
-    compute_dtype = jnp.dtype(cfg.compute_dtype)
-    optimizer = make_train_optimizer(cfg)
-    graphdef = drafter_graphdef(arch, compute_dtype)
-    state, shardings = create_state(cfg.seed, arch, optimizer, mesh)  # what `dflash train` does on a fresh run
+    spec = step_spec(cfg, arch, target.cfg)
+    objective, compute_dtype = spec.objective, spec.compute_dtype
+    state, shardings = create_state(cfg.seed, arch, spec.optimizer, mesh)  # what `dflash train` does on a fresh run
 
     # make_train_step's own jitted program, compiled once ahead of time so that the executable that is
     # timed is the one whose memory is analysed.
     frozen_head = train_head(target_params, target.cfg)
-    step = make_train_step(graphdef=graphdef, target_params=target_params, head=frozen_head, target_cfg=target.cfg,
-                           arch=arch, num_anchors=cfg.num_anchors, objective=objective, optimizer=optimizer,
-                           compute_dtype=compute_dtype, state_shardings=shardings)
+    frozen = FrozenTarget(params=target_params, head=frozen_head)
+    step = make_train_step(spec, frozen, state_shardings=shardings)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -111,7 +107,7 @@ def measure(k: int, n: int, args: argparse.Namespace, target: Any, target_params
     times, kept = [], 0.0
     for i in range(WARMUP + args.steps):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, batch, target_params, frozen_head)
+        state, metrics = compiled(state, batch, frozen)
         jax.block_until_ready((state, metrics))
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)

@@ -166,11 +166,6 @@ class TrainBatch:
         """This batch with `fn` applied to every array (e.g. a row slice)."""
         return jax.tree.map(fn, self)
 
-    @staticmethod
-    def concat(parts: list[TrainBatch]) -> TrainBatch:
-        """Batches of one layout stacked row-wise (host arrays)."""
-        return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
-
 
 def _leaves_like(batch: TrainBatch, like: TrainBatch) -> list[Any]:
     """The arrays of `batch` at the paths of `like`'s leaves (None where `batch` has no such part)."""

@@ -96,11 +96,6 @@ class DataConfig:
                  conversations end to end (each cut to seq_len), attending and labelled within its own only,
                  so a row of the batch is no longer one padded conversation (docs/decisions.md D32).
     max_examples: use at most this many training conversations (0 = all).
-    reference:   also train on this many further conversations of the `prompts` mix with their REFERENCE
-                 answers (drawn as `regenerate` draws, after its `max_prompts`, skipping any whose first user
-                 turn is already among the training conversations); 0 = none. With `labels: target` their
-                 labels are the target's own choices, so they teach what regenerated answers teach at the cost
-                 of a capture instead of a regeneration (docs/decisions.md D27).
     labels:      `text`: each block slot is labelled with the conversation's token there. `target` (offline
                  only): with the target's own greedy token there, stored by `dflash data capture` (the LM head
                  runs in the same forward), and only while the block's text agrees with the target's choices
@@ -134,7 +129,6 @@ class DataConfig:
     seq_len: int = 512
     pack: int = 0
     max_examples: int = 0
-    reference: int = 0
     labels: Literal["text", "target", "soft"] = "text"
     soft_topk: int = 8
     shuffle_seed: int = 0
@@ -160,7 +154,6 @@ class DataConfig:
         require(self.pack == 0 or self.features == "offline", "data.pack", self.pack,
                 "be 0 with data.features=online (packing reads the stored features of `dflash data capture`)")
         require(self.max_examples >= 0, "data.max_examples", self.max_examples, "be >= 0 (0 = all)")
-        require(self.reference >= 0, "data.reference", self.reference, "be >= 0 (0 = none)")
         require(self.labels == "text" or self.features == "offline", "data.labels", self.labels,
                 "be 'text' with data.features=online (the target's labels are stored by `dflash data capture`)")
         require(1 <= self.soft_topk <= 1024, "data.soft_topk", self.soft_topk, "lie in [1, 1024]")

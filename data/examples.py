@@ -4,7 +4,6 @@ evaluation all read them from here, so online and offline train on the same rows
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -16,7 +15,6 @@ from dflash.data.chat_tokens import tokenize_rows
 from dflash.data.config import DataConfig
 from dflash.data.packaged import PACKAGED_REGENERATED, load_gsm8k, packaged_regenerated_path
 from dflash.data.regenerate import read_regenerated
-from dflash.data.sources import mix, parse_mix
 
 log = logging.getLogger(__name__)
 
@@ -38,56 +36,15 @@ def training_conversations(cfg: DataConfig, limit: int | None = None) -> list[li
     return read_regenerated(path, limit=limit)
 
 
-def reference_conversations(cfg: DataConfig, exclude: list[list[dict[str, str]]]) -> list[list[dict[str, str]]]:
-    """`data.reference` conversations of the `prompts` mix with their reference answers: the mix drawn as
-    `regenerate` draws it (same seed and weights) at `max_prompts + reference`, cut to `regen.max_turns`,
-    without any whose first user turn is among `exclude`'s (the training conversations), first `reference`
-    of the rest. Raises when the mix holds fewer."""
-    if not cfg.reference:
-        return []
-    first_user = lambda conv: next((t["content"] for t in conv if t["role"] == "user"), None)
-    taken = {first_user(conv) for conv in exclude}
-    total = cfg.max_prompts + cfg.reference if cfg.max_prompts else 0
-    spec = dataclasses.replace(parse_mix(cfg.prompts), max_prompts=total, dedup=cfg.dedup, seed=cfg.seed,
-                               with_answers=True)
-    items, _ = mix(spec)
-    out = []
-    for item in items:
-        conv = _cut_turns(item["messages"], cfg.regen.max_turns)
-        if first_user(conv) in taken or not any(t["role"] == "assistant" for t in conv):
-            continue
-        out.append(conv)
-        if len(out) == cfg.reference:
-            return out
-    raise ValueError(f"data.reference={cfg.reference}: the prompt mix {cfg.prompts!r} holds only {len(out)} "
-                     "conversations with answers beyond the training ones; lower data.reference")
-
-
-def _cut_turns(conversation: list[dict[str, str]], max_turns: int) -> list[dict[str, str]]:
-    """The conversation up to and including its `max_turns`-th assistant turn (0: whole)."""
-    if not max_turns:
-        return conversation
-    out, answers = [], 0
-    for turn in conversation:
-        out.append(turn)
-        answers += turn["role"] == "assistant"
-        if answers == max_turns:
-            break
-    return out
-
-
 def build_examples(cfg: DataConfig, tokenizer: Any, split: str = "train",
                    limit: int | None = None) -> tuple[list[Example], str]:
-    """(examples, sha256 identifying them): `data.source`'s conversations, then `data.reference`'s (split
-    "train"), or GSM8K test
+    """(examples, sha256 identifying them): `data.source`'s conversations (split "train") or GSM8K test
     (split "test", the held-out set), tokenised to `data.seq_len` with the serving template variables
     (`data.regen.template_kwargs`): a row's prompt ids are the ids the engine is served."""
     limit = limit if limit is not None else (cfg.max_examples or None)
     if split == "train" and cfg.source in PACKAGED_REGENERATED:
         _check_packaged_tokenizer(cfg.source, tokenizer)
     conversations = training_conversations(cfg, limit) if split == "train" else load_gsm8k(split, limit=limit)
-    if split == "train" and cfg.reference:
-        conversations = conversations + reference_conversations(cfg, conversations)
     examples, skipped = tokenize_rows(tokenizer, conversations, cfg.seq_len,
                                       template_kwargs=cfg.regen.template_kwargs)
     if skipped:
@@ -127,4 +84,4 @@ def training_vocab(examples: list[Example], size: int, vocab_size: int, always: 
     return np.sort(order[:size]).astype(np.int32)
 
 
-__all__ = ["Example", "build_examples", "reference_conversations", "training_conversations", "training_vocab"]
+__all__ = ["Example", "build_examples", "training_conversations", "training_vocab"]

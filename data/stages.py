@@ -56,9 +56,9 @@ def run_regenerate(recipe: Recipe, *, target: Target | None = None,
 
 
 def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> CaptureReport:
-    """Store the target features of `data.source`'s rows (and `data.reference`'s; the drafter's layer ids,
-    seq_len) in data.dir/shards, with the target's next-token labels when `data.labels` is `target`; a
-    rerun resumes at the first unfinished shard."""
+    """Store the target features of `data.source`'s rows (the drafter's layer ids, seq_len) in data.dir/shards,
+    with the target's next-token labels when `data.labels` is `target`; a rerun resumes at the first unfinished
+    shard."""
     target = target if target is not None else load_target(recipe.target)
     arch = target.drafter_arch(recipe.drafter)
     examples, _ = build_examples(recipe.data, target.tokenizer)  # the trainer's rows

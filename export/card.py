@@ -142,10 +142,7 @@ def render_card(arch: DrafterArch, *, fmt: str, dtype: str, step: int | None, be
         f"| target layers (`target_layer_ids`) | {ids} of {arch.target_num_layers} |",
         f"| block size K | {k} ({k - 1} draft tokens per step) |",
         f"| mask token id | {arch.mask_token_id} |",
-        f"| parameters | {param_count:,} (no embedding, no LM head: the target's are used) |",
-        *([f"| Markov head | rank {arch.markov_rank}, in `markov_head/` (dflash-tpu's engine drafts slot by slot "
-           "through it; vLLM and SGLang load the drafter without it and propose from its base hidden states) |"]
-          if arch.markov_rank else []), "",
+        f"| parameters | {param_count:,} (no embedding, no LM head: the target's are used) |", "",
         "Layer id j is the output of target decoder layer j (0-based), i.e. Hugging Face `hidden_states[j+1]`"
         + (f"; the speculators config counts the same layers as `aux_hidden_state_layer_ids` "
            f"{[j + 1 for j in ids]} (index 0 = the embedding output)." if fmt == "speculators" else "."), "",

@@ -239,15 +239,15 @@ def _memory(name: str, compiled: Any, devices: int) -> ProgramMemory:
 def abstract_train_inputs(recipe: Any, mesh: Any) -> dict[str, Any]:
     """Everything the train step takes, abstract and sharded on `mesh`: target params (compute dtype,
     TARGET_RULES), the frozen head (the target's, or a training vocabulary's rows), the TrainState
-    (DRAFTER_RULES), one global batch (`TrainBatch.spec` of the recipe's layout); and the pieces
-    `make_train_step` needs."""
+    (DRAFTER_RULES), one global batch (`TrainBatch.spec` of the recipe's layout); and the step's static spec
+    (`spec`, `train.loop.step_spec`)."""
     import jax
     import jax.numpy as jnp
 
     from dflash.data.batch import TrainBatch, batch_layout
     from dflash.models.drafter import resolve_drafter
     from dflash.models.registry import abstract_target_params, known_target
-    from dflash.train.loop import drafter_graphdef, make_objective, make_train_optimizer, state_layout
+    from dflash.train.loop import state_layout, step_spec
     from dflash.train.objective import TrainHead
     from dflash.train.sharding import TARGET_RULES, batch_divisor, batch_sharding, head_rules, tree_shardings
     from dflash.train.step import train_head
@@ -272,15 +272,13 @@ def abstract_train_inputs(recipe: Any, mesh: Any) -> dict[str, Any]:
 
     target = with_shardings(target, tree_shardings(target, TARGET_RULES, mesh))
     head = with_shardings(head, tree_shardings(head, head_rules(head.vocab_major), mesh))
-    optimizer = make_train_optimizer(cfg)
-    state, state_shardings = state_layout(cfg.seed, arch, optimizer, mesh)
+    spec = step_spec(cfg, arch, known.cfg)
+    state, state_shardings = state_layout(cfg.seed, arch, spec.optimizer, mesh)
     state = with_shardings(state, state_shardings)
     layout = batch_layout(recipe.data, cfg.batch_size, arch.num_features * arch.hidden_size)
     batch = TrainBatch.spec(layout, lambda ndim: batch_sharding(mesh, ndim))
     return {"known": known, "arch": arch, "target": target, "head": head, "state": state,
-            "state_shardings": state_shardings, "batch": batch, "optimizer": optimizer,
-            "graphdef": drafter_graphdef(arch, compute), "objective": make_objective(cfg, arch),
-            "compute_dtype": compute}
+            "state_shardings": state_shardings, "batch": batch, "spec": spec}
 
 
 def jaxpr_flops(jaxpr: Any) -> float:
@@ -314,27 +312,21 @@ def train_step_flops(recipe: Any, ins: dict[str, Any]) -> float:
 
     import jax
 
-    from dflash.train.loop import walk_count
-    from dflash.train.step import train_step
+    from dflash.train.step import FrozenTarget, train_step
 
-    body = partial(train_step, graphdef=ins["graphdef"], target_cfg=ins["known"].cfg, arch=ins["arch"],
-                   num_anchors=recipe.train.num_anchors, objective=ins["objective"], optimizer=ins["optimizer"],
-                   compute_dtype=ins["compute_dtype"], walk_count=walk_count(recipe.train))
+    body = partial(train_step, spec=ins["spec"])
     bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        (ins["state"], ins["batch"], ins["target"], ins["head"]))
+                        (ins["state"], ins["batch"], FrozenTarget(params=ins["target"], head=ins["head"])))
     return jaxpr_flops(jax.make_jaxpr(body)(*bare).jaxpr)  # global shapes: the whole batch's FLOPs
 
 
 def compile_train_step(recipe: Any, mesh: Any) -> tuple[ProgramMemory, dict[str, Any]]:
     """(the train step's memory and FLOPs per chip, its abstract inputs) for `recipe` on `mesh`."""
-    from dflash.train.loop import walk_count
-    from dflash.train.step import make_train_step
+    from dflash.train.step import FrozenTarget, make_train_step
 
     ins = abstract_train_inputs(recipe, mesh)
-    step = make_train_step(graphdef=ins["graphdef"], target_params=ins["target"], head=ins["head"],
-                           target_cfg=ins["known"].cfg, arch=ins["arch"], num_anchors=recipe.train.num_anchors,
-                           objective=ins["objective"], optimizer=ins["optimizer"], compute_dtype=ins["compute_dtype"],
-                           state_shardings=ins["state_shardings"], walk_count=walk_count(recipe.train))
+    step = make_train_step(ins["spec"], FrozenTarget(params=ins["target"], head=ins["head"]),
+                           state_shardings=ins["state_shardings"])
     lowered = step.lower(ins["state"], ins["batch"])
     args = (ins["state"], ins["batch"], ins["target"], ins["head"])
     return _compile("train_step", lowered, mesh.devices.size, args), ins

@@ -102,10 +102,6 @@ class DrafterConfig:
     block_size: K, tokens per block (1 anchor + K-1 masks, K-1 draft tokens).
     mask_token_id: the MASK id inside the target's vocab; -1 = resolved from the target's default.
     num_heads / num_kv_heads / head_dim / intermediate_size: 0 = follow the target.
-    markov_rank: width r of the Markov head (0 = none, plain DFlash): a small SwiGLU that adds to each block
-      position's hidden state a function of the previous token of the block (the anchor, then the token drafted
-      before it) and of the position's own hidden state, so slot k's proposal depends on slot k-1's
-      (`models.drafter.MarkovHead`; DSpark's semi-autoregressive head, docs/decisions.md D34).
     layer_types: per drafter layer `full_attention` or `sliding_attention`; () = all full. A sliding layer's
       block sees only the last `sliding_window` context positions before its anchor (and its own block), in
       training and in the engine, whose draft cache keeps only a window's worth of K/V per slot for it.
@@ -132,7 +128,6 @@ class DrafterConfig:
     num_kv_heads: int = 0
     head_dim: int = 0
     intermediate_size: int = 0
-    markov_rank: int = 0
     layer_types: tuple[LayerType, ...] = ()
     sliding_window: int = 0
     variant: Variant = "dflash"
@@ -148,12 +143,8 @@ class DrafterConfig:
         require(self.variant in ("dflash", "dflash2"), "drafter.variant", self.variant, "be 'dflash' or 'dflash2'")
         require(self.conv_kernel_size >= 1, "drafter.conv_kernel_size", self.conv_kernel_size, "be >= 1")
         require(self.conv_group_size >= 1, "drafter.conv_group_size", self.conv_group_size, "be >= 1")
-        require(self.markov_rank >= 0, "drafter.markov_rank", self.markov_rank, "be >= 0 (0 = no Markov head)")
         require(not self.selector or self.variant == "dflash2", "drafter.selector", self.selector,
                 "be false unless drafter.variant is dflash2 (the path selector is DFlash2's)")
-        require(not self.selector or self.markov_rank == 0, "drafter.selector", self.selector,
-                f"be false with a Markov head (drafter.markov_rank={self.markov_rank}): both condition a slot on "
-                "the token before it; use one")
         require(self.selector_rank >= 1, "drafter.selector_rank", self.selector_rank, "be >= 1")
         require(self.selector_top_k >= 1, "drafter.selector_top_k", self.selector_top_k, "be >= 1")
         require(self.num_layers >= 1, "drafter.num_layers", self.num_layers, "be at least 1")

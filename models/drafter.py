@@ -74,7 +74,6 @@ class DrafterArch:
     target_family: str
     target_vocab_size: int
     target_num_layers: int
-    markov_rank: int = 0
     layer_types: tuple[str, ...] = ()  # () = every layer full_attention (the canonical form of that case)
     sliding_window: int = 0
     variant: str = "dflash"
@@ -110,6 +109,21 @@ class DrafterArch:
             rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             max_position_embeddings=self.max_position_embeddings, qk_norm=True,
         )
+
+
+# Architecture fields that left the code (docs/retired.md), each with the value that meant "off". A record written
+# before (a checkpoint's meta) may hold them: at that value the field is read as absent, at any other refused.
+RETIRED_ARCH_FIELDS: dict[str, Any] = {"markov_rank": 0}
+
+
+def without_retired(fields: dict[str, Any], where: str) -> dict[str, Any]:
+    """`fields` (a recorded DrafterArch, JSON values) without the retired fields at their off value; ValueError
+    naming a retired option that is on (such a drafter needs the code at git tag arch3-retired-options)."""
+    on = {k: fields[k] for k, off in RETIRED_ARCH_FIELDS.items() if fields.get(k, off) != off}
+    if on:
+        raise ValueError(f"{where} holds a drafter with {on}, an option retired from this trainer (docs/retired.md); "
+                         "load it with the code at git tag arch3-retired-options")
+    return {k: v for k, v in fields.items() if k not in RETIRED_ARCH_FIELDS}
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -184,7 +198,7 @@ def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: in
         intermediate_size=cfg.intermediate_size or target.intermediate_size,
         rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
         max_position_embeddings=target.max_position_embeddings, target_family=target.family,
-        target_vocab_size=target.vocab_size, target_num_layers=target.num_layers, markov_rank=cfg.markov_rank,
+        target_vocab_size=target.vocab_size, target_num_layers=target.num_layers,
         layer_types=tuple(cfg.layer_types) if "sliding_attention" in cfg.layer_types else (),
         sliding_window=cfg.sliding_window, variant=cfg.variant,
         conv_kernel_size=cfg.conv_kernel_size if cfg.variant == "dflash2" and cfg.conv else 0,
@@ -435,35 +449,6 @@ class BlockConv(nnx.Module):
         return jax.checkpoint(conv)(x_BxQxD, dyn_BxQxTxG, base_TxD)
 
 
-class MarkovHead(nnx.Module):
-    """The semi-autoregressive head (`drafter.markov_rank` = r > 0; DSpark's idea, docs/decisions.md D34).
-
-    A DFlash block predicts its K-1 positions in parallel, so slot k never sees which token slot k-1 proposed
-    and two plausible continuations can be mixed ("of problem" for "of course"). This head adds to slot k's
-    normed hidden state h_k a SwiGLU of [norm(e_prev), h_k], where e_prev is the target's embedding of the
-    block's previous token (the anchor for slot 1, the token drafted at slot k-1 after it):
-
-        h'_k = h_k + down(silu(gate(x)) * up(x)),   x = [markov_norm(e_prev) | h_k]   (gate, up: 2D -> r)
-
-    `down` starts at zero, so a new head is plain DFlash. Training feeds the previous slot's label (teacher
-    forcing, exact for greedy acceptance: a slot only counts when every slot before it was right); the
-    engine drafts the K-1 slots one after another through this head only (`serve.speculative.propose`),
-    the drafter's layers still run once per block.
-    """
-
-    def __init__(self, arch: DrafterArch, dtype: Any, rngs: nnx.Rngs):
-        d, r = arch.hidden_size, arch.markov_rank
-        self.markov_norm = RMSNorm(d, arch.rms_norm_eps)
-        self.gate_proj = _linear(2 * d, r, dtype, rngs)
-        self.up_proj = _linear(2 * d, r, dtype, rngs)
-        self.down_proj = _linear(r, d, dtype, rngs)
-        self.down_proj.kernel.set_value(jnp.zeros_like(self.down_proj.kernel.get_value()))
-
-    def __call__(self, hidden_xD: jax.Array, prev_embeds_xD: jax.Array) -> jax.Array:
-        x = jnp.concatenate([self.markov_norm(prev_embeds_xD.astype(hidden_xD.dtype)), hidden_xD], axis=-1)
-        return hidden_xD + self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class CandidateSelector(nnx.Module):
     """DFlash2's low-rank path selector (`drafter.selector`; rank r = `arch.selector_rank`, top-k k =
     `arch.selector_top_k`), tensor names and shapes of the public layout (`candidate_selector.*`).
@@ -554,8 +539,6 @@ class DFlashDrafter(nnx.Module):
     - after the last layer `norm`;
     - with `arch.conv_kernel_size` > 0 (`drafter.variant: dflash2`), DFlash2's `BlockConv` around each layer's
       attention and MLP, local to each block;
-    - with `arch.markov_rank` > 0, a `MarkovHead` (`markov`) on the normed output: slot k's hidden state also
-      sees the block's previous token (`with_previous`);
     - with `arch.selector_rank` > 0 (`drafter.selector`, DFlash2), a `CandidateSelector` (`candidate_selector`)
       that walks each block's top-k candidates instead of taking each slot's argmax.
 
@@ -572,7 +555,6 @@ class DFlashDrafter(nnx.Module):
         self.hidden_norm = RMSNorm(d, arch.rms_norm_eps)
         self.layers = nnx.List([DrafterLayer(arch, dtype, rngs) for _ in range(arch.num_layers)])
         self.norm = RMSNorm(d, arch.rms_norm_eps)
-        self.markov = MarkovHead(arch, dtype, rngs) if arch.markov_rank else None
         self.candidate_selector = CandidateSelector(arch, dtype, rngs) if arch.selector_rank else None
         self.draft_vocab: DraftVocab | None = None  # set by the loaders for a drafter trained on a head vocabulary
 
@@ -637,11 +619,6 @@ class DFlashDrafter(nnx.Module):
         fused = self.fuse(ctx_feats_BxSxFD)
         return self.blocks(block_embeds_BxQxD, block_pos_BxQ, self.context_kv(fused, ctx_pos_BxS), visible)
 
-    def with_previous(self, hidden_xD: jax.Array, prev_embeds_xD: jax.Array) -> jax.Array:
-        """The hidden states the LM head reads: `hidden` itself without a Markov head, else `markov(hidden,
-        prev)` with prev_embeds the target's embeddings of each slot's previous token."""
-        return hidden_xD if self.markov is None else self.markov(hidden_xD, prev_embeds_xD)
-
     def draft_block(self, block_embeds_BxKxD: jax.Array, block_pos_BxK: jax.Array, ctx_kv: list[KV],
                     ctx_valid_BxS: jax.Array | Sequence[jax.Array]) -> jax.Array:
         """Inference forward of one block per sequence; returns normed hidden [B, K, D].
@@ -653,57 +630,6 @@ class DFlashDrafter(nnx.Module):
         masks = ctx_valid_BxS if isinstance(ctx_valid_BxS, list | tuple) else [ctx_valid_BxS] * len(self.layers)
         visible = [BlockVisibility(jnp.asarray(m).astype(bool)[:, None, :]) for m in masks]
         return self.blocks(block_embeds_BxKxD, block_pos_BxK, ctx_kv, visible)
-
-
-# ----------------------------------------------------------------------------- init from the target
-
-
-def target_init_layers(arch: DrafterArch) -> tuple[int, ...]:
-    """The target layers whose weights start the drafter's layers under `train.layer_init=target`: the
-    `num_layers` layers right after the deepest captured feature layer (the one `fc` starts out selecting),
-    moved down so that they fit inside the target."""
-    start = min(max(arch.layer_ids) + 1, arch.target_num_layers - arch.num_layers)
-    return tuple(range(start, start + arch.num_layers))
-
-
-def init_from_target(drafter: DFlashDrafter, target_params: Params, target_cfg: DecoderConfig) -> None:
-    """Start `drafter` (in place) from the target's own upper layers instead of a random init.
-
-    - layer i copies target layer `target_init_layers(arch)[i]`: its attention and MLP kernels and both
-      norms (q/k norms too when the target has them; otherwise they stay ones; qkv biases are dropped);
-    - `fc` starts as the identity on the deepest captured feature (the other features' blocks zero), and
-      `hidden_norm` as the first copied layer's input norm, so each copied layer's context K/V start as its
-      own K/V of the target's residual stream at that depth;
-    - the final `norm` is the target's final norm (the drafter's output meets the target's LM head as the
-      target's last hidden state does).
-
-    The widths must match the target's (drafter.num_heads etc. left at 0 = follow the target)."""
-    arch = drafter.arch
-    differ = [f"{name}: drafter {mine} vs target {theirs}" for name, mine, theirs in (
-        ("num_heads", arch.num_heads, target_cfg.num_heads),
-        ("num_kv_heads", arch.num_kv_heads, target_cfg.num_kv_heads), ("head_dim", arch.head_dim, target_cfg.head_dim),
-        ("intermediate_size", arch.intermediate_size, target_cfg.intermediate_size)) if mine != theirs]
-    require(not differ, "train.layer_init", "target", "be used with the target's own widths (" + "; ".join(differ)
-            + "): leave drafter.num_heads / num_kv_heads / head_dim / intermediate_size at 0")
-    layers = target_params["layers"]
-    copy = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
-            "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
-    sources = target_init_layers(arch)
-    for layer, src in zip(drafter.layers, sources, strict=True):
-        for path, name in copy.items():
-            module = layer
-            for part in path.split("."):
-                module = getattr(module, part)
-            module.kernel[...] = jnp.asarray(layers[name][src], jnp.float32)
-        layer.input_layernorm.weight[...] = jnp.asarray(layers["attn_norm"][src], jnp.float32)
-        layer.post_attention_layernorm.weight[...] = jnp.asarray(layers["mlp_norm"][src], jnp.float32)
-        if target_cfg.qk_norm:
-            layer.self_attn.q_norm.weight[...] = jnp.asarray(layers["q_norm"][src], jnp.float32)
-            layer.self_attn.k_norm.weight[...] = jnp.asarray(layers["k_norm"][src], jnp.float32)
-    d, f = arch.hidden_size, arch.num_features
-    drafter.fc.kernel[...] = jnp.zeros((f * d, d), jnp.float32).at[(f - 1) * d:].set(jnp.eye(d, dtype=jnp.float32))
-    drafter.hidden_norm.weight[...] = jnp.asarray(layers["attn_norm"][sources[0]], jnp.float32)
-    drafter.norm.weight[...] = jnp.asarray(target_params["final_norm"], jnp.float32)
 
 
 # ----------------------------------------------------------------------------- inputs and outputs

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from dflash.models.config import DecoderConfig, RopeScaling
-from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, check_fits_target
+from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, check_fits_target, without_retired
 from dflash.models.speculators import is_speculators, load_speculators
 from dflash.models.zlab import load_zlab, read_config, read_zlab
 
@@ -71,9 +71,13 @@ def read_raw(manager: ocp.CheckpointManager, directory: Path, step: int) -> tupl
     return restored["state"], dict(restored["data"]), meta
 
 
-def arch_from_meta(fields: dict[str, Any]) -> DrafterArch:
-    """The DrafterArch recorded in a checkpoint's meta (`meta["arch"]`, JSON values)."""
-    fields = dict(fields)
+def arch_from_meta(fields: dict[str, Any], where: str = "the checkpoint") -> DrafterArch:
+    """The DrafterArch recorded in a checkpoint's meta (`meta["arch"]`, JSON values); a field retired since it was
+    written (`RETIRED_ARCH_FIELDS`) is dropped when off, and refused (CheckpointError) when on."""
+    try:
+        fields = without_retired(dict(fields), where)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
     fields["layer_ids"] = tuple(fields["layer_ids"])
     fields["layer_types"] = tuple(fields.get("layer_types", ()))
     if fields.get("rope_scaling") is not None:
@@ -105,7 +109,7 @@ def _read_checkpoint(path: Path, step: int | None) -> tuple[DFlashDrafter, int, 
     if "arch" not in meta:
         raise CheckpointError(f"checkpoint {directory / str(step)} records no drafter architecture (meta has no "
                               "'arch'); it was not written by `dflash train`")
-    arch = arch_from_meta(meta["arch"])
+    arch = arch_from_meta(meta["arch"], f"checkpoint {directory / str(step)}")
     drafter = DFlashDrafter(arch, nnx.Rngs(0))
     flat = []
     for keys, variable in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):

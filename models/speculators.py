@@ -42,10 +42,10 @@ from dflash.models.zlab import (
     hf_tensors,
     qwen3_fields,
     read_config,
+    read_tensors,
+    refuse_retired,
     with_dflash2,
-    with_markov,
     with_selector,
-    write_markov,
 )
 
 MODEL_TYPE = "dflash"
@@ -106,7 +106,7 @@ def save_speculators(drafter: DFlashDrafter, directory: str | Path, verifier: st
     """Write `config.json` and `model.safetensors` (`dtype`) of `drafter` into `directory`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = write_markov(hf_tensors(drafter, dtype), directory)
+    tensors = hf_tensors(drafter, dtype)
     config = speculators_config(drafter.arch, verifier, verifier_architectures, dtype)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -167,8 +167,9 @@ def load_speculators(directory: str | Path, target_cfg: DecoderConfig,
     """A drafter from a speculators layout directory, checked against `target_cfg` (and `expect`)."""
     directory = Path(directory).expanduser()
     config = read_config(directory)
-    arch, tensors = with_markov(arch_from_speculators(config, str(directory / "config.json"), target_cfg.family,
-                                                      target_cfg.num_layers), directory)
+    refuse_retired(directory)
+    arch = arch_from_speculators(config, str(directory / "config.json"), target_cfg.family, target_cfg.num_layers)
+    tensors = read_tensors(directory)
     arch, skip = with_selector(arch, config, tensors, str(directory))
     check_import(arch, target_cfg, str(directory), expect)
     drafter = drafter_from_tensors(arch, tensors, str(directory), ignored=VERIFIER_FILLED | skip)

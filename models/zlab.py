@@ -14,9 +14,7 @@ Layer ids: id j is the output of target decoder layer j (0-based), which Hugging
 `hidden_states[L]` is taken after the final norm, our feature j = L-1 before it (`check_exportable_ids`).
 
 Tensors: the names of `models.drafter.hf_tensor_names`, PyTorch [out, in], no `model.` prefix, no
-embedding, no LM head; float32 or bfloat16. A drafter with a Markov head (`drafter.markov_rank`) keeps the
-head's `markov.*` tensors in a side directory, `markov_head/model.safetensors` (`MARKOV_DIR`), where loaders
-that glob the top directory's `*.safetensors` never see them; those loaders run the drafter without it.
+embedding, no LM head; float32 or bfloat16.
 """
 
 from __future__ import annotations
@@ -184,48 +182,23 @@ def hf_tensors(drafter: DFlashDrafter, dtype: str = "float32") -> dict[str, np.n
             for name, value in tensors.items()}
 
 
-MARKOV_DIR = "markov_head"
-MARKOV_PREFIX = "markov."
+RETIRED_MARKOV_DIR = "markov_head"  # where our retired Markov head was exported (docs/retired.md)
 
 
-def _markov_file(directory: Path) -> Path:
-    return directory / MARKOV_DIR / "model.safetensors"
-
-
-def write_markov(tensors: dict[str, np.ndarray], directory: Path) -> dict[str, np.ndarray]:
-    """Move the Markov head's tensors (`markov.*`) of `tensors` into `directory/markov_head/model.safetensors`
-    (removing a stale one when there are none); returns the others, for the layout's own weights file."""
-    markov = {name: value for name, value in tensors.items() if name.startswith(MARKOV_PREFIX)}
-    side = _markov_file(directory)
-    if markov:
-        side.parent.mkdir(parents=True, exist_ok=True)
-        save_file(markov, str(side), metadata={"format": "pt"})
-    elif side.is_file():
-        side.unlink()
-    return {name: value for name, value in tensors.items() if name not in markov}
-
-
-def with_markov(arch: DrafterArch, directory: Path) -> tuple[DrafterArch, dict[str, np.ndarray]]:
-    """(`arch`, every tensor of the layout in `directory`), with the Markov head's rank and tensors added when
-    it holds `markov_head/` (the rank is the height of `markov.gate_proj.weight` [r, 2 * hidden])."""
-    side = _markov_file(directory)
-    if not side.is_file():
-        return arch, read_tensors(directory)
-    tensors = load_file(str(side))
-    gate = tensors.get(MARKOV_PREFIX + "gate_proj.weight")
-    if gate is None or gate.ndim != 2 or gate.shape[1] != 2 * arch.hidden_size:
-        raise WeightsError(f"{side}: a Markov head must hold {MARKOV_PREFIX}gate_proj.weight of shape "
-                           f"[rank, {2 * arch.hidden_size}]; received "
-                           f"{None if gate is None else tuple(gate.shape)}")
-    return dataclasses.replace(arch, markov_rank=int(gate.shape[0])), {**read_tensors(directory), **tensors}
+def refuse_retired(directory: Path) -> None:
+    """WeightsError when `directory` holds an export of a retired option (a `markov_head/` beside the layout):
+    this trainer would load it without the head it was trained with."""
+    if (directory / RETIRED_MARKOV_DIR).exists():
+        raise WeightsError(f"{directory} holds a Markov head ({RETIRED_MARKOV_DIR}/), an option retired from this "
+                           "trainer (docs/retired.md): load it with the code at git tag arch3-retired-options, or "
+                           f"remove {RETIRED_MARKOV_DIR}/ to use the drafter without its head")
 
 
 def save_zlab(drafter: DFlashDrafter, directory: str | Path, dtype: str = "float32") -> Path:
-    """Write `config.json` and `model.safetensors` (`dtype`: float32 or bfloat16) of `drafter` into `directory`
-    (and `markov_head/` for a drafter with a Markov head)."""
+    """Write `config.json` and `model.safetensors` (`dtype`: float32 or bfloat16) of `drafter` into `directory`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = write_markov(hf_tensors(drafter, dtype), directory)
+    tensors = hf_tensors(drafter, dtype)
     (directory / "config.json").write_text(json.dumps(zlab_config(drafter.arch, dtype), indent=2) + "\n")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if drafter.draft_vocab is not None:  # our side file: loaders that do not know it propose over the full head
@@ -432,7 +405,8 @@ def read_zlab(directory: str | Path, target_family: str = "qwen3") -> DFlashDraf
     """The drafter of a z-lab layout directory, unchecked against any target (see `load_zlab`)."""
     directory = Path(directory).expanduser()
     config = read_config(directory)
-    arch, tensors = with_markov(arch_from_zlab(config, str(directory / "config.json"), target_family), directory)
+    refuse_retired(directory)
+    arch, tensors = arch_from_zlab(config, str(directory / "config.json"), target_family), read_tensors(directory)
     arch, skip = with_selector(arch, {**config, **(config.get("dflash_config") or {})}, tensors, str(directory))
     drafter = drafter_from_tensors(arch, tensors, str(directory), skip)
     drafter.draft_vocab = DraftVocab.read(directory)
@@ -475,7 +449,8 @@ def load_zlab(directory: str | Path, target_cfg: DecoderConfig, expect: DrafterA
     named in one error)."""
     directory = Path(directory).expanduser()
     config = read_config(directory)
-    arch, tensors = with_markov(arch_from_zlab(config, str(directory / "config.json"), target_cfg.family), directory)
+    refuse_retired(directory)
+    arch, tensors = arch_from_zlab(config, str(directory / "config.json"), target_cfg.family), read_tensors(directory)
     arch, skip = with_selector(arch, {**config, **(config.get("dflash_config") or {})}, tensors, str(directory))
     check_import(arch, target_cfg, str(directory), expect)
     drafter = drafter_from_tensors(arch, tensors, str(directory), skip)
@@ -483,8 +458,8 @@ def load_zlab(directory: str | Path, target_cfg: DecoderConfig, expect: DrafterA
     return drafter
 
 
-__all__ = ["ARCHITECTURE", "ARCHITECTURE2", "AUTO_MAP", "AUTO_MAP2", "DTYPES", "MARKOV_DIR", "MODELING_FILE",
+__all__ = ["ARCHITECTURE", "ARCHITECTURE2", "AUTO_MAP", "AUTO_MAP2", "DTYPES", "MODELING_FILE", "RETIRED_MARKOV_DIR",
            "SELECTOR_RANK", "SELECTOR_TOP_K", "arch_from_zlab", "check_exportable_ids", "check_import", "decoder_arch",
            "dflash2_extra_tensors", "dflash2_fields", "drafter_from_tensors", "hf_rope", "hf_tensors", "json_float",
-           "load_zlab", "qwen3_fields", "read_config", "read_tensors", "read_zlab", "save_zlab",
-           "sliding_layers", "with_dflash2", "with_markov", "with_selector", "write_markov", "zlab_config"]
+           "load_zlab", "qwen3_fields", "read_config", "read_tensors", "read_zlab", "refuse_retired", "save_zlab",
+           "sliding_layers", "with_dflash2", "with_selector", "zlab_config"]

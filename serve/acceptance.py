@@ -157,7 +157,7 @@ def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: 
     """(next_ids int32 [S], hits bool [S, K-1]) of one row: next_ids[p] the target's greedy token after
     tokens[:p+1]; hits[a, k-1] whether the drafter's argmax at slot k of a block anchored at a (ids [x_a, MASK..],
     context the target features at positions < a, as the engine proposes it) equals the target's greedy token
-    at a + k, i.e. next_ids[a + k - 1]. With a Markov head or DFlash2's path selector, slot k reads the target's
+    at a + k, i.e. next_ids[a + k - 1]. With DFlash2's path selector, slot k reads the target's
     token at a + k - 1 (what the engine's drafted token there is whenever the chain has reached slot k). The
     head runs `chunk` rows at a time
     over the draft vocabulary's rows or the full head, as `speculative.propose` does.
@@ -176,10 +176,6 @@ def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: 
         next_S = jnp.concatenate([tokens_1xS[0, 1:], jnp.full((1,), -1, tokens_1xS.dtype)]).astype(jnp.int32)
     pos_SxK = jnp.arange(s, dtype=jnp.int32)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     hidden_TxD = block_hidden(models, tokens_1xS, feats_1xSxFD, k).reshape(s * (k - 1), -1)
-    if drafter.markov is not None:
-        prev_SxKm1 = jnp.concatenate([tokens_1xS[0][:, None], next_S[jnp.clip(pos_SxK[:, 1:-1] - 1, 0, s - 1)]],
-                                     axis=1)
-        hidden_TxD = drafter.with_previous(hidden_TxD, embed(models.target_params, prev_SxKm1.reshape(-1)))
     t = hidden_TxD.shape[0]
     c = min(chunk, t)
     pad = -(-t // c) * c - t

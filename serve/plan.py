@@ -150,12 +150,9 @@ class Chain(Plan):
 
     def check(self, drafter: DFlashDrafter | None) -> None:
         super().check(drafter)
-        if self.rule == "sample":
-            fixed = "a Markov head" if drafter.markov is not None else \
-                "a path selector" if drafter.candidate_selector is not None else None
-            _require(fixed is None, "draft_rule", self.rule,
-                     f"be argmax for a drafter with {fixed} (sample draws each slot from the drafter's independent "
-                     "per-slot distributions)")
+        _require(self.rule == "argmax" or drafter.candidate_selector is None, "draft_rule", self.rule,
+                 "be argmax for a drafter with DFlash2's path selector (sample draws each slot from the drafter's "
+                 "independent per-slot distributions)")
 
     def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn) -> StepOut:
         if self.drafts is not None:
@@ -204,6 +201,12 @@ class Tree(Plan):
     @property
     def loops(self) -> bool:
         return self.ranked is None
+
+    def check(self, drafter: DFlashDrafter | None) -> None:
+        super().check(drafter)
+        _require(drafter.candidate_selector is None, "tree_nodes", self.nodes,
+                 "be 0 (the chain) for a drafter with DFlash2's path selector: its drafts depend on the token chosen "
+                 "before them, so the block's positions cannot branch independently")
 
     def shape(self, slots: int, pages: int) -> tuple[Any, ...]:
         return (self.kernel, slots, self.k, self.nodes, pages)

@@ -357,21 +357,11 @@ def propose(models: Models, state: SpecState, block_size: int, span: int | None 
     positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     ctx_kv, ctx_valid = state.draft.visible(state.lengths, span)
     hidden = drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
-    if sample:
-        if drafter.candidate_selector is not None or drafter.markov is not None:
-            raise ValueError("sampled drafts need the drafter's independent per-slot distributions; a Markov-head or "
-                             "path-selector drafter drafts with argmax only (draft_rule 'argmax')")
+    if sample:  # a path-selector drafter is refused by the plan (`plan.Chain.check`)
         return sampled_drafts(models, hidden[:, 1:], state)
     if drafter.candidate_selector is not None:
         return selector_drafts(models, drafter, hidden[:, 1:], state.pending)
-    if drafter.markov is None:
-        return argmax_drafts(models, hidden[:, 1:])
-    drafts, prev = [], state.pending
-    for slot in range(1, k):  # the Markov head: slot k reads the token drafted at k-1 (the anchor for slot 1)
-        h = drafter.with_previous(hidden[:, slot:slot + 1], embed(models.target_params, prev[:, None]))
-        prev = argmax_drafts(models, h)[:, 0]
-        drafts.append(prev)
-    return jnp.stack(drafts, axis=1)
+    return argmax_drafts(models, hidden[:, 1:])
 
 
 def sampled_drafts(models: Models, hidden_BxTxD: jax.Array, state: SpecState) -> tuple[jax.Array, DraftLaw]:

@@ -74,15 +74,9 @@ def propose_topk(models: Models, state: SpecState, block_size: int, m: int,
                  span: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The drafter's M most likely tokens at block positions 1 .. K-1 and their log-probabilities, most likely
     first: (ids [B, K-1, M] int32, logp [B, K-1, M] fp32), from one forward over [pending, MASK x (K-1)] (as
-    `speculative.propose`; a draft vocabulary ranks only its rows). A Markov-head or path-selector drafter is
-    refused (its positions are not independent)."""
+    `speculative.propose`; a draft vocabulary ranks only its rows). A path-selector drafter, whose positions are
+    not independent, is refused by the plan (`plan.Tree.check`)."""
     drafter = models.drafter()
-    if drafter.markov is not None:
-        raise ValueError("tree drafting needs a drafter without a Markov head (drafter.markov_rank = 0); its "
-                         "block positions depend on the token drafted before them")
-    if drafter.candidate_selector is not None:
-        raise ValueError("tree drafting needs a drafter without DFlash2's path selector (drafter.selector off); its "
-                         "drafts depend on the token chosen before them")
     k = block_size
     ids = block_token_ids(state.pending, k, drafter.arch.mask_token_id)
     positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]

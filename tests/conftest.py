@@ -144,7 +144,7 @@ _LONGEST_FIRST = ("test_eval.py", "test_train_resume.py", "test_engine.py", "tes
                   "test_sliding_window.py", "test_engine_pages.py", "test_dflash2.py", "test_server_compat.py",
                   "test_train_step.py", "test_walk.py", "test_data_regenerate.py", "test_server.py", "test_trainer.py",
                   "test_selector.py", "test_objective.py", "test_export.py", "test_decoder_cache.py", "test_drafter.py",
-                  "test_shipped_drafter.py", "test_server_fuzz.py", "test_markov_head.py", "test_multihost.py")
+                  "test_shipped_drafter.py", "test_server_fuzz.py", "test_multihost.py")
 
 
 def pytest_collection_modifyitems(config, items):

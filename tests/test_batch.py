@@ -102,19 +102,20 @@ def test_the_train_step_refuses_a_batch_of_another_width_while_tracing(golden_di
     from dflash.models.loading import load_hf_dir
     from dflash.train.loop import drafter_graphdef, fresh_state
     from dflash.train.objective import Objective
-    from dflash.train.step import make_optimizer, train_head, train_step
+    from dflash.train.step import FrozenTarget, StepSpec, make_optimizer, train_head, train_step
 
     cfg, params = load_hf_dir(golden_dir / "tiny" / "qwen3_untied")
     arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(1, 3), block_size=4), cfg,
                            mask_token_id=255)
     optimizer = make_optimizer(1e-3, total_steps=4)
     state = jax.eval_shape(functools.partial(fresh_state, 0, arch, optimizer))
-    step = functools.partial(train_step, graphdef=drafter_graphdef(arch), target_cfg=cfg, arch=arch, num_anchors=4,
-                             objective=Objective(), optimizer=optimizer)
+    step = functools.partial(train_step, spec=StepSpec(graphdef=drafter_graphdef(arch), target_cfg=cfg, arch=arch,
+                                                       num_anchors=4, objective=Objective(), optimizer=optimizer))
+    frozen = FrozenTarget(params=params, head=train_head(params, cfg))
     width = arch.num_features * arch.hidden_size
     good = TrainBatch.spec(BatchLayout(batch_size=2, seq_len=16, feature_dim=width))
-    _, metrics = jax.eval_shape(step, state, good, params, train_head(params, cfg))
+    _, metrics = jax.eval_shape(step, state, good, frozen)
     assert metrics["loss"].shape == ()
     bad = TrainBatch.spec(BatchLayout(batch_size=2, seq_len=16, feature_dim=width // 2))
     with pytest.raises(ValueError, match=rf"batch.features must be bfloat16 \[2, 16, {width}\]"):
-        jax.eval_shape(step, state, bad, params, train_head(params, cfg))
+        jax.eval_shape(step, state, bad, frozen)

@@ -433,29 +433,3 @@ def test_the_larger_packaged_set_extends_the_smaller_one(small_name: str, large_
     small, large = records(small_name), records(large_name)
     assert len(large) >= 2 * len(small) - 100
     assert all(large.get(key) == record for key, record in small.items())
-
-
-def test_reference_conversations_extend_the_regenerated_set_without_repeating_it() -> None:
-    """data.reference=N: N further prompts of the recipe's mix with their reference answers, cut to its
-    max_turns, none of whose first user turn is among the regenerated conversations; the same each time."""
-    import dataclasses
-
-    from dflash.configs.recipe import load_recipe
-    from dflash.data.examples import reference_conversations, training_conversations
-
-    cfg = load_recipe("smollm2", ["data.reference=40"]).data
-    regenerated = training_conversations(cfg)
-    extra = reference_conversations(cfg, regenerated)
-    assert len(extra) == 40 and extra == reference_conversations(cfg, regenerated)
-    assert all([t["role"] for t in c][-2:] == ["user", "assistant"] and len(c) <= 3 for c in extra)
-    first = lambda c: next(t["content"] for t in c if t["role"] == "user")  # noqa: E731
-    assert not {first(c) for c in extra} & {first(c) for c in regenerated}
-    assert len({first(c) for c in extra}) == 40  # no duplicates among them either
-    # Sources without reference answers (MBPP's prompts here) give none; asking for more than the rest holds
-    # is an error naming the count.
-    with pytest.raises(ValueError, match="'mbpp_train' holds only 0 conversations with answers"):
-        reference_conversations(dataclasses.replace(cfg, prompts="mbpp_train", reference=1), [])
-    gsm8k = dataclasses.replace(cfg, prompts="gsm8k", max_prompts=0, reference=7474)
-    with pytest.raises(ValueError, match="holds only 7473 conversations"):
-        reference_conversations(gsm8k, [])
-

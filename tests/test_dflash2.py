@@ -26,7 +26,7 @@ from dflash.models.zlab import SELECTOR_RANK, load_zlab, save_zlab
 from dflash.serve.engine import decode
 from dflash.serve.plan import Chain
 from dflash.train.objective import Objective, build_blocks_batch
-from dflash.train.step import StepInputs, drafter_loss, train_head
+from dflash.train.step import StepInputs, StepSpec, drafter_loss, train_head
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
@@ -237,7 +237,8 @@ def test_training_reaches_the_convolution_and_keeps_blocks_apart(setup):
     graphdef, params = split_drafter(drafter)
     inputs = StepInputs(blocks=blocks, embeds_BxQxD=embeds, feats_BxSxFD=feats)
     head = train_head(target_params, target_cfg)
-    grad_fn = jax.jit(jax.grad(lambda p: drafter_loss(p, graphdef, inputs, head, target_params, K, Objective())[0]))
+    spec = StepSpec(graphdef=graphdef, target_cfg=target_cfg, arch=drafter.arch, num_anchors=3, objective=Objective())
+    grad_fn = jax.jit(jax.grad(lambda p: drafter_loss(p, inputs, head, spec)[0]))
     grads = grad_fn(params)
     conv_grads = {".".join(map(str, k)): np.abs(np.asarray(v[...])).max()
                   for k, v in nnx.to_flat_state(grads) if "conv" in ".".join(map(str, k))}

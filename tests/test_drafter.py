@@ -23,10 +23,8 @@ from dflash.models.drafter import (
     concat_features,
     drafter_logits,
     hf_tensor_names,
-    init_from_target,
     param_count,
     resolve_drafter,
-    target_init_layers,
     to_hf_tensors,
 )
 from dflash.models.loading import load_hf_dir
@@ -174,41 +172,6 @@ def test_context_kv_matches_hand_computation(setup):
         k_ref = decoder.apply_rope(decoder.rms_norm(k_ref, att.k_norm.weight[...], arch.rms_norm_eps), cos, sin)
         v_ref = (c @ att.v_proj.kernel[...]).reshape(b, s, arch.num_kv_heads, arch.head_dim)
         assert _close(k, k_ref) and _close(v, v_ref)
-
-
-@pytest.mark.parametrize("name", ["qwen3_qknorm_tied", "llama_tied"])
-def test_target_init_reproduces_the_targets_next_layer_kv(name):
-    """`train.layer_init=target`: drafter layer 0 copies the target layer right after the deepest captured
-    feature, so its context K/V of the target's features are that target layer's own K/V (K only where the
-    target has q/k norms: otherwise the drafter's k_norm, ones, still normalises); the final norm and the
-    second layer are the target's too."""
-    target_cfg, target_params = load_hf_dir(GOLDEN / "tiny" / name)
-    ids = (0, 1)
-    arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=ids, block_size=K), target_cfg,
-                           mask_token_id=MASK_ID)
-    assert target_init_layers(arch) == (2, 3)
-    drafter = DFlashDrafter(arch, nnx.Rngs(0))
-    init_from_target(drafter, target_params, target_cfg)
-    tokens = jax.random.randint(jax.random.key(3), (2, 10), 0, target_cfg.vocab_size)
-    _, feats = decoder.forward(target_params, target_cfg, tokens, layer_ids=ids, with_logits=False)
-    pos = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (2, 10))
-    (k, v), _ = drafter.context_kv(drafter.fuse(concat_features(feats)), pos)
-    cos, sin = decoder.rope_tables(target_cfg, pos)
-    lp = jax.tree.map(lambda a: a[2], target_params["layers"])
-    _, k_ref, v_ref = decoder._qkv(target_cfg, lp, feats[-1], cos, sin)
-    assert _close(v, v_ref)
-    assert _close(k, k_ref) == target_cfg.qk_norm
-    np.testing.assert_array_equal(drafter.layers[1].mlp.down_proj.kernel[...], target_params["layers"]["w_down"][3])
-    np.testing.assert_array_equal(drafter.norm.weight[...], target_params["final_norm"])
-
-
-def test_target_init_needs_the_targets_widths():
-    target_cfg, target_params = load_hf_dir(GOLDEN / "tiny" / "llama_tied")
-    arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(0, 1), block_size=K,
-                                         intermediate_size=8), target_cfg,
-                           mask_token_id=MASK_ID)
-    with pytest.raises(ConfigError, match="intermediate_size: drafter 8 vs target"):
-        init_from_target(DFlashDrafter(arch, nnx.Rngs(0)), target_params, target_cfg)
 
 
 def _perturbed(drafter: DFlashDrafter, path: tuple, scale: float = 1.5) -> DFlashDrafter:

@@ -342,6 +342,17 @@ def test_a_mismatched_import_names_every_mismatch(setup, tmp_path):
     assert "draft_vocab_size must equal" in str(err.value) and "sample_from_anchor must be false" in str(err.value)
 
 
+def test_an_export_of_a_retired_markov_head_is_refused_by_name(setup, tmp_path):
+    """An export written with the Markov head that left the code (docs/retired.md: its `markov_head/` side
+    directory) is refused in both layouts rather than loaded without the head it was trained with."""
+    target_cfg, _, _, run_dir = setup
+    for fmt in ("zlab", "speculators"):
+        export_run(run_dir, fmt=fmt, out=tmp_path / fmt, say=lambda _: None)
+        (tmp_path / fmt / "markov_head").mkdir()
+        with pytest.raises(WeightsError, match=r"Markov head \(markov_head/\), an option retired"):
+            load_drafter(tmp_path / fmt, target_cfg)
+
+
 def test_released_configs_import_block_size_and_speculators_defaults(setup, tmp_path):
     """A newer z-lab config keeps block_size inside dflash_config; a speculators config written by speculators
     itself lists only the fields that differ from Qwen3Config(); both load."""
@@ -386,30 +397,6 @@ def test_the_best_drafter_exports_with_its_step(setup, tmp_path):
     want, got = drafter_params(best), drafter_params(load_drafter(tmp_path / "out", target_cfg))
     for keys in want:
         np.testing.assert_array_equal(got[keys], want[keys])
-
-
-@pytest.mark.parametrize("fmt", ["zlab", "speculators"])
-def test_a_markov_head_exports_beside_the_layout_bit_exact(setup, tmp_path, fmt):
-    """A run with a Markov head (`drafter.markov_rank`) exports its `markov.*` tensors to
-    markov_head/model.safetensors (listed, uploaded with the rest), imports bit-exact in fp32, and the card
-    says which loaders run it."""
-    target_cfg, target_params, _, _ = setup
-    arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(1, 2), block_size=4,
-                                         mask_token_id=255, markov_rank=8), target_cfg)
-    drafter = _drafter_that_drafts(arch, target_params, REPEATED)
-    kernel = drafter.markov.down_proj.kernel
-    kernel.value = jax.random.normal(jax.random.PRNGKey(1), kernel.value.shape) * 0.01
-    run_dir = _make_run(tmp_path / "markov_run", drafter, results=False)
-    result = export_run(run_dir, fmt=fmt, out=tmp_path / "out", say=lambda _: None)
-    assert [n for n, _ in result.files] == ["README.md", "config.json", "markov_head/model.safetensors",
-                                             "model.safetensors"]
-    loaded = load_drafter(tmp_path / "out", target_cfg)
-    assert loaded.arch == arch
-    want, got = drafter_params(drafter), drafter_params(loaded)
-    assert want.keys() == got.keys() and any("markov" in str(k) for k in want)
-    for keys in want:
-        np.testing.assert_array_equal(got[keys], want[keys])
-    assert "Markov head | rank 8" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_dflash_export_subcommand_exports_like_dflash_export(setup, tmp_path, capsys):

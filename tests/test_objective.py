@@ -18,7 +18,6 @@ from dflash.train.objective import (
     dense_loss,
     dpace_weights,
     head_loss,
-    noisy_features,
     sample_anchors,
     sample_anchors_batch,
     valid_anchor_positions,
@@ -430,8 +429,7 @@ def test_dpace_loss_is_weighted_ce_with_no_gradient_through_weights():
 
 
 def test_objective_rejects_bad_settings():
-    for bad in ({"kind": "focal"}, {"gamma": 0.0}, {"dpace_alpha": 0.0}, {"dpace_alpha": 1.5}, {"head_chunk": -1},
-                {"feature_noise": -0.1}):
+    for bad in ({"kind": "focal"}, {"gamma": 0.0}, {"dpace_alpha": 0.0}, {"dpace_alpha": 1.5}, {"head_chunk": -1}):
         with pytest.raises(ValueError):
             Objective(**bad)
 
@@ -574,27 +572,3 @@ def test_soft_head_loss_over_a_vocabulary_subset_drops_and_renormalises():
 
     np.testing.assert_allclose(float(subset(h)), float(reference(h)), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(jax.grad(subset)(h)), np.asarray(jax.grad(reference)(h)), atol=1e-6)
-
-
-def test_feature_noise_is_relative_to_each_layers_rms_and_fresh_per_key():
-    # two captured layers of very different scale (1 and 100), as a shallow and a deep layer are
-    b, s, d = 4, 64, 256
-    base = jax.random.normal(jax.random.key(0), (b, s, 2, d))
-    feats = (base * jnp.array([1.0, 100.0])[:, None]).reshape(b, s, 2 * d)
-    sigma = 0.2
-    noisy = noisy_features(feats, 2, sigma, jax.random.key(1))
-    assert noisy.shape == feats.shape and noisy.dtype == feats.dtype
-    diff = np.asarray(noisy - feats).reshape(b, s, 2, d)
-    rms = np.sqrt(np.mean(np.square(np.asarray(feats).reshape(b, s, 2, d)), axis=-1, keepdims=True))
-    z = diff / (sigma * rms)  # standard normal if the noise is sigma * rms(layer, position) * eps
-    assert abs(float(z.mean())) < 0.01  # 32,768 draws: the mean's std is 0.0055
-    np.testing.assert_allclose(z.reshape(-1, d).std(axis=-1).mean(), 1.0, atol=0.02)
-    for layer in range(2):  # each layer's own scale, not a shared one
-        np.testing.assert_allclose(np.abs(diff[:, :, layer]).mean() / (sigma * rms[:, :, layer]).mean(),
-                                   np.sqrt(2 / np.pi), rtol=0.03)
-    np.testing.assert_array_equal(np.asarray(noisy_features(feats, 2, sigma, jax.random.key(1))), np.asarray(noisy))
-    assert not np.array_equal(np.asarray(noisy_features(feats, 2, sigma, jax.random.key(2))), np.asarray(noisy))
-    np.testing.assert_array_equal(np.asarray(noisy_features(feats, 2, 0.0, jax.random.key(1))), np.asarray(feats))
-    # no gradient reaches the features
-    grad = jax.grad(lambda f: noisy_features(f, 2, sigma, jax.random.key(1)).sum())(feats)
-    assert not np.asarray(grad).any()

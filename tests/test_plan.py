@@ -4,12 +4,16 @@ sized for; `dflash serve`'s plan flags are overrides of the `serve` section."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import tiny_engine_models
+from flax import nnx
 
 from dflash.configs.recipe import load_recipe
 from dflash.configs.schema import ConfigError
 from dflash.launch.cli import _recipe, build_parser
+from dflash.models.drafter import DFlashDrafter
 from dflash.serve.config import ServeConfig
 from dflash.serve.plan import AR, Chain, Limits, Lookup, Tree, default_plan, plan_from
 
@@ -57,6 +61,13 @@ def test_plans_check_the_drafter(drafter):
         Chain(9).check(drafter)
     with pytest.raises(ValueError, match="drafter must be given for DFlash K=4, tree of 6 nodes"):
         Tree(4, 6).check(None)
+    # DFlash2's path selector drafts each slot from the one before: no tree, no sampled drafts; argmax chains only
+    selector = DFlashDrafter(dataclasses.replace(drafter.arch, selector_rank=4, selector_top_k=4), nnx.Rngs(0))
+    Chain(8).check(selector)
+    with pytest.raises(ValueError, match="tree_nodes must be 0 .* for a drafter with DFlash2's path selector"):
+        Tree(8, 6).check(selector)
+    with pytest.raises(ValueError, match="draft_rule must be argmax for a drafter with DFlash2's path selector"):
+        Chain(8, "sample").check(selector)
 
 
 def test_plan_from_builds_every_plan_of_a_serve_section(drafter):

@@ -17,7 +17,7 @@ from dflash.models.config import DecoderConfig, DrafterConfig
 from dflash.models.drafter import resolve_drafter
 from dflash.train.loop import drafter_graphdef, fresh_state
 from dflash.train.objective import Objective
-from dflash.train.step import make_optimizer, make_train_step, train_head, train_step
+from dflash.train.step import FrozenTarget, StepSpec, make_optimizer, make_train_step, train_head, train_step
 
 QWEN3_VOCAB = 151_936
 
@@ -59,9 +59,11 @@ def test_every_matmul_of_the_step_runs_in_the_compute_dtype(dtype):
     arch = resolve_drafter(DrafterConfig(num_layers=2, num_features=2, layer_ids=(1, 2), block_size=4), cfg,
                            mask_token_id=cfg.vocab_size - 1)
     optimizer, state, batch, target, head = _abstract_inputs(cfg, arch, dtype, b=2, s=32)
-    body = functools.partial(train_step, graphdef=drafter_graphdef(arch, dtype), target_cfg=cfg, arch=arch,
-                             num_anchors=4, objective=Objective(), optimizer=optimizer, compute_dtype=dtype)
-    dots = list(_dot_operand_dtypes(jax.make_jaxpr(body)(state, batch, target, head).jaxpr))
+    body = functools.partial(train_step, spec=StepSpec(graphdef=drafter_graphdef(arch, dtype), target_cfg=cfg,
+                                                       arch=arch, num_anchors=4, objective=Objective(),
+                                                       optimizer=optimizer, compute_dtype=dtype))
+    frozen = FrozenTarget(params=target, head=head)
+    dots = list(_dot_operand_dtypes(jax.make_jaxpr(body)(state, batch, frozen).jaxpr))
     # fc, 2 layers x (q, k, v, o, gate, up, down + 4 attention einsums + context k, v), head: forward and backward
     assert len(dots) >= 2 * (1 + 2 * 13 + 1)
     want = jnp.dtype(dtype).name
@@ -79,10 +81,9 @@ def test_chunked_head_memory_does_not_grow_with_block_tokens_times_vocab():
         arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(1, 2), block_size=16), cfg,
                                mask_token_id=vocab - 1)
         optimizer, state, batch, target, head = _abstract_inputs(cfg, arch, jnp.bfloat16, b=1, s=3072)
-        step = make_train_step(graphdef=drafter_graphdef(arch, jnp.bfloat16), target_params=target, head=head,
-                               target_cfg=cfg,
-                               arch=arch, num_anchors=512, objective=Objective(), optimizer=optimizer,
-                               compute_dtype=jnp.bfloat16)
+        spec = StepSpec(graphdef=drafter_graphdef(arch, jnp.bfloat16), target_cfg=cfg, arch=arch, num_anchors=512,
+                        objective=Objective(), optimizer=optimizer, compute_dtype=jnp.bfloat16)
+        step = make_train_step(spec, FrozenTarget(params=target, head=head))
         temps[vocab] = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
     logits_bytes = 512 * 16 * QWEN3_VOCAB * 4
     assert temps[QWEN3_VOCAB] - temps[4096] < logits_bytes / 16, (temps, logits_bytes)

@@ -25,7 +25,9 @@ from dflash.models.drafter import (
 from dflash.models.loading import load_hf_dir
 from dflash.train.objective import Objective, build_blocks_batch, default_gamma, sample_anchors_batch
 from dflash.train.step import (
+    FrozenTarget,
     StepInputs,
+    StepSpec,
     TrainState,
     current_lr,
     drafter_loss,
@@ -69,6 +71,16 @@ def _greedy_batch(target_cfg, target_params) -> TrainBatch:
     return TrainBatch(tokens=tokens, loss_mask=loss_mask)
 
 
+def _spec(graphdef, target_cfg, arch, optimizer=None) -> StepSpec:
+    """The step spec of these tests: N anchors per row, the paper's decay for K."""
+    return StepSpec(graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=N,
+                    objective=Objective(gamma=default_gamma(K)), optimizer=optimizer)
+
+
+def _frozen(target_cfg, target_params) -> FrozenTarget:
+    return FrozenTarget(params=target_params, head=train_head(target_params, target_cfg))
+
+
 def _new_state(arch, optimizer, seed: int = 0) -> tuple[nnx.GraphDef, TrainState]:
     graphdef, params = split_drafter(DFlashDrafter(arch, nnx.Rngs(seed)))
     return graphdef, init_state(params, optimizer, jax.random.key(seed + 1))
@@ -90,9 +102,7 @@ def test_train_step_runs_under_jit_with_finite_metrics(setup):
     target_cfg, target_params, arch = setup
     optimizer = make_optimizer(1e-3, total_steps=10)
     graphdef, state = _new_state(arch, optimizer)
-    step = make_train_step(graphdef=graphdef, target_params=target_params, head=train_head(target_params, target_cfg),
-                           target_cfg=target_cfg, arch=arch,
-                           num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer)
+    step = make_train_step(_spec(graphdef, target_cfg, arch, optimizer), _frozen(target_cfg, target_params))
     batch = _greedy_batch(target_cfg, target_params)
     before = jax.tree.map(np.asarray, state.params)
     target_before = jax.tree.map(np.asarray, target_params)
@@ -111,29 +121,6 @@ def test_train_step_runs_under_jit_with_finite_metrics(setup):
     state_shapes = {tuple(x.shape) for x in jax.tree.leaves(state)}
     assert target_params["embed"].shape not in state_shapes
     assert target_params["lm_head"].shape not in state_shapes
-
-
-def test_feature_noise_perturbs_the_loss_on_the_same_blocks(setup):
-    target_cfg, target_params, arch = setup
-    optimizer = make_optimizer(1e-3, total_steps=10)
-    batch = _greedy_batch(target_cfg, target_params)
-    out = {}
-    steps = {}
-    for sigma in (0.0, 0.0, 0.3):  # the clean step runs twice, from two fresh states
-        graphdef, state = _new_state(arch, optimizer)
-        step = steps.get(sigma) or make_train_step(graphdef=graphdef, target_params=target_params,
-                               head=train_head(target_params, target_cfg), target_cfg=target_cfg, arch=arch,
-                               num_anchors=N, objective=Objective(gamma=default_gamma(K), feature_noise=sigma),
-                               optimizer=optimizer)
-        steps[sigma] = step
-        _, metrics = step(state, batch)
-        out.setdefault(sigma, []).append({k: np.asarray(v) for k, v in metrics.items()})
-    clean, again, noisy = out[0.0][0], out[0.0][1], out[0.3][0]
-    assert float(clean["loss"]) == float(again["loss"])  # without noise the step is the deterministic one
-    # the same anchors and labels (the noise has its own key), a different loss
-    assert float(noisy["num_labels"]) == float(clean["num_labels"]) > 0
-    assert float(noisy["num_blocks"]) == float(clean["num_blocks"])
-    assert np.isfinite(float(noisy["loss"])) and float(noisy["loss"]) != float(clean["loss"])
 
 
 def test_drafter_holds_no_embedding_or_lm_head(setup):
@@ -174,8 +161,8 @@ def _eval(graphdef, params, target_cfg, target_params, batch, arch) -> tuple[flo
     blocks = build_blocks_batch(batch, anchors, keep, K, arch.mask_token_id)
     feats = online_features(target_params, target_cfg, batch.tokens, arch.layer_ids)
     inputs = StepInputs(blocks=blocks, embeds_BxQxD=embed(target_params, blocks.block_ids), feats_BxSxFD=feats)
-    loss, metrics = drafter_loss(params, graphdef, inputs, train_head(target_params, target_cfg), target_params, K,
-                                 Objective(gamma=default_gamma(K)))
+    loss, metrics = drafter_loss(params, inputs, train_head(target_params, target_cfg),
+                                 _spec(graphdef, target_cfg, arch))
     return float(loss), float(metrics["acceptance_length"])
 
 
@@ -186,9 +173,7 @@ def test_overfits_a_fixed_batch(setup):
     steps = 60
     optimizer = make_optimizer(3e-3, total_steps=steps)
     graphdef, state = _new_state(arch, optimizer)
-    step = make_train_step(graphdef=graphdef, target_params=target_params, head=train_head(target_params, target_cfg),
-                           target_cfg=target_cfg, arch=arch,
-                           num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer)
+    step = make_train_step(_spec(graphdef, target_cfg, arch, optimizer), _frozen(target_cfg, target_params))
     batch = _greedy_batch(target_cfg, target_params)
     loss0, accept0 = _eval(graphdef, state.params, target_cfg, target_params, batch, arch)
     for _ in range(steps):
@@ -218,8 +203,7 @@ def test_mask_through_gradients(setup):
 
     def loss(e, f):
         inputs = StepInputs(blocks=one_block, embeds_BxQxD=e, feats_BxSxFD=f)
-        return drafter_loss(params, graphdef, inputs, train_head(target_params, target_cfg), target_params, K,
-                            Objective(gamma=default_gamma(K)))[0]
+        return drafter_loss(params, inputs, train_head(target_params, target_cfg), _spec(graphdef, target_cfg, arch))[0]
 
     g_embeds, g_feats = (np.asarray(g) for g in jax.jit(jax.grad(loss, argnums=(0, 1)))(embeds, feats))
     assert np.all(g_embeds[~own] == 0.0)
@@ -243,7 +227,7 @@ def test_a_packed_row_trains_as_its_conversations_alone(setup):
     feats = online_features(target_params, target_cfg, tokens, LAYER_IDS)
     anchors = jnp.array([[3, 12], [0, 6]], jnp.int32)  # 12: the block runs past conversation 1's end
     keep = jnp.ones((2, 2), bool)
-    objective = Objective(gamma=default_gamma(K))
+    spec = _spec(graphdef, target_cfg, arch)
 
     packed_tokens = jnp.concatenate([tokens[0, :n1], tokens[1, :n2], jnp.zeros(S - n1 - n2, jnp.int32)])[None]
     packed_mask = jnp.concatenate([loss_mask[0, :n1], loss_mask[1, :n2], jnp.zeros(S - n1 - n2)])[None]
@@ -258,8 +242,7 @@ def test_a_packed_row_trains_as_its_conversations_alone(setup):
                             segment_ids=seg)
 
         def loss(p):
-            return drafter_loss(p, graphdef, inputs, train_head(target_params, target_cfg), target_params, K,
-                                objective)
+            return drafter_loss(p, inputs, train_head(target_params, target_cfg), spec)
 
         (value, metrics), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         return float(value), metrics, grad
@@ -274,3 +257,25 @@ def test_a_packed_row_trains_as_its_conversations_alone(setup):
     leaky = loss_and_grad(packed_tokens, packed_mask, packed_feats, packed_anchors, jnp.ones((1, 4), bool), None)
     assert float(leaky[1]["num_labels"]) == 3 + 3 + 3 + 3  # the block at 12 labelled with conversation 2
     assert abs(leaky[0] - alone[0]) > 1e-3
+
+
+def test_the_step_compiles_once_per_shape_and_donates_the_state(setup):
+    """`make_train_step`: the spec is its one static argument, so steps of one batch shape share a compiled program
+    (another shape compiles once more), and each step consumes the state it was given (donated)."""
+    target_cfg, target_params, arch = setup
+    optimizer = make_optimizer(1e-3, total_steps=10)
+    graphdef, state = _new_state(arch, optimizer)
+    spec = _spec(graphdef, target_cfg, arch, optimizer)
+    assert hash(spec) == hash(dataclasses.replace(spec)) and spec == dataclasses.replace(spec)
+    step = make_train_step(spec, _frozen(target_cfg, target_params))
+    batch = _greedy_batch(target_cfg, target_params)
+    before = step.jitted._cache_size()  # jit's cache of train_step is shared with the other tests' steps
+    for _ in range(3):
+        given = state
+        state, _ = step(state, batch)
+        assert all(x.is_deleted() for x in jax.tree.leaves((given.params, given.step, given.rng)))
+    assert step.jitted._cache_size() - before == 1
+    shorter = TrainBatch(tokens=batch.tokens[:, : S // 2], loss_mask=batch.loss_mask[:, : S // 2])
+    for _ in range(2):
+        state, _ = step(state, shorter)
+    assert step.jitted._cache_size() - before == 2

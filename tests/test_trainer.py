@@ -32,7 +32,7 @@ from dflash.train.sharding import (
     spec_for,
     tree_shardings,
 )
-from dflash.train.step import init_state, make_optimizer, make_train_step, train_head
+from dflash.train.step import FrozenTarget, StepSpec, init_state, make_optimizer, make_train_step, train_head
 
 K, N, S, B = 4, 4, 32, 4
 
@@ -77,9 +77,10 @@ def _train(tiny, mesh, steps: int, seed: int = 0):
     state = jax.jit(fresh, out_shardings=shardings)()
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
     placed = place(target_params, TARGET_RULES, mesh)
-    step = make_train_step(graphdef=graphdef, target_params=placed, head=train_head(placed, target_cfg),
-                           target_cfg=target_cfg, arch=arch, num_anchors=N, objective=Objective(gamma=default_gamma(K)),
-                           optimizer=optimizer, state_shardings=shardings)
+    spec = StepSpec(graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=N,
+                    objective=Objective(gamma=default_gamma(K)), optimizer=optimizer)
+    step = make_train_step(spec, FrozenTarget(params=placed, head=train_head(placed, target_cfg)),
+                           state_shardings=shardings)
     history = []
     for batch in _batches(steps):
         state, metrics = step(state, shard_batch(batch, mesh))
@@ -189,12 +190,24 @@ def test_checkpoint_of_another_architecture_is_refused(tiny, tmp_path):
     with pytest.raises(CheckpointError, match=r"another architecture \(layers: checkpoint 2 vs run 5\)"):
         other.restore(1, state, shardings)
     # a field added since the checkpoint was written (its meta lacks it) compares at its default ...
-    same = Checkpointer(tmp_path / "ck", {"arch": {"tag": "a", "layers": 2, "markov_rank": 0}})
+    same = Checkpointer(tmp_path / "ck", {"arch": {"tag": "a", "layers": 2, "selector_rank": 0}})
     same.restore(1, state, shardings)
     # ... so a run that sets it otherwise is refused naming it
-    headed = Checkpointer(tmp_path / "ck", {"arch": {"tag": "a", "layers": 2, "markov_rank": 8}})
-    with pytest.raises(CheckpointError, match=r"markov_rank: checkpoint 0 vs run 8"):
+    headed = Checkpointer(tmp_path / "ck", {"arch": {"tag": "a", "layers": 2, "selector_rank": 8}})
+    with pytest.raises(CheckpointError, match=r"selector_rank: checkpoint 0 vs run 8"):
         headed.restore(1, state, shardings)
+    # a field retired since (docs/retired.md) resumes at its off value and is refused, named, when it was on
+    for rank in (0, 8):  # the same checkpoint as if written then, its meta holding the field
+        shutil.copytree(tmp_path / "ck", tmp_path / f"retired{rank}")
+        meta_file = tmp_path / f"retired{rank}" / "1" / "meta" / "metadata"
+        meta = json.loads(meta_file.read_text())
+        meta_file.write_text(json.dumps({**meta, "arch": {**meta["arch"], "markov_rank": rank}}))
+    resumed, refused = (Checkpointer(tmp_path / f"retired{r}", {"arch": {"tag": "a", "layers": 2}}) for r in (0, 8))
+    resumed.restore(1, state, shardings)
+    with pytest.raises(CheckpointError, match=r"markov_rank: checkpoint 8 vs run 0 \(retired"):
+        refused.check_compatible(1)
+    resumed.close()
+    refused.close()
 
 
 def test_corrupt_checkpoint_gives_a_clear_error(tiny, tmp_path):
@@ -240,10 +253,9 @@ def test_bf16_compute_keeps_fp32_master_params(tiny):
     state = init_state(params, optimizer, jax.random.PRNGKey(1))
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
     bf16_target = jax.tree.map(lambda x: x.astype(jnp.bfloat16), target_params)
-    step = make_train_step(graphdef=graphdef, target_params=bf16_target, head=train_head(bf16_target, target_cfg),
-                           target_cfg=target_cfg, arch=arch,
-                           num_anchors=N, objective=Objective(gamma=default_gamma(K)), optimizer=optimizer,
-                           compute_dtype=jnp.bfloat16)
+    spec = StepSpec(graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=N,
+                    objective=Objective(gamma=default_gamma(K)), optimizer=optimizer, compute_dtype=jnp.bfloat16)
+    step = make_train_step(spec, FrozenTarget(params=bf16_target, head=train_head(bf16_target, target_cfg)))
     state, metrics = step(state, shard_batch(_batches(1)[0], mesh))
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
     assert np.isfinite(float(metrics["loss"]))
@@ -292,58 +304,3 @@ def test_init_from_starts_a_fresh_run_from_another_drafter(tmp_path):
                                  f"train.init_from={tmp_path / 'a'}", *common])
     with pytest.raises(ConfigError, match="num_layers"):
         run_training(other, target=target, progress=False)
-    # a recipe with a Markov head may start from a drafter without one: the rest is the source's, and the new
-    # head's output starts at zero (so it drafts what the source does)
-    markov = load_recipe("tiny", [f"train.run_dir={tmp_path / 'd'}", "train.steps=1", "train.lr=1e-12",
-                                  "drafter.markov_rank=8", f"train.init_from={tmp_path / 'a'}", *common])
-    run_training(markov, target=target, progress=False)
-    headed = load_drafter(tmp_path / "d", target.cfg)
-    assert headed.arch.markov_rank == 8
-    theirs = dict(nnx.to_flat_state(nnx.state(source, nnx.Param)))
-    for keys, value in nnx.to_flat_state(nnx.state(headed, nnx.Param)):
-        if keys in theirs:
-            np.testing.assert_allclose(np.asarray(value[...]), np.asarray(theirs[keys][...]), atol=1e-6)
-        else:
-            assert keys[0] == "markov"
-    np.testing.assert_allclose(np.asarray(headed.markov.down_proj.kernel[...]), 0.0, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_k_curriculum_phases_and_a_run_through_them(tmp_path):
-    """train.curriculum_block_size: the first phase trains k-slot blocks on K/k times the sequences per update
-    (the same block tokens per step), then the drafter's K; both phases train one set of params; bad values
-    are named."""
-    import dataclasses
-
-    from dflash.configs.recipe import load_recipe
-    from dflash.models.target import load_target
-    from dflash.train.loop import curriculum_phases, run_training
-    from dflash.train.metrics import read_metrics
-
-    common = ["train.batch_size=8", "train.wandb=disabled", "train.tensorboard=false", "train.eval_every=0",
-              "train.log_every=1", "train.steps=4", "train.num_anchors=2"]
-    recipe = load_recipe("tiny", [f"train.run_dir={tmp_path}", "train.curriculum_block_size=2", *common])
-    target = load_target(recipe.target)
-    arch = target.drafter_arch(recipe.drafter)
-    assert arch.block_size == 8
-    first, second = curriculum_phases(recipe.train, arch)
-    assert (first.first, first.last, first.arch.block_size, first.batches_per_step) == (1, 2, 2, 4)
-    assert (second.first, second.last, second.arch, second.batches_per_step) == (3, 4, arch, 1)
-    assert dataclasses.replace(first.arch, block_size=8) == arch
-    plain = load_recipe("tiny", common)
-    assert [(p.first, p.last, p.arch, p.batches_per_step)
-            for p in curriculum_phases(plain.train, arch)] == [(1, 4, arch, 1)]
-    for bad, field in (("train.curriculum_block_size=3", "curriculum_block_size"),
-                       ("train.curriculum_block_size=8", "curriculum_block_size"),
-                       ("train.curriculum_frac=0.1", "curriculum_frac")):
-        with pytest.raises(ConfigError, match=field):
-            curriculum_phases(load_recipe("tiny", [*common, "train.curriculum_block_size=2", bad]).train, arch)
-
-    result = run_training(recipe, target=target, progress=False)
-    assert result.final_step == 4
-    steps = {r["step"]: r for r in read_metrics(tmp_path) if "loss" in r}
-    slots = {s: len(r["accuracy_per_position"]) for s, r in steps.items()}
-    assert slots == {1: 2, 2: 2, 3: 8, 4: 8}, slots
-    blocks = {s: r["num_blocks"] for s, r in steps.items()}  # 4x the sequences (2 anchors each) per update
-    assert min(blocks[1], blocks[2]) > 3 * max(blocks[3], blocks[4]), blocks
-    assert all(np.isfinite(steps[s]["loss"]) for s in range(1, 5))

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from dflash.models.drafter import DrafterArch
+from dflash.models.drafter import RETIRED_ARCH_FIELDS, DrafterArch
 from dflash.models.drafter_io import FORMAT, CheckpointError, checkpoint_manager, read_meta, read_raw
 
 
@@ -59,11 +59,14 @@ class Checkpointer:
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {self.directory / str(step)} has format {meta.get('format')!r}; "
                                   f"this trainer reads {FORMAT!r}")
-        # fields added since a checkpoint was written hold their defaults in it (e.g. markov_rank 0)
+        # fields added since a checkpoint was written hold their defaults in it (e.g. selector_rank 0), and fields
+        # retired since (docs/retired.md) their off value in this run (a checkpoint with the option on is refused)
         defaults = {f.name: list(f.default) if isinstance(f.default, tuple) else f.default  # as JSON reads them
                     for f in dataclasses.fields(DrafterArch) if f.default is not dataclasses.MISSING}
+        defaults.update(RETIRED_ARCH_FIELDS)
         ours, theirs = ({**defaults, **self.meta.get("arch", {})}, {**defaults, **meta.get("arch", {})})
-        diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs run {ours.get(k)!r}"
+        note = {k: " (retired from this trainer: docs/retired.md)" for k in RETIRED_ARCH_FIELDS}
+        diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs run {ours.get(k)!r}{note.get(k, '')}"
                  for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
         if diffs:
             raise CheckpointError(

@@ -9,7 +9,7 @@ from typing import Literal
 from dflash.configs.schema import ConfigError, require
 from dflash.serve.config import DRAFT_RULES
 
-LOSS_TERMS = ("ce", "tv", "kl", "rkl", "opd")  # train.objective.LOSS_TERMS
+LOSS_TERMS = ("ce", "tv", "kl", "rkl", "opd")  # the terms of train.loss, defined by train.objective.head_loss
 
 
 def parse_loss(text: str) -> tuple[tuple[str, float], ...]:
@@ -63,24 +63,15 @@ class TrainConfig:
              checkpoint automatically.
     init_from: a fresh run starts from this drafter's weights instead of a random init: a run dir (its latest
              checkpoint), a z-lab or speculators export, or an HF Hub export downloaded locally; its
-             architecture must equal the recipe's (every differing field is named), except that a Markov head,
-             a path selector or DFlash2's convolutions the recipe adds start as in a new drafter (drafting what
+             architecture must equal the recipe's (every differing field is named), except that a path
+             selector or DFlash2's convolutions the recipe adds start as in a new drafter (drafting what
              the loaded one drafts: `loop.init_from_params`), and the block size may differ (a drafter trained
              at one K fine-tuned at another). Weights ignored on resume;
              with head_vocab the run trains over that drafter's draft vocabulary when it has one.
-    layer_init: how a fresh run (no init_from) starts the drafter: `random`, or `target`: its layers copy the
-             target's layers right after the deepest captured feature layer, fc selects that feature and the
-             norms are the target's (`models.drafter.init_from_target`; docs/decisions.md D24).
     steps / batch_size / num_anchors: updates, sequences per update (global), anchors (blocks) per
              sequence (N).
-    curriculum_block_size / curriculum_frac: a K curriculum (0 = off): the first `curriculum_frac` of the
-             steps train blocks of `curriculum_block_size` slots (it must divide drafter.block_size K) on
-             K / that many times batch_size sequences per update, the same block tokens per step; the rest
-             train the drafter's K (`train.loop.curriculum_phases`; docs/decisions.md D30).
     lr / warmup_frac / clip / weight_decay: AdamW on linear warmup + cosine to 0, global-norm clipping; the
              decay applies to kernels only, not to the RMSNorm scales (`train.step.decays`).
-    feature_noise: sigma of Gaussian noise added to the target features at every training step, relative to
-             each captured layer's RMS at that position (`train.objective.noisy_features`; 0 = none).
     loss: the loss terms, `NAME` or a weighted mix `NAME:WEIGHT,...` (`parse_loss`) of `ce` (cross-entropy
              against the label, or with data.labels=soft the target's renormalised top-k), and, needing
              data.labels=soft, `tv` (total variation to the target's distribution: the rejection probability of
@@ -93,10 +84,9 @@ class TrainConfig:
     gamma: loss decay of docs/design.md §4.2 (0 = chosen from the block size). dpace_alpha: D-PACE's confidence floor.
     opd_gamma: the `opd` term's decay per slot past a block's first rejection, in (0, 1].
     head_chunk: rows per chunk of the LM head + cross-entropy (0 = about 128 MiB of fp32 logits per chunk).
-    selector_loss / selector_weight: DFlash2's path selector (`drafter.selector`) trains on `edge` (default), a
-             per-slot k-way cross-entropy given the label before it (speculators' objective), or `path`, the
-             labelled path's log-likelihood through each block's top-k lattice (a linear-chain CRF), weighted by
-             selector_weight in the drafter's loss; only the selector learns from it (`train.selector`).
+    selector_weight: DFlash2's path selector (`drafter.selector`) trains on a per-slot k-way cross-entropy given
+             the label before it (speculators' objective), weighted by selector_weight in the drafter's loss; only
+             the selector learns from it (`train.selector`).
     head_vocab: train the softmax over the `head_vocab` most frequent tokens of the training answers (labels
              outside it are left out), 0 = the full vocabulary; the served drafter proposes over the same
              tokens (its draft vocabulary, `models.drafter.DraftVocab`; docs/decisions.md D24).
@@ -121,17 +111,13 @@ class TrainConfig:
 
     run_dir: str = "runs/default"
     init_from: str = ""
-    layer_init: Literal["random", "target"] = "random"
     steps: int = 2000
     batch_size: int = 8
     num_anchors: int = 16
-    curriculum_block_size: int = 0
-    curriculum_frac: float = 0.5
     lr: float = 6e-4
     warmup_frac: float = 0.04
     clip: float = 1.0
     weight_decay: float = 0.0
-    feature_noise: float = 0.0
     loss: str = "ce"
     weighting: Literal["decay", "dpace"] = "decay"
     gamma: float = 0.0
@@ -139,7 +125,6 @@ class TrainConfig:
     dpace_alpha: float = 0.5
     head_chunk: int = 0
     head_vocab: int = 0
-    selector_loss: Literal["edge", "path"] = "edge"
     selector_weight: float = 1.0
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     seed: int = 0
@@ -162,22 +147,15 @@ class TrainConfig:
         require(self.steps >= 1, "train.steps", self.steps, "be at least 1")
         require(self.batch_size >= 1, "train.batch_size", self.batch_size, "be at least 1")
         require(self.num_anchors >= 1, "train.num_anchors", self.num_anchors, "be at least 1")
-        require(self.curriculum_block_size == 0 or self.curriculum_block_size >= 2, "train.curriculum_block_size",
-                self.curriculum_block_size, "be 0 (off) or at least 2")
-        require(0 < self.curriculum_frac < 1, "train.curriculum_frac", self.curriculum_frac, "lie in (0, 1)")
         require(self.lr > 0, "train.lr", self.lr, "be > 0")
         require(0 <= self.warmup_frac < 1, "train.warmup_frac", self.warmup_frac, "lie in [0, 1)")
         require(self.clip > 0, "train.clip", self.clip, "be > 0")
         require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "be >= 0")
-        require(self.feature_noise >= 0, "train.feature_noise", self.feature_noise, "be >= 0")
         _ = self.loss_terms  # parse_loss validates the spelling
         require(0 < self.opd_gamma <= 1, "train.opd_gamma", self.opd_gamma, "lie in (0, 1]")
         require(self.gamma >= 0, "train.gamma", self.gamma, "be >= 0 (0 = chosen from the block size)")
         require(0 < self.dpace_alpha <= 1, "train.dpace_alpha", self.dpace_alpha, "lie in (0, 1]")
         require(self.head_vocab >= 0, "train.head_vocab", self.head_vocab, "be >= 0 (0 = the full vocabulary)")
-        require(self.selector_loss in ("path", "edge"), "train.selector_loss", self.selector_loss,
-                "be 'edge' (a per-slot cross-entropy given the label before it) or 'path' (the labelled path's CRF "
-                "log-likelihood over the top-k lattice)")
         require(self.selector_weight >= 0, "train.selector_weight", self.selector_weight, "be >= 0")
         require(self.head_chunk >= 0, "train.head_chunk", self.head_chunk, "be >= 0 (0 = automatic)")
         require(self.save_every >= 1, "train.save_every", self.save_every, "be at least 1")

@@ -35,12 +35,13 @@ from dflash.data.manifest import chat_template_hash, check_manifest, load_manife
 from dflash.data.offline import make_offline_batches
 from dflash.data.online import make_batches
 from dflash.data.walk import find_walk, load_walk, walk_weights
-from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, init_from_target, target_init_layers
+from dflash.models.config import DecoderConfig
+from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab
 from dflash.models.target import Target, load_target
 from dflash.train.checkpoint import Checkpointer
 from dflash.train.config import TrainConfig
 from dflash.train.metrics import MetricsWriter, check_finite, read_metrics
-from dflash.train.objective import Objective, TrainHead, default_gamma
+from dflash.train.objective import Objective, default_gamma
 from dflash.train.real_eval import RealTauEval
 from dflash.train.sharding import (
     DRAFTER_RULES,
@@ -53,6 +54,8 @@ from dflash.train.sharding import (
     tree_shardings,
 )
 from dflash.train.step import (
+    FrozenTarget,
+    StepSpec,
     TrainState,
     cast_floats,
     init_state,
@@ -85,23 +88,22 @@ class TrainResult:
 
 @dataclasses.dataclass(frozen=True)
 class TrainRun:
-    """What a run trains against (`build_run`): the frozen target with its params cast to the compute dtype
-    and placed by TARGET_RULES, the frozen head the loss runs through (the target's, or a training vocabulary's
-    rows), the drafter's architecture and graph, the optimizer, the loss, this host's batch iterator and the
-    fingerprint of its data (checked on resume)."""
+    """What a run trains against (`build_run`): the frozen target (`frozen`: its params cast to the compute dtype
+    and placed by TARGET_RULES, and the head the loss runs through, the target's or a training vocabulary's
+    rows), the step's static spec (`spec`: the drafter's architecture and graph, the loss, the optimizer), the
+    mesh, this host's batch iterator and the fingerprint of its data (checked on resume)."""
 
     target: Target
-    target_params: Any
-    head: TrainHead
-    arch: DrafterArch
+    frozen: FrozenTarget
+    spec: StepSpec
     mesh: Mesh
-    optimizer: optax.GradientTransformation
-    graphdef: nnx.GraphDef
-    objective: Objective
-    compute_dtype: Any
     batches: Any
     data_fingerprint: str
     draft_vocab: DraftVocab | None = None  # train.head_vocab's tokens: the drafter proposes over these at serving
+
+    @property
+    def arch(self) -> DrafterArch:
+        return self.spec.arch
 
 
 def arch_dict(arch: DrafterArch) -> dict[str, Any]:
@@ -122,8 +124,8 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     if run.draft_vocab is not None:
         meta["draft_vocab"] = run.draft_vocab.ids.tolist()
     ckpt = Checkpointer(run_dir / "checkpoints", meta, keep=cfg.keep_checkpoints)
-    state, shardings, start = create_or_restore_state(cfg, run.arch, run.optimizer, run.mesh, ckpt, run.batches,
-                                                      run.data_fingerprint, target)
+    state, shardings, start = create_or_restore_state(cfg, run.arch, run.spec.optimizer, run.mesh, ckpt,
+                                                      run.batches, run.data_fingerprint, target)
     writer = MetricsWriter(run_dir, config=to_dict(recipe), wandb_mode=cfg.wandb, tensorboard=cfg.tensorboard,
                            enabled=is_main)
     metrics = StepMetrics(cfg, writer, block_tokens=cfg.batch_size * cfg.num_anchors * run.arch.block_size,
@@ -149,9 +151,9 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
 
 def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterArch) -> TrainRun:
     """The mesh of `train.mesh` (the global batch size checked against it), the target placed on it in the
-    compute dtype, this host's batches of `data`, the optimizer and the drafter's graph."""
-    objective = make_objective(cfg, arch)
-    require(not objective.divergences or data.labels == "soft", "train.loss", cfg.loss,
+    compute dtype, this host's batches of `data`, and the step's spec (`step_spec`)."""
+    spec = step_spec(cfg, arch, target.cfg)
+    require(not spec.objective.divergences or data.labels == "soft", "train.loss", cfg.loss,
             f"be ce alone unless data.labels=soft (the other terms compare the drafter's distribution with the "
             f"target's stored top-k; data.labels is {data.labels!r})")
     if target.cfg.num_layers - 1 in arch.layer_ids:
@@ -163,8 +165,7 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
             f"be a multiple of mesh data x fsdp = {batch_divisor(mesh)}")
     require(cfg.batch_size % jax.process_count() == 0, "train.batch_size", cfg.batch_size,
             f"be a multiple of the process count {jax.process_count()}")
-    compute_dtype = jnp.dtype(cfg.compute_dtype)
-    target_params = place(cast_floats(target.params, compute_dtype), TARGET_RULES, mesh)
+    target_params = place(cast_floats(target.params, spec.compute_dtype), TARGET_RULES, mesh)
     examples = build_examples(data, target.tokenizer) if cfg.head_vocab or data.features == "online" else None
     vocab, ids = None, None
     if cfg.head_vocab:
@@ -176,14 +177,11 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
         log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
     head = train_head(target_params, target.cfg, ids)
     head = place(head, head_rules(head.vocab_major), mesh)
-    curriculum_phases(cfg, arch)  # a bad K curriculum fails before any data is read
     require(not cfg.walk_anchors or bool(data.walk), "train.walk_anchors", cfg.walk_anchors,
             "be 0 unless data.walk names a serving walk (`auto` or a path; `dflash data walk` writes it)")
     batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples,
                                               walk_power=cfg.walk_oversample)
-    return TrainRun(target=target, target_params=target_params, head=head, arch=arch, mesh=mesh,
-                    optimizer=make_train_optimizer(cfg), graphdef=drafter_graphdef(arch, compute_dtype),
-                    objective=objective, compute_dtype=compute_dtype,
+    return TrainRun(target=target, frozen=FrozenTarget(params=target_params, head=head), spec=spec, mesh=mesh,
                     batches=batches, data_fingerprint=data_fingerprint, draft_vocab=vocab)
 
 
@@ -252,45 +250,25 @@ def make_train_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return make_optimizer(cfg.lr, cfg.steps, cfg.warmup_frac, cfg.clip, cfg.weight_decay)
 
 
-@dataclasses.dataclass(frozen=True)
-class Phase:
-    """Steps first .. last train blocks of `arch.block_size` slots on `batches_per_step` of the loader's
-    batches per update (concatenated)."""
-
-    first: int
-    last: int
-    arch: DrafterArch
-    batches_per_step: int = 1
-
-
-def curriculum_phases(cfg: TrainConfig, arch: DrafterArch) -> list[Phase]:
-    """The run's phases: one (the drafter's K) without a K curriculum; with `train.curriculum_block_size` k,
-    first round(steps x curriculum_frac) steps of k-slot blocks on K / k times the sequences per update (the
-    same block tokens per step, the same anchors per sequence: a recipe's anchors often cover nearly every
-    answer position, so more anchors per sequence would only add padding blocks), then the drafter's K. The
-    drafter's weights do not depend on the block size, so both phases train the same parameters; only the
-    jitted step differs."""
-    k, big = cfg.curriculum_block_size, arch.block_size
-    if not k:
-        return [Phase(1, cfg.steps, arch)]
-    require(k < big and big % k == 0, "train.curriculum_block_size", k,
-            f"be below drafter.block_size {big} and divide it")
-    switch = round(cfg.steps * cfg.curriculum_frac)
-    require(1 <= switch < cfg.steps, "train.curriculum_frac", cfg.curriculum_frac,
-            f"leave at least one step in each phase of the {cfg.steps} steps")
-    return [Phase(1, switch, dataclasses.replace(arch, block_size=k), big // k), Phase(switch + 1, cfg.steps, arch)]
-
-
 def walk_count(cfg: TrainConfig) -> int:
     """Anchors per row drawn from the serving walk: round(train.walk_anchors x num_anchors)."""
     return round(cfg.walk_anchors * cfg.num_anchors)
 
 
+def step_spec(cfg: TrainConfig, arch: DrafterArch, target_cfg: DecoderConfig) -> StepSpec:
+    """The train step's static spec as `train` configures it: the drafter's graph in the compute dtype, the loss
+    (`make_objective`), the optimizer (`make_train_optimizer`), the anchors per row and the walk's share of them."""
+    compute_dtype = jnp.dtype(cfg.compute_dtype)
+    return StepSpec(graphdef=drafter_graphdef(arch, compute_dtype), target_cfg=target_cfg, arch=arch,
+                    num_anchors=cfg.num_anchors, objective=make_objective(cfg, arch),
+                    optimizer=make_train_optimizer(cfg), compute_dtype=compute_dtype, walk_count=walk_count(cfg))
+
+
 def make_objective(cfg: TrainConfig, arch: DrafterArch) -> Objective:
     """The loss `train` configures (gamma 0 = by block size): its terms (`train.loss`) and weighting."""
     return Objective(kind=cfg.weighting, gamma=cfg.gamma or default_gamma(arch.block_size),
-                     dpace_alpha=cfg.dpace_alpha, head_chunk=cfg.head_chunk, feature_noise=cfg.feature_noise,
-                     terms=cfg.loss_terms, opd_gamma=cfg.opd_gamma, selector_loss=cfg.selector_loss,
+                     dpace_alpha=cfg.dpace_alpha, head_chunk=cfg.head_chunk,
+                     terms=cfg.loss_terms, opd_gamma=cfg.opd_gamma,
                      selector_weight=cfg.selector_weight)
 
 
@@ -348,13 +326,13 @@ WEIGHTLESS_FIELDS = ("block_size", "layer_types", "sliding_window")  # drafter f
 
 def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     """The drafter params of `train.init_from` (a run dir or an export), checked against the recipe's `arch`
-    (ConfigError naming every differing field). A drafter without a Markov head or a path selector may start a
-    recipe that has one (`drafter.markov_rank`, `drafter.selector`), and a DFlash drafter a DFlash2 recipe
-    (`drafter.variant: dflash2`): what is added starts as in a new drafter (the head's output and the selector's
-    edge scores at zero, the convolutions at the identity), so step 0 drafts exactly what the loaded drafter
-    does. The block size may differ (no weight's shape depends on K): a drafter trained at K = 4 starts a K = 8
-    recipe with all its weights. So may the draft window (`drafter.layer_types`, `drafter.sliding_window`): a
-    full-attention drafter starts a sliding-window recipe, or the reverse."""
+    (ConfigError naming every differing field). A drafter without a path selector may start a recipe that has
+    one (`drafter.selector`), and a DFlash drafter a DFlash2 recipe (`drafter.variant: dflash2`): what is added
+    starts as in a new drafter (the selector's edge scores at zero, the convolutions at the identity), so step 0
+    drafts exactly what the loaded drafter does. The block size may differ (no weight's shape depends on K): a
+    drafter trained at K = 4 starts a K = 8 recipe with all its weights. So may the draft window
+    (`drafter.layer_types`, `drafter.sliding_window`): a full-attention drafter starts a sliding-window recipe, or
+    the reverse."""
     from dflash.models.drafter_io import load_drafter
 
     loaded = load_drafter(Path(path).expanduser(), target.cfg)
@@ -367,15 +345,12 @@ def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
         fresh.draft_vocab, loaded = loaded.draft_vocab, fresh
         log.info("train.init_from %s is a DFlash drafter: it starts this DFlash2 recipe with identity convolutions",
                  path)
-    for field, what in (("markov_rank", "Markov head"), ("selector_rank", "path selector")):
-        if getattr(arch, field) and not getattr(loaded.arch, field):
-            grown = dataclasses.replace(loaded.arch, **{field: getattr(arch, field)},
-                                        selector_top_k=arch.selector_top_k if field == "selector_rank"
-                                        else loaded.arch.selector_top_k)
-            fresh = DFlashDrafter(grown, nnx.Rngs(params=0))
-            nnx.update(fresh, nnx.state(loaded, nnx.Param))
-            fresh.draft_vocab, loaded = loaded.draft_vocab, fresh
-            log.info("train.init_from %s has no %s: a new one (rank %d) is added", path, what, getattr(arch, field))
+    if arch.selector_rank and not loaded.arch.selector_rank:
+        grown = dataclasses.replace(loaded.arch, selector_rank=arch.selector_rank, selector_top_k=arch.selector_top_k)
+        fresh = DFlashDrafter(grown, nnx.Rngs(params=0))  # its successor codebook starts at zero
+        nnx.update(fresh, nnx.state(loaded, nnx.Param))
+        fresh.draft_vocab, loaded = loaded.draft_vocab, fresh
+        log.info("train.init_from %s has no path selector: a new one (rank %d) is added", path, arch.selector_rank)
 
     def same(a: Any, b: Any) -> bool:  # float fields may have been written in float32 by an export
         return math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) and isinstance(b, float) else a == b
@@ -395,14 +370,6 @@ def init_from_params(path: str, arch: DrafterArch, target: Target) -> Any:
     return jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.state(loaded, nnx.Param))  # host: jit places it
 
 
-def target_layer_params(seed: int, arch: DrafterArch, target: Target) -> Any:
-    """Drafter params (host arrays) initialised from the target's upper layers (`train.layer_init=target`)."""
-    drafter = DFlashDrafter(arch, nnx.Rngs(params=seed))
-    init_from_target(drafter, target.params, target.cfg)
-    log.info("initialised the drafter's layers from target layers %s", list(target_init_layers(arch)))
-    return jax.tree.map(lambda x: np.asarray(x, np.float32), nnx.state(drafter, nnx.Param))
-
-
 def create_or_restore_state(cfg: TrainConfig, arch: DrafterArch, optimizer: optax.GradientTransformation,
                             mesh: Mesh, ckpt: Checkpointer, batches: Any, data_fingerprint: str,
                             target: Target | None = None) -> tuple[TrainState, Any, int]:
@@ -413,8 +380,7 @@ def create_or_restore_state(cfg: TrainConfig, arch: DrafterArch, optimizer: opta
     run_dir = _run_dir(cfg)
     latest = ckpt.latest_step()
     if latest is None:
-        init = init_from_params(cfg.init_from, arch, target) if cfg.init_from else \
-            target_layer_params(cfg.seed, arch, target) if cfg.layer_init == "target" else None
+        init = init_from_params(cfg.init_from, arch, target) if cfg.init_from else None
         state, shardings = create_state(cfg.seed, arch, optimizer, mesh, init)
     else:
         abstract, shardings = state_layout(cfg.seed, arch, optimizer, mesh)
@@ -451,30 +417,19 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
     """Steps start+1 .. train.steps: batch -> jitted step (state donated) -> the previous step's metrics ->
     an async checkpoint every save_every steps and at the last, once that step's metrics proved finite ->
     real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
-    neither the state nor the data, so training results are the same with it or without). Each phase of a K
-    curriculum (`curriculum_phases`) gets its own jitted step, built when the phase starts."""
-    for phase in curriculum_phases(cfg, run.arch):
-        if phase.last <= start:
-            continue  # resumed past this phase
-        step_fn = make_train_step(graphdef=run.graphdef, target_params=run.target_params, head=run.head,
-                                  target_cfg=run.target.cfg, arch=phase.arch, num_anchors=cfg.num_anchors,
-                                  objective=make_objective(cfg, phase.arch), optimizer=run.optimizer,
-                                  compute_dtype=run.compute_dtype, state_shardings=shardings,
-                                  walk_count=walk_count(cfg))
-        if cfg.curriculum_block_size:
-            log.info("steps %d-%d: blocks of %d slots, %d sequences per update", phase.first, phase.last,
-                     phase.arch.block_size, phase.batches_per_step * cfg.batch_size)
-        for step in range(max(start + 1, phase.first), phase.last + 1):
-            batch = shard_batch(_next_batch(run.batches, phase.batches_per_step), run.mesh)
-            state, device_metrics = step_fn(state, batch)
-            metrics.push(step, device_metrics)
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                metrics.flush()  # never checkpoint a state whose step went non-finite
-                ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
-                                        "data_fingerprint": run.data_fingerprint})
-            if real_eval is not None and real_eval.due(step):
-                metrics.flush()
-                metrics.write_eval(step, real_eval(step, state.params))
+    neither the state nor the data, so training results are the same with it or without)."""
+    step_fn = make_train_step(run.spec, run.frozen, state_shardings=shardings)
+    for step in range(start + 1, cfg.steps + 1):
+        batch = shard_batch(next(run.batches), run.mesh)
+        state, device_metrics = step_fn(state, batch)
+        metrics.push(step, device_metrics)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            metrics.flush()  # never checkpoint a state whose step went non-finite
+            ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
+                                    "data_fingerprint": run.data_fingerprint})
+        if real_eval is not None and real_eval.due(step):
+            metrics.flush()
+            metrics.write_eval(step, real_eval(step, state.params))
     metrics.flush()
     return state
 
@@ -546,14 +501,6 @@ def _host(tree: Any) -> dict[str, Any]:
     return out
 
 
-def _next_batch(batches: Any, count: int) -> TrainBatch:
-    """The loader's next batch, or its next `count` batches concatenated row-wise (a K curriculum's first
-    phase)."""
-    if count == 1:
-        return next(batches)
-    return TrainBatch.concat([next(batches) for _ in range(count)])
-
-
 def _iterator_state(batches: Any) -> dict[str, Any]:
     """The data iterator's state. Orbax writes process 0's copy only, so every host's must be equal (it is:
     each host counts the same number of global batches); checked when there are several processes."""
@@ -570,20 +517,20 @@ def evaluate(data: DataConfig, num_anchors: int, run: TrainRun, params: Any) -> 
     Those carry the text's labels only, so a loss of distribution terms (`train.loss` beyond ce) is measured
     there as ce with the run's weighting."""
     examples, _ = build_examples(data, run.target.tokenizer, split="test", limit=EVAL_EXAMPLES)
-    objective = dataclasses.replace(run.objective, terms=(("ce", 1.0),)) if run.objective.divergences \
-        else run.objective
+    objective = run.spec.objective
+    objective = dataclasses.replace(objective, terms=(("ce", 1.0),)) if objective.divergences else objective
     unit = math.lcm(batch_divisor(run.mesh), jax.process_count())  # same global rows whatever the process count
     rows = len(examples) // unit * unit // jax.process_count()
     if rows == 0:
         return {}
-    eval_step = make_eval_step(graphdef=run.graphdef, target_params=run.target_params, head=run.head,
-                               target_cfg=run.target.cfg, arch=run.arch, num_anchors=num_anchors,
-                               objective=objective, compute_dtype=run.compute_dtype)
+    spec = dataclasses.replace(run.spec, num_anchors=num_anchors, objective=objective, optimizer=None, walk_count=0)
+    eval_step = make_eval_step(spec, run.frozen)
     mine = examples[jax.process_index() * rows:(jax.process_index() + 1) * rows]
     batch = TrainBatch(tokens=np.stack([t for t, _, _ in mine]), loss_mask=np.stack([m for _, m, _ in mine]))
     return _host(eval_step(params, shard_batch(batch, run.mesh), jax.random.PRNGKey(1234)))
 
 
-__all__ = ["Phase", "StepMetrics", "TrainResult", "TrainRun", "arch_dict", "build_batches", "build_run",
-           "create_or_restore_state", "create_state", "curriculum_phases", "drafter_graphdef", "evaluate",
-           "fresh_state", "make_objective", "make_train_optimizer", "run_training", "state_layout", "train_loop"]
+__all__ = ["StepMetrics", "TrainResult", "TrainRun", "arch_dict", "build_batches", "build_run",
+           "create_or_restore_state", "create_state", "drafter_graphdef", "evaluate",
+           "fresh_state", "make_objective", "make_train_optimizer", "run_training", "state_layout", "step_spec",
+           "train_loop"]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash.data.batch import SoftLabels, TrainBatch
+from dflash.train.config import LOSS_TERMS
 
 # Paper values (docs/design.md §4.2): block size K -> decay gamma.
 PAPER_GAMMA: dict[int, float] = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -338,35 +339,13 @@ def dense_loss(logits_BxQxV: jax.Array, labels_BxQ: jax.Array, label_mask_BxQ: j
     return loss, {**block_metrics(correct_BxQ, mask_BxQ, K), "weighted_count": weighted_count}
 
 
-# ----------------------------------------------------------------------------- the chunked LM head + CE
+# ----------------------------------------------------------------------------- the chunked LM head: one kernel
 
 
 def auto_head_chunk(vocab_size: int, budget_elements: int = 1 << 25) -> int:
     """Rows per LM-head chunk so one chunk's fp32 logits hold about `budget_elements` (default 2^25:
     128 MiB), a multiple of 8, at least 8."""
     return max(8, (budget_elements // max(vocab_size, 1)) // 8 * 8)
-
-
-def _head_chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Array, vocab_major: bool,
-                      with_grad: bool) -> tuple[jax.Array, ...]:
-    """nll [C] f32, top-1 hit [C] f32, and (with_grad) d nll / d h [C, D] f32 of one chunk of rows.
-
-    Logits are h @ head in the compute dtype with fp32 accumulation; the softmax is fp32. The head's own
-    gradient is never formed (the target is frozen)."""
-    spec = "cd,vd->cv" if vocab_major else "cd,dv->cv"
-    logits_CxV = jnp.einsum(spec, h_CxD, head.astype(h_CxD.dtype), preferred_element_type=jnp.float32)
-    lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
-    picked_C = jnp.take_along_axis(logits_CxV, labels_C[:, None], axis=-1)[:, 0]
-    nll_C = lse_C - picked_C
-    hit_C = (jnp.argmax(logits_CxV, axis=-1) == labels_C).astype(jnp.float32)
-    if not with_grad:
-        return nll_C, hit_C
-    dlogits_CxV = jnp.exp(logits_CxV - lse_C[:, None])
-    dlogits_CxV = dlogits_CxV - jax.nn.one_hot(labels_C, logits_CxV.shape[-1], dtype=jnp.float32)
-    back = "cv,vd->cd" if vocab_major else "cv,dv->cd"
-    dh_CxD = jnp.einsum(back, dlogits_CxV.astype(h_CxD.dtype), head.astype(h_CxD.dtype),
-                        preferred_element_type=jnp.float32)
-    return nll_C, hit_C, dh_CxD
 
 
 def _map_chunks(fn: Callable[..., tuple[jax.Array, ...]], chunk: int, *rows: jax.Array) -> tuple[jax.Array, ...]:
@@ -382,119 +361,33 @@ def _map_chunks(fn: Callable[..., tuple[jax.Array, ...]], chunk: int, *rows: jax
     return tuple(o.reshape(n * chunk, *o.shape[2:])[:t] for o in out)
 
 
-def _over_chunks(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, vocab_major: bool, chunk: int,
-                 with_grad: bool) -> tuple[jax.Array, ...]:
-    """`_head_chunk_stats` over T rows in chunks of `chunk` rows (`_map_chunks`)."""
-    return _map_chunks(lambda h, lab: _head_chunk_stats(h, head, lab, vocab_major, with_grad), chunk, h_TxD, labels_T)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def head_nll(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, vocab_major: bool,
-             chunk: int) -> tuple[jax.Array, jax.Array]:
-    """(nll [T] f32, top-1 hit [T] f32) of rows `h_TxD` through the frozen LM head, in chunks of rows.
-
-    `head` is [V, D] (`vocab_major`, a tied embedding) or [D, V]. Differentiable in `h` only: the forward
-    under `jax.grad` also forms d nll_t / d h_t per chunk (softmax - onehot, times the head) and keeps that
-    [T, D] array instead of any [T, V] one, so the backward is a rescale: one head matmul forward and one
-    back, no recomputation, temporary memory O(chunk * V) whatever T (SpecForge's checkpointed chunks
-    recompute the forward). The hit output carries no gradient.
-    """
-    return _over_chunks(h_TxD, head, labels_T, vocab_major, chunk, with_grad=False)
-
-
-def _head_nll_fwd(h_TxD, head, labels_T, vocab_major, chunk):  # noqa: ANN001, ANN202 (custom_vjp rule)
-    nll_T, hit_T, dh_TxD = _over_chunks(h_TxD, head, labels_T, vocab_major, chunk, with_grad=True)
-    return (nll_T, hit_T), dh_TxD.astype(h_TxD.dtype)
-
-
-def _head_nll_bwd(vocab_major, chunk, res, cotangents):  # noqa: ANN001, ANN202 (custom_vjp rule)
-    g_nll_T, _ = cotangents
-    return (g_nll_T[:, None].astype(res.dtype) * res), None, None
-
-
-head_nll.defvjp(_head_nll_fwd, _head_nll_bwd)
-
-
-def _soft_chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Array, ids_CxT: jax.Array,
-                      probs_CxT: jax.Array, vocab_major: bool, with_grad: bool) -> tuple[jax.Array, ...]:
-    """soft CE [C] f32, hard nll [C] f32, top-1 hit [C] f32 and (with_grad) d soft CE / d h [C, D] f32 of one
-    chunk: CE_c = logsumexp(logits_c) - sum_t probs_ct logits_c[ids_ct] (probs summing to 1 or to 0, the
-    latter a row without loss), so d CE / d logits = softmax * sum_t probs - scatter(probs)."""
-    spec = "cd,vd->cv" if vocab_major else "cd,dv->cv"
-    logits_CxV = jnp.einsum(spec, h_CxD, head.astype(h_CxD.dtype), preferred_element_type=jnp.float32)
-    lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
-    nll_C = lse_C - jnp.take_along_axis(logits_CxV, labels_C[:, None], axis=-1)[:, 0]
-    hit_C = (jnp.argmax(logits_CxV, axis=-1) == labels_C).astype(jnp.float32)
-    mass_C = jnp.sum(probs_CxT, axis=-1)
-    ce_C = lse_C * mass_C - jnp.sum(probs_CxT * jnp.take_along_axis(logits_CxV, ids_CxT, axis=-1), axis=-1)
-    if not with_grad:
-        return ce_C, nll_C, hit_C
-    rows_Cx1 = jnp.arange(logits_CxV.shape[0])[:, None]
-    dlogits_CxV = jnp.exp(logits_CxV - lse_C[:, None]) * mass_C[:, None]
-    dlogits_CxV = dlogits_CxV.at[rows_Cx1, ids_CxT].add(-probs_CxT)
-    back = "cv,vd->cd" if vocab_major else "cv,dv->cd"
-    dh_CxD = jnp.einsum(back, dlogits_CxV.astype(h_CxD.dtype), head.astype(h_CxD.dtype),
-                        preferred_element_type=jnp.float32)
-    return ce_C, nll_C, hit_C, dh_CxD
-
-
-def _soft_over_chunks(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, ids_TxK: jax.Array,
-                      probs_TxK: jax.Array, vocab_major: bool, chunk: int, with_grad: bool) -> tuple[jax.Array, ...]:
-    """`_soft_chunk_stats` over T rows in chunks of `chunk` rows (`_map_chunks`)."""
-    return _map_chunks(lambda h, lab, ids, probs: _soft_chunk_stats(h, head, lab, ids, probs, vocab_major, with_grad),
-                       chunk, h_TxD, labels_T, ids_TxK, probs_TxK)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def head_soft_ce(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, ids_TxK: jax.Array, probs_TxK: jax.Array,
-                 vocab_major: bool, chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(soft CE [T] f32, hard nll [T] f32, top-1 hit [T] f32) of rows `h_TxD` through the frozen LM head, in
-    chunks of rows, as `head_nll` does: the soft CE is against the distribution `probs_TxK` over the head's
-    rows `ids_TxK` (each row's probabilities summing to 1, or all 0 for a row without loss); the hard nll
-    and hit are against `labels_T` (D-PACE's confidences and the teacher-forced metrics). Differentiable
-    in `h` through the soft CE only (the forward keeps d CE / d h, [T, D]; no [T, V] array outlives a
-    chunk); the nll and hit carry no gradient."""
-    return _soft_over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, with_grad=False)
-
-
-def _head_soft_ce_fwd(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk):  # noqa: ANN001, ANN202
-    ce_T, nll_T, hit_T, dh_TxD = _soft_over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk,
-                                                   with_grad=True)
-    return (ce_T, nll_T, hit_T), dh_TxD.astype(h_TxD.dtype)
-
-
-def _head_soft_ce_bwd(vocab_major, chunk, res, cotangents):  # noqa: ANN001, ANN202 (custom_vjp rule)
-    g_ce_T = cotangents[0]
-    return (g_ce_T[:, None].astype(res.dtype) * res), None, None, None, None
-
-
-head_soft_ce.defvjp(_head_soft_ce_fwd, _head_soft_ce_bwd)
-
-
-# Per-row quantities `head_divergences` can form (each with its gradient), and the loss terms built on them.
-DIVERGENCES = ("ce", "tv", "kl", "rkl")
-LOSS_TERMS = ("ce", "tv", "kl", "rkl", "opd")
+# The per-row quantities the head kernel forms, each with its gradient: `nll`, the cross-entropy against the hard
+# label; and against the target's stored top-k `ce` (renormalised), `tv`, `kl`, `rkl`. The loss terms built on
+# them are `train.config.LOSS_TERMS` (`head_loss`).
+DIVERGENCES = ("nll", "ce", "tv", "kl", "rkl")
 RKL_FLOOR = 1e-6  # the target's 'other' mass below this counts as this much in the reverse KL (else it is infinite)
 
 
-def _divergence_chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Array, ids_CxT: jax.Array,
-                            probs_CxT: jax.Array, vocab_major: bool, names: tuple[str, ...],
-                            with_grad: bool) -> tuple[jax.Array, ...]:
-    """values [C, M] of the M divergences `names` (of DIVERGENCES), hard nll [C], top-1 hit [C] and (with_grad)
+def _chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Array, ids_CxT: jax.Array | None,
+                 probs_CxT: jax.Array | None, vocab_major: bool, names: tuple[str, ...],
+                 with_grad: bool) -> tuple[jax.Array, ...]:
+    """values [C, M] of the M quantities `names` (of DIVERGENCES), hard nll [C], top-1 hit [C] and (with_grad)
     d value_m / d h [C, M, D] f32 of one chunk of rows (contract in `head_divergences`).
 
-    With p = softmax(logits) over the head's rows, t_i the stored probabilities of the row's top-T tokens (0 for
-    an entry that is not a token of the head), the rest of the vocabulary one outcome 'other' (the drafter's
-    mass there P_o = 1 - sum_T p_i, formed as exp(logsumexp over the non-top-T logits - lse) so it keeps its
-    precision near 0; the target's r = 1 - sum t):
-      ce  = -sum_T t^_i log p_i, t^ = t / sum t  (the soft cross-entropy of `head_soft_ce`, renormalised)
+    Logits z = h @ head in the compute dtype with fp32 accumulation; the softmax is fp32; the head's own gradient is
+    never formed (the target is frozen). With p = softmax(z) over the head's rows, y the hard label, t_i the stored
+    probabilities of the row's top-T tokens (0 for an entry that is not a token of the head), the rest of the
+    vocabulary one outcome 'other' (the drafter's mass there P_o = 1 - sum_T p_i, formed as exp(logsumexp over the
+    non-top-T logits - lse) so it keeps its precision near 0; the target's r = 1 - sum t):
+      nll = -log p_y
+      ce  = -sum_T t^_i log p_i, t^ = t / sum t  (the soft cross-entropy, renormalised; a row of zeros is 0)
       tv  = 1/2 (sum_T |p_i - t_i| + |P_o - r|)
       kl  = sum_T t_i log(t_i / p_i) + r log(r / P_o)
       rkl = sum_T p_i log(p_i / t_i) + P_o log(P_o / max(r, RKL_FLOOR))
     Gradients w.r.t. the logits z, all of the form p_j (c_j - sum_l p_l c_l) with c the derivative by the
-    outcome's probability (the 'other' tokens sharing theirs): ce: p - t^; tv: p_j (s_j - sum p s),
-    s = sign(p - t)/2 per outcome; kl: p (sum t + r) - t on T - r p / P_o off T; rkl: p_j (log(p_j / t_j) - rkl)
-    (log(P_o / r) off T)."""
+    outcome's probability (the 'other' tokens sharing theirs): nll: p - onehot(y); ce: p - t^; tv: p_j (s_j - sum
+    p s), s = sign(p - t)/2 per outcome; kl: p (sum t + r) - t on T - r p / P_o off T; rkl: p_j (log(p_j / t_j) -
+    rkl) (log(P_o / r) off T)."""
     spec = "cd,vd->cv" if vocab_major else "cd,dv->cv"
     logits_CxV = jnp.einsum(spec, h_CxD, head.astype(h_CxD.dtype), preferred_element_type=jnp.float32)
     C, V = logits_CxV.shape
@@ -502,22 +395,27 @@ def _divergence_chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Arr
     lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
     nll_C = lse_C - jnp.take_along_axis(logits_CxV, labels_C[:, None], axis=-1)[:, 0]
     hit_C = (jnp.argmax(logits_CxV, axis=-1) == labels_C).astype(jnp.float32)
-    on_CxT = probs_CxT > 0  # a stored token of the head (others carry no mass and may repeat id 0)
-    t_CxT = jnp.where(on_CxT, probs_CxT, 0.0)
-    logp_CxT = jnp.take_along_axis(logits_CxV, ids_CxT, axis=-1) - lse_C[:, None]
-    p_CxT = jnp.where(on_CxT, jnp.exp(logp_CxT), 0.0)
-    other_CxV = logits_CxV.at[rows_Cx1, ids_CxT].add(jnp.where(on_CxT, -jnp.inf, 0.0))
-    lse_o_C = jax.nn.logsumexp(other_CxV, axis=-1)
-    logp_o_C = lse_o_C - lse_C
-    p_o_C = jnp.exp(logp_o_C)
-    mass_C = jnp.sum(t_CxT, axis=-1)
-    r_C = jnp.maximum(1.0 - mass_C, 0.0)
-    log_t_CxT = jnp.log(jnp.where(on_CxT, t_CxT, 1.0))
+    if set(names) - {"nll"}:  # the target's stored top-T, and the drafter's mass on and off it
+        on_CxT = probs_CxT > 0  # a stored token of the head (others carry no mass and may repeat id 0)
+        t_CxT = jnp.where(on_CxT, probs_CxT, 0.0)
+        logp_CxT = jnp.take_along_axis(logits_CxV, ids_CxT, axis=-1) - lse_C[:, None]
+        p_CxT = jnp.where(on_CxT, jnp.exp(logp_CxT), 0.0)
+        other_CxV = logits_CxV.at[rows_Cx1, ids_CxT].add(jnp.where(on_CxT, -jnp.inf, 0.0))
+        lse_o_C = jax.nn.logsumexp(other_CxV, axis=-1)
+        logp_o_C = lse_o_C - lse_C
+        p_o_C = jnp.exp(logp_o_C)
+        mass_C = jnp.sum(t_CxT, axis=-1)
+        r_C = jnp.maximum(1.0 - mass_C, 0.0)
+        log_t_CxT = jnp.log(jnp.where(on_CxT, t_CxT, 1.0))
     xlogy = lambda x, y: jnp.where(x > 0, x * (jnp.log(jnp.where(x > 0, x, 1.0)) - y), 0.0)  # noqa: E731  x log(x) - x y
     values, grads = [], []
     p_CxV = jnp.exp(logits_CxV - lse_C[:, None]) if with_grad else None
     for name in names:
-        if name == "ce":
+        if name == "nll":
+            value = nll_C
+            if with_grad:
+                dz = p_CxV - jax.nn.one_hot(labels_C, V, dtype=jnp.float32)
+        elif name == "ce":
             that_CxT = t_CxT / jnp.maximum(mass_C, 1e-20)[:, None]
             value = -jnp.sum(jnp.where(on_CxT, that_CxT * logp_CxT, 0.0), axis=-1)
             if with_grad:
@@ -554,37 +452,50 @@ def _divergence_chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Arr
     return values_CxM, nll_C, hit_C, jnp.stack(grads, axis=1)
 
 
-def _divergence_over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, names,  # noqa: ANN001
-                            with_grad) -> tuple[jax.Array, ...]:  # noqa: ANN001
-    """`_divergence_chunk_stats` over T rows in chunks of `chunk` rows (`_map_chunks`)."""
-    fn = lambda h, lab, ids, probs: _divergence_chunk_stats(h, head, lab, ids, probs, vocab_major, names,  # noqa: E731
-                                                            with_grad)
+def _over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, names,  # noqa: ANN001
+                 with_grad) -> tuple[jax.Array, ...]:  # noqa: ANN001
+    """`_chunk_stats` over T rows in chunks of `chunk` rows (`_map_chunks`); without stored top-k (hard labels
+    only) the chunks carry no top-k arrays."""
+    if ids_TxK is None:
+        fn = lambda h, lab: _chunk_stats(h, head, lab, None, None, vocab_major, names, with_grad)  # noqa: E731
+        return _map_chunks(fn, chunk, h_TxD, labels_T)
+    fn = lambda h, lab, ids, probs: _chunk_stats(h, head, lab, ids, probs, vocab_major, names, with_grad)  # noqa: E731
     return _map_chunks(fn, chunk, h_TxD, labels_T, ids_TxK, probs_TxK)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def head_divergences(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, ids_TxK: jax.Array,
-                     probs_TxK: jax.Array, vocab_major: bool, chunk: int,
+def head_divergences(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, ids_TxK: jax.Array | None,
+                     probs_TxK: jax.Array | None, vocab_major: bool, chunk: int,
                      names: tuple[str, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(values [T, M] f32 of the divergences `names` (of DIVERGENCES; see `_divergence_chunk_stats`), hard nll [T]
-    f32, top-1 hit [T] f32) of rows `h_TxD` through the frozen LM head against the target's stored top-K tokens
-    `ids_TxK` with their probabilities `probs_TxK` AS STORED (not renormalised: their sum is the mass the stored
-    tokens of the head hold, the rest of the target's mass is the outcome 'other'; an entry of probability 0 is
-    not a token, a row of zeros a row without loss, whose values are all 0), in chunks of rows as `head_nll`
-    does. Differentiable in `h` through the values only: the forward keeps d value_m / d h ([T, M, D], no [T, V]
-    array outlives a chunk) and the backward is a weighted sum of those."""
-    return _divergence_over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, names, False)
+    """The one LM-head kernel of the loss, over hard labels and the target's stored top-k alike: (values [T, M] f32
+    of the quantities `names` (of DIVERGENCES: `nll` against the hard label `labels_T`; `ce`, `tv`, `kl`, `rkl`
+    against the stored top-K; see `_chunk_stats`), hard nll [T] f32, top-1 hit [T] f32) of rows `h_TxD` through
+    the frozen LM head `head` ([V, D] when `vocab_major`, a tied embedding or a training vocabulary's rows, else
+    [D, V]), `chunk` rows at a time.
+
+    The stored top-K, `ids_TxK` with `probs_TxK`, are taken AS STORED (not renormalised: their sum is the mass the
+    stored tokens of the head hold, the rest of the target's mass is the outcome 'other'; an entry of probability
+    0 is not a token, a row of zeros a row without loss, whose values are all 0); both are None with hard labels
+    only (`names` then ("nll",)). Differentiable in `h` through the values only: under `jax.grad` the forward also
+    forms d value_m / d h per chunk (softmax minus the target, times the head) and keeps that [T, M, D] array
+    instead of any [T, V] one, so the backward is a weighted sum: one head matmul forward and one back per value,
+    no recomputation, temporary memory O(chunk * V) whatever T (SpecForge's checkpointed chunks recompute the
+    forward). The nll and hit outputs carry no gradient."""
+    return _over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, names, False)
 
 
 def _head_divergences_fwd(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, names):  # noqa: ANN001, ANN202
-    values, nll_T, hit_T, dh_TxMxD = _divergence_over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major,
-                                                             chunk, names, True)
+    values, nll_T, hit_T, dh_TxMxD = _over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk,
+                                                  names, True)
     return (values, nll_T, hit_T), dh_TxMxD.astype(h_TxD.dtype)
 
 
 def _head_divergences_bwd(vocab_major, chunk, names, res, cotangents):  # noqa: ANN001, ANN202 (custom_vjp rule)
     g_TxM = cotangents[0]
-    return jnp.einsum("tm,tmd->td", g_TxM.astype(res.dtype), res), None, None, None, None
+    none = (None,) * 4  # the head (frozen), the labels and the stored top-k get no gradient
+    if g_TxM.shape[1] == 1:  # one value: a rescale of its row gradients
+        return (g_TxM[:, :1].astype(res.dtype) * res[:, 0], *none)
+    return (jnp.einsum("tm,tmd->td", g_TxM.astype(res.dtype), res), *none)
 
 
 head_divergences.defvjp(_head_divergences_fwd, _head_divergences_bwd)
@@ -602,24 +513,19 @@ class Objective:
     gamma: decay of `decay`. dpace_alpha: confidence floor of `dpace`, in (0, 1].
     opd_gamma: the decay, per slot past a block's first rejection, of the `opd` term's reverse KL, in (0, 1].
     head_chunk: rows of the LM head + CE per chunk (0: `auto_head_chunk(V)`).
-    feature_noise: sigma of the training-time noise on the target features (`noisy_features`; 0 = none).
-    selector_loss / selector_weight: the path selector's objective (`edge` | `path`, `train.selector`) and its
-      weight in the drafter's loss (read only for a drafter with `drafter.selector`).
+    selector_weight: the path selector's loss (`train.selector`) weight in the drafter's loss (read only for a
+      drafter with `drafter.selector`).
     """
 
     kind: str = "decay"
     gamma: float = 4.0
     dpace_alpha: float = 0.5
     head_chunk: int = 0
-    feature_noise: float = 0.0
     terms: tuple[tuple[str, float], ...] = (("ce", 1.0),)
     opd_gamma: float = 0.5
-    selector_loss: str = "edge"
     selector_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.selector_loss not in ("path", "edge"):
-            raise ValueError(f"selector_loss must be 'path' or 'edge'; received {self.selector_loss!r}")
         if not (self.selector_weight >= 0 and np.isfinite(self.selector_weight)):
             raise ValueError(f"selector_weight must be finite and >= 0; received {self.selector_weight}")
         if self.kind not in ("decay", "dpace"):
@@ -630,8 +536,6 @@ class Objective:
             raise ValueError(f"dpace_alpha must lie in (0, 1]; received {self.dpace_alpha}")
         if self.head_chunk < 0:
             raise ValueError(f"head_chunk must be >= 0 (0: automatic); received {self.head_chunk}")
-        if self.feature_noise < 0:
-            raise ValueError(f"feature_noise must be >= 0; received {self.feature_noise}")
         names = [n for n, _ in self.terms]
         if not names or any(n not in LOSS_TERMS for n in names) or len(set(names)) != len(names):
             raise ValueError(f"terms must name each of {LOSS_TERMS} at most once, at least one; received {self.terms}")
@@ -642,27 +546,13 @@ class Objective:
 
     @property
     def divergences(self) -> tuple[str, ...]:
-        """The per-row divergences (of DIVERGENCES) the terms read, in DIVERGENCES order; () for ce alone."""
+        """The per-row divergences (of DIVERGENCES) the terms read from soft labels, in DIVERGENCES order; () for
+        ce alone (the hard label's nll, or with soft labels the renormalised `ce`)."""
         names = {n for n, _ in self.terms}
         if names == {"ce"}:
             return ()
         need = names - {"opd"} | ({"kl", "rkl"} if "opd" in names else set())
         return tuple(n for n in DIVERGENCES if n in need)
-
-
-def noisy_features(feats_BxSxFD: jax.Array, num_features: int, sigma: float, rng: jax.Array) -> jax.Array:
-    """The target features with Gaussian noise scaled per captured layer and position: f + sigma * rms(f) * eps.
-
-    A regulariser for offline training, which shows the drafter the same stored features every epoch (EAGLE
-    perturbs its features with noise too). Each of the F layers' D-vectors gets noise in proportion to its own
-    root mean square, so layers of different scale are perturbed alike. No gradient flows into the features.
-    """
-    b, s, fd = feats_BxSxFD.shape
-    f_BxSxFxD = feats_BxSxFD.reshape(b, s, num_features, fd // num_features).astype(jnp.float32)
-    rms_BxSxFx1 = jnp.sqrt(jnp.mean(jnp.square(f_BxSxFxD), axis=-1, keepdims=True))
-    eps = jax.random.normal(rng, f_BxSxFxD.shape, jnp.float32)
-    out = f_BxSxFxD + sigma * rms_BxSxFx1 * eps
-    return jax.lax.stop_gradient(out.reshape(b, s, fd).astype(feats_BxSxFD.dtype))
 
 
 def dpace_weights(nll_BxNxJ: jax.Array, mask_BxNxJ: jax.Array, alpha: float) -> jax.Array:
@@ -705,7 +595,8 @@ def head_loss(hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks, block_si
     confidence in the hard label) and L_q = sum over `objective.terms` of weight x term_q.
 
     Slot 0 of each block (the anchor, never labelled) is skipped before the head, so the head runs on
-    B*N*(K-1) rows, `objective.head_chunk` rows at a time; see `head_nll`. With `decay` and `ce`, the same loss,
+    B*N*(K-1) rows, `objective.head_chunk` rows at a time; see `head_divergences`, the one kernel every term runs
+    through, hard labels included. With `decay` and `ce`, the same loss,
     gradient and metrics as the dense reference (full [B, Q, V] logits, tests/reference.py) in fp32.
 
     With a training vocabulary (`head.label_map`), the softmax runs over the subset's rows; a label outside it is
@@ -713,10 +604,10 @@ def head_loss(hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks, block_si
 
     `ce` with hard labels is the cross-entropy against label_q; with soft labels (`blocks.soft_ids` /
     `blocks.soft_probs` [B, Q, T]) against the target's top-T distribution at q, renormalised over the tokens the
-    head holds (`head_soft_ce`; a slot none of whose T tokens it holds is left out, whatever the terms). The
-    other terms need soft labels and compare the drafter's distribution p with the target's t as stored (top-T
-    probabilities of the head's tokens, the rest of its mass, beyond its top T or outside the head, one outcome
-    'other' against the drafter's mass off those T tokens; `head_divergences`):
+    head holds (a slot none of whose T tokens it holds is left out, whatever the terms). The other terms need soft
+    labels and compare the drafter's distribution p with the target's t as stored (top-T probabilities of the
+    head's tokens, the rest of its mass, beyond its top T or outside the head, one outcome 'other' against the
+    drafter's mass off those T tokens):
       tv:  total variation 1/2 |p - t|_1, the probability that speculative sampling rejects a token drawn from p
            when the target samples from t (at T >= its support; with the tail as one outcome it is a lower bound);
       kl:  forward KL(t || p), mass-covering (its gradient is soft ce's plus the tail's);
@@ -746,9 +637,8 @@ def head_loss(hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks, block_si
     if divergences and blocks.soft_ids is None:
         raise ValueError(f"loss terms {[n for n, _ in objective.terms]} compare distributions and need soft labels "
                          "(data.labels: soft); only ce trains on hard labels")
-    if blocks.soft_ids is None:
-        nll_T, hit_T = head_nll(rows(hidden_BxQxD), matrix, rows(labels_BxQ), vocab_major, chunk)
-        ce_T = nll_T
+    if blocks.soft_ids is None:  # hard labels: ce is the cross-entropy against the label
+        names, ids_TxK, probs_TxK = ("nll",), None, None
     else:
         ids_BxQxT = jnp.asarray(blocks.soft_ids, jnp.int32)
         probs_BxQxT = jnp.asarray(blocks.soft_probs, jnp.float32)
@@ -758,14 +648,10 @@ def head_loss(hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks, block_si
             ids_BxQxT = jnp.maximum(ids_BxQxT, 0)
         mass_BxQ = jnp.sum(probs_BxQxT, axis=-1)
         mask_BxQ = mask_BxQ * (mass_BxQ > 0)
-        if divergences:
-            values_TxM, nll_T, hit_T = head_divergences(rows(hidden_BxQxD), matrix, rows(labels_BxQ),
-                                                        rows(ids_BxQxT), rows(probs_BxQxT * mask_BxQ[..., None]),
-                                                        vocab_major, chunk, divergences)
-        else:
-            probs_BxQxT = probs_BxQxT * (mask_BxQ / jnp.maximum(mass_BxQ, 1e-20))[..., None]
-            ce_T, nll_T, hit_T = head_soft_ce(rows(hidden_BxQxD), matrix, rows(labels_BxQ), rows(ids_BxQxT),
-                                              rows(probs_BxQxT), vocab_major, chunk)
+        names, ids_TxK, probs_TxK = divergences or ("ce",), rows(ids_BxQxT), rows(probs_BxQxT * mask_BxQ[..., None])
+    values_TxM, nll_T, hit_T = head_divergences(rows(hidden_BxQxD), matrix, rows(labels_BxQ), ids_TxK, probs_TxK,
+                                                vocab_major, chunk, names)
+    per_row = {"ce" if name == "nll" else name: values_TxM[:, i] for i, name in enumerate(names)}
     k_BxQ = jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32) % K, (B, Q))
     m_T = rows(mask_BxQ)
     if objective.kind == "dpace":
@@ -775,16 +661,10 @@ def head_loss(hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks, block_si
         wm_T = rows(decay_weights(K, objective.gamma)[k_BxQ] * mask_BxQ)
     weighted_count = jnp.sum(wm_T)
     mean = lambda x_T: jnp.sum(wm_T * x_T) / jnp.maximum(weighted_count, 1e-9)  # noqa: E731
-    extra = {}
-    if divergences:
-        per_row = {name: values_TxM[:, i] for i, name in enumerate(divergences)}
-        if "opd" in dict(objective.terms):
-            per_row["opd"] = opd_rows(per_row["kl"], per_row["rkl"], hit_T * m_T, B, Q // K, objective.opd_gamma)
-        ce_T = sum(weight * per_row[name] for name, weight in objective.terms)
-        extra = {f"loss/{name}": mean(per_row[name]) for name, _ in objective.terms}
-    elif objective.terms[0][1] != 1.0:  # ce alone, weighted
-        ce_T = objective.terms[0][1] * ce_T
-    loss = mean(ce_T)
+    if "opd" in dict(objective.terms):
+        per_row["opd"] = opd_rows(per_row["kl"], per_row["rkl"], hit_T * m_T, B, Q // K, objective.opd_gamma)
+    loss = mean(sum(weight * per_row[name] for name, weight in objective.terms))
+    extra = {f"loss/{name}": mean(per_row[name]) for name, _ in objective.terms} if divergences else {}
     zeros_BxNx1 = jnp.zeros((B, Q // K, 1), jnp.float32)
     hit_BxQ = jnp.concatenate([zeros_BxNx1, hit_T.reshape(B, Q // K, K - 1)], axis=-1).reshape(B, Q)
     return loss, {**block_metrics(hit_BxQ * mask_BxQ, mask_BxQ, K), "weighted_count": weighted_count, **extra}
@@ -815,13 +695,9 @@ __all__ = [
     "default_gamma",
     "dense_loss",
     "head_loss",
-    "head_nll",
-    "head_soft_ce",
     "head_divergences",
     "opd_rows",
     "DIVERGENCES",
-    "LOSS_TERMS",
-    "noisy_features",
     "sample_anchors",
     "sample_anchors_batch",
     "valid_anchor_positions",

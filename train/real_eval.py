@@ -51,7 +51,7 @@ def save_best(run_dir: str | Path, drafter: DFlashDrafter, step: int, metrics: d
     shutil.rmtree(tmp, ignore_errors=True)
     save_zlab(drafter, tmp)
     (tmp / BEST_JSON).write_text(json.dumps(record, indent=2) + "\n")
-    fsync_tree(tmp)  # markov_head/ too
+    fsync_tree(tmp)
     shutil.rmtree(old, ignore_errors=True)
     if best.exists():
         best.rename(old)

@@ -4,15 +4,11 @@ the drafter's loss with weight `train.selector_weight` (`train.step.drafter_loss
 Each block slot t >= 1 has candidates C_t: its top k tokens by the unary logits (the frozen LM head on the
 drafter's normed hidden state), the label put in place of the k-th candidate when it is not among them (so every
 labelled slot has a label inside its set; speculators does the same). Scores s_t(a, b) = u_t(b) + e_t(a, b), with
-e the selector's edge score (predecessor a, candidate b). Two objectives (`train.selector_loss`):
-
-  edge (default): a per-slot k-way cross-entropy of s_t(y_{t-1}, .) over C_t given the label before it (teacher
-        forcing, exact for greedy acceptance: slot t only counts when the slots before it were right;
-        speculators' objective), weighted per slot with the paper's decay exp(-(t-1)/gamma);
-  path: the log-likelihood of the labelled path through the candidate lattice, a linear-chain CRF over each
-        block's labelled prefix (slots after the first unlabelled one are left out): -log P(y) with
-        P(y) = exp(sum_t s_t(y_{t-1}, y_t)) / Z, Z summed over every path through C_1 x ... x C_n by the forward
-        algorithm, y_0 the anchor; averaged over the labelled slots it covers.
+e the selector's edge score (predecessor a, candidate b). The objective is speculators': a per-slot k-way
+cross-entropy of s_t(y_{t-1}, .) over C_t given the label before it (teacher forcing, exact for greedy acceptance:
+slot t only counts when the slots before it were right), weighted per slot with the paper's decay
+exp(-(t-1)/gamma). (A second objective, the labelled path's CRF log-likelihood through the lattice, measured no
+better and left: docs/retired.md.)
 
 Only the selector's parameters learn from it: the hidden states and unary logits it reads are constants here
 (stop_gradient), so the backbone trains on the unary loss alone, as without a selector. Decision and
@@ -26,8 +22,6 @@ import jax.numpy as jnp
 
 from dflash.models.drafter import CandidateSelector
 from dflash.train.objective import Blocks, Objective, TrainHead, _map_chunks, auto_head_chunk, decay_weights
-
-SELECTOR_LOSSES = ("path", "edge")
 
 
 def head_topk(h_TxD: jax.Array, matrix: jax.Array, vocab_major: bool, k: int, chunk: int) -> tuple[jax.Array, ...]:
@@ -55,29 +49,9 @@ def with_labels(cand_TxC: jax.Array, unary_TxC: jax.Array, labels_T: jax.Array,
     return cand, unary, jnp.where(found, jnp.argmax(match, axis=-1), last).astype(jnp.int32)
 
 
-def path_nll(first_MxC: jax.Array, trans_MxJxCxC: jax.Array, gold_MxJ: jax.Array, prefix_MxJ: jax.Array) -> jax.Array:
-    """-log P(labelled path) [M] of each block's lattice over its labelled prefix: `first` the scores of slot 1's
-    candidates after the anchor, trans[m, j] the scores s(p, c) from candidate p of slot j to candidate c of slot
-    j + 1, gold[m, j] the label's candidate index at slot j + 1 ... (slot 1 first), prefix[m, j] whether slot
-    j + 1 is inside the labelled prefix. A block without a labelled slot gives 0."""
-    def step(alpha_MxC, xs):
-        trans_MxCxC, keep_M = xs
-        new = jax.nn.logsumexp(alpha_MxC[:, :, None] + trans_MxCxC, axis=1)
-        return jnp.where(keep_M[:, None], new, alpha_MxC), None
-
-    alpha, _ = jax.lax.scan(step, first_MxC, (jnp.moveaxis(trans_MxJxCxC, 1, 0), jnp.moveaxis(prefix_MxJ[:, 1:], 1, 0)))
-    log_z = jax.nn.logsumexp(alpha, axis=-1)
-    gold = jnp.take_along_axis(first_MxC, gold_MxJ[:, :1], axis=1)[:, 0]
-    prev, nxt = gold_MxJ[:, :-1], gold_MxJ[:, 1:]
-    steps = jnp.take_along_axis(jnp.take_along_axis(trans_MxJxCxC, prev[:, :, None, None], axis=2)[:, :, 0],
-                                nxt[:, :, None], axis=2)[..., 0]
-    score = gold + jnp.sum(jnp.where(prefix_MxJ[:, 1:], steps, 0.0), axis=1)
-    return jnp.where(prefix_MxJ[:, 0], log_z - score, 0.0)
-
-
 def selector_loss(selector: CandidateSelector, hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks,
                   block_size: int, objective: Objective) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(`objective.selector_loss` of the selector on the blocks, metrics); with a training vocabulary
+    """(the selector's loss on the blocks, metrics); with a training vocabulary
     (`head.label_map`) the candidates are its rows' tokens and a label outside it is left out. Metrics:
     `selector/accuracy` (teacher-forced top-1 of the selector's scores among the labelled slots whose label is a
     candidate) and
@@ -107,15 +81,15 @@ def selector_loss(selector: CandidateSelector, hidden_BxQxD: jax.Array, head: Tr
     anchor_M = jnp.asarray(blocks.block_ids, jnp.int32).reshape(M, K)[:, 0]
     return lattice_loss(selector, h_TxD.reshape(M, J, D), cand0.reshape(M, J, C), unary0.reshape(M, J, C),
                         labels_T.reshape(M, J), label_logit_T.reshape(M, J), mask_T.reshape(M, J), anchor_M,
-                        objective.selector_loss, objective.gamma)
+                        objective.gamma)
 
 
 def lattice_loss(selector: CandidateSelector, h_MxJxD: jax.Array, cand_MxJxC: jax.Array, unary_MxJxC: jax.Array,
                  labels_MxJ: jax.Array, label_logit_MxJ: jax.Array, mask_MxJ: jax.Array, anchor_M: jax.Array,
-                 kind: str, gamma: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 gamma: float) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`selector_loss` of M blocks of J = K-1 slots from their unary candidates (token ids, top first) and
-    scores, labels (token ids), the labels' own unary logits, the label mask and the anchors; `kind` `path` or
-    `edge` (`gamma`: the per-slot decay of `edge`)."""
+    scores, labels (token ids), the labels' own unary logits, the label mask and the anchors (`gamma`: the
+    per-slot decay)."""
     M, J, C = cand_MxJxC.shape
     cand0, unary0 = cand_MxJxC.reshape(M * J, C), unary_MxJxC.reshape(M * J, C)
     labels_T = labels_MxJ.reshape(-1)
@@ -123,18 +97,9 @@ def lattice_loss(selector: CandidateSelector, h_MxJxD: jax.Array, cand_MxJxC: ja
     proj_TxR = selector.hidden_projection(h_MxJxD.reshape(M * J, -1)).astype(jnp.float32)
     prev_MxJ = jnp.concatenate([anchor_M[:, None], labels_MxJ[:, :-1]], axis=1)
     scores_TxC = unary + selector.edges(prev_MxJ.reshape(-1), proj_TxR, cand).astype(jnp.float32)
-    gold_MxJ = gold_T.reshape(M, J)
-    if kind == "edge":
-        nll_T = jax.nn.logsumexp(scores_TxC, axis=-1) - jnp.take_along_axis(scores_TxC, gold_T[:, None], 1)[:, 0]
-        w_T = jnp.broadcast_to(decay_weights(J + 1, gamma)[1:], (M, J)).reshape(-1) * mask_MxJ.reshape(-1)
-        loss = jnp.sum(w_T * nll_T) / jnp.maximum(jnp.sum(w_T), 1e-9)
-    else:
-        prefix_MxJ = jnp.cumprod(mask_MxJ, axis=1).astype(bool)
-        cand_j, proj_MxJxR = cand.reshape(M, J, C), proj_TxR.reshape(M, J, -1)
-        trans = unary.reshape(M, J, C)[:, 1:, None, :] + selector.edges(
-            cand_j[:, :-1], proj_MxJxR[:, 1:], cand_j[:, 1:]).astype(jnp.float32)
-        nll_M = path_nll(scores_TxC.reshape(M, J, C)[:, 0], trans, gold_MxJ, prefix_MxJ)
-        loss = jnp.sum(nll_M) / jnp.maximum(jnp.sum(prefix_MxJ), 1.0)
+    nll_T = jax.nn.logsumexp(scores_TxC, axis=-1) - jnp.take_along_axis(scores_TxC, gold_T[:, None], 1)[:, 0]
+    w_T = jnp.broadcast_to(decay_weights(J + 1, gamma)[1:], (M, J)).reshape(-1) * mask_MxJ.reshape(-1)
+    loss = jnp.sum(w_T * nll_T) / jnp.maximum(jnp.sum(w_T), 1e-9)
     m_T = mask_MxJ.reshape(-1)
     hit_T = (jnp.argmax(scores_TxC, axis=-1) == gold_T) & jnp.any(cand0 == labels_T[:, None], axis=-1)
     walk_MxJ = selector.walk(cand_MxJxC, unary_MxJxC, h_MxJxD, anchor_M)

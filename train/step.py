@@ -1,11 +1,12 @@
-"""One DFlash training step (docs/design.md §4.2): `train_step(state, batch, target_params, head)` is a module-level
-pure function over a typed batch (`data.batch.TrainBatch`); `make_train_step` jits it once with the state and the
-batch donated.
+"""One DFlash training step (docs/design.md §4.2): `train_step(state, batch, frozen, spec)` is a module-level pure
+function over a typed batch (`data.batch.TrainBatch`); `make_train_step` jits it once with the state and the batch
+donated and `spec` (`StepSpec`: everything fixed at trace time, one frozen hashable value) static.
 
     anchors -> blocks -> target features and block embeddings (no gradient) -> drafter -> frozen LM head -> loss
 
-Only the drafter's parameters are differentiated and updated; the frozen target and its LM head (`TrainHead`:
-the full vocabulary or a training vocabulary's rows) are traced arguments of the step, never part of the state.
+Only the drafter's parameters are differentiated and updated; the frozen target and its LM head (`FrozenTarget`;
+`TrainHead`: the full vocabulary or a training vocabulary's rows) are a traced argument of the step, never part of
+the state.
 Design: docs/decisions.md D9, D10, D39.
 """
 
@@ -15,7 +16,6 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any
 
 import jax
@@ -33,7 +33,6 @@ from dflash.train.objective import (
     TrainHead,
     build_blocks_batch,
     head_loss,
-    noisy_features,
     sample_anchors_batch,
 )
 from dflash.train.selector import selector_loss
@@ -125,6 +124,54 @@ def train_head(target_params: Params, target_cfg: DecoderConfig, token_ids: Any 
     return TrainHead(matrix=draft_head_rows(target_params, target_cfg, ids), label_map=label_map, vocab_major=True)
 
 
+# ----------------------------------------------------------------------------- what a step fixes and reads
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What the train step and its siblings fix at trace time: one frozen, hashable value, passed to their jit as
+    the one static argument (an equal spec reuses the compiled program; a shape change compiles once more).
+
+    graphdef:      the drafter's graph (`train.loop.drafter_graphdef`), its matmuls in `compute_dtype`
+    target_cfg:    the frozen target's architecture (its forward computes online features)
+    arch:          the drafter's architecture (K, mask id, layer ids, draft window)
+    num_anchors:   N, blocks per row
+    objective:     the loss (`train.objective.Objective`)
+    optimizer:     the update the train step applies (None for the eval step, which applies none)
+    compute_dtype: the forward's dtype (params are cast inside the step; master weights and optimizer stay fp32)
+    walk_count:    anchors per row drawn from the serving walk's block starts (`train.walk_anchors`; 0 = none)
+    """
+
+    graphdef: nnx.GraphDef
+    target_cfg: DecoderConfig
+    arch: DrafterArch
+    num_anchors: int
+    objective: Objective
+    optimizer: optax.GradientTransformation | None = None
+    compute_dtype: Any = jnp.float32
+    walk_count: int = 0
+
+    def __post_init__(self) -> None:  # jit hashes its static argument at every call: once here, not per step
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self))))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FrozenTarget:
+    """The frozen target a step reads: traced arguments (not compiled in as constants), never trained and never
+    part of the state.
+
+    params: the target's weights, already in the compute dtype (cast once by the caller)
+    head:   the LM head the loss runs through (`train_head`: the target's, or a training vocabulary's rows)
+    """
+
+    params: Params
+    head: TrainHead
+
+
 # ----------------------------------------------------------------------------- the loss from explicit inputs
 
 
@@ -145,20 +192,9 @@ class StepInputs:
     segment_ids: jax.Array | None = None
 
 
-def previous_ids(blocks: Blocks, block_size: int) -> jax.Array:
-    """int32 [B, Q]: each block slot's previous token as the Markov head reads it in training: the anchor for
-    slots 0 and 1, the label of slot k-1 for k >= 2 (what the target emitted there; when that slot is not
-    labelled, neither is slot k, so whatever stands there is never scored)."""
-    b = blocks.block_ids.shape[0]
-    ids_BxNxK = blocks.block_ids.reshape(b, -1, block_size)
-    labels_BxNxK = blocks.labels.reshape(b, -1, block_size)
-    anchor = ids_BxNxK[..., :1]
-    return jnp.concatenate([anchor, anchor, labels_BxNxK[..., 1:-1]], axis=-1).reshape(b, -1).astype(jnp.int32)
-
-
-def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, inputs: StepInputs, head: TrainHead,
-                 target_params: Params, block_size: int, objective: Objective) -> tuple[jax.Array, Metrics]:
-    """DFlash loss of the drafter on explicit inputs (so gradients w.r.t. embeds and features exist).
+def drafter_loss(params: nnx.State, inputs: StepInputs, head: TrainHead, spec: StepSpec) -> tuple[jax.Array, Metrics]:
+    """DFlash loss of the drafter (`spec.graphdef` with `params`) on explicit inputs (so gradients w.r.t. embeds
+    and features exist), through the frozen LM head `head`.
 
     Context positions are 0..S-1 and every context token is valid; `BlockVisibility.from_anchors` gives
     block j the context keys s < a_j and its own block's keys only (block-local attention, no dense
@@ -166,21 +202,19 @@ def drafter_loss(params: nnx.State, graphdef: nnx.GraphDef, inputs: StepInputs, 
     sliding-window layer only the last W of them (s >= a_j - W, `drafter.sliding_window`). Positions stay
     the row's: RoPE sees only differences, which are the same within a conversation wherever it sits. The
     frozen head and the CE run in chunks (`head_loss`), in the dtype of the drafter's output (the compute dtype)
-    with fp32 accumulation and softmax. `target_params` is read only for the Markov head's token embeddings. With
-    DFlash2's path selector (`drafter.selector`), `objective.selector_weight` x its loss (`train.selector`) is added.
-    Returns (loss, head_loss metrics, and the selector's).
+    with fp32 accumulation and softmax. With DFlash2's path selector (`drafter.selector`),
+    `objective.selector_weight` x its loss (`train.selector`) is added. Returns (loss, head_loss metrics, and the
+    selector's).
     """
-    blocks, feats_BxSxFD = inputs.blocks, inputs.feats_BxSxFD
+    blocks, feats_BxSxFD, block_size, objective = inputs.blocks, inputs.feats_BxSxFD, spec.arch.block_size, \
+        spec.objective
     b, s, _ = feats_BxSxFD.shape
-    drafter = nnx.merge(graphdef, params)
+    drafter = nnx.merge(spec.graphdef, params)
     ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     anchor_BxN = blocks.anchor_of_query.reshape(b, -1, block_size)[:, :, 0]  # -1 for padding blocks
     visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool), inputs.segment_ids,
                                            window=drafter.arch.sliding_window)
     hidden_BxQxD = drafter(inputs.embeds_BxQxD, blocks.block_pos, feats_BxSxFD, ctx_pos_BxS, visible)
-    if drafter.markov is not None:  # slot k also sees the block's token before it (teacher-forced: its label)
-        previous = embed(jax.lax.stop_gradient(target_params), previous_ids(blocks, block_size))
-        hidden_BxQxD = drafter.with_previous(hidden_BxQxD, previous)
     loss, metrics = head_loss(hidden_BxQxD, head, blocks, block_size, objective)
     if drafter.candidate_selector is None or objective.selector_weight == 0:
         return loss, metrics
@@ -203,33 +237,30 @@ def check_batch(batch: TrainBatch, arch: DrafterArch) -> None:
     batch.check(dataclasses.replace(batch.layout(), feature_dim=width))
 
 
-def block_inputs(batch: TrainBatch, target_params: Params, target_cfg: DecoderConfig, arch: DrafterArch,
-                 num_anchors: int, rng: jax.Array, walk_count: int = 0) -> StepInputs:
-    """The blocks, block embeddings and target features of `batch` with anchors drawn from `rng`: what the
-    drafter's loss reads (no gradient into any of it).
+def block_inputs(batch: TrainBatch, target_params: Params, spec: StepSpec, rng: jax.Array) -> StepInputs:
+    """The blocks, block embeddings and target features of `batch` with `spec.num_anchors` anchors per row drawn
+    from `rng`: what the drafter's loss reads (no gradient into any of it).
 
     Features are `batch.features` when the batch holds them (offline mode: stored bf16 features, cast to the
     target params' dtype, i.e. the compute dtype), else the target's forward over the tokens (online). The labels
     (`batch.labels`: the text's, the target's, or its top-k distributions) and packed rows' segments shape the
-    blocks (`build_blocks`). With `batch.walk` (`data.walk`), `walk_count` of each row's anchors are drawn from
-    the serving walk's block starts (`sample_anchors`, `train.walk_anchors`)."""
-    anchors_BxN, keep_BxN = sample_anchors_batch(batch.loss_mask, num_anchors, arch.block_size, rng, batch.walk,
-                                                 walk_count)
+    blocks (`build_blocks`). With `batch.walk` (`data.walk`), `spec.walk_count` of each row's anchors are drawn
+    from the serving walk's block starts (`sample_anchors`, `train.walk_anchors`)."""
+    arch = spec.arch
+    anchors_BxN, keep_BxN = sample_anchors_batch(batch.loss_mask, spec.num_anchors, arch.block_size, rng, batch.walk,
+                                                 spec.walk_count)
     blocks = build_blocks_batch(batch, anchors_BxN, keep_BxN, arch.block_size, arch.mask_token_id)
     if batch.features is not None:
         feats_BxSxFD = jax.lax.stop_gradient(batch.features.astype(target_params["embed"].dtype))
     else:
-        feats_BxSxFD = online_features(target_params, target_cfg, batch.tokens, arch.layer_ids)
+        feats_BxSxFD = online_features(target_params, spec.target_cfg, batch.tokens, arch.layer_ids)
     embeds_BxQxD = jax.lax.stop_gradient(embed(target_params, blocks.block_ids))
     return StepInputs(blocks=blocks, embeds_BxQxD=embeds_BxQxD, feats_BxSxFD=feats_BxSxFD,
                       segment_ids=batch.segment_ids)
 
 
-def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head: TrainHead, *,
-               graphdef: nnx.GraphDef, target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int,
-               objective: Objective, optimizer: optax.GradientTransformation,
-               compute_dtype: Any = jnp.float32, walk_count: int = 0) -> StepOut:
-    """One update of the drafter on `batch`; pure.
+def train_step(state: TrainState, batch: TrainBatch, frozen: FrozenTarget, spec: StepSpec) -> StepOut:
+    """One update of the drafter on `batch`; pure. `frozen` is traced, `spec` static (`make_train_step`).
 
     Data flow (F captured layers, D hidden, Q = N*K, V' the head's rows):
 
@@ -244,26 +275,21 @@ def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head
                                 rows; only one chunk's [rows, V'] logits exist at a time, never [B, Q, V']
 
     Anchors are resampled from `state.rng` each step (new key per step); with `batch.walk` (`data.walk`),
-    `walk_count` of each row's are drawn from the serving walk's block starts first. Gradients are taken w.r.t.
-    `state.params` only. The forward runs in `compute_dtype` (params cast inside the differentiated
-    function, so gradients and the optimizer stay in the fp32 master precision); the loss's softmax is
-    fp32. `target_params` and `head` should already be in `compute_dtype` (cast once by the caller).
+    `spec.walk_count` of each row's are drawn from the serving walk's block starts first. Gradients are taken
+    w.r.t. `state.params` only. The forward runs in `spec.compute_dtype` (params cast inside the differentiated
+    function, so gradients and `spec.optimizer` stay in the fp32 master precision); the loss's softmax is fp32.
     metrics: loss, acceptance_length, accuracy_per_position [K], grad_norm (before clipping), lr (used by
     this update), num_labels, num_blocks, and with terms beyond ce each term's weighted mean (loss/<term>).
     """
-    check_batch(batch, arch)
+    check_batch(batch, spec.arch)
     rng, anchor_rng = jax.random.split(state.rng)
-    inputs = block_inputs(batch, target_params, target_cfg, arch, num_anchors, anchor_rng, walk_count)
-    if objective.feature_noise > 0:  # its own key, derived so that the anchor stream is the noiseless run's
-        inputs = dataclasses.replace(inputs, feats_BxSxFD=noisy_features(
-            inputs.feats_BxSxFD, len(arch.layer_ids), objective.feature_noise, jax.random.fold_in(anchor_rng, 1)))
+    inputs = block_inputs(batch, frozen.params, spec, anchor_rng)
 
     def loss_fn(params: nnx.State) -> tuple[jax.Array, Metrics]:
-        return drafter_loss(cast_floats(params, compute_dtype), graphdef, inputs, head, target_params,
-                            arch.block_size, objective)
+        return drafter_loss(cast_floats(params, spec.compute_dtype), inputs, frozen.head, spec)
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    updates, opt_state = spec.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
         "loss": loss,
@@ -279,37 +305,36 @@ def train_step(state: TrainState, batch: TrainBatch, target_params: Params, head
     return new_state, metrics
 
 
-def make_train_step(*, graphdef: nnx.GraphDef, target_params: Params, head: TrainHead, target_cfg: DecoderConfig,
-                    arch: DrafterArch, num_anchors: int, objective: Objective,
-                    optimizer: optax.GradientTransformation, compute_dtype: Any = jnp.float32,
-                    state_shardings: Any = None, walk_count: int = 0) -> Callable[[TrainState, TrainBatch], StepOut]:
-    """`(state, batch) -> (state, metrics)`: `train_step` jitted once with the state and the batch donated.
+def make_train_step(spec: StepSpec, frozen: FrozenTarget,
+                    state_shardings: Any = None) -> Callable[[TrainState, TrainBatch], StepOut]:
+    """`(state, batch) -> (state, metrics)`: `train_step` jitted once with the state and the batch donated and
+    `spec` its static argument; `frozen` is passed at every call.
 
-    Everything but the state, the batch, `target_params` and `head` is fixed at trace time; the target's weights
-    and its head are traced arguments so they are not compiled in as constants. Input shardings follow the
-    arguments (create the state, the target, the head and each batch already sharded, see `train.sharding`);
-    `state_shardings`, when given, pins the new state to the same layout and metrics are replicated. Do
-    not reuse a state or a batch after passing it in (their buffers are donated). `step.lower(state, batch)`
-    lowers the same jitted program (for ahead-of-time compilation and XLA memory analysis).
+    Input shardings follow the arguments (create the state, the frozen target and each batch already sharded, see
+    `train.sharding`); `state_shardings`, when given, pins the new state to the same layout and metrics are
+    replicated. Do not reuse a state or a batch after passing it in (their buffers are donated).
+    `step.lower(state, batch)` lowers the same jitted program (for ahead-of-time compilation and XLA memory
+    analysis); `step.jitted` is that program.
     """
-    body = partial(train_step, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
-                   objective=objective, optimizer=optimizer, compute_dtype=compute_dtype, walk_count=walk_count)
+    if spec.optimizer is None:
+        raise ValueError("make_train_step needs spec.optimizer; received a spec without one (an eval step's)")
     if state_shardings is None:
-        jitted = jax.jit(body, donate_argnums=(0, 1))
+        jitted = jax.jit(train_step, static_argnums=3, donate_argnums=(0, 1))
     else:
         mesh = jax.tree.leaves(state_shardings)[0].mesh
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        jitted = jax.jit(body, donate_argnums=(0, 1), out_shardings=(state_shardings, replicated))
+        jitted = jax.jit(train_step, static_argnums=3, donate_argnums=(0, 1),
+                         out_shardings=(state_shardings, replicated))
 
     def step(state: TrainState, batch: TrainBatch) -> StepOut:
         with _batch_donation_note():
-            return jitted(state, batch, target_params, head)
+            return jitted(state, batch, frozen, spec)
 
     def lower(state: TrainState, batch: TrainBatch) -> Any:  # for AOT compile / memory stats
         with _batch_donation_note():
-            return jitted.lower(state, batch, target_params, head)
+            return jitted.lower(state, batch, frozen, spec)
 
-    step.lower = lower
+    step.lower, step.jitted = lower, jitted
     return step
 
 
@@ -323,34 +348,30 @@ def _batch_donation_note() -> Iterator[None]:
         yield
 
 
-def eval_metrics(params: nnx.State, batch: TrainBatch, target_params: Params, head: TrainHead, rng: jax.Array, *,
-                 graphdef: nnx.GraphDef, target_cfg: DecoderConfig, arch: DrafterArch, num_anchors: int,
-                 objective: Objective, compute_dtype: Any = jnp.float32) -> Metrics:
+def eval_metrics(params: nnx.State, batch: TrainBatch, frozen: FrozenTarget, rng: jax.Array,
+                 spec: StepSpec) -> Metrics:
     """The step's loss and teacher-forced metrics on `batch` with anchors drawn from `rng`; no update."""
-    check_batch(batch, arch)
-    inputs = block_inputs(batch, target_params, target_cfg, arch, num_anchors, rng)
-    loss, aux = drafter_loss(cast_floats(params, compute_dtype), graphdef, inputs, head, target_params,
-                             arch.block_size, objective)
+    check_batch(batch, spec.arch)
+    inputs = block_inputs(batch, frozen.params, spec, rng)
+    loss, aux = drafter_loss(cast_floats(params, spec.compute_dtype), inputs, frozen.head, spec)
     return {"loss": loss, "acceptance_length": aux["acceptance_length"],
             "accuracy_per_position": aux["accuracy_per_position"], "num_labels": aux["num_labels"]}
 
 
-def make_eval_step(*, graphdef: nnx.GraphDef, target_params: Params, head: TrainHead, target_cfg: DecoderConfig,
-                   arch: DrafterArch, num_anchors: int, objective: Objective,
-                   compute_dtype: Any = jnp.float32) -> Callable[[nnx.State, TrainBatch, jax.Array], Metrics]:
-    """`(params, batch, rng) -> metrics`: `eval_metrics` jitted (nothing donated)."""
-    body = partial(eval_metrics, graphdef=graphdef, target_cfg=target_cfg, arch=arch, num_anchors=num_anchors,
-                   objective=objective, compute_dtype=compute_dtype)
-    jitted = jax.jit(body)
+def make_eval_step(spec: StepSpec, frozen: FrozenTarget) -> Callable[[nnx.State, TrainBatch, jax.Array], Metrics]:
+    """`(params, batch, rng) -> metrics`: `eval_metrics` jitted with `spec` static (nothing donated)."""
+    jitted = jax.jit(eval_metrics, static_argnums=4)
 
     def run(params: nnx.State, batch: TrainBatch, rng: jax.Array) -> Metrics:
-        return jitted(params, batch, target_params, head, rng)
+        return jitted(params, batch, frozen, rng, spec)
 
     return run
 
 
 __all__ = [
+    "FrozenTarget",
     "StepInputs",
+    "StepSpec",
     "TrainState",
     "block_inputs",
     "cast_floats",
@@ -364,7 +385,6 @@ __all__ = [
     "make_optimizer",
     "make_schedule",
     "make_train_step",
-    "previous_ids",
     "train_head",
     "train_step",
 ]
