@@ -104,8 +104,7 @@ def device_step_s(cfg: Any, params: Any, drafter: Any, c: int, new_tokens: int,
     import jax.numpy as jnp
     import numpy as np
 
-    from dflash.serve.speculative import decode_steps, span_pages
-    from dflash.serve.tree import decode_tree_steps
+    from dflash.serve.speculative import span_pages
 
     vocab = cfg.vocab_size
     probe = engine_of(cfg, params, drafter, c, 1, tree)
@@ -114,17 +113,13 @@ def device_step_s(cfg: Any, params: Any, drafter: Any, c: int, new_tokens: int,
     probe._admit()
     probe.table.ensure_batch(np.full(c, min(MAX_LEN, PROMPT_LEN + 4 * 8 * 4 + probe.width)))  # 4 calls of 8 steps
     probe._sync_table()
-    pages = span_pages(PROMPT_LEN + new_tokens + 8 + probe.width, probe.page_size, probe.max_pages)
+    pages = span_pages(PROMPT_LEN + new_tokens + 8 + probe.width, probe.limits.page_size, probe.limits.max_pages)
     stops, budget = jnp.full((c, 8), -1, jnp.int32), jnp.full((c,), 1 << 30, jnp.int32)
     times = []
     for _ in range(4):
         t1 = time.perf_counter()
-        if tree[0]:
-            history, sizes = (jnp.asarray(a) for a in probe._history())
-            probe.state, out, n, ran = decode_tree_steps(probe.models, probe.state, stops, budget, history, sizes, 4,
-                                                         tree[0], probe.ngram_nodes, 8, pages)
-        else:
-            probe.state, out, n, ran = decode_steps(probe.models, probe.state, stops, budget, 4, 8, pages)
+        probe.state, out, n, ran = probe.plan.loop(probe.models, probe.state, stops, budget, 8, pages,
+                                                   probe._history)  # `decode_steps` or `decode_tree_steps`
         jax.block_until_ready((out, n))
         times.append((time.perf_counter() - t1) / int(ran))
     return min(times[1:])

@@ -277,11 +277,12 @@ def timed_compiles(records: Sequence[dict[str, Any]]) -> dict[str, int | None]:
 
 def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = None, ar_url: str | None = None,
              drafter: str | None = None, step: str | None = None, config: str = "default",
-             overrides: Sequence[str] = (), api_key: str | None = None, progress: bool = True
+             overrides: Sequence[str] = (), api_key: str | None = None, devices: int = 1, progress: bool = True
              ) -> tuple[dict[str, Any], dict[str, Path]]:
     """`dflash eval`: against the server at `url`, or a `dflash serve` subprocess of `drafter` (a run dir or
     an export; `step`: N or best) started here; the AR baseline at `ar_url`, or a `dflash serve --ar`
-    subprocess of the same recipe (its `serve` section, with `overrides`, is the DFlash server's decode plan).
+    subprocess of the same recipe (its `serve` section, with `overrides`, is the DFlash server's decode plan), each
+    over `devices` of the host's devices (`dflash serve --devices`; the servers run one after the other).
     Subprocess logs go to out_dir/server-*.log; servers stop at the end."""
     import contextlib
 
@@ -290,7 +291,8 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
     if (url is None) == (drafter is None):
         raise ValueError("pass exactly one of --url (a running dflash serve) and --drafter (a run dir or export)")
     out_dir = Path(out_dir).expanduser()
-    common = ["--config", config, *(["--api-key", api_key] if api_key else []), *overrides]
+    common = ["--config", config, "--devices", str(devices), *(["--api-key", api_key] if api_key else []),
+              *overrides]
     slots = int(max(settings.concurrency))
     items = eval_items(settings)
     # One server at a time: the DFlash phase, then the AR phase (a server started here stops before the next).

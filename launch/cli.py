@@ -210,7 +210,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         results, paths = run_eval(settings, args.out, url=args.url, ar_url=args.ar_url, drafter=args.drafter,
                                   step=args.step, config=args.config, overrides=_overrides(args),
-                                  api_key=args.api_key, progress=not args.no_progress)
+                                  api_key=args.api_key, devices=args.devices, progress=not args.no_progress)
     except ServerError as err:
         print(f"dflash eval: error: {err}", file=sys.stderr)
         return 2
@@ -232,7 +232,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _log_devices()
     options = ServeOptions(drafter=args.drafter, step=None if args.ar else _step(args.step), ar=args.ar,
                            slots=args.slots, prefill_chunk=args.prefill_chunk,
-                           steps_per_dispatch=args.steps_per_dispatch, host=args.host, port=args.port,
+                           steps_per_dispatch=args.steps_per_dispatch, devices=args.devices, host=args.host,
+                           port=args.port,
                            model_name=args.model_name,
                            api_key=args.api_key or os.environ.get("DFLASH_API_KEY") or None,
                            max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout or None,
@@ -374,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-dispatch", type=int, default=4,
                    help="decode steps run on the device per host round trip (one jitted loop; back early when a "
                    "request finishes); 1: one propose and one verify call per step (default 4)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="split the target's weights and paged K/V over this many of the host's devices (tensor "
+                   "parallel; the drafter replicated); 0: all of them (default 1)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="the model id clients send (default: target.source)")
@@ -407,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="base of each sampled request's seed (default 0)")
     p.add_argument("--out", default="runs/eval", help="output directory; a rerun resumes it (default runs/eval)")
     p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
+    p.add_argument("--devices", type=int, default=1,
+                   help="each server started here splits the target over this many of the host's devices (tensor "
+                   "parallel); 0: all of them (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_eval)
 

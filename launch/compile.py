@@ -332,34 +332,41 @@ def compile_train_step(recipe: Any, mesh: Any) -> tuple[ProgramMemory, dict[str,
     return _compile("train_step", lowered, mesh.devices.size, args), ins
 
 
-def compile_engine(recipe: Any, device: Any, slots: int = ENGINE_SLOTS) -> list[ProgramMemory]:
-    """The engine's propose and verify for `recipe`'s target and drafter on one chip (the engine serves from one
-    device): `slots` sequences of up to target.max_seq_len tokens, target in target.dtype, drafter in fp32."""
+def compile_engine(recipe: Any, devices: list[Any], slots: int = ENGINE_SLOTS) -> list[ProgramMemory]:
+    """The engine's propose and verify for `recipe`'s target and drafter on one host's chips (`devices`): the
+    target's weights and paged K/V split over them in tensor parallel and the drafter replicated, as `dflash serve
+    --devices` places them (`models.sharding`); `slots` sequences of up to target.max_seq_len tokens, target in
+    target.dtype, drafter in fp32."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from jax.sharding import SingleDeviceSharding
 
     from dflash.models.drafter import DFlashDrafter, resolve_drafter
     from dflash.models.registry import abstract_target_params, known_target
+    from dflash.models.sharding import CACHE_RULES, TARGET_RULES, replicated, tensor_mesh, tree_shardings
     from dflash.serve.speculative import Models, empty_state, propose, verify
 
     known = known_target(recipe.target.source)
     arch = resolve_drafter(recipe.drafter, known.cfg, known.mask_token_id)
     dtype = jnp.dtype(recipe.target.dtype)
-    on_chip = SingleDeviceSharding(device)
+    mesh = tensor_mesh(devices)
 
-    def place(tree: Any) -> Any:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_chip), tree)
+    def place(tree: Any, rules: Any = None) -> Any:
+        shardings = tree_shardings(tree, rules, mesh) if rules else jax.tree.map(lambda _: replicated(mesh), tree)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
     graphdef, drafter_params = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
-    models = Models(place(abstract_target_params(known.cfg, dtype)), place(drafter_params), known.cfg, graphdef)
+    models = Models(place(abstract_target_params(known.cfg, dtype), TARGET_RULES), place(drafter_params), known.cfg,
+                    graphdef)
     page_size, max_len = 16, recipe.target.max_seq_len
     num_pages = slots * -(-max_len // page_size) + 1
-    state = place(jax.eval_shape(lambda: empty_state(known.cfg, arch, slots, max_len, num_pages, page_size, dtype)))
-    drafts = jax.ShapeDtypeStruct((slots, arch.block_size - 1), jnp.int32, sharding=on_chip)
-    return [_compile("propose", propose.lower(models, state, block_size=arch.block_size), 1, (models, state)),
-            _compile("verify", verify.lower(models, state, drafts), 1, (models, state, drafts))]
+    state = place(jax.eval_shape(lambda: empty_state(known.cfg, arch, slots, max_len, num_pages, page_size, dtype)),
+                  CACHE_RULES)
+    drafts = jax.ShapeDtypeStruct((slots, arch.block_size - 1), jnp.int32, sharding=replicated(mesh))
+    n = len(devices)
+    suffix = f" x{n}" if n > 1 else ""
+    return [_compile("propose" + suffix, propose.lower(models, state, block_size=arch.block_size), n, (models, state)),
+            _compile("verify" + suffix, verify.lower(models, state, drafts), n, (models, state, drafts))]
 
 
 def build_report(recipe_name: str, overrides: list[str], tpu_type: str, num_slices: int, backend: str,
@@ -373,8 +380,10 @@ def build_report(recipe_name: str, overrides: list[str], tpu_type: str, num_slic
     mesh = _mesh(recipe.train.mesh, devices)
     train, ins = compile_train_step(recipe, mesh)
     programs = [train]
-    if engine:
-        programs += compile_engine(recipe, devices[0])
+    if engine:  # the engine on one chip (`dflash serve`'s default), and over one host's chips (`--devices 0`)
+        host = tpu.chips // tpu.hosts
+        programs += compile_engine(recipe, devices[:1])
+        programs += compile_engine(recipe, devices[:host]) if host > 1 else []
     state = ins["state"]
     params = {"target params": sum(math.prod(x.shape) for x in _leaves(ins["target"])),
               "drafter params": sum(math.prod(x.shape) for x in _leaves(state.params))}

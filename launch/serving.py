@@ -15,6 +15,8 @@ import signal
 import threading
 from pathlib import Path
 
+import jax
+
 from dflash.configs.recipe import Recipe
 from dflash.data.eval_sets import eval_prompts
 from dflash.models.drafter_io import load_drafter, read_best
@@ -33,10 +35,10 @@ class ServeOptions:
 
     drafter: a `dflash train` run dir or an exported drafter dir (None: the recipe's train.run_dir); step: a
     checkpoint step of a run dir, "best", or None (the latest); ar: serve the target alone; slots, prefill_chunk
-    (0: off) and steps_per_dispatch: the engine's `Limits` (checked when the server is built, before anything
-    loads); model_name: the model id clients send (None: target.source); precompile: compile every shape the
-    engine can use before serving (`Engine.precompile`; False: requests compile as they come); the rest as
-    `make_server`'s arguments."""
+    (0: off), steps_per_dispatch and devices (the host's devices the target is split over, tensor parallel; 0:
+    all of them): the engine's `Limits` (checked when the server is built, before anything loads); model_name:
+    the model id clients send (None: target.source); precompile: compile every shape the engine can use before
+    serving (`Engine.precompile`; False: requests compile as they come); the rest as `make_server`'s arguments."""
 
     drafter: str | Path | None = None
     step: int | str | None = None
@@ -44,6 +46,7 @@ class ServeOptions:
     slots: int = 8
     prefill_chunk: int = 512
     steps_per_dispatch: int = 4
+    devices: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None
@@ -57,8 +60,9 @@ class ServeOptions:
         return Path(self.drafter or recipe.train.run_dir).expanduser()
 
     def limits(self, max_len: int) -> Limits:
+        devices = self.devices or len(jax.local_devices())
         return Limits(slots=self.slots, max_len=max_len, prefill_chunk=self.prefill_chunk or None,
-                      steps_per_dispatch=self.steps_per_dispatch)
+                      steps_per_dispatch=self.steps_per_dispatch, devices=devices)
 
 
 def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
@@ -93,8 +97,9 @@ def serve_recipe(recipe: Recipe, options: ServeOptions) -> None:
     server = build_server(recipe, options)
     plan = server.worker.engine.plan
     mode = plan.describe() + ("" if options.ar else f" (drafter {options.drafter_dir(recipe)})")
+    devices = server.worker.engine.limits.devices
     print(f"serving {server.model_name} on http://{options.host}:{server.server_address[1]}/v1 - {mode}, "
-          f"{options.slots} slots; Ctrl-C stops", flush=True)
+          f"{options.slots} slots" + (f", {devices} devices" if devices > 1 else "") + "; Ctrl-C stops", flush=True)
 
     def stop(*_: object) -> None:
         threading.Thread(target=server.close, daemon=True).start()

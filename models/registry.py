@@ -89,6 +89,12 @@ KNOWN_TARGETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
         "tie_word_embeddings": False, "attention_bias": False, "mask_token_id": 151669,
     },
+    "Qwen/Qwen3-32B": {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 25600,
+        "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False, "attention_bias": False, "mask_token_id": 151669,
+    },
     "Qwen/Qwen3-4B": {
         "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
         "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,

@@ -40,10 +40,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from dflash.models.config import DecoderConfig
 from dflash.models.decoder import Params
 from dflash.models.drafter import DFlashDrafter
+from dflash.models.sharding import CACHE_RULES, TARGET_RULES, place, replicated, tensor_mesh
 from dflash.serve.config import SamplingConfig
 from dflash.serve.lookup import history_rows, lookup_rows
 from dflash.serve.paged import OutOfPagesError, PagePool, PageTable
@@ -90,6 +92,27 @@ def _set_active(state: SpecState, active_B: jax.Array) -> SpecState:
     return dataclasses.replace(state, target=target, lengths=jnp.where(active_B, state.lengths, park), active=active_B)
 
 
+def _engine_mesh(devices: int) -> Mesh | None:
+    """The mesh of an engine on the first `devices` local devices (None: one device, no mesh)."""
+    local = jax.local_devices()
+    if devices > len(local):
+        raise ValueError(f"devices must be at most the {len(local)} local devices; received {devices}")
+    return None if devices == 1 else tensor_mesh(local[:devices])
+
+
+def _placed(models: Models, mesh: Mesh | None) -> Models:
+    """`models` on `mesh`: the target by `models.sharding.TARGET_RULES` (tensor parallel over heads and MLP), the
+    drafter and its draft-vocabulary rows replicated."""
+    if mesh is None:
+        return models
+    everywhere = replicated(mesh)
+    return dataclasses.replace(
+        models, target_params=place(models.target_params, TARGET_RULES, mesh),
+        drafter_params=jax.device_put(models.drafter_params, everywhere),
+        draft_head=None if models.draft_head is None else jax.device_put(models.draft_head, everywhere),
+        draft_ids=None if models.draft_ids is None else jax.device_put(models.draft_ids, everywhere))
+
+
 # ----------------------------------------------------------------------------- the engine
 
 
@@ -105,7 +128,8 @@ class Engine:
         plan.check(drafter)
         self.plan, self.limits = plan, limits
         drafter = drafter if plan.drafts_with_drafter else None
-        self.models = Models.of(target_params, target_cfg, drafter)
+        self.mesh = _engine_mesh(limits.devices)
+        self.models = _placed(Models.of(target_params, target_cfg, drafter), self.mesh)
         self.arch = None if drafter is None else drafter.arch
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.rules = RequestRules(target_cfg.vocab_size, limits.max_len, plan.width, plan.k, limits.page_size,
@@ -177,8 +201,9 @@ class Engine:
         self.pool = PagePool(limits.pages, limits.page_size)
         self.table = PageTable(self.pool, limits.slots, limits.max_pages)
         self.lengths = np.zeros(limits.slots, np.int64)  # committed tokens per slot, mirrored on the host
-        self.state: SpecState = empty_state(self.models.target_cfg, self.arch, limits.slots, limits.max_len,
-                                            limits.pages, limits.page_size, self.models.target_params["embed"].dtype)
+        state = empty_state(self.models.target_cfg, self.arch, limits.slots, limits.max_len, limits.pages,
+                            limits.page_size, self.models.target_params["embed"].dtype)
+        self.state: SpecState = state if self.mesh is None else place(state, CACHE_RULES, self.mesh)
         self._table_version = 0  # the table version on the device
 
     def reset(self) -> None:

@@ -308,9 +308,11 @@ class Limits:
     target cache's pages (`page_size` tokens each; `num_pages` default: every slot at max_len, plus the null page),
     `prefill_chunk` (a prompt longer than this many tokens, a power of two >= 16, is prefilled one chunk per engine
     step between the running requests' decode steps; None: every prompt in one call; a request asking for
-    log-probabilities always is) and `steps_per_dispatch` (R > 1: up to R decode steps in one device loop, back to
+    log-probabilities always is), `steps_per_dispatch` (R > 1: up to R decode steps in one device loop, back to
     the host after R steps or the first step in which a request hits a stop id or its budget; plans that do not
-    `loop`, and steps that score log-probabilities, run one step per dispatch)."""
+    `loop`, and steps that score log-probabilities, run one step per dispatch) and `devices` (the first this many
+    of the host's devices hold the engine: the target's weights and paged K/V split over them in tensor parallel,
+    the drafter replicated; `models.sharding`)."""
 
     slots: int
     max_len: int
@@ -318,6 +320,7 @@ class Limits:
     num_pages: int | None = None
     prefill_chunk: int | None = None
     steps_per_dispatch: int = 1
+    devices: int = 1
 
     def __post_init__(self) -> None:
         _require(is_int(self.slots) and self.slots >= 1, "slots", self.slots, "be an integer >= 1")
@@ -330,6 +333,7 @@ class Limits:
                  "be None or a power of two >= 16")
         _require(is_int(self.steps_per_dispatch) and self.steps_per_dispatch >= 1, "steps_per_dispatch",
                  self.steps_per_dispatch, "be an integer >= 1")
+        _require(is_int(self.devices) and self.devices >= 1, "devices", self.devices, "be an integer >= 1")
 
     @property
     def max_pages(self) -> int:

@@ -96,7 +96,7 @@ def test_compile_report_end_to_end_on_the_tiny_recipe(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 0, text
     report = CompileReport.from_json(json.loads(out.read_text()))
-    assert [p.name for p in report.programs] == ["train_step", "propose", "verify"]
+    assert [p.name for p in report.programs] == ["train_step", "propose", "verify", "propose x4", "verify x4"]
     assert report.mesh == {"data": 1, "fsdp": 4, "tensor": 1} and report.train.devices == 4
     for p in report.programs:
         assert p.argument_bytes > 0 and p.temp_bytes > 0 and not p.error and report.fits(p)

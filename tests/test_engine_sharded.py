@@ -1,0 +1,57 @@
+"""The engine over several devices (`Limits.devices`): the target's weights and paged K/V split over a host's devices
+in tensor parallel (`models.sharding`), the drafter replicated; greedy output equals the one-device engine's token
+for token, for every plan, on the simulated CPU devices (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_engine_models
+
+from dflash.serve.engine import Engine
+from dflash.serve.plan import AR, Chain, Limits, Tree
+
+pytestmark = pytest.mark.heavy  # compiles a model's engine: not in `bin/test --fast`
+
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target_cfg, target_params, drafter = tiny_engine_models(block_size=4)
+    rng = np.random.default_rng(11)
+    requests = [(list(rng.integers(0, 255, size=n)), budget) for n, budget in [(5, 20), (19, 14), (9, 25)]]
+    return target_cfg, target_params, drafter, requests
+
+
+def _run(setup, plan, devices):
+    target_cfg, target_params, drafter, requests = setup
+    engine = Engine(target_params, target_cfg, drafter, plan, Limits(slots=2, max_len=MAX_LEN, devices=devices,
+                                                                     steps_per_dispatch=2))
+    ids = [engine.submit(p, budget) for p, budget in requests]
+    done = engine.run()
+    return engine, [done[i].token_ids for i in ids]
+
+
+@pytest.mark.parametrize(("plan", "devices"), [(AR(), 4), (Chain(4), 2), (Tree(4, 6, lookup=True), 4)],
+                         ids=["ar-4", "chain-2", "tree-4"])
+def test_greedy_output_equals_the_one_device_engine(setup, plan, devices):
+    _, one = _run(setup, plan, 1)
+    engine, many = _run(setup, plan, devices)
+    assert many == one
+    assert engine.mesh.devices.size == devices
+
+
+def test_the_target_and_its_pages_are_split_the_drafter_replicated(setup):
+    engine, _ = _run(setup, Chain(4), 2)  # the programs of chain-2 above
+    target = engine.models.target_params
+    spec = lambda x: tuple(x.sharding.spec)  # noqa: E731
+    assert spec(target["layers"]["wq"])[2] == "tensor" and spec(target["layers"]["wo"])[1] == "tensor"
+    assert target["layers"]["wk"].addressable_shards[0].data.shape[2] == target["layers"]["wk"].shape[2] // 2
+    assert spec(engine.state.target.k_pages)[3] == "tensor"  # 2 kv heads over 2 devices
+    assert engine.state.draft.k.sharding.is_fully_replicated
+    leaves = jax.tree.leaves(engine.models.drafter_params)
+    assert leaves and all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == 2 for x in leaves)
+    with pytest.raises(ValueError, match="devices must be at most the 8 local devices; received 9"):
+        Engine(setup[1], setup[0], setup[2], Chain(4), Limits(slots=1, max_len=MAX_LEN, devices=9))
