@@ -16,7 +16,6 @@ Each takes the whole recipe and returns what it did; the CLI prints it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -30,7 +29,7 @@ from dflash.data.examples import build_examples
 from dflash.data.manifest import Manifest, Provenance, load_manifest
 from dflash.data.regenerate import RegenStats, make_regen_engine, regenerate
 from dflash.data.shards import RecordSource
-from dflash.data.sources import MixStats, mix, parse_mix
+from dflash.data.sources import MixStats, mix, mix_spec, tokenizer_counter
 from dflash.data.walk import WalkSummary, run_walk
 from dflash.models.target import Target, load_target
 
@@ -44,8 +43,11 @@ def run_regenerate(recipe: Recipe, *, target: Target | None = None,
     """Mix the prompts of `data.prompts`, then regenerate their answers with the target into
     data.dir/regenerated.jsonl (a rerun continues where the last one stopped)."""
     cfg = recipe.data
-    spec = dataclasses.replace(parse_mix(cfg.prompts), max_prompts=cfg.max_prompts, dedup=cfg.dedup, seed=cfg.seed)
-    items, mix_stats = mix(spec)
+    spec = mix_spec(cfg)
+    counter = None
+    if spec.filters_length:
+        counter = tokenizer_counter(target.tokenizer if target is not None else recipe_tokenizer(recipe))
+    items, mix_stats = mix(spec, count_tokens=counter)
     log.info("prompt mix:\n%s", mix_stats.summary())
     target = target if target is not None else load_target(recipe.target)
     engine = make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len)
@@ -53,6 +55,14 @@ def run_regenerate(recipe: Recipe, *, target: Target | None = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     stats = regenerate(engine, target.tokenizer, items, out, cfg.regen, progress=progress)
     return mix_stats, stats, out
+
+
+def recipe_tokenizer(recipe: Recipe) -> Any:
+    """The target's tokenizer alone (no weights loaded)."""
+    from dflash.models.registry import resolve_source
+    from dflash.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_source(recipe.target.source))
 
 
 def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> CaptureReport:
@@ -124,10 +134,7 @@ def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:
     if not manifest.shards:
         return "\n".join(lines)
     if tokenizer is None:
-        from dflash.models.registry import resolve_source
-        from dflash.models.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(resolve_source(recipe.target.source))
+        tokenizer = recipe_tokenizer(recipe)
     finished = sum(e.samples for e in manifest.shards)
     if not 0 <= sample < finished:
         raise ValueError(f"sample must lie in [0, {finished}) (the captured samples); received {sample}")

@@ -174,6 +174,35 @@ def test_turn_two_prompt_holds_the_regenerated_reply(target, engines, tmp_path, 
     assert _read(tmp_path / "one.jsonl")["item-1"]["messages"] == messages[:2]
 
 
+def test_ultrachat_layout_regenerates_multi_turn_through_the_recipe(target, engines, tmp_path, monkeypatch):
+    """A local dataset laid out as UltraChat on the Hub (train_sft parquet shards, a `messages` column), named in
+    data.prompts with its split, regenerated turn by turn: each reply after the target's own earlier replies."""
+    from test_data_sources import ultrachat_layout
+
+    from dflash.configs.recipe import load_recipe
+    from dflash.data import stages
+
+    root = ultrachat_layout(tmp_path / "ultrachat_200k")
+    recipe = load_recipe("tiny", [f"data.dir={tmp_path / 'data'}", "data.max_prompts=0", "data.max_user_tokens=64",
+                                  f"data.prompts=[{{path: '{root}', split: train_sft, label: uc}}]"])
+    engine = engines(4)
+    monkeypatch.setattr(stages, "make_regen_engine", lambda *a, **k: engine)
+    prompts = _spy(engine, monkeypatch)
+    mix_stats, stats, out = stages.run_regenerate(recipe, target=target, progress=False)
+    assert (mix_stats.sources[0].filtered, mix_stats.sources[0].duplicates, mix_stats.selected) == (1, 1, 3)
+    records = _read(out)
+    assert sorted(records) == ["uc:0", "uc:1", "uc:2"]
+    assert [len(records[i]["messages"]) for i in ("uc:0", "uc:1", "uc:2")] == [4, 2, 6]  # every turn answered
+    assert (stats.turns, len(prompts)) == (6, 6)
+    tok = target.tokenizer
+    three = records["uc:2"]["messages"]
+    assert [m["content"] for m in three if m["role"] == "user"] == ["What is 2 + 2?", "And 3 + 3?", "Thanks!"]
+    assert not {"4", "6", "You're welcome."} & {m["content"] for m in three if m["role"] == "assistant"}
+    for turn in (1, 2):  # turn t's prompt is the template over the target's own replies before it
+        expected = tok.encode(tok.apply_chat_template(three[: 2 * turn + 1], add_generation_prompt=True))
+        assert expected in prompts, turn
+
+
 def test_resume_after_a_crash_equals_an_uninterrupted_run(target, engines, tmp_path):
     tok = target.tokenizer
     items = _items(9) + [{"id": "empty", "source": "unit", "messages": [{"role": "user", "content": " "}]}]
