@@ -23,9 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from dflash.data.config import RegenConfig
+from dflash.data.progress import Progress
 from dflash.serve.config import SamplingConfig
 from dflash.serve.engine import Completion, Engine
 from dflash.serve.plan import AR, Limits
@@ -368,9 +367,11 @@ def regenerate(engine: Engine, tokenizer: Any, items: Iterable[Mapping[str, Any]
         stats.repaired_bytes += removed
         done.update(r["id"] for r in records)
     total = len(items) if hasattr(items, "__len__") else None
+    # resumed items are progress already made, not speed: the bar starts at them and counts new work only
+    initial = sum(1 for i in items if isinstance(i, Mapping) and i.get("id") in done) if total is not None else 0
     t0 = time.perf_counter()
     with (open(out_path, "a", encoding="utf-8") as out, open(errors_path, "a", encoding="utf-8") as errors,
-          tqdm(total=total, disable=not progress, unit="conv", desc="regenerate", dynamic_ncols=True) as bar):
+          Progress(total, initial=initial, enabled=progress, unit="conv", desc="regenerate") as bar):
         regen = _Regenerator(engine, tokenizer, cfg, out, errors, stats)
         source = iter(items)
         exhausted = False
@@ -387,16 +388,15 @@ def regenerate(engine: Engine, tokenizer: Any, items: Iterable[Mapping[str, Any]
             engine.step()
             regen.collect()
             stats.wall_s = time.perf_counter() - t0
-            advanced = regen.finished + stats.skipped - shown
+            advanced = regen.finished - shown
             if advanced:
                 shown += advanced
-                bar.set_postfix(ok=stats.succeeded, err=stats.errors + stats.dropped, skip=stats.skipped,
-                                tok_s=f"{stats.tokens_per_s:.0f}", refresh=False)
-                bar.update(advanced)
-        bar.update(regen.finished + stats.skipped - shown)
+                bar.set_postfix(ok=stats.succeeded, err=stats.errors + stats.dropped, skip=stats.skipped)
+                bar.update(advanced, tokens=stats.generated_tokens - bar.tokens)
+        bar.update(regen.finished - shown, tokens=stats.generated_tokens - bar.tokens)
     stats.wall_s = time.perf_counter() - t0
     if progress:
-        tqdm.write(stats.summary())
+        bar.write(stats.summary())
     log.info("%s", stats.summary())
     return stats
 

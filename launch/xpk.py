@@ -4,7 +4,7 @@ One Docker image (`docker/Dockerfile`: the locked dependency set plus jax[tpu]) 
 is the same `dflash` entry point it is on one machine. What a workload is:
 
     xpk workload create --cluster C --workload W --tpu-type v5p-128 --num-slices N --docker-image IMAGE
-        --command "dflash <stage> --config R --no-progress train.run_dir=/gcs/B/run data.dir=/gcs/B/data ..."
+        --command "dflash <stage> --config R train.run_dir=/gcs/B/run data.dir=/gcs/B/data ..."
         --env DFLASH_DISTRIBUTED=auto --env JAX_COMPILATION_CACHE_DIR=... --storage S --max-restarts R
 
 - **Every worker runs the same command.** `DFLASH_DISTRIBUTED=auto` makes `dflash` call
@@ -116,7 +116,7 @@ class XpkLaunch:
     def worker_command(self) -> list[str]:
         """The stage's `dflash` command, run by every worker of the workload (paths on the GCS FUSE mounts)."""
         paths = [f"train.run_dir={self.run_path}", f"data.dir={self.data_path}"]
-        common = ["--config", self.recipe, "--no-progress"]
+        common = ["--config", self.recipe]  # no terminal in a pod: every stage logs progress lines (data/progress.py)
         if self.stage == "train":
             cmd = ["dflash", "train", *common]
         elif self.stage in ("regenerate", "capture"):

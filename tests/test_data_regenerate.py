@@ -203,6 +203,22 @@ def test_ultrachat_layout_regenerates_multi_turn_through_the_recipe(target, engi
         assert expected in prompts, turn
 
 
+def test_progress_lines_without_a_terminal(target, engines, tmp_path, monkeypatch, capsys):
+    """In a pod (stderr is no terminal) regeneration logs done/total, tokens/s and ETA lines, resumed items
+    counted as done but not as speed."""
+    monkeypatch.delenv("DFLASH_PROGRESS", raising=False)
+    monkeypatch.setenv("DFLASH_PROGRESS_INTERVAL", "0.000001")
+    items = _items(3)
+    cfg = RegenConfig(max_new_tokens=MAX_NEW, max_len=MAX_LEN)
+    regenerate(engines(4), target.tokenizer, items[:1], tmp_path / "p.jsonl", cfg, progress=False)
+    capsys.readouterr()
+    regenerate(engines(4), target.tokenizer, items, tmp_path / "p.jsonl", cfg)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("regenerate: ")]
+    assert lines[0].startswith("regenerate: 2/3 conv (66.7%) | ")  # one resumed, one finished
+    assert lines[-1].startswith("regenerate: 3/3 conv (100.0%) | ") and "ETA 0s" in lines[-1]
+    assert all(" tokens/s | elapsed " in line for line in lines) and "ok=2 err=0 skip=1" in lines[-1]
+
+
 def test_resume_after_a_crash_equals_an_uninterrupted_run(target, engines, tmp_path):
     tok = target.tokenizer
     items = _items(9) + [{"id": "empty", "source": "unit", "messages": [{"role": "user", "content": " "}]}]

@@ -66,7 +66,7 @@ def test_dry_run_prints_the_xpk_command_and_workload_of_every_stage(capsys, stag
     assert "train.run_dir=/gcs/team-bucket/runs/qwen3-8b-a" in worker and "data.dir=/gcs/data-bucket/qwen3" in worker
     assert worker[-1] == "train.lr=3e-4" and worker[worker.index("--config") + 1] == "qwen3_8b"
     args, extra = build_parser().parse_known_args(worker[1:])
-    assert args.config == "qwen3_8b" and args.no_progress
+    assert args.config == "qwen3_8b" and not args.no_progress  # no terminal in a pod: the stage logs progress lines
     assert args.func.__name__ == {"train": "cmd_train", "eval": "cmd_eval"}.get(stage, "cmd_data")
     assert all("=" in a for a in extra)  # overrides that argparse left over (main appends them)
     if stage == "eval":
