@@ -218,6 +218,43 @@ def parse_sources(value: Any, field: str = "data.prompts") -> tuple[SourceSpec, 
 
 
 @dataclasses.dataclass(frozen=True)
+class EndpointConfig:
+    """Regeneration through an OpenAI-compatible server (vLLM, SGLang, tpu-inference, `dflash serve`) instead of
+    the in-process engine (`data/endpoint.py`; docs/data.md gives the server commands).
+
+    url: the server's base URL, e.g. http://10.0.0.7:8000/v1 ('' = regenerate in this process).
+    model: the served model id sent with each request ('' = the recipe's target.source); it must be one the
+      server lists at /v1/models.
+    api_key_env: the NAME of the environment variable holding the API key ('' = none); never the key itself.
+    concurrency: requests in flight. timeout_s: seconds one request may take. retries / backoff_s: a failed
+      request (connection error, timeout, 429, 5xx) is retried this many times, waiting backoff_s * 2^attempt
+      (at most 60 s) between tries; then the run stops, to be rerun (it resumes by item id).
+    check: before the first request, refuse a server whose model or tokenizer is not the recipe's target's (the
+      served ids, and a probe whose prompt token count and reply text must match the recipe's tokenizer).
+    """
+
+    url: str = ""
+    model: str = ""
+    api_key_env: str = ""
+    concurrency: int = 16
+    timeout_s: float = 600.0
+    retries: int = 5
+    backoff_s: float = 1.0
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.url == "" or self.url.startswith(("http://", "https://")), "data.regen.endpoint.url", self.url,
+                "be '' (the in-process engine) or an http:// or https:// base URL such as http://HOST:8000/v1")
+        require(self.concurrency >= 1, "data.regen.endpoint.concurrency", self.concurrency, "be >= 1")
+        require(self.timeout_s > 0, "data.regen.endpoint.timeout_s", self.timeout_s, "be > 0")
+        require(self.retries >= 0, "data.regen.endpoint.retries", self.retries, "be >= 0")
+        require(self.backoff_s >= 0, "data.regen.endpoint.backoff_s", self.backoff_s, "be >= 0")
+        require(self.api_key_env == "" or self.api_key_env.replace("_", "a").isalnum(),
+                "data.regen.endpoint.api_key_env", self.api_key_env,
+                "be the name of an environment variable (letters, digits, '_'), not the key itself")
+
+
+@dataclasses.dataclass(frozen=True)
 class RegenConfig:
     """How responses are regenerated.
 
@@ -233,6 +270,7 @@ class RegenConfig:
       there (0: every turn).
     drop_truncated: a reply that hits max_new_tokens is dropped (with the rest of its conversation) instead
       of kept with finish_reason "length".
+    endpoint: regenerate through an OpenAI-compatible server instead (`EndpointConfig`; url '' = in process).
     """
 
     system_prompt: str | None = None
@@ -247,6 +285,7 @@ class RegenConfig:
     slots: int = 8
     max_turns: int = 0
     drop_truncated: bool = False
+    endpoint: EndpointConfig = dataclasses.field(default_factory=EndpointConfig)
 
     def __post_init__(self) -> None:
         require(self.max_new_tokens >= 1, "data.regen.max_new_tokens", self.max_new_tokens, "be >= 1")
@@ -384,4 +423,4 @@ class DataConfig:
         return Path(self.dir).expanduser() / SHARDS
 
 
-__all__ = ["DataConfig", "RegenConfig", "SourceSpec", "parse_source", "parse_sources"]
+__all__ = ["DataConfig", "EndpointConfig", "RegenConfig", "SourceSpec", "parse_source", "parse_sources"]

@@ -49,10 +49,17 @@ def run_regenerate(recipe: Recipe, *, target: Target | None = None,
         counter = tokenizer_counter(target.tokenizer if target is not None else recipe_tokenizer(recipe))
     items, mix_stats = mix(spec, count_tokens=counter)
     log.info("prompt mix:\n%s", mix_stats.summary())
-    target = target if target is not None else load_target(recipe.target)
-    engine = make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len)
     out = cfg.regenerated_path
     out.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.regen.endpoint.url:  # an OpenAI-compatible server answers: the tokenizer is all this process needs
+        from dflash.data.endpoint import connect
+
+        tokenizer = target.tokenizer if target is not None else recipe_tokenizer(recipe)
+        backend = connect(cfg.regen, tokenizer, target_source=recipe.target.source)
+        stats = regenerate(backend, tokenizer, items, out, cfg.regen, progress=progress)
+        return mix_stats, stats, out
+    target = target if target is not None else load_target(recipe.target)
+    engine = make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len)
     stats = regenerate(engine, target.tokenizer, items, out, cfg.regen, progress=progress)
     return mix_stats, stats, out
 

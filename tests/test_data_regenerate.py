@@ -351,3 +351,84 @@ def test_repair_keeps_every_complete_line(tmp_path):
     path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
     with pytest.raises(ValueError, match="f.jsonl:2 must be one JSON object per line"):
         repair_jsonl(path)
+
+
+# --- regeneration through an OpenAI-compatible server (data/endpoint.py) -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    """`dflash serve`'s HTTP server over the same tiny target in a thread (key 'sekret'), at the engines' shape."""
+    import threading
+
+    from dflash.serve.engine import Engine
+    from dflash.serve.http import make_server
+    from dflash.serve.plan import AR, Limits
+
+    engine = Engine(target.params, target.cfg, None, AR(), Limits(slots=4, max_len=MAX_LEN))
+    httpd = make_server(engine, target.tokenizer, "tiny-random", "127.0.0.1", 0, api_key="sekret")
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.close()
+    thread.join(timeout=30)
+
+
+def _endpoint(cfg: RegenConfig, url: str, **fields) -> RegenConfig:
+    from dflash.data.config import EndpointConfig
+
+    fields = {"url": url, "model": "tiny-random", "api_key_env": "REGEN_TEST_KEY", "concurrency": 4, **fields}
+    return dataclasses.replace(cfg, endpoint=EndpointConfig(**fields))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_endpoint_regeneration_equals_in_process(target, engines, server, tmp_path, monkeypatch, temperature):
+    """The same conversations, replies, finish reasons and token counts through the server as in process, greedy
+    and sampled (each turn's seed travels with its request), and the same file: a run through one resumes the
+    other's."""
+    from dflash.data.endpoint import connect
+
+    monkeypatch.setenv("REGEN_TEST_KEY", "sekret")
+    tok = target.tokenizer
+    items = _items(9)
+    cfg = RegenConfig(system_prompt=SYSTEM, temperature=temperature, top_p=0.9, max_new_tokens=MAX_NEW,
+                      max_len=MAX_LEN, seed=7)
+    local = regenerate(engines(4, temperature), tok, items, tmp_path / "local.jsonl", cfg, progress=False)
+    remote_cfg = _endpoint(cfg, server)
+    remote = regenerate(connect(remote_cfg, tok, target_source="tiny"), tok, items, tmp_path / "remote.jsonl",
+                        remote_cfg, progress=False)
+    assert _read(tmp_path / "remote.jsonl") == _read(tmp_path / "local.jsonl")
+    assert (remote.succeeded, remote.turns, remote.generated_tokens, remote.prompt_tokens) == (
+        local.succeeded, local.turns, local.generated_tokens, local.prompt_tokens)
+    # (the random target writes token sequences BPE would not: their texts re-tokenise to other counts, counted)
+    assert 0 < remote.retokenized_differs < remote.turns
+    meta = json.loads((tmp_path / "remote.jsonl.meta.json").read_text())
+    assert meta == json.loads((tmp_path / "local.jsonl.meta.json").read_text())  # the same manifest
+    resumed = regenerate(connect(remote_cfg, tok, target_source="tiny"), tok, items, tmp_path / "local.jsonl",
+                         remote_cfg, progress=False)
+    assert (resumed.succeeded, resumed.skipped) == (0, 9)
+
+
+def test_endpoint_refuses_another_model_or_tokenizer(target, server, monkeypatch):
+    from dflash.configs.schema import ConfigError
+    from dflash.data.endpoint import EndpointError, connect
+
+    tok = target.tokenizer
+    cfg = _endpoint(RegenConfig(max_new_tokens=MAX_NEW, max_len=MAX_LEN), server)
+    monkeypatch.delenv("REGEN_TEST_KEY", raising=False)
+    with pytest.raises(ConfigError, match=r"api_key_env names an environment variable .*received 'REGEN_TEST_KEY', "
+                                          r"which is unset"):
+        connect(cfg, tok, target_source="tiny")
+    monkeypatch.setenv("REGEN_TEST_KEY", "wrong")
+    with pytest.raises(EndpointError, match=r"GET .*/v1/models must answer 200 .*received 401"):
+        connect(cfg, tok, target_source="tiny")
+    monkeypatch.setenv("REGEN_TEST_KEY", "sekret")
+    with pytest.raises(EndpointError, match=r"data.regen.endpoint.model must be a model the server at .* serves "
+                                            r"\(\['tiny-random'\]\); received 'tiny' \(default: the recipe's "
+                                            r"target.source 'tiny'"):
+        connect(_endpoint(cfg, server, model=""), tok, target_source="tiny")
+    other = dataclasses.replace(tok, chat_template="System: be brief.\n" + tok.chat_template)  # another template
+    with pytest.raises(EndpointError, match=r"does not tokenise like the recipe's target 'tiny': the probe prompt is "
+                                            r"\d+ tokens there and \d+ with the recipe's tokenizer"):
+        connect(cfg, other, target_source="tiny")
+    connect(_endpoint(cfg, server, check=False), other, target_source="tiny")  # the check can be turned off
