@@ -266,6 +266,9 @@ class RegenConfig:
     max_len: context length (prompt + reply) per sequence, for `make_regen_engine`.
     seed: base of the per-request seeds (hash of seed, item id, turn).
     slots: engine batch, for `make_regen_engine`; results do not depend on it.
+    replicas: engine replicas in each process, one per local device (0: every local device, or one on CPU, whose
+      simulated devices share the same cores); each process of a multi-process run answers its share of the
+      prompts (`data.scaleout`). Results do not depend on it, nor on the process count.
     max_turns: turns policy: regenerate the first `max_turns` replies of each conversation and cut it
       there (0: every turn).
     drop_truncated: a reply that hits max_new_tokens is dropped (with the rest of its conversation) instead
@@ -283,6 +286,7 @@ class RegenConfig:
     max_len: int = 2048
     seed: int = 0
     slots: int = 8
+    replicas: int = 0
     max_turns: int = 0
     drop_truncated: bool = False
     endpoint: EndpointConfig = dataclasses.field(default_factory=EndpointConfig)
@@ -293,6 +297,8 @@ class RegenConfig:
                 "be >= 0 (0: limited by the context only)")
         require(self.max_len >= 16, "data.regen.max_len", self.max_len, "be at least 16")
         require(self.slots >= 1, "data.regen.slots", self.slots, "be >= 1")
+        require(self.replicas >= 0, "data.regen.replicas", self.replicas,
+                "be >= 0 (0: one engine per local device, one on CPU)")
         require(self.max_turns >= 0, "data.regen.max_turns", self.max_turns, "be >= 0 (0: every turn)")
         require(isinstance(self.template_kwargs, Mapping), "data.regen.template_kwargs", self.template_kwargs,
                 "be a mapping of chat-template variables")

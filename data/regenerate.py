@@ -159,6 +159,11 @@ def read_regenerated(path: str | Path, limit: int | None = None) -> list[list[di
     A partial last line (a run still writing, or interrupted) is ignored, not repaired: this only reads.
     A `.xz` file (the packaged sets of `data.packaged_regenerated`) is decompressed first."""
     path = Path(path)
+    parts = path.with_name(path.name + ".parts")  # `data.scaleout`: shares of a multi-process run not merged yet
+    if parts.is_dir() and any(parts.glob("part-*.jsonl")):
+        raise ValueError(f"{path} must be merged with its shares in {parts} before training reads it (a multi-process "
+                         "regeneration stopped before its merge): rerun `dflash data regenerate` with the same config, "
+                         "which finds every item done and merges")
     data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
     records = _complete_records(path, data[: data.rfind(b"\n") + 1])
     for record in records:
@@ -179,9 +184,9 @@ def _append(f, record: Mapping[str, Any]) -> None:
 
 def _check_meta(path: Path, cfg: RegenConfig, tokenizer: Any) -> None:
     """Write the run's settings next to the output, or refuse to resume it under different ones."""
-    # how answers are made, not where: slots and the endpoint (in process or a server of the same target, checked
-    # by `data.endpoint`) give the same answers
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("slots", "endpoint")}
+    # how answers are made, not where: slots, replicas and the endpoint (in process or a server of the same
+    # target, checked by `data.endpoint`) give the same answers
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("slots", "replicas", "endpoint")}
     fingerprint = getattr(tokenizer, "fingerprint", None)
     meta = {"config": settings, "tokenizer": fingerprint() if callable(fingerprint) else None}
     meta = json.loads(json.dumps(meta))  # normalise (tuples -> lists) for the comparison
@@ -194,8 +199,8 @@ def _check_meta(path: Path, cfg: RegenConfig, tokenizer: Any) -> None:
             raise ValueError(f"{path} records other regeneration settings than this run's (differing: {fields}); "
                              "resume with the same config, or write to a new out_path")
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1, ensure_ascii=False))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # the processes of one run may write it at once
+    tmp.write_text(json.dumps(meta, indent=1, ensure_ascii=True))
     os.replace(tmp, path)
 
 
@@ -403,7 +408,8 @@ def _answered_length(conv: _Conversation) -> int:
 
 
 def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping[str, Any]], out_path: str | Path,
-               cfg: RegenConfig, *, progress: bool = True) -> RegenStats:
+               cfg: RegenConfig, *, progress: bool = True, also_done: Iterable[str] = (),
+               meta_path: str | Path | None = None, label: str = "regenerate") -> RegenStats:
     """Regenerate every item's assistant turns with the target into `out_path`; resumes a previous run on the
     same `out_path`. Returns this call's stats. `engine`: an AR-mode Engine in this process, or any `Backend`
     (engine replicas over several devices, an OpenAI-compatible server): the file is the same.
@@ -428,17 +434,20 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
     - `<out_path>.meta.json`: the config (all but `slots`) and the tokenizer fingerprint; a rerun with
       different ones is refused, so one file never mixes two regeneration settings.
 
-    Resume: a rerun reads both JSONL files and skips every id already in either (counted as skipped). A
-    crash can leave at most a partial last line (each line is one write); the rerun truncates it (logged,
-    counted in `RegenStats.repaired_bytes`) and never drops a complete line.
+    Resume: a rerun reads both JSONL files and skips every id already in either (counted as skipped), and every
+    id of `also_done` (other shares' files: `data.scaleout`). A crash can leave at most a partial last line (each
+    line is one write); the rerun truncates it (logged, counted in `RegenStats.repaired_bytes`) and never drops a
+    complete line. `meta_path`: where the settings are kept (default `<out_path>.meta.json`; the shares of one
+    run share their dataset's). `label` names the progress lines.
     """
     backend = EngineBackend(engine, tokenizer, cfg) if isinstance(engine, Engine) else engine
     out_path = Path(out_path)
     errors_path = out_path.with_name(out_path.name + ".errors.jsonl")
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    _check_meta(out_path.with_name(out_path.name + ".meta.json"), cfg, tokenizer)
+    _check_meta(Path(meta_path) if meta_path is not None else out_path.with_name(out_path.name + ".meta.json"), cfg,
+                tokenizer)
     stats = RegenStats()
-    done: set[str] = set()
+    done: set[str] = set(also_done)
     for path in (out_path, errors_path):
         records, removed = repair_jsonl(path)
         stats.repaired_bytes += removed
@@ -448,7 +457,7 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
     initial = sum(1 for i in items if isinstance(i, Mapping) and i.get("id") in done) if total is not None else 0
     t0 = time.perf_counter()
     with (open(out_path, "a", encoding="utf-8") as out, open(errors_path, "a", encoding="utf-8") as errors,
-          Progress(total, initial=initial, enabled=progress, unit="conv", desc="regenerate") as bar):
+          Progress(total, initial=initial, enabled=progress, unit="conv", desc=label) as bar):
         regen = _Regenerator(backend, tokenizer, cfg, out, errors, stats)
         source = iter(items)
         exhausted = False

@@ -19,8 +19,10 @@ is the same `dflash` entry point it is on one machine. What a workload is:
 - **Preemption**: the JobSet restarts the workload (`--max-restarts`, on xpk's restartable exit codes: SIGTERM
   and SIGKILL included), and `dflash train` resumes from the latest checkpoint in its run dir, the auto-resume of
   one machine (bit-identical to an uninterrupted run). A config error (exit 2) or a NaN (exit 1) is not restarted.
-- **One host or many**: `train` uses every host of every slice (one `jax.distributed` run); `regenerate`,
-  `capture` and `eval` run the engine on one host, so they need a single-host slice (e.g. v5p-8).
+- **One host or many**: `train` uses every host of every slice (one `jax.distributed` run); so does `regenerate`:
+  every host answers its share of the prompts (by item id) with an engine replica per chip, and host 0 merges the
+  shares (`data.scaleout`); `capture` and `eval` run the engine on one host, so they need a single-host slice
+  (e.g. v5p-8).
 
 `--dry-run` prints the xpk command and the workload (image, environment, command per worker, mounts) and runs
 nothing; it needs neither xpk nor the network.
@@ -43,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: xpk's own venv liv
 MOUNT_ROOT = "/gcs"
 XPK_VENV = ROOT / ".venv-xpk"
 STAGES = ("regenerate", "capture", "train", "eval")
-MULTI_HOST_STAGES = ("train",)
+MULTI_HOST_STAGES = ("train", "regenerate")
 DEFAULT_MAX_RESTARTS = 10
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # xpk's workload / storage names, at most 40 characters
 

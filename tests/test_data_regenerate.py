@@ -21,6 +21,7 @@ from dflash.data.regenerate import (
     ItemError,
     RegenConfig,
     make_regen_engine,
+    read_regenerated,
     regenerate,
     repair_jsonl,
     request_seed,
@@ -432,3 +433,49 @@ def test_endpoint_refuses_another_model_or_tokenizer(target, server, monkeypatch
                                             r"\d+ tokens there and \d+ with the recipe's tokenizer"):
         connect(cfg, other, target_source="tiny")
     connect(_endpoint(cfg, server, check=False), other, target_source="tiny")  # the check can be turned off
+
+
+# --- over a whole slice: shares per process, replicas per device (data/scaleout.py) --------------------------------
+
+
+def _prompt_file(path: Path, n: int) -> Path:
+    """n short single-turn prompts (one prefill length and few context sizes: few programs per device)."""
+    path.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?"}) + "\n" for i in range(n)))
+    return path
+
+
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.8, marks=pytest.mark.slow)])  # sampled: nightly
+def test_the_dataset_does_not_depend_on_the_topology(target, tmp_path, temperature):
+    """One device, 4 replicas on 4 devices, and 2 processes x 2 devices (each share run on its own, then merged):
+    byte-identical files, greedy and sampled (seeded by item id)."""
+    from dflash.configs.recipe import load_recipe
+    from dflash.data import stages
+    from dflash.data.scaleout import Share, merge_parts, part_files, share_of
+
+    N = 10  # noqa: N806
+    prompts = _prompt_file(tmp_path / "prompts.jsonl", N)
+
+    def recipe(name: str, replicas: int):
+        return load_recipe("tiny", [f"data.dir={tmp_path / name}", f"data.prompts={prompts}", "data.max_prompts=0",
+                                    f"data.regen.replicas={replicas}", f"data.regen.temperature={temperature}",
+                                    "data.regen.top_p=0.9", "data.regen.seed=3", "data.regen.max_new_tokens=12"])
+
+    stages.run_regenerate(recipe("one", 1), target=target, progress=False)
+    stages.run_regenerate(recipe("four", 4), target=target, progress=False)
+    sliced = recipe("sliced", 2)
+    for index in (1, 0):
+        _, stats, _ = stages.run_regenerate(sliced, target=target, progress=False, share=Share(index, 2), merge=False)
+        assert stats.succeeded == sum(share_of(f"prompts:{i}", 2) == index for i in range(N)) > 0
+    out = sliced.data.regenerated_path
+    assert len(part_files(out)) == 2 and not out.exists()
+    with pytest.raises(ValueError, match=r"must be merged with its shares .* rerun `dflash data regenerate`"):
+        read_regenerated(out.parent / "regenerated.jsonl")
+    merge_parts(out)
+    assert not part_files(out) and not (out.parent / "regenerated.jsonl.parts").exists()
+    one = (tmp_path / "one" / "regenerated.jsonl").read_bytes()
+    assert one == (tmp_path / "four" / "regenerated.jsonl").read_bytes() == out.read_bytes()
+    ids = [json.loads(line)["id"] for line in one.splitlines()]
+    assert ids == sorted(ids) and len(ids) == N
+    # a rerun on another topology finds everything done
+    _, again, _ = stages.run_regenerate(recipe("sliced", 1), target=target, progress=False)
+    assert (again.succeeded, again.skipped) == (0, N) and out.read_bytes() == one

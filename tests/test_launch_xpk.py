@@ -42,6 +42,7 @@ def _flag(argv: list[str], name: str) -> list[str]:
 @pytest.mark.parametrize(("stage", "tpu", "slices", "hosts", "expected"), [
     ("train", "v5p-128", "2", 32, ["dflash", "train"]),
     ("regenerate", "v5p-8", "1", 1, ["dflash", "data", "regenerate"]),
+    ("regenerate", "v5p-64", "2", 16, ["dflash", "data", "regenerate"]),  # every host answers its share
     ("capture", "v5p-8", "1", 1, ["dflash", "data", "capture"]),
     ("eval", "v5p-8", "1", 1, ["dflash", "eval"]),
 ])
@@ -85,6 +86,8 @@ def test_single_host_stages_refuse_multi_host_slices_and_bad_input_is_named(caps
     assert "be a single-host slice for `eval`" in capsys.readouterr().err
     assert main([*base, "--tpu-type", "v5p-8", "--num-slices", "2"]) == 2
     assert "--num-slices 1" in capsys.readouterr().err
+    assert main(["launch", "xpk", "capture", *base[3:], "--tpu-type", "v5p-64"]) == 2
+    assert "be a single-host slice for `capture`" in capsys.readouterr().err
     bad_dir = ["launch", "xpk", "train", "--config", "qwen3_8b", "--cluster", "c1", "--tpu-type", "v5p-128",
                "--run-dir", "/local/run", "--dry-run"]
     assert main(bad_dir) == 2
