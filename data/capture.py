@@ -49,10 +49,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from dflash.data.examples import Example
 from dflash.data.manifest import MANIFEST_VERSION, Manifest, Provenance
+from dflash.data.progress import Progress
 from dflash.data.records import FEATURE_DTYPE
 from dflash.data.shards import ShardWriter, writer_options
 from dflash.models.config import DecoderConfig, check_layer_ids
@@ -190,8 +190,8 @@ def capture(
     shard_tokens = [sum(int(n) for _, _, n in examples[i * samples_per_shard:(i + 1) * samples_per_shard])
                     for i in range(header.num_shards)]
     todo = sum(shard_tokens[i] for i in pending)
-    bar = tqdm(total=sum(shard_tokens), initial=sum(shard_tokens) - todo, disable=not progress, unit="tok",
-               unit_scale=True, dynamic_ncols=True, desc="capture")
+    bar = Progress(sum(shard_tokens), initial=sum(shard_tokens) - todo, enabled=progress, unit="tok",
+                   unit_scale=True, desc="capture")
     filler = np.full(seq_len, pad_id if pad_id is not None else 0, np.int32)
     featurize = (partial(_features_and_next_ids, target_params, target_cfg=target_cfg, layer_ids=layer_ids,
                          topk=target_topk) if target_labels

@@ -16,15 +16,242 @@ conversations (online features, or the input of `capture`); `features: offline` 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash.configs.schema import require
+from dflash.configs.schema import ConfigError, build, require
 from dflash.serve.config import SamplingConfig
 
 REGENERATED = "regenerated.jsonl"
 SHARDS = "shards"
+
+# The packaged prompt sets (`data.sources.PRESETS` loads them; a test keeps the two lists equal).
+PRESET_NAMES = ("sharegpt", "gsm8k", "gsm8k_test", "math", "math_test", "math500", "humaneval", "mtbench", "mbpp",
+                "mbpp_train")
+HUB_PREFIX = "hf:"
+_GLOB_CHARS = frozenset("*?[")
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+    """One prompt source of `data.prompts`: exactly one of
+    - `name`: a packaged preset (`PRESET_NAMES`; `data.packaged` says where each lives and how it is cleaned);
+    - `path`: a local `.json` / `.jsonl` / `.parquet` file (also `.gz`), a glob of such files
+      (`shards/train-*.parquet`, `**` recursive), or a directory of one kind laid out as on the Hub (datasets'
+      split naming applies: `data/train_sft-00000-of-00003.parquet` is split `train_sft`, `test.jsonl` is `test`,
+      … or everything is `train`), read with `datasets.load_dataset("json" | "parquet", …)`;
+    - `hub`: a Hugging Face dataset id, `datasets.load_dataset(hub, subset, split=split)` (needs the network; a
+      local directory saved from the Hub works too).
+
+    subset: the Hub dataset's config name (hub only). split: path/hub split (default 'train'; UltraChat's is
+    'train_sft'); presets have a fixed one. weight: share of the mix (> 0). max_prompts: cap on this source's
+    conversations (0: no cap).
+    Column mapping (path/hub; default: auto, see `data.sources.load_source`): messages_field, the column holding
+    the turn list (OpenAI `[{role, content}]` or ShareGPT `[{from, value}]`; auto: `messages`, then
+    `conversations`); prompt_field / answer_field, the columns of a single prompt and its reference answer.
+    label: the source's name in ids and stats (default: preset name, Hub id or file stem).
+    """
+
+    name: str | None = None
+    path: str | None = None
+    hub: str | None = None
+    subset: str | None = None
+    split: str | None = None
+    weight: float = 1.0
+    max_prompts: int = 0
+    messages_field: str | None = None
+    prompt_field: str | None = None
+    answer_field: str | None = None
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = {key: getattr(self, key) for key in ("name", "path", "hub")}
+        chosen = [key for key, value in kinds.items() if value is not None]
+        require(
+            len(chosen) == 1,
+            "source",
+            kinds,
+            "set exactly one of name (a preset), path (a local file, glob or directory) or hub (a dataset id)",
+        )
+        where = f"source {self.source_name!r}"
+        for key in ("name", "path", "hub", "subset", "split", "messages_field", "prompt_field", "answer_field",
+                    "label"):
+            value = getattr(self, key)
+            require(
+                value is None or (isinstance(value, str) and value.strip()),
+                f"{where}: {key}",
+                value,
+                "be a non-empty string or null",
+            )
+        if self.name is not None:
+            require(self.name in PRESET_NAMES, f"{where}: name", self.name,
+                    f"be one of the presets {sorted(PRESET_NAMES)}")
+            for key in ("subset", "split", "messages_field", "prompt_field", "answer_field"):
+                require(
+                    getattr(self, key) is None,
+                    f"{where}: {key}",
+                    getattr(self, key),
+                    "be unset for a preset (each preset has a fixed split and columns, e.g. gsm8k and gsm8k_test)",
+                )
+        require(
+            self.subset is None or self.hub is not None,
+            f"{where}: subset",
+            self.subset,
+            "be unset unless hub is set (it is the Hub dataset's config name)",
+        )
+        require(
+            self.messages_field is None or self.prompt_field is None,
+            f"{where}: prompt_field",
+            self.prompt_field,
+            f"be unset when messages_field is set ({self.messages_field!r}): a record is either a turn list or a "
+            "single prompt",
+        )
+        weight_ok = isinstance(self.weight, (int, float)) and not isinstance(self.weight, bool)
+        require(
+            weight_ok and math.isfinite(self.weight) and self.weight > 0,
+            f"{where}: weight",
+            self.weight,
+            "be a finite number > 0",
+        )
+        require(
+            isinstance(self.max_prompts, int) and not isinstance(self.max_prompts, bool) and self.max_prompts >= 0,
+            f"{where}: max_prompts",
+            self.max_prompts,
+            "be an integer >= 0 (0: all)",
+        )
+        require(
+            self.label is None or ":" not in self.label,
+            f"{where}: label",
+            self.label,
+            "not contain ':' (ids are '<label>:<index>')",
+        )
+
+    @property
+    def is_glob(self) -> bool:
+        return self.path is not None and bool(_GLOB_CHARS & set(self.path))
+
+    @property
+    def source_name(self) -> str:
+        """The name used in item ids and stats."""
+        if self.label:
+            return self.label
+        if self.name or self.hub:
+            return str(self.name or self.hub)
+        if self.path:
+            parts = Path(self.path).parts
+            # a glob is named by the folder it reads (`ultrachat/data/*.parquet` -> 'data'), a file by its stem
+            fixed = [p for p in parts if not _GLOB_CHARS & set(p)] if self.is_glob else list(parts)
+            stem = fixed[-1] if fixed else str(self.path)
+            for suffix in (".gz", ".jsonl", ".json", ".parquet"):
+                stem = stem.removesuffix(suffix)
+            return stem or str(self.path)
+        return "?"
+
+
+def parse_source(token: str, whole: str | None = None) -> SourceSpec:
+    """`SOURCE[?KEY=VALUE&...][:WEIGHT]` -> SourceSpec, the short form of `data.prompts` (and of `parse_mix`).
+
+    SOURCE is a preset name, `hf:<dataset id>` or a local path (file, glob or directory); the optional query sets
+    string fields of SourceSpec (`subset`, `split`, `messages_field`, `prompt_field`, `answer_field`, `label`)
+    and `max_prompts`, e.g. `hf:HuggingFaceH4/ultrachat_200k?split=train_sft:3` or
+    `./chats/*.jsonl?messages_field=turns`.
+    """
+    whole = token if whole is None else whole
+    token = token.strip()
+    source, weight = token, 1.0
+    head, sep, tail = token.rpartition(":")
+    if sep:
+        try:
+            weight, source = float(tail), head
+        except ValueError:
+            pass
+    source, _, query = source.partition("?")
+    if not source:
+        raise ConfigError(f"data.prompts sources must look like 'SOURCE[?KEY=VALUE&...][:WEIGHT]'; received "
+                          f"{token!r} in {whole!r}")
+    options: dict[str, Any] = {}
+    settable = ("subset", "split", "messages_field", "prompt_field", "answer_field", "label", "max_prompts")
+    for pair in filter(None, query.split("&")):
+        key, eq, value = pair.partition("=")
+        require(bool(eq) and key in settable, f"data.prompts source {source!r}: option", pair,
+                f"be KEY=VALUE with KEY one of {list(settable)}")
+        if key == "max_prompts":
+            require(value.isdigit(), f"source {source!r}: max_prompts", value, "be an integer >= 0 (0: all)")
+            options[key] = int(value)
+        else:
+            options[key] = value
+    if source in PRESET_NAMES:
+        return SourceSpec(name=source, weight=weight, **options)
+    if source.startswith(HUB_PREFIX):
+        return SourceSpec(hub=source.removeprefix(HUB_PREFIX), weight=weight, **options)
+    if "/" in source or Path(source).suffix or Path(source).exists() or _GLOB_CHARS & set(source):
+        return SourceSpec(path=source, weight=weight, **options)
+    raise ConfigError(
+        f"mix source {source!r} in {whole!r} must be a preset {sorted(PRESET_NAMES)}, 'hf:<dataset id>' or a path "
+        "to a .json/.jsonl/.parquet file, glob or directory"
+    )
+
+
+def parse_sources(value: Any, field: str = "data.prompts") -> tuple[SourceSpec, ...]:
+    """The sources of `data.prompts`: a short-form string (`SOURCE[:WEIGHT],...`, see `parse_source`) or a list
+    whose items are short-form strings or mappings of SourceSpec fields (errors name `field[i].key`)."""
+    if isinstance(value, str):
+        require(bool(value.strip()), field, value, "name at least one source")
+        return tuple(parse_source(t, value) for t in value.split(","))
+    require(isinstance(value, (list, tuple)) and len(value) > 0, field, value,
+            "be a 'SOURCE[:WEIGHT],...' string or a non-empty list of sources (strings or mappings)")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, SourceSpec):
+            out.append(item)
+        elif isinstance(item, str):
+            out.append(parse_source(item))
+        elif isinstance(item, Mapping):
+            out.append(build(SourceSpec, item, prefix=f"{field}[{i}]"))
+        else:
+            raise ConfigError(f"{field}[{i}] must be a 'SOURCE[:WEIGHT]' string or a mapping of source fields "
+                              f"(name | path | hub, split, subset, weight, ...); received {item!r}")
+    return tuple(out)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class EndpointConfig:
+    """Regeneration through an OpenAI-compatible server (vLLM, SGLang, tpu-inference, `dflash serve`) instead of
+    the in-process engine (`data/endpoint.py`; docs/data.md gives the server commands).
+
+    url: the server's base URL, e.g. http://10.0.0.7:8000/v1 ('' = regenerate in this process).
+    model: the served model id sent with each request ('' = the recipe's target.source); it must be one the
+      server lists at /v1/models.
+    api_key_env: the NAME of the environment variable holding the API key ('' = none); never the key itself.
+    concurrency: requests in flight. timeout_s: seconds one request may take. retries / backoff_s: a failed
+      request (connection error, timeout, 429, 5xx) is retried this many times, waiting backoff_s * 2^attempt
+      (at most 60 s) between tries; then the run stops, to be rerun (it resumes by item id).
+    check: before the first request, refuse a server whose model or tokenizer is not the recipe's target's (the
+      served ids, and a probe whose prompt token count and reply text must match the recipe's tokenizer).
+    """
+
+    url: str = ""
+    model: str = ""
+    api_key_env: str = ""
+    concurrency: int = 16
+    timeout_s: float = 600.0
+    retries: int = 5
+    backoff_s: float = 1.0
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.url == "" or self.url.startswith(("http://", "https://")), "data.regen.endpoint.url", self.url,
+                "be '' (the in-process engine) or an http:// or https:// base URL such as http://HOST:8000/v1")
+        require(self.concurrency >= 1, "data.regen.endpoint.concurrency", self.concurrency, "be >= 1")
+        require(self.timeout_s > 0, "data.regen.endpoint.timeout_s", self.timeout_s, "be > 0")
+        require(self.retries >= 0, "data.regen.endpoint.retries", self.retries, "be >= 0")
+        require(self.backoff_s >= 0, "data.regen.endpoint.backoff_s", self.backoff_s, "be >= 0")
+        require(self.api_key_env == "" or self.api_key_env.replace("_", "a").isalnum(),
+                "data.regen.endpoint.api_key_env", self.api_key_env,
+                "be the name of an environment variable (letters, digits, '_'), not the key itself")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +266,14 @@ class RegenConfig:
     max_len: context length (prompt + reply) per sequence, for `make_regen_engine`.
     seed: base of the per-request seeds (hash of seed, item id, turn).
     slots: engine batch, for `make_regen_engine`; results do not depend on it.
+    replicas: engine replicas in each process, one per local device (0: every local device, or one on CPU, whose
+      simulated devices share the same cores); each process of a multi-process run answers its share of the
+      prompts (`data.scaleout`). Results do not depend on it, nor on the process count.
     max_turns: turns policy: regenerate the first `max_turns` replies of each conversation and cut it
       there (0: every turn).
     drop_truncated: a reply that hits max_new_tokens is dropped (with the rest of its conversation) instead
       of kept with finish_reason "length".
+    endpoint: regenerate through an OpenAI-compatible server instead (`EndpointConfig`; url '' = in process).
     """
 
     system_prompt: str | None = None
@@ -55,8 +286,10 @@ class RegenConfig:
     max_len: int = 2048
     seed: int = 0
     slots: int = 8
+    replicas: int = 0
     max_turns: int = 0
     drop_truncated: bool = False
+    endpoint: EndpointConfig = dataclasses.field(default_factory=EndpointConfig)
 
     def __post_init__(self) -> None:
         require(self.max_new_tokens >= 1, "data.regen.max_new_tokens", self.max_new_tokens, "be >= 1")
@@ -64,6 +297,8 @@ class RegenConfig:
                 "be >= 0 (0: limited by the context only)")
         require(self.max_len >= 16, "data.regen.max_len", self.max_len, "be at least 16")
         require(self.slots >= 1, "data.regen.slots", self.slots, "be >= 1")
+        require(self.replicas >= 0, "data.regen.replicas", self.replicas,
+                "be >= 0 (0: one engine per local device, one on CPU)")
         require(self.max_turns >= 0, "data.regen.max_turns", self.max_turns, "be >= 0 (0: every turn)")
         require(isinstance(self.template_kwargs, Mapping), "data.regen.template_kwargs", self.template_kwargs,
                 "be a mapping of chat-template variables")
@@ -106,10 +341,16 @@ class DataConfig:
                  (knowledge distillation; docs/decisions.md D33).
     soft_topk:   how many of the target's most likely next tokens `labels: soft` stores and trains on.
     shuffle_seed: the training loader's shuffling seed (each epoch is a different permutation).
-    prompts:     the prompt mix of `regenerate`, `SOURCE[:WEIGHT],...`: presets (sharegpt, gsm8k, gsm8k_test,
-                 math, math_test, math500, humaneval, mtbench, mbpp, mbpp_train), `hf:<dataset id>`, or a local
-                 json / jsonl / parquet file (`data.sources.parse_mix`).
+    prompts:     the prompt mix of `regenerate`: several sources, each weighted. A string `SOURCE[:WEIGHT],...`
+                 (SOURCE: a preset (sharegpt, gsm8k, gsm8k_test, math, math_test, math500, humaneval, mtbench,
+                 mbpp, mbpp_train), `hf:<dataset id>`, or a local json / jsonl / parquet file, glob or directory,
+                 with optional `?split=...&subset=...` options: `parse_source`), or a list of such strings and
+                 mappings of `SourceSpec` fields (name | path | hub, subset, split, weight, max_prompts,
+                 messages_field, prompt_field, answer_field, label).
     max_prompts / dedup / seed: total prompts (0 = all), duplicate removal by user text, sampling seed.
+    min_user_tokens / max_user_tokens: length filters applied before sampling: a conversation whose user turns
+                 together hold fewer / more tokens (the target's tokenizer, no template) is left out (0: no
+                 bound); counted per source in the mix's stats.
     regen:       regeneration settings (system prompt, template kwargs, sampling, token budgets, slots).
     samples_per_shard / capture_batch_size / compression: offline capture (ArrayRecord shards).
     capture_bucket: capture batches rows of similar length and runs each batch at its longest row rounded up
@@ -132,10 +373,12 @@ class DataConfig:
     labels: Literal["text", "target", "soft"] = "text"
     soft_topk: int = 8
     shuffle_seed: int = 0
-    prompts: str = "sharegpt:3,gsm8k:1"
+    prompts: str | tuple[Any, ...] = "sharegpt:3,gsm8k:1"
     max_prompts: int = 0
     dedup: bool = True
     seed: int = 0
+    min_user_tokens: int = 0
+    max_user_tokens: int = 0
     regen: RegenConfig = dataclasses.field(default_factory=RegenConfig)
     samples_per_shard: int = 256
     capture_batch_size: int = 8
@@ -147,7 +390,15 @@ class DataConfig:
     walk: str = ""
 
     def __post_init__(self) -> None:
-        require(bool(self.prompts.strip()), "data.prompts", self.prompts, "name at least one source")
+        sources = parse_sources(self.prompts, "data.prompts")  # errors name the source and the field
+        names = [s.source_name for s in sources]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        require(not repeated, "data.prompts", repeated,
+                "name each source once (ids are '<name>:<index>'); give repeated sources distinct labels")
+        require(self.min_user_tokens >= 0, "data.min_user_tokens", self.min_user_tokens, "be >= 0 (0: no bound)")
+        require(self.max_user_tokens == 0 or self.max_user_tokens >= max(1, self.min_user_tokens),
+                "data.max_user_tokens", self.max_user_tokens,
+                f"be 0 (no bound) or >= data.min_user_tokens ({self.min_user_tokens}) and >= 1")
         require(self.seq_len >= 8, "data.seq_len", self.seq_len, "be at least 8")
         require(self.pack == 0 or self.pack >= self.seq_len, "data.pack", self.pack,
                 f"be 0 (one conversation per row) or a row length >= data.seq_len ({self.seq_len})")
@@ -165,6 +416,11 @@ class DataConfig:
         require(self.loader_workers >= 0, "data.loader_workers", self.loader_workers, "be >= 0")
 
     @property
+    def prompt_sources(self) -> tuple[SourceSpec, ...]:
+        """`prompts` parsed (`parse_sources`)."""
+        return parse_sources(self.prompts, "data.prompts")
+
+    @property
     def regenerated_path(self) -> Path:
         return Path(self.dir).expanduser() / REGENERATED
 
@@ -173,4 +429,4 @@ class DataConfig:
         return Path(self.dir).expanduser() / SHARDS
 
 
-__all__ = ["DataConfig", "RegenConfig"]
+__all__ = ["DataConfig", "EndpointConfig", "RegenConfig", "SourceSpec", "parse_source", "parse_sources"]

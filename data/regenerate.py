@@ -19,13 +19,12 @@ import logging
 import lzma
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-from tqdm import tqdm
+from typing import Any, Protocol
 
 from dflash.data.config import RegenConfig
+from dflash.data.progress import Progress
 from dflash.serve.config import SamplingConfig
 from dflash.serve.engine import Completion, Engine
 from dflash.serve.plan import AR, Limits
@@ -50,6 +49,7 @@ class RegenStats:
     generated_tokens: int = 0
     wall_s: float = 0.0
     repaired_bytes: int = 0  # partial last lines removed from the output files on resume
+    retokenized_differs: int = 0  # server replies whose text re-tokenises to another count than was generated
 
     @property
     def tokens_per_s(self) -> float:
@@ -60,7 +60,9 @@ class RegenStats:
                 f"max_new_tokens, {self.turns_cut} cut short); {self.errors} errors, {self.dropped} dropped, "
                 f"{self.skipped} skipped (already done); {self.prompt_tokens} prompt tokens, "
                 f"{self.generated_tokens} generated in {self.wall_s:.1f}s = {self.tokens_per_s:.1f} tokens/s"
-                + (f"; repaired a partial last line ({self.repaired_bytes} bytes)" if self.repaired_bytes else ""))
+                + (f"; repaired a partial last line ({self.repaired_bytes} bytes)" if self.repaired_bytes else "")
+                + (f"; {self.retokenized_differs} replies re-tokenise to another token count than the server "
+                   "generated (kept: training reads the text)" if self.retokenized_differs else ""))
 
 
 class ItemError(ValueError):
@@ -157,6 +159,11 @@ def read_regenerated(path: str | Path, limit: int | None = None) -> list[list[di
     A partial last line (a run still writing, or interrupted) is ignored, not repaired: this only reads.
     A `.xz` file (the packaged sets of `data.packaged_regenerated`) is decompressed first."""
     path = Path(path)
+    parts = path.with_name(path.name + ".parts")  # `data.scaleout`: shares of a multi-process run not merged yet
+    if parts.is_dir() and any(parts.glob("part-*.jsonl")):
+        raise ValueError(f"{path} must be merged with its shares in {parts} before training reads it (a multi-process "
+                         "regeneration stopped before its merge): rerun `dflash data regenerate` with the same config, "
+                         "which finds every item done and merges")
     data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
     records = _complete_records(path, data[: data.rfind(b"\n") + 1])
     for record in records:
@@ -177,7 +184,9 @@ def _append(f, record: Mapping[str, Any]) -> None:
 
 def _check_meta(path: Path, cfg: RegenConfig, tokenizer: Any) -> None:
     """Write the run's settings next to the output, or refuse to resume it under different ones."""
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "slots"}
+    # how answers are made, not where: slots, replicas and the endpoint (in process or a server of the same
+    # target, checked by `data.endpoint`) give the same answers
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("slots", "replicas", "endpoint")}
     fingerprint = getattr(tokenizer, "fingerprint", None)
     meta = {"config": settings, "tokenizer": fingerprint() if callable(fingerprint) else None}
     meta = json.loads(json.dumps(meta))  # normalise (tuples -> lists) for the comparison
@@ -190,8 +199,8 @@ def _check_meta(path: Path, cfg: RegenConfig, tokenizer: Any) -> None:
             raise ValueError(f"{path} records other regeneration settings than this run's (differing: {fields}); "
                              "resume with the same config, or write to a new out_path")
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1, ensure_ascii=False))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # the processes of one run may write it at once
+    tmp.write_text(json.dumps(meta, indent=1, ensure_ascii=True))
     os.replace(tmp, path)
 
 
@@ -213,13 +222,82 @@ class _Conversation:
                 "finish_reasons": self.finish_reasons, "tokens": self.tokens}
 
 
-class _Regenerator:
-    """The host loop: keeps `engine.slots` conversations in flight, one request each."""
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """One finished turn, as a backend returns it: the reply text without its stop token, the tokens generated
+    (the stop token included) as the engine or server counts them, "stop" or "length", and whether the text
+    re-tokenised with the recipe's tokenizer gives that count (always true in process)."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, cfg: RegenConfig, out, errors, stats: RegenStats):
-        self.engine, self.tok, self.cfg, self.out, self.errors, self.stats = engine, tokenizer, cfg, out, errors, stats
+    text: str
+    tokens: int
+    finish_reason: str
+    retokenized_same: bool = True
+
+
+class Backend(Protocol):
+    """Where a turn's reply comes from: the in-process engine (`EngineBackend`), several engine replicas
+    (`data.replicas`) or an OpenAI-compatible server (`data.endpoint.EndpointBackend`).
+
+    capacity: requests kept in flight. submit: start one turn (`messages` and their `prompt_ids` under the
+    recipe's template, the request's seed) and return a handle; raise ItemError for a turn that cannot be sent
+    (e.g. too long). poll: wait for progress and return the turns that finished, each a Reply or the ItemError
+    that ends its conversation; an exception that is neither stops the run (it resumes on the next)."""
+
+    capacity: int
+
+    def submit(self, messages: list[dict[str, str]], prompt_ids: list[int], seed: int, turn: int) -> Hashable: ...
+
+    def poll(self) -> list[tuple[Hashable, Reply | ItemError]]: ...
+
+
+class EngineBackend:
+    """Turns through one AR-mode engine in this process (continuous batching over its slots)."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, cfg: RegenConfig):
+        if engine.busy:
+            raise ValueError("engine must be idle (no queued or running requests) when regenerate starts")
+        self.engine, self.tok, self.cfg = engine, tokenizer, cfg
         self.stop_ids = tuple(tokenizer.stop_token_ids)
-        self.in_flight: dict[int, _Conversation] = {}  # engine request id -> conversation
+        self.mine: set[int] = set()
+
+    @property
+    def capacity(self) -> int:
+        return self.engine.slots
+
+    def submit(self, messages: list[dict[str, str]], prompt_ids: list[int], seed: int, turn: int) -> Hashable:
+        try:
+            rid = self.engine.submit(prompt_ids, max_new_tokens=self.cfg.max_new_tokens, stop_ids=self.stop_ids,
+                                     seed=seed, sampling=self.cfg.sampling)
+        except ValueError as err:
+            raise ItemError("too_long", str(err), turn) from err
+        self.mine.add(rid)
+        return rid
+
+    def poll(self) -> list[tuple[Hashable, Reply | ItemError]]:
+        self.engine.step()
+        out: list[tuple[Hashable, Reply | ItemError]] = []
+        for rid in [r for r in self.engine.done if r in self.mine]:
+            self.mine.discard(rid)
+            out.append((rid, completion_reply(self.engine.done.pop(rid), self.tok, self.stop_ids)))
+        return out
+
+
+def completion_reply(completion: Completion, tokenizer: Any, stop_ids: tuple[int, ...]) -> Reply:
+    """The Reply of an engine's finished request: its ids less the stop token, decoded."""
+    reason = completion.finish_reason or "length"
+    ids = completion.token_ids
+    if reason == "stop" and ids and ids[-1] in stop_ids:
+        ids = ids[:-1]
+    return Reply(tokenizer.decode(ids), len(completion.token_ids), reason)
+
+
+class _Regenerator:
+    """The host loop: keeps `backend.capacity` conversations in flight, one request each."""
+
+    def __init__(self, backend: Backend, tokenizer: Any, cfg: RegenConfig, out, errors, stats: RegenStats):
+        self.backend, self.tok, self.cfg, self.out, self.errors, self.stats = (backend, tokenizer, cfg, out, errors,
+                                                                                stats)
+        self.in_flight: dict[Hashable, _Conversation] = {}  # backend handle -> conversation
         self.finished = 0  # conversations finished (any outcome) in this call, for the progress bar
 
     def start(self, item: Any, done: set[str]) -> bool:
@@ -256,18 +334,15 @@ class _Regenerator:
         if limit and len(prompt_ids) > limit:
             raise ItemError("too_long", f"the prompt ({len(prompt_ids)} tokens) must be at most max_prompt_tokens "
                                         f"({limit})", turn)
-        try:
-            rid = self.engine.submit(prompt_ids, max_new_tokens=self.cfg.max_new_tokens, stop_ids=self.stop_ids,
-                                     seed=request_seed(self.cfg.seed, conv.item_id, turn), sampling=self.cfg.sampling)
-        except ValueError as err:
-            raise ItemError("too_long", str(err), turn) from err
+        handle = self.backend.submit(messages, prompt_ids, request_seed(self.cfg.seed, conv.item_id, turn), turn)
         conv.messages = messages
         self.stats.prompt_tokens += len(prompt_ids)
-        self.in_flight[rid] = conv
+        self.in_flight[handle] = conv
 
-    def finish_turn(self, conv: _Conversation, completion: Completion) -> None:
-        self.stats.generated_tokens += len(completion.token_ids)
-        reason = completion.finish_reason or "length"
+    def finish_turn(self, conv: _Conversation, reply: Reply) -> None:
+        self.stats.generated_tokens += reply.tokens
+        self.stats.retokenized_differs += not reply.retokenized_same
+        reason = reply.finish_reason
         if reason == "length" and self.cfg.drop_truncated:
             if conv.turn == 0:
                 self.fail(conv, ItemError("truncated", f"the reply hit max_new_tokens ({self.cfg.max_new_tokens}) "
@@ -275,12 +350,9 @@ class _Regenerator:
             else:
                 self.cut(conv)
             return
-        ids = completion.token_ids
-        if reason == "stop" and ids and ids[-1] in self.stop_ids:
-            ids = ids[:-1]
-        conv.messages = conv.messages + [{"role": "assistant", "content": self.tok.decode(ids)}]
+        conv.messages = conv.messages + [{"role": "assistant", "content": reply.text}]
         conv.finish_reasons.append(reason)
-        conv.tokens += len(completion.token_ids)
+        conv.tokens += reply.tokens
         if conv.turn == len(conv.segments):
             self.write(conv)
             return
@@ -315,9 +387,18 @@ class _Regenerator:
         self.finished += 1
 
     def collect(self) -> None:
-        """Handle every request of ours that the last step finished."""
-        for rid in [r for r in self.engine.done if r in self.in_flight]:
-            self.finish_turn(self.in_flight.pop(rid), self.engine.done.pop(rid))
+        """Wait for the backend and handle every turn of ours that finished."""
+        for handle, result in self.backend.poll():
+            conv = self.in_flight.pop(handle)
+            if isinstance(result, ItemError):
+                if result.turn is None:
+                    result.turn = conv.turn
+                if conv.turn > 0 and result.kind == "too_long":
+                    self.cut(conv)
+                else:
+                    self.fail(conv, result)
+            else:
+                self.finish_turn(conv, result)
 
 
 def _answered_length(conv: _Conversation) -> int:
@@ -326,10 +407,12 @@ def _answered_length(conv: _Conversation) -> int:
     return last + 1
 
 
-def regenerate(engine: Engine, tokenizer: Any, items: Iterable[Mapping[str, Any]], out_path: str | Path,
-               cfg: RegenConfig, *, progress: bool = True) -> RegenStats:
-    """Regenerate every item's assistant turns with the engine's target into `out_path`; resumes a previous
-    run on the same `out_path`. Returns this call's stats.
+def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping[str, Any]], out_path: str | Path,
+               cfg: RegenConfig, *, progress: bool = True, also_done: Iterable[str] = (),
+               meta_path: str | Path | None = None, label: str = "regenerate") -> RegenStats:
+    """Regenerate every item's assistant turns with the target into `out_path`; resumes a previous run on the
+    same `out_path`. Returns this call's stats. `engine`: an AR-mode Engine in this process, or any `Backend`
+    (engine replicas over several devices, an OpenAI-compatible server): the file is the same.
 
     Items: `{"id": str, "source": str, "messages": [{"role", "content"}, ...]}`. Assistant turns are dropped
     and regenerated turn by turn (segments: `split_turns`): for [user1, (assistant1), user2, (assistant2)]
@@ -351,52 +434,59 @@ def regenerate(engine: Engine, tokenizer: Any, items: Iterable[Mapping[str, Any]
     - `<out_path>.meta.json`: the config (all but `slots`) and the tokenizer fingerprint; a rerun with
       different ones is refused, so one file never mixes two regeneration settings.
 
-    Resume: a rerun reads both JSONL files and skips every id already in either (counted as skipped). A
-    crash can leave at most a partial last line (each line is one write); the rerun truncates it (logged,
-    counted in `RegenStats.repaired_bytes`) and never drops a complete line.
+    Resume: a rerun reads both JSONL files and skips every id already in either (counted as skipped), and every
+    id of `also_done` (other shares' files: `data.scaleout`). A crash can leave at most a partial last line (each
+    line is one write); the rerun truncates it (logged, counted in `RegenStats.repaired_bytes`) and never drops a
+    complete line. `meta_path`: where the settings are kept (default `<out_path>.meta.json`; the shares of one
+    run share their dataset's). `label` names the progress lines.
     """
-    if engine.busy:
-        raise ValueError("engine must be idle (no queued or running requests) when regenerate starts")
+    backend = EngineBackend(engine, tokenizer, cfg) if isinstance(engine, Engine) else engine
     out_path = Path(out_path)
     errors_path = out_path.with_name(out_path.name + ".errors.jsonl")
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    _check_meta(out_path.with_name(out_path.name + ".meta.json"), cfg, tokenizer)
+    _check_meta(Path(meta_path) if meta_path is not None else out_path.with_name(out_path.name + ".meta.json"), cfg,
+                tokenizer)
     stats = RegenStats()
-    done: set[str] = set()
+    done: set[str] = set(also_done)
     for path in (out_path, errors_path):
         records, removed = repair_jsonl(path)
         stats.repaired_bytes += removed
         done.update(r["id"] for r in records)
     total = len(items) if hasattr(items, "__len__") else None
+    # resumed items are progress already made, not speed: the bar starts at them and counts new work only
+    initial = sum(1 for i in items if isinstance(i, Mapping) and i.get("id") in done) if total is not None else 0
     t0 = time.perf_counter()
     with (open(out_path, "a", encoding="utf-8") as out, open(errors_path, "a", encoding="utf-8") as errors,
-          tqdm(total=total, disable=not progress, unit="conv", desc="regenerate", dynamic_ncols=True) as bar):
-        regen = _Regenerator(engine, tokenizer, cfg, out, errors, stats)
+          Progress(total, initial=initial, enabled=progress, unit="conv", desc=label) as bar):
+        regen = _Regenerator(backend, tokenizer, cfg, out, errors, stats)
         source = iter(items)
         exhausted = False
         shown = 0
-        while True:
-            while not exhausted and len(regen.in_flight) < engine.slots:
-                item = next(source, _END)
-                if item is _END:
-                    exhausted = True
-                else:
-                    regen.start(item, done)
-            if not regen.in_flight:
-                break
-            engine.step()
-            regen.collect()
-            stats.wall_s = time.perf_counter() - t0
-            advanced = regen.finished + stats.skipped - shown
-            if advanced:
-                shown += advanced
-                bar.set_postfix(ok=stats.succeeded, err=stats.errors + stats.dropped, skip=stats.skipped,
-                                tok_s=f"{stats.tokens_per_s:.0f}", refresh=False)
-                bar.update(advanced)
-        bar.update(regen.finished + stats.skipped - shown)
+        try:
+            while True:
+                while not exhausted and len(regen.in_flight) < backend.capacity:
+                    item = next(source, _END)
+                    if item is _END:
+                        exhausted = True
+                    else:
+                        regen.start(item, done)
+                if not regen.in_flight:
+                    break
+                regen.collect()
+                stats.wall_s = time.perf_counter() - t0
+                advanced = regen.finished - shown
+                if advanced:
+                    shown += advanced
+                    bar.set_postfix(ok=stats.succeeded, err=stats.errors + stats.dropped, skip=stats.skipped)
+                    bar.update(advanced, tokens=stats.generated_tokens - bar.tokens)
+        finally:
+            close = getattr(backend, "close", None)
+            if callable(close):
+                close()
+        bar.update(regen.finished - shown, tokens=stats.generated_tokens - bar.tokens)
     stats.wall_s = time.perf_counter() - t0
     if progress:
-        tqdm.write(stats.summary())
+        bar.write(stats.summary())
     log.info("%s", stats.summary())
     return stats
 
@@ -414,6 +504,5 @@ def make_regen_engine(target: Any, *, slots: int, max_len: int, sampling: Sampli
                   sampling=sampling)
 
 
-__all__ = ["ItemError", "RegenConfig", "RegenStats", "make_regen_engine", "read_regenerated", "regenerate",
-           "repair_jsonl",
-           "request_seed", "split_turns"]
+__all__ = ["Backend", "EngineBackend", "ItemError", "RegenConfig", "RegenStats", "Reply", "completion_reply",
+           "make_regen_engine", "read_regenerated", "regenerate", "repair_jsonl", "request_seed", "split_turns"]

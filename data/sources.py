@@ -23,12 +23,12 @@ import numpy as np
 
 from dflash.configs.schema import ConfigError, build, require
 from dflash.data import packaged
+from dflash.data.config import PRESET_NAMES, SourceSpec, parse_source
 from dflash.data.packaged import CleanStats, Conversation
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "input")
 ANSWER_FIELDS = ("response", "output", "answer", "completion")
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-_HUB_PREFIX = "hf:"
 _DEFAULT_SPLIT = "train"
 
 # name -> (description, loader(with_answers) -> (conversations, stats)).
@@ -62,102 +62,9 @@ PRESETS: dict[str, tuple[str, _Loader]] = {
                    _plain(lambda a: [c for s in ("train", "validation", "prompt") for c in packaged.load_mbpp(s)])),
 }
 
+assert tuple(PRESETS) == PRESET_NAMES, "data.config.PRESET_NAMES must list the presets PRESETS loads"
+
 Item = dict[str, Any]  # {"id": str, "source": str, "messages": Conversation}
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceSpec:
-    """One prompt source: exactly one of
-    - `name`: a packaged preset (`PRESETS`; `data.packaged` says where each lives and how it is cleaned);
-    - `path`: a local `.json` / `.jsonl` / `.parquet` file (also `.gz`), or a directory of one of those
-      kinds (datasets' split naming applies: `train.jsonl`, `test.jsonl`, … or everything is `train`), read
-      with `datasets.load_dataset("json" | "parquet", data_files=… | data_dir=…)`;
-    - `hub`: a Hugging Face dataset id, `datasets.load_dataset(hub, subset, split=split)` (needs the network).
-
-    subset: Hub config name (hub only). split: path/hub split (default 'train'); presets have a fixed one.
-    weight: share of the mix (> 0). max_prompts: cap on this source's conversations (0: no cap).
-    prompt_field / answer_field: column of the prompt / reference answer (path/hub; default: auto, see
-    `load_source`).
-    label: the source's name in ids and stats (default: preset name, Hub id or file stem).
-    """
-
-    name: str | None = None
-    path: str | None = None
-    hub: str | None = None
-    subset: str | None = None
-    split: str | None = None
-    weight: float = 1.0
-    max_prompts: int = 0
-    prompt_field: str | None = None
-    answer_field: str | None = None
-    label: str | None = None
-
-    def __post_init__(self) -> None:
-        kinds = {key: getattr(self, key) for key in ("name", "path", "hub")}
-        chosen = [key for key, value in kinds.items() if value is not None]
-        require(
-            len(chosen) == 1,
-            "source",
-            kinds,
-            "set exactly one of name (a preset), path (a local file or directory) or hub (a dataset id)",
-        )
-        where = f"source {self.source_name!r}"
-        for key in ("name", "path", "hub", "subset", "split", "prompt_field", "answer_field", "label"):
-            value = getattr(self, key)
-            require(
-                value is None or (isinstance(value, str) and value.strip()),
-                f"{where}: {key}",
-                value,
-                "be a non-empty string or null",
-            )
-        if self.name is not None:
-            require(self.name in PRESETS, f"{where}: name", self.name, f"be one of the presets {sorted(PRESETS)}")
-            for key in ("subset", "split", "prompt_field", "answer_field"):
-                require(
-                    getattr(self, key) is None,
-                    f"{where}: {key}",
-                    getattr(self, key),
-                    "be unset for a preset (each preset has a fixed split, e.g. gsm8k and gsm8k_test)",
-                )
-        require(
-            self.subset is None or self.hub is not None,
-            f"{where}: subset",
-            self.subset,
-            "be unset unless hub is set (it is the Hub dataset's config name)",
-        )
-        weight_ok = isinstance(self.weight, (int, float)) and not isinstance(self.weight, bool)
-        require(
-            weight_ok and math.isfinite(self.weight) and self.weight > 0,
-            f"{where}: weight",
-            self.weight,
-            "be a finite number > 0",
-        )
-        require(
-            isinstance(self.max_prompts, int) and not isinstance(self.max_prompts, bool) and self.max_prompts >= 0,
-            f"{where}: max_prompts",
-            self.max_prompts,
-            "be an integer >= 0 (0: all)",
-        )
-        require(
-            self.label is None or ":" not in self.label,
-            f"{where}: label",
-            self.label,
-            "not contain ':' (ids are '<label>:<index>')",
-        )
-
-    @property
-    def source_name(self) -> str:
-        """The name used in item ids and stats."""
-        if self.label:
-            return self.label
-        if self.name or self.hub:
-            return str(self.name or self.hub)
-        if self.path:
-            stem = Path(self.path).name
-            for suffix in (".gz", ".jsonl", ".json", ".parquet"):
-                stem = stem.removesuffix(suffix)
-            return stem or str(self.path)
-        return "?"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +75,8 @@ class MixSpec:
     whose user turns repeat an earlier one. seed: sampling and shuffling. with_answers: keep reference
     assistant turns where sources have them (regeneration drops and rewrites them; they also mark where
     each reply goes in multi-turn conversations); with False only system and user turns are kept.
+    min_user_tokens / max_user_tokens: leave out conversations whose user turns together hold fewer / more
+    tokens (0: no bound; `mix` then needs a token counter, the target's tokenizer).
     """
 
     sources: tuple[SourceSpec, ...]
@@ -175,6 +84,8 @@ class MixSpec:
     dedup: bool = True
     seed: int = 0
     with_answers: bool = True
+    min_user_tokens: int = 0
+    max_user_tokens: int = 0
 
     def __post_init__(self) -> None:
         require(
@@ -207,12 +118,23 @@ class MixSpec:
             "be an integer >= 0",
         )
         require(isinstance(self.with_answers, bool), "mix.with_answers", self.with_answers, "be true or false")
+        for key in ("min_user_tokens", "max_user_tokens"):
+            value = getattr(self, key)
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"mix.{key}", value,
+                    "be an integer >= 0 (0: no bound)")
+        require(self.max_user_tokens == 0 or self.max_user_tokens >= self.min_user_tokens, "mix.max_user_tokens",
+                self.max_user_tokens, f"be 0 or >= mix.min_user_tokens ({self.min_user_tokens})")
+
+    @property
+    def filters_length(self) -> bool:
+        return bool(self.min_user_tokens or self.max_user_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceStats:
-    """Counts for one source: records read -> `loaded` after cleaning (`invalid` dropped) -> `duplicates`
-    removed -> `available` after its max_prompts cap -> `selected` into the mix."""
+    """Counts for one source: records read -> `loaded` after cleaning (`invalid` dropped) -> `filtered` out by
+    the length bounds -> `duplicates` removed -> `available` after its max_prompts cap -> `selected` into the
+    mix."""
 
     name: str
     records: int
@@ -221,6 +143,7 @@ class SourceStats:
     duplicates: int
     available: int
     selected: int
+    filtered: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,9 +158,9 @@ class MixStats:
 
     def summary(self) -> str:
         """A small table, one row per source and a total."""
-        header = ("source", "records", "invalid", "loaded", "duplicates", "available", "selected")
+        header = ("source", "records", "invalid", "loaded", "filtered", "duplicates", "available", "selected")
         rows = [header] + [
-            (s.name, *map(str, (s.records, s.invalid, s.loaded, s.duplicates, s.available, s.selected)))
+            (s.name, *map(str, (s.records, s.invalid, s.loaded, s.filtered, s.duplicates, s.available, s.selected)))
             for s in self.sources
         ]
         totals = [sum(getattr(s, f) for s in self.sources) for f in header[1:]]
@@ -324,29 +247,51 @@ def allocate(available: Sequence[int], weights: Sequence[float], total: int) -> 
     return quotas
 
 
-def mix(spec: MixSpec, *, cache_dir: str | Path | None = None) -> tuple[list[Item], MixStats]:
+TokenCounter = Callable[[Sequence[str]], Sequence[int]]  # texts -> their token counts
+
+
+def user_text(conversation: Conversation) -> str:
+    """The user turns of a conversation, joined by newlines: what the length filters measure."""
+    return "\n".join(m["content"] for m in conversation if m["role"] == "user")
+
+
+def mix(spec: MixSpec, *, cache_dir: str | Path | None = None,
+        count_tokens: TokenCounter | None = None) -> tuple[list[Item], MixStats]:
     """The mixed, deduplicated, shuffled items `{"id", "source", "messages"}` and per-source counts.
 
     1. Every source is loaded in order; each conversation gets the id `f"{source}:{index}"`, `index` its
-       position in the source's cleaned list (before dedup and sampling), so ids are stable for the same
-       data and code and regeneration can resume by id. `source` is `SourceSpec.source_name`.
-    2. Dedup (`spec.dedup`, key `dedup_key`): the first occurrence wins, in source order then file order;
+       position in the source's cleaned list (before filters, dedup and sampling), so ids are stable for the
+       same data and code and regeneration can resume by id. `source` is `SourceSpec.source_name`.
+    2. Length filters (`spec.min_user_tokens` / `max_user_tokens`, measured by `count_tokens` over `user_text`):
+       a conversation out of bounds counts as `filtered` and takes no part in dedup.
+    3. Dedup (`spec.dedup`, key `dedup_key`): the first occurrence wins, in source order then file order;
        later ones count as `duplicates`.
-    3. Quotas (`allocate`) over `available_i` = source i's unique conversations, capped by its
+    4. Quotas (`allocate`) over `available_i` = source i's unique conversations, capped by its
        `max_prompts` (0: no cap).
-    4. Sampling: `rng = numpy.random.default_rng(spec.seed)`; in source order, source i takes the first
+    5. Sampling: `rng = numpy.random.default_rng(spec.seed)`; in source order, source i takes the first
        quota_i entries of `rng.permutation(len(unique_i))` (a uniform sample without replacement of its
        whole unique pool, not its first `max_prompts`), kept in pool order; then all items are shuffled
        with `rng.permutation`. Same spec, same data -> same items in the same order.
     """
+    if spec.filters_length and count_tokens is None:
+        raise ValueError(f"count_tokens must be given when the mix filters by length (min_user_tokens "
+                         f"{spec.min_user_tokens}, max_user_tokens {spec.max_user_tokens}); received None")
     seen: set[bytes] = set()
     pools: list[list[tuple[int, Conversation]]] = []
-    partial: list[tuple[str, CleanStats, int]] = []
+    partial: list[tuple[str, CleanStats, int, int]] = []
     for source in spec.sources:
         conversations, clean = load_source(source, with_answers=spec.with_answers, cache_dir=cache_dir)
+        keep = [True] * len(conversations)
+        if spec.filters_length:
+            assert count_tokens is not None
+            counts = count_tokens([user_text(c) for c in conversations])
+            high = spec.max_user_tokens or float("inf")
+            keep = [spec.min_user_tokens <= n <= high for n in counts]
         pool: list[tuple[int, Conversation]] = []
         duplicates = 0
         for index, conversation in enumerate(conversations):
+            if not keep[index]:
+                continue
             if spec.dedup:
                 key = dedup_key(conversation)
                 if key in seen:
@@ -355,7 +300,7 @@ def mix(spec: MixSpec, *, cache_dir: str | Path | None = None) -> tuple[list[Ite
                 seen.add(key)
             pool.append((index, conversation))
         pools.append(pool)
-        partial.append((source.source_name, clean, duplicates))
+        partial.append((source.source_name, clean, duplicates, keep.count(False)))
 
     available = [
         len(pool) if not s.max_prompts else min(len(pool), s.max_prompts)
@@ -365,12 +310,28 @@ def mix(spec: MixSpec, *, cache_dir: str | Path | None = None) -> tuple[list[Ite
     rng = np.random.default_rng(spec.seed)
     items: list[Item] = []
     stats: list[SourceStats] = []
-    for (name, clean, duplicates), pool, have, quota in zip(partial, pools, available, quotas, strict=True):
+    for (name, clean, duplicates, filtered), pool, have, quota in zip(partial, pools, available, quotas,
+                                                                      strict=True):
         picks = np.sort(rng.permutation(len(pool))[:quota])
         items += [{"id": f"{name}:{pool[p][0]}", "source": name, "messages": pool[p][1]} for p in picks]
-        stats.append(SourceStats(name, clean.records, clean.records - clean.kept, clean.kept, duplicates, have, quota))
+        stats.append(SourceStats(name, clean.records, clean.records - clean.kept, clean.kept, duplicates, have, quota,
+                                 filtered))
     order = rng.permutation(len(items))
     return [items[i] for i in order], MixStats(tuple(stats))
+
+
+def mix_spec(data: Any) -> MixSpec:
+    """The MixSpec of a recipe's `data` section (`data.prompts` and its mix settings)."""
+    return MixSpec(sources=data.prompt_sources, max_prompts=data.max_prompts, dedup=data.dedup, seed=data.seed,
+                   min_user_tokens=data.min_user_tokens, max_user_tokens=data.max_user_tokens)
+
+
+def tokenizer_counter(tokenizer: Any) -> TokenCounter:
+    """A `count_tokens` over a `ChatTokenizer` (its backend's batch encoder, no special tokens added)."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None:
+        return lambda texts: [len(e.ids) for e in backend.encode_batch(list(texts), add_special_tokens=False)]
+    return lambda texts: [len(tokenizer.encode(t)) for t in texts]
 
 
 def parse_mix(obj: MixSpec | Mapping[str, Any] | Sequence[Any] | str) -> MixSpec:
@@ -386,7 +347,7 @@ def parse_mix(obj: MixSpec | Mapping[str, Any] | Sequence[Any] | str) -> MixSpec
         return obj
     if isinstance(obj, str):
         tokens = obj.split(",")
-        return MixSpec(sources=tuple(_parse_source_token(t, obj) for t in tokens))
+        return MixSpec(sources=tuple(parse_source(t, obj) for t in tokens))
     if isinstance(obj, Sequence):
         obj = {"sources": obj}
     if not isinstance(obj, Mapping):
@@ -394,39 +355,25 @@ def parse_mix(obj: MixSpec | Mapping[str, Any] | Sequence[Any] | str) -> MixSpec
     data = dict(obj)
     sources = data.get("sources")
     if isinstance(sources, str):
-        data["sources"] = [_parse_source_token(t, sources) for t in sources.split(",")]
+        data["sources"] = [parse_source(t, sources) for t in sources.split(",")]
     elif isinstance(sources, Sequence):
-        data["sources"] = [_parse_source_token(s, s) if isinstance(s, str) else s for s in sources]
+        data["sources"] = [parse_source(s) if isinstance(s, str) else s for s in sources]
     return build(MixSpec, data, prefix="mix")
-
-
-def _parse_source_token(token: str, whole: str) -> SourceSpec:
-    """`SOURCE[:WEIGHT]` -> SourceSpec (see `parse_mix`)."""
-    token = token.strip()
-    source, weight = token, 1.0
-    head, sep, tail = token.rpartition(":")
-    if sep:
-        try:
-            weight, source = float(tail), head
-        except ValueError:
-            pass
-    if not source:
-        raise ConfigError(f"mix sources must look like 'SOURCE[:WEIGHT]'; received {token!r} in {whole!r}")
-    if source in PRESETS:
-        return SourceSpec(name=source, weight=weight)
-    if source.startswith(_HUB_PREFIX):
-        return SourceSpec(hub=source.removeprefix(_HUB_PREFIX), weight=weight)
-    if "/" in source or Path(source).suffix or Path(source).exists():
-        return SourceSpec(path=source, weight=weight)
-    raise ConfigError(
-        f"mix source {source!r} in {whole!r} must be a preset {sorted(PRESETS)}, 'hf:<dataset id>' or a path "
-        "to a .json/.jsonl/.parquet file or directory"
-    )
 
 
 def _builder(path: Path) -> str | None:
     suffixes = path.suffixes[-2:] if path.suffix == ".gz" else path.suffixes[-1:]
     return _BUILDERS.get(suffixes[0]) if suffixes else None
+
+
+def _split_error(spec: SourceSpec, split: str, error: Exception) -> ConfigError | None:
+    """A ConfigError naming the split when datasets refused it ("Unknown split ... Should be one of [...]")."""
+    text = str(error)
+    if "Unknown split" not in text:
+        return None
+    known = text.partition("Should be one of")[2].strip(" .") or "(see the dataset's files)"
+    return ConfigError(f"source {spec.source_name!r}: split must be one of the dataset's splits {known}; "
+                       f"received {split!r}")
 
 
 def _load_dataset(spec: SourceSpec, cache_dir: str | Path | None) -> Any:
@@ -439,14 +386,29 @@ def _load_dataset(spec: SourceSpec, cache_dir: str | Path | None) -> Any:
         try:
             return datasets.load_dataset(spec.hub, spec.subset, split=split, cache_dir=cache)
         except Exception as error:  # datasets raises many kinds; all mean "not loadable here"
+            named = _split_error(spec, split, error)
+            if named is not None:
+                raise named from error
             raise RuntimeError(
                 f"could not load the Hugging Face dataset {spec.hub!r} (subset {spec.subset!r}, split {split!r}): "
-                f"{type(error).__name__}: {error}; without network access, save it where there is access "
-                "(`datasets.load_dataset(...).to_json('x.jsonl')`) and use `path:` instead"
+                f"{type(error).__name__}: {error}; without network access, download it where there is access "
+                "(`huggingface-cli download --repo-type dataset ID --local-dir DIR`) and name the directory "
+                "(`hf:DIR` or `path: DIR`, with the same split)"
             ) from error
     path = Path(str(spec.path)).expanduser()
-    expected = "a .json, .jsonl or .parquet file (optionally .gz), or a directory of such files"
-    if path.is_file():
+    expected = "a .json, .jsonl or .parquet file (optionally .gz), a glob of such files, or a directory of them"
+    where = f"source {spec.source_name!r}: path"
+    if spec.is_glob:
+        root = Path(path.anchor) if path.is_absolute() else Path()
+        pattern = str(path.relative_to(root)) if path.is_absolute() else str(path)
+        files = sorted(f for f in root.glob(pattern) if f.is_file())
+        require(bool(files), where, spec.path, f"match at least one file ({expected}); it matches none")
+        kinds = {_builder(f) for f in files}
+        require(len(kinds) == 1 and None not in kinds, where, spec.path,
+                f"match files of one kind (.json/.jsonl or .parquet); it matches {sorted({f.suffix for f in files})}")
+        builder = kinds.pop()
+        load = {"data_files": {split: [str(f) for f in files]}}
+    elif path.is_file():
         builder = _builder(path)
         if builder is None:
             raise ValueError(
@@ -467,6 +429,9 @@ def _load_dataset(spec: SourceSpec, cache_dir: str | Path | None) -> Any:
     try:
         return datasets.load_dataset(builder, split=split, cache_dir=cache, **load)
     except Exception as error:
+        named = _split_error(spec, split, error)
+        if named is not None:
+            raise named from error
         raise ValueError(
             f"could not read source path {str(path)!r} (split {split!r}) with datasets' {builder!r} builder: "
             f"{type(error).__name__}: {error}"
@@ -475,8 +440,8 @@ def _load_dataset(spec: SourceSpec, cache_dir: str | Path | None) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class _Format:
-    kind: str  # "messages" | "conversations" | "prompt"
-    prompt: str = ""
+    kind: str  # "turns" | "prompt"
+    column: str = ""  # the turn list's column, or the prompt's
     extra_input: bool = False
     answer: str | None = None
 
@@ -484,17 +449,17 @@ class _Format:
 def _record_format(spec: SourceSpec, columns: Sequence[str]) -> _Format | None:
     """How to read records with these columns (the formats: `load_source`)."""
     where = f"source {spec.source_name!r}"
-    if spec.prompt_field is None and "messages" in columns:
-        return _Format("messages")
-    if spec.prompt_field is None and "conversations" in columns:
-        return _Format("conversations")
+    for key in ("messages_field", "prompt_field", "answer_field"):
+        value = getattr(spec, key)
+        require(value is None or value in columns, f"{where}: {key}", value,
+                f"be one of the dataset's columns {list(columns)}")
+    if spec.messages_field is not None:
+        return _Format("turns", spec.messages_field)
+    if spec.prompt_field is None:
+        for column in ("messages", "conversations"):
+            if column in columns:
+                return _Format("turns", column)
     if spec.prompt_field is not None:
-        require(
-            spec.prompt_field in columns,
-            f"{where}: prompt_field",
-            spec.prompt_field,
-            f"be one of the dataset's columns {list(columns)}",
-        )
         prompt = spec.prompt_field
     else:
         prompt = next((f for f in PROMPT_FIELDS if f in columns), "")
@@ -503,15 +468,10 @@ def _record_format(spec: SourceSpec, columns: Sequence[str]) -> _Format | None:
                 return None  # an empty dataset
             raise ConfigError(
                 f"{where}: records must have a 'messages' or 'conversations' column or a prompt column "
-                f"(set prompt_field, or name it one of {list(PROMPT_FIELDS)}); received columns {list(columns)}"
+                f"(set messages_field or prompt_field, or name it one of {list(PROMPT_FIELDS)}); received columns "
+                f"{list(columns)}"
             )
     if spec.answer_field is not None:
-        require(
-            spec.answer_field in columns,
-            f"{where}: answer_field",
-            spec.answer_field,
-            f"be one of the dataset's columns {list(columns)}",
-        )
         answer = spec.answer_field
     else:
         answer = next((f for f in ANSWER_FIELDS if f in columns and f != prompt), None)
@@ -521,8 +481,8 @@ def _record_format(spec: SourceSpec, columns: Sequence[str]) -> _Format | None:
 
 def _record_turns(row: Mapping[str, Any], fmt: _Format) -> list[tuple[Any, Any]] | None:
     """(speaker, text) pairs of one record, for `clean_conversation`; None when the turn list is malformed."""
-    if fmt.kind in ("messages", "conversations"):
-        turns = row.get(fmt.kind)
+    if fmt.kind == "turns":
+        turns = row.get(fmt.column)
         if not isinstance(turns, list):
             return None
         pairs = []
@@ -533,7 +493,7 @@ def _record_turns(row: Mapping[str, Any], fmt: _Format) -> list[tuple[Any, Any]]
             text = turn.get("content") if turn.get("content") is not None else turn.get("value")
             pairs.append((speaker, text))
         return pairs
-    prompt = row.get(fmt.prompt)
+    prompt = row.get(fmt.column)
     if fmt.extra_input and isinstance(prompt, str) and isinstance(row.get("input"), str) and row["input"].strip():
         prompt = f"{prompt}\n\n{row['input']}"
     pairs = [("user", prompt)]

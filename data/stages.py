@@ -16,7 +16,6 @@ Each takes the whole recipe and returns what it did; the CLI prints it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -29,8 +28,18 @@ from dflash.data.capture import CaptureReport, capture, examples_hash
 from dflash.data.examples import build_examples
 from dflash.data.manifest import Manifest, Provenance, load_manifest
 from dflash.data.regenerate import RegenStats, make_regen_engine, regenerate
+from dflash.data.scaleout import (
+    Share,
+    barrier,
+    done_ids,
+    local_devices,
+    merge_parts,
+    part_files,
+    process_tag,
+    replica_backend,
+)
 from dflash.data.shards import RecordSource
-from dflash.data.sources import MixStats, mix, parse_mix
+from dflash.data.sources import MixStats, mix, mix_spec, tokenizer_counter
 from dflash.data.walk import WalkSummary, run_walk
 from dflash.models.target import Target, load_target
 
@@ -39,20 +48,62 @@ log = logging.getLogger(__name__)
 LOSS_OPEN, LOSS_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧ around the tokens the loss reads, in `inspect`
 
 
-def run_regenerate(recipe: Recipe, *, target: Target | None = None,
-                   progress: bool = True) -> tuple[MixStats, RegenStats, Path]:
+def run_regenerate(recipe: Recipe, *, target: Target | None = None, progress: bool = True,
+                   share: Share | None = None, merge: bool = True) -> tuple[MixStats, RegenStats, Path]:
     """Mix the prompts of `data.prompts`, then regenerate their answers with the target into
-    data.dir/regenerated.jsonl (a rerun continues where the last one stopped)."""
+    data.dir/regenerated.jsonl (a rerun continues where the last one stopped).
+
+    Over a slice (`data.scaleout`): each process answers its share of the items (by id; `share`, default this
+    process's place in the JAX run), with one engine replica per local device (`data.regen.replicas`) or through
+    `data.regen.endpoint`; then, once every process is done, process 0 merges the shares into one file sorted by
+    id (`merge`), the same whatever the topology."""
     cfg = recipe.data
-    spec = dataclasses.replace(parse_mix(cfg.prompts), max_prompts=cfg.max_prompts, dedup=cfg.dedup, seed=cfg.seed)
-    items, mix_stats = mix(spec)
-    log.info("prompt mix:\n%s", mix_stats.summary())
-    target = target if target is not None else load_target(recipe.target)
-    engine = make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len)
+    if share is None and merge:
+        # meet once at the start, while the processes are in step: on CPU the first collective sets up gloo's
+        # connections, which time out after 30 s; set up, the final barrier may wait as long as the shares take
+        barrier("dflash-data-regenerate-start")
+    spec = mix_spec(cfg)
+    counter = None
+    if spec.filters_length:
+        counter = tokenizer_counter(target.tokenizer if target is not None else recipe_tokenizer(recipe))
+    items, mix_stats = mix(spec, count_tokens=counter)
+    share = share if share is not None else Share.of_process()
+    tag = process_tag() if share.count > 1 else ""
+    log.info("%sprompt mix:\n%s", tag, mix_stats.summary())
     out = cfg.regenerated_path
     out.parent.mkdir(parents=True, exist_ok=True)
-    stats = regenerate(engine, target.tokenizer, items, out, cfg.regen, progress=progress)
+    mine = [item for item in items if share.owns(str(item["id"]))] if share.count > 1 else items
+    if share.count > 1:
+        log.info("%sthis process answers %d of the %d items (share %d of %d, by item id)", tag, len(mine),
+                 len(items), share.index, share.count)
+    kwargs = {"progress": progress, "also_done": done_ids(out), "meta_path": out.with_name(out.name + ".meta.json"),
+              "label": f"{tag}regenerate"}
+    if cfg.regen.endpoint.url:  # an OpenAI-compatible server answers: the tokenizer is all this process needs
+        from dflash.data.endpoint import connect
+
+        tokenizer = target.tokenizer if target is not None else recipe_tokenizer(recipe)
+        backend: Any = connect(cfg.regen, tokenizer, target_source=recipe.target.source)
+    else:
+        target = target if target is not None else load_target(recipe.target)
+        tokenizer = target.tokenizer
+        devices = local_devices(cfg.regen.replicas)
+        backend = (make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len) if len(devices) == 1
+                   else replica_backend(target, cfg.regen, devices))
+    stats = regenerate(backend, tokenizer, mine, share.part_path(out), cfg.regen, **kwargs)
+    if merge:
+        barrier("dflash-data-regenerate")
+        if share.index == 0:
+            merge_parts(out)
+        barrier("dflash-data-regenerate-merged")
     return mix_stats, stats, out
+
+
+def recipe_tokenizer(recipe: Recipe) -> Any:
+    """The target's tokenizer alone (no weights loaded)."""
+    from dflash.models.registry import resolve_source
+    from dflash.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_source(recipe.target.source))
 
 
 def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> CaptureReport:
@@ -103,8 +154,9 @@ def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:
     cfg = recipe.data
     lines = [f"data.dir: {cfg.dir}"]
     regen = cfg.regenerated_path
-    if regen.is_file():
-        done = sum(1 for line in regen.read_text().splitlines() if line.strip())
+    parts = part_files(regen)
+    if regen.is_file() or parts:
+        done = sum(1 for line in regen.read_text().splitlines() if line.strip()) if regen.is_file() else 0
         errors_path = regen.with_name(regen.name + ".errors.jsonl")
         kinds: dict[str, int] = {}
         if errors_path.is_file():
@@ -114,6 +166,10 @@ def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:
                     kinds[kind] = kinds.get(kind, 0) + 1
         lines.append(f"regenerated: {done} conversations in {regen.name}; errors: "
                      + (", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"))
+        if parts:
+            lines.append(f"  and {len(done_ids(regen)) - done - sum(kinds.values())} items done in {len(parts)} "
+                         f"unmerged share(s) under {regen.name}.parts/ (a rerun of `dflash data regenerate` "
+                         "merges them)")
     else:
         lines.append(f"regenerated: none ({regen.name} not written yet: dflash data regenerate)")
     if not (cfg.shard_dir / "manifest.json").is_file():
@@ -124,10 +180,7 @@ def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:
     if not manifest.shards:
         return "\n".join(lines)
     if tokenizer is None:
-        from dflash.models.registry import resolve_source
-        from dflash.models.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(resolve_source(recipe.target.source))
+        tokenizer = recipe_tokenizer(recipe)
     finished = sum(e.samples for e in manifest.shards)
     if not 0 <= sample < finished:
         raise ValueError(f"sample must lie in [0, {finished}) (the captured samples); received {sample}")

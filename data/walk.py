@@ -43,9 +43,9 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from dflash.data.files import fsync_path, write_atomic
+from dflash.data.progress import Progress
 from dflash.data.regenerate import repair_jsonl
 from dflash.models.drafter import DFlashDrafter
 from dflash.serve.acceptance import answer_spans, chain, matched_prefix, teacher_leads
@@ -242,7 +242,7 @@ def run_walk(examples: Sequence[tuple[np.ndarray, np.ndarray, int]], drafter: DF
     if mode == "engine":
         max_len = -(-(max(n for _, _, n in rows) + k + 1) // 16) * 16
         engine = Engine(target.params, target.cfg, drafter, Chain(k), Limits(slots=slots, max_len=max_len))
-    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), disable=not progress, unit="row", desc="walk")
+    bar = Progress(len(rows), initial=len(rows) - len(todo), enabled=progress, unit="row", desc="walk")
     t0 = time.perf_counter()
     with open(out, "a", encoding="utf-8") as fh:
         for first in range(0, len(todo), chunk):

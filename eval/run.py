@@ -34,9 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from dflash.data.eval_sets import EvalItem, load_eval_set
+from dflash.data.progress import Progress
 from dflash.eval.client import Client
 
 MODES = ("dflash", "ar")
@@ -140,7 +139,7 @@ class RecordStore:
 
 
 def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurrency: int, settings: EvalSettings,
-                  store: RecordStore, bar: tqdm) -> None:
+                  store: RecordStore, bar: Progress) -> None:
     messages: list[dict[str, str]] = []
     for turn, text in enumerate(item.turns):
         messages.append({"role": "user", "content": text})
@@ -151,7 +150,7 @@ def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurr
                    "turn": turn, "text": reply.text, "tokens": reply.tokens, "finish": reply.finish_reason,
                    "latency_s": reply.latency_s, "ttft_s": reply.ttft_s, "tpot_s": reply.tpot_s,
                    "accepted": reply.accepted})
-        bar.update(1)
+        bar.update(1, tokens=reply.tokens)
 
 
 def _run_mode(client: Client, mode: str, concurrency: int, items: Sequence[EvalItem], settings: EvalSettings,
@@ -161,8 +160,8 @@ def _run_mode(client: Client, mode: str, concurrency: int, items: Sequence[EvalI
         return
     model = client.model()
     compiles_before = client.compiles()
-    bar = tqdm(total=sum(len(i.turns) for i in todo), desc=f"{mode} c={concurrency}", unit="reply",
-               disable=not progress, dynamic_ncols=True)
+    bar = Progress(sum(len(i.turns) for i in todo), desc=f"eval {mode} c={concurrency}", unit="reply",
+                   enabled=progress)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for future in [pool.submit(_conversation, client, model, item, mode, concurrency, settings, store, bar)

@@ -4,7 +4,7 @@ One Docker image (`docker/Dockerfile`: the locked dependency set plus jax[tpu]) 
 is the same `dflash` entry point it is on one machine. What a workload is:
 
     xpk workload create --cluster C --workload W --tpu-type v5p-128 --num-slices N --docker-image IMAGE
-        --command "dflash <stage> --config R --no-progress train.run_dir=/gcs/B/run data.dir=/gcs/B/data ..."
+        --command "dflash <stage> --config R train.run_dir=/gcs/B/run data.dir=/gcs/B/data ..."
         --env DFLASH_DISTRIBUTED=auto --env JAX_COMPILATION_CACHE_DIR=... --storage S --max-restarts R
 
 - **Every worker runs the same command.** `DFLASH_DISTRIBUTED=auto` makes `dflash` call
@@ -19,8 +19,10 @@ is the same `dflash` entry point it is on one machine. What a workload is:
 - **Preemption**: the JobSet restarts the workload (`--max-restarts`, on xpk's restartable exit codes: SIGTERM
   and SIGKILL included), and `dflash train` resumes from the latest checkpoint in its run dir, the auto-resume of
   one machine (bit-identical to an uninterrupted run). A config error (exit 2) or a NaN (exit 1) is not restarted.
-- **One host or many**: `train` uses every host of every slice (one `jax.distributed` run); `regenerate`,
-  `capture` and `eval` run the engine on one host, so they need a single-host slice (e.g. v5p-8).
+- **One host or many**: `train` uses every host of every slice (one `jax.distributed` run); so does `regenerate`:
+  every host answers its share of the prompts (by item id) with an engine replica per chip, and host 0 merges the
+  shares (`data.scaleout`); `capture` and `eval` run the engine on one host, so they need a single-host slice
+  (e.g. v5p-8).
 
 `--dry-run` prints the xpk command and the workload (image, environment, command per worker, mounts) and runs
 nothing; it needs neither xpk nor the network.
@@ -43,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: xpk's own venv liv
 MOUNT_ROOT = "/gcs"
 XPK_VENV = ROOT / ".venv-xpk"
 STAGES = ("regenerate", "capture", "train", "eval")
-MULTI_HOST_STAGES = ("train",)
+MULTI_HOST_STAGES = ("train", "regenerate")
 DEFAULT_MAX_RESTARTS = 10
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # xpk's workload / storage names, at most 40 characters
 
@@ -116,7 +118,7 @@ class XpkLaunch:
     def worker_command(self) -> list[str]:
         """The stage's `dflash` command, run by every worker of the workload (paths on the GCS FUSE mounts)."""
         paths = [f"train.run_dir={self.run_path}", f"data.dir={self.data_path}"]
-        common = ["--config", self.recipe, "--no-progress"]
+        common = ["--config", self.recipe]  # no terminal in a pod: every stage logs progress lines (data/progress.py)
         if self.stage == "train":
             cmd = ["dflash", "train", *common]
         elif self.stage in ("regenerate", "capture"):

@@ -21,6 +21,7 @@ from dflash.data.regenerate import (
     ItemError,
     RegenConfig,
     make_regen_engine,
+    read_regenerated,
     regenerate,
     repair_jsonl,
     request_seed,
@@ -174,6 +175,51 @@ def test_turn_two_prompt_holds_the_regenerated_reply(target, engines, tmp_path, 
     assert _read(tmp_path / "one.jsonl")["item-1"]["messages"] == messages[:2]
 
 
+def test_ultrachat_layout_regenerates_multi_turn_through_the_recipe(target, engines, tmp_path, monkeypatch):
+    """A local dataset laid out as UltraChat on the Hub (train_sft parquet shards, a `messages` column), named in
+    data.prompts with its split, regenerated turn by turn: each reply after the target's own earlier replies."""
+    from test_data_sources import ultrachat_layout
+
+    from dflash.configs.recipe import load_recipe
+    from dflash.data import stages
+
+    root = ultrachat_layout(tmp_path / "ultrachat_200k")
+    recipe = load_recipe("tiny", [f"data.dir={tmp_path / 'data'}", "data.max_prompts=0", "data.max_user_tokens=64",
+                                  f"data.prompts=[{{path: '{root}', split: train_sft, label: uc}}]"])
+    engine = engines(4)
+    monkeypatch.setattr(stages, "make_regen_engine", lambda *a, **k: engine)
+    prompts = _spy(engine, monkeypatch)
+    mix_stats, stats, out = stages.run_regenerate(recipe, target=target, progress=False)
+    assert (mix_stats.sources[0].filtered, mix_stats.sources[0].duplicates, mix_stats.selected) == (1, 1, 3)
+    records = _read(out)
+    assert sorted(records) == ["uc:0", "uc:1", "uc:2"]
+    assert [len(records[i]["messages"]) for i in ("uc:0", "uc:1", "uc:2")] == [4, 2, 6]  # every turn answered
+    assert (stats.turns, len(prompts)) == (6, 6)
+    tok = target.tokenizer
+    three = records["uc:2"]["messages"]
+    assert [m["content"] for m in three if m["role"] == "user"] == ["What is 2 + 2?", "And 3 + 3?", "Thanks!"]
+    assert not {"4", "6", "You're welcome."} & {m["content"] for m in three if m["role"] == "assistant"}
+    for turn in (1, 2):  # turn t's prompt is the template over the target's own replies before it
+        expected = tok.encode(tok.apply_chat_template(three[: 2 * turn + 1], add_generation_prompt=True))
+        assert expected in prompts, turn
+
+
+def test_progress_lines_without_a_terminal(target, engines, tmp_path, monkeypatch, capsys):
+    """In a pod (stderr is no terminal) regeneration logs done/total, tokens/s and ETA lines, resumed items
+    counted as done but not as speed."""
+    monkeypatch.delenv("DFLASH_PROGRESS", raising=False)
+    monkeypatch.setenv("DFLASH_PROGRESS_INTERVAL", "0.000001")
+    items = _items(3)
+    cfg = RegenConfig(max_new_tokens=MAX_NEW, max_len=MAX_LEN)
+    regenerate(engines(4), target.tokenizer, items[:1], tmp_path / "p.jsonl", cfg, progress=False)
+    capsys.readouterr()
+    regenerate(engines(4), target.tokenizer, items, tmp_path / "p.jsonl", cfg)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("regenerate: ")]
+    assert lines[0].startswith("regenerate: 2/3 conv (66.7%) | ")  # one resumed, one finished
+    assert lines[-1].startswith("regenerate: 3/3 conv (100.0%) | ") and "ETA 0s" in lines[-1]
+    assert all(" tokens/s | elapsed " in line for line in lines) and "ok=2 err=0 skip=1" in lines[-1]
+
+
 def test_resume_after_a_crash_equals_an_uninterrupted_run(target, engines, tmp_path):
     tok = target.tokenizer
     items = _items(9) + [{"id": "empty", "source": "unit", "messages": [{"role": "user", "content": " "}]}]
@@ -306,3 +352,130 @@ def test_repair_keeps_every_complete_line(tmp_path):
     path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
     with pytest.raises(ValueError, match="f.jsonl:2 must be one JSON object per line"):
         repair_jsonl(path)
+
+
+# --- regeneration through an OpenAI-compatible server (data/endpoint.py) -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    """`dflash serve`'s HTTP server over the same tiny target in a thread (key 'sekret'), at the engines' shape."""
+    import threading
+
+    from dflash.serve.engine import Engine
+    from dflash.serve.http import make_server
+    from dflash.serve.plan import AR, Limits
+
+    engine = Engine(target.params, target.cfg, None, AR(), Limits(slots=4, max_len=MAX_LEN))
+    httpd = make_server(engine, target.tokenizer, "tiny-random", "127.0.0.1", 0, api_key="sekret")
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.close()
+    thread.join(timeout=30)
+
+
+def _endpoint(cfg: RegenConfig, url: str, **fields) -> RegenConfig:
+    from dflash.data.config import EndpointConfig
+
+    fields = {"url": url, "model": "tiny-random", "api_key_env": "REGEN_TEST_KEY", "concurrency": 4, **fields}
+    return dataclasses.replace(cfg, endpoint=EndpointConfig(**fields))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_endpoint_regeneration_equals_in_process(target, engines, server, tmp_path, monkeypatch, temperature):
+    """The same conversations, replies, finish reasons and token counts through the server as in process, greedy
+    and sampled (each turn's seed travels with its request), and the same file: a run through one resumes the
+    other's."""
+    from dflash.data.endpoint import connect
+
+    monkeypatch.setenv("REGEN_TEST_KEY", "sekret")
+    tok = target.tokenizer
+    items = _items(9)
+    cfg = RegenConfig(system_prompt=SYSTEM, temperature=temperature, top_p=0.9, max_new_tokens=MAX_NEW,
+                      max_len=MAX_LEN, seed=7)
+    local = regenerate(engines(4, temperature), tok, items, tmp_path / "local.jsonl", cfg, progress=False)
+    remote_cfg = _endpoint(cfg, server)
+    remote = regenerate(connect(remote_cfg, tok, target_source="tiny"), tok, items, tmp_path / "remote.jsonl",
+                        remote_cfg, progress=False)
+    assert _read(tmp_path / "remote.jsonl") == _read(tmp_path / "local.jsonl")
+    assert (remote.succeeded, remote.turns, remote.generated_tokens, remote.prompt_tokens) == (
+        local.succeeded, local.turns, local.generated_tokens, local.prompt_tokens)
+    # (the random target writes token sequences BPE would not: their texts re-tokenise to other counts, counted)
+    assert 0 < remote.retokenized_differs < remote.turns
+    meta = json.loads((tmp_path / "remote.jsonl.meta.json").read_text())
+    assert meta == json.loads((tmp_path / "local.jsonl.meta.json").read_text())  # the same manifest
+    resumed = regenerate(connect(remote_cfg, tok, target_source="tiny"), tok, items, tmp_path / "local.jsonl",
+                         remote_cfg, progress=False)
+    assert (resumed.succeeded, resumed.skipped) == (0, 9)
+
+
+def test_endpoint_refuses_another_model_or_tokenizer(target, server, monkeypatch):
+    from dflash.configs.schema import ConfigError
+    from dflash.data.endpoint import EndpointError, connect
+
+    tok = target.tokenizer
+    cfg = _endpoint(RegenConfig(max_new_tokens=MAX_NEW, max_len=MAX_LEN), server)
+    monkeypatch.delenv("REGEN_TEST_KEY", raising=False)
+    with pytest.raises(ConfigError, match=r"api_key_env names an environment variable .*received 'REGEN_TEST_KEY', "
+                                          r"which is unset"):
+        connect(cfg, tok, target_source="tiny")
+    monkeypatch.setenv("REGEN_TEST_KEY", "wrong")
+    with pytest.raises(EndpointError, match=r"GET .*/v1/models must answer 200 .*received 401"):
+        connect(cfg, tok, target_source="tiny")
+    monkeypatch.setenv("REGEN_TEST_KEY", "sekret")
+    with pytest.raises(EndpointError, match=r"data.regen.endpoint.model must be a model the server at .* serves "
+                                            r"\(\['tiny-random'\]\); received 'tiny' \(default: the recipe's "
+                                            r"target.source 'tiny'"):
+        connect(_endpoint(cfg, server, model=""), tok, target_source="tiny")
+    other = dataclasses.replace(tok, chat_template="System: be brief.\n" + tok.chat_template)  # another template
+    with pytest.raises(EndpointError, match=r"does not tokenise like the recipe's target 'tiny': the probe prompt is "
+                                            r"\d+ tokens there and \d+ with the recipe's tokenizer"):
+        connect(cfg, other, target_source="tiny")
+    connect(_endpoint(cfg, server, check=False), other, target_source="tiny")  # the check can be turned off
+
+
+# --- over a whole slice: shares per process, replicas per device (data/scaleout.py) --------------------------------
+
+
+def _prompt_file(path: Path, n: int) -> Path:
+    """n short single-turn prompts (one prefill length and few context sizes: few programs per device)."""
+    path.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?"}) + "\n" for i in range(n)))
+    return path
+
+
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.8, marks=pytest.mark.slow)])  # sampled: nightly
+def test_the_dataset_does_not_depend_on_the_topology(target, tmp_path, temperature):
+    """One device, 4 replicas on 4 devices, and 2 processes x 2 devices (each share run on its own, then merged):
+    byte-identical files, greedy and sampled (seeded by item id)."""
+    from dflash.configs.recipe import load_recipe
+    from dflash.data import stages
+    from dflash.data.scaleout import Share, merge_parts, part_files, share_of
+
+    N = 10  # noqa: N806
+    prompts = _prompt_file(tmp_path / "prompts.jsonl", N)
+
+    def recipe(name: str, replicas: int):
+        return load_recipe("tiny", [f"data.dir={tmp_path / name}", f"data.prompts={prompts}", "data.max_prompts=0",
+                                    f"data.regen.replicas={replicas}", f"data.regen.temperature={temperature}",
+                                    "data.regen.top_p=0.9", "data.regen.seed=3", "data.regen.max_new_tokens=12"])
+
+    stages.run_regenerate(recipe("one", 1), target=target, progress=False)
+    stages.run_regenerate(recipe("four", 4), target=target, progress=False)
+    sliced = recipe("sliced", 2)
+    for index in (1, 0):
+        _, stats, _ = stages.run_regenerate(sliced, target=target, progress=False, share=Share(index, 2), merge=False)
+        assert stats.succeeded == sum(share_of(f"prompts:{i}", 2) == index for i in range(N)) > 0
+    out = sliced.data.regenerated_path
+    assert len(part_files(out)) == 2 and not out.exists()
+    with pytest.raises(ValueError, match=r"must be merged with its shares .* rerun `dflash data regenerate`"):
+        read_regenerated(out.parent / "regenerated.jsonl")
+    merge_parts(out)
+    assert not part_files(out) and not (out.parent / "regenerated.jsonl.parts").exists()
+    one = (tmp_path / "one" / "regenerated.jsonl").read_bytes()
+    assert one == (tmp_path / "four" / "regenerated.jsonl").read_bytes() == out.read_bytes()
+    ids = [json.loads(line)["id"] for line in one.splitlines()]
+    assert ids == sorted(ids) and len(ids) == N
+    # a rerun on another topology finds everything done
+    _, again, _ = stages.run_regenerate(recipe("sliced", 1), target=target, progress=False)
+    assert (again.succeeded, again.skipped) == (0, N) and out.read_bytes() == one

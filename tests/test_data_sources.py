@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -239,7 +240,8 @@ def test_local_alpaca_and_directory_splits(tmp_path: Path, cache: Path) -> None:
     ]
     test_split, _ = load_source(SourceSpec(path=directory, split="test"), cache_dir=cache)
     assert test_split == [[{"role": "user", "content": "Test only"}]]
-    with pytest.raises(ValueError, match="split 'validation'"):
+    with pytest.raises(ValueError,
+                       match=r"split must be one of the dataset's splits \['train', 'test'\]; received 'validation'"):
         load_source(SourceSpec(path=directory, split="validation"), cache_dir=cache)
 
 
@@ -263,7 +265,8 @@ def test_hub_failure_names_the_id(monkeypatch: pytest.MonkeyPatch) -> None:
         raise ConnectionError("Couldn't reach the Hub")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(RuntimeError, match=r"'org/chat-set' \(subset 'main', split 'train'\).*use `path:`"):
+    with pytest.raises(RuntimeError,
+                       match=r"'org/chat-set' \(subset 'main', split 'train'\).*name the directory \(`hf:DIR`"):
         load_source(SourceSpec(hub="org/chat-set", subset="main"))
 
 
@@ -384,7 +387,7 @@ def test_parse_mix_forms() -> None:
         ({"max_prompts": 3}, r"mix.sources is required"),
         ({"sources": ["gsm8k"], "max_prompts": -3}, r"mix.max_prompts must be an integer >= 0"),
         ("sharegpt:3,gsm9k", r"mix source 'gsm9k' in 'sharegpt:3,gsm9k' must be a preset"),
-        ("gsm8k,,mtbench", r"must look like 'SOURCE\[:WEIGHT\]'"),
+        ("gsm8k,,mtbench", r"must look like 'SOURCE\[\?KEY=VALUE&...\]\[:WEIGHT\]'; received ''"),
         (42, r"mix must be a mapping"),
     ],
 )
@@ -433,3 +436,131 @@ def test_the_larger_packaged_set_extends_the_smaller_one(small_name: str, large_
     small, large = records(small_name), records(large_name)
     assert len(large) >= 2 * len(small) - 100
     assert all(large.get(key) == record for key, record in small.items())
+
+
+# --- the sources users have: Hub layouts, globs, column mapping, several sources, length filters ---------------
+
+
+def ultrachat_layout(root: Path) -> Path:
+    """A directory laid out as HuggingFaceH4/ultrachat_200k on the Hub: `data/<split>-0000i-of-0000n-<hash>.parquet`
+    for the splits train_sft (2 files), test_sft, train_gen, with its `prompt`, `prompt_id` and `messages`
+    columns. train_sft holds 5 multi-turn conversations (one repeated, one with a long user turn)."""
+    rows = {
+        "train_sft": [
+            [("user", "Name three rivers."), ("assistant", "Nile, Amazon, Danube."), ("user", "Which is longest?"),
+             ("assistant", "The Nile.")],
+            [("user", "Write a haiku about rain."), ("assistant", "Drops on the roof...")],
+            [("user", "What is 2 + 2?"), ("assistant", "4"), ("user", "And 3 + 3?"), ("assistant", "6"),
+             ("user", "Thanks!"), ("assistant", "You're welcome.")],
+            [("user", "Write a haiku about rain."), ("assistant", "Grey clouds...")],  # a duplicate of the second
+            [("user", "Summarise: " + "word " * 200), ("assistant", "Words.")],  # long
+        ],
+        "test_sft": [[("user", "Held out?"), ("assistant", "Yes.")]],
+        "train_gen": [[("user", "Generation prompt"), ("assistant", "x")]],
+    }
+    data = root / "data"
+    data.mkdir(parents=True)
+    for split, conversations in rows.items():
+        parts = [conversations[:2], conversations[2:]] if split == "train_sft" else [conversations]
+        for i, part in enumerate(parts):
+            table = pa.table({
+                "prompt": [c[0][1] for c in part],
+                "prompt_id": [f"{split}-{i}-{j}" for j in range(len(part))],
+                "messages": [[{"role": r, "content": t} for r, t in c] for c in part],
+            })
+            pq.write_table(table, data / f"{split}-{i:05d}-of-{len(parts):05d}-3e2f1a.parquet")
+    return root
+
+
+def test_ultrachat_layout_by_split_as_path_and_as_hub_directory(tmp_path: Path, cache: Path) -> None:
+    root = ultrachat_layout(tmp_path / "ultrachat_200k")
+    conversations, stats = load_source(SourceSpec(path=str(root), split="train_sft"), cache_dir=cache)
+    assert stats.records == stats.kept == 5
+    assert [len(c) for c in conversations] == [4, 2, 6, 2, 2]  # whole multi-turn conversations from `messages`
+    assert conversations[0][2] == {"role": "user", "content": "Which is longest?"}
+    hub, _ = load_source(SourceSpec(hub=str(root), split="train_sft"), cache_dir=cache)  # a Hub download, by dir
+    assert hub == conversations
+    test, _ = load_source(SourceSpec(path=str(root), split="test_sft"), cache_dir=cache)
+    assert test == [[{"role": "user", "content": "Held out?"}, {"role": "assistant", "content": "Yes."}]]
+    for spec in (SourceSpec(path=str(root)), SourceSpec(hub=str(root), split="train_stf")):
+        with pytest.raises(ConfigError, match=r"source '.*ultrachat_200k': split must be one of the dataset's "
+                                              r"splits \[.*'train_sft'.*\]; received 'train(_stf)?'"):
+            load_source(spec, cache_dir=cache)
+
+
+def test_globs_and_column_mapping(tmp_path: Path, cache: Path) -> None:
+    root = ultrachat_layout(tmp_path / "uc")
+    glob = SourceSpec(path=str(root / "data" / "train_sft-*.parquet"), split="train_sft")
+    assert glob.source_name == "data" and glob.is_glob
+    conversations, _ = load_source(glob, cache_dir=cache)
+    assert len(conversations) == 5
+    recursive, _ = load_source(SourceSpec(path=str(root / "**" / "test_sft-*.parquet")), cache_dir=cache)
+    assert recursive == [[{"role": "user", "content": "Held out?"}, {"role": "assistant", "content": "Yes."}]]
+    # the prompt column instead of the turn list: single-turn prompts
+    prompts, _ = load_source(dataclasses.replace(glob, prompt_field="prompt"), cache_dir=cache)
+    assert prompts[0] == [{"role": "user", "content": "Name three rivers."}]
+    # a turn list under another name, ShareGPT keys
+    _write_jsonl(tmp_path / "chats" / "a.jsonl", [{"turns": [{"from": "human", "value": "Hi A"},
+                                                             {"from": "gpt", "value": "Hello"}]}])
+    _write_jsonl(tmp_path / "chats" / "b.jsonl", [{"turns": [{"from": "human", "value": "Hi B"}]}])
+    chats, _ = load_source(SourceSpec(path=str(tmp_path / "chats" / "*.jsonl"), messages_field="turns"),
+                           cache_dir=cache)
+    assert chats == [[{"role": "user", "content": "Hi A"}, {"role": "assistant", "content": "Hello"}],
+                     [{"role": "user", "content": "Hi B"}]]
+    with pytest.raises(ConfigError, match=r"source 'chats': messages_field must be one of the dataset's columns "
+                                          r"\['turns'\]; received 'messages'"):
+        load_source(SourceSpec(path=str(tmp_path / "chats" / "*.jsonl"), messages_field="messages"), cache_dir=cache)
+    with pytest.raises(ConfigError, match=r"path must match at least one file .*; received '.*nothing-\*.jsonl'"):
+        load_source(SourceSpec(path=str(tmp_path / "nothing-*.jsonl")), cache_dir=cache)
+    (tmp_path / "chats" / "c.parquet").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"path must match files of one kind .*received '.*chats/\*'"):
+        load_source(SourceSpec(path=str(tmp_path / "chats" / "*")), cache_dir=cache)
+
+
+def test_short_form_options_and_recipe_lists() -> None:
+    from dflash.configs.schema import build
+    from dflash.data.config import DataConfig, parse_source
+
+    uc = parse_source("hf:HuggingFaceH4/ultrachat_200k?split=train_sft&max_prompts=100:3")
+    assert (uc.hub, uc.split, uc.max_prompts, uc.weight) == ("HuggingFaceH4/ultrachat_200k", "train_sft", 100, 3.0)
+    assert parse_source("./chats/*.jsonl?messages_field=turns").messages_field == "turns"
+    with pytest.raises(ConfigError, match=r"source 'hf:x': option must be KEY=VALUE with KEY one of .*received "
+                                          r"'splt=a'"):
+        parse_source("hf:x?splt=a")
+    data = build(DataConfig, {"prompts": [{"hub": "HuggingFaceH4/ultrachat_200k", "split": "train_sft",
+                                           "weight": 2}, "gsm8k:1", "./x/*.parquet?label=extra"]}, prefix="data")
+    assert [(s.source_name, s.weight) for s in data.prompt_sources] == [
+        ("HuggingFaceH4/ultrachat_200k", 2.0), ("gsm8k", 1.0), ("extra", 1.0)]
+    short = build(DataConfig, {"prompts": "sharegpt:3,gsm8k:1"})
+    assert short.prompt_sources == parse_mix("sharegpt:3,gsm8k:1").sources
+    for prompts, message in [
+        ([{"hub": "org/x", "splitt": "a"}], r"unknown key\(s\) \['data.prompts\[0\].splitt'\]"),
+        ([{"name": "gsm8k"}, {"path": "a.jsonl", "weight": -1}], r"source 'a': weight must be a finite number > 0"),
+        (["gsm8k", "gsm8k:2"], r"data.prompts must name each source once .*received \['gsm8k'\]"),
+        ([], r"data.prompts must be a 'SOURCE\[:WEIGHT\],...' string or a non-empty list"),
+        ([3], r"data.prompts\[0\] must be a 'SOURCE\[:WEIGHT\]' string or a mapping"),
+        ("  ", r"data.prompts must name at least one source"),
+        ([{"path": "a.jsonl", "messages_field": "m", "prompt_field": "p"}], r"prompt_field must be unset when"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            build(DataConfig, {"prompts": prompts}, prefix="data")
+    with pytest.raises(ConfigError, match=r"data.max_user_tokens must be 0 \(no bound\) or >= data.min_user_tokens"):
+        build(DataConfig, {"min_user_tokens": 8, "max_user_tokens": 4}, prefix="data")
+
+
+def test_length_filters_and_dedup_across_sources(tmp_path: Path, cache: Path) -> None:
+    root = ultrachat_layout(tmp_path / "uc")
+    chats = _write_jsonl(tmp_path / "more.jsonl", [{"prompt": "Write a haiku  about RAIN."}, {"prompt": "Tiny?"}])
+    spec = MixSpec(sources=(SourceSpec(path=str(root), split="train_sft", label="uc"), SourceSpec(path=str(chats))),
+                   min_user_tokens=3, max_user_tokens=50)
+    words = lambda texts: [len(t.split()) for t in texts]  # noqa: E731 - a token counter for the test
+    with pytest.raises(ValueError, match=r"count_tokens must be given when the mix filters by length"):
+        mix(spec, cache_dir=cache)
+    items, stats = mix(spec, cache_dir=cache, count_tokens=words)
+    by_source = {s.name: s for s in stats.sources}
+    # uc: the long one is filtered; of the two haiku prompts the second is a duplicate
+    assert (by_source["uc"].filtered, by_source["uc"].duplicates, by_source["uc"].selected) == (1, 1, 3)
+    # more: "Tiny?" is too short, the haiku prompt repeats uc's (dedup normalises case and spaces)
+    assert (by_source["more"].filtered, by_source["more"].duplicates, by_source["more"].selected) == (1, 1, 0)
+    assert sorted(i["id"] for i in items) == ["uc:0", "uc:1", "uc:2"]  # ids: the index before filtering
+    assert "filtered" in stats.summary()

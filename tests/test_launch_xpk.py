@@ -42,6 +42,7 @@ def _flag(argv: list[str], name: str) -> list[str]:
 @pytest.mark.parametrize(("stage", "tpu", "slices", "hosts", "expected"), [
     ("train", "v5p-128", "2", 32, ["dflash", "train"]),
     ("regenerate", "v5p-8", "1", 1, ["dflash", "data", "regenerate"]),
+    ("regenerate", "v5p-64", "2", 16, ["dflash", "data", "regenerate"]),  # every host answers its share
     ("capture", "v5p-8", "1", 1, ["dflash", "data", "capture"]),
     ("eval", "v5p-8", "1", 1, ["dflash", "eval"]),
 ])
@@ -66,7 +67,7 @@ def test_dry_run_prints_the_xpk_command_and_workload_of_every_stage(capsys, stag
     assert "train.run_dir=/gcs/team-bucket/runs/qwen3-8b-a" in worker and "data.dir=/gcs/data-bucket/qwen3" in worker
     assert worker[-1] == "train.lr=3e-4" and worker[worker.index("--config") + 1] == "qwen3_8b"
     args, extra = build_parser().parse_known_args(worker[1:])
-    assert args.config == "qwen3_8b" and args.no_progress
+    assert args.config == "qwen3_8b" and not args.no_progress  # no terminal in a pod: the stage logs progress lines
     assert args.func.__name__ == {"train": "cmd_train", "eval": "cmd_eval"}.get(stage, "cmd_data")
     assert all("=" in a for a in extra)  # overrides that argparse left over (main appends them)
     if stage == "eval":
@@ -85,6 +86,8 @@ def test_single_host_stages_refuse_multi_host_slices_and_bad_input_is_named(caps
     assert "be a single-host slice for `eval`" in capsys.readouterr().err
     assert main([*base, "--tpu-type", "v5p-8", "--num-slices", "2"]) == 2
     assert "--num-slices 1" in capsys.readouterr().err
+    assert main(["launch", "xpk", "capture", *base[3:], "--tpu-type", "v5p-64"]) == 2
+    assert "be a single-host slice for `capture`" in capsys.readouterr().err
     bad_dir = ["launch", "xpk", "train", "--config", "qwen3_8b", "--cluster", "c1", "--tpu-type", "v5p-128",
                "--run-dir", "/local/run", "--dry-run"]
     assert main(bad_dir) == 2

@@ -134,3 +134,32 @@ def test_inconsistent_distributed_environment_is_refused(monkeypatch, capsys, en
         monkeypatch.setenv(name, value)
     assert main(["train", "--config", "tiny"]) == 2
     assert message in capsys.readouterr().err
+
+
+def _regenerate(data_dir: Path, devices: int, log: Path, replicas: int, **dist: str) -> subprocess.Popen:
+    """`dflash data regenerate --config tiny` in the background on `devices` simulated CPU devices."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu", **dist}
+    cmd = [sys.executable, "-m", "dflash.launch.cli", "data", "regenerate", "--config", "tiny", f"data.dir={data_dir}",
+           "data.max_prompts=6", "data.regen.max_new_tokens=12", f"data.regen.replicas={replicas}"]
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: nightly; test_data_regenerate's topology test (1 device, 4 replicas, two
+@pytest.mark.e2e   # shares of 2 replicas merged) keeps the property in the default tier
+def test_two_processes_of_two_devices_regenerate_what_one_device_does(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    address = f"127.0.0.1:{_free_port()}"
+    procs = {f"multi{i}": _regenerate(tmp_path / "multi", 2, logs / f"multi{i}", 2, JAX_COORDINATOR_ADDRESS=address,
+                                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)) for i in range(2)}
+    procs["single"] = _regenerate(tmp_path / "single", 1, logs / "single", 1)
+    texts = _wait(procs, logs)
+    for i in range(2):
+        out, err = texts[f"multi{i}"]
+        assert f"process {i}/2" in err and "2 engine replica(s)" in err, err[-2000:]
+        assert f"[process {i}/2] this process answers" in err, err[-2000:]
+    single = (tmp_path / "single" / "regenerated.jsonl").read_bytes()
+    assert single == (tmp_path / "multi" / "regenerated.jsonl").read_bytes()  # merged by process 0, sorted by id
+    assert len(single.splitlines()) == 6 and not (tmp_path / "multi" / "regenerated.jsonl.parts").exists()

@@ -23,7 +23,6 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
-from tqdm import tqdm
 
 from dflash.configs.recipe import Recipe
 from dflash.configs.schema import ConfigError, require, to_dict
@@ -34,6 +33,7 @@ from dflash.data.examples import build_examples, training_vocab
 from dflash.data.manifest import chat_template_hash, check_manifest, load_manifest
 from dflash.data.offline import make_offline_batches
 from dflash.data.online import make_batches
+from dflash.data.progress import Progress
 from dflash.data.walk import find_walk, load_walk, walk_weights
 from dflash.models.config import DecoderConfig
 from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab
@@ -443,8 +443,7 @@ class StepMetrics:
     def __init__(self, cfg: TrainConfig, writer: MetricsWriter, *, block_tokens: int, start: int, show: bool):
         self.writer = writer
         self.log_every, self.final_step, self.block_tokens = cfg.log_every, cfg.steps, block_tokens
-        self.bar = tqdm(total=cfg.steps, initial=start, disable=not show, unit="step", dynamic_ncols=True,
-                        desc="train")
+        self.bar = Progress(cfg.steps, initial=start, enabled=show, unit="step", desc="train")
         self.last: dict[str, Any] = {}
         self.real_tau: float | None = None  # the latest in-loop real τ, shown beside the teacher-forced one
         self._pending: tuple[int, Any] | None = None
@@ -472,7 +471,7 @@ class StepMetrics:
         if len(self._window) > 1:
             (t0, s0), (t1, s1) = self._window[0], self._window[-1]
             metrics["block_tokens_per_s"] = (s1 - s0) * self.block_tokens / max(t1 - t0, 1e-9)
-        self.bar.update(step - self.bar.n)
+        self.bar.update(step - self.bar.n, tokens=(step - self.bar.n) * self.block_tokens)
         self._postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['acceptance_length']:.2f}",
                       tok_s=f"{metrics.get('block_tokens_per_s', 0):.0f}")
         if step % self.log_every == 0 or step == self.final_step:

@@ -1,0 +1,294 @@
+"""Regeneration over a whole slice (docs/design.md §6, "data stages scale out, not up"): every process answers a
+deterministic share of the prompts, every local device runs an engine replica, each share resumes on its own, and
+the shares merge into the one file the loaders read.
+
+    share = Share.of_process()                      # (jax.process_index(), jax.process_count())
+    mine = [item for item in items if share.owns(item["id"])]
+    backend = replica_backend(target, cfg.regen, local_devices(cfg.regen.replicas))
+    regenerate(backend, tokenizer, mine, share.part_path(out), cfg.regen, also_done=done_ids(out))
+    barrier(); if process 0: merge_parts(out)       # -> out, sorted by id
+
+Why the result does not depend on the topology: a conversation's output depends only on its own requests (the
+prompt and the seed `request_seed(seed, item id, turn)`), never on its batch neighbours, its replica or its
+process (the engine's batch invariance, tests/test_engine.py); the share of an item is a function of its id; the
+merged file is sorted by id. Greedy output on 1 device, 4 devices and 2 processes x 2 devices is identical
+(tests/test_data_regenerate.py, tests/test_multiprocess.py), sampled output too, seeded by item id.
+
+Files: a process of a multi-process run writes `<out>.parts/part-<p>-of-<P>.jsonl` (and its `.errors.jsonl`); a
+single process writes `<out>` itself. A rerun counts as done every id in `<out>`, in its errors file and in any
+part of any topology, so a run may resume on another slice. Process 0 merges after all processes finished:
+every record of `<out>` and the parts, each id once, sorted by id, written atomically, then the parts removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash.data.config import RegenConfig
+from dflash.data.files import TMP_SUFFIX, fsync_path
+from dflash.data.regenerate import ItemError, Reply, completion_reply
+from dflash.serve.engine import Engine
+from dflash.serve.plan import AR, Limits
+
+log = logging.getLogger(__name__)
+
+PARTS_SUFFIX = ".parts"
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """Process `index` of `count`: it answers the items whose id hashes to `index` (sha256, stable everywhere)."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"share index must lie in [0, count); received {self.index} of {self.count}")
+
+    @staticmethod
+    def of_process() -> Share:
+        import jax
+
+        return Share(jax.process_index(), jax.process_count())
+
+    def owns(self, item_id: str) -> bool:
+        return share_of(item_id, self.count) == self.index
+
+    def part_path(self, out: Path) -> Path:
+        """Where this share writes: `out` itself for one process, else its part under `<out>.parts/`."""
+        if self.count == 1:
+            return out
+        return parts_dir(out) / f"part-{self.index:05d}-of-{self.count:05d}.jsonl"
+
+
+def share_of(item_id: str, count: int) -> int:
+    """The share (of `count`) an item id belongs to."""
+    return int.from_bytes(hashlib.sha256(item_id.encode("utf-8")).digest()[:8], "little") % count
+
+
+def parts_dir(out: Path) -> Path:
+    return out.with_name(out.name + PARTS_SUFFIX)
+
+
+def part_files(out: Path) -> list[Path]:
+    """The parts (records, not errors) of every topology under `<out>.parts/`."""
+    folder = parts_dir(out)
+    return sorted(p for p in folder.glob("part-*.jsonl") if not p.name.endswith(".errors.jsonl")) if folder.is_dir() \
+        else []
+
+
+def errors_path(path: Path) -> Path:
+    return path.with_name(path.name + ".errors.jsonl")
+
+
+def _ids(path: Path) -> set[str]:
+    """The ids of the complete lines of a JSONL file (a partial last line, still being written, is ignored)."""
+    if not path.is_file():
+        return set()
+    data = path.read_bytes()
+    out = set()
+    for line in data[: data.rfind(b"\n") + 1].splitlines():
+        if line.strip():
+            out.add(json.loads(line)["id"])
+    return out
+
+
+def done_ids(out: Path) -> set[str]:
+    """Every id finished (written or failed) in `out`, its errors file and the parts of any topology."""
+    done = _ids(out) | _ids(errors_path(out))
+    for part in part_files(out):
+        done |= _ids(part) | _ids(errors_path(part))
+    return done
+
+
+def merge_parts(out: Path) -> int:
+    """Merge the parts into `out` (and their errors into its errors file): each id once, sorted by id, written
+    atomically; then remove the parts. With no parts, sort `out` in place when it is not sorted yet. Returns the
+    number of records merged in from parts."""
+    parts = part_files(out)
+    merged = 0
+    for target, sources in ((out, parts), (errors_path(out), [errors_path(p) for p in parts])):
+        records = _records(target)
+        known = {r["id"] for r in records}
+        added = False
+        for source in sources:
+            for record in _records(source):
+                if record["id"] not in known:
+                    known.add(record["id"])
+                    records.append(record)
+                    added = True
+                    merged += target == out
+        ordered = sorted(records, key=lambda r: r["id"])
+        if added or ordered != records:
+            _write_jsonl_atomic(target, ordered)
+    folder = parts_dir(out)
+    if folder.is_dir():
+        for path in sorted(folder.iterdir()):
+            path.unlink()
+        folder.rmdir()
+    if parts:
+        log.info("merged %d conversations from %d part(s) into %s", merged, len(parts), out)
+    return merged
+
+
+def _write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
+    """`records` as JSONL (UTF-8, one per line, as `regenerate` writes them) replacing `path` atomically."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    return [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
+
+
+def barrier(name: str) -> None:
+    """Wait for every process (no-op for one)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def local_devices(replicas: int) -> list[Any]:
+    """The devices this process runs engine replicas on: `replicas` of its local devices, or (0) all of them; on
+    CPU (0) one, since its simulated devices share the same cores."""
+    import jax
+
+    devices = jax.local_devices()
+    if replicas == 0:
+        return devices[:1] if devices[0].platform == "cpu" else devices
+    if replicas > len(devices):
+        raise ValueError(f"data.regen.replicas must be at most this process's {len(devices)} local devices (0: all); "
+                         f"received {replicas}")
+    return devices[:replicas]
+
+
+class _Replica(threading.Thread):
+    """One engine on one device, stepped by its own thread (JAX releases the GIL while devices run)."""
+
+    def __init__(self, index: int, engine: Engine, device: Any, tokenizer: Any, results: queue.Queue):
+        super().__init__(name=f"regen-replica-{index}", daemon=True)
+        self.index, self.engine, self.device, self.tok, self.results = index, engine, device, tokenizer, results
+        self.inbox: queue.Queue = queue.Queue()
+        self.stop_ids = tuple(tokenizer.stop_token_ids)
+        self.load = 0  # requests submitted and not yet returned (the main thread's count)
+
+    def run(self) -> None:
+        import jax
+
+        try:
+            with jax.default_device(self.device):
+                while True:
+                    waiting = not self.engine.busy
+                    while True:
+                        try:
+                            request = self.inbox.get(block=waiting)
+                        except queue.Empty:
+                            break
+                        if request is None:
+                            return
+                        self.engine.enqueue(request)
+                        waiting = False
+                    self.engine.step()
+                    for rid in list(self.engine.done):
+                        completion = self.engine.done.pop(rid)
+                        self.results.put(((self.index, rid), completion_reply(completion, self.tok, self.stop_ids)))
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread, which stops the run
+            self.results.put((None, err))
+
+
+class ReplicaBackend:
+    """Turns over engine replicas, one per device, each on its own thread (a `data.regenerate.Backend`). A turn
+    goes to the least loaded replica; where it runs does not change its reply."""
+
+    def __init__(self, engines: Sequence[Engine], devices: Sequence[Any], tokenizer: Any, cfg: RegenConfig):
+        self.cfg = cfg
+        self.results: queue.Queue = queue.Queue()
+        self.replicas = [_Replica(i, e, d, tokenizer, self.results) for i, (e, d) in enumerate(zip(engines, devices,
+                                                                                                    strict=True))]
+        self.capacity = sum(e.slots for e in engines)
+        self.stop_ids = tuple(tokenizer.stop_token_ids)
+        for replica in self.replicas:
+            replica.start()
+
+    def submit(self, messages: list[dict[str, str]], prompt_ids: list[int], seed: int, turn: int) -> Hashable:
+        replica = min(self.replicas, key=lambda r: (r.load, r.index))
+        try:
+            request = replica.engine.check(prompt_ids, self.cfg.max_new_tokens, self.stop_ids, seed,
+                                           sampling=self.cfg.sampling)
+        except ValueError as err:
+            raise ItemError("too_long", str(err), turn) from err
+        replica.load += 1
+        replica.inbox.put(request)
+        return (replica.index, request.request_id)
+
+    def poll(self) -> list[tuple[Hashable, Reply | ItemError]]:
+        out = [self.results.get()]
+        while True:
+            try:
+                out.append(self.results.get_nowait())
+            except queue.Empty:
+                break
+        for handle, result in out:
+            if handle is None:
+                self.close()
+                raise result
+            self.replicas[handle[0]].load -= 1
+        return out
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.inbox.put(None)
+        for replica in self.replicas:
+            replica.join(timeout=60)
+
+
+def replica_engines(target: Any, cfg: RegenConfig, devices: Sequence[Any]) -> list[Engine]:
+    """One AR-mode engine per device, the target's weights copied onto each."""
+    import jax
+
+    engines = []
+    for device in devices:
+        with jax.default_device(device):
+            params = jax.device_put(target.params, device)
+            engines.append(Engine(params, target.cfg, None, AR(), Limits(slots=cfg.slots, max_len=cfg.max_len)))
+    return engines
+
+
+def replica_backend(target: Any, cfg: RegenConfig, devices: Sequence[Any]) -> ReplicaBackend:
+    """A ReplicaBackend over `devices` (one engine each)."""
+    log.info("regeneration: %d engine replica(s) of %d slots on %s", len(devices), cfg.slots,
+             ", ".join(str(d) for d in devices))
+    return ReplicaBackend(replica_engines(target, cfg, devices), devices, target.tokenizer, cfg)
+
+
+def process_tag() -> str:
+    """'[process p/P] ' in a multi-process run, else ''."""
+    import jax
+
+    return f"[process {jax.process_index()}/{jax.process_count()}] " if jax.process_count() > 1 else ""
+
+
+__all__ = ["ReplicaBackend", "Share", "barrier", "done_ids", "local_devices", "merge_parts", "part_files",
+           "parts_dir", "process_tag", "replica_backend", "replica_engines", "share_of"]
