@@ -35,10 +35,18 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return [*args.overrides, *_serve_overrides(args)]
 
 
-def _recipe(args: argparse.Namespace):
+def _recipe(args: argparse.Namespace, *, unreachable_ok: bool = False):
+    """The recipe of `--config` and the overrides, checked whole before anything heavy is imported or loaded: its
+    sections and their cross-section rules (`configs.recipe`), then the target's architecture from its config.json
+    alone and the drafter section against it (`models.registry.check_recipe_target`: an unsupported family is
+    refused here, before any weights move). `unreachable_ok`: a Hub target whose config.json cannot be fetched from
+    this machine is only a warning (`dflash config`, `dflash launch`: the pod checks it again)."""
     from dflash.configs.recipe import load_recipe
+    from dflash.models.registry import check_recipe_target
 
-    return load_recipe(args.config, _overrides(args))
+    recipe = load_recipe(args.config, _overrides(args))
+    check_recipe_target(recipe.target, recipe.drafter, unreachable_ok=unreachable_ok)
+    return recipe
 
 
 def _init_distributed() -> None:
@@ -84,15 +92,15 @@ def _log_devices() -> None:
 def cmd_config(args: argparse.Namespace) -> int:
     from dflash.configs.recipe import dump_recipe
 
-    sys.stdout.write(dump_recipe(_recipe(args)))
+    sys.stdout.write(dump_recipe(_recipe(args, unreachable_ok=True)))
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    recipe = _recipe(args)
     from dflash.models.target import load_target
     from dflash.serve.chat import chat
 
-    recipe = _recipe(args)
     _log_devices()
     prompts = args.prompt or [line.strip() for line in sys.stdin if line.strip()]
     if not prompts:
@@ -102,9 +110,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    recipe = _recipe(args)
     from dflash.launch.demo import DEMO_PROMPTS, run_demo
 
-    recipe = _recipe(args)
     _log_devices()
     try:
         run_demo(recipe, prompts=args.prompt or DEMO_PROMPTS, train=not args.skip_train,
@@ -124,9 +132,9 @@ def _run_errors() -> tuple[type[Exception], ...]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    recipe = _recipe(args)
     from dflash.train.loop import run_training
 
-    recipe = _recipe(args)
     _log_devices()
     try:
         result = run_training(recipe, progress=not args.no_progress)
@@ -195,6 +203,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    _recipe(args)  # the recipe, its overrides and its target must be valid before servers start with them
     from dflash.eval.client import ServerError
     from dflash.eval.report import headline_line
     from dflash.eval.run import EvalSettings, run_eval
@@ -206,7 +215,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"dflash eval: error: {err}", file=sys.stderr)
         return 2
-    _recipe(args)  # the recipe and overrides must be valid before servers start with them
     try:
         results, paths = run_eval(settings, args.out, url=args.url, ar_url=args.ar_url, drafter=args.drafter,
                                   step=args.step, config=args.config, overrides=_overrides(args),
@@ -226,9 +234,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    recipe = _recipe(args)
     from dflash.launch.serving import ServeOptions, serve_recipe
 
-    recipe = _recipe(args)
     _log_devices()
     options = ServeOptions(drafter=args.drafter, step=None if args.ar else _step(args.step), ar=args.ar,
                            slots=args.slots, prefill_chunk=args.prefill_chunk,
@@ -250,12 +258,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_launch_xpk(args: argparse.Namespace) -> int:
+    recipe = _recipe(args, unreachable_ok=True)  # the recipe, its overrides and its target, before any pod starts
     import shlex
 
+    from dflash.launch.pod import check_on_slice
     from dflash.launch.tpus import parse_tpu_type
     from dflash.launch.xpk import XpkLaunch, launch
 
-    _recipe(args)  # the recipe and its overrides must load here before a pod tries them
+    check_on_slice(recipe, args.stage, parse_tpu_type(args.tpu_type), args.num_slices)
     image = args.image or os.environ.get("DFLASH_IMAGE") or ("dflash-tpu:latest" if args.dry_run else None)
     if image is None:
         raise ConfigError("--image (or DFLASH_IMAGE) must name the image built from docker/Dockerfile and pushed to "
@@ -271,13 +281,12 @@ def cmd_launch_xpk(args: argparse.Namespace) -> int:
 def cmd_launch_compile(args: argparse.Namespace) -> int:
     import json
 
-    from dflash.configs.recipe import load_recipe
-    from dflash.launch.compile import recipe_topology, run_compile
-
     if args.config is None:
         raise ConfigError("--config must name the recipe to compile (a name in configs/ or a YAML path); "
                           "received none")
-    load_recipe(args.config, args.overrides)  # a bad recipe or override stops here, not in the subprocess
+    _recipe(args, unreachable_ok=True)  # a bad recipe, override or target stops here, not in the subprocess
+    from dflash.launch.compile import recipe_topology, run_compile
+
     topology = args.topology or recipe_topology(args.config, args.overrides)
     if topology is None:
         raise ConfigError(f"--topology must name a TPU slice (e.g. v5p-128): recipe {args.config!r} sets no "

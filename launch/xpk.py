@@ -37,13 +37,12 @@ import subprocess
 from pathlib import Path
 
 from dflash.configs.schema import ConfigError, require
+from dflash.launch.pod import MULTI_HOST_STAGES, STAGES
 from dflash.launch.tpus import TpuType
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: xpk's own venv lives beside .venv
 MOUNT_ROOT = "/gcs"
 XPK_VENV = ROOT / ".venv-xpk"
-STAGES = ("regenerate", "capture", "train", "eval")
-MULTI_HOST_STAGES = ("train",)
 DEFAULT_MAX_RESTARTS = 10
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # xpk's workload / storage names, at most 40 characters
 

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from dflash.configs.recipe import Recipe
+from dflash.configs.recipe import Recipe, check_train_data
 from dflash.configs.schema import ConfigError, require, to_dict
 from dflash.data.batch import TrainBatch, batch_layout
 from dflash.data.capture import examples_hash as capture_examples_hash
@@ -153,9 +153,7 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
     """The mesh of `train.mesh` (the global batch size checked against it), the target placed on it in the
     compute dtype, this host's batches of `data`, and the step's spec (`step_spec`)."""
     spec = step_spec(cfg, arch, target.cfg)
-    require(not spec.objective.divergences or data.labels == "soft", "train.loss", cfg.loss,
-            f"be ce alone unless data.labels=soft (the other terms compare the drafter's distribution with the "
-            f"target's stored top-k; data.labels is {data.labels!r})")
+    check_train_data(cfg, data)  # the recipe's cross-section rules, for callers that pass sections
     if target.cfg.num_layers - 1 in arch.layer_ids:
         log.warning("drafter.layer_ids %s include the target's last layer %d: vLLM and SGLang feed HF "
                     "hidden_states[L], which is post-final-norm, while this trainer uses the pre-norm output; "
@@ -177,8 +175,6 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
         log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
     head = train_head(target_params, target.cfg, ids)
     head = place(head, head_rules(head.vocab_major), mesh)
-    require(not cfg.walk_anchors or bool(data.walk), "train.walk_anchors", cfg.walk_anchors,
-            "be 0 unless data.walk names a serving walk (`auto` or a path; `dflash data walk` writes it)")
     batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples,
                                               walk_power=cfg.walk_oversample)
     return TrainRun(target=target, frozen=FrozenTarget(params=target_params, head=head), spec=spec, mesh=mesh,
