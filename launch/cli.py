@@ -112,6 +112,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     from dflash.launch.demo import DEMO_PROMPTS, run_demo
+    from dflash.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     _log_devices()
     try:
@@ -120,6 +121,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except _run_errors() as err:
         print(f"dflash demo: error: {err}", file=sys.stderr)
         return 1
+    except Preempted as stopped:
+        print(f"dflash demo: {stopped}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 
@@ -134,6 +138,7 @@ def _run_errors() -> tuple[type[Exception], ...]:
 def cmd_train(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     from dflash.train.loop import run_training
+    from dflash.train.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     _log_devices()
     try:
@@ -141,6 +146,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except _run_errors() as err:
         print(f"dflash train: error: {err}", file=sys.stderr)
         return 1
+    except Preempted as stopped:  # SIGTERM: the step in flight is checkpointed; the launchers restart on this code
+        print(f"dflash train: {stopped}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     last, ev = result.last, result.eval
     print(f"trained {result.final_step - result.start_step} steps (to step {result.final_step}) in "
           f"{result.seconds:.0f} s; checkpoints in {result.run_dir / 'checkpoints'}")

@@ -16,9 +16,10 @@ is the same `dflash` entry point it is on one machine. What a workload is:
   (`xpk storage attach NAME --type=gcsfuse ...`, once per cluster and bucket): `gs://B/path` is the local path
   `/gcs/B/path` there, which Orbax, Grain, ArrayRecord, metrics.jsonl and TensorBoard all write and read as
   files (docs/decisions.md D21 says why a mount and not gs:// URLs).
-- **Preemption**: the JobSet restarts the workload (`--max-restarts`, on xpk's restartable exit codes: SIGTERM
-  and SIGKILL included), and `dflash train` resumes from the latest checkpoint in its run dir, the auto-resume of
-  one machine (bit-identical to an uninterrupted run). A config error (exit 2) or a NaN (exit 1) is not restarted.
+- **Preemption**: on SIGTERM `dflash train` checkpoints the step in flight and exits 42
+  (`train.preemption.PREEMPTED_EXIT_CODE`), one of xpk's default restartable exit codes (with 127-255, the deaths by
+  signal); the JobSet restarts the workload (`--max-restarts`) and `dflash train` resumes from the latest checkpoint
+  in its run dir (bit-identical to an uninterrupted run). A config error (exit 2) or a NaN (exit 1) is not restarted.
 - **One host or many**: `train` uses every host of every slice (one `jax.distributed` run); `regenerate`,
   `capture` and `eval` run the engine on one host, so they need a single-host slice (e.g. v5p-8).
 

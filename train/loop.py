@@ -42,6 +42,7 @@ from dflash.train.checkpoint import Checkpointer
 from dflash.train.config import TrainConfig
 from dflash.train.metrics import MetricsWriter, check_finite, read_metrics
 from dflash.train.objective import Objective, default_gamma
+from dflash.train.preemption import Preempted, PreemptionWatch
 from dflash.train.real_eval import RealTauEval
 from dflash.train.sharding import (
     DRAFTER_RULES,
@@ -413,19 +414,25 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
     """Steps start+1 .. train.steps: batch -> jitted step (state donated) -> the previous step's metrics ->
     an async checkpoint every save_every steps and at the last, once that step's metrics proved finite ->
     real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
-    neither the state nor the data, so training results are the same with it or without)."""
+    neither the state nor the data, so training results are the same with it or without). On SIGTERM
+    (`train.preemption`) the step in flight is checkpointed and `Preempted` is raised: nothing is redone on restart."""
     step_fn = make_train_step(run.spec, run.frozen, state_shardings=shardings)
-    for step in range(start + 1, cfg.steps + 1):
-        batch = shard_batch(next(run.batches), run.mesh)
-        state, device_metrics = step_fn(state, batch)
-        metrics.push(step, device_metrics)
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            metrics.flush()  # never checkpoint a state whose step went non-finite
-            ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
-                                    "data_fingerprint": run.data_fingerprint})
-        if real_eval is not None and real_eval.due(step):
-            metrics.flush()
-            metrics.write_eval(step, real_eval(step, state.params))
+    with PreemptionWatch() as preemption:
+        for step in range(start + 1, cfg.steps + 1):
+            batch = shard_batch(next(run.batches), run.mesh)
+            state, device_metrics = step_fn(state, batch)
+            metrics.push(step, device_metrics)
+            stop = preemption.stop_at(step)  # SIGTERM: this step is checkpointed and the run stops (`Preempted`)
+            if stop or step % cfg.save_every == 0 or step == cfg.steps:
+                metrics.flush()  # never checkpoint a state whose step went non-finite
+                ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
+                                        "data_fingerprint": run.data_fingerprint})
+            if stop:
+                ckpt.wait()
+                raise Preempted(step)
+            if real_eval is not None and real_eval.due(step):
+                metrics.flush()
+                metrics.write_eval(step, real_eval(step, state.params))
     metrics.flush()
     return state
 
