@@ -265,25 +265,37 @@ def cmd_export(args: argparse.Namespace) -> int:
     return run_export(args, prog="dflash export")
 
 
-def cmd_launch_xpk(args: argparse.Namespace) -> int:
+def cmd_launch_pod(args: argparse.Namespace) -> int:
+    """`dflash launch xpk|gcluster STAGE`: the recipe checked whole (its target from config.json alone), then against
+    the slice and the credentials its pods need, before the launcher is asked for anything."""
     recipe = _recipe(args, unreachable_ok=True)  # the recipe, its overrides and its target, before any pod starts
     import shlex
 
-    from dflash.launch.pod import check_on_slice
+    from dflash.launch.pod import check_credentials, check_on_slice, parse_env, parse_secrets
     from dflash.launch.tpus import parse_tpu_type
-    from dflash.launch.xpk import XpkLaunch, launch
 
-    check_on_slice(recipe, args.stage, parse_tpu_type(args.tpu_type), args.num_slices)
+    tpu = parse_tpu_type(args.tpu_type)
+    check_on_slice(recipe, args.stage, tpu, args.num_slices)
     image = args.image or os.environ.get("DFLASH_IMAGE") or ("dflash-tpu:latest" if args.dry_run else None)
     if image is None:
         raise ConfigError("--image (or DFLASH_IMAGE) must name the image built from docker/Dockerfile and pushed to "
                           "a registry the cluster pulls from; received none")
-    plan = XpkLaunch(stage=args.stage, recipe=args.config, cluster=args.cluster, tpu=parse_tpu_type(args.tpu_type),
-                     run_dir=args.run_dir, image=image, num_slices=args.num_slices, data_dir=args.data_dir,
-                     overrides=tuple(args.overrides), stage_args=tuple(shlex.split(args.args)),
-                     workload=args.workload, project=args.project, zone=args.zone, max_restarts=args.max_restarts,
-                     priority=args.priority, spot=args.spot)
-    return launch(plan, dry_run=args.dry_run, xpk=args.xpk, manifest=args.manifest)
+    common = dict(stage=args.stage, recipe=args.config, cluster=args.cluster, tpu=tpu, run_dir=args.run_dir,
+                  image=image, num_slices=args.num_slices, data_dir=args.data_dir, overrides=tuple(args.overrides),
+                  stage_args=tuple(shlex.split(args.args)), env=parse_env(args.env or []),
+                  secrets=parse_secrets(args.secret or []), max_restarts=args.max_restarts,
+                  grace_period=args.grace_period, project=args.project, priority=args.priority)
+    if args.target == "xpk":
+        from dflash.launch import xpk
+
+        plan = xpk.XpkLaunch(**common, workload=args.workload, zone=args.zone, spot=args.spot)
+        notes = check_credentials(recipe, plan)
+        return xpk.launch(plan, dry_run=args.dry_run, xpk=args.xpk, manifest=args.manifest, notes=notes)
+    from dflash.launch import gcluster
+
+    plan = gcluster.GclusterLaunch(**common, name=args.name, location=args.zone)
+    notes = check_credentials(recipe, plan)
+    return gcluster.launch(plan, dry_run=args.dry_run, gcluster=args.gcluster, manifest=args.manifest, notes=notes)
 
 
 def cmd_launch_compile(args: argparse.Namespace) -> int:
@@ -327,6 +339,51 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="how sampled requests draft: argmax (one-hot drafts) or sample (drawn from the drafter's "
                    "distribution, speculative sampling; the chain only); both lossless; default the recipe's "
                    "serve.draft_rule")
+
+
+def _add_pod_args(q: argparse.ArgumentParser, launcher: str) -> None:
+    """The arguments of `dflash launch xpk` and `dflash launch gcluster` (docs/pods.md maps them to each tool's)."""
+    q.add_argument("stage", choices=("regenerate", "capture", "train", "eval"))
+    _add_config_args(q)
+    q.add_argument("--cluster", required=True, help="the GKE cluster (made with `xpk cluster create` or a Cluster "
+                   "Toolkit blueprint)")
+    q.add_argument("--tpu-type", required=True, help="the slice type, e.g. v5p-128 (train) or v5p-8 (other stages)")
+    q.add_argument("--num-slices", type=int, default=1, help="slices (multislice over DCN; train only; xpk only)")
+    q.add_argument("--run-dir", required=True, help="gs://BUCKET/PATH: checkpoints, metrics, exports, eval")
+    q.add_argument("--data-dir", default="", help="gs://BUCKET/PATH of data.dir (default: RUN_DIR/data)")
+    q.add_argument("--image", default=None, help="the Docker image (docker/Dockerfile), e.g. "
+                   "us-docker.pkg.dev/PROJECT/REPO/dflash-tpu:TAG (env DFLASH_IMAGE)")
+    q.add_argument("--env", action="append", metavar="KEY[=VALUE]",
+                   help="an environment variable of every pod (repeatable); KEY alone takes its value from this "
+                   "environment at launch, e.g. --env HF_TOKEN --env WANDB_API_KEY (the value is then in the "
+                   "workload's manifest: prefer --secret)")
+    q.add_argument("--secret", action="append", metavar="NAME=projects/P/secrets/S[/versions/V]",
+                   help="a Secret Manager secret read in every pod at start into variable NAME (repeatable); only the "
+                   "reference travels, e.g. --secret HF_TOKEN=projects/my-project/secrets/hf-token")
+    q.add_argument("--project", default="", help="GCP project (default: gcloud's)")
+    q.add_argument("--zone", "--location", dest="zone", default="",
+                   help="GCP zone (xpk --zone) or the cluster's location (gcluster --location); default: gcloud's")
+    q.add_argument("--max-restarts", type=int, default=10,
+                   help="restarts after preemption (exit 42) or a death by signal (default 10)")
+    q.add_argument("--grace-period", type=int, default=0,
+                   help="seconds from SIGTERM to SIGKILL (default: 300 for train, time for a step and a checkpoint; "
+                   "30 for the other stages)")
+    q.add_argument("--priority", default="medium", help="very-low, low, medium (default), high, very-high")
+    q.add_argument("--args", default="", help="extra arguments of the stage's command, e.g. '--sets gsm8k --limit 80'")
+    q.add_argument("--dry-run", action="store_true", help=f"print the {launcher} command and the workload; run nothing")
+    if launcher == "xpk":
+        q.add_argument("--workload", default="", help="workload name (default: RECIPE-STAGE-RUNNAME, 40 characters)")
+        q.add_argument("--spot", action="store_true", help="spot capacity")
+        q.add_argument("--xpk", default=None, help="the xpk executable (default: .venv-xpk/bin/xpk from "
+                       "tools/setup_xpk.sh, $XPK, or xpk on PATH)")
+        q.add_argument("--manifest", default=None, help="also write the JobSet that xpk would apply to this file "
+                       "(runs xpk's own dry run; needs --project and --zone)")
+    else:
+        q.add_argument("--name", default="", help="job name (default: RECIPE-STAGE-RUNNAME, at most 28 characters)")
+        q.add_argument("--gcluster", default=None, help="the gcluster executable (default: $GCLUSTER or gcluster on "
+                       "PATH)")
+        q.add_argument("--manifest", default=None, help="write the JobSet gcluster would apply to this file instead "
+                       "of submitting (gcluster's --dry-run-out; needs gcluster and the cluster)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -434,33 +491,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("launch", help="run a stage on a TPU pod with xpk, or compile it ahead of time for one")
+    p = sub.add_parser("launch", help="run a stage on a TPU pod with xpk or Cluster Toolkit (gcluster), or compile it "
+                                      "ahead of time for one")
     targets = p.add_subparsers(dest="target", required=True)
-    q = targets.add_parser("xpk", help="create an xpk workload running a stage on a TPU slice (see docs/pods.md)",
-                           description="Create an xpk workload that runs STAGE of a recipe on a GKE TPU slice; "
-                           "--dry-run prints the xpk command and the workload and runs nothing.")
-    q.add_argument("stage", choices=("regenerate", "capture", "train", "eval"))
-    _add_config_args(q)
-    q.add_argument("--cluster", required=True, help="the GKE cluster (made with `xpk cluster create`)")
-    q.add_argument("--tpu-type", required=True, help="the slice type, e.g. v5p-128 (train) or v5p-8 (other stages)")
-    q.add_argument("--num-slices", type=int, default=1, help="slices (multislice over DCN; train only)")
-    q.add_argument("--run-dir", required=True, help="gs://BUCKET/PATH: checkpoints, metrics, exports, eval")
-    q.add_argument("--data-dir", default="", help="gs://BUCKET/PATH of data.dir (default: RUN_DIR/data)")
-    q.add_argument("--image", default=None, help="the Docker image (docker/Dockerfile), e.g. "
-                   "us-docker.pkg.dev/PROJECT/REPO/dflash-tpu:TAG (env DFLASH_IMAGE)")
-    q.add_argument("--workload", default="", help="workload name (default: RECIPE-STAGE-RUNNAME)")
-    q.add_argument("--project", default="", help="GCP project (default: gcloud's)")
-    q.add_argument("--zone", default="", help="GCP zone (default: gcloud's)")
-    q.add_argument("--max-restarts", type=int, default=10, help="restarts after preemption or failure (default 10)")
-    q.add_argument("--priority", default="medium", help="very-low, low, medium (default), high, very-high")
-    q.add_argument("--spot", action="store_true", help="spot capacity")
-    q.add_argument("--args", default="", help="extra arguments of the stage's command, e.g. '--sets gsm8k --limit 80'")
-    q.add_argument("--xpk", default=None, help="the xpk executable (default: .venv-xpk/bin/xpk from "
-                   "tools/setup_xpk.sh, $XPK, or xpk on PATH)")
-    q.add_argument("--manifest", default=None, help="also write the JobSet that xpk would apply to this file "
-                   "(runs xpk's own dry run; needs --project and --zone)")
-    q.add_argument("--dry-run", action="store_true", help="print the xpk command and the workload; run nothing")
-    q.set_defaults(func=cmd_launch_xpk)
+    for launcher, text in [
+        ("xpk", "create an xpk workload running a stage on a TPU slice (see docs/pods.md)"),
+        ("gcluster", "submit a Cluster Toolkit job (gcluster job submit) running a stage on a TPU slice "
+                     "(see docs/pods.md)"),
+    ]:
+        q = targets.add_parser(launcher, help=text,
+                               description=f"{text[0].upper()}{text[1:]}; --dry-run prints the {launcher} command and "
+                               "the workload and runs nothing.")
+        _add_pod_args(q, launcher)
+        q.set_defaults(func=cmd_launch_pod)
     q = targets.add_parser("compile", help="compile the train step, propose and verify for a TPU topology and "
                            "report memory per chip", description="Compile a recipe's train step (and the engine's "
                            "propose and verify) ahead of time for a TPU slice from this machine; print memory per chip "
@@ -511,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every save step at INFO
         logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU/proxy backend" notes
     try:
+        if any(k.startswith("DFLASH_SECRET_") for k in os.environ):  # --secret references of a pod launch
+            from dflash.launch.secrets import resolve_secrets
+
+            log.info("secrets from Secret Manager: %s", ", ".join(resolve_secrets()))
         if args.command not in ("config", "launch", "export"):  # these never join a distributed run
             _init_distributed()
         return args.func(args)

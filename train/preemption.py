@@ -16,8 +16,6 @@ import signal
 import threading
 from types import FrameType
 
-import jax
-
 log = logging.getLogger(__name__)
 
 # The exit status of a run stopped by SIGTERM after checkpointing: 42, the code xpk restarts a workload on by default
@@ -42,6 +40,8 @@ class PreemptionWatch:
     asks JAX's preemption sync point (every host calls it at every step, from the same start step)."""
 
     def __init__(self) -> None:
+        import jax  # here, so that the launchers read PREEMPTED_EXIT_CODE without importing JAX
+
         self.notice = False
         self._previous: signal.Handlers | None = None
         self._multi = jax.process_count() > 1
