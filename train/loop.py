@@ -120,7 +120,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     is_main = jax.process_index() == 0
     target = target if target is not None else load_target(recipe.target)
     run = build_run(cfg, recipe.data, target, target.drafter_arch(recipe.drafter))
-    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir, run.draft_vocab) if is_main else None
+    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir, run.draft_vocab)  # every process
     meta = {"arch": arch_dict(run.arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
     if run.draft_vocab is not None:
         meta["draft_vocab"] = run.draft_vocab.ids.tolist()
@@ -144,7 +144,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
             run.batches.close()  # offline loader: stop its worker processes
     return TrainResult(run_dir=run_dir, arch=run.arch, start_step=start, final_step=int(jax.device_get(state.step)),
                        last=metrics.last, eval=eval_metrics, seconds=time.time() - t_start,
-                       best=real_eval.best if real_eval is not None else None)
+                       best=real_eval.best)
 
 
 # --- build -------------------------------------------------------------------------------------------------
@@ -432,7 +432,9 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
                 raise Preempted(step)
             if real_eval is not None and real_eval.due(step):
                 metrics.flush()
-                metrics.write_eval(step, real_eval(step, state.params))
+                measured = real_eval(step, state.params)  # process 0 decodes; the others wait for it
+                if measured:
+                    metrics.write_eval(step, measured)
     metrics.flush()
     return state
 
