@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from dflash.configs.schema import ConfigError, apply_overrides, build, to_dict
+from dflash.configs.schema import ConfigError, apply_overrides, build, require, to_dict
 from dflash.data.config import DataConfig
 from dflash.launch.config import LaunchConfig
 from dflash.models.config import DrafterConfig, TargetConfig
@@ -33,6 +33,20 @@ class Recipe:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
     launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        check_train_data(self.train, self.data)
+
+
+def check_train_data(train: TrainConfig, data: DataConfig) -> None:
+    """The rules between the train and data sections, checked when a recipe loads (so `dflash config` and `dflash
+    launch` refuse what would otherwise stop the trainer on the pod) and again by the trainer's `build_run`:
+    a loss beyond ce needs the target's stored distribution (data.labels=soft), and walk anchors a serving walk."""
+    require(all(name == "ce" for name, _ in train.loss_terms) or data.labels == "soft", "train.loss", train.loss,
+            f"be ce alone unless data.labels=soft (the other terms compare the drafter's distribution with the "
+            f"target's stored top-k; data.labels is {data.labels!r})")
+    require(not train.walk_anchors or bool(data.walk), "train.walk_anchors", train.walk_anchors,
+            "be 0 unless data.walk names a serving walk (`auto` or a path; `dflash data walk` writes it)")
 
 
 def shipped_configs() -> list[Path]:

@@ -279,7 +279,8 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
              overrides: Sequence[str] = (), api_key: str | None = None, devices: int = 1, progress: bool = True
              ) -> tuple[dict[str, Any], dict[str, Path]]:
     """`dflash eval`: against the server at `url`, or a `dflash serve` subprocess of `drafter` (a run dir or
-    an export; `step`: N or best) started here; the AR baseline at `ar_url`, or a `dflash serve --ar`
+    an export; `step`: N or best, which falls back to the newest checkpoint where a run kept no best/) started here;
+    the AR baseline at `ar_url`, or a `dflash serve --ar`
     subprocess of the same recipe (its `serve` section, with `overrides`, is the DFlash server's decode plan), each
     over `devices` of the host's devices (`dflash serve --devices`; the servers run one after the other).
     Subprocess logs go to out_dir/server-*.log; servers stop at the end."""
@@ -289,6 +290,12 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
 
     if (url is None) == (drafter is None):
         raise ValueError("pass exactly one of --url (a running dflash serve) and --drafter (a run dir or export)")
+    if drafter is not None:  # --step best of a run that kept no best/: its newest checkpoint, said so
+        from dflash.models.drafter_io import best_or_latest
+
+        step, fallback = best_or_latest(drafter, step)
+        if fallback:
+            log.warning("%s", fallback)
     out_dir = Path(out_dir).expanduser()
     common = ["--config", config, "--devices", str(devices), *(["--api-key", api_key] if api_key else []),
               *overrides]

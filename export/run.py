@@ -34,7 +34,7 @@ from dflash.export.card import find_results, read_results, render_card, target_i
 from dflash.export.hub import Upload, plan_upload, upload_folder
 from dflash.models.config import TargetConfig
 from dflash.models.drafter import DrafterArch, check_fits_target, hf_tensor_names, param_count
-from dflash.models.drafter_io import RunDrafter, read_run
+from dflash.models.drafter_io import RunDrafter, best_or_latest, read_run
 from dflash.models.registry import KnownTarget, known_target
 from dflash.models.speculators import save_speculators
 from dflash.models.zlab import DTYPES, MODELING_FILE, check_exportable_ids, save_zlab
@@ -205,6 +205,9 @@ def export_run(run_dir: str | Path, *, fmt: str, out: str | Path | None = None, 
     _check_args(fmt, dtype, out, push_to_hub, overwrite, modeling_file)
     export_for = load_recipe(config, overrides).target if config is not None else None
     known = target_architecture(export_for.source) if export_for is not None else None
+    step, fallback = best_or_latest(run_dir, step)  # --step best of a run without best/: its newest checkpoint
+    if fallback:
+        say(f"note: {fallback}")
     run = read_run(run_dir, step, target_family=known.cfg.family if known is not None else None)
     check_exportable_ids(run.drafter.arch, f"{run.source}")
     origin = f"--config {config}" if config is not None else "the run's recorded recipe"

@@ -35,10 +35,18 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return [*args.overrides, *_serve_overrides(args)]
 
 
-def _recipe(args: argparse.Namespace):
+def _recipe(args: argparse.Namespace, *, unreachable_ok: bool = False):
+    """The recipe of `--config` and the overrides, checked whole before anything heavy is imported or loaded: its
+    sections and their cross-section rules (`configs.recipe`), then the target's architecture from its config.json
+    alone and the drafter section against it (`models.registry.check_recipe_target`: an unsupported family is
+    refused here, before any weights move). `unreachable_ok`: a Hub target whose config.json cannot be fetched from
+    this machine is only a warning (`dflash config`, `dflash launch`: the pod checks it again)."""
     from dflash.configs.recipe import load_recipe
+    from dflash.models.registry import check_recipe_target
 
-    return load_recipe(args.config, _overrides(args))
+    recipe = load_recipe(args.config, _overrides(args))
+    check_recipe_target(recipe.target, recipe.drafter, unreachable_ok=unreachable_ok)
+    return recipe
 
 
 def _init_distributed() -> None:
@@ -84,15 +92,15 @@ def _log_devices() -> None:
 def cmd_config(args: argparse.Namespace) -> int:
     from dflash.configs.recipe import dump_recipe
 
-    sys.stdout.write(dump_recipe(_recipe(args)))
+    sys.stdout.write(dump_recipe(_recipe(args, unreachable_ok=True)))
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    recipe = _recipe(args)
     from dflash.models.target import load_target
     from dflash.serve.chat import chat
 
-    recipe = _recipe(args)
     _log_devices()
     prompts = args.prompt or [line.strip() for line in sys.stdin if line.strip()]
     if not prompts:
@@ -102,9 +110,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from dflash.launch.demo import DEMO_PROMPTS, run_demo
-
     recipe = _recipe(args)
+    from dflash.launch.demo import DEMO_PROMPTS, run_demo
+    from dflash.train.preemption import PREEMPTED_EXIT_CODE, Preempted
+
     _log_devices()
     try:
         run_demo(recipe, prompts=args.prompt or DEMO_PROMPTS, train=not args.skip_train,
@@ -112,6 +121,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except _run_errors() as err:
         print(f"dflash demo: error: {err}", file=sys.stderr)
         return 1
+    except Preempted as stopped:
+        print(f"dflash demo: {stopped}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     return 0
 
 
@@ -124,15 +136,19 @@ def _run_errors() -> tuple[type[Exception], ...]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dflash.train.loop import run_training
-
     recipe = _recipe(args)
+    from dflash.train.loop import run_training
+    from dflash.train.preemption import PREEMPTED_EXIT_CODE, Preempted
+
     _log_devices()
     try:
         result = run_training(recipe, progress=not args.no_progress)
     except _run_errors() as err:
         print(f"dflash train: error: {err}", file=sys.stderr)
         return 1
+    except Preempted as stopped:  # SIGTERM: the step in flight is checkpointed; the launchers restart on this code
+        print(f"dflash train: {stopped}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     last, ev = result.last, result.eval
     print(f"trained {result.final_step - result.start_step} steps (to step {result.final_step}) in "
           f"{result.seconds:.0f} s; checkpoints in {result.run_dir / 'checkpoints'}")
@@ -195,6 +211,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    _recipe(args)  # the recipe, its overrides and its target must be valid before servers start with them
     from dflash.eval.client import ServerError
     from dflash.eval.report import headline_line
     from dflash.eval.run import EvalSettings, run_eval
@@ -206,7 +223,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"dflash eval: error: {err}", file=sys.stderr)
         return 2
-    _recipe(args)  # the recipe and overrides must be valid before servers start with them
     try:
         results, paths = run_eval(settings, args.out, url=args.url, ar_url=args.ar_url, drafter=args.drafter,
                                   step=args.step, config=args.config, overrides=_overrides(args),
@@ -226,9 +242,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    recipe = _recipe(args)
     from dflash.launch.serving import ServeOptions, serve_recipe
 
-    recipe = _recipe(args)
     _log_devices()
     options = ServeOptions(drafter=args.drafter, step=None if args.ar else _step(args.step), ar=args.ar,
                            slots=args.slots, prefill_chunk=args.prefill_chunk,
@@ -249,35 +265,48 @@ def cmd_export(args: argparse.Namespace) -> int:
     return run_export(args, prog="dflash export")
 
 
-def cmd_launch_xpk(args: argparse.Namespace) -> int:
+def cmd_launch_pod(args: argparse.Namespace) -> int:
+    """`dflash launch xpk|gcluster STAGE`: the recipe checked whole (its target from config.json alone), then against
+    the slice and the credentials its pods need, before the launcher is asked for anything."""
+    recipe = _recipe(args, unreachable_ok=True)  # the recipe, its overrides and its target, before any pod starts
     import shlex
 
+    from dflash.launch.pod import check_credentials, check_on_slice, parse_env, parse_secrets
     from dflash.launch.tpus import parse_tpu_type
-    from dflash.launch.xpk import XpkLaunch, launch
 
-    _recipe(args)  # the recipe and its overrides must load here before a pod tries them
+    tpu = parse_tpu_type(args.tpu_type)
+    check_on_slice(recipe, args.stage, tpu, args.num_slices)
     image = args.image or os.environ.get("DFLASH_IMAGE") or ("dflash-tpu:latest" if args.dry_run else None)
     if image is None:
         raise ConfigError("--image (or DFLASH_IMAGE) must name the image built from docker/Dockerfile and pushed to "
                           "a registry the cluster pulls from; received none")
-    plan = XpkLaunch(stage=args.stage, recipe=args.config, cluster=args.cluster, tpu=parse_tpu_type(args.tpu_type),
-                     run_dir=args.run_dir, image=image, num_slices=args.num_slices, data_dir=args.data_dir,
-                     overrides=tuple(args.overrides), stage_args=tuple(shlex.split(args.args)),
-                     workload=args.workload, project=args.project, zone=args.zone, max_restarts=args.max_restarts,
-                     priority=args.priority, spot=args.spot)
-    return launch(plan, dry_run=args.dry_run, xpk=args.xpk, manifest=args.manifest)
+    common = dict(stage=args.stage, recipe=args.config, cluster=args.cluster, tpu=tpu, run_dir=args.run_dir,
+                  image=image, num_slices=args.num_slices, data_dir=args.data_dir, overrides=tuple(args.overrides),
+                  stage_args=tuple(shlex.split(args.args)), env=parse_env(args.env or []),
+                  secrets=parse_secrets(args.secret or []), max_restarts=args.max_restarts,
+                  grace_period=args.grace_period, project=args.project, priority=args.priority)
+    if args.target == "xpk":
+        from dflash.launch import xpk
+
+        plan = xpk.XpkLaunch(**common, workload=args.workload, zone=args.zone, spot=args.spot)
+        notes = check_credentials(recipe, plan)
+        return xpk.launch(plan, dry_run=args.dry_run, xpk=args.xpk, manifest=args.manifest, notes=notes)
+    from dflash.launch import gcluster
+
+    plan = gcluster.GclusterLaunch(**common, name=args.name, location=args.zone)
+    notes = check_credentials(recipe, plan)
+    return gcluster.launch(plan, dry_run=args.dry_run, gcluster=args.gcluster, manifest=args.manifest, notes=notes)
 
 
 def cmd_launch_compile(args: argparse.Namespace) -> int:
     import json
 
-    from dflash.configs.recipe import load_recipe
-    from dflash.launch.compile import recipe_topology, run_compile
-
     if args.config is None:
         raise ConfigError("--config must name the recipe to compile (a name in configs/ or a YAML path); "
                           "received none")
-    load_recipe(args.config, args.overrides)  # a bad recipe or override stops here, not in the subprocess
+    _recipe(args, unreachable_ok=True)  # a bad recipe, override or target stops here, not in the subprocess
+    from dflash.launch.compile import recipe_topology, run_compile
+
     topology = args.topology or recipe_topology(args.config, args.overrides)
     if topology is None:
         raise ConfigError(f"--topology must name a TPU slice (e.g. v5p-128): recipe {args.config!r} sets no "
@@ -310,6 +339,51 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="how sampled requests draft: argmax (one-hot drafts) or sample (drawn from the drafter's "
                    "distribution, speculative sampling; the chain only); both lossless; default the recipe's "
                    "serve.draft_rule")
+
+
+def _add_pod_args(q: argparse.ArgumentParser, launcher: str) -> None:
+    """The arguments of `dflash launch xpk` and `dflash launch gcluster` (docs/pods.md maps them to each tool's)."""
+    q.add_argument("stage", choices=("regenerate", "capture", "train", "eval"))
+    _add_config_args(q)
+    q.add_argument("--cluster", required=True, help="the GKE cluster (made with `xpk cluster create` or a Cluster "
+                   "Toolkit blueprint)")
+    q.add_argument("--tpu-type", required=True, help="the slice type, e.g. v5p-128 (train) or v5p-8 (other stages)")
+    q.add_argument("--num-slices", type=int, default=1, help="slices (multislice over DCN; train only; xpk only)")
+    q.add_argument("--run-dir", required=True, help="gs://BUCKET/PATH: checkpoints, metrics, exports, eval")
+    q.add_argument("--data-dir", default="", help="gs://BUCKET/PATH of data.dir (default: RUN_DIR/data)")
+    q.add_argument("--image", default=None, help="the Docker image (docker/Dockerfile), e.g. "
+                   "us-docker.pkg.dev/PROJECT/REPO/dflash-tpu:TAG (env DFLASH_IMAGE)")
+    q.add_argument("--env", action="append", metavar="KEY[=VALUE]",
+                   help="an environment variable of every pod (repeatable); KEY alone takes its value from this "
+                   "environment at launch, e.g. --env HF_TOKEN --env WANDB_API_KEY (the value is then in the "
+                   "workload's manifest: prefer --secret)")
+    q.add_argument("--secret", action="append", metavar="NAME=projects/P/secrets/S[/versions/V]",
+                   help="a Secret Manager secret read in every pod at start into variable NAME (repeatable); only the "
+                   "reference travels, e.g. --secret HF_TOKEN=projects/my-project/secrets/hf-token")
+    q.add_argument("--project", default="", help="GCP project (default: gcloud's)")
+    q.add_argument("--zone", "--location", dest="zone", default="",
+                   help="GCP zone (xpk --zone) or the cluster's location (gcluster --location); default: gcloud's")
+    q.add_argument("--max-restarts", type=int, default=10,
+                   help="restarts after preemption (exit 42) or a death by signal (default 10)")
+    q.add_argument("--grace-period", type=int, default=0,
+                   help="seconds from SIGTERM to SIGKILL (default: 300 for train, time for a step and a checkpoint; "
+                   "30 for the other stages)")
+    q.add_argument("--priority", default="medium", help="very-low, low, medium (default), high, very-high")
+    q.add_argument("--args", default="", help="extra arguments of the stage's command, e.g. '--sets gsm8k --limit 80'")
+    q.add_argument("--dry-run", action="store_true", help=f"print the {launcher} command and the workload; run nothing")
+    if launcher == "xpk":
+        q.add_argument("--workload", default="", help="workload name (default: RECIPE-STAGE-RUNNAME, 40 characters)")
+        q.add_argument("--spot", action="store_true", help="spot capacity")
+        q.add_argument("--xpk", default=None, help="the xpk executable (default: .venv-xpk/bin/xpk from "
+                       "tools/setup_xpk.sh, $XPK, or xpk on PATH)")
+        q.add_argument("--manifest", default=None, help="also write the JobSet that xpk would apply to this file "
+                       "(runs xpk's own dry run; needs --project and --zone)")
+    else:
+        q.add_argument("--name", default="", help="job name (default: RECIPE-STAGE-RUNNAME, at most 28 characters)")
+        q.add_argument("--gcluster", default=None, help="the gcluster executable (default: $GCLUSTER or gcluster on "
+                       "PATH)")
+        q.add_argument("--manifest", default=None, help="write the JobSet gcluster would apply to this file instead "
+                       "of submitting (gcluster's --dry-run-out; needs gcluster and the cluster)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -417,33 +491,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("launch", help="run a stage on a TPU pod with xpk, or compile it ahead of time for one")
+    p = sub.add_parser("launch", help="run a stage on a TPU pod with xpk or Cluster Toolkit (gcluster), or compile it "
+                                      "ahead of time for one")
     targets = p.add_subparsers(dest="target", required=True)
-    q = targets.add_parser("xpk", help="create an xpk workload running a stage on a TPU slice (see docs/pods.md)",
-                           description="Create an xpk workload that runs STAGE of a recipe on a GKE TPU slice; "
-                           "--dry-run prints the xpk command and the workload and runs nothing.")
-    q.add_argument("stage", choices=("regenerate", "capture", "train", "eval"))
-    _add_config_args(q)
-    q.add_argument("--cluster", required=True, help="the GKE cluster (made with `xpk cluster create`)")
-    q.add_argument("--tpu-type", required=True, help="the slice type, e.g. v5p-128 (train) or v5p-8 (other stages)")
-    q.add_argument("--num-slices", type=int, default=1, help="slices (multislice over DCN; train only)")
-    q.add_argument("--run-dir", required=True, help="gs://BUCKET/PATH: checkpoints, metrics, exports, eval")
-    q.add_argument("--data-dir", default="", help="gs://BUCKET/PATH of data.dir (default: RUN_DIR/data)")
-    q.add_argument("--image", default=None, help="the Docker image (docker/Dockerfile), e.g. "
-                   "us-docker.pkg.dev/PROJECT/REPO/dflash-tpu:TAG (env DFLASH_IMAGE)")
-    q.add_argument("--workload", default="", help="workload name (default: RECIPE-STAGE-RUNNAME)")
-    q.add_argument("--project", default="", help="GCP project (default: gcloud's)")
-    q.add_argument("--zone", default="", help="GCP zone (default: gcloud's)")
-    q.add_argument("--max-restarts", type=int, default=10, help="restarts after preemption or failure (default 10)")
-    q.add_argument("--priority", default="medium", help="very-low, low, medium (default), high, very-high")
-    q.add_argument("--spot", action="store_true", help="spot capacity")
-    q.add_argument("--args", default="", help="extra arguments of the stage's command, e.g. '--sets gsm8k --limit 80'")
-    q.add_argument("--xpk", default=None, help="the xpk executable (default: .venv-xpk/bin/xpk from "
-                   "tools/setup_xpk.sh, $XPK, or xpk on PATH)")
-    q.add_argument("--manifest", default=None, help="also write the JobSet that xpk would apply to this file "
-                   "(runs xpk's own dry run; needs --project and --zone)")
-    q.add_argument("--dry-run", action="store_true", help="print the xpk command and the workload; run nothing")
-    q.set_defaults(func=cmd_launch_xpk)
+    for launcher, text in [
+        ("xpk", "create an xpk workload running a stage on a TPU slice (see docs/pods.md)"),
+        ("gcluster", "submit a Cluster Toolkit job (gcluster job submit) running a stage on a TPU slice "
+                     "(see docs/pods.md)"),
+    ]:
+        q = targets.add_parser(launcher, help=text,
+                               description=f"{text[0].upper()}{text[1:]}; --dry-run prints the {launcher} command and "
+                               "the workload and runs nothing.")
+        _add_pod_args(q, launcher)
+        q.set_defaults(func=cmd_launch_pod)
     q = targets.add_parser("compile", help="compile the train step, propose and verify for a TPU topology and "
                            "report memory per chip", description="Compile a recipe's train step (and the engine's "
                            "propose and verify) ahead of time for a TPU slice from this machine; print memory per chip "
@@ -494,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every save step at INFO
         logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU/proxy backend" notes
     try:
+        if any(k.startswith("DFLASH_SECRET_") for k in os.environ):  # --secret references of a pod launch
+            from dflash.launch.secrets import resolve_secrets
+
+            log.info("secrets from Secret Manager: %s", ", ".join(resolve_secrets()))
         if args.command not in ("config", "launch", "export"):  # these never join a distributed run
             _init_distributed()
         return args.func(args)

@@ -8,11 +8,15 @@ or GGUF metadata), never written by hand.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
 from dflash.configs.schema import require
 
 Family = Literal["llama", "qwen2", "qwen3"]
+# The one list of supported target families: HF config.json `model_type` / GGUF `general.architecture` values. A new
+# family is a new entry of `Family` (its switches in `DecoderConfig`, its parsing in `models.loading`); every check
+# (the early refusal `models.registry.check_target`, the loaders) reads it from here.
+SUPPORTED_FAMILIES: tuple[str, ...] = get_args(Family)
 DType = Literal["float32", "bfloat16"]
 LayerType = Literal["full_attention", "sliding_attention"]
 LAYER_TYPES = ("full_attention", "sliding_attention")

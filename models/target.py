@@ -15,7 +15,7 @@ from dflash.configs.schema import require
 from dflash.models.config import DecoderConfig, DrafterConfig, TargetConfig
 from dflash.models.drafter import DrafterArch, default_mask_token_id, resolve_drafter
 from dflash.models.loading import load_weights, weights_fingerprint
-from dflash.models.registry import resolve_source
+from dflash.models.registry import check_target, resolve_source
 from dflash.models.tokenizer import ChatTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,9 @@ class Target:
 
 
 def load_target(cfg: TargetConfig) -> Target:
-    """Resolve `cfg.source`, load weights and tokenizer, cast params to `cfg.dtype` on device."""
+    """Check `cfg.source`'s architecture from its config.json alone (`check_target`: an unsupported one is refused
+    before any download), then resolve it, load weights and tokenizer, cast params to `cfg.dtype` on device."""
+    check_target(cfg.source)
     path = resolve_source(cfg.source)
     decoder_cfg, host_params = load_weights(path)
     tokenizer = load_tokenizer(path)

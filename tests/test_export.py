@@ -303,8 +303,14 @@ def test_refusals_name_the_problem(setup, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "layer_ids must not include 3, the target's last layer" in err and "hidden_states[4]" in err
     assert not (tmp_path / "x").exists()
-    # --step best without a best drafter; a bad --results file.
-    assert export_main([str(run_dir), "--step", "best", "--format", "zlab", "--out", str(tmp_path / "x")]) == 2
+    # --step best of a run that kept no best drafter: its newest checkpoint, said so (issue 51); of a directory with
+    # neither, refused; a bad --results file.
+    assert export_main([str(run_dir), "--step", "best", "--format", "zlab", "--out", str(tmp_path / "xb")]) == 0
+    out = capsys.readouterr().out
+    assert "has no best/ (" in out and f"using its newest checkpoint, step {STEP}, instead of --step best" in out
+    assert f"checkpoints/{STEP} (step {STEP}) -> zlab layout" in out
+    assert export_main([str(tmp_path / "norun"), "--step", "best", "--format", "zlab", "--out",
+                        str(tmp_path / "x")]) == 2
     assert "holds no best drafter" in capsys.readouterr().err
     (tmp_path / "r.json").write_text('{"schema": "other"}')
     assert export_main([str(run_dir), "--format", "zlab", "--out", str(tmp_path / "x"), "--results",

@@ -1,9 +1,14 @@
 """`dflash train` on 2 processes (`jax.distributed` on localhost, 1 simulated CPU device each) ends with the
-same state as 1 process with 2 devices: same mesh size, same global batch, each host reading its Grain shard."""
+same state as 1 process with 2 devices: same mesh size, same global batch, each host reading its Grain shard. With
+`train.eval_every`, the 2-process run measures real τ (process 0 decodes with the gathered drafter while the other
+waits) and keeps `best/`, which `dflash export --step best` and `dflash eval --step best` read; a run without `best/`
+falls back to its newest checkpoint, saying so."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,14 +37,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(run_dir: Path, devices: int, log: Path, **dist: str) -> subprocess.Popen:
+def _start(run_dir: Path, devices: int, log: Path, *extra: str, **dist: str) -> subprocess.Popen:
     """`dflash train --config tiny` in the background on `devices` simulated CPU devices; output to `log`.out/.err."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu", **dist}
     cmd = [sys.executable, "-m", "dflash.launch.cli", "train", "--config", "tiny", "--no-progress",
            f"train.run_dir={run_dir}",
            f"train.steps={STEPS}", "train.save_every=2", "train.log_every=1", "train.wandb=disabled",
-           "train.batch_size=4"]  # 2 rows per host: the hosts' blocks must assemble in global order
+           "train.batch_size=4", *extra]  # 2 rows per host: the hosts' blocks must assemble in global order
     # Files, not pipes: a process blocked on a full pipe would stall its peer inside a collective.
     with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
@@ -119,6 +124,79 @@ def test_two_processes_train_like_one_process_with_the_same_devices(tmp_path):
     for r in got_metrics:
         np.testing.assert_allclose(r["loss"], want_metrics[r["step"]]["loss"], rtol=1e-5, err_msg=f"step {r['step']}")
     assert len(list((tmp_path / "multi" / "tensorboard").glob("events.out.tfevents.*"))) == 1
+
+
+EVAL = ("train.eval_every=2", "train.eval_prompts=1", "train.eval_tokens=8", "train.eval_sets=[gsm8k]")
+
+
+@pytest.fixture(scope="module")
+def two_process_run_with_real_tau(tmp_path_factory) -> Path:
+    """A 2-process run of the tiny recipe that measures real τ at steps 2 and 4 (its run dir)."""
+    root = tmp_path_factory.mktemp("realtau")
+    logs = root / "logs"
+    logs.mkdir()
+    address = f"127.0.0.1:{_free_port()}"
+    procs = {f"p{i}": _start(root / "run", 1, logs / f"p{i}", *EVAL, JAX_COORDINATOR_ADDRESS=address,
+                             JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)) for i in range(2)}
+    texts = _wait(procs, logs)
+    assert "waiting for process 0's real-τ evaluation" in texts["p1"][1], texts["p1"][1][-2000:]
+    assert "real τ" in texts["p0"][1] and "real τ" not in texts["p1"][1].replace("real-τ", ""), texts["p1"][1][-2000:]
+    return root / "run"
+
+
+@pytest.mark.e2e
+def test_a_two_process_run_keeps_best_from_real_tau_and_export_reads_it(two_process_run_with_real_tau, tmp_path,
+                                                                         capsys):
+    from dflash.export.cli import main as export_main
+    from dflash.models.drafter_io import best_or_latest, load_drafter
+    from dflash.models.registry import known_target
+
+    run = two_process_run_with_real_tau
+    logged = {r["step"]: r["eval/tau"] for r in read_metrics(run) if "eval/tau" in r}
+    assert sorted(logged) == [2, STEPS] and all(1.0 <= t <= 8 for t in logged.values())  # process 0 logged each once
+    best = json.loads((run / "best" / "best.json").read_text())
+    assert best["step"] == max(logged, key=lambda s: (logged[s], -s)) and best["tau"] == logged[best["step"]]
+
+    # best/ holds the gathered drafter of that step: every parameter equals that checkpoint's (the state was sharded
+    # over the two processes' devices).
+    cfg = known_target("smollm2").cfg
+    got = jax.tree_util.tree_leaves(jax.device_get(_params(load_drafter(run, cfg, step="best"))))
+    want = jax.tree_util.tree_leaves(jax.device_get(_params(load_drafter(run, cfg, step=best["step"]))))
+    assert len(got) == len(want) > 0
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want, strict=True))
+
+    # The documented export reads it; without best/ it takes the newest checkpoint and says so.
+    assert export_main([str(run), "--step", "best", "--format", "zlab", "--out", str(tmp_path / "best")]) == 0
+    assert f"{run / 'best'} (step {best['step']})" in capsys.readouterr().out
+    assert (tmp_path / "best" / "config.json").is_file()
+    bare = tmp_path / "bare"
+    shutil.copytree(run, bare, ignore=shutil.ignore_patterns("best"))
+    step, note = best_or_latest(bare, "best")
+    assert step is None and f"using its newest checkpoint, step {STEPS}, instead of --step best" in note
+    assert best_or_latest(run, "best") == ("best", "") and best_or_latest(bare, 2) == (2, "")
+    assert export_main([str(bare), "--step", "best", "--format", "zlab", "--out", str(tmp_path / "latest")]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {bare} has no best/" in out and f"(step {STEPS})" in out
+
+
+@pytest.mark.slow  # ~1 min of servers: nightly; the fallback rule itself is checked in the test above
+@pytest.mark.e2e
+def test_the_documented_eval_reads_best_of_the_two_process_run(two_process_run_with_real_tau, tmp_path, caplog):
+    run = two_process_run_with_real_tau
+    args = ["eval", "--config", "tiny", "--drafter", str(run), "--sets", "gsm8k", "--limit", "1",
+            "--max-new-tokens", "8", "--no-progress"]
+    assert main([*args, "--step", "best", "--out", str(tmp_path / "eval")]) == 0
+    assert json.loads((tmp_path / "eval" / "results.json").read_text())["headline"]["mismatches"] == 0
+    bare = tmp_path / "bare"
+    shutil.copytree(run, bare, ignore=shutil.ignore_patterns("best"))
+    assert main([*args[:4], str(bare), *args[5:], "--step", "best", "--out", str(tmp_path / "eval2")]) == 0
+    assert "using its newest checkpoint" in caplog.text
+
+
+def _params(drafter):
+    from flax import nnx
+
+    return nnx.state(drafter, nnx.Param)
 
 
 @pytest.mark.parametrize(("env", "message"), [

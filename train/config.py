@@ -55,6 +55,20 @@ class MeshConfig:
         require(sum(s == -1 for s in sizes) <= 1, "train.mesh", sizes, "hold at most one -1")
 
 
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes for `num_devices`, the -1 filled in (pure: `dflash launch` checks a recipe's mesh
+    against a slice's chips with it before any pod starts; `train.sharding.make_mesh` builds the mesh)."""
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        require(num_devices % known == 0, "train.mesh", tuple(sizes),
+                f"divide the {num_devices} devices (the fixed axes multiply to {known})")
+        sizes[sizes.index(-1)] = num_devices // known
+    require(math.prod(sizes) == num_devices, "train.mesh", tuple(sizes),
+            f"multiply to the number of devices ({num_devices})")
+    return sizes[0], sizes[1], sizes[2]
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """One training run.
@@ -181,4 +195,4 @@ class TrainConfig:
         return parse_loss(self.loss)
 
 
-__all__ = ["LOSS_TERMS", "MeshConfig", "TrainConfig", "parse_loss"]
+__all__ = ["LOSS_TERMS", "MeshConfig", "TrainConfig", "mesh_shape", "parse_loss"]

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from dflash.configs.recipe import Recipe
+from dflash.configs.recipe import Recipe, check_train_data
 from dflash.configs.schema import ConfigError, require, to_dict
 from dflash.data.batch import TrainBatch, batch_layout
 from dflash.data.capture import examples_hash as capture_examples_hash
@@ -42,6 +42,7 @@ from dflash.train.checkpoint import Checkpointer
 from dflash.train.config import TrainConfig
 from dflash.train.metrics import MetricsWriter, check_finite, read_metrics
 from dflash.train.objective import Objective, default_gamma
+from dflash.train.preemption import Preempted, PreemptionWatch
 from dflash.train.real_eval import RealTauEval
 from dflash.train.sharding import (
     DRAFTER_RULES,
@@ -119,7 +120,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     is_main = jax.process_index() == 0
     target = target if target is not None else load_target(recipe.target)
     run = build_run(cfg, recipe.data, target, target.drafter_arch(recipe.drafter))
-    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir, run.draft_vocab) if is_main else None
+    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir, run.draft_vocab)  # every process
     meta = {"arch": arch_dict(run.arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
     if run.draft_vocab is not None:
         meta["draft_vocab"] = run.draft_vocab.ids.tolist()
@@ -143,7 +144,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
             run.batches.close()  # offline loader: stop its worker processes
     return TrainResult(run_dir=run_dir, arch=run.arch, start_step=start, final_step=int(jax.device_get(state.step)),
                        last=metrics.last, eval=eval_metrics, seconds=time.time() - t_start,
-                       best=real_eval.best if real_eval is not None else None)
+                       best=real_eval.best)
 
 
 # --- build -------------------------------------------------------------------------------------------------
@@ -153,9 +154,7 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
     """The mesh of `train.mesh` (the global batch size checked against it), the target placed on it in the
     compute dtype, this host's batches of `data`, and the step's spec (`step_spec`)."""
     spec = step_spec(cfg, arch, target.cfg)
-    require(not spec.objective.divergences or data.labels == "soft", "train.loss", cfg.loss,
-            f"be ce alone unless data.labels=soft (the other terms compare the drafter's distribution with the "
-            f"target's stored top-k; data.labels is {data.labels!r})")
+    check_train_data(cfg, data)  # the recipe's cross-section rules, for callers that pass sections
     if target.cfg.num_layers - 1 in arch.layer_ids:
         log.warning("drafter.layer_ids %s include the target's last layer %d: vLLM and SGLang feed HF "
                     "hidden_states[L], which is post-final-norm, while this trainer uses the pre-norm output; "
@@ -177,8 +176,6 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
         log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
     head = train_head(target_params, target.cfg, ids)
     head = place(head, head_rules(head.vocab_major), mesh)
-    require(not cfg.walk_anchors or bool(data.walk), "train.walk_anchors", cfg.walk_anchors,
-            "be 0 unless data.walk names a serving walk (`auto` or a path; `dflash data walk` writes it)")
     batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples,
                                               walk_power=cfg.walk_oversample)
     return TrainRun(target=target, frozen=FrozenTarget(params=target_params, head=head), spec=spec, mesh=mesh,
@@ -417,19 +414,27 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
     """Steps start+1 .. train.steps: batch -> jitted step (state donated) -> the previous step's metrics ->
     an async checkpoint every save_every steps and at the last, once that step's metrics proved finite ->
     real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
-    neither the state nor the data, so training results are the same with it or without)."""
+    neither the state nor the data, so training results are the same with it or without). On SIGTERM
+    (`train.preemption`) the step in flight is checkpointed and `Preempted` is raised: nothing is redone on restart."""
     step_fn = make_train_step(run.spec, run.frozen, state_shardings=shardings)
-    for step in range(start + 1, cfg.steps + 1):
-        batch = shard_batch(next(run.batches), run.mesh)
-        state, device_metrics = step_fn(state, batch)
-        metrics.push(step, device_metrics)
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            metrics.flush()  # never checkpoint a state whose step went non-finite
-            ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
-                                    "data_fingerprint": run.data_fingerprint})
-        if real_eval is not None and real_eval.due(step):
-            metrics.flush()
-            metrics.write_eval(step, real_eval(step, state.params))
+    with PreemptionWatch() as preemption:
+        for step in range(start + 1, cfg.steps + 1):
+            batch = shard_batch(next(run.batches), run.mesh)
+            state, device_metrics = step_fn(state, batch)
+            metrics.push(step, device_metrics)
+            stop = preemption.stop_at(step)  # SIGTERM: this step is checkpointed and the run stops (`Preempted`)
+            if stop or step % cfg.save_every == 0 or step == cfg.steps:
+                metrics.flush()  # never checkpoint a state whose step went non-finite
+                ckpt.save(step, state, {"iterator": _iterator_state(run.batches),
+                                        "data_fingerprint": run.data_fingerprint})
+            if stop:
+                ckpt.wait()
+                raise Preempted(step)
+            if real_eval is not None and real_eval.due(step):
+                metrics.flush()
+                measured = real_eval(step, state.params)  # process 0 decodes; the others wait for it
+                if measured:
+                    metrics.write_eval(step, measured)
     metrics.flush()
     return state
 

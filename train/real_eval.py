@@ -4,6 +4,10 @@ drafter by real τ is kept in `<run_dir>/best/` (z-lab layout + best.json), whic
 step="best")`, `dflash serve --drafter RUN_DIR/best` and `dflash eval` read. With `train.eval_temperature` > 0 the
 same prompts are also decoded sampled at that temperature (fixed seeds, so the same drafter gives the same τ) and
 logged as `eval/real_tau_t/...`; the best drafter is still picked by greedy τ.
+
+On several processes (a pod slice) every process gathers the drafter's params (a collective over the sharded state),
+process 0 decodes with the gathered drafter on its first device and writes `best/`, and the others wait for it at a
+barrier (`BARRIER_TIMEOUT_S`), so that no host runs ahead into the next step's collectives meanwhile.
 """
 
 from __future__ import annotations
@@ -30,11 +34,24 @@ from dflash.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
+BARRIER_TIMEOUT_S = 3600  # how long the other processes wait for process 0's evaluation
 
-def drafter_from_state(graphdef: nnx.GraphDef, params: Any) -> DFlashDrafter:
-    """A drafter holding copies of the TrainState's `params` (fetched to the host, then put on this process's
-    first device), so the training state is never aliased and may be donated by the next step."""
-    host = jax.device_get(params)
+
+def host_params(params: Any) -> Any:
+    """The TrainState's `params` as host arrays: fetched (one process), or gathered from every process's shards (a
+    collective: every process calls it)."""
+    if jax.process_count() == 1:
+        return jax.device_get(params)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(params, tiled=True)
+
+
+def drafter_from_state(graphdef: nnx.GraphDef, params: Any, gathered: Any = None) -> DFlashDrafter:
+    """A drafter holding copies of the TrainState's `params` (fetched to the host, or `gathered` already by
+    `host_params`, then put on this process's first device), so the training state is never aliased and may be
+    donated by the next step."""
+    host = host_params(params) if gathered is None else gathered
     return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.array(a, copy=True), host))
 
 
@@ -63,8 +80,9 @@ def save_best(run_dir: str | Path, drafter: DFlashDrafter, step: int, metrics: d
 
 class RealTauEval:
     """The loop's side of it: prompts built once per run, `due(step)`, and `__call__(step, params)` which
-    decodes, keeps `best` (resumed from best.json) and returns the metrics to log under `eval/`. Runs only
-    with a single process (logs one warning and stays off otherwise)."""
+    decodes, keeps `best` (resumed from best.json) and returns the metrics to log under `eval/`. Every process
+    makes one and calls it at the same steps; process 0 alone decodes, keeps `best/` and returns metrics (the
+    others return {} once it is done; see the module docstring)."""
 
     def __init__(self, cfg: TrainConfig, target: Target, graphdef: nnx.GraphDef, run_dir: Path,
                  draft_vocab: DraftVocab | None = None):
@@ -74,18 +92,27 @@ class RealTauEval:
         self.draft_rule = cfg.eval_draft_rule
         self.draft_vocab = draft_vocab  # proposals over the training vocabulary, as the served drafter's
         self.target, self.graphdef, self.run_dir = target, graphdef, run_dir
-        if self.every and jax.process_count() > 1:
-            log.warning("train.eval_every=%d: in-loop real τ needs a single process (%d here); skipped",
-                        self.every, jax.process_count())
-            self.every = 0
-        self.prompts = eval_prompts(target.tokenizer, cfg.eval_sets, cfg.eval_prompts) if self.every else []
-        self.best = read_best(run_dir) if self.every else None
+        self.main = jax.process_index() == 0
+        decodes = bool(self.every) and self.main
+        self.prompts = eval_prompts(target.tokenizer, cfg.eval_sets, cfg.eval_prompts) if decodes else []
+        self.best = read_best(run_dir) if decodes else None
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == self.final_step)
 
     def __call__(self, step: int, params: Any) -> dict[str, Any]:
-        drafter = drafter_from_state(self.graphdef, params)
+        gathered = host_params(params)  # every process: the state is sharded across them
+        out = self._decode(step, gathered) if self.main else {}
+        if jax.process_count() > 1:
+            from orbax.checkpoint import multihost
+
+            if not self.main:
+                log.info("step %d: waiting for process 0's real-τ evaluation", step)
+            multihost.get_barrier_sync_fn()(key=f"dflash-real-tau-{step}", timeout_ms=BARRIER_TIMEOUT_S * 1000)
+        return out
+
+    def _decode(self, step: int, gathered: Any) -> dict[str, Any]:
+        drafter = drafter_from_state(self.graphdef, None, gathered)
         drafter.draft_vocab = self.draft_vocab
         metrics = real_tau(self.target, drafter, self.prompts, self.new_tokens)
         if self.best is None or metrics["tau"] > self.best["tau"]:
@@ -122,4 +149,5 @@ def eval_from_record(record: dict[str, Any]) -> dict[str, Any] | None:
             "accept_per_position": [record[f"eval/accept_pos_{i}"] for i in positions]}
 
 
-__all__ = ["RealTauEval", "drafter_from_state", "eval_from_record", "save_best"]
+__all__ = ["BARRIER_TIMEOUT_S", "RealTauEval", "drafter_from_state", "eval_from_record", "host_params",
+           "save_best"]

@@ -5,7 +5,6 @@ and the frozen head's rules; the parameters' rules and the rule machinery live b
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +12,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dflash.configs.schema import require
 from dflash.models.sharding import (
     AXES,
     DRAFTER_RULES,
@@ -25,7 +23,7 @@ from dflash.models.sharding import (
     spec_for,
     tree_shardings,
 )
-from dflash.train.config import MeshConfig
+from dflash.train.config import MeshConfig, mesh_shape
 
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 
@@ -34,19 +32,6 @@ def head_rules(vocab_major: bool) -> tuple[Rule, ...]:
     """Rules of the training loss's frozen head (`train.objective.TrainHead`): its matrix as the target's embedding
     ([V, D], or a training vocabulary's [V', D] rows) or LM head ([D, V]) is laid out; its label map replicated."""
     return ((r"^matrix$", ("tensor", "fsdp") if vocab_major else ("fsdp", "tensor")), (r".", ()))
-
-
-def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) sizes for `num_devices`, the -1 filled in."""
-    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
-    known = math.prod(s for s in sizes if s != -1)
-    if -1 in sizes:
-        require(num_devices % known == 0, "train.mesh", tuple(sizes),
-                f"divide the {num_devices} devices (the fixed axes multiply to {known})")
-        sizes[sizes.index(-1)] = num_devices // known
-    require(math.prod(sizes) == num_devices, "train.mesh", tuple(sizes),
-            f"multiply to the number of devices ({num_devices})")
-    return sizes[0], sizes[1], sizes[2]
 
 
 def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
