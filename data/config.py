@@ -266,9 +266,12 @@ class RegenConfig:
     max_len: context length (prompt + reply) per sequence, for `make_regen_engine`.
     seed: base of the per-request seeds (hash of seed, item id, turn).
     slots: engine batch, for `make_regen_engine`; results do not depend on it.
-    replicas: engine replicas in each process, one per local device (0: every local device, or one on CPU, whose
-      simulated devices share the same cores); each process of a multi-process run answers its share of the
-      prompts (`data.scaleout`). Results do not depend on it, nor on the process count.
+    replicas: engine replicas in each process, one per group of `devices_per_replica` local devices (0: as many as
+      the local devices hold, or one on CPU, whose simulated devices share the same cores); each process of a
+      multi-process run answers its share of the prompts (`data.scaleout`). Results do not depend on it, nor on
+      the process count.
+    devices_per_replica: the devices one replica's engine splits the target over in tensor parallel
+      (`serve.plan.Limits.devices`): 1 for a target that fits one chip, more for one that does not.
     max_turns: turns policy: regenerate the first `max_turns` replies of each conversation and cut it
       there (0: every turn).
     drop_truncated: a reply that hits max_new_tokens is dropped (with the rest of its conversation) instead
@@ -287,6 +290,7 @@ class RegenConfig:
     seed: int = 0
     slots: int = 8
     replicas: int = 0
+    devices_per_replica: int = 1
     max_turns: int = 0
     drop_truncated: bool = False
     endpoint: EndpointConfig = dataclasses.field(default_factory=EndpointConfig)
@@ -299,6 +303,8 @@ class RegenConfig:
         require(self.slots >= 1, "data.regen.slots", self.slots, "be >= 1")
         require(self.replicas >= 0, "data.regen.replicas", self.replicas,
                 "be >= 0 (0: one engine per local device, one on CPU)")
+        require(self.devices_per_replica >= 1, "data.regen.devices_per_replica", self.devices_per_replica,
+                "be >= 1")
         require(self.max_turns >= 0, "data.regen.max_turns", self.max_turns, "be >= 0 (0: every turn)")
         require(isinstance(self.template_kwargs, Mapping), "data.regen.template_kwargs", self.template_kwargs,
                 "be a mapping of chat-template variables")

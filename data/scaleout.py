@@ -4,7 +4,7 @@ the shares merge into the one file the loaders read.
 
     share = Share.of_process()                      # (jax.process_index(), jax.process_count())
     mine = [item for item in items if share.owns(item["id"])]
-    backend = replica_backend(target, cfg.regen, local_devices(cfg.regen.replicas))
+    backend = replica_backend(target, cfg.regen, local_devices(cfg.regen.replicas, cfg.regen.devices_per_replica))
     regenerate(backend, tokenizer, mine, share.part_path(out), cfg.regen, also_done=done_ids(out))
     barrier(); if process 0: merge_parts(out)       # -> out, sorted by id
 
@@ -170,26 +170,31 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def local_devices(replicas: int) -> list[Any]:
-    """The devices this process runs engine replicas on: `replicas` of its local devices, or (0) all of them; on
-    CPU (0) one, since its simulated devices share the same cores."""
+def local_devices(replicas: int, per_replica: int = 1) -> list[tuple[Any, ...]]:
+    """The device groups this process runs engine replicas on, `per_replica` consecutive local devices each:
+    `replicas` groups, or (0) as many as the local devices hold; on CPU (0) one, since its simulated devices share
+    the same cores."""
     import jax
 
     devices = jax.local_devices()
+    groups = [tuple(devices[i:i + per_replica]) for i in range(0, len(devices) - per_replica + 1, per_replica)]
+    if not groups:
+        raise ValueError(f"data.regen.devices_per_replica must be at most this process's {len(devices)} local "
+                         f"devices; received {per_replica}")
     if replicas == 0:
-        return devices[:1] if devices[0].platform == "cpu" else devices
-    if replicas > len(devices):
-        raise ValueError(f"data.regen.replicas must be at most this process's {len(devices)} local devices (0: all); "
-                         f"received {replicas}")
-    return devices[:replicas]
+        return groups[:1] if devices[0].platform == "cpu" else groups
+    if replicas > len(groups):
+        raise ValueError(f"data.regen.replicas must be at most the {len(groups)} groups of {per_replica} device(s) "
+                         f"this process's {len(devices)} local devices hold (0: all); received {replicas}")
+    return groups[:replicas]
 
 
 class _Replica(threading.Thread):
     """One engine on one device, stepped by its own thread (JAX releases the GIL while devices run)."""
 
-    def __init__(self, index: int, engine: Engine, device: Any, tokenizer: Any, results: queue.Queue):
+    def __init__(self, index: int, engine: Engine, devices: tuple[Any, ...], tokenizer: Any, results: queue.Queue):
         super().__init__(name=f"regen-replica-{index}", daemon=True)
-        self.index, self.engine, self.device, self.tok, self.results = index, engine, device, tokenizer, results
+        self.index, self.engine, self.device, self.tok, self.results = index, engine, devices[0], tokenizer, results
         self.inbox: queue.Queue = queue.Queue()
         self.stop_ids = tuple(tokenizer.stop_token_ids)
         self.load = 0  # requests submitted and not yet returned (the main thread's count)
@@ -264,23 +269,25 @@ class ReplicaBackend:
             replica.join(timeout=60)
 
 
-def replica_engines(target: Any, cfg: RegenConfig, devices: Sequence[Any]) -> list[Engine]:
-    """One AR-mode engine per device, the target's weights copied onto each."""
+def replica_engines(target: Any, cfg: RegenConfig, groups: Sequence[tuple[Any, ...]]) -> list[Engine]:
+    """One AR-mode engine per device group, the target's weights copied onto each (split over a group of several
+    devices in tensor parallel, `Limits.devices`)."""
     import jax
 
     engines = []
-    for device in devices:
-        with jax.default_device(device):
-            params = jax.device_put(target.params, device)
-            engines.append(Engine(params, target.cfg, None, AR(), Limits(slots=cfg.slots, max_len=cfg.max_len)))
+    for group in groups:
+        with jax.default_device(group[0]):
+            params = jax.device_put(target.params, group[0]) if len(group) == 1 else target.params
+            limits = Limits(slots=cfg.slots, max_len=cfg.max_len, devices=len(group))
+            engines.append(Engine(params, target.cfg, None, AR(), limits, devices=group))
     return engines
 
 
-def replica_backend(target: Any, cfg: RegenConfig, devices: Sequence[Any]) -> ReplicaBackend:
-    """A ReplicaBackend over `devices` (one engine each)."""
-    log.info("regeneration: %d engine replica(s) of %d slots on %s", len(devices), cfg.slots,
-             ", ".join(str(d) for d in devices))
-    return ReplicaBackend(replica_engines(target, cfg, devices), devices, target.tokenizer, cfg)
+def replica_backend(target: Any, cfg: RegenConfig, groups: Sequence[tuple[Any, ...]]) -> ReplicaBackend:
+    """A ReplicaBackend over device `groups` (one engine each)."""
+    log.info("regeneration: %d engine replica(s) of %d slots on %s", len(groups), cfg.slots,
+             "; ".join(", ".join(str(d) for d in group) for group in groups))
+    return ReplicaBackend(replica_engines(target, cfg, groups), groups, target.tokenizer, cfg)
 
 
 def process_tag() -> str:

@@ -86,9 +86,10 @@ def run_regenerate(recipe: Recipe, *, target: Target | None = None, progress: bo
     else:
         target = target if target is not None else load_target(recipe.target)
         tokenizer = target.tokenizer
-        devices = local_devices(cfg.regen.replicas)
-        backend = (make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len) if len(devices) == 1
-                   else replica_backend(target, cfg.regen, devices))
+        groups = local_devices(cfg.regen.replicas, cfg.regen.devices_per_replica)
+        one_device = len(groups) == 1 and len(groups[0]) == 1
+        backend = (make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len) if one_device
+                   else replica_backend(target, cfg.regen, groups))
     stats = regenerate(backend, tokenizer, mine, share.part_path(out), cfg.regen, **kwargs)
     if merge:
         barrier("dflash-data-regenerate")

@@ -92,12 +92,16 @@ def _set_active(state: SpecState, active_B: jax.Array) -> SpecState:
     return dataclasses.replace(state, target=target, lengths=jnp.where(active_B, state.lengths, park), active=active_B)
 
 
-def _engine_mesh(devices: int) -> Mesh | None:
-    """The mesh of an engine on the first `devices` local devices (None: one device, no mesh)."""
-    local = jax.local_devices()
-    if devices > len(local):
-        raise ValueError(f"devices must be at most the {len(local)} local devices; received {devices}")
-    return None if devices == 1 else tensor_mesh(local[:devices])
+def _engine_mesh(count: int, devices: Sequence[Any] | None) -> Mesh | None:
+    """The mesh of an engine on `devices` (default: the first `count` local devices; None: one device, no mesh)."""
+    if devices is None:
+        local = jax.local_devices()
+        if count > len(local):
+            raise ValueError(f"devices must be at most the {len(local)} local devices; received {count}")
+        devices = local[:count]
+    elif len(devices) != count:
+        raise ValueError(f"devices must name limits.devices ({count}) devices; received {len(devices)}")
+    return None if count == 1 else tensor_mesh(devices)
 
 
 def _placed(models: Models, mesh: Mesh | None) -> Models:
@@ -121,14 +125,15 @@ class Engine:
 
     def __init__(self, target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter | None,
                  plan: DecodePlan, limits: Limits, *, sampling: SamplingConfig | None = None,
-                 detokenize: Detokenize | None = None):
+                 detokenize: Detokenize | None = None, devices: Sequence[Any] | None = None):
         """drafter: what the plan drafts with (unused by AR and prompt lookup alone); plan: checked against the
         drafter here (`Plan.check`); sampling: the default rule of requests that bring none (None: greedy);
-        detokenize: ids -> text, needed for stop strings."""
+        detokenize: ids -> text, needed for stop strings; devices: the `limits.devices` devices the engine holds
+        (default: the first local ones; e.g. one group of a host's chips per regeneration replica)."""
         plan.check(drafter)
         self.plan, self.limits = plan, limits
         drafter = drafter if plan.drafts_with_drafter else None
-        self.mesh = _engine_mesh(limits.devices)
+        self.mesh = _engine_mesh(limits.devices, devices)
         self.models = _placed(Models.of(target_params, target_cfg, drafter), self.mesh)
         self.arch = None if drafter is None else drafter.arch
         self.sampling = None if sampling is None or sampling.greedy else sampling

@@ -446,8 +446,9 @@ def _prompt_file(path: Path, n: int) -> Path:
 
 @pytest.mark.parametrize("temperature", [0.0, pytest.param(0.8, marks=pytest.mark.slow)])  # sampled: nightly
 def test_the_dataset_does_not_depend_on_the_topology(target, tmp_path, temperature):
-    """One device, 4 replicas on 4 devices, and 2 processes x 2 devices (each share run on its own, then merged):
-    byte-identical files, greedy and sampled (seeded by item id)."""
+    """One device, 4 replicas on 4 devices, 2 replicas each split over 2 devices (tensor parallel, D81), and 2
+    processes x 2 devices (each share run on its own, then merged): byte-identical files, greedy and sampled (seeded
+    by item id)."""
     from dflash.configs.recipe import load_recipe
     from dflash.data import stages
     from dflash.data.scaleout import Share, merge_parts, part_files, share_of
@@ -455,13 +456,15 @@ def test_the_dataset_does_not_depend_on_the_topology(target, tmp_path, temperatu
     N = 10  # noqa: N806
     prompts = _prompt_file(tmp_path / "prompts.jsonl", N)
 
-    def recipe(name: str, replicas: int):
+    def recipe(name: str, replicas: int, per_replica: int = 1):
         return load_recipe("tiny", [f"data.dir={tmp_path / name}", f"data.prompts={prompts}", "data.max_prompts=0",
                                     f"data.regen.replicas={replicas}", f"data.regen.temperature={temperature}",
-                                    "data.regen.top_p=0.9", "data.regen.seed=3", "data.regen.max_new_tokens=12"])
+                                    f"data.regen.devices_per_replica={per_replica}", "data.regen.top_p=0.9",
+                                    "data.regen.seed=3", "data.regen.max_new_tokens=12"])
 
     stages.run_regenerate(recipe("one", 1), target=target, progress=False)
     stages.run_regenerate(recipe("four", 4), target=target, progress=False)
+    stages.run_regenerate(recipe("split", 2, per_replica=2), target=target, progress=False)
     sliced = recipe("sliced", 2)
     for index in (1, 0):
         _, stats, _ = stages.run_regenerate(sliced, target=target, progress=False, share=Share(index, 2), merge=False)
@@ -474,6 +477,7 @@ def test_the_dataset_does_not_depend_on_the_topology(target, tmp_path, temperatu
     assert not part_files(out) and not (out.parent / "regenerated.jsonl.parts").exists()
     one = (tmp_path / "one" / "regenerated.jsonl").read_bytes()
     assert one == (tmp_path / "four" / "regenerated.jsonl").read_bytes() == out.read_bytes()
+    assert one == (tmp_path / "split" / "regenerated.jsonl").read_bytes()
     ids = [json.loads(line)["id"] for line in one.splitlines()]
     assert ids == sorted(ids) and len(ids) == N
     # a rerun on another topology finds everything done
