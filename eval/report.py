@@ -2,7 +2,8 @@
 
 Per set, from the first concurrency level: τ (accepted + 1 per verify step, bonus included, pooled over
 steps), acceptance by draft position and the histogram of accepted drafts per step, mean TPOT and tokens/s
-of DFlash and AR, speedup = mean AR TPOT / mean DFlash TPOT, greedy replies that differ from AR (must be
+of DFlash and AR, speedup = the median over requests of AR TPOT / DFlash TPOT of the same request (`paired`: its
+quartiles, count and spread; too wide a spread is flagged), greedy replies that differ from AR (must be
 0; not compared when sampled: `mismatches` is None, and losslessness rests on the engine's sampled-decoding
 tests), GSM8K / MATH-500 answer accuracy; per concurrency level: throughput and p50 / p95 latency of each.
 `settings` records the sampling rule (temperature, top_p, seed).
@@ -68,6 +69,25 @@ def _accuracy(replies: list[dict[str, Any]], answers: dict[str, str]) -> float |
                final_answer(r["text"]) == answers[r["id"]].replace(" ", "") for r in graded) / len(graded)
 
 
+SPREAD_LIMIT = 0.2  # an interquartile range of the per-request ratios wider than this share of the median: untrusted
+MIN_PAIRS = 4  # fewer paired requests than this: untrusted
+
+
+def _paired(dflash: list[dict[str, Any]], ar: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-request speed ratios AR TPOT / DFlash TPOT of the requests both modes answered (the same item and
+    turn): their median, quartiles, count, spread ((p75 - p25) / median) and whether the median can be trusted
+    (spread at most SPREAD_LIMIT over at least MIN_PAIRS pairs)."""
+    ar_tpot = {(r["id"], r["turn"]): r["tpot_s"] for r in ar if r["tpot_s"]}
+    ratios = [ar_tpot[r["id"], r["turn"]] / r["tpot_s"] for r in dflash
+              if r["tpot_s"] and (r["id"], r["turn"]) in ar_tpot]
+    if not ratios:
+        return {"median": None, "p25": None, "p75": None, "pairs": 0, "spread": None, "trusted": False}
+    median, p25, p75 = statistics.median(ratios), _pct(ratios, 0.25), _pct(ratios, 0.75)
+    spread = (p75 - p25) / median
+    return {"median": median, "p25": p25, "p75": p75, "pairs": len(ratios), "spread": spread,
+            "trusted": spread <= SPREAD_LIMIT and len(ratios) >= MIN_PAIRS}
+
+
 def _set_summary(replies: list[dict[str, Any]], c0: int, block_size: int, answers: dict[str, str],
                  compare: bool = True) -> dict[str, Any]:
     first = {m: [r for r in replies if r["mode"] == m and r["concurrency"] == c0] for m in ("dflash", "ar")}
@@ -77,8 +97,10 @@ def _set_summary(replies: list[dict[str, Any]], c0: int, block_size: int, answer
     if not compare:  # sampled: DFlash and AR draw different samples of the same distribution
         mismatched = None
     dflash, ar = _mode_stats(first["dflash"]), _mode_stats(first["ar"])
-    speedup = ar["tpot_ms"] / dflash["tpot_ms"] if dflash["tpot_ms"] and ar["tpot_ms"] else None
+    paired = _paired(first["dflash"], first["ar"])
+    speedup = paired["median"]
     return {**_acceptance(first["dflash"], block_size), "dflash": dflash, "ar": ar, "speedup": speedup,
+            "paired": paired,
             "mismatches": None if mismatched is None else len(mismatched),
             "mismatched": None if mismatched is None else mismatched[:20],
             "accuracy": {m: _accuracy(first[m], answers) for m in ("dflash", "ar")}}
@@ -112,7 +134,7 @@ def summarize(records: list[dict[str, Any]], sets: Sequence[str], concurrency: S
         by_set[name] = _set_summary(mine, concurrency[0], block_size, answers, compare)
     headline = _set_summary(replies, concurrency[0], block_size, answers, compare)
     return {"schema": SCHEMA, **meta, "sets": by_set,
-            "headline": {k: headline[k] for k in ("tau", "steps", "speedup", "mismatches", "dflash", "ar",
+            "headline": {k: headline[k] for k in ("tau", "steps", "speedup", "paired", "mismatches", "dflash", "ar",
                                                   "accept_per_position")},
             "concurrency": _concurrency(records, concurrency)}
 
@@ -131,9 +153,17 @@ def _sampling(settings: dict[str, Any]) -> str:
 
 
 def headline_line(results: dict[str, Any]) -> str:
+    """`DFlash vs AR: <median per-request speed ratio>x tokens/s (tau <τ>, K=<K>)`, and a warning inside the
+    brackets when the ratios' spread is too wide to trust the median."""
     h = results["headline"]
+    paired = h.get("paired") or {}
+    warning = ""
+    if not paired.get("trusted", True) and paired.get("pairs"):
+        n, spread = paired["pairs"], paired["spread"]
+        warning = (f"; only {n} paired request{'s' if n > 1 else ''}: too few to trust" if n < MIN_PAIRS else
+                   f"; spread {spread:.0%} over {n} requests: too wide to trust")
     return (f"DFlash vs AR: {_fmt(h['speedup'])}x tokens/s (tau {_fmt(h['tau'])}, "
-            f"K={results['settings']['block_size']}{_sampling(results['settings'])})")
+            f"K={results['settings']['block_size']}{_sampling(results['settings'])}{warning})")
 
 
 def render_markdown(results: dict[str, Any]) -> str:
@@ -148,11 +178,13 @@ def render_markdown(results: dict[str, Any]) -> str:
              f"Drafter: `{results['drafter'].get('path', '?')}`; sets {', '.join(s['sets'])}, {s['limit']} items "
              f"each, {s['max_new_tokens']} new tokens per turn, concurrency {s['concurrency']}; "
              f"{results['environment'].get('machine', '')}.", "",
-             "| set | tau | DFlash TPOT ms | AR TPOT ms | speedup | DFlash tok/s | AR tok/s | accuracy (AR) "
-             "| differ from AR |", "|---|---|---|---|---|---|---|---|---|"]
+             "| set | tau | DFlash TPOT ms | AR TPOT ms | speedup (median, p25-p75) | DFlash tok/s | AR tok/s "
+             "| accuracy (AR) | differ from AR |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["sets"].items():
+        paired = r.get("paired") or {}
+        quartiles = f" ({_fmt(paired.get('p25'))}-{_fmt(paired.get('p75'))})" if paired.get("pairs") else ""
         lines.append(f"| {name} | {_fmt(r['tau'])} | {_fmt(r['dflash']['tpot_ms'], '.1f')} | "
-                     f"{_fmt(r['ar']['tpot_ms'], '.1f')} | {_fmt(r['speedup'], '.2f', 'x')} | "
+                     f"{_fmt(r['ar']['tpot_ms'], '.1f')} | {_fmt(r['speedup'], '.2f', 'x')}{quartiles} | "
                      f"{_fmt(r['dflash']['tok_s'], '.1f')} | {_fmt(r['ar']['tok_s'], '.1f')} | "
                      f"{_fmt(r['accuracy']['ar'], '.2f')} | {_fmt(r['mismatches'], 'd')} |")
     lines += ["", "| concurrency | DFlash tok/s | AR tok/s | ratio | DFlash p50 / p95 s | AR p50 / p95 s |",

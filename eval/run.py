@@ -3,8 +3,12 @@
     records = collect({"dflash": dflash_client, "ar": ar_client}, settings, out_dir, items)  # records.jsonl
     results = summarize(records, ...); write_outputs(results, out_dir)   # eval.report
 
-`run_eval` (what `dflash eval` runs) starts the servers it needs ONE AT A TIME: the DFlash server serves all
-its requests and stops, then the AR server starts; on an accelerator host both would claim the same chips.
+At concurrency 1 with both servers up (`evaluate`: the demo's in-process servers, `dflash eval --url --ar-url`),
+each conversation runs on DFlash and on AR back to back, alternating which goes first, so that a drift of the
+machine lands on both modes of a pair alike; the report's speedup is the median of the per-request ratios, with
+its spread. `run_eval` (what `dflash eval --drafter` runs) starts the servers it needs ONE AT A TIME: the DFlash
+server serves all its requests and stops, then the AR server starts; on an accelerator host both would claim the
+same chips.
 
 A warm-up request per set (not recorded) lets each server compile first (a `dflash serve` precompiles every
 shape at start-up anyway); the engine's compile count (`dflash_compiles_total` at /metrics) is read before and
@@ -153,6 +157,52 @@ def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurr
         bar.update(1, tokens=reply.tokens)
 
 
+def _record_segment(store: RecordStore, mode: str, concurrency: int, items: Sequence[EvalItem], seconds: float,
+                    compiles_before: int | None, compiles_after: int | None) -> None:
+    """A finished timed segment of `mode`: its wall time and tokens (added to earlier segments') and the programs its
+    server compiled inside it (`compiles`, which must stay 0)."""
+    tokens = sum(store.records["reply", mode, concurrency, item.id, t]["tokens"]
+                 for item in items for t in range(len(item.turns)))
+    previous = store.records.get(("wall", mode, concurrency, None, None), {"seconds": 0.0, "tokens": 0})
+    store.add({"kind": "wall", "mode": mode, "concurrency": concurrency,
+               "seconds": previous["seconds"] + seconds, "tokens": previous["tokens"] + tokens})
+    grown = None if compiles_before is None or compiles_after is None else compiles_after - compiles_before
+    earlier = store.records.get(("compiles", mode, concurrency, None, None), {"count": 0})["count"]
+    store.add({"kind": "compiles", "mode": mode, "concurrency": concurrency,
+               "count": None if grown is None or earlier is None else earlier + grown})
+    if grown:
+        log.warning("%s server compiled %d program(s) inside the timed requests (concurrency %d)", mode, grown,
+                    concurrency)
+
+
+def _run_paired(clients: dict[str, Client], items: Sequence[EvalItem], settings: EvalSettings, store: RecordStore,
+                progress: bool) -> None:
+    """Concurrency 1 with both servers up: each conversation runs on DFlash and on AR back to back, the order
+    alternating from one conversation to the next, so a drift of the machine lands on both modes of a pair alike
+    (the report's speedup is the median of the per-request ratios)."""
+    todo = [item for item in items if any(not store.has_conversation(m, 1, item) for m in clients)]
+    if not todo:
+        return
+    models = {mode: client.model() for mode, client in clients.items()}
+    before = {mode: client.compiles() for mode, client in clients.items()}
+    seconds = dict.fromkeys(clients, 0.0)
+    ran: dict[str, list[EvalItem]] = {mode: [] for mode in clients}
+    bar = Progress(sum(len(i.turns) for i in todo for m in clients if not store.has_conversation(m, 1, i)),
+                   desc="eval paired c=1", unit="reply", enabled=progress)
+    for i, item in enumerate(todo):
+        for mode in (list(clients) if i % 2 == 0 else list(reversed(clients))):
+            if store.has_conversation(mode, 1, item):
+                continue
+            t0 = time.perf_counter()
+            _conversation(clients[mode], models[mode], item, mode, 1, settings, store, bar)
+            seconds[mode] += time.perf_counter() - t0
+            ran[mode].append(item)
+    bar.close()
+    for mode, client in clients.items():
+        if ran[mode]:
+            _record_segment(store, mode, 1, ran[mode], seconds[mode], before[mode], client.compiles())
+
+
 def _run_mode(client: Client, mode: str, concurrency: int, items: Sequence[EvalItem], settings: EvalSettings,
               store: RecordStore, progress: bool) -> None:
     todo = [item for item in items if not store.has_conversation(mode, concurrency, item)]
@@ -169,20 +219,7 @@ def _run_mode(client: Client, mode: str, concurrency: int, items: Sequence[EvalI
             future.result()
     bar.close()
     # Throughput counts the replies of finished segments only: an interrupted segment left no wall time.
-    seconds = time.perf_counter() - t0
-    tokens = sum(store.records["reply", mode, concurrency, item.id, t]["tokens"]
-                 for item in todo for t in range(len(item.turns)))
-    previous = store.records.get(("wall", mode, concurrency, None, None), {"seconds": 0.0, "tokens": 0})
-    store.add({"kind": "wall", "mode": mode, "concurrency": concurrency,
-               "seconds": previous["seconds"] + seconds, "tokens": previous["tokens"] + tokens})
-    compiles_after = client.compiles()
-    grown = None if compiles_before is None or compiles_after is None else compiles_after - compiles_before
-    earlier = store.records.get(("compiles", mode, concurrency, None, None), {"count": 0})["count"]
-    store.add({"kind": "compiles", "mode": mode, "concurrency": concurrency,
-               "count": None if grown is None or earlier is None else earlier + grown})
-    if grown:
-        log.warning("%s server compiled %d program(s) inside the timed requests (concurrency %d)", mode, grown,
-                    concurrency)
+    _record_segment(store, mode, concurrency, todo, time.perf_counter() - t0, compiles_before, client.compiles())
 
 
 def warm_up(client: Client, items: Sequence[EvalItem], settings: EvalSettings) -> None:
@@ -208,6 +245,9 @@ def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, i
         if any(not store.has_conversation(mode, c, i) for c in settings.concurrency for i in items):
             warm_up(client, items, settings)
     for concurrency in settings.concurrency:
+        if concurrency == 1 and len(clients) > 1:
+            _run_paired(clients, items, settings, store, progress)
+            continue
         for mode, client in clients.items():
             _run_mode(client, mode, concurrency, items, settings, store, progress)
     wanted = {item.id for item in items}

@@ -201,7 +201,7 @@ def test_sampled_reports_do_not_compare_replies():
     meta = {"environment": {}, "target": {"model": "m"}, "drafter": {}, "settings": {**settings, "block_size": 4}}
     r = summarize(records, ["gsm8k"], [1], 4, {}, meta, compare=False)
     assert r["sets"]["gsm8k"]["mismatches"] is None and r["headline"]["mismatches"] is None
-    assert headline_line(r).endswith("K=4, sampled at T=0.7)")
+    assert "K=4, sampled at T=0.7" in headline_line(r)
     assert "not compared" in render_markdown(r)
     with pytest.raises(ValueError, match="temperature"):
         EvalSettings(temperature=-1.0)
@@ -265,6 +265,63 @@ def test_report_statistics_on_known_records():
     assert s["accuracy"] == {"dflash": 0.5, "ar": 1.0}
     assert r["concurrency"]["1"]["throughput_ratio"] == pytest.approx(2.0)
     assert final_answer("x = \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}" and final_answer("no digits") is None
+
+
+def test_speedup_is_the_median_of_per_request_ratios_with_its_spread():
+    """Each request's AR TPOT over the same request's DFlash TPOT; the median resists one request of a slow spell
+    (the mean of TPOTs does not), and a wide interquartile range or too few pairs is flagged on the headline."""
+    ratios = [2.0, 2.1, 1.9, 2.0, 0.5]  # the last pair ran in a slow spell of the DFlash phase
+    records = [r for i, ratio in enumerate(ratios) for r in (_reply("dflash", f"gsm8k:{i}", 0, "x", [1], 0.1 / ratio),
+                                                             _reply("ar", f"gsm8k:{i}", 0, "x", [], 0.1))]
+    meta = {"environment": {}, "target": {"model": "m"}, "drafter": {}, "settings": {"block_size": 4}}
+    r = summarize(records, ["gsm8k"], [1], 4, {}, meta)
+    paired = r["headline"]["paired"]
+    assert r["headline"]["speedup"] == pytest.approx(2.0) and paired["pairs"] == 5
+    assert (paired["p25"], paired["p75"]) == (pytest.approx(1.9), pytest.approx(2.0)) and paired["trusted"]
+    assert "too" not in headline_line(r)
+    spread = [1.0, 1.5, 2.0, 2.5, 3.0]  # quartiles 1.5 and 2.5 around a median of 2: a spread of 50%
+    wide = summarize([r for i, ratio in enumerate(spread) for r in (
+        _reply("dflash", f"gsm8k:{i}", 0, "x", [1], 0.1 / ratio), _reply("ar", f"gsm8k:{i}", 0, "x", [], 0.1))],
+        ["gsm8k"], [1], 4, {}, meta)
+    assert wide["headline"]["paired"]["spread"] == pytest.approx(0.5) and not wide["headline"]["paired"]["trusted"]
+    assert "spread 50% over 5 requests: too wide to trust" in headline_line(wide)
+    few = summarize(records[:2], ["gsm8k"], [1], 4, {}, meta)
+    assert "only 1 paired request: too few to trust" in headline_line(few)
+
+
+def test_paired_collection_alternates_which_mode_goes_first(tmp_path):
+    """With both servers up at concurrency 1, each conversation runs on both back to back, DFlash first for even
+    conversations and AR first for odd ones; both modes' wall records count only their own requests."""
+    from dflash.eval import run as eval_run
+
+    calls = []
+
+    class Fake:
+        def __init__(self, mode):
+            self.mode = mode
+
+        def get(self, path):
+            return {"data": [{"id": "m", "block_size": 4 if self.mode == "dflash" else None}]}
+
+        def model(self):
+            return "m"
+
+        def compiles(self):
+            return 0
+
+        def chat(self, model, messages, *args):
+            calls.append(self.mode)
+            return type("Reply", (), {"text": "ok", "tokens": 3, "finish_reason": "length", "latency_s": 0.01,
+                                      "ttft_s": 0.001, "tpot_s": 0.001, "accepted": [1] if self.mode == "dflash"
+                                      else []})()
+
+    settings = EvalSettings(sets=("gsm8k",), limit=4, max_new_tokens=3)
+    items = eval_run.eval_items(settings)
+    records = eval_run.collect({"dflash": Fake("dflash"), "ar": Fake("ar")}, settings, tmp_path, items, False)
+    timed = calls[2:]  # after each mode's warm-up request
+    assert timed == ["dflash", "ar", "ar", "dflash", "dflash", "ar", "ar", "dflash"]
+    walls = {r["mode"]: r for r in records if r["kind"] == "wall"}
+    assert walls["dflash"]["tokens"] == walls["ar"]["tokens"] == 4 * 3
 
 
 @pytest.mark.slow
