@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from dflash.models.config import DecoderConfig, RopeScaling
+from dflash.models.config import SUPPORTED_FAMILIES, DecoderConfig, RopeScaling
 from dflash.models.gguf_file import GGUFFile, read_gguf
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+# GGUF files load for these architectures (the newer families load from HF directories only).
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3")
 _LAYER_KEYS_HF = {
     "attn_norm": "input_layernorm.weight",
     "wq": "self_attn.q_proj.weight",
@@ -41,7 +42,17 @@ _LAYER_KEYS_HF = {
     "w_gate": "mlp.gate_proj.weight",
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
+    "router": "mlp.gate.weight",
 }
+# Gemma 3's four norms per layer: its `post_attention_layernorm` normalises the attention output (Llama's, the MLP
+# input); the MLP input norm is `pre_feedforward_layernorm`.
+_LAYER_KEYS_GEMMA = {
+    **_LAYER_KEYS_HF,
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+_EXPERT_KEYS_HF = {"we_gate": "gate_proj.weight", "we_up": "up_proj.weight", "we_down": "down_proj.weight"}
 _LAYER_KEYS_GGUF = {
     "attn_norm": "attn_norm.weight",
     "wq": "attn_q.weight",
@@ -58,7 +69,8 @@ _LAYER_KEYS_GGUF = {
     "w_up": "ffn_up.weight",
     "w_down": "ffn_down.weight",
 }
-_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router")
+_EXPERTS = ("we_gate", "we_up", "we_down")
 
 
 class WeightsError(ValueError):
@@ -69,23 +81,29 @@ class WeightsError(ValueError):
 
 
 def layer_param_names(cfg: DecoderConfig) -> list[str]:
-    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm"]
+    names += ["router", *_EXPERTS] if cfg.num_experts else ["w_gate", "w_up", "w_down"]
     if cfg.qkv_bias:
         names += ["bq", "bk", "bv"]
     if cfg.qk_norm:
         names += ["q_norm", "k_norm"]
+    if cfg.sandwich_norms:
+        names += ["post_attn_norm", "post_mlp_norm"]
     return names
 
 
 def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one layer's tensors in the HF/PyTorch `[out, in]` convention."""
+    """Shapes of one layer's tensors: 2-D ones in the HF/PyTorch `[out, in]` convention, the stacked experts
+    ([E, in, out]) in ours."""
     d, f = cfg.hidden_size, cfg.intermediate_size
+    e, fe = cfg.num_experts, cfg.moe_intermediate_size
     return {
-        "attn_norm": (d,), "mlp_norm": (d,),
+        "attn_norm": (d,), "mlp_norm": (d,), "post_attn_norm": (d,), "post_mlp_norm": (d,),
         "wq": (cfg.q_size, d), "wk": (cfg.kv_size, d), "wv": (cfg.kv_size, d), "wo": (d, cfg.q_size),
         "bq": (cfg.q_size,), "bk": (cfg.kv_size,), "bv": (cfg.kv_size,),
         "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
         "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f),
+        "router": (e, d), "we_gate": (e, d, fe), "we_up": (e, d, fe), "we_down": (e, fe, d),
     }
 
 
@@ -105,10 +123,30 @@ def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer
             )
         return np.asarray(arr, dtype=np.float32)
 
+    def fetch_experts(i: int, key: str) -> np.ndarray:
+        """[E, in, out] from the per-expert tensors `...experts.{e}.{gate,up,down}_proj.weight` ([out, in] each)
+        or transformers 5's fused `experts.gate_up_proj` [E, 2*Ie, D] / `experts.down_proj` [E, D, Ie]."""
+        e, fe, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        fused = get(layer_name(i, "experts.gate_up_proj" if key != "we_down" else "experts.down_proj"))
+        if fused is not None:
+            want = (e, 2 * fe, d) if key != "we_down" else (e, d, fe)
+            if tuple(fused.shape) != want:
+                raise WeightsError(f"{where}: tensor {layer_name(i, 'experts')!r} ({key}) must have shape {want}; "
+                                   f"received {tuple(fused.shape)}")
+            arr = np.asarray(fused, np.float32)
+            if key != "we_down":
+                arr = arr[:, :fe] if key == "we_gate" else arr[:, fe:]
+            return np.ascontiguousarray(arr.transpose(0, 2, 1))
+        shape = (fe, d) if key != "we_down" else (d, fe)
+        return np.stack([fetch(layer_name(i, f"experts.{x}.{_EXPERT_KEYS_HF[key]}"), shape).T for x in range(e)])
+
     shapes = expected_shapes(cfg)
     layers: dict[str, list[np.ndarray]] = {k: [] for k in layer_param_names(cfg)}
     for i in range(cfg.num_layers):
         for key in layers:
+            if key in _EXPERTS:
+                layers[key].append(fetch_experts(i, key))
+                continue
             arr = fetch(layer_name(i, key), shapes[key])
             layers[key].append(arr.T if key in _MATRICES else arr)
     params: dict[str, Any] = {
@@ -118,6 +156,8 @@ def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = fetch(head_name, (cfg.vocab_size, cfg.hidden_size)).T
+    if cfg.embed_scale:
+        params["embed_scale"] = np.asarray(cfg.hidden_size ** 0.5, np.float32)
     return params
 
 
@@ -125,7 +165,8 @@ def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer
 
 
 def decoder_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> DecoderConfig:
-    """Parse an HF `config.json` dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+    """Parse an HF `config.json` dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`) of a family in
+    `models.config.SUPPORTED_FAMILIES`; a WeightsError naming the field for anything the decoder does not compute."""
     family = hf.get("model_type")
     if family not in SUPPORTED_FAMILIES:
         raise WeightsError(
@@ -134,18 +175,36 @@ def decoder_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> De
         )
     if hf.get("mlp_bias"):
         raise WeightsError(f"{where}: mlp_bias must be false (no supported target has MLP biases); received true")
-    rope = dict(hf.get("rope_parameters") or {})
+    gemma = family == "gemma3_text"
+    rope_fields = dict(hf.get("rope_parameters") or {})
+    if gemma and "full_attention" in rope_fields:  # transformers 5: one RoPE entry per layer type
+        rope = dict(rope_fields.get("full_attention") or {})
+        local_theta = float((rope_fields.get("sliding_attention") or {}).get("rope_theta", 10000.0))
+    else:
+        rope = rope_fields
+        local_theta = float(hf.get("rope_local_base_freq", 10000.0))
     rope.update(hf.get("rope_scaling") or {})
-    theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    theta = float(hf.get("rope_theta", rope.get("rope_theta", 1_000_000.0 if gemma else 10000.0)))
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(name) is not None:
+            raise WeightsError(f"{where}: {name} must be null (logit soft-capping is not computed); "
+                               f"received {hf[name]}")
+    if hf.get("use_bidirectional_attention"):
+        raise WeightsError(f"{where}: use_bidirectional_attention must be false (a causal target); received true")
     try:
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
+        num_layers = int(hf["num_hidden_layers"])
+        layer_types, window = _hf_layer_types(hf, family, num_layers, where)
+        act = hf.get("hidden_activation", hf.get("hidden_act", "silu"))
+        if act not in _ACTIVATIONS:
+            raise WeightsError(f"{where}: hidden_act must be one of {sorted(_ACTIVATIONS)}; received {act!r}")
         cfg = DecoderConfig(
             family=family,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden // num_heads),
@@ -154,14 +213,66 @@ def decoder_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> De
             rope_scaling=_rope_scaling_from_hf(rope, where),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            layer_types=layer_types,
+            sliding_window=window,
+            local_rope_theta=local_theta if gemma else 0.0,
+            attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else 0.0,
+            hidden_act=_ACTIVATIONS[act],
+            embed_scale=gemma,
+            sandwich_norms=gemma,
+            norm_unit_offset=gemma,
+            **_hf_moe_fields(hf, family, num_layers, where),
         )
     except KeyError as err:
         raise WeightsError(f"{where}: required field {err.args[0]!r} is missing") from err
-    if hf.get("sliding_window") and hf.get("use_sliding_window"):
-        raise WeightsError(f"{where}: use_sliding_window must be false (sliding-window attention is not supported)")
     return cfg
+
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _hf_layer_types(hf: dict[str, Any], family: str, num_layers: int, where: str) -> tuple[tuple[str, ...], int]:
+    """(layer_types, sliding_window): Gemma 3's interleaved local/global layers (`layer_types`, or the older
+    `sliding_window_pattern`: every n-th layer global), Mistral's window on every layer when `sliding_window` is set;
+    Qwen's `use_sliding_window` (its own layer rule) is refused."""
+    window = hf.get("sliding_window")
+    if family == "gemma3_text":
+        kinds = hf.get("layer_types")
+        if kinds is None:
+            pattern = int(hf.get("sliding_window_pattern", 6))
+            kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        kinds = tuple(kinds)
+        if "sliding_attention" not in kinds:
+            return (), 0
+        if not window:
+            raise WeightsError(f"{where}: sliding_window must be a positive integer for sliding_attention layers; "
+                               f"received {window!r}")
+        return kinds, int(window)
+    if family == "mistral":
+        return (("sliding_attention",) * num_layers, int(window)) if window else ((), 0)
+    if window and hf.get("use_sliding_window"):
+        raise WeightsError(f"{where}: use_sliding_window must be false (sliding-window attention is not supported "
+                           f"for model_type {family!r})")
+    return (), 0
+
+
+def _hf_moe_fields(hf: dict[str, Any], family: str, num_layers: int, where: str) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields; every layer must be sparse (the layer scan stacks one kind of layer)."""
+    if family != "qwen3_moe":
+        return {}
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise WeightsError(
+            f"{where}: mlp_only_layers must be [] and decoder_sparse_step 1 (every layer a MoE layer, as Qwen3-30B-A3B "
+            f"and Qwen3-235B-A22B); received mlp_only_layers={hf.get('mlp_only_layers')}, "
+            f"decoder_sparse_step={hf.get('decoder_sparse_step')}")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise KeyError("num_experts")
+    return {"num_experts": int(experts), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+            "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
 
 
 def _rope_scaling_from_hf(rope: dict[str, Any], where: str) -> RopeScaling | None:
@@ -222,10 +333,11 @@ def load_hf_dir(directory: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
     cfg = decoder_config_from_hf(hf, str(config_path))
     tensors = _read_safetensors(_safetensors_files(directory))
     prefix = "model." if "model.embed_tokens.weight" in tensors else ""
+    keys = _LAYER_KEYS_GEMMA if cfg.sandwich_norms else _LAYER_KEYS_HF
     params = _assemble(
         cfg,
         tensors.get,
-        lambda i, key: f"{prefix}layers.{i}.{_LAYER_KEYS_HF[key]}",
+        lambda i, key: f"{prefix}layers.{i}.{keys.get(key, 'mlp.' + key)}",
         embed_name=f"{prefix}embed_tokens.weight",
         norm_name=f"{prefix}norm.weight",
         head_name="lm_head.weight",
@@ -262,9 +374,10 @@ def gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
 def decoder_config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
                              where: str) -> DecoderConfig:
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_FAMILIES:
+    if arch not in GGUF_FAMILIES:
         raise WeightsError(
-            f"{where}: general.architecture must be one of {list(SUPPORTED_FAMILIES)}; received {arch!r}"
+            f"{where}: general.architecture must be one of {list(GGUF_FAMILIES)} (a GGUF; the other supported "
+            f"families load from a Hugging Face directory); received {arch!r}"
         )
 
     def get(key: str, default: Any = None) -> Any:

@@ -159,6 +159,8 @@ def target_param_shapes(cfg: Any) -> dict[str, Any]:
                             "layers": layers}
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    if cfg.embed_scale:
+        tree["embed_scale"] = ()
     return tree
 
 

@@ -41,7 +41,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from dflash.models.gguf_file import GGUFFile, read_gguf
 
 # Tokens that end an assistant turn or a document, in the families we support.
-STOP_TOKEN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>")
+STOP_TOKEN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>", "<end_of_turn>")
 # A token whose text matches this opens something; it is never a stop token.
 _START_MARKER = re.compile(r"start|begin", re.IGNORECASE)
 
