@@ -198,3 +198,24 @@ def test_the_architecture_is_known_without_the_weights(case):
     cfg, params = load_hf_dir(GOLDEN / "tiny" / case)
     assert known_target(str(GOLDEN / "tiny" / case)).cfg == cfg
     assert target_param_shapes(cfg) == jax.tree.map(lambda a: tuple(a.shape), params)
+
+
+def test_experts_split_over_an_expert_mesh_axis():
+    """The sharding table names an `expert` axis: on a mesh with one (2 tensor x 4 expert CPU devices) each device
+    holds 2 of the 8 experts, a mesh without one keeps them whole per device, and the sharded forward still gives
+    transformers' logits."""
+    import numpy as np_
+    from jax.sharding import Mesh
+
+    from dflash.models.sharding import AXES, EXPERT_AXIS, TARGET_RULES, place, tree_shardings
+
+    cfg, params, ref = _load("qwen3_moe")
+    devices = np_.asarray(jax.devices()[:8], dtype=object)
+    mesh = Mesh(devices.reshape(1, 1, 2, 4), (*AXES, EXPERT_AXIS))
+    placed = place(params, TARGET_RULES, mesh)
+    gate = placed["layers"]["we_gate"]  # [L, E, D, Ie]
+    assert gate.sharding.shard_shape(gate.shape) == (4, 2, 64, 16)
+    plain = tree_shardings(params, TARGET_RULES, Mesh(devices.reshape(1, 4, 2), AXES))
+    assert plain["layers"]["we_gate"].shard_shape(gate.shape) == (4, 8, 16, 16)
+    logits, _ = jax.jit(lambda p, t: decoder.forward(p, cfg, t))(placed, jnp.asarray(ref["input_ids"]))
+    np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=TOL, rtol=0)
