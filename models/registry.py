@@ -95,6 +95,14 @@ KNOWN_TARGETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
         "tie_word_embeddings": False, "attention_bias": False, "mask_token_id": 151669,
     },
+    "Qwen/Qwen3-30B-A3B": {  # also Qwen3-Coder-30B-A3B-Instruct's architecture (its rope/context differ)
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "tie_word_embeddings": False, "attention_bias": False, "mask_token_id": 151669,
+    },
     "Qwen/Qwen3-4B": {
         "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
         "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
