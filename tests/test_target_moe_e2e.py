@@ -1,7 +1,8 @@
 """A tiny Qwen3-MoE target end to end (issue 52's "done when"): a drafter trains a few steps online (the MoE target
-inside the train step), serves with greedy output equal to AR through the engine, and exports to the z-lab layout,
-which loads back to the same drafter. The target is the golden tiny `qwen3_moe` (tools/golden_families.py) with a
-small word-level tokenizer and a ChatML template built here (its 256-row embedding fits no real tokenizer)."""
+inside the train step), serves with greedy output equal to AR through the engine, and exports to the z-lab and the
+speculators layouts (layer ids + 1), each loading back to the same drafter. The target is the golden tiny `qwen3_moe`
+(tools/golden_families.py) with a small word-level tokenizer and a ChatML template built here (its 256-row embedding
+fits no real tokenizer)."""
 
 import json
 import shutil
@@ -72,3 +73,7 @@ def test_a_drafter_for_a_moe_target_trains_online_serves_losslessly_and_exports(
     exported = json.loads((tmp_path / "zlab" / "config.json").read_text())
     assert exported["dflash_config"]["mask_token_id"] == 255 and exported["num_target_layers"] == 4
     assert_same_params(drafter, load_drafter_dir(tmp_path / "zlab", cfg))
+    export_run(tmp_path / "run", fmt="speculators", out=tmp_path / "spec", say=lambda _: None)
+    spec = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert spec["aux_hidden_state_layer_ids"] == [1, 3] and spec["target_hidden_size"] == cfg.hidden_size
+    assert_same_params(drafter, load_drafter_dir(tmp_path / "spec", cfg))
