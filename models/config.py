@@ -12,7 +12,7 @@ from typing import Literal, get_args
 
 from dflash.configs.schema import require
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_moe"]
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_moe", "gpt_oss"]
 # The one list of supported target families: HF config.json `model_type` / GGUF `general.architecture` values. A new
 # family is a new entry of `Family` (its switches in `DecoderConfig`, its parsing in `models.loading`); every check
 # reads it from here.
@@ -45,14 +45,20 @@ class TargetConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: `llama3` (Llama 3.1+), `linear`, or `freq_factors` (GGUF rope_freqs)."""
+    """RoPE frequency scaling: `llama3` (Llama 3.1+), `linear`, `freq_factors` (GGUF rope_freqs), or `yarn`
+    (gpt-oss: frequencies blended between `factor`-interpolated and extrapolated over the correction range of
+    `beta_fast` / `beta_slow` rotations, cos and sin times `attention_factor`)."""
 
-    kind: Literal["llama3", "linear", "freq_factors"]
+    kind: Literal["llama3", "linear", "freq_factors", "yarn"]
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] = ()
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,10 @@ class DecoderConfig:
     Mixture of experts (`num_experts` > 0, Qwen3-MoE): every layer's MLP is `num_experts` SwiGLU experts of
       `moe_intermediate_size`; a router softmax picks `num_experts_per_tok` of them per token, their weights
       renormalised to sum 1 when `norm_topk_prob` (`models.decoder.moe_mlp`).
+    gpt-oss: `o_bias` (o_proj bias), `attn_sinks` (a learned logit per head in every softmax's denominator),
+      `moe_router` `topk_softmax` (top-k of the router logits, with bias, then a softmax over those k), `moe_bias`
+      (expert biases), `swiglu_limit` > 0 (gate clamped above, up clamped both ways, `(up + 1) * gate *
+      sigmoid(swiglu_alpha * gate)`).
     """
 
     family: Family
@@ -100,6 +110,12 @@ class DecoderConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    o_bias: bool = False
+    attn_sinks: bool = False
+    moe_router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    moe_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

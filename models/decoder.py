@@ -30,6 +30,8 @@ from dflash.models.config import DecoderConfig, check_layer_ids
 #            mlp_norm [L, D]   w_gate/w_up [L, D, I]   w_down [L, I, D]   (I = intermediate_size; dense MLP)
 #            router [L, D, E]   we_gate/we_up [L, E, D, Ie]   we_down [L, E, Ie, D]   (num_experts E > 0 instead of
 #            the dense MLP; Ie = moe_intermediate_size; the E axis is the sharding table's `expert` axis)
+#            gpt-oss: bo [L, D] (o_bias), sinks [L, H] (attn_sinks), router_b [L, E], be_gate/be_up [L, E, Ie],
+#            be_down [L, E, D] (moe_bias)
 # Norm weights are stored as the checkpoint holds them (Gemma's `1 + w` is applied in `norm`).
 Params = dict[str, Any]
 NEG_INF = -1e30
@@ -66,6 +68,8 @@ def rope_inv_freq(cfg: DecoderConfig, local: bool = False) -> np.ndarray:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(cfg.head_dim, theta, scaling)
     if scaling.kind == "freq_factors":
         factors = np.asarray(scaling.freq_factors, dtype=np.float64)
         if factors.shape != inv_freq.shape:
@@ -83,11 +87,33 @@ def rope_inv_freq(cfg: DecoderConfig, local: bool = False) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: Any) -> np.ndarray:
+    """YaRN's blend of interpolated and extrapolated frequencies (transformers' `_compute_yarn_parameters`)."""
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (np.arange(0, head_dim, 2, dtype=np.float32).astype(np.float64) / head_dim)
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_tables(cfg: DecoderConfig, positions_BxS: jax.Array, local: bool = False) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, S, Dh] (fp32) for the given absolute positions (rotate-half layout)."""
+    """cos, sin [B, S, Dh] (fp32) for the given absolute positions (rotate-half layout); YaRN scales both by its
+    attention factor."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg, local), dtype=jnp.float32)
     angles = positions_BxS.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
+    scaling = None if local else cfg.rope_scaling
+    if scaling is not None and scaling.kind == "yarn" and scaling.attention_factor != 1.0:
+        return jnp.cos(angles) * scaling.attention_factor, jnp.sin(angles) * scaling.attention_factor
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -101,8 +127,9 @@ def apply_rope(x_BxSxHxDh: jax.Array, cos_BxSxDh: jax.Array, sin_BxSxDh: jax.Arr
 
 
 def attend(q_BxQxHxDh: jax.Array, k_BxKxHkxDh: jax.Array, v_BxKxHkxDh: jax.Array,
-           visible_BxQxK: jax.Array) -> jax.Array:
-    """Grouped-query softmax attention with a boolean visibility mask; softmax in fp32.
+           visible_BxQxK: jax.Array, sinks_H: jax.Array | None = None) -> jax.Array:
+    """Grouped-query softmax attention with a boolean visibility mask; softmax in fp32. `sinks_H` (gpt-oss): one
+    logit per head that joins every row's softmax denominator and attends to nothing.
 
     A query row with no visible key returns zeros (never NaN).
     """
@@ -112,7 +139,13 @@ def attend(q_BxQxHxDh: jax.Array, k_BxKxHkxDh: jax.Array, v_BxKxHkxDh: jax.Array
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_BxKxHkxDh).astype(jnp.float32) / math.sqrt(dh)
     mask = visible_BxQxK[:, None, None, :, :]
     scores = jnp.where(mask, scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks_H is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = sinks_H.astype(jnp.float32).reshape(1, hk, h // hk, 1, 1)
+        top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+        exp = jnp.exp(scores - top)
+        probs = exp / (jnp.sum(exp, axis=-1, keepdims=True) + jnp.exp(sink - top))
     probs = jnp.where(mask, probs, 0.0).astype(v_BxKxHkxDh.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v_BxKxHkxDh)
     return out.reshape(b, q_len, h, dh)
@@ -138,12 +171,12 @@ class KVCacheLike(Protocol):
     chunk's queries causally over everything cached so far; it returns (attention output [B, T, H, Dh],
     updated cache). `window` is None for a target without sliding layers, else a traced int32 scalar: W > 0 for a
     sliding layer (a query at cache index i sees only indices i-W+1 .. i; older K/V stay cached, masked, so a
-    rollback never needs them back: docs/decisions.md D75), 0 for a full layer. `advance(T)` then moves every
-    length on by T.
+    rollback never needs them back: docs/decisions.md D75), 0 for a full layer. `sinks` [H] (gpt-oss) is the
+    layer's attention sinks (`attend`), None without. `advance(T)` then moves every length on by T.
     """
 
     def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-                         window: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                         window: jax.Array | None = None, sinks: jax.Array | None = None) -> tuple[jax.Array, Any]:
         ...
 
     def advance(self, num_tokens: int) -> Any:
@@ -174,7 +207,8 @@ class DenseKVCache:
         return self.k.shape[2]
 
     def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-                         window: jax.Array | None = None) -> tuple[jax.Array, DenseKVCache]:
+                         window: jax.Array | None = None,
+                         sinks: jax.Array | None = None) -> tuple[jax.Array, DenseKVCache]:
         b, chunk = q.shape[:2]
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, chunk))
         slots = self.lengths[:, None] + jnp.arange(chunk)[None, :]
@@ -183,7 +217,7 @@ class DenseKVCache:
         k_all = self.k.at[layer, rows, slots].set(k.astype(self.k.dtype), mode="drop")
         v_all = self.v.at[layer, rows, slots].set(v.astype(self.v.dtype), mode="drop")
         visible = in_window(jnp.arange(self.capacity)[None, None, :], slots[:, :, None], window)
-        return attend(q, k_all[layer], v_all[layer], visible), DenseKVCache(k_all, v_all, self.lengths)
+        return attend(q, k_all[layer], v_all[layer], visible, sinks), DenseKVCache(k_all, v_all, self.lengths)
 
     def advance(self, num_tokens: int) -> DenseKVCache:
         return DenseKVCache(self.k, self.v, self.lengths + num_tokens)
@@ -218,14 +252,32 @@ def _act(cfg: DecoderConfig, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(x)
 
 
-def moe_route(cfg: DecoderConfig, router_DxE: jax.Array, x_TxD: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The reference router (HF Qwen3-MoE): logits in the compute dtype, softmax in fp32, top-k experts, their
-    probabilities renormalised to sum 1 when `norm_topk_prob`, cast back. (weights [T, k], experts [T, k] int32)."""
-    probs_TxE = jax.nn.softmax((x_TxD @ router_DxE).astype(jnp.float32), axis=-1)
+def moe_route(cfg: DecoderConfig, router_DxE: jax.Array, x_TxD: jax.Array,
+              bias_E: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The reference routers, logits in the compute dtype. Qwen3-MoE (`softmax_topk`): softmax in fp32, top-k
+    experts, their probabilities renormalised to sum 1 when `norm_topk_prob`, cast back. gpt-oss (`topk_softmax`):
+    logits plus the router bias, top-k of them, a softmax over those k. (weights [T, k], experts [T, k] int32)."""
+    logits_TxE = x_TxD @ router_DxE
+    if bias_E is not None:
+        logits_TxE = logits_TxE + bias_E
+    if cfg.moe_router == "topk_softmax":
+        top_TxK, experts_TxK = jax.lax.top_k(logits_TxE, cfg.num_experts_per_tok)
+        weights_TxK = jax.nn.softmax(top_TxK.astype(jnp.float32), axis=-1)
+        return weights_TxK.astype(x_TxD.dtype), experts_TxK.astype(jnp.int32)
+    probs_TxE = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
     weights_TxK, experts_TxK = jax.lax.top_k(probs_TxE, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
     return weights_TxK.astype(x_TxD.dtype), experts_TxK.astype(jnp.int32)
+
+
+def _expert_act(cfg: DecoderConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU, or gpt-oss's clamped form when `swiglu_limit` > 0."""
+    if not cfg.swiglu_limit:
+        return _act(cfg, gate) * up
+    gate = jnp.minimum(gate, cfg.swiglu_limit)
+    up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
 
 
 def moe_mlp(cfg: DecoderConfig, lp: Params, h_BxSxD: jax.Array) -> jax.Array:
@@ -236,7 +288,7 @@ def moe_mlp(cfg: DecoderConfig, lp: Params, h_BxSxD: jax.Array) -> jax.Array:
     b, s, d = h_BxSxD.shape
     x_TxD = h_BxSxD.reshape(b * s, d)
     k = cfg.num_experts_per_tok
-    weights_TxK, experts_TxK = moe_route(cfg, lp["router"], x_TxD)
+    weights_TxK, experts_TxK = moe_route(cfg, lp["router"], x_TxD, lp.get("router_b"))
     flat_A = experts_TxK.reshape(-1)                       # A = T*k assignments
     order_A = jnp.argsort(flat_A, stable=True)             # grouped by expert
     token_A = order_A // k
@@ -244,7 +296,12 @@ def moe_mlp(cfg: DecoderConfig, lp: Params, h_BxSxD: jax.Array) -> jax.Array:
     rows_AxD = x_TxD[token_A]
     gate_AxI = jax.lax.ragged_dot(rows_AxD, lp["we_gate"], group_sizes_E)
     up_AxI = jax.lax.ragged_dot(rows_AxD, lp["we_up"], group_sizes_E)
-    out_AxD = jax.lax.ragged_dot(_act(cfg, gate_AxI) * up_AxI, lp["we_down"], group_sizes_E)
+    if cfg.moe_bias:
+        expert_A = flat_A[order_A]
+        gate_AxI, up_AxI = gate_AxI + lp["be_gate"][expert_A], up_AxI + lp["be_up"][expert_A]
+    out_AxD = jax.lax.ragged_dot(_expert_act(cfg, gate_AxI, up_AxI), lp["we_down"], group_sizes_E)
+    if cfg.moe_bias:
+        out_AxD = out_AxD + lp["be_down"][expert_A]
     out_AxD = out_AxD * weights_TxK.reshape(-1)[order_A][:, None]
     return jnp.zeros_like(x_TxD).at[token_A].add(out_AxD).reshape(b, s, d)
 
@@ -254,12 +311,16 @@ def moe_mlp_dense(cfg: DecoderConfig, lp: Params, h_BxSxD: jax.Array) -> jax.Arr
     (zeros elsewhere). E/k times the FLOPs of `moe_mlp`; the reference it is tested against and benchmarked with."""
     b, s, d = h_BxSxD.shape
     x_TxD = h_BxSxD.reshape(b * s, d)
-    weights_TxK, experts_TxK = moe_route(cfg, lp["router"], x_TxD)
+    weights_TxK, experts_TxK = moe_route(cfg, lp["router"], x_TxD, lp.get("router_b"))
     combine_TxE = jnp.zeros((b * s, cfg.num_experts), x_TxD.dtype).at[
         jnp.arange(b * s)[:, None], experts_TxK].set(weights_TxK)
     gate = jnp.einsum("td,edi->tei", x_TxD, lp["we_gate"])
     up = jnp.einsum("td,edi->tei", x_TxD, lp["we_up"])
-    out = jnp.einsum("tei,eid->ted", _act(cfg, gate) * up, lp["we_down"])
+    if cfg.moe_bias:
+        gate, up = gate + lp["be_gate"], up + lp["be_up"]
+    out = jnp.einsum("tei,eid->ted", _expert_act(cfg, gate, up), lp["we_down"])
+    if cfg.moe_bias:
+        out = out + lp["be_down"]
     return jnp.einsum("ted,te->td", out, combine_TxE).reshape(b, s, d)
 
 
@@ -272,6 +333,8 @@ def _mlp(cfg: DecoderConfig, lp: Params, h: jax.Array) -> jax.Array:
 def _finish_layer(cfg: DecoderConfig, lp: Params, x: jax.Array, attn_BxSxHxDh: jax.Array) -> jax.Array:
     b, s, _ = x.shape
     attn = attn_BxSxHxDh.reshape(b, s, cfg.q_size) @ lp["wo"]
+    if cfg.o_bias:
+        attn = attn + lp["bo"]
     if cfg.sandwich_norms:
         attn = norm(cfg, attn, lp["post_attn_norm"])
     x = x + attn
@@ -285,7 +348,7 @@ def layer_forward(cfg: DecoderConfig, lp: Params, x: jax.Array, cos: jax.Array, 
                   visible_BxSxS: jax.Array) -> jax.Array:
     """One decoder layer over a full sequence (no cache)."""
     q, k, v = _qkv(cfg, lp, x, cos, sin)
-    return _finish_layer(cfg, lp, x, attend(q, k, v, visible_BxSxS))
+    return _finish_layer(cfg, lp, x, attend(q, k, v, visible_BxSxS, lp["sinks"] if cfg.attn_sinks else None))
 
 
 def _layer_rope(cfg: DecoderConfig, positions_BxS: jax.Array) -> Callable[[jax.Array], tuple[jax.Array, jax.Array]]:
@@ -418,10 +481,12 @@ def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxT: jax.Array, po
         x, feats, kv = carry
         lp, index, slot, keep, sliding = xs
         q, k, v = _qkv(cfg, lp, x, *rope(sliding))
+        extra = {}  # only what the target has: caches and kernels for the others need not take them
         if cfg.windowed:
-            attn, kv = kv.write_and_attend(index, q, k, v, window=jnp.where(sliding, cfg.sliding_window, 0))
-        else:
-            attn, kv = kv.write_and_attend(index, q, k, v)
+            extra["window"] = jnp.where(sliding, cfg.sliding_window, 0)
+        if cfg.attn_sinks:
+            extra["sinks"] = lp["sinks"]
+        attn, kv = kv.write_and_attend(index, q, k, v, **extra)
         x = _finish_layer(cfg, lp, x, attn)
         feats = feats.at[slot].set(jnp.where(keep, x, feats[slot]))  # features carried, not all layers kept
         return (x, feats, kv), None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,24 @@ _LAYER_KEYS_GGUF = {
 }
 _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router")
 _EXPERTS = ("we_gate", "we_up", "we_down")
+_EXPERT_BIASES = ("be_gate", "be_up", "be_down")
+# gpt-oss beyond the shared names (its experts are fused: `_gpt_oss_experts`).
+_LAYER_KEYS_GPT_OSS = {**_LAYER_KEYS_HF, "router": "mlp.router.weight", "router_b": "mlp.router.bias",
+                       "bo": "self_attn.o_proj.bias", "sinks": "self_attn.sinks"}
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (gpt-oss's expert weights) to fp32: `blocks` uint8 [..., G, 16] hold two e2m1 values a byte (low nibble
+    first), `scales` uint8 [..., G] a power-of-two exponent + 127 per group of 32; returns [..., G * 32] (the rows of
+    the PyTorch `[out, in]` weight), as transformers' `convert_moe_packed_tensors` before its transpose."""
+    blocks = np.asarray(blocks, np.uint8)
+    values = np.empty((*blocks.shape[:-1], blocks.shape[-1] * 2), np.float32)
+    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, np.asarray(scales, np.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:-2], -1)
 
 
 class WeightsError(ValueError):
@@ -83,8 +102,14 @@ class WeightsError(ValueError):
 def layer_param_names(cfg: DecoderConfig) -> list[str]:
     names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm"]
     names += ["router", *_EXPERTS] if cfg.num_experts else ["w_gate", "w_up", "w_down"]
+    if cfg.moe_bias:
+        names += ["router_b", *_EXPERT_BIASES]
     if cfg.qkv_bias:
         names += ["bq", "bk", "bv"]
+    if cfg.o_bias:
+        names += ["bo"]
+    if cfg.attn_sinks:
+        names += ["sinks"]
     if cfg.qk_norm:
         names += ["q_norm", "k_norm"]
     if cfg.sandwich_norms:
@@ -104,7 +129,15 @@ def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
         "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
         "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f),
         "router": (e, d), "we_gate": (e, d, fe), "we_up": (e, d, fe), "we_down": (e, fe, d),
+        "router_b": (e,), "be_gate": (e, fe), "be_up": (e, fe), "be_down": (e, d), "bo": (d,),
+        "sinks": (cfg.num_heads,),
     }
+
+
+def layer_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's params in the decoder's layout (matrices `[in, out]`), by name."""
+    shapes = expected_shapes(cfg)
+    return {k: shapes[k][::-1] if k in _MATRICES else shapes[k] for k in layer_param_names(cfg)}
 
 
 def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer_name: Callable[[int, str], str],
@@ -140,10 +173,40 @@ def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer
         shape = (fe, d) if key != "we_down" else (d, fe)
         return np.stack([fetch(layer_name(i, f"experts.{x}.{_EXPERT_KEYS_HF[key]}"), shape).T for x in range(e)])
 
+    def gpt_oss_experts(i: int) -> dict[str, np.ndarray]:
+        """gpt-oss's fused experts: `gate_up_proj` [E, D, 2*Ie] (gate and up interleaved along the last axis) and
+        `down_proj` [E, Ie, D], each as transformers saves it or as MXFP4 `_blocks` / `_scales` (the released
+        checkpoints; dequantised here to fp32: D76's study page says why not kept packed); biases [E, 2*Ie], [E, D]."""
+        e, fe, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+
+        def weight(name: str, shape: tuple[int, int, int]) -> np.ndarray:
+            plain = get(layer_name(i, f"experts.{name}"))
+            if plain is None:
+                blocks = get(layer_name(i, f"experts.{name}_blocks"))
+                scales = get(layer_name(i, f"experts.{name}_scales"))
+                if blocks is None or scales is None:
+                    raise WeightsError(f"{where}: tensor {layer_name(i, 'experts.' + name)!r} is missing (neither "
+                                       f"it nor its MXFP4 _blocks/_scales; expected shape {shape})")
+                plain = dequantize_mxfp4(blocks, scales).transpose(0, 2, 1)
+            if tuple(plain.shape) != shape:
+                raise WeightsError(f"{where}: tensor {layer_name(i, 'experts.' + name)!r} must have shape {shape}; "
+                                   f"received {tuple(plain.shape)}")
+            return np.asarray(plain, np.float32)
+
+        gate_up = weight("gate_up_proj", (e, d, 2 * fe))
+        bias = fetch(layer_name(i, "experts.gate_up_proj_bias"), (e, 2 * fe))
+        return {"we_gate": gate_up[..., 0::2], "we_up": gate_up[..., 1::2], "we_down": weight("down_proj", (e, fe, d)),
+                "be_gate": bias[:, 0::2], "be_up": bias[:, 1::2],
+                "be_down": fetch(layer_name(i, "experts.down_proj_bias"), (e, d))}
+
     shapes = expected_shapes(cfg)
     layers: dict[str, list[np.ndarray]] = {k: [] for k in layer_param_names(cfg)}
     for i in range(cfg.num_layers):
+        fused = gpt_oss_experts(i) if cfg.moe_bias else {}
         for key in layers:
+            if key in fused:
+                layers[key].append(np.ascontiguousarray(fused[key]))
+                continue
             if key in _EXPERTS:
                 layers[key].append(fetch_experts(i, key))
                 continue
@@ -176,6 +239,7 @@ def decoder_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> De
     if hf.get("mlp_bias"):
         raise WeightsError(f"{where}: mlp_bias must be false (no supported target has MLP biases); received true")
     gemma = family == "gemma3_text"
+    oss = family == "gpt_oss"
     rope_fields = dict(hf.get("rope_parameters") or {})
     if gemma and "full_attention" in rope_fields:  # transformers 5: one RoPE entry per layer type
         rope = dict(rope_fields.get("full_attention") or {})
@@ -213,6 +277,8 @@ def decoder_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> De
             rope_scaling=_rope_scaling_from_hf(rope, where),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            o_bias=family in ("llama", "mistral", "gpt_oss") and bool(hf.get("attention_bias", False)),
+            attn_sinks=oss,
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             layer_types=layer_types,
@@ -252,6 +318,10 @@ def _hf_layer_types(hf: dict[str, Any], family: str, num_layers: int, where: str
         return kinds, int(window)
     if family == "mistral":
         return (("sliding_attention",) * num_layers, int(window)) if window else ((), 0)
+    if family == "gpt_oss":  # alternating sliding (128) and full layers unless the config lists them
+        kinds = tuple(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                                  for i in range(num_layers)])
+        return (kinds, int(window or 128)) if "sliding_attention" in kinds else ((), 0)
     if window and hf.get("use_sliding_window"):
         raise WeightsError(f"{where}: use_sliding_window must be false (sliding-window attention is not supported "
                            f"for model_type {family!r})")
@@ -259,7 +329,12 @@ def _hf_layer_types(hf: dict[str, Any], family: str, num_layers: int, where: str
 
 
 def _hf_moe_fields(hf: dict[str, Any], family: str, num_layers: int, where: str) -> dict[str, Any]:
-    """Qwen3-MoE's expert fields; every layer must be sparse (the layer scan stacks one kind of layer)."""
+    """Qwen3-MoE's and gpt-oss's expert fields; every layer must be sparse (the layer scan stacks one kind of layer)."""
+    if family == "gpt_oss":
+        return {"num_experts": int(hf["num_local_experts"]), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+                "moe_intermediate_size": int(hf["intermediate_size"]), "moe_router": "topk_softmax",
+                "moe_bias": True, "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+                "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702))}
     if family != "qwen3_moe":
         return {}
     if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
@@ -289,7 +364,23 @@ def _rope_scaling_from_hf(rope: dict[str, Any], where: str) -> RopeScaling | Non
         )
     if kind == "linear":
         return RopeScaling(kind="linear", factor=float(rope["factor"]))
-    raise WeightsError(f"{where}: rope scaling type must be default, llama3 or linear; received {kind!r}")
+    if kind == "yarn":
+        factor = float(rope["factor"])
+        attention = rope.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+
+            def get_mscale(scale: float, m: float = 1.0) -> float:
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            attention = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all
+                         else get_mscale(factor))
+        return RopeScaling(kind="yarn", factor=factor,
+                           original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                           beta_fast=float(rope.get("beta_fast") or 32.0),
+                           beta_slow=float(rope.get("beta_slow") or 1.0), truncate=bool(rope.get("truncate", True)),
+                           attention_factor=float(attention))
+    raise WeightsError(f"{where}: rope scaling type must be default, llama3, linear or yarn; received {kind!r}")
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -333,7 +424,7 @@ def load_hf_dir(directory: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
     cfg = decoder_config_from_hf(hf, str(config_path))
     tensors = _read_safetensors(_safetensors_files(directory))
     prefix = "model." if "model.embed_tokens.weight" in tensors else ""
-    keys = _LAYER_KEYS_GEMMA if cfg.sandwich_norms else _LAYER_KEYS_HF
+    keys = {"gemma3_text": _LAYER_KEYS_GEMMA, "gpt_oss": _LAYER_KEYS_GPT_OSS}.get(cfg.family, _LAYER_KEYS_HF)
     params = _assemble(
         cfg,
         tensors.get,

@@ -158,11 +158,9 @@ def known_target(source: str) -> KnownTarget:
 def target_param_shapes(cfg: Any) -> dict[str, Any]:
     """The target params' tree (`models.decoder` layout: layers stacked on a leading L axis, kernels [in, out])
     as shape tuples."""
-    from dflash.models.loading import expected_shapes, layer_param_names
+    from dflash.models.loading import layer_shapes
 
-    shapes = expected_shapes(cfg)
-    layers = {k: (cfg.num_layers, *(shapes[k][::-1] if len(shapes[k]) == 2 else shapes[k]))
-              for k in layer_param_names(cfg)}
+    layers = {k: (cfg.num_layers, *shape) for k, shape in layer_shapes(cfg).items()}
     tree: dict[str, Any] = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
                             "layers": layers}
     if not cfg.tie_word_embeddings:

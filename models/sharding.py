@@ -49,6 +49,8 @@ TARGET_RULES: tuple[Rule, ...] = (
     (r"^layers/(we_gate|we_up)$", (None, "expert", "fsdp", "tensor")),   # [L, E, D, moe mlp]
     (r"^layers/we_down$", (None, "expert", "tensor", "fsdp")),            # [L, E, moe mlp, D]
     (r"^layers/router$", (None, "fsdp", None)),                           # [L, D, E]
+    (r"^layers/(be_gate|be_up)$", (None, "expert", "tensor")),            # [L, E, moe mlp] (gpt-oss)
+    (r"^layers/be_down$", (None, "expert", "fsdp")),                      # [L, E, D]
     (r".", ()),
 )
 

@@ -187,7 +187,8 @@ class PagedAttentionFn(Protocol):
     query attention (H / Hk queries per KV head), scale 1/sqrt(Dh), softmax in fp32. A query with no
     visible key returns zeros. Entries of page_table beyond a sequence's kv length may be NULL_PAGE.
     A target with sliding layers also passes `window=` (int32 scalar, traced): W > 0 limits query i to tokens
-    lengths[b]+i-W+1 .. lengths[b]+i, 0 = the full span; a kernel for such targets takes that keyword.
+    lengths[b]+i-W+1 .. lengths[b]+i, 0 = the full span; a kernel for such targets takes that keyword. A target with
+    attention sinks (gpt-oss) passes `sinks=` [H]: one logit per head in each softmax's denominator (`attend`).
     """
 
     def __call__(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
@@ -197,7 +198,7 @@ class PagedAttentionFn(Protocol):
 
 def reference_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
                               page_table_BxM: jax.Array, lengths_B: jax.Array,
-                              window: jax.Array | None = None) -> jax.Array:
+                              window: jax.Array | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Pure-JAX paged attention (runs anywhere): gather each sequence's pages, then masked `attend`.
 
     Materializes [B, M * page_size, Hk, Dh] per call, so it costs like a dense cache of M pages per
@@ -211,7 +212,7 @@ def reference_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages
     v_seq = v_pages[layer, page_table_BxM].reshape(b, kv_len, hk, dh)
     last_BxQ = lengths_B[:, None] + jnp.arange(t)[None, :]
     visible = in_window(jnp.arange(kv_len)[None, None, :], last_BxQ[:, :, None], window)
-    return attend(q_BxTxHxDh, k_seq, v_seq, visible)
+    return attend(q_BxTxHxDh, k_seq, v_seq, visible, sinks)
 
 
 # ----------------------------------------------------------------------------- device: the cache
@@ -315,9 +316,11 @@ class PagedKVCache:
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
     def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-                         window: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:
+                         window: jax.Array | None = None,
+                         sinks: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:
         cache = self.write(layer, k, v)
-        extra = {} if window is None else {"window": window}  # kernels for targets without windows need not take it
+        # Kernels for targets without windows or sinks need not take them.
+        extra = {name: x for name, x in (("window", window), ("sinks", sinks)) if x is not None}
         out = self.attention(q, cache.k_pages, cache.v_pages, layer, self.page_table, self.lengths, **extra)
         return out, cache
 
@@ -342,7 +345,7 @@ class PagedKVCache:
 
 def tree_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
                          page_table_BxM: jax.Array, lengths_B: jax.Array, chunk_visible_BxTxT: jax.Array,
-                         window: jax.Array | None = None) -> jax.Array:
+                         window: jax.Array | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """`reference_paged_attention` for a chunk that is a token tree: query i sees every cached token before
     lengths[b] and, of the chunk (written at lengths[b] ..), only the tokens j with chunk_visible[b, i, j]
     (its ancestors and itself). With `window` W > 0 (a sliding layer), only tokens whose position lies within W of
@@ -363,7 +366,7 @@ def tree_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax
         depth_BxS = jnp.take_along_axis(depth_BxT, jnp.clip(rel_BxS, 0, t - 1), axis=1)
         k_pos_BxS = jnp.where(in_chunk_BxS, lengths_B[:, None] + depth_BxS, jnp.arange(kv_len)[None, :])
         visible = visible & ((window <= 0) | (k_pos_BxS[:, None, :] > q_pos_BxT[:, :, None] - window))
-    return attend(q_BxTxHxDh, k_seq, v_seq, visible)
+    return attend(q_BxTxHxDh, k_seq, v_seq, visible, sinks)
 
 
 @jax.tree_util.register_dataclass
@@ -378,10 +381,11 @@ class TreeChunkCache:
     chunk_visible: jax.Array  # [B, T, T] bool: query i sees chunk token j
 
     def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-                         window: jax.Array | None = None) -> tuple[jax.Array, TreeChunkCache]:
+                         window: jax.Array | None = None,
+                         sinks: jax.Array | None = None) -> tuple[jax.Array, TreeChunkCache]:
         cache = self.paged.write(layer, k, v)
         out = tree_paged_attention(q, cache.k_pages, cache.v_pages, layer, cache.page_table, cache.lengths,
-                                   self.chunk_visible, window)
+                                   self.chunk_visible, window, sinks)
         return out, dataclasses.replace(self, paged=cache)
 
     def advance(self, num_tokens: int) -> TreeChunkCache:

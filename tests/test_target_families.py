@@ -1,9 +1,10 @@
 """The newer target families against transformers (tools/golden_families.py, fp32, no torch): Mistral (with and
 without its window), Gemma 3 text (interleaved local/global layers, QK-norm, scaled embeddings, sandwich norms,
-GELU-tanh) and Qwen3-MoE (router softmax, top-k, renormalised or not). Logits and every layer's output are in
-tests/test_decoder_parity.py (it runs every golden case); here: the switches are read and matter, the cached forward
-over the paged cache (windows included) equals the full forward, the MoE dispatch equals its dense form, and greedy
-decoding through the engine equals transformers' `generate`.
+GELU-tanh), Qwen3-MoE (router softmax, top-k, renormalised or not) and gpt-oss (attention sinks, alternating
+sliding/full layers, YaRN, its MoE with biases and clamped SwiGLU, MXFP4 experts). Logits and every layer's output
+are in tests/test_decoder_parity.py (it runs every golden case); here: the switches are read and matter, the cached
+forward over the paged cache (windows included) equals the full forward, the MoE dispatch equals its dense form, and
+greedy decoding through the engine equals transformers' `generate`.
 """
 
 import dataclasses
@@ -21,7 +22,7 @@ from dflash.serve.paged import PagedKVCache, PagePool, PageTable, reference_page
 
 TOL = 1e-4
 WINDOWED = ("gemma3_text", "mistral_window")
-FAMILY_CASES = ("mistral_untied", "mistral_window", "gemma3_text", "qwen3_moe", "qwen3_moe_unnormed_tied")
+FAMILY_CASES = ("mistral_untied", "mistral_window", "gemma3_text", "qwen3_moe", "qwen3_moe_unnormed_tied", "gpt_oss")
 
 
 def _load(case):
@@ -47,6 +48,13 @@ def test_the_families_are_supported_and_read_from_their_configs():
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.norm_topk_prob) == (8, 2, 32, True)
     assert (unnormed.num_experts, unnormed.num_experts_per_tok, unnormed.norm_topk_prob) == (6, 3, False)
     assert moe.qk_norm and not moe.qkv_bias
+    oss = load_hf_dir(GOLDEN / "tiny" / "gpt_oss")[0]
+    assert oss.layer_types == ("sliding_attention", "full_attention") * 2 and oss.sliding_window == 8
+    assert oss.attn_sinks and oss.qkv_bias and oss.o_bias and oss.moe_bias and oss.moe_router == "topk_softmax"
+    assert (oss.num_experts, oss.num_experts_per_tok, oss.moe_intermediate_size) == (8, 2, 32)
+    assert (oss.swiglu_limit, oss.swiglu_alpha) == (0.6, 1.702)
+    assert oss.rope_scaling.kind == "yarn" and oss.rope_scaling.factor == 8.0 and not oss.rope_scaling.truncate
+    assert oss.rope_scaling.attention_factor == pytest.approx(0.1 * np.log(8.0) + 1)
 
 
 @pytest.mark.parametrize("case, change", [
@@ -56,6 +64,10 @@ def test_the_families_are_supported_and_read_from_their_configs():
     ("mistral_window", {"layer_types": (), "sliding_window": 0}),
     ("qwen3_moe", {"norm_topk_prob": False}),
     ("qwen3_moe_unnormed_tied", {"norm_topk_prob": True}),
+    ("gpt_oss", {"attn_sinks": False}),
+    ("gpt_oss", {"swiglu_limit": 0.0}),
+    ("gpt_oss", {"layer_types": (), "sliding_window": 0}),
+    ("gpt_oss", {"rope_scaling": None}),
 ])
 def test_each_switch_matters(case, change):
     """Parity holds as loaded (test_decoder_parity) and breaks when one switch is flipped: none is inert."""
@@ -89,7 +101,7 @@ def test_moe_router_follows_the_reference():
     np.testing.assert_allclose(np.asarray(raw)[0], probs[top], rtol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["gemma3_text", "qwen3_moe", "gpt_oss"])
 def test_paged_cached_forward_with_rollback_equals_the_full_forward(case):
     """Chunks through the engine's paged cache past the window (16), with a rejected block rolled back, give the
     full forward's logits and features: a local layer's old K/V stay cached and are masked (D75)."""
@@ -157,15 +169,16 @@ def test_unsupported_variants_are_refused_naming_the_field():
     gemma = {**base, "model_type": "gemma3_text", "final_logit_softcapping": 30.0}
     with pytest.raises(WeightsError, match="final_logit_softcapping must be null.*received 30.0"):
         decoder_config_from_hf(gemma)
-    with pytest.raises(WeightsError, match=r"model_type must be one of \[.*'qwen3_moe'\]; received 'gpt2'"):
+    with pytest.raises(WeightsError, match=r"model_type must be one of \[.*'qwen3_moe', 'gpt_oss'\]; received 'gpt2'"):
         decoder_config_from_hf({**base, "model_type": "gpt2"})
 
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("case, plan_name", [
-    ("gemma3_text", "chain"), ("qwen3_moe", "chain"), ("mistral_window", "ar"),
+    ("gemma3_text", "chain"), ("qwen3_moe", "chain"), ("mistral_window", "ar"), ("gpt_oss", "chain"),
     *(pytest.param(case, plan, marks=pytest.mark.slow) for case in FAMILY_CASES for plan in ("ar", "chain")
-      if (case, plan) not in {("gemma3_text", "chain"), ("qwen3_moe", "chain"), ("mistral_window", "ar")}),
+      if (case, plan) not in {("gemma3_text", "chain"), ("qwen3_moe", "chain"), ("mistral_window", "ar"),
+                              ("gpt_oss", "chain")}),
 ])
 def test_engine_greedy_equals_transformers_generate(case, plan_name):
     """AR through the engine (paged cache, chunked prefill) and DFlash chain decoding with an untrained drafter
@@ -218,4 +231,33 @@ def test_experts_split_over_an_expert_mesh_axis():
     plain = tree_shardings(params, TARGET_RULES, Mesh(devices.reshape(1, 4, 2), AXES))
     assert plain["layers"]["we_gate"].shard_shape(gate.shape) == (4, 8, 16, 16)
     logits, _ = jax.jit(lambda p, t: decoder.forward(p, cfg, t))(placed, jnp.asarray(ref["input_ids"]))
+    np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=TOL, rtol=0)
+
+
+def test_mxfp4_experts_dequantise_as_transformers_does(tmp_path):
+    """The released gpt-oss checkpoints store experts as MXFP4 `_blocks` / `_scales`: dequantised at load, bit for
+    bit what transformers' `convert_moe_packed_tensors` gives, and the model then computes transformers' logits."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from dflash.models.loading import dequantize_mxfp4
+
+    src = GOLDEN / "tiny" / "gpt_oss"
+    packed = load_file(str(src / "mxfp4" / "experts.safetensors"))
+    ref = np.load(src / "mxfp4" / "reference.npz")
+    for i in range(4):
+        blocks = packed[f"model.layers.{i}.mlp.experts.gate_up_proj_blocks"]
+        scales = packed[f"model.layers.{i}.mlp.experts.gate_up_proj_scales"]
+        np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales).transpose(0, 2, 1), ref["gate_up"][i])
+    hf = tmp_path / "gpt_oss_mxfp4"
+    shutil.copytree(src, hf, ignore=shutil.ignore_patterns("mxfp4"))
+    tensors = {k: v for k, v in load_file(str(hf / "model.safetensors")).items()
+               if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**tensors, **packed}, str(hf / "model.safetensors"))
+    cfg, params = load_hf_dir(hf)
+    np.testing.assert_array_equal(params["layers"]["we_gate"], ref["gate_up"][..., 0::2])
+    np.testing.assert_array_equal(params["layers"]["we_down"], ref["down"])
+    inputs = np.load(src / "reference.npz")["input_ids"]
+    logits, _ = decoder.forward(jax.tree.map(jnp.asarray, params), cfg, jnp.asarray(inputs))
     np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=TOL, rtol=0)

@@ -1,8 +1,8 @@
-"""A tiny Qwen3-MoE target end to end (issue 52's "done when"): a drafter trains a few steps online (the MoE target
-inside the train step), serves with greedy output equal to AR through the engine, and exports to the z-lab and the
-speculators layouts (layer ids + 1), each loading back to the same drafter. The target is the golden tiny `qwen3_moe`
-(tools/golden_families.py) with a small word-level tokenizer and a ChatML template built here (its 256-row embedding
-fits no real tokenizer)."""
+"""Tiny Qwen3-MoE and gpt-oss targets end to end (issue 52's "done when"): a drafter trains a few steps online (the
+MoE target inside the train step), serves with greedy output equal to AR through the engine, and exports to the z-lab
+and the speculators layouts (layer ids + 1), each loading back to the same drafter. The targets are the golden tiny
+`qwen3_moe` and `gpt_oss` (tools/golden_families.py) with a small word-level tokenizer and a ChatML template built
+here (their 256-row embeddings fit no real tokenizer)."""
 
 import json
 import shutil
@@ -25,9 +25,9 @@ CHATML = (r"{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' + m.conte
           r"{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
 
 
-def _moe_target_dir(root):
-    """The golden tiny Qwen3-MoE weights beside a 200-token word-level tokenizer trained on GSM8K answers."""
-    shutil.copytree(GOLDEN / "tiny" / "qwen3_moe", root, ignore=shutil.ignore_patterns("reference.npz"))
+def _moe_target_dir(case, root):
+    """The golden tiny weights of `case` beside a 200-token word-level tokenizer trained on GSM8K answers."""
+    shutil.copytree(GOLDEN / "tiny" / case, root, ignore=shutil.ignore_patterns("reference.npz", "mxfp4"))
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     special = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -39,7 +39,8 @@ def _moe_target_dir(root):
     return root
 
 
-def test_a_drafter_for_a_moe_target_trains_online_serves_losslessly_and_exports(tmp_path):
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_a_drafter_for_a_moe_target_trains_online_serves_losslessly_and_exports(case, tmp_path):
     from dflash.export.run import export_run
     from dflash.models.drafter_io import load_drafter
     from dflash.models.drafter_io import load_hf_dir as load_drafter_dir
@@ -47,9 +48,9 @@ def test_a_drafter_for_a_moe_target_trains_online_serves_losslessly_and_exports(
     from dflash.serve.plan import AR, Chain, Limits
     from dflash.train.loop import run_training
 
-    path = _moe_target_dir(tmp_path / "moe")
+    path = _moe_target_dir(case, tmp_path / "moe")
     cfg, params = load_hf_dir(path)
-    assert cfg.num_experts == 8
+    assert cfg.num_experts == 8 and cfg.family == case
     tokenizer = load_tokenizer_from_hf_dir(path)
     target = Target(name=str(path), path=path, cfg=cfg, params=jax.tree.map(jnp.asarray, params),
                     tokenizer=tokenizer, dtype=jnp.float32)
