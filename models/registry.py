@@ -103,6 +103,16 @@ KNOWN_TARGETS: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1, "mlp_only_layers": [],
         "tie_word_embeddings": False, "attention_bias": False, "mask_token_id": 151669,
     },
+    "openai/gpt-oss-20b": {  # experts stored as MXFP4 (dequantised at load); MASK: an unused reserved special
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 150000, "max_position_embeddings": 131072, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 4096},
+        "num_local_experts": 32, "num_experts_per_tok": 4, "swiglu_limit": 7.0, "attention_bias": True,
+        "tie_word_embeddings": False, "mask_token_id": 200000,
+    },
     "Qwen/Qwen3-4B": {
         "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
         "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,

@@ -14,6 +14,8 @@ Families:
   system block always present.
 - Qwen3: ChatML with `<think>\\n\\n</think>\\n\\n` after the assistant header; with `enable_thinking=False`
   the generation prompt ends in that empty think block (the template writes it, so it is not trained).
+- gpt-oss (harmony): `<|start|>{role}<|message|>…<|end|>`, the answer on the `final` channel closed by `<|return|>`
+  (a template written for this test from harmony's documentation; the published one also drops past reasoning).
 - Gemma 3: `<bos><start_of_turn>user\\n{system\\n\\n}{content}<end_of_turn>\\n<start_of_turn>model\\n…<end_of_turn>\\n`
   (the system prompt opens the first user turn; the assistant role is `model`), with Gemma 3's published template;
   `<end_of_turn>` ends a turn (EOS `<eos>` too, as generation_config.json lists both).
@@ -171,6 +173,22 @@ GEMMA3_TEMPLATE = r"""{{ bos_token }}
 {%- endif -%}
 """
 GEMMA3_SPECIAL = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+
+# gpt-oss's harmony format as its documentation writes it (a template written for this test): a system message with
+# the reasoning effort, then `<|start|>{role}<|message|>…<|end|>`; an assistant answer on the `final` channel, closed
+# by `<|return|>` when it is the conversation's last message and by `<|end|>` in the history before.
+HARMONY_TEMPLATE = r"""{{- '<|start|>system<|message|>Reasoning: ' + (reasoning_effort | default('medium')) }}
+{{- '<|end|>' }}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<|start|>assistant<|channel|>final<|message|>' + message.content }}
+{{- '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' }}
+{%- else %}
+{{- '<|start|>' + message.role + '<|message|>' + message.content + '<|end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"""
+HARMONY_SPECIAL = ["<|endoftext|>", "<|return|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>"]
 
 LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -373,6 +391,34 @@ def test_gemma3(gemma3: ChatTokenizer, case: str) -> None:
     assert gemma3.apply_chat_template(conversation[:-1]).endswith("<end_of_turn>\n<start_of_turn>model\n")
     written = [f"{answer}<end_of_turn>" for answer in _answers(conversation)]
     _check(gemma3, conversation, _gemma3_text(conversation), written, end_id=end)
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    root = tmp_path_factory.mktemp("harmony") / "tok"
+    stops = ("<|return|>", "<|endoftext|>", "<|call|>")  # gpt-oss's generation_config.json eos_token_id
+    return load_tokenizer_from_hf_dir(_hf_dir(root, LLAMA3_SPLIT, HARMONY_SPECIAL, [], HARMONY_TEMPLATE, None,
+                                              "<|return|>", _corpus(), generation_eos=stops))
+
+
+@pytest.mark.parametrize("case", ["single", "single_system"])
+def test_gpt_oss_harmony(harmony: ChatTokenizer, case: str) -> None:
+    """gpt-oss: `<|return|>` and `<|call|>` stop, `<|end|>` does not (the model writes its analysis, `<|end|>`, then
+    its final answer); the model writes the channel header, the answer and `<|return|>` after `<|start|>assistant`;
+    the reasoning effort reaches the rendering; a second turn renders its first answer with `<|end|>` (a history
+    rewrite), so multi-turn rows are refused as for Qwen3's template."""
+    conversation = CONVERSATIONS[case]
+    ids = {name: harmony.encode(name)[0] for name in ("<|return|>", "<|call|>", "<|end|>", "<|endoftext|>")}
+    assert set(harmony.stop_token_ids) == {ids["<|return|>"], ids["<|call|>"], ids["<|endoftext|>"]}
+    assert harmony.apply_chat_template(conversation[:-1], reasoning_effort="low").startswith(
+        "<|start|>system<|message|>Reasoning: low<|end|>")
+    text = "<|start|>system<|message|>Reasoning: low<|end|>" + "".join(
+        f"<|start|>{m['role']}<|message|>{m['content']}<|end|>" for m in conversation[:-1])
+    text += f"<|start|>assistant<|channel|>final<|message|>{ANSWER_1}<|return|>"
+    _check(harmony, conversation, text, [f"<|channel|>final<|message|>{ANSWER_1}<|return|>"],
+           end_id=ids["<|return|>"], reasoning_effort="low")
+    with pytest.raises(ValueError, match="prefix"):
+        tokenize_conversation(harmony, CONVERSATIONS["multi"], 4096, reasoning_effort="low")
 
 
 @pytest.mark.parametrize("case", sorted(CONVERSATIONS))

@@ -38,7 +38,8 @@ from dflash.train.sharding import AXES, mesh_shape
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
 
-POD_RECIPES = ("qwen3_8b", "qwen3_4b", "llama31_8b", "llama31_8b_widek", "qwen3_8b_dflash2", "qwen3_30b_a3b")
+POD_RECIPES = ("qwen3_8b", "qwen3_4b", "llama31_8b", "llama31_8b_widek", "qwen3_8b_dflash2", "qwen3_30b_a3b",
+               "gpt_oss_20b")
 LARGE = 1 << 20  # elements
 
 
