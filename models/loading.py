@@ -176,7 +176,8 @@ def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer
     def gpt_oss_experts(i: int) -> dict[str, np.ndarray]:
         """gpt-oss's fused experts: `gate_up_proj` [E, D, 2*Ie] (gate and up interleaved along the last axis) and
         `down_proj` [E, Ie, D], each as transformers saves it or as MXFP4 `_blocks` / `_scales` (the released
-        checkpoints; dequantised here to fp32, docs/decisions.md D75 says why not kept packed); biases [E, 2*Ie], [E, D]."""
+        checkpoints; dequantised here to fp32, docs/decisions.md D75 says why not kept packed); biases [E, 2*Ie] and
+        [E, D]."""
         e, fe, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
 
         def weight(name: str, shape: tuple[int, int, int]) -> np.ndarray:
