@@ -261,3 +261,27 @@ def test_mxfp4_experts_dequantise_as_transformers_does(tmp_path):
     inputs = np.load(src / "reference.npz")["input_ids"]
     logits, _ = decoder.forward(jax.tree.map(jnp.asarray, params), cfg, jnp.asarray(inputs))
     np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["gemma3_text", "gpt_oss", "qwen3_moe", "mistral_window"])
+def test_the_zlab_layout_carries_a_drafter_for_each_family(case, tmp_path):
+    """A drafter follows its target's RoPE (Gemma 3's linear-scaled global base, gpt-oss's YaRN with its attention
+    factor): the z-lab config writes it, and the drafter loads back equal, checked against the target."""
+    import json
+
+    from conftest import assert_same_params
+    from flax import nnx
+
+    from dflash.models.drafter import DFlashDrafter, DrafterConfig, resolve_drafter
+    from dflash.models.zlab import load_zlab, save_zlab
+
+    cfg, _ = load_hf_dir(GOLDEN / "tiny" / case)
+    arch = resolve_drafter(DrafterConfig(num_layers=1, num_features=2, layer_ids=(0, 2), block_size=4), cfg,
+                           mask_token_id=250)
+    drafter = DFlashDrafter(arch, nnx.Rngs(0))
+    save_zlab(drafter, tmp_path)
+    rope = json.loads((tmp_path / "config.json").read_text())["rope_parameters"]
+    assert rope["rope_type"] == {"gemma3_text": "linear", "gpt_oss": "yarn"}.get(case, "default")
+    back = load_zlab(tmp_path, cfg, expect=arch)
+    assert back.arch.rope_scaling == cfg.rope_scaling
+    assert_same_params(drafter, back)
