@@ -101,6 +101,7 @@ def test_moe_router_follows_the_reference():
     np.testing.assert_allclose(np.asarray(raw)[0], probs[top], rtol=1e-6)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", ["gemma3_text", "qwen3_moe", "gpt_oss"])
 def test_paged_cached_forward_with_rollback_equals_the_full_forward(case):
     """Chunks through the engine's paged cache past the window (16), with a rejected block rolled back, give the
