@@ -282,8 +282,9 @@ def abstract_train_inputs(recipe: Any, mesh: Any) -> dict[str, Any]:
 
 
 def jaxpr_flops(jaxpr: Any) -> float:
-    """Matmul FLOPs (2 per multiply-add of every dot_general) of a jaxpr, every scan counted `length` times, the
-    larger branch of a cond, the body of a while loop once; nested jaxprs (jit, remat, custom_vjp) included."""
+    """Matmul FLOPs (2 per multiply-add of every dot_general and ragged_dot_general) of a jaxpr, every scan counted
+    `length` times, the larger branch of a cond, the body of a while loop once; nested jaxprs (jit, remat,
+    custom_vjp) included."""
     from jax.extend import core
 
     total = 0.0
@@ -291,6 +292,10 @@ def jaxpr_flops(jaxpr: Any) -> float:
         name = eqn.primitive.name
         if name == "dot_general":
             (contract_lhs, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contract_lhs)
+        elif name == "ragged_dot_general":  # a MoE's grouped matmul: each lhs row meets one group's matrix
+            (contract_lhs, _), _ = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
             lhs = eqn.invars[0].aval.shape
             total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contract_lhs)
         elif name == "scan":

@@ -1,8 +1,8 @@
 """Configs owned by `models/`: the target and drafter sections of a recipe, and the decoder architecture.
 
 `TargetConfig` is the recipe section (what to load, at which dtype). `DecoderConfig` describes the
-architecture of a Llama 3.x / Qwen2 / Qwen3 dense decoder; it is read from the weights (HF config.json
-or GGUF metadata), never written by hand.
+architecture of a target decoder of a supported family (`SUPPORTED_FAMILIES`); it is read from the weights (HF
+config.json or GGUF metadata), never written by hand.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from typing import Literal, get_args
 
 from dflash.configs.schema import require
 
-Family = Literal["llama", "qwen2", "qwen3"]
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_moe", "gpt_oss"]
 # The one list of supported target families: HF config.json `model_type` / GGUF `general.architecture` values. A new
 # family is a new entry of `Family` (its switches in `DecoderConfig`, its parsing in `models.loading`); every check
 # (the early refusal `models.registry.check_target`, the loaders) reads it from here.
 SUPPORTED_FAMILIES: tuple[str, ...] = get_args(Family)
+Activation = Literal["silu", "gelu_tanh"]
 DType = Literal["float32", "bfloat16"]
 LayerType = Literal["full_attention", "sliding_attention"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -44,22 +45,42 @@ class TargetConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: `llama3` (Llama 3.1+), `linear`, or `freq_factors` (GGUF rope_freqs)."""
+    """RoPE frequency scaling: `llama3` (Llama 3.1+), `linear`, `freq_factors` (GGUF rope_freqs), or `yarn`
+    (gpt-oss: frequencies blended between `factor`-interpolated and extrapolated over the correction range of
+    `beta_fast` / `beta_slow` rotations, cos and sin times `attention_factor`)."""
 
-    kind: Literal["llama3", "linear", "freq_factors"]
+    kind: Literal["llama3", "linear", "freq_factors", "yarn"]
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] = ()
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Architecture of one dense decoder of the Llama / Qwen2 / Qwen3 family.
+    """Architecture of one decoder of a supported family: Llama 3.x / Mistral / Qwen2 / Qwen3 dense, Gemma 3 text,
+    Qwen3-MoE.
 
-    Switches: `qkv_bias` (Qwen2), `qk_norm` (Qwen3 per-head RMSNorm on q and k), `tie_word_embeddings`,
+    Switches: `qkv_bias` (Qwen2), `qk_norm` (Qwen3, Gemma 3: per-head RMSNorm on q and k), `tie_word_embeddings`,
     `rope_scaling`; GQA through `num_kv_heads`; `head_dim` independent of hidden/heads (Qwen3).
+    Windows: `layer_types` per layer (`full_attention` / `sliding_attention`; () = all full) and `sliding_window` W:
+      a sliding layer's query at position p sees keys at p-W+1 .. p (HF's `kv_idx > q_idx - W`); `local_rope_theta`
+      (> 0: Gemma 3) gives the sliding layers their own unscaled RoPE base.
+    Gemma 3: `embed_scale` (embeddings times sqrt(hidden), rounded to the params' dtype as HF does),
+      `sandwich_norms` (RMSNorm after attention and after the MLP too), `norm_unit_offset` (norms scale by 1 + w),
+      `attn_scale` (query_pre_attn_scalar ** -0.5; 0 = head_dim ** -0.5), `hidden_act` `gelu_tanh`.
+    Mixture of experts (`num_experts` > 0, Qwen3-MoE): every layer's MLP is `num_experts` SwiGLU experts of
+      `moe_intermediate_size`; a router softmax picks `num_experts_per_tok` of them per token, their weights
+      renormalised to sum 1 when `norm_topk_prob` (`models.decoder.moe_mlp`).
+    gpt-oss: `o_bias` (o_proj bias), `attn_sinks` (a learned logit per head in every softmax's denominator),
+      `moe_router` `topk_softmax` (top-k of the router logits, with bias, then a softmax over those k), `moe_bias`
+      (expert biases), `swiglu_limit` > 0 (gate clamped above, up clamped both ways, `(up + 1) * gate *
+      sigmoid(swiglu_alpha * gate)`).
     """
 
     family: Family
@@ -77,6 +98,24 @@ class DecoderConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
+    layer_types: tuple[LayerType, ...] = ()
+    sliding_window: int = 0
+    local_rope_theta: float = 0.0
+    attn_scale: float = 0.0
+    hidden_act: Activation = "silu"
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    norm_unit_offset: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    o_bias: bool = False
+    attn_sinks: bool = False
+    moe_router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    moe_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -86,6 +125,29 @@ class DecoderConfig:
         require(self.num_heads % self.num_kv_heads == 0, "decoder.num_heads", self.num_heads,
                 f"be a multiple of num_kv_heads={self.num_kv_heads}")
         require(self.head_dim % 2 == 0, "decoder.head_dim", self.head_dim, "be even (RoPE rotates pairs)")
+        require(not self.layer_types or len(self.layer_types) == self.num_layers, "decoder.layer_types",
+                list(self.layer_types), f"name one type per layer (num_layers={self.num_layers}), or be []")
+        for i, kind in enumerate(self.layer_types):
+            require(kind in LAYER_TYPES, f"decoder.layer_types[{i}]", kind, f"be one of {list(LAYER_TYPES)}")
+        sliding = "sliding_attention" in self.layer_types
+        require(self.sliding_window >= 1 if sliding else self.sliding_window == 0, "decoder.sliding_window",
+                self.sliding_window, "be >= 1 when a layer is sliding_attention, else 0")
+        require(self.hidden_act in ("silu", "gelu_tanh"), "decoder.hidden_act", self.hidden_act,
+                "be 'silu' or 'gelu_tanh'")
+        if self.num_experts:
+            require(0 < self.num_experts_per_tok <= self.num_experts, "decoder.num_experts_per_tok",
+                    self.num_experts_per_tok, f"lie in [1, num_experts={self.num_experts}]")
+            require(self.moe_intermediate_size > 0, "decoder.moe_intermediate_size", self.moe_intermediate_size,
+                    "be a positive integer when num_experts > 0")
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it attend over a sliding window?"""
+        return tuple(kind == "sliding_attention" for kind in self.layer_types) or (False,) * self.num_layers
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.sliding_layers)
 
     @property
     def q_size(self) -> int:

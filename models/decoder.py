@@ -1,4 +1,5 @@
-"""The target decoder (Llama 3.x / Qwen2 / Qwen3 dense) as pure JAX functions over a params pytree.
+"""The target decoder (Llama 3.x / Mistral / Qwen2 / Qwen3 dense, Gemma 3 text, Qwen3-MoE) as pure JAX functions
+over a params pytree.
 
 `forward` is the full causal pass (logits, and the post-layer features at chosen layer ids);
 `forward_cached` appends a chunk of T >= 1 tokens per sequence to any `KVCacheLike` cache (`DenseKVCache`
@@ -22,9 +23,16 @@ from dflash.models.config import DecoderConfig, check_layer_ids
 # Params layout (ours is `x @ W`, i.e. HF weights transposed; layer weights stacked on a leading L axis
 # so the layer loop is one `lax.scan` and compiles once):
 #     embed        [V, D]                 final_norm [D]            lm_head [D, V] (untied only)
+#     embed_scale  []  (embed_scale only: sqrt(D) in the params' dtype, as HF rounds it)
 #     layers.attn_norm [L, D]   wq [L, D, H*Dh]   wk/wv [L, D, Hk*Dh]   wo [L, H*Dh, D]
 #            bq/bk/bv [L, ·] (qkv_bias)   q_norm/k_norm [L, Dh] (qk_norm)
-#            mlp_norm [L, D]   w_gate/w_up [L, D, I]   w_down [L, I, D]   (I = intermediate_size)
+#            post_attn_norm, post_mlp_norm [L, D] (sandwich_norms: Gemma 3)
+#            mlp_norm [L, D]   w_gate/w_up [L, D, I]   w_down [L, I, D]   (I = intermediate_size; dense MLP)
+#            router [L, D, E]   we_gate/we_up [L, E, D, Ie]   we_down [L, E, Ie, D]   (num_experts E > 0 instead of
+#            the dense MLP; Ie = moe_intermediate_size; the E axis is the sharding table's `expert` axis)
+#            gpt-oss: bo [L, D] (o_bias), sinks [L, H] (attn_sinks), router_b [L, E], be_gate/be_up [L, E, Ie],
+#            be_down [L, E, D] (moe_bias)
+# Norm weights are stored as the checkpoint holds them (Gemma's `1 + w` is applied in `norm`).
 Params = dict[str, Any]
 NEG_INF = -1e30
 
@@ -39,15 +47,29 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [Dh/2] (float64 on host), with the configured scaling applied."""
+def norm(cfg: DecoderConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """The decoder's RMSNorm: `rms_norm`, or with `norm_unit_offset` (Gemma) the scale `1 + w` applied in fp32 before
+    the cast back (HF Gemma's order)."""
+    if not cfg.norm_unit_offset:
+        return rms_norm(x, weight, cfg.rms_norm_eps)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: DecoderConfig, local: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies [Dh/2] (float64 on host), with the configured scaling applied; `local`: the sliding
+    layers' own unscaled base (`local_rope_theta`, Gemma 3)."""
     half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2 / cfg.head_dim))
-    scaling = cfg.rope_scaling
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, half, dtype=np.float64) * 2 / cfg.head_dim))
+    scaling = None if local else cfg.rope_scaling
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(cfg.head_dim, theta, scaling)
     if scaling.kind == "freq_factors":
         factors = np.asarray(scaling.freq_factors, dtype=np.float64)
         if factors.shape != inv_freq.shape:
@@ -65,11 +87,33 @@ def rope_inv_freq(cfg: DecoderConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(cfg: DecoderConfig, positions_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, S, Dh] (fp32) for the given absolute positions (rotate-half layout)."""
-    inv_freq = jnp.asarray(rope_inv_freq(cfg), dtype=jnp.float32)
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: Any) -> np.ndarray:
+    """YaRN's blend of interpolated and extrapolated frequencies (transformers' `_compute_yarn_parameters`)."""
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (np.arange(0, head_dim, 2, dtype=np.float32).astype(np.float64) / head_dim)
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_tables(cfg: DecoderConfig, positions_BxS: jax.Array, local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, S, Dh] (fp32) for the given absolute positions (rotate-half layout); YaRN scales both by its
+    attention factor."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg, local), dtype=jnp.float32)
     angles = positions_BxS.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
+    scaling = None if local else cfg.rope_scaling
+    if scaling is not None and scaling.kind == "yarn" and scaling.attention_factor != 1.0:
+        return jnp.cos(angles) * scaling.attention_factor, jnp.sin(angles) * scaling.attention_factor
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -83,8 +127,9 @@ def apply_rope(x_BxSxHxDh: jax.Array, cos_BxSxDh: jax.Array, sin_BxSxDh: jax.Arr
 
 
 def attend(q_BxQxHxDh: jax.Array, k_BxKxHkxDh: jax.Array, v_BxKxHkxDh: jax.Array,
-           visible_BxQxK: jax.Array) -> jax.Array:
-    """Grouped-query softmax attention with a boolean visibility mask; softmax in fp32.
+           visible_BxQxK: jax.Array, sinks_H: jax.Array | None = None) -> jax.Array:
+    """Grouped-query softmax attention with a boolean visibility mask; softmax in fp32. `sinks_H` (gpt-oss): one
+    logit per head that joins every row's softmax denominator and attends to nothing.
 
     A query row with no visible key returns zeros (never NaN).
     """
@@ -94,10 +139,25 @@ def attend(q_BxQxHxDh: jax.Array, k_BxKxHkxDh: jax.Array, v_BxKxHkxDh: jax.Array
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_BxKxHkxDh).astype(jnp.float32) / math.sqrt(dh)
     mask = visible_BxQxK[:, None, None, :, :]
     scores = jnp.where(mask, scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks_H is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = sinks_H.astype(jnp.float32).reshape(1, hk, h // hk, 1, 1)
+        top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+        exp = jnp.exp(scores - top)
+        probs = exp / (jnp.sum(exp, axis=-1, keepdims=True) + jnp.exp(sink - top))
     probs = jnp.where(mask, probs, 0.0).astype(v_BxKxHkxDh.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v_BxKxHkxDh)
     return out.reshape(b, q_len, h, dh)
+
+
+def in_window(key_index: jax.Array, query_index: jax.Array, window: jax.Array | None) -> jax.Array:
+    """Causal visibility of keys to queries by index (broadcast), limited to the last `window` indices when
+    window > 0 (a sliding layer: HF's `kv_idx > q_idx - W`); None or 0 = plain causal."""
+    visible = key_index <= query_index
+    if window is None:
+        return visible
+    return visible & ((window <= 0) | (key_index > query_index - window))
 
 
 # ----------------------------------------------------------------------------- KV caches
@@ -106,13 +166,17 @@ def attend(q_BxQxHxDh: jax.Array, k_BxKxHkxDh: jax.Array, v_BxKxHkxDh: jax.Array
 class KVCacheLike(Protocol):
     """What the cached forward needs of a cache; the dense and the engine's paged cache implement it.
 
-    The cache rides in the carry of the layer scan. `write_and_attend(layer, q, k, v)` stores the chunk's
+    The cache rides in the carry of the layer scan. `write_and_attend(layer, q, k, v, window)` stores the chunk's
     K/V of decoder layer `layer` (a traced index) after each sequence's current length and attends the
     chunk's queries causally over everything cached so far; it returns (attention output [B, T, H, Dh],
-    updated cache). `advance(T)` then moves every length on by T.
+    updated cache). `window` is None for a target without sliding layers, else a traced int32 scalar: W > 0 for a
+    sliding layer (a query at cache index i sees only indices i-W+1 .. i; older K/V stay cached, masked, so a
+    rollback never needs them back: docs/decisions.md D75), 0 for a full layer. `sinks` [H] (gpt-oss) is the
+    layer's attention sinks (`attend`), None without. `advance(T)` then moves every length on by T.
     """
 
-    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Any]:
+    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                         window: jax.Array | None = None, sinks: jax.Array | None = None) -> tuple[jax.Array, Any]:
         ...
 
     def advance(self, num_tokens: int) -> Any:
@@ -142,8 +206,9 @@ class DenseKVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array,
-                         v: jax.Array) -> tuple[jax.Array, DenseKVCache]:
+    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                         window: jax.Array | None = None,
+                         sinks: jax.Array | None = None) -> tuple[jax.Array, DenseKVCache]:
         b, chunk = q.shape[:2]
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, chunk))
         slots = self.lengths[:, None] + jnp.arange(chunk)[None, :]
@@ -151,8 +216,8 @@ class DenseKVCache:
         # through scan xs/ys costs a full cache copy per call; see docs/decisions.md D4).
         k_all = self.k.at[layer, rows, slots].set(k.astype(self.k.dtype), mode="drop")
         v_all = self.v.at[layer, rows, slots].set(v.astype(self.v.dtype), mode="drop")
-        visible = jnp.arange(self.capacity)[None, None, :] <= slots[:, :, None]
-        return attend(q, k_all[layer], v_all[layer], visible), DenseKVCache(k_all, v_all, self.lengths)
+        visible = in_window(jnp.arange(self.capacity)[None, None, :], slots[:, :, None], window)
+        return attend(q, k_all[layer], v_all[layer], visible, sinks), DenseKVCache(k_all, v_all, self.lengths)
 
     def advance(self, num_tokens: int) -> DenseKVCache:
         return DenseKVCache(self.k, self.v, self.lengths + num_tokens)
@@ -167,7 +232,7 @@ class DenseKVCache:
 
 def _qkv(cfg: DecoderConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array):
     b, s, _ = x.shape
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    h = norm(cfg, x, lp["attn_norm"])
     q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
@@ -175,35 +240,140 @@ def _qkv(cfg: DecoderConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.
     k = k.reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q = norm(cfg, q, lp["q_norm"])
+        k = norm(cfg, k, lp["k_norm"])
+    q = apply_rope(q, cos, sin)
+    if cfg.attn_scale:  # `attend` scales by 1/sqrt(Dh): fold the family's own scale into q (kernels keep theirs)
+        q = q * jnp.asarray(cfg.attn_scale * math.sqrt(cfg.head_dim), q.dtype)
+    return q, apply_rope(k, cos, sin), v
+
+
+def _act(cfg: DecoderConfig, x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(x)
+
+
+def moe_route(cfg: DecoderConfig, router_DxE: jax.Array, x_TxD: jax.Array,
+              bias_E: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The reference routers, logits in the compute dtype. Qwen3-MoE (`softmax_topk`): softmax in fp32, top-k
+    experts, their probabilities renormalised to sum 1 when `norm_topk_prob`, cast back. gpt-oss (`topk_softmax`):
+    logits plus the router bias, top-k of them, a softmax over those k. (weights [T, k], experts [T, k] int32)."""
+    logits_TxE = x_TxD @ router_DxE
+    if bias_E is not None:
+        logits_TxE = logits_TxE + bias_E
+    if cfg.moe_router == "topk_softmax":
+        top_TxK, experts_TxK = jax.lax.top_k(logits_TxE, cfg.num_experts_per_tok)
+        weights_TxK = jax.nn.softmax(top_TxK.astype(jnp.float32), axis=-1)
+        return weights_TxK.astype(x_TxD.dtype), experts_TxK.astype(jnp.int32)
+    probs_TxE = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
+    weights_TxK, experts_TxK = jax.lax.top_k(probs_TxE, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
+    return weights_TxK.astype(x_TxD.dtype), experts_TxK.astype(jnp.int32)
+
+
+def _expert_act(cfg: DecoderConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU, or gpt-oss's clamped form when `swiglu_limit` > 0."""
+    if not cfg.swiglu_limit:
+        return _act(cfg, gate) * up
+    gate = jnp.minimum(gate, cfg.swiglu_limit)
+    up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
+
+
+def moe_mlp(cfg: DecoderConfig, lp: Params, h_BxSxD: jax.Array) -> jax.Array:
+    """The sparse MoE block, exact (no capacity, no dropped token): the T*k (token, expert) assignments sorted by
+    expert, each expert's rows one group of a grouped matmul (`jax.lax.ragged_dot`, TPU's megablox-style kernel),
+    weighted and summed back per token. Nothing depends on which other tokens share the batch, so the engine's
+    verify and AR steps route each token as a forward over it alone would (lossless greedy)."""
+    b, s, d = h_BxSxD.shape
+    x_TxD = h_BxSxD.reshape(b * s, d)
+    k = cfg.num_experts_per_tok
+    weights_TxK, experts_TxK = moe_route(cfg, lp["router"], x_TxD, lp.get("router_b"))
+    flat_A = experts_TxK.reshape(-1)                       # A = T*k assignments
+    order_A = jnp.argsort(flat_A, stable=True)             # grouped by expert
+    token_A = order_A // k
+    group_sizes_E = jnp.bincount(flat_A, length=cfg.num_experts).astype(jnp.int32)
+    rows_AxD = x_TxD[token_A]
+    gate_AxI = jax.lax.ragged_dot(rows_AxD, lp["we_gate"], group_sizes_E)
+    up_AxI = jax.lax.ragged_dot(rows_AxD, lp["we_up"], group_sizes_E)
+    if cfg.moe_bias:
+        expert_A = flat_A[order_A]
+        gate_AxI, up_AxI = gate_AxI + lp["be_gate"][expert_A], up_AxI + lp["be_up"][expert_A]
+    out_AxD = jax.lax.ragged_dot(_expert_act(cfg, gate_AxI, up_AxI), lp["we_down"], group_sizes_E)
+    if cfg.moe_bias:
+        out_AxD = out_AxD + lp["be_down"][expert_A]
+    out_AxD = out_AxD * weights_TxK.reshape(-1)[order_A][:, None]
+    return jnp.zeros_like(x_TxD).at[token_A].add(out_AxD).reshape(b, s, d)
+
+
+def moe_mlp_dense(cfg: DecoderConfig, lp: Params, h_BxSxD: jax.Array) -> jax.Array:
+    """The same block computed densely: every expert on every token, combined with the router's top-k weights
+    (zeros elsewhere). E/k times the FLOPs of `moe_mlp`; the reference it is tested against and benchmarked with."""
+    b, s, d = h_BxSxD.shape
+    x_TxD = h_BxSxD.reshape(b * s, d)
+    weights_TxK, experts_TxK = moe_route(cfg, lp["router"], x_TxD, lp.get("router_b"))
+    combine_TxE = jnp.zeros((b * s, cfg.num_experts), x_TxD.dtype).at[
+        jnp.arange(b * s)[:, None], experts_TxK].set(weights_TxK)
+    gate = jnp.einsum("td,edi->tei", x_TxD, lp["we_gate"])
+    up = jnp.einsum("td,edi->tei", x_TxD, lp["we_up"])
+    if cfg.moe_bias:
+        gate, up = gate + lp["be_gate"], up + lp["be_up"]
+    out = jnp.einsum("tei,eid->ted", _expert_act(cfg, gate, up), lp["we_down"])
+    if cfg.moe_bias:
+        out = out + lp["be_down"]
+    return jnp.einsum("ted,te->td", out, combine_TxE).reshape(b, s, d)
+
+
+def _mlp(cfg: DecoderConfig, lp: Params, h: jax.Array) -> jax.Array:
+    if cfg.num_experts:
+        return moe_mlp(cfg, lp, h)
+    return (_act(cfg, h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
 
 
 def _finish_layer(cfg: DecoderConfig, lp: Params, x: jax.Array, attn_BxSxHxDh: jax.Array) -> jax.Array:
     b, s, _ = x.shape
-    x = x + attn_BxSxHxDh.reshape(b, s, cfg.q_size) @ lp["wo"]
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    return x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    attn = attn_BxSxHxDh.reshape(b, s, cfg.q_size) @ lp["wo"]
+    if cfg.o_bias:
+        attn = attn + lp["bo"]
+    if cfg.sandwich_norms:
+        attn = norm(cfg, attn, lp["post_attn_norm"])
+    x = x + attn
+    out = _mlp(cfg, lp, norm(cfg, x, lp["mlp_norm"]))
+    if cfg.sandwich_norms:
+        out = norm(cfg, out, lp["post_mlp_norm"])
+    return x + out
 
 
 def layer_forward(cfg: DecoderConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
                   visible_BxSxS: jax.Array) -> jax.Array:
     """One decoder layer over a full sequence (no cache)."""
     q, k, v = _qkv(cfg, lp, x, cos, sin)
-    return _finish_layer(cfg, lp, x, attend(q, k, v, visible_BxSxS))
+    return _finish_layer(cfg, lp, x, attend(q, k, v, visible_BxSxS, lp["sinks"] if cfg.attn_sinks else None))
+
+
+def _layer_rope(cfg: DecoderConfig, positions_BxS: jax.Array) -> Callable[[jax.Array], tuple[jax.Array, jax.Array]]:
+    """cos, sin for a layer given its traced `sliding` flag: the sliding layers' own base where the family has one."""
+    full = rope_tables(cfg, positions_BxS)
+    if not cfg.local_rope_theta:
+        return lambda sliding: full
+    local = rope_tables(cfg, positions_BxS, local=True)
+    return lambda sliding: (jnp.where(sliding, local[0], full[0]), jnp.where(sliding, local[1], full[1]))
 
 
 # ----------------------------------------------------------------------------- embedding and head
 
 
 def embed(params: Params, tokens_BxS: jax.Array) -> jax.Array:
-    return jnp.take(params["embed"], tokens_BxS, axis=0)
+    """Token embeddings, times `params["embed_scale"]` where the family scales them (Gemma: sqrt(hidden))."""
+    x = jnp.take(params["embed"], tokens_BxS, axis=0)
+    if "embed_scale" in params:
+        x = x * params["embed_scale"].astype(x.dtype)
+    return x
 
 
 def lm_head(params: Params, cfg: DecoderConfig, hidden_BxSxD: jax.Array) -> jax.Array:
     """Final norm + LM head (the tied embedding, or the separate untied head). Logits in fp32."""
-    h = rms_norm(hidden_BxSxD, params["final_norm"], cfg.rms_norm_eps)
+    h = norm(cfg, hidden_BxSxD, params["final_norm"])
     return logits_from_normed(params, cfg, h)
 
 
@@ -235,8 +405,8 @@ def _segments(layer_ids: tuple[int, ...], num_layers: int, with_logits: bool) ->
     return out
 
 
-def _scan_layers(step: Callable, carry: Any, layers: Params, start: int, stop: int) -> Any:
-    """Run `step(carry, layer_params)` over layers [start, stop) with one lax.scan."""
+def _scan_layers(step: Callable, carry: Any, layers: Any, start: int, stop: int) -> Any:
+    """Run `step(carry, layer_xs)` over layers [start, stop) with one lax.scan (`layers`: arrays with a leading L)."""
     seg = jax.tree.map(lambda a: a[start:stop], layers)
     carry, _ = jax.lax.scan(lambda c, lp: (step(c, lp), None), carry, seg)
     return carry
@@ -258,19 +428,27 @@ def forward(params: Params, cfg: DecoderConfig, tokens_BxS: jax.Array, positions
     b, s = tokens_BxS.shape
     if positions_BxS is None:
         positions_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    cos, sin = rope_tables(cfg, positions_BxS)
-    visible = jnp.tril(jnp.ones((s, s), dtype=bool))[None]
+    rope = _layer_rope(cfg, positions_BxS)
+    index = jnp.arange(s)
+    visible = index[None, :] <= index[:, None]
+    local = in_window(index[None, :], index[:, None], jnp.int32(cfg.sliding_window))[None]
+    visible = visible[None]
     if key_valid_BxS is not None:
         visible = visible & key_valid_BxS[:, None, :].astype(bool)
+        local = local & key_valid_BxS[:, None, :].astype(bool)
     visible = jnp.broadcast_to(visible, (b, s, s))
 
-    def step(x, lp):
-        return layer_forward(cfg, lp, x, cos, sin, visible)
+    def step(x, xs):
+        lp, sliding = xs
+        cos, sin = rope(sliding)
+        vis = jnp.where(sliding, local, visible) if cfg.windowed else visible
+        return layer_forward(cfg, lp, x, cos, sin, vis)
 
     x = embed(params, tokens_BxS)
     features = []
+    layers = (params["layers"], jnp.asarray(cfg.sliding_layers))
     for start, stop, capture in _segments(layer_ids, cfg.num_layers, with_logits):
-        x = _scan_layers(step, x, params["layers"], start, stop)
+        x = _scan_layers(step, x, layers, start, stop)
         if capture:
             features.append(x)
     logits = lm_head(params, cfg, x) if with_logits else None
@@ -290,7 +468,7 @@ def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxT: jax.Array, po
     guarantees lengths + T <= capacity (see `check_capacity`). Rolling back is `cache.rollback(lengths)`.
     """
     layer_ids = check_layer_ids(layer_ids, cfg.num_layers) if layer_ids else ()
-    cos, sin = rope_tables(cfg, positions_BxT)
+    rope = _layer_rope(cfg, positions_BxT)
 
     b, t = tokens_BxT.shape
     num_feats = max(len(layer_ids), 1)
@@ -301,16 +479,22 @@ def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxT: jax.Array, po
 
     def step(carry, xs):
         x, feats, kv = carry
-        lp, index, slot, keep = xs
-        q, k, v = _qkv(cfg, lp, x, cos, sin)
-        attn, kv = kv.write_and_attend(index, q, k, v)
+        lp, index, slot, keep, sliding = xs
+        q, k, v = _qkv(cfg, lp, x, *rope(sliding))
+        extra = {}  # only what the target has: caches and kernels for the others need not take them
+        if cfg.windowed:
+            extra["window"] = jnp.where(sliding, cfg.sliding_window, 0)
+        if cfg.attn_sinks:
+            extra["sinks"] = lp["sinks"]
+        attn, kv = kv.write_and_attend(index, q, k, v, **extra)
         x = _finish_layer(cfg, lp, x, attn)
         feats = feats.at[slot].set(jnp.where(keep, x, feats[slot]))  # features carried, not all layers kept
         return (x, feats, kv), None
 
     x = embed(params, tokens_BxT)
     feats = jnp.zeros((num_feats, b, t, cfg.hidden_size), x.dtype)
-    xs = (params["layers"], jnp.arange(cfg.num_layers), jnp.asarray(slot_of_layer), jnp.asarray(captured))
+    xs = (params["layers"], jnp.arange(cfg.num_layers), jnp.asarray(slot_of_layer), jnp.asarray(captured),
+          jnp.asarray(cfg.sliding_layers))
     (x, feats, cache), _ = jax.lax.scan(step, (x, feats, cache), xs)
     if logits_at_BxI is not None:
         x = jnp.take_along_axis(x, logits_at_BxI[:, :, None].astype(jnp.int32), axis=1)

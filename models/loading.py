@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ import numpy as np
 from dflash.models.config import SUPPORTED_FAMILIES, DecoderConfig, RopeScaling
 from dflash.models.gguf_file import GGUFFile, read_gguf
 
+# GGUF files load for these architectures (the newer families load from HF directories only).
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3")
 _LAYER_KEYS_HF = {
     "attn_norm": "input_layernorm.weight",
     "wq": "self_attn.q_proj.weight",
@@ -40,7 +43,17 @@ _LAYER_KEYS_HF = {
     "w_gate": "mlp.gate_proj.weight",
     "w_up": "mlp.up_proj.weight",
     "w_down": "mlp.down_proj.weight",
+    "router": "mlp.gate.weight",
 }
+# Gemma 3's four norms per layer: its `post_attention_layernorm` normalises the attention output (Llama's, the MLP
+# input); the MLP input norm is `pre_feedforward_layernorm`.
+_LAYER_KEYS_GEMMA = {
+    **_LAYER_KEYS_HF,
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+_EXPERT_KEYS_HF = {"we_gate": "gate_proj.weight", "we_up": "up_proj.weight", "we_down": "down_proj.weight"}
 _LAYER_KEYS_GGUF = {
     "attn_norm": "attn_norm.weight",
     "wq": "attn_q.weight",
@@ -57,7 +70,26 @@ _LAYER_KEYS_GGUF = {
     "w_up": "ffn_up.weight",
     "w_down": "ffn_down.weight",
 }
-_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router")
+_EXPERTS = ("we_gate", "we_up", "we_down")
+_EXPERT_BIASES = ("be_gate", "be_up", "be_down")
+# gpt-oss beyond the shared names (its experts are fused: `_gpt_oss_experts`).
+_LAYER_KEYS_GPT_OSS = {**_LAYER_KEYS_HF, "router": "mlp.router.weight", "router_b": "mlp.router.bias",
+                       "bo": "self_attn.o_proj.bias", "sinks": "self_attn.sinks"}
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (gpt-oss's expert weights) to fp32: `blocks` uint8 [..., G, 16] hold two e2m1 values a byte (low nibble
+    first), `scales` uint8 [..., G] a power-of-two exponent + 127 per group of 32; returns [..., G * 32] (the rows of
+    the PyTorch `[out, in]` weight), as transformers' `convert_moe_packed_tensors` before its transpose."""
+    blocks = np.asarray(blocks, np.uint8)
+    values = np.empty((*blocks.shape[:-1], blocks.shape[-1] * 2), np.float32)
+    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, np.asarray(scales, np.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:-2], -1)
 
 
 class WeightsError(ValueError):
@@ -68,24 +100,44 @@ class WeightsError(ValueError):
 
 
 def layer_param_names(cfg: DecoderConfig) -> list[str]:
-    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm"]
+    names += ["router", *_EXPERTS] if cfg.num_experts else ["w_gate", "w_up", "w_down"]
+    if cfg.moe_bias:
+        names += ["router_b", *_EXPERT_BIASES]
     if cfg.qkv_bias:
         names += ["bq", "bk", "bv"]
+    if cfg.o_bias:
+        names += ["bo"]
+    if cfg.attn_sinks:
+        names += ["sinks"]
     if cfg.qk_norm:
         names += ["q_norm", "k_norm"]
+    if cfg.sandwich_norms:
+        names += ["post_attn_norm", "post_mlp_norm"]
     return names
 
 
 def expected_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one layer's tensors in the HF/PyTorch `[out, in]` convention."""
+    """Shapes of one layer's tensors: 2-D ones in the HF/PyTorch `[out, in]` convention, the stacked experts
+    ([E, in, out]) in ours."""
     d, f = cfg.hidden_size, cfg.intermediate_size
+    e, fe = cfg.num_experts, cfg.moe_intermediate_size
     return {
-        "attn_norm": (d,), "mlp_norm": (d,),
+        "attn_norm": (d,), "mlp_norm": (d,), "post_attn_norm": (d,), "post_mlp_norm": (d,),
         "wq": (cfg.q_size, d), "wk": (cfg.kv_size, d), "wv": (cfg.kv_size, d), "wo": (d, cfg.q_size),
         "bq": (cfg.q_size,), "bk": (cfg.kv_size,), "bv": (cfg.kv_size,),
         "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
         "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f),
+        "router": (e, d), "we_gate": (e, d, fe), "we_up": (e, d, fe), "we_down": (e, fe, d),
+        "router_b": (e,), "be_gate": (e, fe), "be_up": (e, fe), "be_down": (e, d), "bo": (d,),
+        "sinks": (cfg.num_heads,),
     }
+
+
+def layer_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's params in the decoder's layout (matrices `[in, out]`), by name."""
+    shapes = expected_shapes(cfg)
+    return {k: shapes[k][::-1] if k in _MATRICES else shapes[k] for k in layer_param_names(cfg)}
 
 
 def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer_name: Callable[[int, str], str],
@@ -104,10 +156,61 @@ def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer
             )
         return np.asarray(arr, dtype=np.float32)
 
+    def fetch_experts(i: int, key: str) -> np.ndarray:
+        """[E, in, out] from the per-expert tensors `...experts.{e}.{gate,up,down}_proj.weight` ([out, in] each)
+        or transformers 5's fused `experts.gate_up_proj` [E, 2*Ie, D] / `experts.down_proj` [E, D, Ie]."""
+        e, fe, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        fused = get(layer_name(i, "experts.gate_up_proj" if key != "we_down" else "experts.down_proj"))
+        if fused is not None:
+            want = (e, 2 * fe, d) if key != "we_down" else (e, d, fe)
+            if tuple(fused.shape) != want:
+                raise WeightsError(f"{where}: tensor {layer_name(i, 'experts')!r} ({key}) must have shape {want}; "
+                                   f"received {tuple(fused.shape)}")
+            arr = np.asarray(fused, np.float32)
+            if key != "we_down":
+                arr = arr[:, :fe] if key == "we_gate" else arr[:, fe:]
+            return np.ascontiguousarray(arr.transpose(0, 2, 1))
+        shape = (fe, d) if key != "we_down" else (d, fe)
+        return np.stack([fetch(layer_name(i, f"experts.{x}.{_EXPERT_KEYS_HF[key]}"), shape).T for x in range(e)])
+
+    def gpt_oss_experts(i: int) -> dict[str, np.ndarray]:
+        """gpt-oss's fused experts: `gate_up_proj` [E, D, 2*Ie] (gate and up interleaved along the last axis) and
+        `down_proj` [E, Ie, D], each as transformers saves it or as MXFP4 `_blocks` / `_scales` (the released
+        checkpoints; dequantised here to fp32, docs/decisions.md D75 says why not kept packed); biases [E, 2*Ie] and
+        [E, D]."""
+        e, fe, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+
+        def weight(name: str, shape: tuple[int, int, int]) -> np.ndarray:
+            plain = get(layer_name(i, f"experts.{name}"))
+            if plain is None:
+                blocks = get(layer_name(i, f"experts.{name}_blocks"))
+                scales = get(layer_name(i, f"experts.{name}_scales"))
+                if blocks is None or scales is None:
+                    raise WeightsError(f"{where}: tensor {layer_name(i, 'experts.' + name)!r} is missing (neither "
+                                       f"it nor its MXFP4 _blocks/_scales; expected shape {shape})")
+                plain = dequantize_mxfp4(blocks, scales).transpose(0, 2, 1)
+            if tuple(plain.shape) != shape:
+                raise WeightsError(f"{where}: tensor {layer_name(i, 'experts.' + name)!r} must have shape {shape}; "
+                                   f"received {tuple(plain.shape)}")
+            return np.asarray(plain, np.float32)
+
+        gate_up = weight("gate_up_proj", (e, d, 2 * fe))
+        bias = fetch(layer_name(i, "experts.gate_up_proj_bias"), (e, 2 * fe))
+        return {"we_gate": gate_up[..., 0::2], "we_up": gate_up[..., 1::2], "we_down": weight("down_proj", (e, fe, d)),
+                "be_gate": bias[:, 0::2], "be_up": bias[:, 1::2],
+                "be_down": fetch(layer_name(i, "experts.down_proj_bias"), (e, d))}
+
     shapes = expected_shapes(cfg)
     layers: dict[str, list[np.ndarray]] = {k: [] for k in layer_param_names(cfg)}
     for i in range(cfg.num_layers):
+        fused = gpt_oss_experts(i) if cfg.moe_bias else {}
         for key in layers:
+            if key in fused:
+                layers[key].append(np.ascontiguousarray(fused[key]))
+                continue
+            if key in _EXPERTS:
+                layers[key].append(fetch_experts(i, key))
+                continue
             arr = fetch(layer_name(i, key), shapes[key])
             layers[key].append(arr.T if key in _MATRICES else arr)
     params: dict[str, Any] = {
@@ -117,6 +220,8 @@ def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = fetch(head_name, (cfg.vocab_size, cfg.hidden_size)).T
+    if cfg.embed_scale:
+        params["embed_scale"] = np.asarray(cfg.hidden_size ** 0.5, np.float32)
     return params
 
 
@@ -124,7 +229,8 @@ def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer
 
 
 def decoder_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> DecoderConfig:
-    """Parse an HF `config.json` dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+    """Parse an HF `config.json` dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`) of a family in
+    `models.config.SUPPORTED_FAMILIES`; a WeightsError naming the field for anything the decoder does not compute."""
     family = hf.get("model_type")
     if family not in SUPPORTED_FAMILIES:
         raise WeightsError(
@@ -133,18 +239,37 @@ def decoder_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> De
         )
     if hf.get("mlp_bias"):
         raise WeightsError(f"{where}: mlp_bias must be false (no supported target has MLP biases); received true")
-    rope = dict(hf.get("rope_parameters") or {})
+    gemma = family == "gemma3_text"
+    oss = family == "gpt_oss"
+    rope_fields = dict(hf.get("rope_parameters") or {})
+    if gemma and "full_attention" in rope_fields:  # transformers 5: one RoPE entry per layer type
+        rope = dict(rope_fields.get("full_attention") or {})
+        local_theta = float((rope_fields.get("sliding_attention") or {}).get("rope_theta", 10000.0))
+    else:
+        rope = rope_fields
+        local_theta = float(hf.get("rope_local_base_freq", 10000.0))
     rope.update(hf.get("rope_scaling") or {})
-    theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    theta = float(hf.get("rope_theta", rope.get("rope_theta", 1_000_000.0 if gemma else 10000.0)))
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(name) is not None:
+            raise WeightsError(f"{where}: {name} must be null (logit soft-capping is not computed); "
+                               f"received {hf[name]}")
+    if hf.get("use_bidirectional_attention"):
+        raise WeightsError(f"{where}: use_bidirectional_attention must be false (a causal target); received true")
     try:
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
+        num_layers = int(hf["num_hidden_layers"])
+        layer_types, window = _hf_layer_types(hf, family, num_layers, where)
+        act = hf.get("hidden_activation", hf.get("hidden_act", "silu"))
+        if act not in _ACTIVATIONS:
+            raise WeightsError(f"{where}: hidden_act must be one of {sorted(_ACTIVATIONS)}; received {act!r}")
         cfg = DecoderConfig(
             family=family,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden // num_heads),
@@ -153,14 +278,77 @@ def decoder_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> De
             rope_scaling=_rope_scaling_from_hf(rope, where),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            o_bias=family in ("llama", "mistral", "gpt_oss") and bool(hf.get("attention_bias", False)),
+            attn_sinks=oss,
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+            layer_types=layer_types,
+            sliding_window=window,
+            local_rope_theta=local_theta if gemma else 0.0,
+            attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else 0.0,
+            hidden_act=_ACTIVATIONS[act],
+            embed_scale=gemma,
+            sandwich_norms=gemma,
+            norm_unit_offset=gemma,
+            **_hf_moe_fields(hf, family, num_layers, where),
         )
     except KeyError as err:
         raise WeightsError(f"{where}: required field {err.args[0]!r} is missing") from err
-    if hf.get("sliding_window") and hf.get("use_sliding_window"):
-        raise WeightsError(f"{where}: use_sliding_window must be false (sliding-window attention is not supported)")
     return cfg
+
+
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _hf_layer_types(hf: dict[str, Any], family: str, num_layers: int, where: str) -> tuple[tuple[str, ...], int]:
+    """(layer_types, sliding_window): Gemma 3's interleaved local/global layers (`layer_types`, or the older
+    `sliding_window_pattern`: every n-th layer global), Mistral's window on every layer when `sliding_window` is set;
+    Qwen's `use_sliding_window` (its own layer rule) is refused."""
+    window = hf.get("sliding_window")
+    if family == "gemma3_text":
+        kinds = hf.get("layer_types")
+        if kinds is None:
+            pattern = int(hf.get("sliding_window_pattern", 6))
+            kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        kinds = tuple(kinds)
+        if "sliding_attention" not in kinds:
+            return (), 0
+        if not window:
+            raise WeightsError(f"{where}: sliding_window must be a positive integer for sliding_attention layers; "
+                               f"received {window!r}")
+        return kinds, int(window)
+    if family == "mistral":
+        return (("sliding_attention",) * num_layers, int(window)) if window else ((), 0)
+    if family == "gpt_oss":  # alternating sliding (128) and full layers unless the config lists them
+        kinds = tuple(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                                  for i in range(num_layers)])
+        return (kinds, int(window or 128)) if "sliding_attention" in kinds else ((), 0)
+    if window and hf.get("use_sliding_window"):
+        raise WeightsError(f"{where}: use_sliding_window must be false (sliding-window attention is not supported "
+                           f"for model_type {family!r})")
+    return (), 0
+
+
+def _hf_moe_fields(hf: dict[str, Any], family: str, num_layers: int, where: str) -> dict[str, Any]:
+    """Qwen3-MoE's and gpt-oss's expert fields; every layer must be sparse (the layer scan stacks one kind of layer)."""
+    if family == "gpt_oss":
+        return {"num_experts": int(hf["num_local_experts"]), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+                "moe_intermediate_size": int(hf["intermediate_size"]), "moe_router": "topk_softmax",
+                "moe_bias": True, "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+                "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702))}
+    if family != "qwen3_moe":
+        return {}
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise WeightsError(
+            f"{where}: mlp_only_layers must be [] and decoder_sparse_step 1 (every layer a MoE layer, as Qwen3-30B-A3B "
+            f"and Qwen3-235B-A22B); received mlp_only_layers={hf.get('mlp_only_layers')}, "
+            f"decoder_sparse_step={hf.get('decoder_sparse_step')}")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise KeyError("num_experts")
+    return {"num_experts": int(experts), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+            "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
 
 
 def _rope_scaling_from_hf(rope: dict[str, Any], where: str) -> RopeScaling | None:
@@ -177,7 +365,23 @@ def _rope_scaling_from_hf(rope: dict[str, Any], where: str) -> RopeScaling | Non
         )
     if kind == "linear":
         return RopeScaling(kind="linear", factor=float(rope["factor"]))
-    raise WeightsError(f"{where}: rope scaling type must be default, llama3 or linear; received {kind!r}")
+    if kind == "yarn":
+        factor = float(rope["factor"])
+        attention = rope.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+
+            def get_mscale(scale: float, m: float = 1.0) -> float:
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            attention = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all
+                         else get_mscale(factor))
+        return RopeScaling(kind="yarn", factor=factor,
+                           original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                           beta_fast=float(rope.get("beta_fast") or 32.0),
+                           beta_slow=float(rope.get("beta_slow") or 1.0), truncate=bool(rope.get("truncate", True)),
+                           attention_factor=float(attention))
+    raise WeightsError(f"{where}: rope scaling type must be default, llama3, linear or yarn; received {kind!r}")
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -221,10 +425,11 @@ def load_hf_dir(directory: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
     cfg = decoder_config_from_hf(hf, str(config_path))
     tensors = _read_safetensors(_safetensors_files(directory))
     prefix = "model." if "model.embed_tokens.weight" in tensors else ""
+    keys = {"gemma3_text": _LAYER_KEYS_GEMMA, "gpt_oss": _LAYER_KEYS_GPT_OSS}.get(cfg.family, _LAYER_KEYS_HF)
     params = _assemble(
         cfg,
         tensors.get,
-        lambda i, key: f"{prefix}layers.{i}.{_LAYER_KEYS_HF[key]}",
+        lambda i, key: f"{prefix}layers.{i}.{keys.get(key, 'mlp.' + key)}",
         embed_name=f"{prefix}embed_tokens.weight",
         norm_name=f"{prefix}norm.weight",
         head_name="lm_head.weight",
@@ -261,9 +466,10 @@ def gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
 def decoder_config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
                              where: str) -> DecoderConfig:
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_FAMILIES:
+    if arch not in GGUF_FAMILIES:
         raise WeightsError(
-            f"{where}: general.architecture must be one of {list(SUPPORTED_FAMILIES)}; received {arch!r}"
+            f"{where}: general.architecture must be one of {list(GGUF_FAMILIES)} (a GGUF; the other supported "
+            f"families load from a Hugging Face directory); received {arch!r}"
         )
 
     def get(key: str, default: Any = None) -> Any:

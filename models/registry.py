@@ -107,6 +107,24 @@ KNOWN_TARGETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
         "tie_word_embeddings": False, "attention_bias": False, "mask_token_id": 151669,
     },
+    "Qwen/Qwen3-30B-A3B": {  # also Qwen3-Coder-30B-A3B-Instruct's architecture (its rope/context differ)
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "tie_word_embeddings": False, "attention_bias": False, "mask_token_id": 151669,
+    },
+    "openai/gpt-oss-20b": {  # experts stored as MXFP4 (dequantised at load); MASK: an unused reserved special
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 150000, "max_position_embeddings": 131072, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 4096},
+        "num_local_experts": 32, "num_experts_per_tok": 4, "swiglu_limit": 7.0, "attention_bias": True,
+        "tie_word_embeddings": False, "mask_token_id": 200000,
+    },
     "Qwen/Qwen3-4B": {
         "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
         "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -302,15 +320,15 @@ def check_recipe_target(target: Any, drafter: DrafterConfig, *, unreachable_ok: 
 def target_param_shapes(cfg: Any) -> dict[str, Any]:
     """The target params' tree (`models.decoder` layout: layers stacked on a leading L axis, kernels [in, out])
     as shape tuples."""
-    from dflash.models.loading import expected_shapes, layer_param_names
+    from dflash.models.loading import layer_shapes
 
-    shapes = expected_shapes(cfg)
-    layers = {k: (cfg.num_layers, *(shapes[k][::-1] if len(shapes[k]) == 2 else shapes[k]))
-              for k in layer_param_names(cfg)}
+    layers = {k: (cfg.num_layers, *shape) for k, shape in layer_shapes(cfg).items()}
     tree: dict[str, Any] = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
                             "layers": layers}
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    if cfg.embed_scale:
+        tree["embed_scale"] = ()
     return tree
 
 

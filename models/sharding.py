@@ -4,7 +4,9 @@ trainer's mesh (`train.sharding`) and the engine's (`serve.engine`, a host's dev
 One `jax.sharding.Mesh` with named axes (data, fsdp, tensor):
 - data:   pure data parallelism (params replicated along it);
 - fsdp:   batch AND parameters split along it (ZeRO-3 style: weights gathered per use by XLA);
-- tensor: the heads / MLP width of each matmul split along it.
+- tensor: the heads / MLP width of each matmul split along it;
+- expert: a mixture-of-experts target's experts split along it (expert parallel). The rules name it; a mesh
+  without it (today's `AXES`) places those dimensions as if it had size 1, a mesh with it splits them.
 
 Rules map a parameter path (joined with '/', e.g. `layers/0/self_attn/q_proj/kernel`, or
 `layers/wq` for the target's stacked layers) to mesh axes per array dimension. The first rule whose regex
@@ -24,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "fsdp", "tensor")
+EXPERT_AXIS = "expert"  # named by the MoE rules; used where a mesh has it (see the module docstring)
 
 Rule = tuple[str, tuple[str | None, ...]]
 
@@ -43,6 +46,11 @@ TARGET_RULES: tuple[Rule, ...] = (
     (r"^layers/(wq|wk|wv|w_gate|w_up)$", (None, "fsdp", "tensor")),       # [L, D, heads | mlp]
     (r"^layers/(wo|w_down)$", (None, "tensor", "fsdp")),                  # [L, heads | mlp, D]
     (r"^layers/b[qkv]$", (None, "tensor")),                               # [L, heads]
+    (r"^layers/(we_gate|we_up)$", (None, "expert", "fsdp", "tensor")),   # [L, E, D, moe mlp]
+    (r"^layers/we_down$", (None, "expert", "tensor", "fsdp")),            # [L, E, moe mlp, D]
+    (r"^layers/router$", (None, "fsdp", None)),                           # [L, D, E]
+    (r"^layers/(be_gate|be_up)$", (None, "fsdp", "tensor")),  # [L, E, moe mlp] (gpt-oss; small: fsdp, not expert)
+    (r"^layers/be_down$", (None, "expert", "fsdp")),                      # [L, E, D]
     (r".", ()),
 )
 
@@ -80,7 +88,7 @@ def spec_for(path: str, shape: tuple[int, ...], rules: Sequence[Rule], mesh: Mes
         return PartitionSpec()
     spec = []
     for dim, axis in zip(shape, axes, strict=False):
-        size = mesh.shape[axis] if axis is not None else 1
+        size = mesh.shape.get(axis, 1) if axis is not None else 1  # an axis the mesh lacks: size 1
         spec.append(axis if axis is not None and size > 1 and dim % size == 0 else None)
     return PartitionSpec(*spec)
 
@@ -100,5 +108,5 @@ def place(tree: Any, rules: Sequence[Rule], mesh: Mesh) -> Any:
     return jax.device_put(tree, tree_shardings(tree, rules, mesh))
 
 
-__all__ = ["AXES", "CACHE_RULES", "DRAFTER_RULES", "TARGET_RULES", "Rule", "path_str", "place", "replicated",
-           "spec_for", "tensor_mesh", "tree_shardings"]
+__all__ = ["AXES", "CACHE_RULES", "DRAFTER_RULES", "EXPERT_AXIS", "TARGET_RULES", "Rule", "path_str", "place",
+           "replicated", "spec_for", "tensor_mesh", "tree_shardings"]

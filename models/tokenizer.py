@@ -41,7 +41,10 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from dflash.models.gguf_file import GGUFFile, read_gguf
 
 # Tokens that end an assistant turn or a document, in the families we support.
-STOP_TOKEN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>")
+# Turn ends: ChatML, Llama 3, Gemma 3 (`<end_of_turn>`), gpt-oss's harmony (`<|return|>` ends the answer, `<|call|>` a
+# tool call; its `<|end|>` closes a message the model goes on after, such as its analysis, so it is not one).
+STOP_TOKEN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|eom_id|>", "<end_of_turn>",
+                    "<|return|>", "<|call|>")
 # A token whose text matches this opens something; it is never a stop token.
 _START_MARKER = re.compile(r"start|begin", re.IGNORECASE)
 

@@ -73,6 +73,11 @@ def hf_rope(arch: DrafterArch) -> tuple[dict[str, Any] | None, dict[str, Any]]:
                   "original_max_position_embeddings": scaling.original_max_position_embeddings}
     elif scaling.kind == "linear":
         fields = {"rope_type": "linear", "factor": json_float(scaling.factor)}
+    elif scaling.kind == "yarn":  # a gpt-oss target's RoPE, which the drafter follows
+        fields = {"rope_type": "yarn", "factor": json_float(scaling.factor),
+                  "original_max_position_embeddings": scaling.original_max_position_embeddings,
+                  "beta_fast": json_float(scaling.beta_fast), "beta_slow": json_float(scaling.beta_slow),
+                  "truncate": scaling.truncate, "attention_factor": scaling.attention_factor}
     else:
         raise WeightsError(f"rope scaling kind {scaling.kind!r} (GGUF per-frequency factors) has no Hugging Face "
                            "config form; export a drafter of a target loaded from a Hugging Face directory")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash.models.config import DecoderConfig
-from dflash.models.decoder import attend
+from dflash.models.decoder import attend, in_window
 
 # Never allocated; unused page-table entries point here, and writes to it are dropped (see `PagedKVCache`).
 NULL_PAGE = 0
@@ -186,6 +186,9 @@ class PagedAttentionFn(Protocol):
     sequence b attends to tokens 0 .. lengths[b]+i (kv length of the sequence: lengths[b] + T), grouped
     query attention (H / Hk queries per KV head), scale 1/sqrt(Dh), softmax in fp32. A query with no
     visible key returns zeros. Entries of page_table beyond a sequence's kv length may be NULL_PAGE.
+    A target with sliding layers also passes `window=` (int32 scalar, traced): W > 0 limits query i to tokens
+    lengths[b]+i-W+1 .. lengths[b]+i, 0 = the full span; a kernel for such targets takes that keyword. A target with
+    attention sinks (gpt-oss) passes `sinks=` [H]: one logit per head in each softmax's denominator (`attend`).
     """
 
     def __call__(self, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
@@ -194,7 +197,8 @@ class PagedAttentionFn(Protocol):
 
 
 def reference_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
-                              page_table_BxM: jax.Array, lengths_B: jax.Array) -> jax.Array:
+                              page_table_BxM: jax.Array, lengths_B: jax.Array,
+                              window: jax.Array | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Pure-JAX paged attention (runs anywhere): gather each sequence's pages, then masked `attend`.
 
     Materializes [B, M * page_size, Hk, Dh] per call, so it costs like a dense cache of M pages per
@@ -207,8 +211,8 @@ def reference_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages
     k_seq = k_pages[layer, page_table_BxM].reshape(b, kv_len, hk, dh)  # [B, M * page_size, Hk, Dh]
     v_seq = v_pages[layer, page_table_BxM].reshape(b, kv_len, hk, dh)
     last_BxQ = lengths_B[:, None] + jnp.arange(t)[None, :]
-    visible = jnp.arange(kv_len)[None, None, :] <= last_BxQ[:, :, None]
-    return attend(q_BxTxHxDh, k_seq, v_seq, visible)
+    visible = in_window(jnp.arange(kv_len)[None, None, :], last_BxQ[:, :, None], window)
+    return attend(q_BxTxHxDh, k_seq, v_seq, visible, sinks)
 
 
 # ----------------------------------------------------------------------------- device: the cache
@@ -311,10 +315,13 @@ class PagedKVCache:
         v_pages = self.v_pages.at[layer, page_BxT, offset_BxT].set(v.astype(self.v_pages.dtype), mode="drop")
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
-    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array,
-                         v: jax.Array) -> tuple[jax.Array, PagedKVCache]:
+    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                         window: jax.Array | None = None,
+                         sinks: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:
         cache = self.write(layer, k, v)
-        out = self.attention(q, cache.k_pages, cache.v_pages, layer, self.page_table, self.lengths)
+        # Kernels for targets without windows or sinks need not take them.
+        extra = {name: x for name, x in (("window", window), ("sinks", sinks)) if x is not None}
+        out = self.attention(q, cache.k_pages, cache.v_pages, layer, self.page_table, self.lengths, **extra)
         return out, cache
 
     def copy_tokens(self, src_BxT: jax.Array, dst_BxT: jax.Array) -> PagedKVCache:
@@ -337,10 +344,12 @@ class PagedKVCache:
 
 
 def tree_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
-                         page_table_BxM: jax.Array, lengths_B: jax.Array, chunk_visible_BxTxT: jax.Array) -> jax.Array:
+                         page_table_BxM: jax.Array, lengths_B: jax.Array, chunk_visible_BxTxT: jax.Array,
+                         window: jax.Array | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """`reference_paged_attention` for a chunk that is a token tree: query i sees every cached token before
     lengths[b] and, of the chunk (written at lengths[b] ..), only the tokens j with chunk_visible[b, i, j]
-    (its ancestors and itself)."""
+    (its ancestors and itself). With `window` W > 0 (a sliding layer), only tokens whose position lies within W of
+    the query's: a tree token's position is lengths[b] + its depth (its visible chunk tokens - 1)."""
     b, t = q_BxTxHxDh.shape[:2]
     _, _, page_size, hk, dh = k_pages.shape
     kv_len = page_table_BxM.shape[1] * page_size
@@ -351,7 +360,13 @@ def tree_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax
     index_BxTxS = jnp.broadcast_to(jnp.clip(rel_BxS, 0, t - 1)[:, None, :], (b, t, kv_len))
     tree_BxTxS = jnp.take_along_axis(chunk_visible_BxTxT, index_BxTxS, axis=2)
     visible = (rel_BxS < 0)[:, None, :] | (in_chunk_BxS[:, None, :] & tree_BxTxS)
-    return attend(q_BxTxHxDh, k_seq, v_seq, visible)
+    if window is not None:
+        depth_BxT = jnp.sum(chunk_visible_BxTxT, axis=2) - 1
+        q_pos_BxT = lengths_B[:, None] + depth_BxT
+        depth_BxS = jnp.take_along_axis(depth_BxT, jnp.clip(rel_BxS, 0, t - 1), axis=1)
+        k_pos_BxS = jnp.where(in_chunk_BxS, lengths_B[:, None] + depth_BxS, jnp.arange(kv_len)[None, :])
+        visible = visible & ((window <= 0) | (k_pos_BxS[:, None, :] > q_pos_BxT[:, :, None] - window))
+    return attend(q_BxTxHxDh, k_seq, v_seq, visible, sinks)
 
 
 @jax.tree_util.register_dataclass
@@ -365,11 +380,12 @@ class TreeChunkCache:
     paged: PagedKVCache
     chunk_visible: jax.Array  # [B, T, T] bool: query i sees chunk token j
 
-    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array,
-                         v: jax.Array) -> tuple[jax.Array, TreeChunkCache]:
+    def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                         window: jax.Array | None = None,
+                         sinks: jax.Array | None = None) -> tuple[jax.Array, TreeChunkCache]:
         cache = self.paged.write(layer, k, v)
         out = tree_paged_attention(q, cache.k_pages, cache.v_pages, layer, cache.page_table, cache.lengths,
-                                   self.chunk_visible)
+                                   self.chunk_visible, window, sinks)
         return out, dataclasses.replace(self, paged=cache)
 
     def advance(self, num_tokens: int) -> TreeChunkCache:

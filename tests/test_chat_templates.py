@@ -14,6 +14,11 @@ Families:
   system block always present.
 - Qwen3: ChatML with `<think>\\n\\n</think>\\n\\n` after the assistant header; with `enable_thinking=False`
   the generation prompt ends in that empty think block (the template writes it, so it is not trained).
+- gpt-oss (harmony): `<|start|>{role}<|message|>…<|end|>`, the answer on the `final` channel closed by `<|return|>`
+  (a template written for this test from harmony's documentation; the published one also drops past reasoning).
+- Gemma 3: `<bos><start_of_turn>user\\n{system\\n\\n}{content}<end_of_turn>\\n<start_of_turn>model\\n…<end_of_turn>\\n`
+  (the system prompt opens the first user turn; the assistant role is `model`), with Gemma 3's published template;
+  `<end_of_turn>` ends a turn (EOS `<eos>` too, as generation_config.json lists both).
 Llama 3 and Qwen3 tokenizers are built here (no network): a small byte-level BPE trained on the test
 conversations with the family's special tokens, saved as a Hugging Face directory with a template written
 for this test, and loaded with `load_tokenizer_from_hf_dir`.
@@ -118,6 +123,73 @@ QWEN3_HISTORY_REWRITE_TEMPLATE = r"""{%- set ns = namespace(last_user=-1) %}
 {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
 {%- endif %}"""
 
+# Gemma 3's published chat template (google/gemma-3-*-it).
+GEMMA3_TEMPLATE = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '
+
+' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '
+
+' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '
+' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>
+' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model
+'}}
+{%- endif -%}
+"""
+GEMMA3_SPECIAL = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+
+# gpt-oss's harmony format as its documentation writes it (a template written for this test): a system message with
+# the reasoning effort, then `<|start|>{role}<|message|>…<|end|>`; an assistant answer on the `final` channel, closed
+# by `<|return|>` when it is the conversation's last message and by `<|end|>` in the history before.
+HARMONY_TEMPLATE = r"""{{- '<|start|>system<|message|>Reasoning: ' + (reasoning_effort | default('medium')) }}
+{{- '<|end|>' }}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<|start|>assistant<|channel|>final<|message|>' + message.content }}
+{{- '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' }}
+{%- else %}
+{{- '<|start|>' + message.role + '<|message|>' + message.content + '<|end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"""
+HARMONY_SPECIAL = ["<|endoftext|>", "<|return|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>"]
+
 LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 THINK = "<think>\n\n</think>\n\n"
@@ -157,6 +229,16 @@ def _llama3_text(conversation: list[dict[str, str]]) -> str:
     return text
 
 
+def _gemma3_text(conversation: list[dict[str, str]]) -> str:
+    system = conversation[0]["content"] + "\n\n" if conversation[0]["role"] == "system" else ""
+    rest = conversation[1:] if system else conversation
+    text = "<bos>"
+    for i, m in enumerate(rest):
+        role = "model" if m["role"] == "assistant" else m["role"]
+        text += f"<start_of_turn>{role}\n{system if i == 0 else ''}{m['content']}<end_of_turn>\n"
+    return text
+
+
 def _qwen3_text(conversation: list[dict[str, str]]) -> str:
     return _chatml(
         [(m["role"], THINK + m["content"] if m["role"] == "assistant" else m["content"]) for m in conversation]
@@ -175,6 +257,7 @@ def _hf_dir(
     bos: str | None,
     eos: str,
     corpus: list[str],
+    generation_eos: Sequence[str] = (),
 ) -> Path:
     """A Hugging Face tokenizer directory: byte-level BPE trained on `corpus`, `special` tokens first."""
     backend = tokenizers.Tokenizer(models.BPE())
@@ -197,6 +280,9 @@ def _hf_dir(
     backend.save(str(root / "tokenizer.json"))
     config = {"bos_token": bos, "eos_token": eos, "chat_template": template}
     (root / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    if generation_eos:
+        ids = [backend.token_to_id(t) for t in generation_eos]
+        (root / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}), encoding="utf-8")
     return root
 
 
@@ -250,7 +336,8 @@ def _expected_mask(tok: ChatTokenizer, text: str, written: Sequence[str]) -> np.
 
 
 def _check(
-    tok: ChatTokenizer, conversation: list[dict[str, str]], text: str, written: Sequence[str], **template_kwargs
+    tok: ChatTokenizer, conversation: list[dict[str, str]], text: str, written: Sequence[str],
+    end_id: int | None = None, **template_kwargs
 ) -> None:
     assert tok.apply_chat_template(conversation, add_generation_prompt=False, **template_kwargs) == text
     ids, mask = tokenize_conversation(tok, conversation, max_len=4096, **template_kwargs)
@@ -259,9 +346,8 @@ def _check(
     assert expected.sum() > 0
     np.testing.assert_array_equal(mask, expected)
     # The last masked token of every assistant turn is a stop token, and the mask never covers a header.
-    assert ids[np.flatnonzero(np.diff(np.concatenate([mask, [0.0]])) < 0)].tolist() == [tok.stop_token_ids[0]] * len(
-        written
-    )
+    end_id = tok.stop_token_ids[0] if end_id is None else end_id
+    assert ids[np.flatnonzero(np.diff(np.concatenate([mask, [0.0]])) < 0)].tolist() == [end_id] * len(written)
 
 
 def _answers(conversation: list[dict[str, str]]) -> list[str]:
@@ -286,6 +372,53 @@ def test_llama3(llama3: ChatTokenizer, case: str) -> None:
     assert llama3.apply_chat_template(conversation[:-1]).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     written = [f"{answer}<|eot_id|>" for answer in _answers(conversation)]
     _check(llama3, conversation, _llama3_text(conversation), written)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    root = tmp_path_factory.mktemp("gemma3") / "tok"
+    return load_tokenizer_from_hf_dir(_hf_dir(root, LLAMA3_SPLIT, GEMMA3_SPECIAL, [], GEMMA3_TEMPLATE, "<bos>", "<eos>",
+                                              _corpus(), generation_eos=("<eos>", "<end_of_turn>")))
+
+
+@pytest.mark.parametrize("case", sorted(CONVERSATIONS))
+def test_gemma3(gemma3: ChatTokenizer, case: str) -> None:
+    """Gemma 3: `<end_of_turn>` is a stop token beside `<eos>`, the model writes content + `<end_of_turn>` after
+    `<start_of_turn>model\\n`, and the system prompt (loss 0) opens the first user turn."""
+    conversation = CONVERSATIONS[case]
+    end = gemma3.encode("<end_of_turn>")[0]
+    assert set(gemma3.stop_token_ids) == {gemma3.encode("<eos>")[0], end}
+    assert gemma3.apply_chat_template(conversation[:-1]).endswith("<end_of_turn>\n<start_of_turn>model\n")
+    written = [f"{answer}<end_of_turn>" for answer in _answers(conversation)]
+    _check(gemma3, conversation, _gemma3_text(conversation), written, end_id=end)
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    root = tmp_path_factory.mktemp("harmony") / "tok"
+    stops = ("<|return|>", "<|endoftext|>", "<|call|>")  # gpt-oss's generation_config.json eos_token_id
+    return load_tokenizer_from_hf_dir(_hf_dir(root, LLAMA3_SPLIT, HARMONY_SPECIAL, [], HARMONY_TEMPLATE, None,
+                                              "<|return|>", _corpus(), generation_eos=stops))
+
+
+@pytest.mark.parametrize("case", ["single", "single_system"])
+def test_gpt_oss_harmony(harmony: ChatTokenizer, case: str) -> None:
+    """gpt-oss: `<|return|>` and `<|call|>` stop, `<|end|>` does not (the model writes its analysis, `<|end|>`, then
+    its final answer); the model writes the channel header, the answer and `<|return|>` after `<|start|>assistant`;
+    the reasoning effort reaches the rendering; a second turn renders its first answer with `<|end|>` (a history
+    rewrite), so multi-turn rows are refused as for Qwen3's template."""
+    conversation = CONVERSATIONS[case]
+    ids = {name: harmony.encode(name)[0] for name in ("<|return|>", "<|call|>", "<|end|>", "<|endoftext|>")}
+    assert set(harmony.stop_token_ids) == {ids["<|return|>"], ids["<|call|>"], ids["<|endoftext|>"]}
+    assert harmony.apply_chat_template(conversation[:-1], reasoning_effort="low").startswith(
+        "<|start|>system<|message|>Reasoning: low<|end|>")
+    text = "<|start|>system<|message|>Reasoning: low<|end|>" + "".join(
+        f"<|start|>{m['role']}<|message|>{m['content']}<|end|>" for m in conversation[:-1])
+    text += f"<|start|>assistant<|channel|>final<|message|>{ANSWER_1}<|return|>"
+    _check(harmony, conversation, text, [f"<|channel|>final<|message|>{ANSWER_1}<|return|>"],
+           end_id=ids["<|return|>"], reasoning_effort="low")
+    with pytest.raises(ValueError, match="prefix"):
+        tokenize_conversation(harmony, CONVERSATIONS["multi"], 4096, reasoning_effort="low")
 
 
 @pytest.mark.parametrize("case", sorted(CONVERSATIONS))

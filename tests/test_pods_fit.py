@@ -38,7 +38,8 @@ from dflash.train.sharding import AXES, mesh_shape
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
 
-POD_RECIPES = ("qwen3_8b", "qwen3_4b", "llama31_8b", "llama31_8b_widek", "qwen3_8b_dflash2")
+POD_RECIPES = ("qwen3_8b", "qwen3_4b", "llama31_8b", "llama31_8b_widek", "qwen3_8b_dflash2", "qwen3_30b_a3b",
+               "qwen3_32b", "gpt_oss_20b")
 LARGE = 1 << 20  # elements
 
 
@@ -118,6 +119,10 @@ def test_jaxpr_flops_counts_matmuls_and_every_scan_iteration():
     assert jaxpr_flops(jax.make_jaxpr(f)(x, w).jaxpr) == 8 * 2 * 3 * 5 * 5
     grad = jax.make_jaxpr(jax.grad(f, argnums=1))(x, w).jaxpr
     assert jaxpr_flops(grad) == 3 * 8 * 2 * 3 * 5 * 5  # forward, and two matmuls per matmul backward
+    # A MoE's grouped matmul: each of the 6 rows meets one [5, 4] expert matrix.
+    rows, experts = jax.ShapeDtypeStruct((6, 5), jnp.float32), jax.ShapeDtypeStruct((3, 5, 4), jnp.float32)
+    ragged = jax.make_jaxpr(lambda a, b: jax.lax.ragged_dot(a, b, jnp.array([1, 2, 3], jnp.int32)))(rows, experts)
+    assert jaxpr_flops(ragged.jaxpr) == 2 * 6 * 5 * 4
 
 
 def test_an_out_of_memory_compile_is_reported_as_not_fitting():
