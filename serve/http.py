@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)  # the client went away
 POLL_S = 0.1  # how often a waiting handler checks that its client is still there
 GET_ROUTES = ("/health", "/metrics", "/v1/models")
+SEED_HEADER = "X-DFlash-Seed"  # the seed a generation request used (drawn fresh when it sent none)
 MODEL_PREFIX = "/v1/models/"
 
 
@@ -144,10 +145,11 @@ class _Handler(BaseHTTPRequestHandler):
     events), GET (and HEAD) /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text); OPTIONS on any
     route answers its `Allow`; another method on a route is a 405 with `Allow`; query strings are ignored.
     Responses carry `usage` plus a `dflash` object with the request's acceptance statistics (τ, steps,
-    accepted per step). A bad request gets a 4xx JSON error (`openai.error_body`) before any byte of a stream
-    (the worker's `submit` validates synchronously), and the server keeps serving; a request the engine
-    failed alone ends with the job's status (400), an engine-wide failure with 503; an unexpected exception
-    here is a 500 JSON answer and an ERROR log line. Fields and their rules: `openai.check_fields`,
+    accepted per step) and its seed, also in the `X-DFlash-Seed` header (a request without one draws it
+    fresh). A bad request gets a 4xx JSON error (`openai.error_body`) before any byte of a stream (the
+    worker's `submit` validates synchronously), and the server keeps serving; a request the engine failed
+    alone ends with the job's status (400), an engine-wide failure with 503; an unexpected exception here is
+    a 500 JSON answer and an ERROR log line. Fields and their rules: `openai.check_fields`,
     `openai.parse_request`.
 
     Hardening: a bad or negative Content-Length is a 400, one over `max_body_bytes` a 413 (before the body
@@ -413,7 +415,8 @@ class _Handler(BaseHTTPRequestHandler):
         if err := self._failure(jobs):
             raise err
         self._send_json(200, openai.response_body(request, openai.response_id(request.endpoint), int(time.time()),
-                                                  [job.request for job in jobs], self.server.tokenizer))
+                                                  [job.request for job in jobs], self.server.tokenizer),
+                        {SEED_HEADER: str(request.seed)})
 
     def _stream(self, request: GenerationRequest, jobs: list[Job]) -> None:
         """Server-sent events: per choice a first chunk (chat: the role; completions with echo: the prompt),
@@ -426,6 +429,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
+        self.send_header(SEED_HEADER, str(request.seed))
         self.end_headers()
         self._started = self.close_connection = True
 
@@ -494,4 +498,4 @@ def make_server(engine: Engine, tokenizer: ChatTokenizer, model_name: str, host:
                         unknown_fields=unknown_fields)
 
 
-__all__ = ["DFlashServer", "allowed_methods", "make_server"]
+__all__ = ["SEED_HEADER", "DFlashServer", "allowed_methods", "make_server"]

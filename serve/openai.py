@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import secrets
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -231,9 +232,11 @@ class GenerationRequest:
     continuous_usage: usage on every chunk).
 
     prompts: one or more token-id prompts (`prompt` as a list); prompt_texts: their text when sent as text
-    (None: sent as ids; echo decodes them); max_tokens None: until a stop or the end of the context; 0: no
-    generation (completions with echo: the prompt's log-probabilities only); logprobs: alternatives per token
-    (completions `logprobs`, chat `top_logprobs`), None when not asked."""
+    (None: sent as ids; echo decodes them); seed: the client's, or for a request without one (or `null`)
+    fresh entropy (`draw_seed`), reported in the response (`dflash.seed`, the `X-DFlash-Seed` header) so the
+    reply can be reproduced; seeded: whether the client sent it; max_tokens None: until a stop or the end of the
+    context; 0: no generation (completions with echo: the prompt's log-probabilities only); logprobs: alternatives
+    per token (completions `logprobs`, chat `top_logprobs`), None when not asked."""
 
     endpoint: Endpoint
     model: str
@@ -249,6 +252,7 @@ class GenerationRequest:
     logprobs: int | None = None
     echo: bool = False
     prompt_texts: tuple[str | None, ...] = ()
+    seeded: bool = True
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -293,10 +297,11 @@ def parse_request(endpoint: Endpoint, body: dict[str, Any], tokenizer: ChatToken
     stream = _flag(body, "stream")
     options = _stream_options(body)
     logprobs = _chat_logprobs(body) if endpoint.chat else _completion_logprobs(body)
-    return GenerationRequest(endpoint, config.model_name, prompts, max_tokens, seed, stop,
-                             _sampling(body, config.sampling), n, stream,
-                             stream and options.get("include_usage", False),
-                             stream and options.get("continuous_usage_stats", False), logprobs, echo, texts)
+    seeded = seed is not None
+    return GenerationRequest(endpoint, config.model_name, prompts, max_tokens,
+                             draw_seed(n) if seed is None else seed, stop, _sampling(body, config.sampling), n,
+                             stream, stream and options.get("include_usage", False),
+                             stream and options.get("continuous_usage_stats", False), logprobs, echo, texts, seeded)
 
 
 def _is_int(v: Any) -> bool:
@@ -428,8 +433,20 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _seed(body: dict[str, Any], n: int) -> int:
-    seed = body.get("seed", 0)
+def draw_seed(n: int = 1) -> int:
+    """A seed for a request that sent none: 63 bits of fresh entropy (`secrets`, the OS's), in [0, 2**63 - n] so
+    that the n choices' seeds seed .. seed + n - 1 are all valid. Unseeded requests are independent, as in
+    OpenAI's API; the seed is reported so that a reply can be reproduced."""
+    while (seed := secrets.randbits(63)) > SEEDS - n:  # pragma: no cover - a 1 in 2**63 / n event
+        pass
+    return seed
+
+
+def _seed(body: dict[str, Any], n: int) -> int | None:
+    """The client's seed (None: it sent none, or null)."""
+    seed = body.get("seed")
+    if seed is None:
+        return None
     if not _is_int(seed) or not 0 <= seed <= SEEDS - n:
         top = "2**63)" if n == 1 else f"2**63 - {n - 1}) (choice i uses seed + i)"
         raise RequestError(f"seed must be an integer in [0, {top}; received {seed!r}", "seed")
@@ -529,14 +546,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def dflash_stats(completions: Sequence[Completion | None]) -> dict[str, Any]:
+def dflash_stats(completions: Sequence[Completion | None], seed: int | None = None) -> dict[str, Any]:
     """The `dflash` object of a response: τ, verify steps and drafts accepted per step (DFlash only), over
-    all its choices."""
+    all its choices, and the request's `seed` (choice i used seed + i; sent back with the same body, it
+    reproduces a sampled reply)."""
     accepted = [a for c in completions if c is not None for a in c.accepted]
-    if not accepted:
-        return {"tau": None, "steps": 0}
-    return {"tau": sum(a + 1 for a in accepted) / len(accepted), "steps": len(accepted),
-            "accepted_per_step": accepted}
+    stats: dict[str, Any] = {"tau": None, "steps": 0}
+    if accepted:
+        stats = {"tau": sum(a + 1 for a in accepted) / len(accepted), "steps": len(accepted),
+                 "accepted_per_step": accepted}
+    if seed is not None:
+        stats["seed"] = seed
+    return stats
 
 
 def completion_tokens(request: GenerationRequest, completion: Completion) -> int:
@@ -619,7 +640,8 @@ def response_body(request: GenerationRequest, rid: str, created: int, completion
     choices = [_choice(request, c, done, tokenizer) for c, done in zip(request.choices, completions, strict=True)]
     generated = sum(completion_tokens(request, c) for c in completions)
     return {"id": rid, "object": request.endpoint.object, "created": created, "model": request.model,
-            "choices": choices, "usage": usage(request.prompt_tokens, generated), "dflash": dflash_stats(completions)}
+            "choices": choices, "usage": usage(request.prompt_tokens, generated),
+            "dflash": dflash_stats(completions, request.seed)}
 
 
 def _chunk(request: GenerationRequest, rid: str, created: int, choice: dict[str, Any],
@@ -670,8 +692,8 @@ def echo_chunk(request: GenerationRequest, rid: str, created: int, choice: Choic
 
 def final_chunk(request: GenerationRequest, rid: str, created: int, index: int, completion: Completion,
                 usage_now: dict[str, int] | None = None, whole_usage: dict[str, int] | None = None) -> dict[str, Any]:
-    """The finishing chunk of a choice: its finish reason and `dflash`; `whole_usage` (the request's usage,
-    on the last choice to finish when no usage chunk follows)."""
+    """The finishing chunk of a choice: its finish reason and `dflash` (with the request's seed); `whole_usage`
+    (the request's usage, on the last choice to finish when no usage chunk follows)."""
     reason = completion.finish_reason if request.max_tokens != 0 else "length"
     choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": None}
     if request.endpoint.chat:
@@ -681,7 +703,7 @@ def final_chunk(request: GenerationRequest, rid: str, created: int, index: int, 
     body = _chunk(request, rid, created, choice, usage_now)
     if whole_usage is not None:
         body["usage"] = whole_usage
-    body["dflash"] = dflash_stats([completion])
+    body["dflash"] = dflash_stats([completion], request.seed)
     return body
 
 
@@ -717,6 +739,7 @@ def models_body(model: str, created: int, block_size: int, drafter: str | None, 
 
 __all__ = ["CHAT", "COMPLETIONS", "ENDPOINTS", "Choice", "Endpoint", "GenerationRequest", "ProtocolConfig",
            "RequestError", "chat_logprobs", "check_fields", "chunk", "completion_logprobs", "completion_tokens",
-           "dflash_stats", "echo_chunk", "error_body", "final_chunk", "model_card", "models_body", "parse_json",
+           "dflash_stats", "draw_seed", "echo_chunk", "error_body", "final_chunk", "model_card", "models_body",
+           "parse_json",
            "parse_request", "rejected", "response_body", "response_id", "role_chunk", "stream_error", "usage",
            "usage_chunk"]

@@ -118,13 +118,18 @@ class FakeWorker:
         job.tokens.put(None)
 
 
+DRAW_SEED = transport.openai.draw_seed  # the real one: the fixture draws 0 so that the fake's replies are short
+
+
 @pytest.fixture(scope="module")
 def served():
     worker = FakeWorker()
     srv = DFlashServer(("127.0.0.1", 0), worker, TOK, "m", MAX_LEN, read_timeout=5.0)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
-    yield srv, f"http://127.0.0.1:{srv.server_address[1]}", worker
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transport.openai, "draw_seed", lambda n=1: 0)
+        yield srv, f"http://127.0.0.1:{srv.server_address[1]}", worker
     srv.close()
     thread.join(10)
 
@@ -286,6 +291,30 @@ def test_several_prompts_and_n_in_one_request(served):
     assert chunks[-2]["usage"] == resp["usage"] and chunks[-1] == "[DONE]"
     ids = {post(url, "/v1/completions", {"prompt": "a", "max_tokens": 1}).json()["id"] for _ in range(5)}
     assert len(ids) == 5
+
+
+def test_the_seed_used_is_reported_and_an_unseeded_request_draws_one(served, monkeypatch):
+    """The body's `dflash.seed` and the `X-DFlash-Seed` header name the seed the worker got: the client's, or
+    fresh entropy when it sent none (or null); sending it back reproduces the reply."""
+    _, url, worker = served
+    seeded = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 3, "seed": 42})
+    assert seeded.headers[transport.SEED_HEADER] == "42" and seeded.json()["dflash"]["seed"] == 42
+    assert worker.jobs[-1].seed == 42 and seeded.json()["choices"][0]["text"] == "42:"
+    monkeypatch.setattr(transport.openai, "draw_seed", DRAW_SEED)
+    drawn = []
+    for body in ({"prompt": "a", "max_tokens": 2}, {"prompt": "a", "max_tokens": 2, "seed": None}):
+        for _ in range(2):
+            resp = post(url, "/v1/completions", body)
+            seed = resp.json()["dflash"]["seed"]
+            assert resp.headers[transport.SEED_HEADER] == str(seed) and worker.jobs[-1].seed == seed
+            drawn.append(seed)
+    assert len(set(drawn)) == 4
+    status, chunks = events(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                          "max_tokens": 2, "stream": True})
+    assert status == 200 and chunks[-2]["dflash"]["seed"] == worker.jobs[-1].seed not in drawn
+    with HTTP.stream("POST", f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": True}) as resp:
+        resp.read()
+        assert int(resp.headers[transport.SEED_HEADER]) == worker.jobs[-1].seed
 
 
 def test_chat_streams_start_with_the_role_and_continuous_usage_counts_up(served):

@@ -176,11 +176,12 @@ def test_the_unknown_fields_policy_is_checked_at_construction():
 
 def test_a_completion_request_with_defaults():
     request = parse({"prompt": "ab"})
-    assert request == openai.GenerationRequest(COMPLETIONS, "m", ((98, 99),), 16, 0, (),
+    seed = request.seed  # drawn fresh: no seed was sent
+    assert request == openai.GenerationRequest(COMPLETIONS, "m", ((98, 99),), 16, seed, (),
                                                SamplingConfig(temperature=0.5, top_p=0.9, top_k=7),
-                                               prompt_texts=("ab",))
+                                               prompt_texts=("ab",), seeded=False)
     assert not request.stream and not request.include_usage and request.logprobs is None
-    assert request.choices == [openai.Choice(0, 0, (98, 99), 0)]
+    assert request.choices == [openai.Choice(0, 0, (98, 99), seed)]
     assert parse({"prompt": "ab"}, config=ProtocolConfig("m")).max_tokens is None  # until a stop or the context ends
 
 
@@ -274,7 +275,6 @@ def test_max_tokens():
 
 
 def test_n_stop_and_seed():
-    assert parse({"prompt": "a", "n": 1}).seed == 0
     assert parse({"prompt": "a", "n": 128}).n == 128
     for n in (0, 129, True, 1.0, "2"):
         err = refused({"prompt": "a", "n": n})
@@ -287,12 +287,26 @@ def test_n_stop_and_seed():
         assert (str(err), err.param) == (f"stop must be a string or a list of non-empty strings; received {stop!r}",
                                          "stop")
     assert parse({"prompt": "a", "seed": 2**63 - 1}).seed == 2**63 - 1
-    for seed in (-1, 2**63, True, 1.0, None):
+    assert parse({"prompt": "a", "seed": 0}).seeded and parse({"prompt": "a", "seed": 0}).seed == 0
+    for seed in (-1, 2**63, True, 1.0):
         err = refused({"prompt": "a", "seed": seed})
         assert (str(err), err.param) == (f"seed must be an integer in [0, 2**63); received {seed!r}", "seed")
     err = refused({"prompt": "a", "seed": 2**63 - 2, "n": 3})
     assert str(err) == ("seed must be an integer in [0, 2**63 - 2) (choice i uses seed + i); received "
                         f"{2**63 - 2}")
+
+
+def test_an_unseeded_request_draws_fresh_entropy():
+    """OpenAI's semantics: a request without a seed (or with `seed: null`) is independent of every other; its
+    seed is 63 fresh bits, leaving room for the n choices' seed + i."""
+    drawn = [parse({"prompt": "a"}) for _ in range(64)] + [parse({"prompt": "a", "seed": None})]
+    assert not any(r.seeded for r in drawn)
+    seeds = [r.seed for r in drawn]
+    assert len(set(seeds)) == len(seeds)  # a collision of 63-bit draws: 1 in 2**52
+    assert all(0 <= s < 2**63 for s in seeds) and max(seeds) >= 2**60  # the whole range, not 31 or 32 bits
+    many = parse({"prompt": "a", "n": 128})
+    assert many.seed + 127 < 2**63 and [c.seed for c in many.choices][-1] == many.seed + 127
+    assert all(0 <= openai.draw_seed(2**62) <= 2**62 for _ in range(200))
 
 
 def test_stream_options():
@@ -405,6 +419,9 @@ def test_response_ids_are_unique_and_stats_sum_over_choices():
     assert openai.dflash_stats([Done([1], accepted=[3]), Done([1], accepted=[0, 1])]) == {
         "tau": 7 / 3, "steps": 3, "accepted_per_step": [3, 0, 1]}
     assert openai.dflash_stats([Done([1])]) == openai.dflash_stats([None]) == AR_STATS
+    assert openai.dflash_stats([None], seed=7) == {**AR_STATS, "seed": 7}
+    seeded = parse({"prompt": "a", "seed": 9, "n": 2})
+    assert openai.response_body(seeded, "k", 1, [Done([1]), Done([1])], TOK)["dflash"]["seed"] == 9  # choice i: 9 + i
 
 
 def test_a_completion_response():
@@ -413,7 +430,7 @@ def test_a_completion_response():
     assert body == {"id": "cmpl-1", "object": "text_completion", "created": 100, "model": "m",
                     "choices": [{"index": 0, "finish_reason": "length", "logprobs": None, "text": "xyz"}],
                     "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
-                    "dflash": DFLASH_STATS}
+                    "dflash": {**DFLASH_STATS, "seed": request.seed}}
 
 
 def test_several_prompts_and_n_answer_in_index_order_with_summed_usage():
@@ -432,7 +449,8 @@ def test_a_chat_response():
     assert body == {"id": "chatcmpl-1", "object": "chat.completion", "created": 100, "model": "m",
                     "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
                                  "message": {"role": "assistant", "content": "hello"}}],
-                    "usage": {"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2}, "dflash": AR_STATS}
+                    "usage": {"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2},
+                    "dflash": {**AR_STATS, "seed": request.seed}}
 
 
 A, B, EOS = TOK.encode("a")[0], TOK.encode("b")[0], STOP
@@ -498,7 +516,8 @@ def test_chat_stream_chunks():
         {"index": 0, "finish_reason": None, "logprobs": None, "delta": {"content": "Hi"}}]}
     assert openai.final_chunk(request, "c", 5, 0, Done([1, 2, 3], "Hi", "stop"), whole_usage=openai.usage(4, 3)) == {
         **head, "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None, "delta": {"content": ""}}],
-        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}, "dflash": AR_STATS}
+        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
+        "dflash": {**AR_STATS, "seed": request.seed}}
 
 
 def test_streamed_logprobs_per_chunk():
@@ -523,7 +542,7 @@ def test_completion_stream_chunks_with_usage_options():
         **head, "choices": [{"index": 0, "finish_reason": None, "logprobs": None, "text": "x"}], "usage": None}
     assert openai.final_chunk(request, "k", 5, 0, Done([1, 2, 3], accepted=[2, 0])) == {
         **head, "choices": [{"index": 0, "finish_reason": "length", "logprobs": None, "text": ""}], "usage": None,
-        "dflash": DFLASH_STATS}
+        "dflash": {**DFLASH_STATS, "seed": request.seed}}
     assert openai.usage_chunk(request, "k", 5, 3) == {
         **head, "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
     every = parse({"prompt": "ab", "stream": True, "stream_options": {"continuous_usage_stats": True}})
