@@ -44,15 +44,18 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param, self.status = param, status
+        self.counted = False  # already counted in the metrics (the worker's own refusals)
 
 
 # ---------------------------------------------------------------------------------------------- field policy
 
 COMPLETION_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stream", "stop",
-                               "seed", "n", "user", "logprobs", "echo", "stream_options"})
+                               "seed", "n", "user", "logprobs", "echo", "stream_options", "ignore_eos"})
 CHAT_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                          "stream", "stop", "seed", "n", "user", "chat_template_kwargs", "logprobs", "top_logprobs",
-                         "stream_options"})
+                         "stream_options", "ignore_eos"})
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the chat roles OpenAI's API takes
+TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt"})  # what `chat_template_kwargs` may not set
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats", "include_obfuscation"})
 
 
@@ -236,7 +239,8 @@ class GenerationRequest:
     fresh entropy (`draw_seed`), reported in the response (`dflash.seed`, the `X-DFlash-Seed` header) so the
     reply can be reproduced; seeded: whether the client sent it; max_tokens None: until a stop or the end of the
     context; 0: no generation (completions with echo: the prompt's log-probabilities only); logprobs: alternatives
-    per token (completions `logprobs`, chat `top_logprobs`), None when not asked."""
+    per token (completions `logprobs`, chat `top_logprobs`), None when not asked; ignore_eos: the stop tokens do
+    not end the request (vLLM's extension: a fixed output length, as load generators ask)."""
 
     endpoint: Endpoint
     model: str
@@ -253,6 +257,7 @@ class GenerationRequest:
     echo: bool = False
     prompt_texts: tuple[str | None, ...] = ()
     seeded: bool = True
+    ignore_eos: bool = False
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -298,10 +303,12 @@ def parse_request(endpoint: Endpoint, body: dict[str, Any], tokenizer: ChatToken
     options = _stream_options(body)
     logprobs = _chat_logprobs(body) if endpoint.chat else _completion_logprobs(body)
     seeded = seed is not None
+    ignore_eos = _flag(body, "ignore_eos")
     return GenerationRequest(endpoint, config.model_name, prompts, max_tokens,
                              draw_seed(n) if seed is None else seed, stop, _sampling(body, config.sampling), n,
                              stream, stream and options.get("include_usage", False),
-                             stream and options.get("continuous_usage_stats", False), logprobs, echo, texts, seeded)
+                             stream and options.get("continuous_usage_stats", False), logprobs, echo, texts, seeded,
+                             ignore_eos)
 
 
 def _is_int(v: Any) -> bool:
@@ -354,12 +361,13 @@ def _completion_prompts(body: dict[str, Any],
 
 
 def _content(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of `{"type": "text", "text": ...}` parts (joined by newlines,
-    as vLLM does)."""
+    """A message's content: a string, or a non-empty list of `{"type": "text", "text": ...}` parts (joined by
+    newlines, as vLLM does)."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of text parts; received {content!r}", "messages")
+    if not isinstance(content, list) or not content:
+        raise RequestError(f"{where} must be a string or a non-empty list of text parts; received {content!r}",
+                           "messages")
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -383,18 +391,42 @@ def _chat_prompt(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a string role and a content; received {m!r}",
                                "messages")
+        if m["role"] not in ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {list(ROLES)}; received {m['role']!r}",
+                               "messages")
         rendered.append({"role": m["role"], "content": _content(m.get("content"), f"messages[{i}].content")})
     kwargs = body.get("chat_template_kwargs") or {}
     if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
         raise RequestError("chat_template_kwargs must be an object of template variables, e.g. "
-                           '{"enable_thinking": false}', "chat_template_kwargs")
+                           f'{{"enable_thinking": false}}; received {kwargs!r}', "chat_template_kwargs")
+    if reserved := sorted(TEMPLATE_NAMES & set(kwargs)):
+        raise RequestError(f"chat_template_kwargs must not set {reserved[0]!r} (the server sets "
+                           f"{sorted(TEMPLATE_NAMES)}); received keys {sorted(kwargs)}", "chat_template_kwargs")
     try:
         ids = tokenizer.encode_chat(rendered, add_generation_prompt=True, **kwargs)
     except Exception as err:  # noqa: BLE001 - the template raises what it likes (jinja errors, raise_exception)
-        raise RequestError(f"messages could not be rendered by the chat template: {err}", "messages") from err
+        if kwargs and _renders(tokenizer, rendered):  # without them it renders: the variables broke it
+            raise RequestError(f"chat_template_kwargs must be variables the chat template can render with; with "
+                               f"{sorted(kwargs)} it failed: {_why(err)}", "chat_template_kwargs") from err
+        raise RequestError(f"messages could not be rendered by the chat template: {_why(err)}", "messages") from err
     if not ids:
         raise RequestError("messages render to an empty prompt", "messages")
     return ids
+
+
+def _renders(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> bool:
+    try:
+        tokenizer.encode_chat(messages, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - any failure of the template
+        return False
+    return True
+
+
+def _why(err: Exception) -> str:
+    """A template's error as a client reads it: its message, with its kind when that says more (not a bare
+    Python type name before a message)."""
+    text = str(err).strip()
+    return text or type(err).__name__
 
 
 def _max_tokens(body: dict[str, Any], config: ProtocolConfig, echo: bool) -> int | None:
@@ -737,7 +769,7 @@ def models_body(model: str, created: int, block_size: int, drafter: str | None, 
     return {"object": "list", "data": [model_card(model, created, block_size, drafter, max_model_len)]}
 
 
-__all__ = ["CHAT", "COMPLETIONS", "ENDPOINTS", "Choice", "Endpoint", "GenerationRequest", "ProtocolConfig",
+__all__ = ["CHAT", "COMPLETIONS", "ENDPOINTS", "ROLES", "Choice", "Endpoint", "GenerationRequest", "ProtocolConfig",
            "RequestError", "chat_logprobs", "check_fields", "chunk", "completion_logprobs", "completion_tokens",
            "dflash_stats", "draw_seed", "echo_chunk", "error_body", "final_chunk", "model_card", "models_body",
            "parse_json",

@@ -233,8 +233,9 @@ def test_chat_content_is_a_string_or_a_list_of_text_parts():
     assert TOK.decode(list(parse({"messages": parts}, CHAT).prompt_ids)) == "user: hi\nthere\nassistant: "
     one = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     assert parse({"messages": one}, CHAT).prompt_ids == parse({"messages": MESSAGES}, CHAT).prompt_ids
-    cases = [(None, "messages[0].content must be a string or a list of text parts; received None"),
-             (5, "messages[0].content must be a string or a list of text parts; received 5"),
+    cases = [(None, "messages[0].content must be a string or a non-empty list of text parts; received None"),
+             (5, "messages[0].content must be a string or a non-empty list of text parts; received 5"),
+             ([], "messages[0].content must be a string or a non-empty list of text parts; received []"),
              ([{"type": "image_url", "image_url": {"url": "x"}}],
               "messages[0].content[0] must be a text part {\"type\": \"text\", \"text\": ...}; received type "
               "'image_url' (only text is supported)"),
@@ -244,6 +245,48 @@ def test_chat_content_is_a_string_or_a_list_of_text_parts():
     for content, message in cases:
         err = refused({"messages": [{"role": "user", "content": content}]}, CHAT)
         assert (str(err), err.param) == (message, "messages")
+
+
+def test_roles_are_openais():
+    """The roles OpenAI's API takes, and no other (a stock client's "wizard" is a 400 naming the field)."""
+    for role in openai.ROLES:
+        assert parse({"messages": [{"role": role, "content": "x"}]}, CHAT).prompt_ids
+    for role in ("wizard", "User", "", "bot"):
+        err = refused({"messages": [*MESSAGES, {"role": role, "content": "x"}]}, CHAT)
+        assert (str(err), err.param) == (f"messages[1].role must be one of {list(openai.ROLES)}; received {role!r}",
+                                         "messages")
+
+
+def test_bad_chat_template_kwargs_are_a_400_naming_the_field():
+    """Template variables the server sets itself, and variables the template cannot render with, are refused
+    naming `chat_template_kwargs`, not as a Python error about the call."""
+    for key in ("add_generation_prompt", "messages"):
+        err = refused({"messages": MESSAGES, "chat_template_kwargs": {key: True, "x": 1}}, CHAT)
+        assert (str(err), err.param) == (f"chat_template_kwargs must not set {key!r} (the server sets "
+                                         "['add_generation_prompt', 'messages']); received keys "
+                                         f"{sorted([key, 'x'])}", "chat_template_kwargs")
+        assert "TypeError" not in str(err) and "keyword argument" not in str(err)
+
+    class Picky(ByteTokenizer):
+        def encode_chat(self, messages, add_generation_prompt=True, **kwargs):
+            if kwargs.get("enable_thinking") not in (None, True, False):
+                raise ValueError("enable_thinking must be a boolean")
+            return super().encode_chat(messages, add_generation_prompt, **kwargs)
+
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": "maybe"}}
+    err = pytest.raises(RequestError, openai.parse_request, CHAT, body, Picky(), CONFIG).value
+    assert (str(err), err.param) == ("chat_template_kwargs must be variables the chat template can render with; "
+                                     "with ['enable_thinking'] it failed: enable_thinking must be a boolean",
+                                     "chat_template_kwargs")
+    assert openai.parse_request(CHAT, {**body, "chat_template_kwargs": {"enable_thinking": False}}, Picky(), CONFIG)
+
+
+def test_ignore_eos():
+    assert parse({"prompt": "a", "ignore_eos": True}).ignore_eos
+    assert not parse({"prompt": "a", "ignore_eos": None}).ignore_eos and not parse({"prompt": "a"}).ignore_eos
+    assert parse({"messages": MESSAGES, "ignore_eos": True}, CHAT).ignore_eos
+    err = refused({"prompt": "a", "ignore_eos": "yes"})
+    assert (str(err), err.param) == ("ignore_eos must be true, false or null; received 'yes'", "ignore_eos")
 
 
 def test_a_template_error_is_a_400_about_the_messages():
