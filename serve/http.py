@@ -343,7 +343,7 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._get()
         except RequestError as err:
-            if self._path in openai.ENDPOINTS and not getattr(err, "counted", False):
+            if self.command == "POST" and self._path in openai.ENDPOINTS and not err.counted:
                 self.server.worker.refused(err.status)  # every refusal of a generation request is counted
             self._error(err)
         except (ClientGone, *GONE) as err:
@@ -463,7 +463,9 @@ class _Handler(BaseHTTPRequestHandler):
         """The first failed job's error, with its status (400: it failed alone; 503: the engine failed)."""
         for job in jobs:
             if job.error:
-                return RequestError(job.error, None, status=job.status or 500)
+                failed = RequestError(job.error, None, status=job.status or 500)
+                failed.counted = True  # the worker counted how it ended
+                return failed
         return None
 
     def _whole(self, request: GenerationRequest, jobs: list[Job]) -> None:

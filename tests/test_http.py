@@ -412,7 +412,8 @@ def test_a_half_closed_connection_still_gets_its_answer(served):
 def test_every_refusal_of_a_generation_request_is_counted_once(served):
     """A malformed body, an unknown model, a bad field, a worker's refusal, an oversized body and a bad
     `ignore_eos` each count one refusal with their status (the worker's own refusal once, by the worker); other
-    routes' errors and answered requests count none."""
+    routes' and methods' errors, answered requests and a request that failed in the engine (the worker counts how
+    it ended) count none."""
     srv, url, worker = served
     before = len(worker.refusals)
     assert post(url, "/v1/completions", b"{not json").status_code == 400
@@ -424,8 +425,10 @@ def test_every_refusal_of_a_generation_request_is_counted_once(served):
     big = post(url, "/v1/completions", b"x" * (srv.max_body_bytes + 1))
     assert big.status_code == 413
     assert HTTP.get(f"{url}/v1/models/gpt-9", timeout=30).status_code == 404
+    assert HTTP.get(f"{url}/v1/completions", timeout=30).status_code == 405
     assert post(url, "/v1/nothing", {}).status_code == 404
     assert post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert post(url, "/v1/completions", {"prompt": "alone"}).status_code == 400  # failed in the engine: its count
     assert worker.refusals[before:] == [400, 404, 400, 400, 400, 400, 413]
 
 
