@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import io
 import json
 import logging
 import queue
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)  # the client went away
 POLL_S = 0.1  # how often a waiting handler checks that its client is still there
 GET_ROUTES = ("/health", "/metrics", "/v1/models")
+SEED_HEADER = "X-DFlash-Seed"  # the seed a generation request used (drawn fresh when it sent none)
 MODEL_PREFIX = "/v1/models/"
 
 
@@ -54,6 +56,52 @@ def _forward(i: int, job: Job, merged: queue.Queue[Any]) -> None:
 
 class ClientGone(Exception):
     """The client closed its connection while its request was being served."""
+
+
+class HeadDeadline(io.RawIOBase):
+    """A connection's reads with a deadline on each request's head: from the first byte of a request line until
+    its headers end, reads may take `head_timeout` seconds in all (a client that trickles its headers, a line per
+    few seconds, is cut); otherwise (waiting for the next request, reading a body) each read may wait
+    `idle_timeout` (None: forever). `arm` before a request, `disarm` once its headers are in; `expired` tells
+    that the deadline, not a silent client, ended a read."""
+
+    def __init__(self, raw: io.RawIOBase, sock: socket.socket, idle_timeout: float | None,
+                 head_timeout: float | None):
+        super().__init__()
+        self.raw, self.sock, self.idle, self.head = raw, sock, idle_timeout, head_timeout
+        self.armed, self.deadline, self.expired = False, None, False
+
+    def arm(self) -> None:
+        self.armed, self.deadline, self.expired = self.head is not None, None, False
+
+    def disarm(self) -> None:
+        self.armed, self.deadline = False, None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        timeout = self.idle
+        if self.deadline is not None:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                self.expired = True
+                raise TimeoutError(f"the request head did not arrive within {self.head} s")
+            timeout = remaining if timeout is None else min(timeout, remaining)
+        self.sock.settimeout(timeout)
+        try:
+            n = self.raw.readinto(buffer)
+        except TimeoutError:
+            self.expired = self.deadline is not None and time.monotonic() >= self.deadline
+            raise
+        if self.armed and n:  # the request's first bytes: its head has `head` seconds from now
+            self.armed, self.deadline = False, time.monotonic() + self.head
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
 
 
 def allowed_methods(path: str) -> str | None:
@@ -78,13 +126,15 @@ class DFlashServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], worker: EngineWorker, tokenizer: ChatTokenizer, model_name: str,
                  max_len: int, default_max_tokens: int | None = None, *, max_body_bytes: int = 4 << 20,
-                 read_timeout: float | None = 30.0, api_key: str | None = None, unknown_fields: str = "reject"):
+                 read_timeout: float | None = 30.0, api_key: str | None = None, unknown_fields: str = "reject",
+                 header_timeout: float | None = 10.0):
         # the request policy; the default sampling rule is the engine's (the recipe's `sampling:`)
         self.protocol = ProtocolConfig(model_name, default_max_tokens, worker.engine.sampling or GREEDY,
                                        unknown_fields)
         self._connections: set[Any] = set()
         self._conn_lock = threading.Lock()
         self.max_body_bytes, self.read_timeout = max_body_bytes, read_timeout
+        self.header_timeout = header_timeout or None
         self.api_key = api_key or None
         self._warned_fields: set[str] = set()
         super().__init__(address, _Handler)
@@ -144,17 +194,21 @@ class _Handler(BaseHTTPRequestHandler):
     events), GET (and HEAD) /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text); OPTIONS on any
     route answers its `Allow`; another method on a route is a 405 with `Allow`; query strings are ignored.
     Responses carry `usage` plus a `dflash` object with the request's acceptance statistics (τ, steps,
-    accepted per step). A bad request gets a 4xx JSON error (`openai.error_body`) before any byte of a stream
-    (the worker's `submit` validates synchronously), and the server keeps serving; a request the engine
-    failed alone ends with the job's status (400), an engine-wide failure with 503; an unexpected exception
-    here is a 500 JSON answer and an ERROR log line. Fields and their rules: `openai.check_fields`,
+    accepted per step) and its seed, also in the `X-DFlash-Seed` header (a request without one draws it
+    fresh). A bad request gets a 4xx JSON error (`openai.error_body`) before any byte of a stream (the
+    worker's `submit` validates synchronously), and the server keeps serving; a request the engine failed
+    alone ends with the job's status (400), an engine-wide failure with 503; an unexpected exception here is
+    a 500 JSON answer and an ERROR log line. Fields and their rules: `openai.check_fields`,
     `openai.parse_request`.
 
     Hardening: a bad or negative Content-Length is a 400, one over `max_body_bytes` a 413 (before the body
     is read); a connection that sends nothing for `read_timeout` seconds is answered 408 (mid-body) or
-    closed; with `api_key`, /v1/* needs `Authorization: Bearer <key>` (else 401). After an error whose body
-    was not read the connection is closed. A client that disconnects while its request runs has its jobs
-    cancelled, freeing their slots: a non-streamed request's socket is polled for the end of input every `POLL_S`
+    closed; a request line and headers that take over `header_timeout` seconds in all are answered 408 and the
+    connection closed (`HeadDeadline`); with `api_key`, /v1/* needs `Authorization: Bearer <key>` (else 401).
+    After an error whose body was not read the connection is closed. Every refusal of a generation request is
+    counted in `dflash_requests_total{status, finish_reason="rejected"}`. A client that disconnects while its
+    request runs has its jobs cancelled, freeing their slots: a non-streamed request's socket is polled for the
+    end of input every `POLL_S`
     (a half-close counts, as in uvicorn; what was made is still sent, finish_reason "cancelled"), a stream's
     client is gone when a write fails.
     """
@@ -165,6 +219,26 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.read_timeout  # StreamRequestHandler.setup sets it on the socket
         super().setup()
+        self._head = HeadDeadline(self.rfile.detach(), self.connection, self.server.read_timeout,
+                                  self.server.header_timeout)
+        self.rfile = io.BufferedReader(self._head)
+
+    def handle_one_request(self) -> None:
+        """The stdlib's, with the head's deadline: a request line or headers that take longer than
+        `header_timeout` are answered 408 and the connection closed."""
+        self._head.arm()
+        self.requestline, self.request_version, self.command = "", self.default_request_version, ""
+        super().handle_one_request()
+        if self._head.expired:
+            with contextlib.suppress(*GONE, OSError):
+                self.send_error(408, f"the request line and headers must arrive within {self.server.header_timeout} "
+                                "s; this connection sent them slower")
+
+    def parse_request(self) -> bool:
+        try:
+            return super().parse_request()
+        finally:
+            self._head.disarm()  # the body's reads wait `read_timeout` each
 
     default_request_version = "HTTP/1.0"  # a malformed request line still gets a status line
 
@@ -269,6 +343,8 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._get()
         except RequestError as err:
+            if self.command == "POST" and self._path in openai.ENDPOINTS and not err.counted:
+                self.server.worker.refused(err.status)  # every refusal of a generation request is counted
             self._error(err)
         except (ClientGone, *GONE) as err:
             log.info("client %s:%s disconnected during %s %s (%s)", *self.client_address[:2], self.command,
@@ -342,9 +418,11 @@ class _Handler(BaseHTTPRequestHandler):
                     jobs.append(self.server.worker.submit(
                         choice.prompt_ids, request.submit_max_tokens, seed=choice.seed, sampling=request.sampling,
                         stop_strings=request.stop, logprobs=request.logprobs,
-                        prompt_logprobs=request.prompt_logprobs))
-                except ValueError as err:  # RequestRejected
-                    raise openai.rejected(request, err, choice) from err
+                        prompt_logprobs=request.prompt_logprobs, ignore_eos=request.ignore_eos))
+                except ValueError as err:  # RequestRejected, counted by the worker
+                    refusal = openai.rejected(request, err, choice)
+                    refusal.counted = True
+                    raise refusal from err
         except (RequestError, ShuttingDown) as err:
             for job in jobs:
                 self.server.worker.cancel(job)
@@ -385,7 +463,9 @@ class _Handler(BaseHTTPRequestHandler):
         """The first failed job's error, with its status (400: it failed alone; 503: the engine failed)."""
         for job in jobs:
             if job.error:
-                return RequestError(job.error, None, status=job.status or 500)
+                failed = RequestError(job.error, None, status=job.status or 500)
+                failed.counted = True  # the worker counted how it ended
+                return failed
         return None
 
     def _whole(self, request: GenerationRequest, jobs: list[Job]) -> None:
@@ -413,7 +493,8 @@ class _Handler(BaseHTTPRequestHandler):
         if err := self._failure(jobs):
             raise err
         self._send_json(200, openai.response_body(request, openai.response_id(request.endpoint), int(time.time()),
-                                                  [job.request for job in jobs], self.server.tokenizer))
+                                                  [job.request for job in jobs], self.server.tokenizer),
+                        {SEED_HEADER: str(request.seed)})
 
     def _stream(self, request: GenerationRequest, jobs: list[Job]) -> None:
         """Server-sent events: per choice a first chunk (chat: the role; completions with echo: the prompt),
@@ -426,6 +507,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
+        self.send_header(SEED_HEADER, str(request.seed))
         self.end_headers()
         self._started = self.close_connection = True
 
@@ -478,12 +560,14 @@ class _Handler(BaseHTTPRequestHandler):
 def make_server(engine: Engine, tokenizer: ChatTokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                 default_max_tokens: int | None = None, *, max_body_bytes: int = 4 << 20,
                 read_timeout: float | None = 30.0, api_key: str | None = None,
-                unknown_fields: str = "reject") -> DFlashServer:
+                unknown_fields: str = "reject", header_timeout: float | None = 10.0) -> DFlashServer:
     """A started engine thread and a bound (not yet serving) HTTP server; call `serve_forever()`.
 
     default_max_tokens: the budget of requests that send no max_tokens (None: until a stop or the end of the
     context, as vLLM); max_body_bytes: larger bodies get a 413 unread; read_timeout: seconds a connection may
-    stay silent (mid-request or idle between keep-alive requests); api_key: if set, /v1/* needs
+    stay silent (mid-request or idle between keep-alive requests); header_timeout: seconds a request's line and
+    headers may take in all, from their first byte (a deadline, not a per-read timeout; None: none); api_key: if
+    set, /v1/* needs
     `Authorization: Bearer <key>`; unknown_fields: "reject" (a 400) or "ignore" (one logged warning per field
     name) for fields that are neither this server's nor documented OpenAI ones (OpenAI fields are always
     accepted at neutral values).
@@ -491,7 +575,7 @@ def make_server(engine: Engine, tokenizer: ChatTokenizer, model_name: str, host:
     worker = EngineWorker(engine).start()
     return DFlashServer((host, port), worker, tokenizer, model_name, engine.max_len, default_max_tokens,
                         max_body_bytes=max_body_bytes, read_timeout=read_timeout, api_key=api_key,
-                        unknown_fields=unknown_fields)
+                        unknown_fields=unknown_fields, header_timeout=header_timeout)
 
 
-__all__ = ["DFlashServer", "allowed_methods", "make_server"]
+__all__ = ["SEED_HEADER", "DFlashServer", "HeadDeadline", "allowed_methods", "make_server"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import secrets
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,15 +44,18 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param, self.status = param, status
+        self.counted = False  # already counted in the metrics (the worker's own refusals)
 
 
 # ---------------------------------------------------------------------------------------------- field policy
 
 COMPLETION_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stream", "stop",
-                               "seed", "n", "user", "logprobs", "echo", "stream_options"})
+                               "seed", "n", "user", "logprobs", "echo", "stream_options", "ignore_eos"})
 CHAT_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                          "stream", "stop", "seed", "n", "user", "chat_template_kwargs", "logprobs", "top_logprobs",
-                         "stream_options"})
+                         "stream_options", "ignore_eos"})
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the chat roles OpenAI's API takes
+TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt"})  # what `chat_template_kwargs` may not set
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats", "include_obfuscation"})
 
 
@@ -231,9 +235,12 @@ class GenerationRequest:
     continuous_usage: usage on every chunk).
 
     prompts: one or more token-id prompts (`prompt` as a list); prompt_texts: their text when sent as text
-    (None: sent as ids; echo decodes them); max_tokens None: until a stop or the end of the context; 0: no
-    generation (completions with echo: the prompt's log-probabilities only); logprobs: alternatives per token
-    (completions `logprobs`, chat `top_logprobs`), None when not asked."""
+    (None: sent as ids; echo decodes them); seed: the client's, or for a request without one (or `null`)
+    fresh entropy (`draw_seed`), reported in the response (`dflash.seed`, the `X-DFlash-Seed` header) so the
+    reply can be reproduced; seeded: whether the client sent it; max_tokens None: until a stop or the end of the
+    context; 0: no generation (completions with echo: the prompt's log-probabilities only); logprobs: alternatives
+    per token (completions `logprobs`, chat `top_logprobs`), None when not asked; ignore_eos: the stop tokens do
+    not end the request (vLLM's extension: a fixed output length, as load generators ask)."""
 
     endpoint: Endpoint
     model: str
@@ -249,6 +256,8 @@ class GenerationRequest:
     logprobs: int | None = None
     echo: bool = False
     prompt_texts: tuple[str | None, ...] = ()
+    seeded: bool = True
+    ignore_eos: bool = False
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
@@ -293,10 +302,13 @@ def parse_request(endpoint: Endpoint, body: dict[str, Any], tokenizer: ChatToken
     stream = _flag(body, "stream")
     options = _stream_options(body)
     logprobs = _chat_logprobs(body) if endpoint.chat else _completion_logprobs(body)
-    return GenerationRequest(endpoint, config.model_name, prompts, max_tokens, seed, stop,
-                             _sampling(body, config.sampling), n, stream,
-                             stream and options.get("include_usage", False),
-                             stream and options.get("continuous_usage_stats", False), logprobs, echo, texts)
+    seeded = seed is not None
+    ignore_eos = _flag(body, "ignore_eos")
+    return GenerationRequest(endpoint, config.model_name, prompts, max_tokens,
+                             draw_seed(n) if seed is None else seed, stop, _sampling(body, config.sampling), n,
+                             stream, stream and options.get("include_usage", False),
+                             stream and options.get("continuous_usage_stats", False), logprobs, echo, texts, seeded,
+                             ignore_eos)
 
 
 def _is_int(v: Any) -> bool:
@@ -349,12 +361,13 @@ def _completion_prompts(body: dict[str, Any],
 
 
 def _content(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of `{"type": "text", "text": ...}` parts (joined by newlines,
-    as vLLM does)."""
+    """A message's content: a string, or a non-empty list of `{"type": "text", "text": ...}` parts (joined by
+    newlines, as vLLM does)."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise RequestError(f"{where} must be a string or a list of text parts; received {content!r}", "messages")
+    if not isinstance(content, list) or not content:
+        raise RequestError(f"{where} must be a string or a non-empty list of text parts; received {content!r}",
+                           "messages")
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -378,18 +391,42 @@ def _chat_prompt(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a string role and a content; received {m!r}",
                                "messages")
+        if m["role"] not in ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {list(ROLES)}; received {m['role']!r}",
+                               "messages")
         rendered.append({"role": m["role"], "content": _content(m.get("content"), f"messages[{i}].content")})
     kwargs = body.get("chat_template_kwargs") or {}
     if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
         raise RequestError("chat_template_kwargs must be an object of template variables, e.g. "
-                           '{"enable_thinking": false}', "chat_template_kwargs")
+                           f'{{"enable_thinking": false}}; received {kwargs!r}', "chat_template_kwargs")
+    if reserved := sorted(TEMPLATE_NAMES & set(kwargs)):
+        raise RequestError(f"chat_template_kwargs must not set {reserved[0]!r} (the server sets "
+                           f"{sorted(TEMPLATE_NAMES)}); received keys {sorted(kwargs)}", "chat_template_kwargs")
     try:
         ids = tokenizer.encode_chat(rendered, add_generation_prompt=True, **kwargs)
     except Exception as err:  # noqa: BLE001 - the template raises what it likes (jinja errors, raise_exception)
-        raise RequestError(f"messages could not be rendered by the chat template: {err}", "messages") from err
+        if kwargs and _renders(tokenizer, rendered):  # without them it renders: the variables broke it
+            raise RequestError(f"chat_template_kwargs must be variables the chat template can render with; with "
+                               f"{sorted(kwargs)} it failed: {_why(err)}", "chat_template_kwargs") from err
+        raise RequestError(f"messages could not be rendered by the chat template: {_why(err)}", "messages") from err
     if not ids:
         raise RequestError("messages render to an empty prompt", "messages")
     return ids
+
+
+def _renders(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> bool:
+    try:
+        tokenizer.encode_chat(messages, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - any failure of the template
+        return False
+    return True
+
+
+def _why(err: Exception) -> str:
+    """A template's error as a client reads it: its message, with its kind when that says more (not a bare
+    Python type name before a message)."""
+    text = str(err).strip()
+    return text or type(err).__name__
 
 
 def _max_tokens(body: dict[str, Any], config: ProtocolConfig, echo: bool) -> int | None:
@@ -428,8 +465,20 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _seed(body: dict[str, Any], n: int) -> int:
-    seed = body.get("seed", 0)
+def draw_seed(n: int = 1) -> int:
+    """A seed for a request that sent none: 63 bits of fresh entropy (`secrets`, the OS's), in [0, 2**63 - n] so
+    that the n choices' seeds seed .. seed + n - 1 are all valid. Unseeded requests are independent, as in
+    OpenAI's API; the seed is reported so that a reply can be reproduced."""
+    while (seed := secrets.randbits(63)) > SEEDS - n:  # pragma: no cover - a 1 in 2**63 / n event
+        pass
+    return seed
+
+
+def _seed(body: dict[str, Any], n: int) -> int | None:
+    """The client's seed (None: it sent none, or null)."""
+    seed = body.get("seed")
+    if seed is None:
+        return None
     if not _is_int(seed) or not 0 <= seed <= SEEDS - n:
         top = "2**63)" if n == 1 else f"2**63 - {n - 1}) (choice i uses seed + i)"
         raise RequestError(f"seed must be an integer in [0, {top}; received {seed!r}", "seed")
@@ -529,14 +578,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def dflash_stats(completions: Sequence[Completion | None]) -> dict[str, Any]:
+def dflash_stats(completions: Sequence[Completion | None], seed: int | None = None) -> dict[str, Any]:
     """The `dflash` object of a response: τ, verify steps and drafts accepted per step (DFlash only), over
-    all its choices."""
+    all its choices, and the request's `seed` (choice i used seed + i; sent back with the same body, it
+    reproduces a sampled reply)."""
     accepted = [a for c in completions if c is not None for a in c.accepted]
-    if not accepted:
-        return {"tau": None, "steps": 0}
-    return {"tau": sum(a + 1 for a in accepted) / len(accepted), "steps": len(accepted),
-            "accepted_per_step": accepted}
+    stats: dict[str, Any] = {"tau": None, "steps": 0}
+    if accepted:
+        stats = {"tau": sum(a + 1 for a in accepted) / len(accepted), "steps": len(accepted),
+                 "accepted_per_step": accepted}
+    if seed is not None:
+        stats["seed"] = seed
+    return stats
 
 
 def completion_tokens(request: GenerationRequest, completion: Completion) -> int:
@@ -619,7 +672,8 @@ def response_body(request: GenerationRequest, rid: str, created: int, completion
     choices = [_choice(request, c, done, tokenizer) for c, done in zip(request.choices, completions, strict=True)]
     generated = sum(completion_tokens(request, c) for c in completions)
     return {"id": rid, "object": request.endpoint.object, "created": created, "model": request.model,
-            "choices": choices, "usage": usage(request.prompt_tokens, generated), "dflash": dflash_stats(completions)}
+            "choices": choices, "usage": usage(request.prompt_tokens, generated),
+            "dflash": dflash_stats(completions, request.seed)}
 
 
 def _chunk(request: GenerationRequest, rid: str, created: int, choice: dict[str, Any],
@@ -670,8 +724,8 @@ def echo_chunk(request: GenerationRequest, rid: str, created: int, choice: Choic
 
 def final_chunk(request: GenerationRequest, rid: str, created: int, index: int, completion: Completion,
                 usage_now: dict[str, int] | None = None, whole_usage: dict[str, int] | None = None) -> dict[str, Any]:
-    """The finishing chunk of a choice: its finish reason and `dflash`; `whole_usage` (the request's usage,
-    on the last choice to finish when no usage chunk follows)."""
+    """The finishing chunk of a choice: its finish reason and `dflash` (with the request's seed); `whole_usage`
+    (the request's usage, on the last choice to finish when no usage chunk follows)."""
     reason = completion.finish_reason if request.max_tokens != 0 else "length"
     choice: dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": None}
     if request.endpoint.chat:
@@ -681,7 +735,7 @@ def final_chunk(request: GenerationRequest, rid: str, created: int, index: int, 
     body = _chunk(request, rid, created, choice, usage_now)
     if whole_usage is not None:
         body["usage"] = whole_usage
-    body["dflash"] = dflash_stats([completion])
+    body["dflash"] = dflash_stats([completion], request.seed)
     return body
 
 
@@ -715,8 +769,9 @@ def models_body(model: str, created: int, block_size: int, drafter: str | None, 
     return {"object": "list", "data": [model_card(model, created, block_size, drafter, max_model_len)]}
 
 
-__all__ = ["CHAT", "COMPLETIONS", "ENDPOINTS", "Choice", "Endpoint", "GenerationRequest", "ProtocolConfig",
+__all__ = ["CHAT", "COMPLETIONS", "ENDPOINTS", "ROLES", "Choice", "Endpoint", "GenerationRequest", "ProtocolConfig",
            "RequestError", "chat_logprobs", "check_fields", "chunk", "completion_logprobs", "completion_tokens",
-           "dflash_stats", "echo_chunk", "error_body", "final_chunk", "model_card", "models_body", "parse_json",
+           "dflash_stats", "draw_seed", "echo_chunk", "error_body", "final_chunk", "model_card", "models_body",
+           "parse_json",
            "parse_request", "rejected", "response_body", "response_id", "role_chunk", "stream_error", "usage",
            "usage_chunk"]

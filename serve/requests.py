@@ -54,8 +54,9 @@ class Completion:
     and top_logprobs[i] its `top_n` most likely (id, log-probability), most likely first. With `prompt_top_n`:
     the same for every prompt token (prompt_logprobs[0] None, prompt_top_logprobs[0] []). text: the visible
     tokens' text, cut before the earliest stop string; stable_text: its prefix that can no longer change, of
-    the first `stable_tokens` tokens (all of them, and the whole text, once finished; `serve.text`). error: why
-    the request failed alone (finish_reason "error")."""
+    the first `stable_tokens` tokens (all of them, and the whole text, once finished; `serve.text`); anchor_text:
+    the text of the first `text_anchor` tokens, settled, which later steps do not detokenise again (`serve.text`).
+    error: why the request failed alone (finish_reason "error")."""
 
     request_id: int
     prompt_ids: list[int]
@@ -81,6 +82,8 @@ class Completion:
     text: str = ""
     stable_text: str = ""
     stable_tokens: int = 0
+    text_anchor: int = 0
+    anchor_text: str = ""
     error: str | None = None
 
     @property

@@ -407,6 +407,16 @@ def selector_drafts(models: Models, drafter: DFlashDrafter, hidden_BxTxD: jax.Ar
     return selector.walk(ids.astype(jnp.int32), unary, hidden_BxTxD, anchor_B)
 
 
+def residual_logprobs(logp_BxV: jax.Array, removed_BxV: jax.Array) -> jax.Array:
+    """The residual after one-hot drafts were rejected: log p with the `removed` tokens taken out (-inf; the draw
+    renormalises). Where that leaves nothing, p itself (as `accept_drafted` does when max(p - q, 0) is zero): the
+    drafts covered p's whole filtered support (top-k <= the drafts, a tight top-p) and float32 rejected them all,
+    e.g. at an acceptance ratio of 0.9999999, which exact arithmetic never does; a draw from an all -inf row
+    would return token 0 whatever p is."""
+    residual = jnp.where(removed_BxV, -jnp.inf, logp_BxV)
+    return jnp.where(jnp.any(jnp.isfinite(residual), axis=-1, keepdims=True), residual, logp_BxV)
+
+
 def accept_greedy(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(n accepted [B], bonus [B]): the longest prefix with d_i == argmax after token i-1; bonus = argmax."""
     preds = jnp.argmax(logits_BxKxV, axis=-1).astype(jnp.int32)  # preds[:, i] follows tokens[:, i]
@@ -420,8 +430,9 @@ def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: S
 
     The drafts are argmax proposals, i.e. q = one-hot(d_i), so draft i is accepted with probability
     min(1, p_i(d_i) / 1) = p_i(d_i) under the target's filtered distribution p_i; at the first rejection
-    the replacement is drawn from the residual max(p - q, 0) = p with d_i removed, renormalised; when all
-    K-1 drafts are accepted the bonus is drawn from p_{K-1}. The output then has exactly the target's
+    the replacement is drawn from the residual max(p - q, 0) = p with d_i removed, renormalised
+    (`residual_logprobs`: p itself where float32 rejected a draft holding all of p); when all K-1 drafts are
+    accepted the bonus is drawn from p_{K-1}. The output then has exactly the target's
     distribution, as if sampled token by token.
     """
     k = drafts_BxKm1.shape[1] + 1
@@ -432,7 +443,7 @@ def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: S
     n = jnp.sum(jnp.cumprod((u < p_draft).astype(jnp.int32), axis=1), axis=1)
     logp_n = jnp.take_along_axis(logp, n[:, None, None], axis=1)[:, 0]  # [B, V]
     rejected = jnp.take_along_axis(jnp.pad(drafts_BxKm1, ((0, 0), (0, 1)), constant_values=-1), n[:, None], 1)
-    residual = jnp.where(jnp.arange(logp.shape[-1])[None, :] == rejected, -jnp.inf, logp_n)
+    residual = residual_logprobs(logp_n, jnp.arange(logp.shape[-1])[None, :] == rejected)
     bonus = jax.vmap(jax.random.categorical)(keys[:, 2], residual).astype(jnp.int32)
     return n, bonus, keys[:, 0]
 
@@ -600,6 +611,7 @@ __all__ = [
     "prefill_chunk",
     "prefill_logprobs",
     "propose",
+    "residual_logprobs",
     "run_steps",
     "sampled_drafts",
     "span_pages",

@@ -21,7 +21,8 @@ plus the target's token after it, equal to AR decoding. Sampled: at each node, i
 tokens, fixed before the target is read; each is a one-hot draft) are tried in order by recursive rejection
 sampling (SpecInfer): c_j is accepted with probability r_j(c_j) where r_1 = p and r_{j+1} is r_j with c_j
 removed, renormalised, i.e. p(c_j) / (1 - p(c_1) - .. - p(c_{j-1})); if every child is rejected the next token
-is drawn from p with all the children removed, renormalised. Each emitted token then has exactly the target's
+is drawn from p with all the children removed, renormalised (from p itself where the children held all of p and
+float32 rounding rejected them all: `speculative.residual_logprobs`). Each emitted token then has exactly the target's
 filtered distribution p given the path so far (each sibling's draft distribution is the one-hot of its token,
 and that is what its residual removes). Only the accepted path is kept: its K/V are copied onto tokens
 L .. L + n (`PagedKVCache.copy_tokens`), its target features go to the draft cache, and L moves by n + 1.
@@ -35,13 +36,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash.models.decoder import embed, forward_cached
 from dflash.models.drafter import block_token_ids, drafter_logits
 from dflash.serve.lookup import append_history, lookup_paths
 from dflash.serve.paged import TreeChunkCache
 from dflash.serve.sampling import row_logprobs
-from dflash.serve.speculative import Models, SpecState, TokenLogprobs, _add_context, _layer_ids, run_steps
+from dflash.serve.speculative import (
+    Models,
+    SpecState,
+    TokenLogprobs,
+    _add_context,
+    _layer_ids,
+    residual_logprobs,
+    run_steps,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -165,6 +175,9 @@ def build_tree(ids_BxDxM: jax.Array, logp_BxDxM: jax.Array, pending_B: jax.Array
     g = 0 if extra_BxG is None else extra_BxG.shape[1]
     if not 1 <= g + 1 < nodes:
         raise ValueError(f"nodes must exceed 1 + the extra path's length ({g}); received nodes={nodes}")
+    if g > ids_BxDxM.shape[1]:  # a deeper path would be verified past the block: K - 1 drafts at most
+        raise ValueError(f"the extra path's length must be <= the tree's depth K - 1 = {ids_BxDxM.shape[1]}; "
+                         f"received {g}")
     token, parent, depth = jax.vmap(functools.partial(_best_first, nodes=nodes - g))(ids_BxDxM, logp_BxDxM)
     if g:
         pad = ((0, 0), (0, g))
@@ -172,6 +185,35 @@ def build_tree(ids_BxDxM: jax.Array, logp_BxDxM: jax.Array, pending_B: jax.Array
         token, parent, depth = jax.vmap(functools.partial(_merge_path, start=nodes - g))(
             token, parent, depth, extra_BxG.astype(jnp.int32), extra_len_B.astype(jnp.int32))
     return Tree(token.at[:, 0].set(pending_B), parent, depth)
+
+
+def tree_problems(tree: Tree, max_depth: int) -> list[str]:
+    """What breaks the rules the walk relies on, on the host (for tests and debugging; `build_tree` keeps them by
+    construction): node 0 the root (parent -1, depth 0); a used node's parent comes before it and its depth is
+    its parent's + 1, at most `max_depth` (K - 1); siblings carry distinct token ids (recursive rejection
+    sampling removes each rejected sibling's token from the residual, so a repeated one would be tried against
+    mass it no longer has). Unused nodes (parent -1 past the root) are ignored. [] when the tree is sound."""
+    token, parent, depth = (np.asarray(a) for a in (tree.token, tree.parent, tree.depth))
+    problems = []
+    for b in range(token.shape[0]):
+        if parent[b, 0] != -1 or depth[b, 0] != 0:
+            problems.append(f"slot {b}: node 0 must be the root (parent -1, depth 0); received parent "
+                            f"{parent[b, 0]}, depth {depth[b, 0]}")
+        seen: dict[tuple[int, int], int] = {}
+        for i in range(1, token.shape[1]):
+            p = int(parent[b, i])
+            if p < 0:
+                continue
+            if p >= i:
+                problems.append(f"slot {b}: node {i}'s parent must come before it; received parent {p}")
+            elif depth[b, i] != depth[b, p] + 1 or not 1 <= depth[b, i] <= max_depth:
+                problems.append(f"slot {b}: node {i}'s depth must be its parent's + 1 and <= {max_depth}; received "
+                                f"{depth[b, i]} under a parent at depth {depth[b, p]}")
+            elder = seen.setdefault((p, int(token[b, i])), i)
+            if elder != i:
+                problems.append(f"slot {b}: siblings must carry distinct token ids; nodes {elder} and {i} under "
+                                f"node {p} both hold {token[b, i]}")
+    return problems
 
 
 def _walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_depth: int
@@ -212,7 +254,7 @@ def _walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_depth: int
         bonus, rng = argmax_BxN[rows, cur], state.rng
         if sampled:
             removed_BxV = jnp.zeros((b, vocab), bool).at[rows[:, None], tree.token].max(tree.parent == cur[:, None])
-            residual = jnp.where(removed_BxV, -jnp.inf, logp[rows, cur])
+            residual = residual_logprobs(logp[rows, cur], removed_BxV)  # children covering p: p itself
             drawn = jax.vmap(jax.random.categorical)(keys[:, 2], residual).astype(jnp.int32)
             bonus = jnp.where(greedy, bonus, drawn)
             rng = jnp.where(greedy[:, None], rng, keys[:, 0])
@@ -298,4 +340,5 @@ def decode_tree_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array,
     return run_steps(step, state, hist, stop_ids_BxS, budget_B, block_size, steps)
 
 
-__all__ = ["Tree", "build_tree", "decode_tree_steps", "propose_topk", "verify_tree", "verify_tree_logprobs"]
+__all__ = ["Tree", "build_tree", "decode_tree_steps", "propose_topk", "tree_problems", "verify_tree",
+           "verify_tree_logprobs"]

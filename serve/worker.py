@@ -94,8 +94,15 @@ class EngineWorker:
         self.m_requests = Counter("dflash_requests", "Ended requests by status (200, 400 refused or failed alone, "
                                   "503 engine failure) and finish reason", ["status", "finish_reason"],
                                   registry=registry)
+        self.m_prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of the requests taken",
+                                       registry=registry)
+        # Read when scraped, from the worker's own books: a request is queued from `submit` until the engine takes
+        # it from its queue, then running (its prefill included) until its end is published.
         self.m_queue = Gauge("dflash_queue_depth", "Requests waiting for a slot", registry=registry)
-        self.m_running = Gauge("dflash_running_requests", "Requests decoding", registry=registry)
+        self.m_queue.set_function(lambda: self.inbox.qsize() + len(self.engine.queue))
+        self.m_running = Gauge("dflash_running_requests", "Requests holding a slot (prefilling or decoding)",
+                               registry=registry)
+        self.m_running.set_function(lambda: max(len(self.jobs) - len(self.engine.queue), 0))
         self.m_ttft = Histogram("dflash_time_to_first_token_seconds", "Seconds from submission to the first token",
                                 buckets=LATENCY_BUCKETS, registry=registry)
         self.m_itl = Histogram("dflash_inter_token_latency_seconds", "Seconds between a request's tokens (a step's "
@@ -121,21 +128,28 @@ class EngineWorker:
 
     def submit(self, prompt_ids: Sequence[int], max_tokens: int | None, *, seed: int = 0,
                sampling: SamplingConfig = GREEDY, stop_strings: Sequence[str] = (), logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> Job:
+               prompt_logprobs: int | None = None, ignore_eos: bool = False) -> Job:
         """Validate a request here, in the caller's thread (`Engine.check`: raises `RequestRejected` naming the
-        field), and queue it for the engine thread; its results arrive on the job. Raises `ShuttingDown`
-        once `shutdown` began."""
+        field), and queue it for the engine thread; its results arrive on the job. ignore_eos: the stop tokens
+        (`stop_ids`) do not end this request. Raises `ShuttingDown` once `shutdown` began."""
         if self.stopping.is_set():
             raise ShuttingDown("the server is shutting down")
         try:
-            request = self.engine.check(prompt_ids, max_tokens, self.stop_ids, seed, sampling=sampling,
-                                        stop_strings=stop_strings, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            request = self.engine.check(prompt_ids, max_tokens, () if ignore_eos else self.stop_ids, seed,
+                                        sampling=sampling, stop_strings=stop_strings, logprobs=logprobs,
+                                        prompt_logprobs=prompt_logprobs)
         except RequestRejected:
-            self.m_requests.labels("400", "rejected").inc()
+            self.refused(400)
             raise
+        self.m_prompt_tokens.inc(len(request.prompt_ids))
         job = Job(request)
         self.inbox.put(job)
         return job
+
+    def refused(self, status: int) -> None:
+        """Count a request refused before it reached the engine (`requests_total{status, finish_reason="rejected"}`):
+        `submit`'s own refusals, and the transport's (a malformed body, an unknown model, a bad field: 4xx)."""
+        self.m_requests.labels(str(status), "rejected").inc()
 
     def cancel(self, job: Job) -> None:
         """End `job` (its client disconnected): the engine thread frees its slot and pages before its next step."""
@@ -213,7 +227,7 @@ class EngineWorker:
             job.tokens.put(None)
         self._recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
         self.m_tps.set(sum(n for _, n in self._recent) / 10.0)
-        self._gauges()
+        self._count_compiles()
 
     @staticmethod
     def _update(job: Job) -> JobUpdate | None:
@@ -228,9 +242,7 @@ class EngineWorker:
         job.sent_tokens, job.sent_text = max(end, start), max(len(text), job.sent_text)
         return update
 
-    def _gauges(self) -> None:
-        self.m_queue.set(len(self.engine.queue))
-        self.m_running.set(len(self.engine.running))
+    def _count_compiles(self) -> None:
         if self.engine.compiles > self._compiles_seen:
             self.m_compiles.inc(self.engine.compiles - self._compiles_seen)
             self._compiles_seen = self.engine.compiles
@@ -243,7 +255,7 @@ class EngineWorker:
             job.tokens.put(None)
         self.jobs.clear()
         self.engine.reset()
-        self._gauges()
+        self._count_compiles()
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """Take no more requests; the engine thread finishes the ones in flight, then ends (joined here)."""

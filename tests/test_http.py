@@ -6,10 +6,12 @@ cancelling a request whose client left. No model and no compile: fast."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import queue
+import select
 import socket
 import threading
 import time
@@ -41,6 +43,7 @@ class FakeJob:
     seed: int
     logprobs: int | None
     prompt_logprobs: int | None
+    ignore_eos: bool
     tokens: queue.Queue = dataclasses.field(default_factory=queue.Queue)
     request: Done | None = None
     error: str | None = None
@@ -67,16 +70,22 @@ class FakeWorker:
         self.engine, self.stop_ids, self.registry = FakeEngine(), (), CollectorRegistry()
         self.jobs: list[FakeJob] = []
         self.cancelled: list[FakeJob] = []
+        self.refusals: list[int] = []  # statuses, as `requests_total{finish_reason="rejected"}` counts them
+
+    def refused(self, status: int) -> None:
+        self.refusals.append(status)
 
     def submit(self, prompt_ids, max_tokens, *, seed=0, sampling=None, stop_strings=(), logprobs=None,
-               prompt_logprobs=None) -> FakeJob:
+               prompt_logprobs=None, ignore_eos=False) -> FakeJob:
         for i, t in enumerate(prompt_ids):
             if t >= VOCAB:
+                self.refused(400)
                 raise Rejected(f"prompt_ids[{i}] must be a token id in [0, {VOCAB}); received {t}", "prompt_ids")
         if max_tokens is not None and len(prompt_ids) + max_tokens > MAX_LEN:
+            self.refused(400)
             raise Rejected(f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_tokens}) must fit the "
                            f"context (max_len {MAX_LEN})", "max_new_tokens")
-        job = FakeJob(list(prompt_ids), max_tokens, seed, logprobs, prompt_logprobs)
+        job = FakeJob(list(prompt_ids), max_tokens, seed, logprobs, prompt_logprobs, ignore_eos)
         self.jobs.append(job)
         threading.Thread(target=self._run, args=(job,), daemon=True).start()
         return job
@@ -118,13 +127,18 @@ class FakeWorker:
         job.tokens.put(None)
 
 
+DRAW_SEED = transport.openai.draw_seed  # the real one: the fixture draws 0 so that the fake's replies are short
+
+
 @pytest.fixture(scope="module")
 def served():
     worker = FakeWorker()
     srv = DFlashServer(("127.0.0.1", 0), worker, TOK, "m", MAX_LEN, read_timeout=5.0)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
-    yield srv, f"http://127.0.0.1:{srv.server_address[1]}", worker
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transport.openai, "draw_seed", lambda n=1: 0)
+        yield srv, f"http://127.0.0.1:{srv.server_address[1]}", worker
     srv.close()
     thread.join(10)
 
@@ -288,6 +302,30 @@ def test_several_prompts_and_n_in_one_request(served):
     assert len(ids) == 5
 
 
+def test_the_seed_used_is_reported_and_an_unseeded_request_draws_one(served, monkeypatch):
+    """The body's `dflash.seed` and the `X-DFlash-Seed` header name the seed the worker got: the client's, or
+    fresh entropy when it sent none (or null); sending it back reproduces the reply."""
+    _, url, worker = served
+    seeded = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 3, "seed": 42})
+    assert seeded.headers[transport.SEED_HEADER] == "42" and seeded.json()["dflash"]["seed"] == 42
+    assert worker.jobs[-1].seed == 42 and seeded.json()["choices"][0]["text"] == "42:"
+    monkeypatch.setattr(transport.openai, "draw_seed", DRAW_SEED)
+    drawn = []
+    for body in ({"prompt": "a", "max_tokens": 2}, {"prompt": "a", "max_tokens": 2, "seed": None}):
+        for _ in range(2):
+            resp = post(url, "/v1/completions", body)
+            seed = resp.json()["dflash"]["seed"]
+            assert resp.headers[transport.SEED_HEADER] == str(seed) and worker.jobs[-1].seed == seed
+            drawn.append(seed)
+    assert len(set(drawn)) == 4
+    status, chunks = events(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                          "max_tokens": 2, "stream": True})
+    assert status == 200 and chunks[-2]["dflash"]["seed"] == worker.jobs[-1].seed not in drawn
+    with HTTP.stream("POST", f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": True}) as resp:
+        resp.read()
+        assert int(resp.headers[transport.SEED_HEADER]) == worker.jobs[-1].seed
+
+
 def test_chat_streams_start_with_the_role_and_continuous_usage_counts_up(served):
     _, url, _ = served
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3,
@@ -366,3 +404,90 @@ def test_a_half_closed_connection_still_gets_its_answer(served):
     assert head.startswith(b"HTTP/1.1 200") and json.loads(whole)["choices"][0]["finish_reason"] == "cancelled"
     assert worker.jobs[-1] in worker.cancelled
     still_serves(url)
+
+
+# ------------------------------------------------------------------------------------------- the stock-client round
+
+
+def test_every_refusal_of_a_generation_request_is_counted_once(served):
+    """A malformed body, an unknown model, a bad field, a worker's refusal, an oversized body and a bad
+    `ignore_eos` each count one refusal with their status (the worker's own refusal once, by the worker); other
+    routes' and methods' errors, answered requests and a request that failed in the engine (the worker counts how
+    it ended) count none."""
+    srv, url, worker = served
+    before = len(worker.refusals)
+    assert post(url, "/v1/completions", b"{not json").status_code == 400
+    assert post(url, "/v1/completions", {"prompt": "hi", "model": "gpt-9"}).status_code == 404
+    assert post(url, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}).status_code == 400
+    assert post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}).status_code == 400
+    assert post(url, "/v1/completions", {"prompt": [1, 300]}).status_code == 400  # refused by the worker
+    assert post(url, "/v1/completions", {"prompt": "hi", "ignore_eos": 1}).status_code == 400
+    big = post(url, "/v1/completions", b"x" * (srv.max_body_bytes + 1))
+    assert big.status_code == 413
+    assert HTTP.get(f"{url}/v1/models/gpt-9", timeout=30).status_code == 404
+    assert HTTP.get(f"{url}/v1/completions", timeout=30).status_code == 405
+    assert post(url, "/v1/nothing", {}).status_code == 404
+    assert post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert post(url, "/v1/completions", {"prompt": "alone"}).status_code == 400  # failed in the engine: its count
+    assert worker.refusals[before:] == [400, 404, 400, 400, 400, 400, 413]
+
+
+def test_ignore_eos_reaches_the_worker(served):
+    _, url, worker = served
+    for body, want in [({"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, True),
+                       ({"prompt": "hi", "max_tokens": 2}, False),
+                       ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "ignore_eos": True}, True)]:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        assert post(url, path, body).status_code == 200 and worker.jobs[-1].ignore_eos is want
+
+
+@pytest.fixture()
+def strict():
+    """A server whose request heads must arrive within 1 s (each read may wait 5 s)."""
+    worker = FakeWorker()
+    srv = DFlashServer(("127.0.0.1", 0), worker, TOK, "m", MAX_LEN, read_timeout=5.0, header_timeout=1.0)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield int(srv.server_address[1])
+    srv.close()
+    thread.join(10)
+
+
+def _trickle(port: int, parts: list[bytes], gap: float) -> tuple[bytes, float]:
+    """Send `parts` `gap` seconds apart (stopping when the server closes), then read the answer: (answer, seconds
+    from the first byte to the end of the answer)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        start = time.monotonic()
+        try:
+            for part in parts:
+                sock.sendall(part)
+                if select.select([sock], [], [], gap)[0]:
+                    break  # the server answered (or closed)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+    return answer, time.monotonic() - start
+
+
+def test_a_request_head_that_trickles_past_the_deadline_is_cut(strict):
+    """Headers a line per 0.4 s (each read well within the 5 s read timeout) are answered 408 about 1 s after the
+    request's first byte, as is a request line sent a few bytes at a time; a prompt head with a slow body, and a
+    connection idle longer than the deadline before its request, are served."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    head = [b"POST /v1/completions HTTP/1.1\r\n", b"Host: x\r\n", b"Content-Type: application/json\r\n",
+            b"Connection: close\r\n", b"X-Two: 2\r\n", b"X-Three: 3\r\n", b"X-Four: 4\r\n",
+            f"Content-Length: {len(body)}\r\n\r\n".encode(), body]
+    answer, took = _trickle(strict, head, 0.4)
+    assert answer.startswith(b"HTTP/1.") and b" 408 " in answer.split(b"\r\n", 1)[0], answer[:80]
+    assert b"must arrive within 1.0 s" in answer and took < 2.6, took
+    line = [b"POST /v1/comp", b"letions HT", b"TP/1.1\r\n", b"Host: x\r\n", b"\r\n"]
+    answer, took = _trickle(strict, line, 0.4)
+    assert b" 408 " in answer.split(b"\r\n", 1)[0] and took < 2.6, (answer[:80], took)
+    slow_body = [b"".join(head[:-1]), body[:5], body[5:]]
+    answer, _ = _trickle(strict, slow_body, 1.2)  # the body's reads wait the read timeout each
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
+    answer, _ = _trickle(strict, [b"", b"".join(head)], 1.2)  # idle first: the deadline starts at the first byte
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:80]

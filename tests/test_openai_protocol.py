@@ -176,11 +176,12 @@ def test_the_unknown_fields_policy_is_checked_at_construction():
 
 def test_a_completion_request_with_defaults():
     request = parse({"prompt": "ab"})
-    assert request == openai.GenerationRequest(COMPLETIONS, "m", ((98, 99),), 16, 0, (),
+    seed = request.seed  # drawn fresh: no seed was sent
+    assert request == openai.GenerationRequest(COMPLETIONS, "m", ((98, 99),), 16, seed, (),
                                                SamplingConfig(temperature=0.5, top_p=0.9, top_k=7),
-                                               prompt_texts=("ab",))
+                                               prompt_texts=("ab",), seeded=False)
     assert not request.stream and not request.include_usage and request.logprobs is None
-    assert request.choices == [openai.Choice(0, 0, (98, 99), 0)]
+    assert request.choices == [openai.Choice(0, 0, (98, 99), seed)]
     assert parse({"prompt": "ab"}, config=ProtocolConfig("m")).max_tokens is None  # until a stop or the context ends
 
 
@@ -232,8 +233,9 @@ def test_chat_content_is_a_string_or_a_list_of_text_parts():
     assert TOK.decode(list(parse({"messages": parts}, CHAT).prompt_ids)) == "user: hi\nthere\nassistant: "
     one = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     assert parse({"messages": one}, CHAT).prompt_ids == parse({"messages": MESSAGES}, CHAT).prompt_ids
-    cases = [(None, "messages[0].content must be a string or a list of text parts; received None"),
-             (5, "messages[0].content must be a string or a list of text parts; received 5"),
+    cases = [(None, "messages[0].content must be a string or a non-empty list of text parts; received None"),
+             (5, "messages[0].content must be a string or a non-empty list of text parts; received 5"),
+             ([], "messages[0].content must be a string or a non-empty list of text parts; received []"),
              ([{"type": "image_url", "image_url": {"url": "x"}}],
               "messages[0].content[0] must be a text part {\"type\": \"text\", \"text\": ...}; received type "
               "'image_url' (only text is supported)"),
@@ -243,6 +245,48 @@ def test_chat_content_is_a_string_or_a_list_of_text_parts():
     for content, message in cases:
         err = refused({"messages": [{"role": "user", "content": content}]}, CHAT)
         assert (str(err), err.param) == (message, "messages")
+
+
+def test_roles_are_openais():
+    """The roles OpenAI's API takes, and no other (a stock client's "wizard" is a 400 naming the field)."""
+    for role in openai.ROLES:
+        assert parse({"messages": [{"role": role, "content": "x"}]}, CHAT).prompt_ids
+    for role in ("wizard", "User", "", "bot"):
+        err = refused({"messages": [*MESSAGES, {"role": role, "content": "x"}]}, CHAT)
+        assert (str(err), err.param) == (f"messages[1].role must be one of {list(openai.ROLES)}; received {role!r}",
+                                         "messages")
+
+
+def test_bad_chat_template_kwargs_are_a_400_naming_the_field():
+    """Template variables the server sets itself, and variables the template cannot render with, are refused
+    naming `chat_template_kwargs`, not as a Python error about the call."""
+    for key in ("add_generation_prompt", "messages"):
+        err = refused({"messages": MESSAGES, "chat_template_kwargs": {key: True, "x": 1}}, CHAT)
+        assert (str(err), err.param) == (f"chat_template_kwargs must not set {key!r} (the server sets "
+                                         "['add_generation_prompt', 'messages']); received keys "
+                                         f"{sorted([key, 'x'])}", "chat_template_kwargs")
+        assert "TypeError" not in str(err) and "keyword argument" not in str(err)
+
+    class Picky(ByteTokenizer):
+        def encode_chat(self, messages, add_generation_prompt=True, **kwargs):
+            if kwargs.get("enable_thinking") not in (None, True, False):
+                raise ValueError("enable_thinking must be a boolean")
+            return super().encode_chat(messages, add_generation_prompt, **kwargs)
+
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": "maybe"}}
+    err = pytest.raises(RequestError, openai.parse_request, CHAT, body, Picky(), CONFIG).value
+    assert (str(err), err.param) == ("chat_template_kwargs must be variables the chat template can render with; "
+                                     "with ['enable_thinking'] it failed: enable_thinking must be a boolean",
+                                     "chat_template_kwargs")
+    assert openai.parse_request(CHAT, {**body, "chat_template_kwargs": {"enable_thinking": False}}, Picky(), CONFIG)
+
+
+def test_ignore_eos():
+    assert parse({"prompt": "a", "ignore_eos": True}).ignore_eos
+    assert not parse({"prompt": "a", "ignore_eos": None}).ignore_eos and not parse({"prompt": "a"}).ignore_eos
+    assert parse({"messages": MESSAGES, "ignore_eos": True}, CHAT).ignore_eos
+    err = refused({"prompt": "a", "ignore_eos": "yes"})
+    assert (str(err), err.param) == ("ignore_eos must be true, false or null; received 'yes'", "ignore_eos")
 
 
 def test_a_template_error_is_a_400_about_the_messages():
@@ -274,7 +318,6 @@ def test_max_tokens():
 
 
 def test_n_stop_and_seed():
-    assert parse({"prompt": "a", "n": 1}).seed == 0
     assert parse({"prompt": "a", "n": 128}).n == 128
     for n in (0, 129, True, 1.0, "2"):
         err = refused({"prompt": "a", "n": n})
@@ -287,12 +330,26 @@ def test_n_stop_and_seed():
         assert (str(err), err.param) == (f"stop must be a string or a list of non-empty strings; received {stop!r}",
                                          "stop")
     assert parse({"prompt": "a", "seed": 2**63 - 1}).seed == 2**63 - 1
-    for seed in (-1, 2**63, True, 1.0, None):
+    assert parse({"prompt": "a", "seed": 0}).seeded and parse({"prompt": "a", "seed": 0}).seed == 0
+    for seed in (-1, 2**63, True, 1.0):
         err = refused({"prompt": "a", "seed": seed})
         assert (str(err), err.param) == (f"seed must be an integer in [0, 2**63); received {seed!r}", "seed")
     err = refused({"prompt": "a", "seed": 2**63 - 2, "n": 3})
     assert str(err) == ("seed must be an integer in [0, 2**63 - 2) (choice i uses seed + i); received "
                         f"{2**63 - 2}")
+
+
+def test_an_unseeded_request_draws_fresh_entropy():
+    """OpenAI's semantics: a request without a seed (or with `seed: null`) is independent of every other; its
+    seed is 63 fresh bits, leaving room for the n choices' seed + i."""
+    drawn = [parse({"prompt": "a"}) for _ in range(64)] + [parse({"prompt": "a", "seed": None})]
+    assert not any(r.seeded for r in drawn)
+    seeds = [r.seed for r in drawn]
+    assert len(set(seeds)) == len(seeds)  # a collision of 63-bit draws: 1 in 2**52
+    assert all(0 <= s < 2**63 for s in seeds) and max(seeds) >= 2**60  # the whole range, not 31 or 32 bits
+    many = parse({"prompt": "a", "n": 128})
+    assert many.seed + 127 < 2**63 and [c.seed for c in many.choices][-1] == many.seed + 127
+    assert all(0 <= openai.draw_seed(2**62) <= 2**62 for _ in range(200))
 
 
 def test_stream_options():
@@ -405,6 +462,9 @@ def test_response_ids_are_unique_and_stats_sum_over_choices():
     assert openai.dflash_stats([Done([1], accepted=[3]), Done([1], accepted=[0, 1])]) == {
         "tau": 7 / 3, "steps": 3, "accepted_per_step": [3, 0, 1]}
     assert openai.dflash_stats([Done([1])]) == openai.dflash_stats([None]) == AR_STATS
+    assert openai.dflash_stats([None], seed=7) == {**AR_STATS, "seed": 7}
+    seeded = parse({"prompt": "a", "seed": 9, "n": 2})
+    assert openai.response_body(seeded, "k", 1, [Done([1]), Done([1])], TOK)["dflash"]["seed"] == 9  # choice i: 9 + i
 
 
 def test_a_completion_response():
@@ -413,7 +473,7 @@ def test_a_completion_response():
     assert body == {"id": "cmpl-1", "object": "text_completion", "created": 100, "model": "m",
                     "choices": [{"index": 0, "finish_reason": "length", "logprobs": None, "text": "xyz"}],
                     "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
-                    "dflash": DFLASH_STATS}
+                    "dflash": {**DFLASH_STATS, "seed": request.seed}}
 
 
 def test_several_prompts_and_n_answer_in_index_order_with_summed_usage():
@@ -432,7 +492,8 @@ def test_a_chat_response():
     assert body == {"id": "chatcmpl-1", "object": "chat.completion", "created": 100, "model": "m",
                     "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
                                  "message": {"role": "assistant", "content": "hello"}}],
-                    "usage": {"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2}, "dflash": AR_STATS}
+                    "usage": {"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2},
+                    "dflash": {**AR_STATS, "seed": request.seed}}
 
 
 A, B, EOS = TOK.encode("a")[0], TOK.encode("b")[0], STOP
@@ -498,7 +559,8 @@ def test_chat_stream_chunks():
         {"index": 0, "finish_reason": None, "logprobs": None, "delta": {"content": "Hi"}}]}
     assert openai.final_chunk(request, "c", 5, 0, Done([1, 2, 3], "Hi", "stop"), whole_usage=openai.usage(4, 3)) == {
         **head, "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None, "delta": {"content": ""}}],
-        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}, "dflash": AR_STATS}
+        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
+        "dflash": {**AR_STATS, "seed": request.seed}}
 
 
 def test_streamed_logprobs_per_chunk():
@@ -523,7 +585,7 @@ def test_completion_stream_chunks_with_usage_options():
         **head, "choices": [{"index": 0, "finish_reason": None, "logprobs": None, "text": "x"}], "usage": None}
     assert openai.final_chunk(request, "k", 5, 0, Done([1, 2, 3], accepted=[2, 0])) == {
         **head, "choices": [{"index": 0, "finish_reason": "length", "logprobs": None, "text": ""}], "usage": None,
-        "dflash": DFLASH_STATS}
+        "dflash": {**DFLASH_STATS, "seed": request.seed}}
     assert openai.usage_chunk(request, "k", 5, 3) == {
         **head, "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
     every = parse({"prompt": "ab", "stream": True, "stream_options": {"continuous_usage_stats": True}})

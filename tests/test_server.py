@@ -130,6 +130,27 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, path, pa
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.e2e
+def test_unseeded_sampled_requests_are_independent_and_a_reported_seed_replays(server):
+    """OpenAI's semantics: four identical T=1 requests without a seed are not all equal (each draws 63 bits of
+    fresh entropy); the seed each reports (`dflash.seed`, the `X-DFlash-Seed` header) reproduces its reply."""
+    srv, url, target = server
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTIONS[6]}], "max_tokens": 8,
+            "temperature": 1.0}
+
+    def ask(body: dict) -> httpx.Response:
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(ask, [body] * 4))
+    texts = [r.json()["choices"][0]["message"]["content"] for r in replies]
+    seeds = [r.json()["dflash"]["seed"] for r in replies]
+    assert [int(r.headers["x-dflash-seed"]) for r in replies] == seeds and len(set(seeds)) == 4
+    assert len(set(texts)) > 1, texts
+    again = ask({**body, "seed": seeds[0]}).json()
+    assert again["choices"][0]["message"]["content"] == texts[0] and again["dflash"]["seed"] == seeds[0]
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_sampled_and_greedy_requests_share_the_engine(server):

@@ -224,7 +224,7 @@ COMMON = {  # the fields both endpoints know, with their types
     "user": _either(TEXT),
     "frequency_penalty": _either(FLOATS), "presence_penalty": _either(FLOATS),
     "logit_bias": _either(st.dictionaries(TEXT, FLOATS, max_size=2)),
-    "ignore_eos": ANY,  # vendor fields the server does not know
+    "ignore_eos": ANY,  # vLLM's extension: a boolean runs past the stop tokens, anything else is a 400
 }
 COMPLETIONS = {
     "prompt": _either(st.one_of(TEXT, TOKEN_IDS, st.lists(TEXT, max_size=3), st.lists(TOKEN_IDS, max_size=3))),

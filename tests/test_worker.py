@@ -105,3 +105,54 @@ def test_updates_stream_stable_text_refusals_are_synchronous_and_failures_stay_a
         len(j.request.token_ids) - 1 for j in [*jobs, after])
     assert _metric(metrics, "dflash_tau_count") == 3
     assert _metric(metrics, "dflash_compiles_total") == engine.compiles >= 1
+
+
+def test_gauges_show_a_request_from_admission_on_and_prompt_tokens_are_counted(setup):
+    """While the engine prefills a request (held here), /metrics shows it running and the one submitted meanwhile
+    queued; afterwards both read 0, and `dflash_prompt_tokens_total` holds both prompts."""
+    import threading
+
+    target_cfg, target_params, drafter, prompts = setup
+    engine = Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=3, max_len=MAX_LEN))
+    entered, release = threading.Event(), threading.Event()
+    prefill = engine._prefill
+
+    def held(batch):
+        entered.set()
+        assert release.wait(120)
+        return prefill(batch)
+
+    engine._prefill = held
+    worker = EngineWorker(engine).start()
+    try:
+        first = worker.submit(prompts[0], 4)
+        assert entered.wait(120)
+        second = worker.submit(prompts[1], 4)
+        during = generate_latest(worker.registry).decode()
+        release.set()
+        _drain(first), _drain(second)
+        after = generate_latest(worker.registry).decode()
+    finally:
+        release.set()
+        worker.shutdown()
+    assert _metric(during, "dflash_running_requests") == 1 and _metric(during, "dflash_queue_depth") == 1
+    assert _metric(after, "dflash_running_requests") == 0 and _metric(after, "dflash_queue_depth") == 0
+    assert _metric(after, "dflash_prompt_tokens_total") == len(prompts[0]) + len(prompts[1])
+
+
+def test_ignore_eos_runs_past_the_stop_tokens(setup):
+    """With the server's stop ids set, a request ends at the first one; with `ignore_eos` it runs to its budget
+    and its tokens are AR's, the stop id among them."""
+    target_cfg, target_params, drafter, prompts = setup
+    ar = ar_alone(target_params, target_cfg, prompts[2], 12)
+    stop = ar[3]
+    worker = EngineWorker(Engine(target_params, target_cfg, drafter, Chain(4), Limits(slots=3, max_len=MAX_LEN)))
+    worker.stop_ids = (stop,)
+    worker.start()
+    try:
+        plain, ignoring = worker.submit(prompts[2], 12), worker.submit(prompts[2], 12, ignore_eos=True)
+        _drain(plain), _drain(ignoring)
+    finally:
+        worker.shutdown()
+    assert plain.request.token_ids == ar[: ar.index(stop) + 1] and plain.request.finish_reason == "stop"
+    assert ignoring.request.token_ids == ar and ignoring.request.finish_reason == "length" and stop in ar
