@@ -318,12 +318,14 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
              drafter: str | None = None, step: str | None = None, config: str = "default",
              overrides: Sequence[str] = (), api_key: str | None = None, devices: int = 1, progress: bool = True
              ) -> tuple[dict[str, Any], dict[str, Path]]:
-    """`dflash eval`: against the server at `url`, or a `dflash serve` subprocess of `drafter` (a run dir or
-    an export; `step`: N or best, which falls back to the newest checkpoint where a run kept no best/) started here;
-    the AR baseline at `ar_url`, or a `dflash serve --ar`
-    subprocess of the same recipe (its `serve` section, with `overrides`, is the DFlash server's decode plan), each
-    over `devices` of the host's devices (`dflash serve --devices`; the servers run one after the other).
-    Subprocess logs go to out_dir/server-*.log; servers stop at the end."""
+    """`dflash eval`: the DFlash server at `url`, or a `dflash serve` subprocess of `drafter` (a run dir or an
+    export; `step`: N or best, which falls back to the newest checkpoint where a run kept no best/) started here,
+    against the AR baseline at `ar_url`, or the target alone served by that same subprocess (`dflash serve
+    --ar-port`: one process, one copy of the weights, one chip, as a TPU host needs) or, beside a given `url`, a
+    `dflash serve --ar` subprocess of the same recipe (its `serve` section, with `overrides`, is the DFlash
+    server's decode plan), over `devices` of the host's devices (`dflash serve --devices`). Both servers are up
+    together: at concurrency 1 each conversation runs on both back to back (paired; `collect`). Subprocess logs go
+    to out_dir/server*.log; servers stop at the end."""
     import contextlib
 
     from dflash.eval import servers
@@ -340,23 +342,17 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
     common = ["--config", config, "--devices", str(devices), *(["--api-key", api_key] if api_key else []),
               *overrides]
     slots = int(max(settings.concurrency))
-    items = eval_items(settings)
-    # One server at a time: the DFlash phase, then the AR phase (a server started here stops before the next).
+    args = ["--drafter", drafter, *(["--step", step] if step else [])] if drafter else []
     with contextlib.ExitStack() as stack:
-        if url is None:
-            args = ["--drafter", drafter, *(["--step", step] if step else [])]
+        if url is None and ar_url is None:
+            url, ar_url = stack.enter_context(servers.serve_pair_subprocess([*args, *common], out_dir / "server.log",
+                                                                            slots))
+        elif url is None:
             url = stack.enter_context(servers.serve_subprocess([*args, *common], out_dir / "server-dflash.log", slots))
-        dflash = Client(url, api_key)
-        served = dflash.get("/v1/models")["data"][0]
-        collect({"dflash": dflash}, settings, out_dir, items, progress)
-    with contextlib.ExitStack() as stack:
-        if ar_url is None:
+        elif ar_url is None:
             ar_url = stack.enter_context(servers.serve_subprocess(["--ar", *common], out_dir / "server-ar.log", slots))
-        ar = Client(ar_url, api_key)
-        _check_same_target(ar, served)
-        records = collect({"ar": ar}, settings, out_dir, items, progress)
-    info = {"path": drafter, "step": step} if drafter else {}
-    return _results(records, items, served, url, settings, out_dir, info)
+        return evaluate(url, ar_url, settings, out_dir, drafter={"path": drafter, "step": step} if drafter else None,
+                        api_key=api_key, progress=progress)
 
 
 __all__ = ["MODES", "EvalSettings", "RecordStore", "collect", "environment", "evaluate", "run_eval", "timed_compiles",

@@ -254,7 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            api_key=args.api_key or os.environ.get("DFLASH_API_KEY") or None,
                            max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout or None,
                            unknown_fields="reject" if args.strict_fields else "ignore",
-                           precompile=not args.no_precompile)
+                           precompile=not args.no_precompile, ar_port=args.ar_port)
     serve_recipe(recipe, options)
     return 0
 
@@ -441,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", help="a `dflash train` run dir or a z-lab HF drafter dir (default: train.run_dir)")
     p.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
     p.add_argument("--ar", action="store_true", help="serve the target alone (no drafter)")
+    p.add_argument("--ar-port", type=int, default=None,
+                   help="also serve the target alone (AR) on this port, in this process over the same weights "
+                   "(one chip holds both: the baseline of a paired dflash eval on a TPU host)")
     _add_plan_args(p)
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences per step (continuous batching)")
     p.add_argument("--prefill-chunk", type=int, default=512,
@@ -472,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="a running `dflash serve` (DFlash) to evaluate, e.g. http://127.0.0.1:8000")
     p.add_argument("--drafter", help="a run dir or an exported drafter: its server is started here")
     p.add_argument("--step", default=None, help="with --drafter: a checkpoint step or 'best' (default: latest)")
-    p.add_argument("--ar-url", help="a running `dflash serve --ar` of the same target (default: started here)")
+    p.add_argument("--ar-url", help="a running AR server of the same target, e.g. `dflash serve --ar` or the "
+                   "--ar-port of the DFlash server (default: started here, beside the DFlash server)")
     p.add_argument("--sets", default="gsm8k,mtbench",
                    help="comma-separated: gsm8k, math500, humaneval, mbpp, mtbench, a .json/.jsonl file, hf:ID")
     p.add_argument("--limit", type=int, default=8, help="conversations per set (default 8)")
