@@ -90,8 +90,8 @@ def tokenize_rows(
     A conversation whose loss mask is all zero after truncation (no assistant token left) is skipped and
     counted in `num_skipped`. A harmony (gpt-oss) conversation makes one row per assistant turn
     (`harmony_rows`), each the prompt that turn was answered from, its history rewritten as harmony says, then the
-    reply, masked; `num_skipped` counts rows. `pad_id` defaults to the first stop token (ChatML `<|im_end|>`); padding has
-    loss mask 0, so its id only matters to what the target sees after the text. `template_kwargs` are the
+    reply, masked; `num_skipped` counts rows. `pad_id` defaults to the first stop token (ChatML `<|im_end|>`);
+    padding has loss mask 0, so its id only matters to what the target sees after the text. `template_kwargs` are the
     chat-template variables the prompts are served with (`data.regen.template_kwargs`, e.g. Qwen3's
     `enable_thinking=False`, whose empty think block is then prompt, not loss).
     """

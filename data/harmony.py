@@ -102,6 +102,11 @@ def split_reply(tok: Any, ids: Sequence[int]) -> dict[str, str]:
         body = ids.index(h.message, pos) + 1
         channel = _channel(tok, ids[pos:body - 1], first=not messages)
         stop = next((i for i in range(body, len(ids)) if ids[i] in h.stops), len(ids))
+        inner = sorted({tok.decode([i], skip_special_tokens=False) for i in ids[body:stop]
+                        if i in (h.start, h.message, h.channel)})
+        if inner:
+            raise FormatError(f"message {len(messages)} of the reply must hold no harmony token in its content; "
+                              f"received {inner}")
         messages.append((channel, ids[body:stop], ids[stop] if stop < len(ids) else None))
         if stop == len(ids) or ids[stop] != h.end:
             break
@@ -132,7 +137,11 @@ def round_trip(tok: Any, prompt: Sequence[Mapping[str, Any]], prompt_ids: Sequen
     expected = [*map(int, prompt_ids), *map(int, generated)]
     if h is not None and (not expected or expected[-1] not in h.stops):
         expected.append(h.return_)
-    text = tok.apply_chat_template([*history(prompt), dict(message)], add_generation_prompt=False, **template_kwargs)
+    try:
+        text = tok.apply_chat_template([*history(prompt), dict(message)], add_generation_prompt=False,
+                                       **template_kwargs)
+    except Exception as err:  # noqa: BLE001 - a template that refuses the message refuses the reply
+        raise FormatError(f"the chat template must render the reply; it failed: {type(err).__name__}: {err}") from err
     rendered = tok.encode(text, add_special_tokens=False)
     if rendered != expected:
         i = next((i for i, (a, b) in enumerate(zip(rendered, expected, strict=False)) if a != b),

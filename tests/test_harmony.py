@@ -118,6 +118,8 @@ def test_split_reply_takes_the_channels_apart(tok: ChatTokenizer) -> None:
     ("<|channel|>analysis<|message|>hmm so<|end|><|start|>assistant<|channel|>fin", "must have a <\\|message\\|>"),
     ("<|channel|>analysis<|message|>hmm so<|end|>yes", "must be followed by <\\|start\\|>"),
     ("assistant<|channel|>final<|message|>yes<|return|>", "headers must be '<\\|channel\\|>NAME'"),
+    ("<|channel|>final<|message|>yes<|channel|>done<|return|>",
+     r"no harmony token in its content; received \['<\|channel"),
 ])
 def test_split_reply_refuses_what_the_template_cannot_render(tok: ChatTokenizer, reply: str, why: str) -> None:
     with pytest.raises(harmony.FormatError, match=why):
@@ -137,6 +139,8 @@ def test_round_trip_and_history(tok: ChatTokenizer) -> None:
         harmony.round_trip(tok, first, prompt, message, generated[:-1] + [tok.encode("<|end|>")[0]], KWARGS)
     with pytest.raises(harmony.FormatError, match="differ"):  # another day's prompt is not the one the target saw
         harmony.round_trip(tok, first, prompt, message, generated, {**KWARGS, "strftime_now": "2026-12-07"})
+    with pytest.raises(harmony.FormatError, match="template must render the reply; it failed: UndefinedError"):
+        harmony.round_trip(tok, first, prompt, {"role": "assistant", "thinking": "hmm"}, generated, KWARGS)
     later = [*first, message, {"role": "user", "content": USER_2}]
     assert harmony.history(later)[2] == {"role": "assistant", "content": "yes done"}
     assert later[2]["thinking"] == "hmm so"  # not modified in place
