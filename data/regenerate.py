@@ -474,7 +474,9 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
     Files:
     - `out_path` (JSONL, one line per finished conversation, written with flush + fsync):
       `{"id", "source", "messages": [system?, user1, a1', user2, a2', ...], "finish_reasons":
-      ["stop"|"length", ...], "tokens": generated tokens over all turns (stop tokens included)}`;
+      ["stop"|"length", ...], "tokens": generated tokens over all turns (stop tokens included)}`; a harmony (gpt-oss)
+      target's replies are `{"role": "assistant", "thinking": analysis, "content": final}`, and its later turns are
+      prompted with earlier analysis dropped (`data.harmony`; replies it cannot render back: kind "format");
     - `<out_path>.errors.jsonl`: `{"id", "source", "turn", "kind", "error"}`, kind one of "invalid" (bad
       item, empty user turn), "template" (the chat template failed), "too_long" (the first prompt does not
       fit), "truncated" (the first reply hit max_new_tokens while `drop_truncated`). A later turn whose
