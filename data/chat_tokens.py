@@ -2,7 +2,7 @@
 
 `tokenize_conversation` holds the contract (which tokens are in the loss); `tokenize_rows` makes the padded
 rows that both training modes read. Template caveats (Qwen3's reasoning, thinking on or off):
-docs/decisions.md D15.
+docs/decisions.md D15; gpt-oss's harmony conversations make one row per assistant turn (D85).
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ from typing import Any
 
 import numpy as np
 
+from dflash.data import harmony
 from dflash.models.tokenizer import ChatTokenizer
 
 ASSISTANT = "assistant"
 
 
 def tokenize_conversation(
-    tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]], max_len: int, **template_kwargs: Any
+    tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]], max_len: int, *, last_turn_only: bool = False,
+    **template_kwargs: Any
 ) -> tuple[np.ndarray, np.ndarray]:
     """(ids int32[n], loss_mask float32[n]) with n <= max_len.
 
@@ -40,6 +42,9 @@ def tokenize_conversation(
     runs up to and including the LAST stop token (`tok.stop_token_ids`); a span without one is masked
     whole. Every rendered prefix must be a text prefix of the full rendering and must tokenize to a token
     prefix of its ids; templates that rewrite earlier turns (e.g. strip past reasoning) raise a ValueError.
+
+    `last_turn_only`: the mask covers the LAST assistant message only; earlier ones are history (loss 0) and only
+    the last is checked for prefixes, so a template that rewrites earlier turns is fine (harmony's rows, D85).
     """
     if max_len <= 0:
         raise ValueError(f"max_len must be > 0; received {max_len}")
@@ -54,9 +59,8 @@ def tokenize_conversation(
     mask = np.zeros(len(ids), np.float32)
     stop_ids = set(tok.stop_token_ids)
     previous_end = 0
-    for index, message in enumerate(messages):
-        if message["role"] != ASSISTANT:
-            continue
+    turns = [i for i, m in enumerate(messages) if m["role"] == ASSISTANT]
+    for index in turns[-1:] if last_turn_only else turns:
         start = _prefix_length(tok, messages[:index], True, full_text, ids, template_kwargs)
         end = _prefix_length(tok, messages[: index + 1], False, full_text, ids, template_kwargs)
         if not previous_end <= start <= end:
@@ -84,8 +88,10 @@ def tokenize_rows(
     batches (`data.online`) and offline capture (`data.capture`) both use it.
 
     A conversation whose loss mask is all zero after truncation (no assistant token left) is skipped and
-    counted in `num_skipped`. `pad_id` defaults to the first stop token (ChatML `<|im_end|>`); padding has
-    loss mask 0, so its id only matters to what the target sees after the text. `template_kwargs` are the
+    counted in `num_skipped`. A harmony (gpt-oss) conversation makes one row per assistant turn
+    (`harmony_rows`), each the prompt that turn was answered from, its history rewritten as harmony says, then the
+    reply, masked; `num_skipped` counts rows. `pad_id` defaults to the first stop token (ChatML `<|im_end|>`);
+    padding has loss mask 0, so its id only matters to what the target sees after the text. `template_kwargs` are the
     chat-template variables the prompts are served with (`data.regen.template_kwargs`, e.g. Qwen3's
     `enable_thinking=False`, whose empty think block is then prompt, not loss).
     """
@@ -95,13 +101,24 @@ def tokenize_rows(
         pad_id = tok.stop_token_ids[0]
     rows: list[tuple[np.ndarray, np.ndarray, int]] = []
     num_skipped = 0
+    kwargs = dict(template_kwargs or {})
+    is_harmony = harmony.is_harmony(tok)
     for messages in conversations:
-        ids, mask = tokenize_conversation(tok, messages, seq_len, **dict(template_kwargs or {}))
-        if not mask.any():
-            num_skipped += 1
-            continue
-        rows.append(pad_batch_example(ids, mask, seq_len, pad_id))
+        for row in harmony_rows(messages) if is_harmony else [messages]:
+            ids, mask = tokenize_conversation(tok, row, seq_len, last_turn_only=is_harmony, **kwargs)
+            if not mask.any():
+                num_skipped += 1
+                continue
+            rows.append(pad_batch_example(ids, mask, seq_len, pad_id))
     return rows, num_skipped
+
+
+def harmony_rows(messages: Sequence[Mapping[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A harmony conversation's rows, one per assistant turn: the messages up to and including that turn, earlier
+    turns as the next prompt holds them (`harmony.history`: their analysis dropped), so that each row is exactly the
+    prompt the target answered that turn from, then its reply (analysis and final, as generated)."""
+    turns = [i for i, m in enumerate(messages) if m.get("role") == ASSISTANT]
+    return [[*harmony.history(messages[:i]), dict(messages[i])] for i in turns] or [list(messages)]
 
 
 def pad_batch_example(

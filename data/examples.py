@@ -48,7 +48,7 @@ def build_examples(cfg: DataConfig, tokenizer: Any, split: str = "train",
     examples, skipped = tokenize_rows(tokenizer, conversations, cfg.seq_len,
                                       template_kwargs=cfg.regen.template_kwargs)
     if skipped:
-        log.info("skipped %d of %d conversations with no assistant token within seq_len=%d", skipped,
+        log.info("skipped %d rows (of %d conversations) with no assistant token within seq_len=%d", skipped,
                  len(conversations), cfg.seq_len)
     digest = hashlib.sha256()
     for tokens, mask, _ in examples:

@@ -7,7 +7,8 @@ target's own outputs is accepted more often), through the engine's AR mode with 
     stats = regenerate(engine, target.tokenizer, items, "regen/gsm8k.jsonl", cfg)   # items: data.sources.mix
 
 Turn splitting: `split_turns`; output, errors and resume: `regenerate`. `dflash data regenerate` runs it
-(`data.stages.run_regenerate`). Design: docs/decisions.md D15.
+(`data.stages.run_regenerate`). Design: docs/decisions.md D15; a gpt-oss target's harmony replies: D85
+(`data.harmony`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from dflash.data import harmony
 from dflash.data.config import RegenConfig
 from dflash.data.progress import Progress
 from dflash.serve.config import SamplingConfig
@@ -50,6 +52,7 @@ class RegenStats:
     wall_s: float = 0.0
     repaired_bytes: int = 0  # partial last lines removed from the output files on resume
     retokenized_differs: int = 0  # server replies whose text re-tokenises to another count than was generated
+    unrenderable: int = 0  # harmony replies the template cannot render back as generated (not kept)
 
     @property
     def tokens_per_s(self) -> float:
@@ -62,7 +65,9 @@ class RegenStats:
                 f"{self.generated_tokens} generated in {self.wall_s:.1f}s = {self.tokens_per_s:.1f} tokens/s"
                 + (f"; repaired a partial last line ({self.repaired_bytes} bytes)" if self.repaired_bytes else "")
                 + (f"; {self.retokenized_differs} replies re-tokenise to another token count than the server "
-                   "generated (kept: training reads the text)" if self.retokenized_differs else ""))
+                   "generated (kept: training reads the text)" if self.retokenized_differs else "")
+                + (f"; {self.unrenderable} harmony replies not kept (a shape the template cannot render back: see "
+                   "the errors file)" if self.unrenderable else ""))
 
 
 class ItemError(ValueError):
@@ -212,6 +217,7 @@ class _Conversation:
     messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
     tokens: int = 0
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)  # the turn in flight's (harmony's round trip)
 
     @property
     def turn(self) -> int:
@@ -225,13 +231,15 @@ class _Conversation:
 @dataclasses.dataclass(frozen=True)
 class Reply:
     """One finished turn, as a backend returns it: the reply text without its stop token, the tokens generated
-    (the stop token included) as the engine or server counts them, "stop" or "length", and whether the text
-    re-tokenised with the recipe's tokenizer gives that count (always true in process)."""
+    (the stop token included) as the engine or server counts them, "stop" or "length", whether the text
+    re-tokenised with the recipe's tokenizer gives that count (always true in process), and the generated ids, stop
+    token included (the engine's; None from a server), which a harmony reply is split by."""
 
     text: str
     tokens: int
     finish_reason: str
     retokenized_same: bool = True
+    token_ids: tuple[int, ...] | None = None
 
 
 class Backend(Protocol):
@@ -288,7 +296,7 @@ def completion_reply(completion: Completion, tokenizer: Any, stop_ids: tuple[int
     ids = completion.token_ids
     if reason == "stop" and ids and ids[-1] in stop_ids:
         ids = ids[:-1]
-    return Reply(tokenizer.decode(ids), len(completion.token_ids), reason)
+    return Reply(tokenizer.decode(ids), len(completion.token_ids), reason, token_ids=tuple(completion.token_ids))
 
 
 class _Regenerator:
@@ -299,6 +307,9 @@ class _Regenerator:
                                                                                 stats)
         self.in_flight: dict[Hashable, _Conversation] = {}  # backend handle -> conversation
         self.finished = 0  # conversations finished (any outcome) in this call, for the progress bar
+        self.harmony = harmony.is_harmony(tokenizer)  # gpt-oss: replies split into channels, history rewritten
+        if self.harmony:
+            harmony.check_reasoning_effort(cfg.template_kwargs)
 
     def start(self, item: Any, done: set[str]) -> bool:
         """Begin one item (False when it ended at once: skipped or an error)."""
@@ -325,8 +336,9 @@ class _Regenerator:
         """Submit the conversation's next turn; ItemError when it cannot be."""
         turn = conv.turn
         messages = conv.messages + conv.segments[turn]
+        shown = harmony.history(messages) if self.harmony else messages  # what the target is prompted with
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, **self.cfg.template_kwargs)
+            text = self.tok.apply_chat_template(shown, add_generation_prompt=True, **self.cfg.template_kwargs)
             prompt_ids = self.tok.encode(text)
         except Exception as err:  # noqa: BLE001 - any template failure is this item's error
             raise ItemError("template", f"the chat template failed: {type(err).__name__}: {err}", turn) from err
@@ -334,8 +346,8 @@ class _Regenerator:
         if limit and len(prompt_ids) > limit:
             raise ItemError("too_long", f"the prompt ({len(prompt_ids)} tokens) must be at most max_prompt_tokens "
                                         f"({limit})", turn)
-        handle = self.backend.submit(messages, prompt_ids, request_seed(self.cfg.seed, conv.item_id, turn), turn)
-        conv.messages = messages
+        handle = self.backend.submit(shown, prompt_ids, request_seed(self.cfg.seed, conv.item_id, turn), turn)
+        conv.messages, conv.prompt_ids = messages, prompt_ids
         self.stats.prompt_tokens += len(prompt_ids)
         self.in_flight[handle] = conv
 
@@ -350,7 +362,18 @@ class _Regenerator:
             else:
                 self.cut(conv)
             return
-        conv.messages = conv.messages + [{"role": "assistant", "content": reply.text}]
+        message: dict[str, str] = {"role": "assistant", "content": reply.text}
+        if self.harmony:
+            try:
+                message = self.harmony_message(conv, reply)
+            except ItemError as err:
+                self.stats.unrenderable += err.kind == "format"
+                if conv.turn == 0:
+                    self.fail(conv, err)
+                else:  # the turns before round-trip: keep them
+                    self.fail_later(conv, err)
+                return
+        conv.messages = conv.messages + [message]
         conv.finish_reasons.append(reason)
         conv.tokens += reply.tokens
         if conv.turn == len(conv.segments):
@@ -363,6 +386,32 @@ class _Regenerator:
                 self.cut(conv)
             else:
                 self.fail(conv, err)
+
+    def harmony_message(self, conv: _Conversation, reply: Reply) -> dict[str, str]:
+        """The assistant message of a harmony reply (`data.harmony.split_reply`), checked to render back to the ids
+        the target generated; ItemError "truncated" for a reply cut before its final answer, "format" for any other
+        shape the template cannot render as generated."""
+        if reply.token_ids is None:
+            raise ValueError("a harmony (gpt-oss) reply must come with its token ids to be split into its analysis "
+                             "and final channels; this backend returns text only (a server): regenerate a gpt-oss "
+                             "target in process (data.regen.endpoint.url='')")
+        try:
+            message = harmony.split_reply(self.tok, reply.token_ids)
+            harmony.round_trip(self.tok, conv.messages, conv.prompt_ids, message, reply.token_ids,
+                               self.cfg.template_kwargs)
+        except harmony.FormatError as err:
+            if reply.finish_reason == "length":
+                raise ItemError("truncated", f"the reply hit max_new_tokens ({self.cfg.max_new_tokens}) before the "
+                                             f"harmony template could render it ({err})", conv.turn) from err
+            raise ItemError("format", f"the harmony reply cannot be kept: {err}", conv.turn) from err
+        return message
+
+    def fail_later(self, conv: _Conversation, err: ItemError) -> None:
+        """A later turn's reply is not kept: the conversation ends after the turns before it, and the reason is
+        written to the errors file (a line with the same id; resume skips it either way)."""
+        _append(self.errors, {"id": conv.item_id, "source": conv.source, "turn": err.turn, "kind": err.kind,
+                              "error": str(err), "kept_turns": conv.turn})
+        self.cut(conv)
 
     def cut(self, conv: _Conversation) -> None:
         """End the conversation after the replies it has: drop the unanswered segment."""
@@ -425,7 +474,9 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
     Files:
     - `out_path` (JSONL, one line per finished conversation, written with flush + fsync):
       `{"id", "source", "messages": [system?, user1, a1', user2, a2', ...], "finish_reasons":
-      ["stop"|"length", ...], "tokens": generated tokens over all turns (stop tokens included)}`;
+      ["stop"|"length", ...], "tokens": generated tokens over all turns (stop tokens included)}`; a harmony (gpt-oss)
+      target's replies are `{"role": "assistant", "thinking": analysis, "content": final}`, and its later turns are
+      prompted with earlier analysis dropped (`data.harmony`; replies it cannot render back: kind "format");
     - `<out_path>.errors.jsonl`: `{"id", "source", "turn", "kind", "error"}`, kind one of "invalid" (bad
       item, empty user turn), "template" (the chat template failed), "too_long" (the first prompt does not
       fit), "truncated" (the first reply hit max_new_tokens while `drop_truncated`). A later turn whose

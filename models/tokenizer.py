@@ -106,7 +106,9 @@ class ChatTokenizer:
         """Render `messages` (dicts with `role` and `content`) with the chat template, as transformers does.
 
         `template_kwargs` become template variables (e.g. `tools`, `enable_thinking`) and may override
-        `bos_token` / `eos_token`.
+        `bos_token` / `eos_token`. `strftime_now="YYYY-MM-DD"` pins the day the template's `strftime_now(...)`
+        renders (gpt-oss's `Current date:`, Llama 3.1's `Today Date:`), so that a conversation renders to the same ids
+        on another day (training rows against the prompts regeneration served); unset, it is today.
         """
         if self.chat_template is None:
             raise ValueError(
@@ -115,6 +117,8 @@ class ChatTokenizer:
             )
         variables: dict[str, Any] = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         variables.update(template_kwargs)
+        if isinstance(variables.get("strftime_now"), str):
+            variables["strftime_now"] = _pinned_strftime(variables["strftime_now"])
         variables["messages"] = [dict(m) for m in messages]
         variables["add_generation_prompt"] = add_generation_prompt
         return _compile_template(self.chat_template).render(**variables)
@@ -422,6 +426,16 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
+
+
+def _pinned_strftime(day: str) -> Any:
+    """`strftime_now` for a template variable pinned to `day` (ISO 'YYYY-MM-DD', midnight)."""
+    try:
+        moment = datetime.datetime.combine(datetime.date.fromisoformat(day), datetime.time())
+    except ValueError as error:
+        raise ValueError(f"template variable strftime_now must be a date 'YYYY-MM-DD' (the day the chat template "
+                         f"renders as today); received {day!r}") from error
+    return moment.strftime
 
 
 @functools.lru_cache(maxsize=16)

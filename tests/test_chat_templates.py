@@ -15,7 +15,8 @@ Families:
 - Qwen3: ChatML with `<think>\\n\\n</think>\\n\\n` after the assistant header; with `enable_thinking=False`
   the generation prompt ends in that empty think block (the template writes it, so it is not trained).
 - gpt-oss (harmony): `<|start|>{role}<|message|>…<|end|>`, the answer on the `final` channel closed by `<|return|>`
-  (a template written for this test from harmony's documentation; the published one also drops past reasoning).
+  (a template written for this test from harmony's documentation; the published one also drops past reasoning;
+  regeneration's channels and the rows per turn: tests/test_harmony.py).
 - Gemma 3: `<bos><start_of_turn>user\\n{system\\n\\n}{content}<end_of_turn>\\n<start_of_turn>model\\n…<end_of_turn>\\n`
   (the system prompt opens the first user turn; the assistant role is `model`), with Gemma 3's published template;
   `<end_of_turn>` ends a turn (EOS `<eos>` too, as generation_config.json lists both).
@@ -35,7 +36,7 @@ import pytest
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 
-from dflash.data.chat_tokens import tokenize_conversation
+from dflash.data.chat_tokens import tokenize_conversation, tokenize_rows
 from dflash.data.config import DataConfig, RegenConfig
 from dflash.data.examples import build_examples
 from dflash.models.registry import default_gguf_path
@@ -406,7 +407,8 @@ def test_gpt_oss_harmony(harmony: ChatTokenizer, case: str) -> None:
     """gpt-oss: `<|return|>` and `<|call|>` stop, `<|end|>` does not (the model writes its analysis, `<|end|>`, then
     its final answer); the model writes the channel header, the answer and `<|return|>` after `<|start|>assistant`;
     the reasoning effort reaches the rendering; a second turn renders its first answer with `<|end|>` (a history
-    rewrite), so multi-turn rows are refused as for Qwen3's template."""
+    rewrite), so `tokenize_conversation` refuses the whole multi-turn conversation as one row, and `tokenize_rows`
+    makes one row per turn instead (D85; the rows and regeneration: tests/test_harmony.py)."""
     conversation = CONVERSATIONS[case]
     ids = {name: harmony.encode(name)[0] for name in ("<|return|>", "<|call|>", "<|end|>", "<|endoftext|>")}
     assert set(harmony.stop_token_ids) == {ids["<|return|>"], ids["<|call|>"], ids["<|endoftext|>"]}
@@ -419,6 +421,9 @@ def test_gpt_oss_harmony(harmony: ChatTokenizer, case: str) -> None:
            end_id=ids["<|return|>"], reasoning_effort="low")
     with pytest.raises(ValueError, match="prefix"):
         tokenize_conversation(harmony, CONVERSATIONS["multi"], 4096, reasoning_effort="low")
+    rows, _ = tokenize_rows(harmony, [CONVERSATIONS["multi"]], 4096, template_kwargs={"reasoning_effort": "low"})
+    assert [harmony.decode(t[m > 0], skip_special_tokens=False) for t, m, _ in rows] == [
+        f"<|channel|>final<|message|>{answer}<|return|>" for answer in (ANSWER_1, ANSWER_2)]
 
 
 @pytest.mark.parametrize("case", sorted(CONVERSATIONS))
