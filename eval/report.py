@@ -216,7 +216,7 @@ def _engine_lines(results: dict[str, Any]) -> list[str]:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
-    h, s = results["headline"], results["settings"]
+    h, s, drafter = results["headline"], results["settings"], results["drafter"]
     lines = [f"# DFlash evaluation: {results['target'].get('model', '?')}", "",
              f"**{headline_line(results)}**; "
              + (f"greedy replies differing from AR: {h['mismatches']}"
@@ -224,8 +224,8 @@ def render_markdown(results: dict[str, Any]) -> str:
                 if h["mismatches"] is not None else
                 "sampled replies are not compared with AR's (lossless sampling rests on the engine's "
                 "sampled-decoding tests)"), "",
-             f"Drafter: `{results['drafter'].get('path', '?')}`; sets {', '.join(s['sets'])}, {s['limit']} items "
-             f"each, {s['max_new_tokens']} new tokens per turn, concurrency {s['concurrency']}; "
+             f"Drafter: `{drafter.get('path') or drafter.get('url', '?')}`; sets {', '.join(s['sets'])}, "
+             f"{s['limit']} items each, {s['max_new_tokens']} new tokens per turn, concurrency {s['concurrency']}; "
              f"{results['environment'].get('machine', '')}.", "", *_engine_lines(results),
              "| set | tau | DFlash TPOT ms | AR TPOT ms | speedup (median, p25-p75) | DFlash tok/s | AR tok/s "
              "| accuracy (AR) | differ from AR |", "|---|---|---|---|---|---|---|---|---|"]

@@ -149,15 +149,19 @@ class RecordStore:
 
 
 def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurrency: int, settings: EvalSettings,
-                  store: RecordStore, bar: Progress, meter: Meter | None = None) -> None:
+                  store: RecordStore, bar: Progress, meter: Meter | None = None) -> float:
     """One conversation's turns; each reply recorded with its speculative counts (`accepted` from our engine,
-    `spec` from another engine's counts: `eval.engines`) and how it was timed (`timing`)."""
+    `spec` from another engine's counts: `eval.engines`) and how it was timed (`timing`). Returns the seconds its
+    requests took (not the counter reads around them, nor the bookkeeping)."""
     messages: list[dict[str, str]] = []
+    busy = 0.0
     for turn, text in enumerate(item.turns):
         messages.append({"role": "user", "content": text})
         before = meter.before(concurrency) if meter else None
+        t0 = time.perf_counter()
         reply = client.chat(model, messages, settings.max_new_tokens, settings.temperature, settings.top_p,
                             settings.request_seed(item.id, turn))
+        busy += time.perf_counter() - t0
         counts = meter.after(reply, before, concurrency) if meter else None
         messages.append({"role": "assistant", "content": reply.text})
         ours = meter is None or isinstance(meter.engine, DFlashEngine)
@@ -168,6 +172,7 @@ def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurr
                    **({} if ours else {"spec": counts.to_json() if counts else None,
                                        "timing": getattr(reply, "timing", "stream")})})
         bar.update(1, tokens=reply.tokens)
+    return busy
 
 
 def _record_segment(store: RecordStore, mode: str, concurrency: int, items: Sequence[EvalItem], seconds: float,
@@ -206,9 +211,8 @@ def _run_paired(clients: dict[str, Client], items: Sequence[EvalItem], settings:
         for mode in (list(clients) if i % 2 == 0 else list(reversed(clients))):
             if store.has_conversation(mode, 1, item):
                 continue
-            t0 = time.perf_counter()
-            _conversation(clients[mode], models[mode], item, mode, 1, settings, store, bar, (meters or {}).get(mode))
-            seconds[mode] += time.perf_counter() - t0
+            seconds[mode] += _conversation(clients[mode], models[mode], item, mode, 1, settings, store, bar,
+                                           (meters or {}).get(mode))
             ran[mode].append(item)
     bar.close()
     for mode, client in clients.items():
@@ -228,12 +232,14 @@ def _run_mode(client: Client, mode: str, concurrency: int, items: Sequence[EvalI
                    enabled=progress)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for future in [pool.submit(_conversation, client, model, item, mode, concurrency, settings, store, bar, meter)
-                       for item in todo]:
-            future.result()
+        busy = sum(future.result() for future in [
+            pool.submit(_conversation, client, model, item, mode, concurrency, settings, store, bar, meter)
+            for item in todo])
     bar.close()
-    # Throughput counts the replies of finished segments only: an interrupted segment left no wall time.
-    _record_segment(store, mode, concurrency, todo, time.perf_counter() - t0, compiles_before, client.compiles())
+    # Throughput counts the replies of finished segments only: an interrupted segment left no wall time. One request
+    # at a time, the segment's time is its requests' (a counter engine's reads between them left out).
+    seconds = busy if concurrency == 1 else time.perf_counter() - t0
+    _record_segment(store, mode, concurrency, todo, seconds, compiles_before, client.compiles())
     if pooled is not None and meter is not None and (counts := meter.pooled_after(pooled)) is not None:
         # An engine with only counters, requests in flight together: its counts pooled over the segment.
         previous = store.records.get(("spec", mode, concurrency, None, None))

@@ -75,11 +75,12 @@ def test_the_engine_is_told_from_the_server():
 
 def test_dflash_eval_url_measures_a_fake_vllm_servers_tau_from_its_metrics(tmp_path, capsys):
     """The issue's done-when line: `dflash eval --url` on a fake vLLM reports the τ the fake produced, per request
-    (counter deltas around each request at concurrency 1; the fake counts each request 50 ms after its reply ends,
+    (counter deltas around each request at concurrency 1; the fake counts each request 0.25 s after its reply ends,
     as vLLM records a step's statistics after handing out its output), and its acceptance by position; speed
-    paired against an AR vLLM."""
+    paired against an AR vLLM, the waits for the counters left out of the timed segment."""
     out = tmp_path / "eval"
-    with fake_server("vllm", k=5, accepted=[3, 1, 0, 4, 2, 2]) as spec, fake_server("vllm", spec=False) as ar:
+    with fake_server("vllm", k=5, accepted=[3, 1, 0, 4, 2, 2], record_delay=0.25) as spec, \
+            fake_server("vllm", spec=False) as ar:
         code = main(["eval", "--config", "tiny", "--url", spec.url, "--ar-url", ar.url, "--sets", ",".join(SETS),
                      "--limit", "1", "--max-new-tokens", "24", "--out", str(out), "--no-progress"])
         timed = spec.log[WARM_UPS:]
@@ -96,6 +97,9 @@ def test_dflash_eval_url_measures_a_fake_vllm_servers_tau_from_its_metrics(tmp_p
     assert [r["spec"]["accepted"] for r in _replies(out)] == [r["accepted"] for r in timed]
     assert results["sets"]["mtbench"]["tau"] == pytest.approx(pooled_tau(timed[1:]))  # gsm8k's turn ran first
     assert h["paired"]["pairs"] == 3 and h["speedup"] is not None and h["mismatches"] == 0
+    wall = next(r for r in RecordStore(out / "records.jsonl").records.values() if r["kind"] == "wall"
+                and r["mode"] == "dflash")
+    assert wall["seconds"] < sum(r["latency_s"] for r in _replies(out)) + 0.1  # not the 3 x 0.25 s of waiting
     assert f"(tau {h['tau']:.2f}, K=5, vllm" in stdout.strip().splitlines()[-1]
     assert "Engine: vllm (AR: vllm); τ from its Prometheus counters" in (out / "report.md").read_text()
 
