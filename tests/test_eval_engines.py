@@ -100,7 +100,7 @@ def test_dflash_eval_url_measures_a_fake_vllm_servers_tau_from_its_metrics(tmp_p
     wall = next(r for r in RecordStore(out / "records.jsonl").records.values() if r["kind"] == "wall"
                 and r["mode"] == "dflash")
     assert wall["seconds"] < sum(r["latency_s"] for r in _replies(out)) + 0.1  # not the 3 x 0.25 s of waiting
-    assert f"(tau {h['tau']:.2f}, K=5, vllm" in stdout.strip().splitlines()[-1]
+    assert f"tau {h['tau']:.2f}, K=5, vllm" in stdout.strip().splitlines()[-1]
     assert "Engine: vllm (AR: vllm); τ from its Prometheus counters" in (out / "report.md").read_text()
 
 
@@ -134,7 +134,7 @@ def test_an_engine_without_speculative_counts_is_reported_and_its_speed_still_me
     assert code == 0, stdout
     results = json.loads((out / "results.json").read_text())
     assert results["headline"]["tau"] is None and results["headline"]["speedup"] is not None
-    assert "(τ not available from vllm, K=?, vllm" in stdout
+    assert "τ not available from vllm, K=?, vllm" in stdout.strip().splitlines()[-2]  # the headline, then the note
     assert "note: τ not available from vllm: its /metrics has no vllm:spec_decode_* counters" in stdout
     assert "served without --speculative-config?" in render_markdown(results)
     with fake_server("sglang", spec=False) as plain, fake_server("sglang", spec=False) as ar:
