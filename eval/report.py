@@ -5,15 +5,16 @@ steps, from the engine's own counts: `eval.engines`; `tau_source` says whether t
 engine with only counters at concurrency above 1, pooled over the run, then for the headline only), acceptance by
 draft position and the histogram of accepted drafts per step, mean TPOT and tokens/s
 of DFlash and AR, speedup = the median over requests of AR TPOT / DFlash TPOT of the same request (`paired`: its
-quartiles, count and spread; too wide a spread is flagged), greedy replies that differ from AR (must be
-0; not compared when sampled: `mismatches` is None, and losslessness rests on the engine's sampled-decoding
-tests), GSM8K / MATH-500 answer accuracy; per concurrency level: throughput and p50 / p95 latency of each.
-`settings` records the sampling rule (temperature, top_p, seed).
+quartiles, count, the median's 95% interval and the timing noise; a noisy timing is flagged), greedy replies that
+differ from AR (must be 0; not compared when sampled: `mismatches` is None, and losslessness rests on the engine's
+sampled-decoding tests), GSM8K / MATH-500 answer accuracy; per concurrency level: throughput and p50 / p95 latency
+of each. `settings` records the sampling rule (temperature, top_p, seed).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from collections.abc import Sequence
@@ -89,23 +90,50 @@ def _accuracy(replies: list[dict[str, Any]], answers: dict[str, str]) -> float |
                final_answer(r["text"]) == answers[r["id"]].replace(" ", "") for r in graded) / len(graded)
 
 
-SPREAD_LIMIT = 0.2  # an interquartile range of the per-request ratios wider than this share of the median: untrusted
-MIN_PAIRS = 4  # fewer paired requests than this: untrusted
+CI_LEVEL = 0.95
+NOISE_LIMIT = 0.1  # the cost ratio's 95% interval wider than 10% of it (about +-5%): the timing is too noisy to trust
+
+
+def median_interval(values: Sequence[float], level: float = CI_LEVEL) -> tuple[float, float] | None:
+    """A distribution-free `level` confidence interval of the median of `values` (order statistics: the k-th
+    smallest and k-th largest, k the largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2); None when there
+    are too few values for one (n < 6 at 95%)."""
+    xs, n = sorted(values), len(values)
+    tail, k, cdf = (1 - level) / 2, 0, 0.0
+    while k < n // 2:
+        cdf += math.comb(n, k) / 2**n  # P(B <= k)
+        if cdf > tail:
+            break
+        k += 1
+    return None if k == 0 else (xs[k - 1], xs[n - k])
+
+
+def _relative_interval(values: Sequence[float]) -> tuple[tuple[float, float] | None, float | None]:
+    interval = median_interval(values)
+    return interval, None if interval is None else (interval[1] - interval[0]) / statistics.median(values)
 
 
 def _paired(dflash: list[dict[str, Any]], ar: list[dict[str, Any]]) -> dict[str, Any]:
     """The per-request speed ratios AR TPOT / DFlash TPOT of the requests both modes answered (the same item and
-    turn): their median, quartiles, count, spread ((p75 - p25) / median) and whether the median can be trusted
-    (spread at most SPREAD_LIMIT over at least MIN_PAIRS pairs)."""
+    turn): their median (the speedup), quartiles, count and the median's 95% interval (`median_interval`: how much
+    another draw of prompts could move it). Each ratio is the request's τ (tokens per verify step, counted, exact)
+    times the cost ratio AR step time / DFlash step time, which holds only the timing: the interval of the cost
+    ratios' median (`noise`, as a share of it) says how far the timing moved during the run, and the speedup is
+    trusted when it is at most NOISE_LIMIT (where the server reports no per-request τ: the ratios' own interval)."""
     ar_tpot = {(r["id"], r["turn"]): r["tpot_s"] for r in ar if r["tpot_s"]}
-    ratios = [ar_tpot[r["id"], r["turn"]] / r["tpot_s"] for r in dflash
-              if r["tpot_s"] and (r["id"], r["turn"]) in ar_tpot]
+    pairs = [(ar_tpot[r["id"], r["turn"]] / r["tpot_s"], r) for r in dflash
+             if r["tpot_s"] and (r["id"], r["turn"]) in ar_tpot]
+    ratios = [ratio for ratio, _ in pairs]
+    counted = [(ratio, reply_counts(r), r["tokens"]) for ratio, r in pairs]  # any engine's per-request verify steps
+    costs = [ratio * c.steps / tokens for ratio, c, tokens in counted if c is not None and c.steps and tokens]
     if not ratios:
-        return {"median": None, "p25": None, "p75": None, "pairs": 0, "spread": None, "trusted": False}
-    median, p25, p75 = statistics.median(ratios), _pct(ratios, 0.25), _pct(ratios, 0.75)
-    spread = (p75 - p25) / median
-    return {"median": median, "p25": p25, "p75": p75, "pairs": len(ratios), "spread": spread,
-            "trusted": spread <= SPREAD_LIMIT and len(ratios) >= MIN_PAIRS}
+        return {"median": None, "p25": None, "p75": None, "pairs": 0, "ci": None, "cost_ratio": None,
+                "noise": None, "trusted": False}
+    interval, width = _relative_interval(ratios)
+    noise = _relative_interval(costs)[1] if len(costs) == len(ratios) else width
+    return {"median": statistics.median(ratios), "p25": _pct(ratios, 0.25), "p75": _pct(ratios, 0.75),
+            "pairs": len(ratios), "ci": interval, "cost_ratio": statistics.median(costs) if costs else None,
+            "noise": noise, "trusted": noise is not None and noise <= NOISE_LIMIT}
 
 
 def _set_summary(replies: list[dict[str, Any]], c0: int, block_size: int, answers: dict[str, str],
@@ -188,19 +216,22 @@ def tau_text(results: dict[str, Any]) -> str:
 
 
 def headline_line(results: dict[str, Any]) -> str:
-    """`DFlash vs AR: <median per-request speed ratio>x tokens/s (tau <τ>, K=<K>)`, the engine when it is not ours,
-    and a warning inside the brackets when the ratios' spread is too wide to trust the median."""
+    """`DFlash vs AR: <median per-request speed ratio>x tokens/s (median of n paired requests, timing noise +-x%;
+    tau <τ>, K=<K>)`, the engine when it is not ours, with a warning inside the brackets when the timing is too
+    noisy (or the pairs too few) to trust (`_paired`)."""
     h = results["headline"]
     paired = h.get("paired") or {}
-    warning = ""
-    if not paired.get("trusted", True) and paired.get("pairs"):
-        n, spread = paired["pairs"], paired["spread"]
-        warning = (f"; only {n} paired request{'s' if n > 1 else ''}: too few to trust" if n < MIN_PAIRS else
-                   f"; spread {spread:.0%} over {n} requests: too wide to trust")
+    n, noise = paired.get("pairs") or 0, paired.get("noise")
+    where = ""
+    if noise is not None:
+        where = f"median of {n} paired requests, timing noise +-{noise / 2:.0%}" + (
+            "" if paired.get("trusted") else ": too noisy to trust") + "; "
+    elif n:
+        where = f"{n} paired request{'s' if n > 1 else ''}: too few to trust; "
     engine = _engine(results)
-    return (f"DFlash vs AR: {_fmt(h['speedup'])}x tokens/s ({tau_text(results)}, "
+    return (f"DFlash vs AR: {_fmt(h['speedup'])}x tokens/s ({where}{tau_text(results)}, "
             f"K={results['settings']['block_size'] or '?'}{_sampling(results['settings'])}"
-            f"{'' if engine == 'dflash' else f', {engine}'}{warning})")
+            f"{'' if engine == 'dflash' else f', {engine}'})")
 
 
 def _engine_lines(results: dict[str, Any]) -> list[str]:

@@ -355,13 +355,14 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
              drafter: str | None = None, step: str | None = None, config: str = "default",
              overrides: Sequence[str] = (), api_key: str | None = None, devices: int = 1, progress: bool = True,
              engine: str = "auto") -> tuple[dict[str, Any], dict[str, Path]]:
-    """`dflash eval`: against the server at `url` (served by `engine`: dflash, vllm, sglang, or auto: told from the
-    server), or a `dflash serve` subprocess of `drafter` (a run dir or an export; `step`: N or best, which falls back
-    to the newest checkpoint where a run kept no best/) started here; the AR baseline at `ar_url` (with `url`: both
-    running, each conversation on both back to back, `evaluate`), or a `dflash serve --ar`
-    subprocess of the same recipe (its `serve` section, with `overrides`, is the DFlash server's decode plan), each
-    over `devices` of the host's devices (`dflash serve --devices`; the servers run one after the other).
-    Subprocess logs go to out_dir/server-*.log; servers stop at the end."""
+    """`dflash eval`: the speculative server at `url` (served by `engine`: dflash, vllm, sglang, or auto: told from
+    the server), or a `dflash serve` subprocess of `drafter` (a run dir or an export; `step`: N or best, which falls
+    back to the newest checkpoint where a run kept no best/) started here, against the AR baseline at `ar_url`, or
+    the target alone served by that same subprocess (`dflash serve --ar-port`: one process, one copy of the weights,
+    one chip, as a TPU host needs) or, beside a given `url`, a `dflash serve --ar` subprocess of the same recipe (its
+    `serve` section, with `overrides`, is the DFlash server's decode plan), over `devices` of the host's devices
+    (`dflash serve --devices`). Both servers are up together: at concurrency 1 each conversation runs on both back
+    to back (paired; `collect`). Subprocess logs go to out_dir/server*.log; servers stop at the end."""
     import contextlib
 
     from dflash.eval import servers
@@ -369,8 +370,6 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
     if (url is None) == (drafter is None):
         raise ValueError("pass exactly one of --url (a running speculative server: dflash serve, vLLM, SGLang) and "
                          "--drafter (a run dir or export)")
-    if url is not None and ar_url is not None:  # both running: paired, as the demo's in-process servers
-        return evaluate(url, ar_url, settings, out_dir, api_key=api_key, progress=progress, engine=engine)
     if drafter is not None:  # --step best of a run that kept no best/: its newest checkpoint, said so
         from dflash.models.drafter_io import best_or_latest
 
@@ -381,25 +380,17 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
     common = ["--config", config, "--devices", str(devices), *(["--api-key", api_key] if api_key else []),
               *overrides]
     slots = int(max(settings.concurrency))
-    items = eval_items(settings)
-    # One server at a time: the DFlash phase, then the AR phase (a server started here stops before the next).
+    args = ["--drafter", drafter, *(["--step", step] if step else [])] if drafter else []
     with contextlib.ExitStack() as stack:
-        if url is None:
-            args = ["--drafter", drafter, *(["--step", step] if step else [])]
+        if url is None and ar_url is None:
+            url, ar_url = stack.enter_context(servers.serve_pair_subprocess([*args, *common], out_dir / "server.log",
+                                                                            slots))
+        elif url is None:
             url = stack.enter_context(servers.serve_subprocess([*args, *common], out_dir / "server-dflash.log", slots))
-        dflash = Client(url, api_key)
-        engines = {"dflash": engine_for(dflash, "dflash" if drafter is not None else engine)}
-        served = engines["dflash"].describe(dflash)
-        collect({"dflash": dflash}, settings, out_dir, items, progress, engines)
-    with contextlib.ExitStack() as stack:
-        if ar_url is None:
+        elif ar_url is None:
             ar_url = stack.enter_context(servers.serve_subprocess(["--ar", *common], out_dir / "server-ar.log", slots))
-        ar = Client(ar_url, api_key)
-        engines["ar"] = engine_for(ar, fallback=True)
-        _check_same_target(ar, served)
-        records = collect({"ar": ar}, settings, out_dir, items, progress, engines)
-    info = {"path": drafter, "step": step} if drafter else {}
-    return _results(records, items, served, url, settings, out_dir, info, engines)
+        return evaluate(url, ar_url, settings, out_dir, drafter={"path": drafter, "step": step} if drafter else None,
+                        api_key=api_key, progress=progress, engine="dflash" if drafter else engine)
 
 
 __all__ = ["MODES", "EvalSettings", "RecordStore", "collect", "environment", "evaluate", "run_eval", "timed_compiles",

@@ -42,21 +42,21 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, log: Path | None, time
 
 
 @contextlib.contextmanager
-def serve_subprocess(args: Sequence[str], log: Path, slots: int) -> Iterator[str]:
-    """`dflash serve ARGS --port <free> --slots SLOTS` as a subprocess (its output in `log`); yields its URL and
-    stops it (SIGTERM, then SIGKILL after 30 s) on exit."""
+def _serve(args: Sequence[str], log: Path, slots: int, ar_port: bool) -> Iterator[list[str]]:
     port = free_port()
+    ports = [port, *([free_port()] if ar_port else [])]
     cmd = [sys.executable, "-m", "dflash.launch.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port),
-           "--slots", str(slots)]
+           "--slots", str(slots), *(["--ar-port", str(ports[1])] if ar_port else [])]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
-        wait_healthy(url, proc, log)
-        yield url
+        for url in urls:
+            wait_healthy(url, proc, log)
+        yield urls
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -65,6 +65,22 @@ def serve_subprocess(args: Sequence[str], log: Path, slots: int) -> Iterator[str
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextlib.contextmanager
+def serve_subprocess(args: Sequence[str], log: Path, slots: int) -> Iterator[str]:
+    """`dflash serve ARGS --port <free> --slots SLOTS` as a subprocess (its output in `log`); yields its URL and
+    stops it (SIGTERM, then SIGKILL after 30 s) on exit."""
+    with _serve(args, log, slots, ar_port=False) as urls:
+        yield urls[0]
+
+
+@contextlib.contextmanager
+def serve_pair_subprocess(args: Sequence[str], log: Path, slots: int) -> Iterator[tuple[str, str]]:
+    """As `serve_subprocess` with `--ar-port <free>`: one process serving the drafter and the target alone (AR) over
+    one copy of the weights, on one chip; yields (DFlash URL, AR URL)."""
+    with _serve(args, log, slots, ar_port=True) as urls:
+        yield urls[0], urls[1]
 
 
 @contextlib.contextmanager
@@ -93,4 +109,4 @@ def serve_in_process(target: Any, drafter: Any, plan: Any = None, *, slots: int,
         thread.join(timeout=30)
 
 
-__all__ = ["free_port", "serve_in_process", "serve_subprocess", "wait_healthy"]
+__all__ = ["free_port", "serve_in_process", "serve_pair_subprocess", "serve_subprocess", "wait_healthy"]

@@ -260,7 +260,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            api_key=args.api_key or os.environ.get("DFLASH_API_KEY") or None,
                            max_body_bytes=int(args.max_body_mb * (1 << 20)), read_timeout=args.read_timeout or None,
                            unknown_fields="reject" if args.strict_fields else "ignore",
-                           precompile=not args.no_precompile)
+                           precompile=not args.no_precompile, ar_port=args.ar_port)
     serve_recipe(recipe, options)
     return 0
 
@@ -447,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", help="a `dflash train` run dir or a z-lab HF drafter dir (default: train.run_dir)")
     p.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
     p.add_argument("--ar", action="store_true", help="serve the target alone (no drafter)")
+    p.add_argument("--ar-port", type=int, default=None,
+                   help="also serve the target alone (AR) on this port, in this process over the same weights "
+                   "(one chip holds both: the baseline of a paired dflash eval on a TPU host)")
     _add_plan_args(p)
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences per step (continuous batching)")
     p.add_argument("--prefill-chunk", type=int, default=512,
@@ -481,8 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine serving --url, whose own counters give tau (default auto: told from the server)")
     p.add_argument("--drafter", help="a run dir or an exported drafter: its server is started here")
     p.add_argument("--step", default=None, help="with --drafter: a checkpoint step or 'best' (default: latest)")
-    p.add_argument("--ar-url", help="a running AR server of the same target (`dflash serve --ar`, vLLM or SGLang "
-                                    "without speculation; default: `dflash serve --ar` started here)")
+    p.add_argument("--ar-url", help="a running AR server of the same target: the --ar-port of the DFlash server, "
+                   "`dflash serve --ar`, or vLLM or SGLang without speculation (default: started here, beside the "
+                   "DFlash server)")
     p.add_argument("--sets", default="gsm8k,mtbench",
                    help="comma-separated: gsm8k, math500, humaneval, mbpp, mtbench, a .json/.jsonl file, hf:ID")
     p.add_argument("--limit", type=int, default=8, help="conversations per set (default 8)")

@@ -7,8 +7,9 @@
    working, not a drafter that accepts: training in earnest is configs/smollm2.yaml's hour;
 3. chat with the target (AR decoding) and report decode tokens/s over the steps that compiled nothing;
 4. evaluate against the served engine: greedy DFlash vs AR over HTTP on a few prompts of four kinds (GSM8K,
-   MT-Bench, HumanEval, MATH-500), reporting τ, acceptance by position, whether the output equals AR, and as
-   the last line `DFlash vs AR: <speedup>x tokens/s (tau <τ>, K=<K>)`. The drafter evaluated is the one
+   MT-Bench, HumanEval, MATH-500), each request on both back to back (paired), reporting τ, acceptance by
+   position, whether the output equals AR, and as the last line `DFlash vs AR: <speedup>x tokens/s (median of
+   <n> paired requests, timing noise +-<x>%; tau <τ>, K=<K>)`. The drafter evaluated is the one
    shipped for the target in data/assets/drafters (trained by configs/smollm2.yaml for an hour: what
    training in earnest gives) when there is one, else the drafter just trained.
 The server (`dflash serve`) and the data stages (`dflash data`) are separate commands.
@@ -27,6 +28,7 @@ from dflash.models.target import load_target
 from dflash.serve.chat import ChatTurn, chat
 
 EVAL_SETS = ("gsm8k", "mtbench", "humaneval", "math500")
+EVAL_LIMIT = 3  # conversations per set: 15 paired requests, enough for a 95% interval of the median speed ratio
 DEMO_PROMPTS = (
     "What is speculative decoding, in two sentences?",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -93,7 +95,7 @@ def short_eval(recipe: Recipe, target: Any, out: TextIO, progress: bool = True) 
     shipped = shipped_drafter_path(recipe.target.source)
     source = shipped if shipped is not None else Path(recipe.train.run_dir)
     drafter = load_drafter(source, target.cfg)
-    settings = EvalSettings(sets=EVAL_SETS, limit=1, max_new_tokens=recipe.sampling.max_new_tokens)
+    settings = EvalSettings(sets=EVAL_SETS, limit=EVAL_LIMIT, max_new_tokens=recipe.sampling.max_new_tokens)
     which = (f"the drafter shipped for this target ({source}; see its README)" if shipped is not None
              else f"the drafter just trained ({source})")
     max_len = recipe.target.max_seq_len
@@ -103,7 +105,7 @@ def short_eval(recipe: Recipe, target: Any, out: TextIO, progress: bool = True) 
                            say=lambda text: out.write(text + "\n"))
     plan = plan_from(recipe.serve, drafter, chooser)
     out.write(f"\n== evaluation against the served engine of {which}: greedy {plan.describe()} vs AR on "
-              f"{settings.limit} prompt each of {', '.join(EVAL_SETS)}\n")
+              f"{settings.limit} prompts each of {', '.join(EVAL_SETS)}, each request on both, paired\n")
     out.flush()
     with serve_in_process(target, drafter, plan, slots=1, max_len=max_len) as url, \
             serve_in_process(target, None, slots=1, max_len=max_len) as ar_url:

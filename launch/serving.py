@@ -2,10 +2,12 @@
 
     serve_recipe(load_recipe("smollm2"), ServeOptions(port=8000))     # until SIGINT / SIGTERM
 
-`build_server` does everything but serving: load the target and the drafter, make the decode plan of the recipe's
+`build_servers` does everything but serving: load the target and the drafter, make the decode plan of the recipe's
 `serve` section (`serve.plan.plan_from`; `auto` values measured here by `serve.acceptance.Measured` on held-out
 prompts), build the engine and a bound server. `dflash serve`'s --block-size, --tree-nodes, --tree-ngram and
---draft-rule are overrides of that section.
+--draft-rule are overrides of that section. With `ar_port`, a second server answers on that port with the target
+alone (AR), over the same weights in this process: both modes on one chip, as a paired `dflash eval` needs on a
+TPU host, where a second process could not open the chip.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dflash.models.target import load_target
 from dflash.serve.acceptance import Measured
 from dflash.serve.engine import Engine
 from dflash.serve.http import DFlashServer, make_server
-from dflash.serve.plan import Limits, plan_from
+from dflash.serve.plan import AR, Limits, plan_from
 
 AUTO_SETS = ("gsm8k", "mtbench", "humaneval")  # the held-out prompts `auto` measures on: 2 of each
 
@@ -38,7 +40,9 @@ class ServeOptions:
     (0: off), steps_per_dispatch and devices (the host's devices the target is split over, tensor parallel; 0:
     all of them): the engine's `Limits` (checked when the server is built, before anything loads); model_name:
     the model id clients send (None: target.source); precompile: compile every shape the engine can use before
-    serving (`Engine.precompile`; False: requests compile as they come); the rest as `make_server`'s arguments."""
+    serving (`Engine.precompile`; False: requests compile as they come); ar_port: also serve the target alone (AR)
+    on this port (0: any free port), sharing the loaded weights, each mode with its own engine thread and paged
+    cache; the rest as `make_server`'s arguments."""
 
     drafter: str | Path | None = None
     step: int | str | None = None
@@ -55,6 +59,7 @@ class ServeOptions:
     read_timeout: float | None = 30.0
     unknown_fields: str = "ignore"
     precompile: bool = True
+    ar_port: int | None = None
 
     def drafter_dir(self, recipe: Recipe) -> Path:
         return Path(self.drafter or recipe.train.run_dir).expanduser()
@@ -65,11 +70,16 @@ class ServeOptions:
                       steps_per_dispatch=self.steps_per_dispatch, devices=devices)
 
 
-def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
+def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
     """Load the recipe's target and (unless `options.ar`) the drafter, make the decode plan, build the engine (the
-    recipe's sampling as the requests' default) and return a bound server with its engine thread started."""
+    recipe's sampling as the requests' default) and return a bound server with its engine thread started; with
+    `options.ar_port`, a second one serving the target alone over the same weights (AR). Checks the options before
+    anything loads."""
     max_len = recipe.target.max_seq_len
     limits = options.limits(max_len)
+    if options.ar_port is not None and (options.ar or options.ar_port == options.port != 0):
+        raise ValueError(f"--ar-port must be another port than --port of a DFlash server; received "
+                         f"ar_port={options.ar_port}, port={options.port}, ar={options.ar}")
     source = None if options.ar else options.drafter_dir(recipe)
     target = load_target(recipe.target)
     drafter = None if source is None else load_drafter(source, target.cfg, step=options.step)
@@ -80,34 +90,57 @@ def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
             if best and "accept_per_position" in best else None
         chooser = Measured(target, eval_prompts(target.tokenizer, AUTO_SETS, 2), max_len=max_len, accept=accept,
                            say=lambda text: print(text, flush=True))
-    plan = plan_from(recipe.serve, drafter, chooser)
-    engine = Engine(target.params, target.cfg, drafter, plan, limits, sampling=recipe.sampling)
-    if options.precompile:
-        count, seconds = engine.precompile()
-        print(f"precompiled {count} programs in {seconds:.1f} s (every prompt length and attention span up to "
-              f"{max_len} tokens; --no-precompile skips this)", flush=True)
-    return make_server(engine, target.tokenizer, options.model_name or recipe.target.source, options.host,
-                       options.port, max_body_bytes=options.max_body_bytes, read_timeout=options.read_timeout,
-                       api_key=options.api_key, unknown_fields=options.unknown_fields)
+    plans = [(plan_from(recipe.serve, drafter, chooser), options.port)]
+    if options.ar_port is not None:
+        plans.append((AR(), options.ar_port))
+    servers, params = [], target.params
+    for plan, port in plans:
+        engine = Engine(params, target.cfg, None if isinstance(plan, AR) else drafter, plan, limits,
+                        sampling=recipe.sampling)
+        params = engine.models.target_params  # placed once: the AR engine holds the same arrays, no second copy
+        if options.precompile:
+            count, seconds = engine.precompile()
+            print(f"precompiled {count} programs for {plan.describe()} in {seconds:.1f} s (every prompt length and "
+                  f"attention span up to {max_len} tokens; --no-precompile skips this)", flush=True)
+        servers.append(make_server(engine, target.tokenizer, options.model_name or recipe.target.source,
+                                   options.host, port, max_body_bytes=options.max_body_bytes,
+                                   read_timeout=options.read_timeout, api_key=options.api_key,
+                                   unknown_fields=options.unknown_fields))
+    return servers
+
+
+def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
+    """`build_servers` without a companion AR server."""
+    return build_servers(recipe, dataclasses.replace(options, ar_port=None))[0]
 
 
 def serve_recipe(recipe: Recipe, options: ServeOptions) -> None:
     """`build_server`, then serve until SIGINT or SIGTERM (which finish the requests in flight); call from the
     main thread (signal handlers are installed)."""
-    server = build_server(recipe, options)
-    plan = server.worker.engine.plan
-    mode = plan.describe() + ("" if options.ar else f" (drafter {options.drafter_dir(recipe)})")
-    devices = server.worker.engine.limits.devices
-    print(f"serving {server.model_name} on http://{options.host}:{server.server_address[1]}/v1 - {mode}, "
-          f"{options.slots} slots" + (f", {devices} devices" if devices > 1 else "") + "; Ctrl-C stops", flush=True)
+    servers = build_servers(recipe, options)
+    for i, server in enumerate(servers):
+        plan = server.worker.engine.plan
+        mode = plan.describe() + ("" if options.ar or i else f" (drafter {options.drafter_dir(recipe)})")
+        devices = server.worker.engine.limits.devices
+        print(f"serving {server.model_name} on http://{options.host}:{server.server_address[1]}/v1 - {mode}, "
+              f"{options.slots} slots" + (f", {devices} devices" if devices > 1 else "") + "; Ctrl-C stops",
+              flush=True)
+    main, *others = servers
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in others]
+    for thread in threads:
+        thread.start()
 
     def stop(*_: object) -> None:
-        threading.Thread(target=server.close, daemon=True).start()
+        for server in servers:
+            threading.Thread(target=server.close, daemon=True).start()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    server.serve_forever()
-    server.worker.shutdown()
+    main.serve_forever()
+    for server in servers:
+        server.worker.shutdown()
+    for thread in threads:
+        thread.join(timeout=30)
 
 
-__all__ = ["ServeOptions", "build_server", "serve_recipe"]
+__all__ = ["ServeOptions", "build_server", "build_servers", "serve_recipe"]

@@ -62,7 +62,8 @@ def test_cli_over_server_subprocesses_writes_the_report(tiny, tmp_path):
                            "--sets", "gsm8k,mtbench", "--limit", "1", "--max-new-tokens", "6", "--out", str(out),
                            "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert re.search(r"DFlash vs AR: [\d.]+x tokens/s \(tau [\d.]+, K=8\)$", done.stdout.strip()), done.stdout
+    assert re.search(r"DFlash vs AR: [\d.]+x tokens/s \(3 paired requests: too few to trust; tau [\d.]+, K=8\)$",
+                     done.stdout.strip()), done.stdout  # gsm8k's one turn and mtbench's two, each on both modes
     results = json.loads((out / "results.json").read_text())
     assert results["schema"] == "dflash-eval/1" and set(results["sets"]) == {"gsm8k", "mtbench"}
     assert results["headline"]["mismatches"] == 0 and results["settings"]["block_size"] == 8
@@ -71,7 +72,8 @@ def test_cli_over_server_subprocesses_writes_the_report(tiny, tmp_path):
     assert "DFlash vs AR:" in (out / "report.md").read_text()
     for name in ("acceptance_by_position.png", "tau_per_set.png", "concurrency.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-    assert "serving" in (out / "server-dflash.log").read_text() and (out / "server-ar.log").is_file()
+    log = (out / "server.log").read_text()  # one process served both modes (`dflash serve --ar-port`)
+    assert "--ar-port" in log and log.count("serving ") == 2 and " - AR, " in log
 
 
 def test_served_tau_equals_the_in_process_engine(tiny, served):
@@ -270,26 +272,48 @@ def test_report_statistics_on_known_records():
     assert final_answer("x = \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}" and final_answer("no digits") is None
 
 
-def test_speedup_is_the_median_of_per_request_ratios_with_its_spread():
+def test_speedup_is_the_median_of_per_request_ratios_and_its_timing_noise_is_judged():
     """Each request's AR TPOT over the same request's DFlash TPOT; the median resists one request of a slow spell
-    (the mean of TPOTs does not), and a wide interquartile range or too few pairs is flagged on the headline."""
-    ratios = [2.0, 2.1, 1.9, 2.0, 0.5]  # the last pair ran in a slow spell of the DFlash phase
-    records = [r for i, ratio in enumerate(ratios) for r in (_reply("dflash", f"gsm8k:{i}", 0, "x", [1], 0.1 / ratio),
-                                                             _reply("ar", f"gsm8k:{i}", 0, "x", [], 0.1))]
+    (the mean of TPOTs does not). A ratio is the request's τ times the cost ratio of the two modes' steps: the
+    prompts move the τ, only the timing moves the cost ratio, so the headline trusts the speedup by the cost
+    ratios' 95% interval (at most 10% of their median) and says when it is wider or the pairs too few."""
     meta = {"environment": {}, "target": {"model": "m"}, "drafter": {}, "settings": {"block_size": 4}}
-    r = summarize(records, ["gsm8k"], [1], 4, {}, meta)
+
+    def summary(ratios, steps=None):  # a reply of 10 tokens over `steps` verify steps: tau 10 / steps
+        steps = steps or [1] * len(ratios)
+        records = [r for i, (ratio, n) in enumerate(zip(ratios, steps, strict=True)) for r in (
+            _reply("dflash", f"gsm8k:{i}", 0, "x", [0] * n, 0.1 / ratio), _reply("ar", f"gsm8k:{i}", 0, "x", [], 0.1))]
+        return summarize(records, ["gsm8k"], [1], 4, {}, meta)
+
+    ratios = [2.0, 2.1, 1.9, 2.0, 2.05, 1.95, 2.0, 2.0, 1.98, 0.5]  # the last pair ran in a slow spell of DFlash's
+    r = summary(ratios)
     paired = r["headline"]["paired"]
-    assert r["headline"]["speedup"] == pytest.approx(2.0) and paired["pairs"] == 5
-    assert (paired["p25"], paired["p75"]) == (pytest.approx(1.9), pytest.approx(2.0)) and paired["trusted"]
-    assert "too" not in headline_line(r)
-    spread = [1.0, 1.5, 2.0, 2.5, 3.0]  # quartiles 1.5 and 2.5 around a median of 2: a spread of 50%
-    wide = summarize([r for i, ratio in enumerate(spread) for r in (
-        _reply("dflash", f"gsm8k:{i}", 0, "x", [1], 0.1 / ratio), _reply("ar", f"gsm8k:{i}", 0, "x", [], 0.1))],
-        ["gsm8k"], [1], 4, {}, meta)
-    assert wide["headline"]["paired"]["spread"] == pytest.approx(0.5) and not wide["headline"]["paired"]["trusted"]
-    assert "spread 50% over 5 requests: too wide to trust" in headline_line(wide)
-    few = summarize(records[:2], ["gsm8k"], [1], 4, {}, meta)
-    assert "only 1 paired request: too few to trust" in headline_line(few)
+    assert r["headline"]["speedup"] == pytest.approx(2.0) and paired["pairs"] == 10
+    assert paired["ci"] == (pytest.approx(1.9), pytest.approx(2.05))  # the 2nd and 9th of 10
+    assert paired["noise"] == pytest.approx(0.15 / 2.0) and paired["trusted"]
+    assert "(median of 10 paired requests, timing noise +-4%; tau" in headline_line(r)
+    # Prompts of different acceptance at one cost ratio (0.8): the ratios spread 2.4x, the timing not at all.
+    steps = [2, 3, 4, 5, 6, 7, 8, 9, 10, 5]
+    mixed = summary([10 / n * 0.8 for n in steps], steps)
+    assert mixed["headline"]["paired"]["ci"][1] / mixed["headline"]["paired"]["ci"][0] > 2
+    assert mixed["headline"]["paired"]["cost_ratio"] == pytest.approx(0.8)
+    assert mixed["headline"]["paired"]["noise"] == pytest.approx(0.0) and mixed["headline"]["paired"]["trusted"]
+    noisy = summary([1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4, 2.6, 2.8])  # one tau, the timing all over the place
+    assert not noisy["headline"]["paired"]["trusted"]
+    assert "timing noise +-37%: too noisy to trust" in headline_line(noisy)  # (2.6 - 1.2) / 1.9 / 2
+    few = summary(ratios[:5])  # below 6 values no interval reaches 95%
+    assert few["headline"]["paired"]["noise"] is None and not few["headline"]["paired"]["trusted"]
+    assert "5 paired requests: too few to trust" in headline_line(few)
+
+
+def test_median_interval_matches_the_binomial_table():
+    from dflash.eval.report import median_interval
+
+    # Order statistics (k-th smallest, k-th largest) of the 95% interval of a median, from the binomial table.
+    table = {6: 1, 8: 1, 9: 2, 10: 2, 11: 2, 12: 3, 17: 5, 20: 6, 30: 10}
+    for n, k in table.items():
+        assert median_interval(list(range(n))) == (k - 1, n - k), n
+    assert median_interval([1.0] * 5) is None
 
 
 def test_paired_collection_alternates_which_mode_goes_first(tmp_path):
@@ -328,35 +352,33 @@ def test_paired_collection_alternates_which_mode_goes_first(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_eval_starts_one_server_at_a_time(tiny, served, monkeypatch, tmp_path):
-    """`dflash eval --drafter` starts its DFlash server, sends it every request, stops it, and only then
-    starts the AR server: on an accelerator host two servers would claim the same chips. The results are
-    those of the servers side by side."""
+def test_run_eval_starts_one_process_serving_both_modes(tiny, served, monkeypatch, tmp_path):
+    """`dflash eval --drafter` starts one server process for both modes (`dflash serve --ar-port`: on an
+    accelerator host a second process could not open the chips) and pairs the requests over its two ports. The
+    results are those of the servers side by side."""
     import contextlib
 
     from dflash.eval import servers
     from dflash.eval.run import run_eval
 
     recipe, target, drafter, directory = tiny
-    live, most, started = [0], [0], []
+    started = []
 
     @contextlib.contextmanager
-    def fake_subprocess(args, log, slots):
-        ar = "--ar" in args
-        started.append("ar" if ar else "dflash")
-        live[0] += 1
-        most[0] = max(most[0], live[0])
-        try:
-            with serve_in_process(target, None if ar else drafter, slots=2, max_len=recipe.target.max_seq_len,
-                                  precompile=False) as url:
-                yield url
-        finally:
-            live[0] -= 1
+    def fake_pair(args, log, slots):
+        started.append(args)
+        with serve_in_process(target, drafter, slots=2, max_len=recipe.target.max_seq_len, precompile=False) as url, \
+                serve_in_process(target, None, slots=2, max_len=recipe.target.max_seq_len, precompile=False) as ar:
+            yield url, ar
 
-    monkeypatch.setattr(servers, "serve_subprocess", fake_subprocess)
+    def no_single(*args, **kwargs):
+        raise AssertionError("a second server process was started")
+
+    monkeypatch.setattr(servers, "serve_pair_subprocess", fake_pair)
+    monkeypatch.setattr(servers, "serve_subprocess", no_single)
     _, _, _, (_, _, settings) = served
     results, _ = run_eval(settings, tmp_path / "eval", drafter=str(directory), config="tiny", progress=False)
-    assert started == ["dflash", "ar"] and most[0] == 1
+    assert len(started) == 1 and "--drafter" in started[0] and "--ar" not in started[0]
     reference, _, _, _ = served
     assert results["headline"]["mismatches"] == 0
     assert results["headline"]["tau"] == reference["headline"]["tau"]

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from dflash.configs.recipe import load_recipe
-from dflash.launch.serving import ServeOptions, build_server
+from dflash.launch.serving import ServeOptions, build_server, build_servers
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import load_target
 from dflash.models.zlab import save_zlab
@@ -84,3 +84,29 @@ def test_draft_rule_is_checked_and_reaches_the_engine(tmp_path):
     argmax = load_recipe("tiny", ["serve.draft_rule=sample", "serve.draft_rule=argmax"])
     assert plan(argmax, ServeOptions(drafter=tmp_path, port=0, precompile=False)).rule == "argmax"
     assert plan(recipe, ServeOptions(ar=True, port=0, precompile=False)) == AR()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_an_ar_port_serves_the_target_alone_over_the_same_weights(tmp_path, devices):
+    """`dflash serve --ar-port`: a second server in the process, AR, whose engine holds the very arrays of the
+    DFlash engine's target (one copy of the weights on the chip); a port clash is refused before anything loads."""
+    import jax
+
+    recipe = load_recipe("tiny")
+    with pytest.raises(ValueError, match="--ar-port must be another port than --port"):
+        build_servers(recipe, ServeOptions(drafter="/nonexistent", port=8123, ar_port=8123))
+    drafter = DFlashDrafter(load_target(recipe.target).drafter_arch(recipe.drafter), nnx.Rngs(0))
+    save_zlab(drafter, tmp_path)
+    servers = build_servers(recipe, ServeOptions(drafter=tmp_path, port=0, ar_port=0, precompile=False,
+                                                 devices=devices))
+    try:
+        spec, ar = (s.worker.engine for s in servers)
+        assert isinstance(spec.plan, Chain) and ar.plan == AR() and ar.models.drafter_params is None
+        assert servers[0].server_address[1] != servers[1].server_address[1]
+        assert servers[0].model_name == servers[1].model_name == recipe.target.source
+        same = jax.tree.map(lambda a, b: a is b, spec.models.target_params, ar.models.target_params)
+        assert all(jax.tree.leaves(same))
+    finally:
+        for server in servers:
+            server.worker.shutdown()
+            server.server_close()
