@@ -1,10 +1,12 @@
-"""A small OpenAI-compatible chat client for `dflash serve`: one streamed request, timed on the client side."""
+"""A small OpenAI-compatible chat client for `dflash serve`, vLLM and SGLang: one request (streamed unless the engine
+needs otherwise, `eval.engines`), timed on the client side."""
 
 from __future__ import annotations
 
 import dataclasses
 import http.client
 import json
+import threading
 import time
 import urllib.parse
 from typing import Any
@@ -16,8 +18,11 @@ class ServerError(RuntimeError):
 
 @dataclasses.dataclass
 class Reply:
-    """One streamed chat reply: text, token count, client-side times, and the server's DFlash statistics
-    (`accepted`: drafts accepted per verify step; empty for an AR server)."""
+    """One chat reply: text, token count, times (client-side), and the server's DFlash statistics (`accepted`:
+    drafts accepted per verify step; empty for an AR server or another engine); `meta`: SGLang's per-request
+    `meta_info` when asked for; `timing`: how first_s / last_s were measured (`stream`: the first and last streamed
+    content; `server`: an unstreamed reply's decode span from the server's stamps, ending when the reply arrived;
+    `latency`: an unstreamed reply without them, first_s = sent_s, so TPOT includes the prefill)."""
 
     text: str
     tokens: int
@@ -26,6 +31,8 @@ class Reply:
     first_s: float
     last_s: float
     accepted: list[int]
+    meta: dict[str, Any] | None = None
+    timing: str = "stream"
 
     @property
     def latency_s(self) -> float:
@@ -54,6 +61,10 @@ class Client:
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.url = f"http://{self.host}:{self.port}{self.prefix}"
+        self.stream = True  # how chat requests go (set by eval.engines for the engine serving the URL)
+        self.extra_body: dict[str, Any] = {}
+        self.sent = 0  # chat requests sent so far (a counter engine's reads wait until the server counted them)
+        self._lock = threading.Lock()
 
     def _conn(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
@@ -82,8 +93,12 @@ class Client:
 
     def compiles(self) -> int | None:
         """The programs the server's engine compiled so far (`dflash_compiles_total` at /metrics); None when the
-        server does not report it."""
-        for line in self.text("/metrics").splitlines():
+        server does not report it (another engine, or no /metrics)."""
+        try:
+            text = self.text("/metrics")
+        except ServerError:
+            return None
+        for line in text.splitlines():
             if line.startswith("dflash_compiles_total "):
                 return int(float(line.split()[1]))
         return None
@@ -94,11 +109,15 @@ class Client:
 
     def chat(self, model: str, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int | None = None) -> Reply:
-        """One streamed chat completion: greedy, or sampled at `temperature` (> 0) with `top_p` and `seed`."""
+        """One chat completion (streamed unless `self.stream` is False; with `self.extra_body`'s fields): greedy, or
+        sampled at `temperature` (> 0) with `top_p` and `seed`."""
         sampled = {"top_p": top_p, **({"seed": seed} if seed is not None else {})} if temperature > 0 else {}
+        extra = {k: v for k, v in self.extra_body.items() if self.stream or k != "stream_options"}
         body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
-                           "temperature": temperature, **sampled, "stream": True})
+                           "temperature": temperature, **sampled, **extra, "stream": self.stream})
         conn = self._conn()
+        with self._lock:
+            self.sent += 1
         sent = time.perf_counter()
         try:
             conn.request("POST", self.prefix + "/v1/chat/completions", body=body, headers=self.headers)
@@ -106,7 +125,7 @@ class Client:
             if response.status != 200:
                 raise ServerError(f"POST {self.url}/v1/chat/completions answered {response.status}: "
                                   f"{response.read()[:300]!r}")
-            return _read_stream(response, sent)
+            return _read_stream(response, sent) if self.stream else _read_whole(response.read(), sent)
         except OSError as err:
             raise ServerError(f"{self.url} failed mid-request ({err})") from err
         finally:
@@ -138,6 +157,28 @@ def _read_stream(response: http.client.HTTPResponse, sent: float) -> Reply:
             accepted = list(event["dflash"].get("accepted_per_step") or [])
     end = time.perf_counter()
     return Reply("".join(parts), tokens, finish, sent, first or end, last or end, accepted)
+
+
+def _read_whole(data: bytes, sent: float) -> Reply:
+    """An unstreamed reply: its first choice, usage, `dflash` object and SGLang `meta_info`; times from the server's
+    stamps when the meta_info has them (see `Reply.timing`)."""
+    end = time.perf_counter()
+    try:
+        body = json.loads(data)
+        if isinstance(body, dict) and "error" in body:
+            raise ServerError(f"the server failed the request: {body['error']}")
+        choice = body["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError) as err:
+        raise ServerError(f"the server's reply is not a chat completion ({err}): {data[:300]!r}") from err
+    meta = choice.get("meta_info") or body.get("meta_info")
+    tokens = int((body.get("usage") or {}).get("completion_tokens") or (meta or {}).get("completion_tokens") or 0)
+    accepted = list((body.get("dflash") or {}).get("accepted_per_step") or [])
+    first, timing = sent, "latency"
+    stamps = (meta or {}).get("prefill_finished_ts"), (meta or {}).get("decode_finished_ts")
+    if all(isinstance(t, (int, float)) for t in stamps) and stamps[1] >= stamps[0]:
+        first, timing = max(sent, end - (stamps[1] - stamps[0])), "server"
+    text = (choice.get("message") or {}).get("content") or ""
+    return Reply(text, tokens, choice.get("finish_reason"), sent, first, end, accepted, meta, timing)
 
 
 __all__ = ["Client", "Reply", "ServerError"]

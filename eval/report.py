@@ -1,7 +1,9 @@
 """Numbers, report and plots of an evaluation: `results.json` (schema `dflash-eval/1`), `report.md`, PNGs.
 
 Per set, from the first concurrency level: τ (accepted + 1 per verify step, bonus included, pooled over
-steps), acceptance by draft position and the histogram of accepted drafts per step, mean TPOT and tokens/s
+steps, from the engine's own counts: `eval.engines`; `tau_source` says whether they came per request or, for an
+engine with only counters at concurrency above 1, pooled over the run, then for the headline only), acceptance by
+draft position and the histogram of accepted drafts per step, mean TPOT and tokens/s
 of DFlash and AR, speedup = the median over requests of AR TPOT / DFlash TPOT of the same request (`paired`: its
 quartiles, count, the median's 95% interval and the timing noise; a noisy timing is flagged), greedy replies that
 differ from AR (must be 0; not compared when sampled: `mismatches` is None, and losslessness rests on the engine's
@@ -18,6 +20,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from dflash.eval.engines import Counts
 
 SCHEMA = "dflash-eval/1"
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{(?:[^{}]|\{[^{}]*\})*\})*)\}")
@@ -52,14 +56,30 @@ def _mode_stats(replies: list[dict[str, Any]]) -> dict[str, Any]:
             "ttft_ms": statistics.mean(r["ttft_s"] for r in replies) * 1e3 if replies else None}
 
 
-def _acceptance(replies: list[dict[str, Any]], block_size: int) -> dict[str, Any]:
-    steps = [a for r in replies for a in r["accepted"]]
-    if not steps:
-        return {"tau": None, "steps": 0, "accept_per_position": [], "accept_hist": []}
-    width = max(block_size - 1, max(steps))
-    return {"tau": sum(a + 1 for a in steps) / len(steps), "steps": len(steps),
-            "accept_per_position": [sum(a > i for a in steps) / len(steps) for i in range(width)],
-            "accept_hist": [sum(a == j for a in steps) / len(steps) for j in range(width + 1)]}
+def reply_counts(record: dict[str, Any], block_size: int = 0) -> Counts | None:
+    """A reply record's speculative counts: another engine's (`spec`), or our engine's per-step accepted drafts."""
+    if record.get("spec"):
+        return Counts.from_json(record["spec"])
+    return Counts.of_steps(record["accepted"], block_size - 1) if record.get("accepted") else None
+
+
+def _acceptance(replies: list[dict[str, Any]], block_size: int, pooled: Counts | None = None) -> dict[str, Any]:
+    """τ, verify steps, acceptance by position and the histogram over `replies`' counts (per request), or over
+    `pooled` when no reply has any (`tau_source` says which; None: the engine reported none)."""
+    counts = [c for c in (reply_counts(r, block_size) for r in replies) if c is not None]
+    source = "per request" if counts else "pooled" if pooled is not None and pooled.steps > 0 else None
+    if source is None:
+        return {"tau": None, "steps": 0, "accept_per_position": [], "accept_hist": [], "tau_source": None}
+    counts = counts or [pooled]
+    steps, accepted = sum(c.steps for c in counts), sum(c.accepted for c in counts)
+    placed = [c for c in counts if c.per_position or c.hist]  # counts that say where their drafts were accepted
+    total = sum(placed, Counts(0, 0))
+    total = Counts(sum(c.steps for c in placed), total.accepted, total.per_position, total.hist)
+    hist = total.histogram()
+    positions = total.per_position or tuple(sum(hist[i + 1:]) for i in range(len(hist) - 1))
+    return {"tau": 1.0 + accepted / steps, "steps": steps,
+            "accept_per_position": [n / total.steps for n in positions] if total.steps else [],
+            "accept_hist": [n / total.steps for n in hist] if total.steps else [], "tau_source": source}
 
 
 def _accuracy(replies: list[dict[str, Any]], answers: dict[str, str]) -> float | None:
@@ -104,7 +124,8 @@ def _paired(dflash: list[dict[str, Any]], ar: list[dict[str, Any]]) -> dict[str,
     pairs = [(ar_tpot[r["id"], r["turn"]] / r["tpot_s"], r) for r in dflash
              if r["tpot_s"] and (r["id"], r["turn"]) in ar_tpot]
     ratios = [ratio for ratio, _ in pairs]
-    costs = [ratio * len(r["accepted"]) / r["tokens"] for ratio, r in pairs if r.get("accepted") and r["tokens"]]
+    counted = [(ratio, reply_counts(r), r["tokens"]) for ratio, r in pairs]  # any engine's per-request verify steps
+    costs = [ratio * c.steps / tokens for ratio, c, tokens in counted if c is not None and c.steps and tokens]
     if not ratios:
         return {"median": None, "p25": None, "p75": None, "pairs": 0, "ci": None, "cost_ratio": None,
                 "noise": None, "trusted": False}
@@ -116,7 +137,7 @@ def _paired(dflash: list[dict[str, Any]], ar: list[dict[str, Any]]) -> dict[str,
 
 
 def _set_summary(replies: list[dict[str, Any]], c0: int, block_size: int, answers: dict[str, str],
-                 compare: bool = True) -> dict[str, Any]:
+                 compare: bool = True, pooled: Counts | None = None) -> dict[str, Any]:
     first = {m: [r for r in replies if r["mode"] == m and r["concurrency"] == c0] for m in ("dflash", "ar")}
     ar_text = {(r["id"], r["turn"]): r["text"] for r in first["ar"]}
     mismatched = sorted(f"{r['id']}#{r['turn']}" for r in first["dflash"]
@@ -126,7 +147,7 @@ def _set_summary(replies: list[dict[str, Any]], c0: int, block_size: int, answer
     dflash, ar = _mode_stats(first["dflash"]), _mode_stats(first["ar"])
     paired = _paired(first["dflash"], first["ar"])
     speedup = paired["median"]
-    return {**_acceptance(first["dflash"], block_size), "dflash": dflash, "ar": ar, "speedup": speedup,
+    return {**_acceptance(first["dflash"], block_size, pooled), "dflash": dflash, "ar": ar, "speedup": speedup,
             "paired": paired,
             "mismatches": None if mismatched is None else len(mismatched),
             "mismatched": None if mismatched is None else mismatched[:20],
@@ -155,14 +176,16 @@ def summarize(records: list[dict[str, Any]], sets: Sequence[str], concurrency: S
     """The results.json document of `records` (see the module docstring); `compare`: check DFlash's replies
     against AR's (greedy runs only)."""
     replies = [r for r in records if r["kind"] == "reply"]
+    pooled = next((Counts.from_json(r["counts"]) for r in records if r["kind"] == "spec" and r["mode"] == "dflash"
+                   and r["concurrency"] == concurrency[0]), None)  # counters read around a segment: headline only
     by_set = {}
     for name in sets:
         mine = [r for r in replies if r["set"] == Path(name).stem or r["set"] == name]
         by_set[name] = _set_summary(mine, concurrency[0], block_size, answers, compare)
-    headline = _set_summary(replies, concurrency[0], block_size, answers, compare)
+    headline = _set_summary(replies, concurrency[0], block_size, answers, compare, pooled)
     return {"schema": SCHEMA, **meta, "sets": by_set,
-            "headline": {k: headline[k] for k in ("tau", "steps", "speedup", "paired", "mismatches", "dflash", "ar",
-                                                  "accept_per_position")},
+            "headline": {k: headline[k] for k in ("tau", "tau_source", "steps", "speedup", "paired", "mismatches",
+                                                  "dflash", "ar", "accept_per_position")},
             "concurrency": _concurrency(records, concurrency)}
 
 
@@ -179,10 +202,23 @@ def _sampling(settings: dict[str, Any]) -> str:
     return f", sampled at T={t:g}" + (f" top-p {top_p:g}" if top_p < 1 else "")
 
 
+def _engine(results: dict[str, Any]) -> str:
+    """The engine that served the speculative side (`dflash` for results written before engines were recorded)."""
+    return (results.get("engine") or {}).get("dflash", "dflash")
+
+
+def tau_text(results: dict[str, Any]) -> str:
+    """`tau <τ>`, `tau <τ> pooled` (from counters read around the whole run), or `τ not available from <engine>`."""
+    h = results["headline"]
+    if h["tau"] is None:
+        return f"τ not available from {_engine(results)}"
+    return f"tau {_fmt(h['tau'])}" + (" pooled" if h.get("tau_source") == "pooled" else "")
+
+
 def headline_line(results: dict[str, Any]) -> str:
     """`DFlash vs AR: <median per-request speed ratio>x tokens/s (median of n paired requests, timing noise +-x%;
-    tau <τ>, K=<K>)`, with a warning inside the brackets when the timing is too noisy (or the pairs too few) to
-    trust (`_paired`)."""
+    tau <τ>, K=<K>)`, the engine when it is not ours, with a warning inside the brackets when the timing is too
+    noisy (or the pairs too few) to trust (`_paired`)."""
     h = results["headline"]
     paired = h.get("paired") or {}
     n, noise = paired.get("pairs") or 0, paired.get("noise")
@@ -192,12 +228,26 @@ def headline_line(results: dict[str, Any]) -> str:
             "" if paired.get("trusted") else ": too noisy to trust") + "; "
     elif n:
         where = f"{n} paired request{'s' if n > 1 else ''}: too few to trust; "
-    return (f"DFlash vs AR: {_fmt(h['speedup'])}x tokens/s ({where}tau {_fmt(h['tau'])}, "
-            f"K={results['settings']['block_size']}{_sampling(results['settings'])})")
+    engine = _engine(results)
+    return (f"DFlash vs AR: {_fmt(h['speedup'])}x tokens/s ({where}{tau_text(results)}, "
+            f"K={results['settings']['block_size'] or '?'}{_sampling(results['settings'])}"
+            f"{'' if engine == 'dflash' else f', {engine}'})")
+
+
+def _engine_lines(results: dict[str, Any]) -> list[str]:
+    """Which engine served the speculative side and where its τ came from (nothing for results of old runs)."""
+    engine = results.get("engine")
+    if not engine:
+        return []
+    h = results["headline"]
+    where = (engine.get("unavailable", "") if h["tau"] is None else
+             f"τ from {engine.get('source', '?')}" + ("; pooled over the run: per set not attributable"
+                                                      if h.get("tau_source") == "pooled" else ""))
+    return [f"Engine: {engine['dflash']} (AR: {engine.get('ar', '?')}); {where}.", ""]
 
 
 def render_markdown(results: dict[str, Any]) -> str:
-    h, s = results["headline"], results["settings"]
+    h, s, drafter = results["headline"], results["settings"], results["drafter"]
     lines = [f"# DFlash evaluation: {results['target'].get('model', '?')}", "",
              f"**{headline_line(results)}**; "
              + (f"greedy replies differing from AR: {h['mismatches']}"
@@ -205,9 +255,9 @@ def render_markdown(results: dict[str, Any]) -> str:
                 if h["mismatches"] is not None else
                 "sampled replies are not compared with AR's (lossless sampling rests on the engine's "
                 "sampled-decoding tests)"), "",
-             f"Drafter: `{results['drafter'].get('path', '?')}`; sets {', '.join(s['sets'])}, {s['limit']} items "
-             f"each, {s['max_new_tokens']} new tokens per turn, concurrency {s['concurrency']}; "
-             f"{results['environment'].get('machine', '')}.", "",
+             f"Drafter: `{drafter.get('path') or drafter.get('url', '?')}`; sets {', '.join(s['sets'])}, "
+             f"{s['limit']} items each, {s['max_new_tokens']} new tokens per turn, concurrency {s['concurrency']}; "
+             f"{results['environment'].get('machine', '')}.", "", *_engine_lines(results),
              "| set | tau | DFlash TPOT ms | AR TPOT ms | speedup (median, p25-p75) | DFlash tok/s | AR tok/s "
              "| accuracy (AR) | differ from AR |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["sets"].items():
@@ -247,7 +297,8 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.plot(range(1, len(r["accept_per_position"]) + 1), r["accept_per_position"], marker="o", label=name)
     ax.set(xlabel="draft position", ylabel="share of steps accepted", ylim=(0, 1.02),
            title="Acceptance by draft position")
-    ax.legend()
+    if any(r["accept_per_position"] for r in results["sets"].values()):
+        ax.legend()
     paths.append(_save(fig, out_dir / "acceptance_by_position.png"))
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(results["sets"])

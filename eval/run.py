@@ -22,6 +22,11 @@ item id, turn), so a rerun into the same directory sends only what is missing. E
 the setup they were made with (the server's model, K, drafter fingerprint, the token budget and the sampling
 settings): a rerun against another drafter, with another budget or another sampling rule, drops that mode's old
 records instead of reporting them as its own.
+
+The speculative server may be `dflash serve`, vLLM or SGLang (`eval.engines`: told from the server or named): τ and
+acceptance by position come from that engine's own counts (our replies' `dflash` object, vLLM's Prometheus counters,
+SGLang's per-request meta_info), recorded per reply (`accepted` from ours, `spec` from the others) or, for an engine
+with only counters at concurrency above 1, pooled over the segment (a `spec` record).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Any
 from dflash.data.eval_sets import EvalItem, load_eval_set
 from dflash.data.progress import Progress
 from dflash.eval.client import Client
+from dflash.eval.engines import Counts, DFlashEngine, Engine, Meter, engine_for
 
 MODES = ("dflash", "ar")
 log = logging.getLogger(__name__)
@@ -143,18 +149,30 @@ class RecordStore:
 
 
 def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurrency: int, settings: EvalSettings,
-                  store: RecordStore, bar: Progress) -> None:
+                  store: RecordStore, bar: Progress, meter: Meter | None = None) -> float:
+    """One conversation's turns; each reply recorded with its speculative counts (`accepted` from our engine,
+    `spec` from another engine's counts: `eval.engines`) and how it was timed (`timing`). Returns the seconds its
+    requests took (not the counter reads around them, nor the bookkeeping)."""
     messages: list[dict[str, str]] = []
+    busy = 0.0
     for turn, text in enumerate(item.turns):
         messages.append({"role": "user", "content": text})
+        before = meter.before(concurrency) if meter else None
+        t0 = time.perf_counter()
         reply = client.chat(model, messages, settings.max_new_tokens, settings.temperature, settings.top_p,
                             settings.request_seed(item.id, turn))
+        busy += time.perf_counter() - t0
+        counts = meter.after(reply, before, concurrency) if meter else None
         messages.append({"role": "assistant", "content": reply.text})
+        ours = meter is None or isinstance(meter.engine, DFlashEngine)
         store.add({"kind": "reply", "mode": mode, "concurrency": concurrency, "id": item.id, "set": item.set,
                    "turn": turn, "text": reply.text, "tokens": reply.tokens, "finish": reply.finish_reason,
                    "latency_s": reply.latency_s, "ttft_s": reply.ttft_s, "tpot_s": reply.tpot_s,
-                   "accepted": reply.accepted})
+                   "accepted": reply.accepted,
+                   **({} if ours else {"spec": counts.to_json() if counts else None,
+                                       "timing": getattr(reply, "timing", "stream")})})
         bar.update(1, tokens=reply.tokens)
+    return busy
 
 
 def _record_segment(store: RecordStore, mode: str, concurrency: int, items: Sequence[EvalItem], seconds: float,
@@ -176,7 +194,7 @@ def _record_segment(store: RecordStore, mode: str, concurrency: int, items: Sequ
 
 
 def _run_paired(clients: dict[str, Client], items: Sequence[EvalItem], settings: EvalSettings, store: RecordStore,
-                progress: bool) -> None:
+                progress: bool, meters: dict[str, Meter] | None = None) -> None:
     """Concurrency 1 with both servers up: each conversation runs on DFlash and on AR back to back, the order
     alternating from one conversation to the next, so a drift of the machine lands on both modes of a pair alike
     (the report's speedup is the median of the per-request ratios)."""
@@ -193,9 +211,8 @@ def _run_paired(clients: dict[str, Client], items: Sequence[EvalItem], settings:
         for mode in (list(clients) if i % 2 == 0 else list(reversed(clients))):
             if store.has_conversation(mode, 1, item):
                 continue
-            t0 = time.perf_counter()
-            _conversation(clients[mode], models[mode], item, mode, 1, settings, store, bar)
-            seconds[mode] += time.perf_counter() - t0
+            seconds[mode] += _conversation(clients[mode], models[mode], item, mode, 1, settings, store, bar,
+                                           (meters or {}).get(mode))
             ran[mode].append(item)
     bar.close()
     for mode, client in clients.items():
@@ -204,22 +221,30 @@ def _run_paired(clients: dict[str, Client], items: Sequence[EvalItem], settings:
 
 
 def _run_mode(client: Client, mode: str, concurrency: int, items: Sequence[EvalItem], settings: EvalSettings,
-              store: RecordStore, progress: bool) -> None:
+              store: RecordStore, progress: bool, meter: Meter | None = None) -> None:
     todo = [item for item in items if not store.has_conversation(mode, concurrency, item)]
     if not todo:
         return
     model = client.model()
     compiles_before = client.compiles()
+    pooled = meter.pooled_before(concurrency) if meter else None
     bar = Progress(sum(len(i.turns) for i in todo), desc=f"eval {mode} c={concurrency}", unit="reply",
                    enabled=progress)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for future in [pool.submit(_conversation, client, model, item, mode, concurrency, settings, store, bar)
-                       for item in todo]:
-            future.result()
+        busy = sum(future.result() for future in [
+            pool.submit(_conversation, client, model, item, mode, concurrency, settings, store, bar, meter)
+            for item in todo])
     bar.close()
-    # Throughput counts the replies of finished segments only: an interrupted segment left no wall time.
-    _record_segment(store, mode, concurrency, todo, time.perf_counter() - t0, compiles_before, client.compiles())
+    # Throughput counts the replies of finished segments only: an interrupted segment left no wall time. One request
+    # at a time, the segment's time is its requests' (a counter engine's reads between them left out).
+    seconds = busy if concurrency == 1 else time.perf_counter() - t0
+    _record_segment(store, mode, concurrency, todo, seconds, compiles_before, client.compiles())
+    if pooled is not None and meter is not None and (counts := meter.pooled_after(pooled)) is not None:
+        # An engine with only counters, requests in flight together: its counts pooled over the segment.
+        previous = store.records.get(("spec", mode, concurrency, None, None))
+        total = counts if previous is None else counts + Counts.from_json(previous["counts"])
+        store.add({"kind": "spec", "mode": mode, "concurrency": concurrency, "counts": total.to_json()})
 
 
 def warm_up(client: Client, items: Sequence[EvalItem], settings: EvalSettings) -> None:
@@ -232,27 +257,33 @@ def warm_up(client: Client, items: Sequence[EvalItem], settings: EvalSettings) -
 
 
 def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, items: Sequence[EvalItem],
-            progress: bool = True) -> list[dict[str, Any]]:
+            progress: bool = True, engines: dict[str, Engine] | None = None) -> list[dict[str, Any]]:
     """Send `items` (the sets' conversations) to the servers of `clients` (mode -> client: "dflash", "ar" or
-    both) at every concurrency; the records of both modes, old and new."""
+    both) at every concurrency; the records of both modes, old and new. `engines`: mode -> the engine serving it
+    (`eval.engines.engine_for`, which also set how its client sends requests; default: ours); the "dflash" mode's
+    speculative counts are read the engine's way."""
     out_dir.mkdir(parents=True, exist_ok=True)
     store = RecordStore(out_dir / "records.jsonl")
+    engines = {mode: (engines or {}).get(mode) or DFlashEngine() for mode in clients}
+    meters = {mode: Meter(engines[mode], client, measure=mode == "dflash") for mode, client in clients.items()}
     for mode, client in clients.items():
-        served = client.get("/v1/models")["data"][0]
-        store.begin(mode, {"model": served["id"], "block_size": served.get("block_size"),
-                           "drafter": served.get("drafter"), "max_new_tokens": settings.max_new_tokens,
-                           **({} if settings.greedy else {"sampling": settings.sampling})})
+        served = engines[mode].describe(client)
+        store.begin(mode, {"model": served["id"], "block_size": served["block_size"], "drafter": served["drafter"],
+                           "max_new_tokens": settings.max_new_tokens,
+                           **({} if settings.greedy else {"sampling": settings.sampling}),
+                           **({} if isinstance(engines[mode], DFlashEngine) else {"engine": engines[mode].name})})
         if any(not store.has_conversation(mode, c, i) for c in settings.concurrency for i in items):
             warm_up(client, items, settings)
     for concurrency in settings.concurrency:
         if concurrency == 1 and len(clients) > 1:
-            _run_paired(clients, items, settings, store, progress)
+            _run_paired(clients, items, settings, store, progress, meters)
             continue
         for mode, client in clients.items():
-            _run_mode(client, mode, concurrency, items, settings, store, progress)
+            _run_mode(client, mode, concurrency, items, settings, store, progress, meters[mode])
     wanted = {item.id for item in items}
     return [r for r in store.records.values()
-            if r["concurrency"] in settings.concurrency and (r["kind"] in ("wall", "compiles") or r["id"] in wanted)]
+            if r["concurrency"] in settings.concurrency
+            and (r["kind"] in ("wall", "compiles", "spec") or r["id"] in wanted)]
 
 
 def environment() -> dict[str, Any]:
@@ -264,18 +295,20 @@ def environment() -> dict[str, Any]:
 
 
 def evaluate(dflash_url: str, ar_url: str, settings: EvalSettings, out_dir: str | Path, *,
-             drafter: dict[str, Any] | None = None, api_key: str | None = None, progress: bool = True
-             ) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Evaluate the DFlash server at `dflash_url` against the AR server at `ar_url` (same target, same
-    prompts); writes results.json, report.md and the plots into `out_dir`; returns (results, paths)."""
+             drafter: dict[str, Any] | None = None, api_key: str | None = None, progress: bool = True,
+             engine: str = "auto") -> tuple[dict[str, Any], dict[str, Path]]:
+    """Evaluate the speculative server at `dflash_url` (served by `engine`: dflash, vllm, sglang, or auto: told from
+    the server) against the AR server at `ar_url` (same target, same prompts; its engine told from the server),
+    paired at concurrency 1; writes results.json, report.md and the plots into `out_dir`; returns (results, paths)."""
 
     out_dir = Path(out_dir).expanduser()
-    dflash, ar = Client(dflash_url, api_key), Client(ar_url, api_key)
-    served = dflash.get("/v1/models")["data"][0]
-    _check_same_target(ar, served)
+    clients = {"dflash": Client(dflash_url, api_key), "ar": Client(ar_url, api_key)}
+    engines = {"dflash": engine_for(clients["dflash"], engine), "ar": engine_for(clients["ar"], fallback=True)}
+    served = engines["dflash"].describe(clients["dflash"])
+    _check_same_target(clients["ar"], served)
     items = eval_items(settings)
-    records = collect({"dflash": dflash, "ar": ar}, settings, out_dir, items, progress)
-    return _results(records, items, served, dflash_url, settings, out_dir, drafter)
+    records = collect(clients, settings, out_dir, items, progress, engines)
+    return _results(records, items, served, dflash_url, settings, out_dir, drafter, engines)
 
 
 def eval_items(settings: EvalSettings) -> list[EvalItem]:
@@ -289,15 +322,19 @@ def _check_same_target(ar: Client, served: dict[str, Any]) -> None:
 
 
 def _results(records: list[dict[str, Any]], items: Sequence[EvalItem], served: dict[str, Any], dflash_url: str,
-             settings: EvalSettings, out_dir: Path, drafter: dict[str, Any] | None
-             ) -> tuple[dict[str, Any], dict[str, Path]]:
+             settings: EvalSettings, out_dir: Path, drafter: dict[str, Any] | None,
+             engines: dict[str, Engine] | None = None) -> tuple[dict[str, Any], dict[str, Path]]:
     from dflash.eval.report import summarize, write_outputs
 
     answers = {item.id: item.answer for item in items if item.answer}
     block_size = int(served.get("block_size") or 0)
+    engines = engines or {}
+    speculative = engines.get("dflash") or DFlashEngine()
     meta = {"environment": environment(), "target": {"model": served["id"]},
             "drafter": {"url": dflash_url, **(drafter or {})},
-            "settings": {**dataclasses.asdict(settings), "block_size": block_size}}
+            "settings": {**dataclasses.asdict(settings), "block_size": block_size},
+            "engine": {"dflash": speculative.name, "ar": engines["ar"].name if "ar" in engines else "dflash",
+                       "source": speculative.source, "unavailable": speculative.unavailable()}}
     results = summarize(records, settings.sets, settings.concurrency, block_size, answers, meta,
                         compare=settings.greedy)
     results["compiles"] = timed_compiles(records)
@@ -316,22 +353,23 @@ def timed_compiles(records: Sequence[dict[str, Any]]) -> dict[str, int | None]:
 
 def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = None, ar_url: str | None = None,
              drafter: str | None = None, step: str | None = None, config: str = "default",
-             overrides: Sequence[str] = (), api_key: str | None = None, devices: int = 1, progress: bool = True
-             ) -> tuple[dict[str, Any], dict[str, Path]]:
-    """`dflash eval`: the DFlash server at `url`, or a `dflash serve` subprocess of `drafter` (a run dir or an
-    export; `step`: N or best, which falls back to the newest checkpoint where a run kept no best/) started here,
-    against the AR baseline at `ar_url`, or the target alone served by that same subprocess (`dflash serve
-    --ar-port`: one process, one copy of the weights, one chip, as a TPU host needs) or, beside a given `url`, a
-    `dflash serve --ar` subprocess of the same recipe (its `serve` section, with `overrides`, is the DFlash
-    server's decode plan), over `devices` of the host's devices (`dflash serve --devices`). Both servers are up
-    together: at concurrency 1 each conversation runs on both back to back (paired; `collect`). Subprocess logs go
-    to out_dir/server*.log; servers stop at the end."""
+             overrides: Sequence[str] = (), api_key: str | None = None, devices: int = 1, progress: bool = True,
+             engine: str = "auto") -> tuple[dict[str, Any], dict[str, Path]]:
+    """`dflash eval`: the speculative server at `url` (served by `engine`: dflash, vllm, sglang, or auto: told from
+    the server), or a `dflash serve` subprocess of `drafter` (a run dir or an export; `step`: N or best, which falls
+    back to the newest checkpoint where a run kept no best/) started here, against the AR baseline at `ar_url`, or
+    the target alone served by that same subprocess (`dflash serve --ar-port`: one process, one copy of the weights,
+    one chip, as a TPU host needs) or, beside a given `url`, a `dflash serve --ar` subprocess of the same recipe (its
+    `serve` section, with `overrides`, is the DFlash server's decode plan), over `devices` of the host's devices
+    (`dflash serve --devices`). Both servers are up together: at concurrency 1 each conversation runs on both back
+    to back (paired; `collect`). Subprocess logs go to out_dir/server*.log; servers stop at the end."""
     import contextlib
 
     from dflash.eval import servers
 
     if (url is None) == (drafter is None):
-        raise ValueError("pass exactly one of --url (a running dflash serve) and --drafter (a run dir or export)")
+        raise ValueError("pass exactly one of --url (a running speculative server: dflash serve, vLLM, SGLang) and "
+                         "--drafter (a run dir or export)")
     if drafter is not None:  # --step best of a run that kept no best/: its newest checkpoint, said so
         from dflash.models.drafter_io import best_or_latest
 
@@ -352,7 +390,7 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
         elif ar_url is None:
             ar_url = stack.enter_context(servers.serve_subprocess(["--ar", *common], out_dir / "server-ar.log", slots))
         return evaluate(url, ar_url, settings, out_dir, drafter={"path": drafter, "step": step} if drafter else None,
-                        api_key=api_key, progress=progress)
+                        api_key=api_key, progress=progress, engine="dflash" if drafter else engine)
 
 
 __all__ = ["MODES", "EvalSettings", "RecordStore", "collect", "environment", "evaluate", "run_eval", "timed_compiles",

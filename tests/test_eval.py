@@ -100,6 +100,9 @@ def test_served_tau_equals_the_in_process_engine(tiny, served):
         assert record["accepted"] == local.accepted and record["tokens"] == len(local.token_ids), (item_id, turn)
     pooled = [a for r in dflash.values() for a in r["accepted"]]
     assert results["headline"]["tau"] == pytest.approx(sum(a + 1 for a in pooled) / len(pooled))
+    # `dflash serve` told from its /v1/models (owned_by dflash): τ from each reply's `dflash` object
+    assert results["engine"]["dflash"] == results["engine"]["ar"] == "dflash"
+    assert results["headline"]["tau_source"] == "per request"
     assert results["headline"]["mismatches"] == 0
     assert results["compiles"] == {"dflash": 0, "ar": 0}  # the servers precompiled: nothing compiled while timed
 
