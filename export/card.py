@@ -65,7 +65,9 @@ def _eval_section(results: dict[str, Any] | None, source: str | None) -> list[st
                         ""]
     s = results.get("settings", {})
     mismatches = results["headline"].get("mismatches")
-    lines += [f"`dflash eval` against the bundled JAX engine ({source}): **{headline_line(results)}**; greedy replies "
+    engine = (results.get("engine") or {}).get("dflash", "dflash")
+    served = "the bundled JAX engine" if engine == "dflash" else f"{engine} serving this drafter"
+    lines += [f"`dflash eval` against {served} ({source}): **{headline_line(results)}**; greedy replies "
               f"differing from AR decoding: {mismatches}. Sets {', '.join(s.get('sets', []))}, {s.get('limit')} items "
               f"each, {s.get('max_new_tokens')} new tokens per turn, on "
               f"{results.get('environment', {}).get('machine', '?')}.", "",

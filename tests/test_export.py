@@ -455,3 +455,16 @@ def test_a_best_drafter_without_its_checkpoints_exports_for_the_configs_target(s
     assert "checked against target" in capsys.readouterr().out
     verifier = json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"]["verifier"]
     assert verifier["architectures"] == ["LlamaForCausalLM"] and verifier["name_or_path"] == str(TARGET_DIR)
+
+
+def test_the_card_names_the_engine_the_results_came_from():
+    """Results of `dflash eval --url` against vLLM say so on the card; ours (or results before engines were
+    recorded) name the bundled engine."""
+    from dflash.export.card import _eval_section
+
+    results = {"schema": "dflash-eval/1", "headline": {"tau": 2.5, "speedup": 1.7, "mismatches": None},
+               "settings": {"block_size": 4, "sets": ["gsm8k"], "limit": 1, "max_new_tokens": 8}, "sets": {}}
+    ours = "\n".join(_eval_section(results, "runs/x"))
+    vllm = "\n".join(_eval_section({**results, "engine": {"dflash": "vllm", "ar": "vllm"}}, "runs/x"))
+    assert "against the bundled JAX engine (runs/x)" in ours
+    assert "against vllm serving this drafter (runs/x)" in vllm and "bundled" not in vllm.split("\n")[2]
