@@ -16,6 +16,7 @@ Each takes the whole recipe and returns what it did; the CLI prints it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -38,7 +39,7 @@ from dflash.data.scaleout import (
     process_tag,
     replica_backend,
 )
-from dflash.data.shards import RecordSource
+from dflash.data.shards import RecordSource, merge_shares
 from dflash.data.sources import MixStats, mix, mix_spec, tokenizer_counter
 from dflash.data.walk import WalkSummary, run_walk
 from dflash.models.target import Target, load_target
@@ -107,19 +108,43 @@ def recipe_tokenizer(recipe: Recipe) -> Any:
     return load_tokenizer(resolve_source(recipe.target.source))
 
 
-def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> CaptureReport:
+def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool = True,
+                share: Share | None = None, merge: bool = True) -> CaptureReport:
     """Store the target features of `data.source`'s rows (the drafter's layer ids, seq_len) in data.dir/shards,
     with the target's next-token labels when `data.labels` is `target`; a rerun resumes at the first unfinished
-    shard."""
+    shard.
+
+    Over a slice, as regeneration (`data.scaleout`): process p of P captures the shards i with i % P == p (`share`,
+    default this process's place in the JAX run) into the one shared directory, each batch on one of this
+    process's replicas (`data.capture_replicas` groups of `data.capture_devices_per_replica` local devices); once
+    every process is done, process 0 writes the manifest (`merge`). The shards do not depend on the topology."""
+    cfg = recipe.data
+    share = share if share is not None else Share.of_process()
+    if share.count > 1 and merge:
+        barrier("dflash-data-capture-start")  # set up the collectives while the processes are in step (regenerate)
     target = target if target is not None else load_target(recipe.target)
     arch = target.drafter_arch(recipe.drafter)
-    examples, _ = build_examples(recipe.data, target.tokenizer)  # the trainer's rows
-    cfg = recipe.data
-    return capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
-                   cfg.shard_dir, seq_len=recipe.data.seq_len, batch_size=cfg.capture_batch_size,
-                   samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress,
-                   target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0,
-                   length_bucket=cfg.capture_bucket)
+    examples, _ = build_examples(cfg, target.tokenizer)  # the trainer's rows
+    groups = local_devices(cfg.capture_replicas, cfg.capture_devices_per_replica,
+                           fields=("data.capture_replicas", "data.capture_devices_per_replica"))
+    tag = process_tag() if share.count > 1 else ""
+    log.info("%scapture: %d replica(s) on %s%s", tag, len(groups),
+             "; ".join(", ".join(str(d) for d in group) for group in groups),
+             f"; shards i with i % {share.count} == {share.index}" if share.count > 1 else "")
+    report = capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
+                     cfg.shard_dir, seq_len=cfg.seq_len, batch_size=cfg.capture_batch_size,
+                     samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress,
+                     target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0,
+                     length_bucket=cfg.capture_bucket, devices=groups, share=(share.index, share.count),
+                     label=f"{tag}capture")
+    if share.count == 1 or not merge:
+        return report
+    barrier("dflash-data-capture")
+    if share.index == 0:
+        merge_shares(cfg.shard_dir, share.count, verify=cfg.verify_shards)
+    barrier("dflash-data-capture-merged")
+    manifest = load_manifest(cfg.shard_dir)
+    return dataclasses.replace(report, manifest=manifest, bytes_per_token=manifest.bytes_per_token)
 
 
 def run_walk_stage(recipe: Recipe, *, drafter: str = "", step: int | str | None = None, mode: str = "teacher",

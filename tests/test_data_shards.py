@@ -256,7 +256,8 @@ def test_rerun_with_other_settings_names_every_mismatch(setup: Setup, tmp_path: 
     assert "manifest (1, 3), run (2,)" in message and "manifest 128, run 64" in message
     assert "target_fingerprint" not in message
     (out / "notes.txt").write_text("x")
-    with pytest.raises(ShardError, match=r"must hold only manifest.json and shard files; received \['notes.txt'\]"):
+    with pytest.raises(ShardError, match=r"must hold only manifest.json and shard files \(and parts/part-\*.json "
+                                         r"while shares run\); received \[.notes.txt.\]"):
         _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
 
 
