@@ -27,7 +27,7 @@ import numpy as np
 from dflash.configs.recipe import Recipe
 from dflash.data.capture import CaptureReport, capture, examples_hash
 from dflash.data.examples import build_examples
-from dflash.data.manifest import Manifest, Provenance, load_manifest
+from dflash.data.manifest import PART_NAME, PARTS_DIR, Manifest, Provenance, load_manifest, read_manifest_file
 from dflash.data.regenerate import RegenStats, make_regen_engine, regenerate
 from dflash.data.scaleout import (
     Share,
@@ -39,7 +39,7 @@ from dflash.data.scaleout import (
     process_tag,
     replica_backend,
 )
-from dflash.data.shards import RecordSource, merge_shares
+from dflash.data.shards import RecordSource, merge_shares, part_state_files
 from dflash.data.sources import MixStats, mix, mix_spec, tokenizer_counter
 from dflash.data.walk import WalkSummary, run_walk
 from dflash.models.target import Target, load_target
@@ -198,8 +198,15 @@ def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:
                          "merges them)")
     else:
         lines.append(f"regenerated: none ({regen.name} not written yet: dflash data regenerate)")
+    shares = [path for path in part_state_files(cfg.shard_dir) if PART_NAME.fullmatch(path.name)]
+    if shares:
+        finished = {entry.file for path in shares for entry in read_manifest_file(path).shards}
+        lines.append(f"capture: {len(finished)} shards finished by {len(shares)} share(s) under "
+                     f"{cfg.shard_dir / PARTS_DIR} (a multi-process capture in progress or stopped: a rerun of "
+                     "`dflash data capture` finishes and merges them)")
     if not (cfg.shard_dir / "manifest.json").is_file():
-        lines.append(f"capture: none ({cfg.shard_dir} has no manifest.json: dflash data capture)")
+        if not shares:
+            lines.append(f"capture: none ({cfg.shard_dir} has no manifest.json: dflash data capture)")
         return "\n".join(lines)
     manifest = load_manifest(cfg.shard_dir, allow_incomplete=True)
     lines += _manifest_lines(manifest)
