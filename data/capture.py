@@ -11,9 +11,10 @@ through `data.shards.ShardWriter` (atomicity and resume rules: its docstring; th
       -> windows of 8 batches' rows, sorted by length          longest first; samples keep their order on disk
       -> batches of `batch_size` rows, cut to `length_bucket`   the batch's longest n rounded up (<= S); the
          multiples                                              last batch padded with copies of a pad row
+      -> batch k to replica k % R                              R device groups (`devices`), 2 batches in flight each
       -> jit(online_features(...).astype(bfloat16))             params traced, not baked in; one compile per
-                                                                batch length (S / length_bucket at most)
-      -> host: rows[:n] -> one record per sample, in order      one batch in flight while the last is written
+                                                                batch length (S / length_bucket at most) and replica
+      -> host: rows[:n] -> one record per sample, in order      the next batch runs while the last is fetched
 
 Feature rows do not depend on which other rows share their batch (the target has no cross-row op), and
 positions < n do not depend on the padding after them (causal attention), so the stored features equal
@@ -24,16 +25,27 @@ length batched together and cut to the batch's longest (rounded up to `length_bu
 compute, nearly half of it on the default recipe's answers (245 of 448 tokens on average; docs/benchmarks.md
 `capture_bucketed`).
 
+At scale (docs/decisions.md D82), the same plan of batches runs on every topology:
+- a host's devices: each batch runs whole on one replica of the target, on its own thread: a device holding a
+  copy of the weights, or a group of devices holding them split in tensor parallel (`models.sharding`'s table on
+  a tensor mesh, as the engine's `Limits.devices`) for a target larger than one chip. A batch has the shape it
+  has on one device, so replicas of one device store byte-identical shards; a split replica's features differ
+  by the rounding of its all-reduce (within 2 bf16 ulps, ~0.1% of values on the tiny test model; labels equal).
+- hosts: process p of P captures the shards i with i % P == p into the one shared directory (its state in
+  parts/, `data.shards.ShardWriter`), resumes on its own, and process 0 writes the manifest once every share is
+  finished (`data.shards.merge_shares`, after a barrier: `data.stages.run_capture`).
+- before it starts, the capture logs what it will write (tokens x the layout's bytes per token, records and
+  shards: `write_estimate`) and refuses (OSError) when the destination's free space cannot hold it.
+
 With `target_labels` the same forward also runs the LM head, and each record stores the target's greedy
 token after every position (`Sample.next_ids`): the labels of `data.labels: target`, which make reference
 answers (not regenerated) teach the target's own choices. With `target_topk` = k it also stores the
 target's k most likely next tokens and their probabilities there (`Sample.topk_ids`, `Sample.topk_probs`):
 the soft labels of `data.labels: soft`.
 
-A rerun over the same examples into the same directory resumes at the first unfinished shard; a rerun with
-another target, tokenizer, layer ids, seq_len, shard size or other examples (`examples_hash`) raises a
-ManifestMismatchError naming every differing field. One process captures; on a pod, give each host its
-own directory and slice of the examples (the loader reads one directory).
+A rerun over the same examples into the same directory resumes at the first unfinished shard (of any
+topology); a rerun with another target, tokenizer, layer ids, seq_len, shard size or other examples
+(`examples_hash`) raises a ManifestMismatchError naming every differing field.
 """
 
 from __future__ import annotations

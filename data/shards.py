@@ -2,9 +2,11 @@
 
 A capture directory holds `manifest.json` (`data.manifest.Manifest`) and `shard-00000.array_record`,
 `shard-00001…` (shard i = samples [i*S, (i+1)*S), S = samples_per_shard), one ArrayRecord record per sample
-(`data.records.encode_record`).
+(`data.records.encode_record`); while the shares of a multi-process capture run, `parts/part-<p>-of-<P>.json`
+records each one's finished shards until process 0 merges them into `manifest.json` (`merge_shares`).
 
     writer = ShardWriter(out_dir, header)          # capture (data.capture): atomic per shard, resumes
+    writer = ShardWriter(out_dir, header, share=(p, P)); ...; merge_shares(out_dir, P)   # P processes, one dir
     with writer.shard(i) as shard: shard.write(tokens_N, loss_mask_N, features_NxFD[, next_ids_N[, topk]])
     source = RecordSource(out_dir, load_manifest(out_dir))     # training (data.offline): random access
 
