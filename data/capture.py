@@ -11,9 +11,10 @@ through `data.shards.ShardWriter` (atomicity and resume rules: its docstring; th
       -> windows of 8 batches' rows, sorted by length          longest first; samples keep their order on disk
       -> batches of `batch_size` rows, cut to `length_bucket`   the batch's longest n rounded up (<= S); the
          multiples                                              last batch padded with copies of a pad row
+      -> batch k to replica k % R                              R device groups (`devices`), 2 batches in flight each
       -> jit(online_features(...).astype(bfloat16))             params traced, not baked in; one compile per
-                                                                batch length (S / length_bucket at most)
-      -> host: rows[:n] -> one record per sample, in order      one batch in flight while the last is written
+                                                                batch length (S / length_bucket at most) and replica
+      -> host: rows[:n] -> one record per sample, in order      the next batch runs while the last is fetched
 
 Feature rows do not depend on which other rows share their batch (the target has no cross-row op), and
 positions < n do not depend on the padding after them (causal attention), so the stored features equal
@@ -24,22 +25,37 @@ length batched together and cut to the batch's longest (rounded up to `length_bu
 compute, nearly half of it on the default recipe's answers (245 of 448 tokens on average; docs/benchmarks.md
 `capture_bucketed`).
 
+At scale (docs/decisions.md D82), the same plan of batches runs on every topology:
+- a host's devices: each batch runs whole on one replica of the target, on its own thread: a device holding a
+  copy of the weights, or a group of devices holding them split in tensor parallel (`models.sharding`'s table on
+  a tensor mesh, as the engine's `Limits.devices`) for a target larger than one chip. A batch has the shape it
+  has on one device, so replicas of one device store byte-identical shards; a split replica's features differ
+  by the rounding of its all-reduce (within 2 bf16 ulps, ~0.1% of values on the tiny test model; labels equal).
+- hosts: process p of P captures the shards i with i % P == p into the one shared directory (its state in
+  parts/, `data.shards.ShardWriter`), resumes on its own, and process 0 writes the manifest once every share is
+  finished (`data.shards.merge_shares`, after a barrier: `data.stages.run_capture`).
+- before it starts, the capture logs what it will write (tokens x the layout's bytes per token, records and
+  shards: `write_estimate`) and refuses (OSError) when the destination's free space cannot hold it.
+
 With `target_labels` the same forward also runs the LM head, and each record stores the target's greedy
 token after every position (`Sample.next_ids`): the labels of `data.labels: target`, which make reference
 answers (not regenerated) teach the target's own choices. With `target_topk` = k it also stores the
 target's k most likely next tokens and their probabilities there (`Sample.topk_ids`, `Sample.topk_probs`):
 the soft labels of `data.labels: soft`.
 
-A rerun over the same examples into the same directory resumes at the first unfinished shard; a rerun with
-another target, tokenizer, layer ids, seq_len, shard size or other examples (`examples_hash`) raises a
-ManifestMismatchError naming every differing field. One process captures; on a pod, give each host its
-own directory and slice of the examples (the loader reads one directory).
+A rerun over the same examples into the same directory resumes at the first unfinished shard (of any
+topology); a rerun with another target, tokenizer, layer ids, seq_len, shard size or other examples
+(`examples_hash`) raises a ManifestMismatchError naming every differing field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
+import queue
+import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -51,13 +67,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash.data.examples import Example
-from dflash.data.manifest import MANIFEST_VERSION, Manifest, Provenance
+from dflash.data.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest, Provenance, read_manifest_file
 from dflash.data.progress import Progress
-from dflash.data.records import FEATURE_DTYPE
-from dflash.data.shards import ShardWriter, writer_options
+from dflash.data.records import FEATURE_DTYPE, HEADER_SIZE, ShardError, record_size
+from dflash.data.shards import ShardWriter, part_state_files, shard_index, writer_options
 from dflash.models.config import DecoderConfig, check_layer_ids
 from dflash.models.decoder import forward
 from dflash.models.drafter import concat_features, online_features
+from dflash.models.sharding import TARGET_RULES, place, replicated, tensor_mesh
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +174,9 @@ def capture(
     target_labels: bool = False,
     target_topk: int = 0,
     length_bucket: int = 64,
+    devices: Sequence[Sequence[Any]] | None = None,
+    share: tuple[int, int] = (0, 1),
+    label: str = "capture",
 ) -> CaptureReport:
     """Capture target features of `examples` into `out_dir` (resuming an interrupted capture); see module.
 
@@ -170,6 +192,13 @@ def capture(
     length_bucket: a batch runs at its longest row's length rounded up to a multiple of this (at most seq_len),
       with rows of similar length batched together; 0 = every batch at seq_len. The stored records are the
       same up to the rounding of another batch shape (docs/decisions.md D36).
+    devices: the replicas' device groups (`data.scaleout.local_devices`): each batch runs whole on one replica, the
+      target's weights copied onto each one-device group or split over a larger group in tensor parallel; None:
+      the default device.
+    share: (p, P): capture only the shards i with i % P == p into the shared `out_dir` (its state under parts/);
+      `merge_shares(out_dir, P)` completes the capture once every share is finished. The report's manifest is
+      then this share's state.
+    label: the progress bar's and log lines' name.
     """
     if target_topk < 0:
         raise ValueError(f"target_topk must be >= 0; received {target_topk}")
@@ -185,30 +214,109 @@ def capture(
                               samples_per_shard=samples_per_shard, compression=compression,
                               target_labels=target_labels, target_topk=target_topk)
     start = time.perf_counter()
-    writer = ShardWriter(out_dir, header, verify=verify_existing)
+    writer = ShardWriter(out_dir, header, verify=verify_existing, share=share)
     pending = writer.pending
-    shard_tokens = [sum(int(n) for _, _, n in examples[i * samples_per_shard:(i + 1) * samples_per_shard])
-                    for i in range(header.num_shards)]
+    shard_rows = [range(i * samples_per_shard, min((i + 1) * samples_per_shard, len(examples)))
+                  for i in range(header.num_shards)]
+    shard_tokens = [sum(int(examples[r][2]) for r in rows) for rows in shard_rows]
+    check_free_space(writer.out_dir, write_estimate(header, examples, _unfinished(writer)),
+                     label=label, share_bytes=write_estimate(header, examples, pending) if share[1] > 1 else None)
     todo = sum(shard_tokens[i] for i in pending)
-    bar = Progress(sum(shard_tokens), initial=sum(shard_tokens) - todo, enabled=progress, unit="tok",
-                   unit_scale=True, desc="capture")
+    mine = sum(shard_tokens[i] for i in writer.mine)
+    bar = Progress(mine, initial=mine - todo, enabled=progress, unit="tok", unit_scale=True, desc=label)
     filler = np.full(seq_len, pad_id if pad_id is not None else 0, np.int32)
-    featurize = (partial(_features_and_next_ids, target_params, target_cfg=target_cfg, layer_ids=layer_ids,
-                         topk=target_topk) if target_labels
-                 else partial(_features_bf16, target_params, target_cfg=target_cfg, layer_ids=layer_ids))
+    replicas = _start_replicas(target_params, target_cfg, layer_ids, target_labels, target_topk, devices, examples)
     try:
-        for shard in pending:
-            lo = shard * samples_per_shard
-            rows = list(range(lo, min(lo + samples_per_shard, len(examples))))
-            with writer.shard(shard) as out:
-                _capture_shard(out, examples, rows, featurize, filler, batch_size, bar, length_bucket)
+        plan = [(shard, chunk, length) for shard in pending
+                for chunk, length in _length_batches(examples, list(shard_rows[shard]), batch_size, seq_len,
+                                                     length_bucket)]
+        _run_plan(writer, plan, shard_rows, examples, replicas, filler, batch_size, bar)
         manifest = writer.finish()
     finally:
+        for replica in replicas:
+            replica.stop()
         bar.close()
     seconds = time.perf_counter() - start
     return CaptureReport(manifest=manifest, shards_written=len(pending), shards_kept=len(writer.kept), tokens=todo,
                          seconds=seconds, tokens_per_s=todo / seconds if seconds > 0 else 0.0,
                          bytes_per_token=manifest.bytes_per_token)
+
+
+def _unfinished(writer: ShardWriter) -> list[int]:
+    """Every shard of the capture not finished yet as far as this writer can tell: its own pending shards, and the
+    other shares' shards that no state file lists (their files are theirs to check)."""
+    listed = set(writer.entries)
+    for path in [writer.out_dir / MANIFEST_NAME, *part_state_files(writer.out_dir)]:
+        if path.is_file() and path.suffix == ".json":
+            try:
+                listed |= {shard_index(e.file) for e in read_manifest_file(path).shards}
+            except (ShardError, ValueError):
+                continue  # another process replacing its state: counted as unfinished, an overestimate
+    mine, pending = set(writer.mine), set(writer.pending)
+    return [i for i in range(writer.manifest().num_shards) if i in pending or (i not in mine and i not in listed)]
+
+
+# ----------------------------------------------------------------------------- disk space
+
+RECORD_OVERHEAD = 64  # bytes a record costs in an ArrayRecord file beyond its own (chunk header, index entry)
+SHARD_OVERHEAD = 128 << 10  # bytes a shard file costs beyond its records (Riegeli's 64 KiB blocks, footer)
+FREE_MARGIN = 0.02  # refuse unless free space holds the estimate plus this fraction ...
+FREE_RESERVE = 16 << 20  # ... plus this many bytes (manifests, the shard being written)
+
+
+def bytes_per_token(manifest: Manifest) -> int:
+    """Bytes one token takes in a record of `manifest`'s layout: bf16 features, int32 token, uint8 mask, and the
+    int32 next id and the top-k's int32 ids and float16 probabilities when stored (`data.records.record_size`)."""
+    return record_size(1, manifest.feature_dim, manifest.target_labels, manifest.target_topk) - HEADER_SIZE
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteEstimate:
+    """What a capture will write: `tokens` in `samples` records over `shards` files, `bytes` at most (uncompressed:
+    tokens x per_token + samples x (32-byte header + RECORD_OVERHEAD) + shards x SHARD_OVERHEAD)."""
+
+    shards: int
+    samples: int
+    tokens: int
+    per_token: int
+    bytes: int
+
+
+def write_estimate(manifest: Manifest, examples: Sequence[Example], shards: Sequence[int]) -> WriteEstimate:
+    """The bytes the records of `shards` take on disk at most (`WriteEstimate`)."""
+    rows = [r for i in shards for r in range(i * manifest.samples_per_shard,
+                                             i * manifest.samples_per_shard + manifest.shard_samples(i))]
+    tokens = sum(int(examples[r][2]) for r in rows)
+    per_token = bytes_per_token(manifest)
+    total = tokens * per_token + len(rows) * (HEADER_SIZE + RECORD_OVERHEAD) + len(shards) * SHARD_OVERHEAD
+    return WriteEstimate(shards=len(shards), samples=len(rows), tokens=tokens, per_token=per_token, bytes=total)
+
+
+def check_free_space(out_dir: Path, estimate: WriteEstimate, *, label: str = "capture",
+                     share_bytes: WriteEstimate | None = None) -> None:
+    """Log what the capture will write into `out_dir` and raise OSError, naming the numbers, when the free space
+    there (`shutil.disk_usage`) cannot hold it with a margin (FREE_MARGIN, FREE_RESERVE)."""
+    free = shutil.disk_usage(out_dir).free
+    need = int(estimate.bytes * (1 + FREE_MARGIN)) + FREE_RESERVE
+    mine = (f"; this process's share: {share_bytes.shards} shards, {_size(share_bytes.bytes)}"
+            if share_bytes is not None else "")
+    log.info("%s: writes %d shards, %d samples, %s tokens x %d bytes/token (+ %d bytes a record, %d KiB a shard) = "
+             "%s at most into %s, which has %s free%s", label, estimate.shards, estimate.samples,
+             f"{estimate.tokens:,}", estimate.per_token, HEADER_SIZE + RECORD_OVERHEAD, SHARD_OVERHEAD >> 10,
+             _size(estimate.bytes), out_dir, _size(free), mine)
+    if estimate.shards and free < need:
+        raise OSError(f"{out_dir}: free space must hold the capture's {_size(estimate.bytes)} ({estimate.tokens:,} "
+                      f"tokens x {estimate.per_token} bytes/token, {estimate.samples} records in {estimate.shards} "
+                      f"shards) with a {FREE_MARGIN:.0%} + {FREE_RESERVE >> 20} MiB margin ({_size(need)}); received "
+                      f"{_size(free)} free (free space, capture fewer rows or a narrower layout, or point data.dir "
+                      "elsewhere)")
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} bytes"
 
 
 def _manifest_header(provenance: Provenance, target_cfg: DecoderConfig, examples: Sequence[Example],
@@ -249,35 +357,116 @@ def _length_batches(examples: Sequence[Example], rows: list[int], batch_size: in
     return plan
 
 
-def _capture_shard(out: Any, examples: Sequence[Example], rows: list[int], featurize: Callable[[np.ndarray], Any],
-                   filler: np.ndarray, batch_size: int, bar: Any, length_bucket: int) -> None:
-    """Write the samples `rows` of one shard, in order: batches of `_length_batches` (the last padded with
-    `filler`), one batch's features computed on device while the previous one is fetched; a fetched row waits
-    on the host until every row before it is written."""
+class _Replica(threading.Thread):
+    """The target on one device group, computing the batches put in its inbox on its own thread (JAX releases the
+    GIL while devices run, and compiles in parallel): a batch is dispatched before the previous one is fetched to the
+    host, then `(key, rows)` (`_fetch_batch`) goes to `results`; an error goes there as `(None, error)`."""
+
+    def __init__(self, index: int, featurize: Callable[[np.ndarray], Any], examples: Sequence[Example],
+                 results: queue.Queue):
+        super().__init__(name=f"capture-replica-{index}", daemon=True)
+        self.featurize, self.examples, self.results = featurize, examples, results
+        self.inbox: queue.Queue = queue.Queue()
+
+    def run(self) -> None:
+        in_flight = None
+        try:
+            while True:
+                try:
+                    item = self.inbox.get(block=in_flight is None)
+                except queue.Empty:  # nothing more queued: fetch what runs now
+                    self._fetch(in_flight)
+                    in_flight = None
+                    continue
+                if item is None:
+                    return
+                key, chunk, tokens_BxL = item
+                feats = self.featurize(tokens_BxL)
+                if in_flight is not None:
+                    self._fetch(in_flight)
+                in_flight = (key, chunk, feats)
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread, which stops the capture
+            self.results.put((None, err))
+
+    def _fetch(self, in_flight: tuple) -> None:
+        key, chunk, feats = in_flight
+        self.results.put((key, _fetch_batch(self.examples, chunk, feats)))
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self.join(timeout=60)
+
+
+def _start_replicas(target_params: Any, target_cfg: DecoderConfig, layer_ids: tuple[int, ...], target_labels: bool,
+                    target_topk: int, devices: Sequence[Sequence[Any]] | None,
+                    examples: Sequence[Example]) -> list[_Replica]:
+    """One `_Replica` per device group (one on the default device for None), sharing one results queue: the
+    target's weights copied onto a one-device group, or placed over a larger group by the models' sharding table
+    (`models.sharding.TARGET_RULES` on a tensor mesh, as the engine's `Limits.devices`) with the batch replicated."""
+    results: queue.Queue = queue.Queue()
+    replicas = []
+    for index, group in enumerate([None] if devices is None else [tuple(g) for g in devices]):
+        if group is None:
+            params, put = target_params, (lambda x: x)
+        elif len(group) == 1:
+            params, put = jax.device_put(target_params, group[0]), partial(jax.device_put, device=group[0])
+        else:
+            mesh = tensor_mesh(group)
+            params, put = place(target_params, TARGET_RULES, mesh), partial(jax.device_put, device=replicated(mesh))
+        step = (partial(_features_and_next_ids, params, target_cfg=target_cfg, layer_ids=layer_ids, topk=target_topk)
+                if target_labels else partial(_features_bf16, params, target_cfg=target_cfg, layer_ids=layer_ids))
+        replicas.append(_Replica(index, lambda tokens, step=step, put=put: step(put(tokens)), examples, results))
+    if not replicas:
+        raise ValueError("devices must name at least one device group; received none")
+    for replica in replicas:
+        replica.start()
+    return replicas
+
+
+def _run_plan(writer: ShardWriter, plan: list[tuple[int, list[int], int]], shard_rows: list[range],
+              examples: Sequence[Example], replicas: list[_Replica], filler: np.ndarray, batch_size: int,
+              bar: Any) -> None:
+    """Write the shards of `plan` ((shard, rows, length) batches, shard by shard, `_length_batches`'s order) in
+    order: batch k goes to replica k % R (the last batch of a shard padded with `filler`), at most 2 per replica
+    in flight; each shard's samples are written in their order as their batches come back, and the shard is
+    committed once its last sample is written."""
+    results = replicas[0].results
+    window = 2 * len(replicas)
+    done: dict[int, dict[int, tuple]] = {}
     ready: dict[int, tuple] = {}
-    written = 0
-
-    def fetched(chunk: list[int], feats: Any) -> None:
-        nonlocal written
-        ready.update(_fetch_batch(examples, chunk, feats))
-        while written < len(rows) and rows[written] in ready:
-            i = rows[written]
-            tokens_S, loss_mask_S, n = examples[i]
-            n = int(n)
-            out.write(np.asarray(tokens_S[:n], np.int32), np.asarray(loss_mask_S[:n]), *ready.pop(i))
-            bar.update(n)
-            written += 1
-
-    in_flight: tuple[list[int], Any] | None = None
-    for chunk, length in _length_batches(examples, rows, batch_size, len(filler), length_bucket):
-        tokens_BxL = np.stack([np.asarray(examples[i][0][:length], np.int32) for i in chunk]
-                              + [filler[:length]] * (batch_size - len(chunk)))
-        feats = featurize(tokens_BxL)
-        if in_flight is not None:
-            fetched(*in_flight)
-        in_flight = (chunk, feats)
-    if in_flight is not None:
-        fetched(*in_flight)
+    sent = written = 0
+    out = None
+    try:
+        for taken, (shard, _, _) in enumerate(plan):
+            while sent < len(plan) and sent - taken < window:
+                _, chunk, length = plan[sent]
+                tokens_BxL = np.stack([np.asarray(examples[i][0][:length], np.int32) for i in chunk]
+                                      + [filler[:length]] * (batch_size - len(chunk)))
+                replicas[sent % len(replicas)].inbox.put((sent, chunk, tokens_BxL))
+                sent += 1
+            while taken not in done:
+                key, value = results.get()
+                if key is None:
+                    raise value
+                done[key] = value
+            if out is None:
+                out, ready, written = writer.shard(shard).__enter__(), {}, 0
+            ready.update(done.pop(taken))
+            rows = shard_rows[shard]
+            while written < len(rows) and rows[written] in ready:
+                i = rows[written]
+                tokens_S, loss_mask_S, n = examples[i]
+                n = int(n)
+                out.write(np.asarray(tokens_S[:n], np.int32), np.asarray(loss_mask_S[:n]), *ready.pop(i))
+                bar.update(n)
+                written += 1
+            if written == len(rows):
+                closing, out = out, None
+                closing.__exit__(None, None, None)  # commits the shard
+    except BaseException as err:
+        if out is not None:
+            out.__exit__(type(err), err, err.__traceback__)  # drops the shard in progress
+        raise
 
 
 def _fetch_batch(examples: Sequence[Example], chunk: list[int], feats: Any) -> dict[int, tuple]:

@@ -362,6 +362,13 @@ class DataConfig:
     capture_bucket: capture batches rows of similar length and runs each batch at its longest row rounded up
                  to a multiple of this (at most seq_len), instead of at seq_len; 0 = every batch at seq_len.
                  The stored shards are the same up to the rounding of another shape; each length is one compile.
+    capture_replicas / capture_devices_per_replica: capture runs each batch whole on one of `capture_replicas`
+                 replicas of the target per process, each on a group of `capture_devices_per_replica` local
+                 devices (split over them in tensor parallel when > 1, for a target larger than one chip), as
+                 `regen.replicas` / `regen.devices_per_replica` do (0: as many groups as the local devices hold,
+                 one on CPU); each process of a multi-process run captures its share of the shards
+                 (`data.stages.run_capture`). The shards do not depend on them (tensor parallel: up to the
+                 rounding of its all-reduce).
     loader_workers: Grain worker processes reading shards in offline training (0 = in the trainer process).
     skip_bad_records: offline training skips (and counts) unreadable records instead of stopping.
     verify_shards: check every shard's sha256 before offline training (slow on large captures).
@@ -389,6 +396,8 @@ class DataConfig:
     samples_per_shard: int = 256
     capture_batch_size: int = 8
     capture_bucket: int = 64
+    capture_replicas: int = 0
+    capture_devices_per_replica: int = 1
     compression: Literal["uncompressed", "zstd"] = "uncompressed"
     loader_workers: int = 0
     skip_bad_records: bool = False
@@ -419,6 +428,10 @@ class DataConfig:
         require(self.capture_batch_size >= 1, "data.capture_batch_size", self.capture_batch_size, "be at least 1")
         require(self.capture_bucket >= 0, "data.capture_bucket", self.capture_bucket,
                 "be >= 0 (0 = every capture batch at data.seq_len)")
+        require(self.capture_replicas >= 0, "data.capture_replicas", self.capture_replicas,
+                "be >= 0 (0: one per group of local devices, one on CPU)")
+        require(self.capture_devices_per_replica >= 1, "data.capture_devices_per_replica",
+                self.capture_devices_per_replica, "be >= 1")
         require(self.loader_workers >= 0, "data.loader_workers", self.loader_workers, "be >= 0")
 
     @property

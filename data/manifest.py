@@ -23,6 +23,8 @@ from dflash.data.records import ShardError
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 SHARD_NAME = re.compile(r"shard-(\d{5})\.array_record")
+PARTS_DIR = "parts"  # a multi-process capture's shares record their finished shards here until merged
+PART_NAME = re.compile(r"part-(\d{5})-of-(\d{5})\.json")
 
 
 class ManifestMismatchError(ValueError):
@@ -227,6 +229,10 @@ def load_manifest(shard_dir: str | Path, *, verify: bool = False, allow_incomple
         raise ShardError(f"{shard_dir}: capture directory must exist; received a missing path "
                          "(run the capture first, or fix the path)")
     path = shard_dir / MANIFEST_NAME
+    if not path.is_file() and (shard_dir / PARTS_DIR).is_dir():
+        raise ShardError(f"{path}: must exist in a capture directory; received the unmerged shares of a "
+                         f"multi-process capture under {shard_dir / PARTS_DIR} (rerun `dflash data capture` to finish "
+                         "and merge them)")
     if not path.is_file():
         raise ShardError(f"{path}: must exist in a capture directory; received a directory without one "
                          "(not a capture, or the capture never started)")

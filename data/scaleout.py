@@ -170,21 +170,23 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def local_devices(replicas: int, per_replica: int = 1) -> list[tuple[Any, ...]]:
+def local_devices(replicas: int, per_replica: int = 1, *,
+                  fields: tuple[str, str] = ("data.regen.replicas", "data.regen.devices_per_replica")
+                  ) -> list[tuple[Any, ...]]:
     """The device groups this process runs engine replicas on, `per_replica` consecutive local devices each:
     `replicas` groups, or (0) as many as the local devices hold; on CPU (0) one, since its simulated devices share
-    the same cores."""
+    the same cores. `fields` name the two settings in errors."""
     import jax
 
     devices = jax.local_devices()
     groups = [tuple(devices[i:i + per_replica]) for i in range(0, len(devices) - per_replica + 1, per_replica)]
     if not groups:
-        raise ValueError(f"data.regen.devices_per_replica must be at most this process's {len(devices)} local "
-                         f"devices; received {per_replica}")
+        raise ValueError(f"{fields[1]} must be at most this process's {len(devices)} local devices; received "
+                         f"{per_replica}")
     if replicas == 0:
         return groups[:1] if devices[0].platform == "cpu" else groups
     if replicas > len(groups):
-        raise ValueError(f"data.regen.replicas must be at most the {len(groups)} groups of {per_replica} device(s) "
+        raise ValueError(f"{fields[0]} must be at most the {len(groups)} groups of {per_replica} device(s) "
                          f"this process's {len(devices)} local devices hold (0: all); received {replicas}")
     return groups[:replicas]
 

@@ -2,9 +2,11 @@
 
 A capture directory holds `manifest.json` (`data.manifest.Manifest`) and `shard-00000.array_record`,
 `shard-00001…` (shard i = samples [i*S, (i+1)*S), S = samples_per_shard), one ArrayRecord record per sample
-(`data.records.encode_record`).
+(`data.records.encode_record`); while the shares of a multi-process capture run, `parts/part-<p>-of-<P>.json`
+records each one's finished shards until process 0 merges them into `manifest.json` (`merge_shares`).
 
     writer = ShardWriter(out_dir, header)          # capture (data.capture): atomic per shard, resumes
+    writer = ShardWriter(out_dir, header, share=(p, P)); ...; merge_shares(out_dir, P)   # P processes, one dir
     with writer.shard(i) as shard: shard.write(tokens_N, loss_mask_N, features_NxFD[, next_ids_N[, topk]])
     source = RecordSource(out_dir, load_manifest(out_dir))     # training (data.offline): random access
 
@@ -26,6 +28,8 @@ from dflash.data.files import TMP_SUFFIX, file_sha256, fsync_path, write_atomic
 from dflash.data.manifest import (
     IDENTITY_FIELDS,
     MANIFEST_NAME,
+    PART_NAME,
+    PARTS_DIR,
     SHARD_NAME,
     Manifest,
     ManifestMismatchError,
@@ -59,9 +63,10 @@ class ShardWriter:
     `ShardWriter(out_dir, header)` where `header` is the manifest to produce with no shards yet
     (`complete=False`, `shards=()`). Opening the directory:
     - empty or missing: starts a new capture and writes the initial manifest;
-    - holding a manifest: its identity fields must equal `header`'s (else ManifestMismatchError naming
-      each differing field, manifest vs this run); listed shards whose size (and sha256 if `verify`)
-      match are kept, the rest and any unlisted shard file are deleted, `.tmp` leftovers are deleted;
+    - holding a manifest (or the shares' state under `parts/`, below): its identity fields must equal
+      `header`'s (else ManifestMismatchError naming each differing field, manifest vs this run); listed shards
+      whose size (and sha256 if `verify`) match are kept, the rest and any unlisted shard file are deleted,
+      `.tmp` leftovers are deleted;
     - holding shard files without a manifest, or any other file: ShardError (not a capture directory).
 
     Then `pending` lists the shard indices still to write; `with writer.shard(i) as shard:
@@ -74,13 +79,25 @@ class ShardWriter:
     loses at most the shard in progress. Samples are assigned to shards by index (shard i = samples
     [i*S, (i+1)*S)), so a shard rewritten on resume is byte-identical to the one an uninterrupted capture
     would have written.
+
+    Shares (`share=(p, P)`, P > 1: process p of a P-process capture into one shared directory): the writer owns
+    the shards i with i % P == p and touches no other file: its state is `parts/part-<p>-of-<P>.json` (a manifest
+    listing its finished shards) instead of `manifest.json`, it keeps and deletes only its own shards' files, and
+    `finish()` leaves the merge to `merge_shares` (process 0, once every share is finished). Any process of any
+    topology counts as finished a shard that `manifest.json` or any part lists and that checks out on disk, so a
+    capture may resume on another topology; a single process (P = 1) folds the parts into `manifest.json`.
     """
 
-    def __init__(self, out_dir: str | Path, header: Manifest, *, verify: bool = True) -> None:
+    def __init__(self, out_dir: str | Path, header: Manifest, *, verify: bool = True,
+                 share: tuple[int, int] = (0, 1)) -> None:
         if header.shards or header.complete:
             raise ValueError("header must be a manifest with no shards and complete=False")
+        index, count = share
+        if not 0 <= index < count:
+            raise ValueError(f"share must be (index, count) with 0 <= index < count; received {share}")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.share = (index, count)
         self._entries: dict[int, ShardEntry] = {}
         self.kept: list[int] = []
         self._header = header
@@ -88,67 +105,100 @@ class ShardWriter:
 
     # -- directory state
 
+    @property
+    def mine(self) -> list[int]:
+        """The shard indices this writer owns (all of them for one process)."""
+        index, count = self.share
+        return list(range(index, self._header.num_shards, count))
+
+    @property
+    def state_path(self) -> Path:
+        """Where this writer records its finished shards: manifest.json, or its part under parts/."""
+        index, count = self.share
+        return self.out_dir / MANIFEST_NAME if count == 1 else self.out_dir / PARTS_DIR / part_name(index, count)
+
     def _open(self, verify: bool) -> None:
         names = sorted(p.name for p in self.out_dir.iterdir())
-        ours = {MANIFEST_NAME, MANIFEST_NAME + TMP_SUFFIX}
+        ours = {MANIFEST_NAME, MANIFEST_NAME + TMP_SUFFIX, PARTS_DIR}
         shard_files = [n for n in names if SHARD_NAME.fullmatch(n.removesuffix(TMP_SUFFIX))]
         foreign = [n for n in names if n not in ours and n not in shard_files]
+        parts = part_state_files(self.out_dir)
+        foreign += [f"{PARTS_DIR}/{p.name}" for p in parts if not PART_NAME.fullmatch(p.name.removesuffix(TMP_SUFFIX))]
         if foreign:
-            raise ShardError(f"{self.out_dir}: capture directory must hold only {MANIFEST_NAME} and shard files; "
-                             f"received {foreign[:5]} (use an empty or new directory)")
-        manifest_path = self.out_dir / MANIFEST_NAME
-        if not manifest_path.is_file():
+            raise ShardError(f"{self.out_dir}: capture directory must hold only {MANIFEST_NAME} and shard files (and "
+                             f"{PARTS_DIR}/part-*.json while shares run); received {foreign[:5]} (use an empty or new "
+                             "directory)")
+        single = self.share[1] == 1
+        states = [p for p in [self.out_dir / MANIFEST_NAME, *parts]
+                  if p.is_file() and (p.name == MANIFEST_NAME or PART_NAME.fullmatch(p.name))]
+        self._created: dict[str, Any] = {}
+        if not states and single:
             finished = [n for n in shard_files if not n.endswith(TMP_SUFFIX)]
             if finished:
                 raise ShardError(f"{self.out_dir}: shard files without a {MANIFEST_NAME} must not be resumed; "
                                  f"received {finished[:3]} (not written by this capture: use an empty directory)")
-            for name in names:
+        # candidates per shard: this writer's own state first, then manifest.json, then the other parts
+        states.sort(key=lambda p: (p != self.state_path, p.name != MANIFEST_NAME, p.name))
+        candidates: dict[int, list[ShardEntry]] = {}
+        for path in states:
+            previous = read_manifest_file(path)
+            differences = [(name, getattr(previous, name), getattr(self._header, name)) for name in IDENTITY_FIELDS
+                           if getattr(previous, name) != getattr(self._header, name)]
+            if differences:
+                raise ManifestMismatchError(
+                    f"{self.out_dir} holds a capture of other data and must not be resumed by this run ({path.name}); "
+                    f"{len(differences)} field(s) differ: {describe_differences(differences, 'manifest', 'run')} "
+                    "(use a new directory, or rerun with the original settings)")
+            self._created = self._created or previous.created
+            for entry in previous.shards:
+                candidates.setdefault(shard_index(entry.file), []).append(entry)
+        self._created = self._created or created_info()
+        mine = set(self.mine)
+        for index in sorted(mine & set(candidates)):
+            for entry in candidates[index]:
+                try:
+                    check_shard_file(self.out_dir, entry, verify)
+                except ShardError:
+                    continue  # rewritten below, like an unfinished shard
+                self._entries[index] = entry
+                break
+        keep = {entry.file for entry in self._entries.values()}
+        for name in shard_files:  # one process owns every file; a share only its own shards'
+            index = shard_index(name.removesuffix(TMP_SUFFIX))
+            if name not in keep and (single or index in mine) and (self.out_dir / name).exists():
                 (self.out_dir / name).unlink()
-            self._created = created_info()
-            self._write_manifest()
-            return
-        previous = read_manifest_file(manifest_path)
-        differences = [(name, getattr(previous, name), getattr(self._header, name)) for name in IDENTITY_FIELDS
-                       if getattr(previous, name) != getattr(self._header, name)]
-        if differences:
-            raise ManifestMismatchError(
-                f"{self.out_dir} holds a capture of other data and must not be resumed by this run; "
-                f"{len(differences)} field(s) differ: {describe_differences(differences, 'manifest', 'run')} "
-                "(use a new directory, or rerun with the original settings)")
-        self._created = previous.created
-        for index, entry in enumerate(previous.shards):
-            try:
-                check_shard_file(self.out_dir, entry, verify)
-            except ShardError:
-                continue  # rewritten below, like an unfinished shard
-            self._entries[index] = entry
-        keep = {entry.file for entry in self._entries.values()} | ours
-        for name in names:
-            if name not in keep and (self.out_dir / name).exists():
-                (self.out_dir / name).unlink()
+        if single and (self.out_dir / (MANIFEST_NAME + TMP_SUFFIX)).exists():
+            (self.out_dir / (MANIFEST_NAME + TMP_SUFFIX)).unlink()
+        own_tmp = self.state_path.with_name(self.state_path.name + TMP_SUFFIX)
+        if not single and own_tmp.exists():
+            own_tmp.unlink()
         self.kept = sorted(self._entries)
         self._write_manifest()
+        if single:
+            _remove_parts(self.out_dir)  # manifest.json now lists every shard they held
 
     @property
     def pending(self) -> list[int]:
-        """Indices of the shards still to write, in order."""
-        return [i for i in range(self._header.num_shards) if i not in self._entries]
+        """Indices of this writer's shards still to write, in order."""
+        return [i for i in self.mine if i not in self._entries]
 
     @property
     def entries(self) -> dict[int, ShardEntry]:
         return dict(self._entries)
 
     def manifest(self) -> Manifest:
-        """The manifest as it stands: the finished shards by index, totals over them, complete when all are."""
+        """The manifest as it stands: the finished shards by index, totals over them, complete when all are (a
+        share's state is never complete: `merge_shares` completes the capture)."""
         shards = tuple(self._entries[i] for i in sorted(self._entries))
         tokens = sum(entry.tokens for entry in shards)
         size = sum(entry.bytes for entry in shards)
         return dataclasses.replace(
             self._header, shards=shards, total_tokens=tokens, bytes_per_token=size / tokens if tokens else 0.0,
-            complete=len(shards) == self._header.num_shards, created=self._created)
+            complete=self.share[1] == 1 and len(shards) == self._header.num_shards, created=self._created)
 
     def _write_manifest(self) -> None:
-        write_atomic(self.out_dir / MANIFEST_NAME, self.manifest().to_json())
+        self.state_path.parent.mkdir(exist_ok=True)
+        write_atomic(self.state_path, self.manifest().to_json())
 
     # -- writing
 
@@ -156,8 +206,9 @@ class ShardWriter:
         """Open shard `index` for writing (a context manager); it is committed when the block exits cleanly."""
         if index in self._entries:
             raise ValueError(f"shard {index} is already finished in {self.out_dir}")
-        if not 0 <= index < self._header.num_shards:
-            raise ValueError(f"shard index must lie in [0, {self._header.num_shards}); received {index}")
+        if not 0 <= index < self._header.num_shards or index % self.share[1] != self.share[0]:
+            raise ValueError(f"shard index must be one of this writer's shards ({self.mine[:5]}...) in "
+                             f"[0, {self._header.num_shards}); received {index}")
         if self.pending[0] != index:
             raise ValueError(f"shards must be written in order; shard {self.pending[0]} is next, received {index}")
         return _OpenShard(self, index)
@@ -178,12 +229,80 @@ class ShardWriter:
         self._write_manifest()
 
     def finish(self) -> Manifest:
-        """Mark the capture complete (every shard must be finished) and return the final manifest."""
+        """Mark the capture complete (every shard must be finished) and return the final manifest; a share
+        returns its state, every shard of its own finished (the capture is complete after `merge_shares`)."""
         if self.pending:
             raise ShardError(f"{self.out_dir}: every shard must be finished before finish(); "
                              f"pending {self.pending[:5]}")
         self._write_manifest()
         return self.manifest()
+
+
+def part_name(index: int, count: int) -> str:
+    """File name of share `index` of `count`'s state under parts/: `part-00000-of-00002.json`."""
+    return f"part-{index:05d}-of-{count:05d}.json"
+
+
+def shard_index(name: str) -> int:
+    """The index in a shard file's name (`shard-00007.array_record` -> 7)."""
+    match = SHARD_NAME.fullmatch(name)
+    if not match:
+        raise ShardError(f"shard file name must be shard-NNNNN.array_record; received {name!r}")
+    return int(match.group(1))
+
+
+def part_state_files(out_dir: Path) -> list[Path]:
+    """Every file under `out_dir`/parts/ (the shares' states and their .tmp leftovers)."""
+    folder = out_dir / PARTS_DIR
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+def _remove_parts(out_dir: Path) -> None:
+    folder = out_dir / PARTS_DIR
+    if folder.is_dir():
+        for path in part_state_files(out_dir):
+            path.unlink()
+        folder.rmdir()
+        fsync_path(out_dir)
+
+
+def merge_shares(out_dir: str | Path, count: int, *, verify: bool = False) -> Manifest:
+    """Complete a capture written by `count` shares (`ShardWriter(..., share=(p, count))`, every one finished):
+    check that each part agrees on the identity and lists every shard it owns, that each shard file exists with
+    its size (and sha256 if `verify`), then write `manifest.json` complete (atomically) and remove parts/. Run by
+    one process (0) after all shares are finished; returns the manifest."""
+    out_dir = Path(out_dir)
+    folder = out_dir / PARTS_DIR
+    paths = [folder / part_name(i, count) for i in range(count)]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise ShardError(f"{folder}: every share's state must exist to merge the capture; missing {missing[:5]} "
+                         "(rerun `dflash data capture` on every process)")
+    parts = [read_manifest_file(p) for p in paths]
+    first = parts[0]
+    for path, part in zip(paths[1:], parts[1:], strict=True):
+        differences = [(name, getattr(first, name), getattr(part, name)) for name in IDENTITY_FIELDS
+                       if getattr(first, name) != getattr(part, name)]
+        if differences:
+            raise ManifestMismatchError(f"{path}: the shares must capture the same data; {len(differences)} field(s) "
+                                        f"differ: {describe_differences(differences, paths[0].name, path.name)}")
+    listed = {shard_index(entry.file): (p, entry) for p, part in enumerate(parts) for entry in part.shards}
+    entries = []
+    for index in range(first.num_shards):
+        owner = index % count
+        found = listed.get(index)
+        if found is None or found[0] != owner:
+            raise ShardError(f"{folder / part_name(owner, count)}: must list shard {index} (share {owner} of {count} "
+                             "owns it) to merge the capture; received no entry (that share is not finished: rerun it)")
+        check_shard_file(out_dir, found[1], verify)
+        entries.append(found[1])
+    tokens = sum(entry.tokens for entry in entries)
+    size = sum(entry.bytes for entry in entries)
+    manifest = dataclasses.replace(first, shards=tuple(entries), total_tokens=tokens,
+                                   bytes_per_token=size / tokens if tokens else 0.0, complete=True)
+    write_atomic(out_dir / MANIFEST_NAME, manifest.to_json())
+    _remove_parts(out_dir)
+    return manifest
 
 
 class _OpenShard:

@@ -16,6 +16,7 @@ Each takes the whole recipe and returns what it did; the CLI prints it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -26,7 +27,7 @@ import numpy as np
 from dflash.configs.recipe import Recipe
 from dflash.data.capture import CaptureReport, capture, examples_hash
 from dflash.data.examples import build_examples
-from dflash.data.manifest import Manifest, Provenance, load_manifest
+from dflash.data.manifest import PART_NAME, PARTS_DIR, Manifest, Provenance, load_manifest, read_manifest_file
 from dflash.data.regenerate import RegenStats, make_regen_engine, regenerate
 from dflash.data.scaleout import (
     Share,
@@ -38,7 +39,7 @@ from dflash.data.scaleout import (
     process_tag,
     replica_backend,
 )
-from dflash.data.shards import RecordSource
+from dflash.data.shards import RecordSource, merge_shares, part_state_files
 from dflash.data.sources import MixStats, mix, mix_spec, tokenizer_counter
 from dflash.data.walk import WalkSummary, run_walk
 from dflash.models.target import Target, load_target
@@ -107,19 +108,43 @@ def recipe_tokenizer(recipe: Recipe) -> Any:
     return load_tokenizer(resolve_source(recipe.target.source))
 
 
-def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> CaptureReport:
+def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool = True,
+                share: Share | None = None, merge: bool = True) -> CaptureReport:
     """Store the target features of `data.source`'s rows (the drafter's layer ids, seq_len) in data.dir/shards,
     with the target's next-token labels when `data.labels` is `target`; a rerun resumes at the first unfinished
-    shard."""
+    shard.
+
+    Over a slice, as regeneration (`data.scaleout`): process p of P captures the shards i with i % P == p (`share`,
+    default this process's place in the JAX run) into the one shared directory, each batch on one of this
+    process's replicas (`data.capture_replicas` groups of `data.capture_devices_per_replica` local devices); once
+    every process is done, process 0 writes the manifest (`merge`). The shards do not depend on the topology."""
+    cfg = recipe.data
+    share = share if share is not None else Share.of_process()
+    if share.count > 1 and merge:
+        barrier("dflash-data-capture-start")  # set up the collectives while the processes are in step (regenerate)
     target = target if target is not None else load_target(recipe.target)
     arch = target.drafter_arch(recipe.drafter)
-    examples, _ = build_examples(recipe.data, target.tokenizer)  # the trainer's rows
-    cfg = recipe.data
-    return capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
-                   cfg.shard_dir, seq_len=recipe.data.seq_len, batch_size=cfg.capture_batch_size,
-                   samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress,
-                   target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0,
-                   length_bucket=cfg.capture_bucket)
+    examples, _ = build_examples(cfg, target.tokenizer)  # the trainer's rows
+    groups = local_devices(cfg.capture_replicas, cfg.capture_devices_per_replica,
+                           fields=("data.capture_replicas", "data.capture_devices_per_replica"))
+    tag = process_tag() if share.count > 1 else ""
+    log.info("%scapture: %d replica(s) on %s%s", tag, len(groups),
+             "; ".join(", ".join(str(d) for d in group) for group in groups),
+             f"; shards i with i % {share.count} == {share.index}" if share.count > 1 else "")
+    report = capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
+                     cfg.shard_dir, seq_len=cfg.seq_len, batch_size=cfg.capture_batch_size,
+                     samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress,
+                     target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0,
+                     length_bucket=cfg.capture_bucket, devices=groups, share=(share.index, share.count),
+                     label=f"{tag}capture")
+    if share.count == 1 or not merge:
+        return report
+    barrier("dflash-data-capture")
+    if share.index == 0:
+        merge_shares(cfg.shard_dir, share.count, verify=cfg.verify_shards)
+    barrier("dflash-data-capture-merged")
+    manifest = load_manifest(cfg.shard_dir)
+    return dataclasses.replace(report, manifest=manifest, bytes_per_token=manifest.bytes_per_token)
 
 
 def run_walk_stage(recipe: Recipe, *, drafter: str = "", step: int | str | None = None, mode: str = "teacher",
@@ -173,8 +198,15 @@ def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:
                          "merges them)")
     else:
         lines.append(f"regenerated: none ({regen.name} not written yet: dflash data regenerate)")
+    shares = [path for path in part_state_files(cfg.shard_dir) if PART_NAME.fullmatch(path.name)]
+    if shares:
+        finished = {entry.file for path in shares for entry in read_manifest_file(path).shards}
+        lines.append(f"capture: {len(finished)} shards finished by {len(shares)} share(s) under "
+                     f"{cfg.shard_dir / PARTS_DIR} (a multi-process capture in progress or stopped: a rerun of "
+                     "`dflash data capture` finishes and merges them)")
     if not (cfg.shard_dir / "manifest.json").is_file():
-        lines.append(f"capture: none ({cfg.shard_dir} has no manifest.json: dflash data capture)")
+        if not shares:
+            lines.append(f"capture: none ({cfg.shard_dir} has no manifest.json: dflash data capture)")
         return "\n".join(lines)
     manifest = load_manifest(cfg.shard_dir, allow_incomplete=True)
     lines += _manifest_lines(manifest)

@@ -36,7 +36,7 @@ from dflash.train.preemption import PREEMPTED_EXIT_CODE
 
 MOUNT_ROOT = "/gcs"
 STAGES = ("regenerate", "capture", "train", "eval")
-MULTI_HOST_STAGES = ("train", "regenerate")
+MULTI_HOST_STAGES = ("train", "regenerate", "capture")
 DEFAULT_MAX_RESTARTS = 10
 RESTART_EXIT_CODES = (PREEMPTED_EXIT_CODE, 134, 137, 139, 143)
 GRACE_SECONDS = {"train": 300}  # SIGTERM to SIGKILL; other stages: DEFAULT_GRACE_SECONDS

@@ -26,7 +26,8 @@ shared with the Cluster Toolkit launcher (`launch.gcluster`).
   in its run dir (bit-identical to an uninterrupted run). A config error (exit 2) or a NaN (exit 1) is not restarted.
 - **One host or many**: `train` uses every host of every slice (one `jax.distributed` run); so does `regenerate`:
   every host answers its share of the prompts (by item id) with an engine replica per chip, and host 0 merges the
-  shares (`data.scaleout`); `capture` and `eval` run the engine on one host, so they need a single-host slice
+  shares (`data.scaleout`); `capture` too: every host captures its share of the shards into the shared data
+  dir and host 0 writes the manifest; `eval` runs the engine on one host, so it needs a single-host slice
   (e.g. v5p-8).
 
 `--dry-run` prints the xpk command and the workload (image, environment, command per worker, mounts) and runs

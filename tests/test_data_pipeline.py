@@ -4,6 +4,7 @@ the first step, naming what is wrong."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -191,6 +192,35 @@ def test_soft_labels_are_captured_and_trained_on(data_dir, tmp_path, capsys):
     assert main(["train", *_args(data_dir), *soft, f"train.run_dir={tmp_path / 'bad2'}", "train.batch_size=8",
                  "--no-progress"]) == 2
     assert "target_labels: manifest False, run True" in capsys.readouterr().err
+
+
+def test_capture_over_two_shares_and_replicas_stores_what_one_process_does(smollm2_target, tmp_path, caplog):
+    """`run_capture` as each process of a 2-process run calls it (share 1 first, then share 0, which merges), with
+    2 replicas each: the same manifest and byte-identical shards as one process on one device (the 2-process run
+    on localhost: tests/test_multiprocess.py, nightly)."""
+    from dflash.data import stages
+    from dflash.data.scaleout import Share
+
+    def recipe(name: str, *extra: str):
+        return load_recipe("tiny", [f"data.dir={tmp_path / name}", "data.max_examples=8", "data.samples_per_shard=2",
+                                    *extra])
+
+    one = stages.run_capture(recipe("one"), target=smollm2_target, progress=False)
+    sliced = recipe("sliced", "data.capture_replicas=2")
+    with caplog.at_level("INFO", logger="dflash.data"):
+        part = stages.run_capture(sliced, target=smollm2_target, progress=False, share=Share(1, 2), merge=False)
+    assert "capture: 2 replica(s) on cpu:0; cpu:1; shards i with i % 2 == 1" in caplog.text
+    assert (part.shards_written, part.manifest.complete) == (2, False)
+    assert "capture: 2 shards finished by 1 share(s) under" in stages.inspect_data(sliced)
+    merged = stages.run_capture(sliced, target=smollm2_target, progress=False, share=Share(0, 2))
+    assert merged.shards_written == 2 and merged.manifest.complete
+    assert dataclasses.replace(merged.manifest, created={}) == dataclasses.replace(one.manifest, created={})
+    for entry in one.manifest.shards:
+        assert (sliced.data.shard_dir / entry.file).read_bytes() == (recipe("one").data.shard_dir / entry.file
+                                                                     ).read_bytes()
+    assert not (sliced.data.shard_dir / "parts").exists()
+    with pytest.raises(ValueError, match="data.capture_devices_per_replica must be at most this process's 8 local"):
+        stages.run_capture(recipe("bad", "data.capture_devices_per_replica=9"), target=smollm2_target, progress=False)
 
 
 def test_manifest_mismatch_error_is_a_value_error():

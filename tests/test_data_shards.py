@@ -21,7 +21,7 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 
 import dflash.data.capture as capture_module
 from dflash.data.batch import BatchLayout, TrainBatch
-from dflash.data.capture import capture, examples_hash
+from dflash.data.capture import bytes_per_token, capture, examples_hash, write_estimate
 from dflash.data.files import file_sha256
 from dflash.data.manifest import (
     MANIFEST_NAME,
@@ -34,7 +34,7 @@ from dflash.data.manifest import (
 from dflash.data.offline import OfflineBatches, PackedRows, make_offline_batches
 from dflash.data.online import make_batches
 from dflash.data.records import BF16, HEADER_SIZE, ShardError, record_size
-from dflash.data.shards import READER_OPTIONS, RecordSource, iter_shard
+from dflash.data.shards import READER_OPTIONS, RecordSource, iter_shard, merge_shares
 from dflash.models.decoder import forward
 from dflash.models.drafter import online_features
 from dflash.models.loading import load_hf_dir, weights_fingerprint
@@ -256,7 +256,8 @@ def test_rerun_with_other_settings_names_every_mismatch(setup: Setup, tmp_path: 
     assert "manifest (1, 3), run (2,)" in message and "manifest 128, run 64" in message
     assert "target_fingerprint" not in message
     (out / "notes.txt").write_text("x")
-    with pytest.raises(ShardError, match=r"must hold only manifest.json and shard files; received \['notes.txt'\]"):
+    with pytest.raises(ShardError, match=r"must hold only manifest.json and shard files \(and parts/part-\*.json "
+                                         r"while shares run\); received \[.notes.txt.\]"):
         _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
 
 
@@ -598,3 +599,143 @@ def test_capture_with_the_targets_top_k_stores_its_distribution(setup: Setup, tm
     with pytest.raises(ManifestMismatchError, match="target_topk"):
         check_manifest(manifest, target_topk=k + 1)
     assert next(_offline(out, seed=5, seq_len=SEQ_LEN, next_ids=True)).label_kind == "target"
+
+
+# ----------------------------------------------------------------------------- capture at scale (issue 53 item 4)
+
+
+def _same_shards(a: Path, b: Path) -> None:
+    """Both capture directories are complete with the same manifest (up to `created`) and byte-identical shards."""
+    left, right = load_manifest(a, verify=True), load_manifest(b, verify=True)
+    assert dataclasses.replace(left, created={}) == dataclasses.replace(right, created={})
+    for entry in left.shards:
+        assert (a / entry.file).read_bytes() == (b / entry.file).read_bytes(), entry.file
+
+
+def test_replicas_and_shares_store_the_shards_of_one_device(setup: Setup, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches spread over 4 one-device replicas, and the shards split between two shares of one directory (each
+    resuming on its own, then merged), store byte-identical shards and the same manifest as one device: each batch
+    runs whole, at its one-device shape, wherever it runs."""
+    devices = jax.local_devices()
+    four = tmp_path / "four"
+    report = _capture(setup.cfg, setup.params, setup.provenance, setup.examples, four,
+                      devices=[(d,) for d in devices[:4]], length_bucket=8)
+    one = tmp_path / "one"
+    _capture(setup.cfg, setup.params, setup.provenance, setup.examples, one, length_bucket=8)
+    assert report.shards_written == 4
+    _same_shards(one, four)
+    _capture(setup.cfg, setup.params, setup.provenance, setup.examples, tmp_path / "four-full",
+             devices=[(d,) for d in devices[:4]])
+    _same_shards(setup.capture_dir, tmp_path / "four-full")
+
+    shared = tmp_path / "shared"
+    real_fetch = capture_module._fetch_batch
+    calls = []
+
+    def crashing_fetch(*args):  # share 1 owns shards 1 and 3 (2 batches each): dies in shard 3, shard 1 finished
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("killed")
+        return real_fetch(*args)
+
+    monkeypatch.setattr(capture_module, "_fetch_batch", crashing_fetch)
+    with pytest.raises(RuntimeError, match="killed"):
+        _capture(setup.cfg, setup.params, setup.provenance, setup.examples, shared, share=(1, 2),
+                 devices=[(devices[5],)])
+    monkeypatch.setattr(capture_module, "_fetch_batch", real_fetch)
+    assert sorted(p.name for p in shared.iterdir()) == ["parts", "shard-00001.array_record"]
+    part0 = _capture(setup.cfg, setup.params, setup.provenance, setup.examples, shared, share=(0, 2),
+                     devices=[(devices[6],), (devices[7],)])
+    assert (part0.shards_written, part0.shards_kept) == (2, 0) and not part0.manifest.complete
+    with pytest.raises(ShardError, match="unmerged shares of a multi-process capture"):
+        load_manifest(shared)
+    with pytest.raises(ShardError, match=r"must list shard 3 \(share 1 of 2 owns it\)"):
+        merge_shares(shared, 2)
+    part1 = _capture(setup.cfg, setup.params, setup.provenance, setup.examples, shared, share=(1, 2))
+    assert (part1.shards_written, part1.shards_kept) == (1, 1)  # resumed on its own
+    assert sorted(p.name for p in (shared / "parts").iterdir()) == ["part-00000-of-00002.json",
+                                                                    "part-00001-of-00002.json"]
+    merged = merge_shares(shared, 2, verify=True)
+    assert merged.complete and not (shared / "parts").exists()
+    _same_shards(setup.capture_dir, shared)
+
+    # A run on another topology resumes what the shares left: share 0 of 2 finished, share 1 killed in its
+    # second shard; one process keeps all three finished shards, writes the last and folds the parts in.
+    moved = tmp_path / "moved"
+    _capture(setup.cfg, setup.params, setup.provenance, setup.examples, moved, share=(0, 2))
+    calls.clear()
+    monkeypatch.setattr(capture_module, "_fetch_batch", crashing_fetch)
+    with pytest.raises(RuntimeError, match="killed"):
+        _capture(setup.cfg, setup.params, setup.provenance, setup.examples, moved, share=(1, 2))
+    monkeypatch.setattr(capture_module, "_fetch_batch", real_fetch)
+    alone = _capture(setup.cfg, setup.params, setup.provenance, setup.examples, moved)
+    assert (alone.shards_kept, alone.shards_written) == (3, 1) and alone.manifest.complete
+    assert not (moved / "parts").exists()
+    _same_shards(setup.capture_dir, moved)
+    with pytest.raises(ManifestMismatchError, match=r"part-00000-of-00002.json.*examples_hash"):
+        other = tmp_path / "other"
+        _capture(setup.cfg, setup.params, setup.provenance, setup.examples, other, share=(0, 2))
+        _capture(setup.cfg, setup.params, setup.provenance, _examples(seed=1), other, share=(1, 2))
+
+
+def test_a_replica_split_over_devices_stores_the_same_features_up_to_its_rounding(setup: Setup,
+                                                                                  tmp_path: Path) -> None:
+    """Two replicas, each the target split over 2 devices in tensor parallel (a target larger than one chip): the
+    same tokens, masks and greedy next ids as one device, and features equal up to the rounding of the split's
+    all-reduce (a partial sum per device, added in another order): within 2 bf16 ulps, in few places."""
+    devices = jax.local_devices()
+    out = tmp_path / "split"
+    report = _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out, target_labels=True,
+                      devices=[tuple(devices[0:2]), tuple(devices[2:4])])
+    assert report.shards_written == 4
+    manifest = load_manifest(out, verify=True)
+    assert manifest.examples_hash == load_manifest(setup.capture_dir).examples_hash
+    tokens_BxS = np.stack([t for t, _, _ in setup.examples])
+    next_ids = np.asarray(jax.numpy.argmax(forward(setup.params, setup.cfg, jax.numpy.asarray(tokens_BxS))[0], -1))
+    one = load_manifest(setup.capture_dir)
+    differing = total = 0
+    for shard in range(manifest.num_shards):
+        for sample, before in zip(iter_shard(out, manifest, shard), iter_shard(setup.capture_dir, one, shard),
+                                  strict=True):
+            np.testing.assert_array_equal(sample.tokens, before.tokens)
+            np.testing.assert_array_equal(sample.loss_mask, before.loss_mask)
+            row = int(sample.tokens[0]) - 3
+            np.testing.assert_array_equal(sample.next_ids, next_ids[row, :len(sample.tokens)])
+            got, ref = sample.features.astype(np.float32), before.features.astype(np.float32)
+            np.testing.assert_allclose(got, ref, rtol=2 ** -6, atol=1e-6)  # as another batch shape's (D36)
+            differing += int((got != ref).sum())
+            total += got.size
+    print(f"\ntensor parallel over 2 devices: {differing} of {total} bf16 features differ from one device's")
+    assert differing <= 1e-3 * total, (differing, total)
+
+
+def test_capture_prints_what_it_writes_and_refuses_a_disk_that_cannot_hold_it(setup: Setup, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Before any shard: a log line with tokens x bytes per token of the manifest's layout and the free space;
+    a destination with less free space than that (plus the margin) is refused naming both numbers. The estimate
+    holds the shards the capture writes (an upper bound)."""
+    manifest = load_manifest(setup.capture_dir)
+    estimate = write_estimate(manifest, setup.examples, range(manifest.num_shards))
+    tokens = sum(n for _, _, n in setup.examples)
+    assert (estimate.tokens, estimate.per_token, estimate.samples, estimate.shards) == (tokens, 2 * 128 + 5, 24, 4)
+    assert bytes_per_token(dataclasses.replace(manifest, target_labels=True, target_topk=4)) == 2 * 128 + 5 + 4 + 24
+    assert sum(e.bytes for e in manifest.shards) <= estimate.bytes
+
+    usage = shutil.disk_usage(tmp_path)
+    free = {"bytes": estimate.bytes}  # less than the estimate plus its margin
+    monkeypatch.setattr(capture_module.shutil, "disk_usage",
+                        lambda path: usage._replace(free=free["bytes"]))
+    out = tmp_path / "full"
+    caplog.set_level("INFO", logger="dflash.data.capture")
+    with pytest.raises(OSError, match=rf"free space must hold the capture's .* \({tokens:,} tokens x 261 "
+                                      r"bytes/token, 24 records in 4 shards\) .* received .* free"):
+        _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
+    assert not list(out.glob("shard-*"))
+    assert f"writes 4 shards, 24 samples, {tokens:,} tokens x 261 bytes/token" in caplog.text
+    free["bytes"] = int(estimate.bytes * (1 + capture_module.FREE_MARGIN)) + capture_module.FREE_RESERVE
+    report = _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
+    assert report.shards_written == 4
+    free["bytes"] = 0  # nothing left to write: nothing to refuse
+    assert _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out).shards_kept == 4

@@ -241,3 +241,35 @@ def test_two_processes_of_two_devices_regenerate_what_one_device_does(tmp_path):
     single = (tmp_path / "single" / "regenerated.jsonl").read_bytes()
     assert single == (tmp_path / "multi" / "regenerated.jsonl").read_bytes()  # merged by process 0, sorted by id
     assert len(single.splitlines()) == 6 and not (tmp_path / "multi" / "regenerated.jsonl.parts").exists()
+
+
+def _capture(data_dir: Path, devices: int, log: Path, replicas: int, **dist: str) -> subprocess.Popen:
+    """`dflash data capture --config tiny` (8 rows, shards of 2) in the background on `devices` CPU devices."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu", **dist}
+    cmd = [sys.executable, "-m", "dflash.launch.cli", "data", "capture", "--config", "tiny", f"data.dir={data_dir}",
+           "data.max_examples=8", "data.samples_per_shard=2", f"data.capture_replicas={replicas}", "--no-progress"]
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: nightly; test_data_pipeline's shares test (two shares of 2 replicas, then
+@pytest.mark.e2e   # merged, equal to one device) and test_data_shards' replicas test keep the property
+def test_two_processes_of_two_devices_capture_what_one_device_does(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    address = f"127.0.0.1:{_free_port()}"
+    procs = {f"multi{i}": _capture(tmp_path / "multi", 2, logs / f"multi{i}", 2, JAX_COORDINATOR_ADDRESS=address,
+                                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)) for i in range(2)}
+    procs["single"] = _capture(tmp_path / "single", 1, logs / "single", 1)
+    texts = _wait(procs, logs)
+    for i in range(2):
+        out, err = texts[f"multi{i}"]
+        assert f"[process {i}/2] capture: 2 replica(s)" in err and f"shards i with i % 2 == {i}" in err, err[-2000:]
+        assert "captured 2 shards (0 kept from an earlier run)" in out and "7 samples" in out, out
+    single, multi = tmp_path / "single" / "shards", tmp_path / "multi" / "shards"
+    one, both = (json.loads((d / "manifest.json").read_text()) for d in (single, multi))
+    assert {**one, "created": {}} == {**both, "created": {}} and both["complete"] and both["num_shards"] == 4
+    for entry in one["shards"]:
+        assert (single / entry["file"]).read_bytes() == (multi / entry["file"]).read_bytes()
+    assert not (multi / "parts").exists()
