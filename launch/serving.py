@@ -84,8 +84,9 @@ def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
     engine = Engine(target.params, target.cfg, drafter, plan, limits, sampling=recipe.sampling)
     if options.precompile:
         count, seconds = engine.precompile()
-        print(f"precompiled {count} programs in {seconds:.1f} s (every prompt length and attention span up to "
-              f"{max_len} tokens; --no-precompile skips this)", flush=True)
+        print(f"precompiled {count} programs in {seconds:.1f} s, {engine.loaded} of them loaded from the compilation "
+              f"cache (every prompt length and attention span up to {max_len} tokens; --no-precompile skips this)",
+              flush=True)
     return make_server(engine, target.tokenizer, options.model_name or recipe.target.source, options.host,
                        options.port, max_body_bytes=options.max_body_bytes, read_timeout=options.read_timeout,
                        api_key=options.api_key, unknown_fields=options.unknown_fields)
