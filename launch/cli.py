@@ -550,6 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The stages that compile the engine, whose programs persist on disk between runs (serve/compile_cache.py, D78).
+CACHED = ("serve", "chat", "demo", "eval", "data")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. Multi-process (one process per host): set JAX_COORDINATOR_ADDRESS,
     JAX_NUM_PROCESSES and JAX_PROCESS_ID in each process's environment (see `_init_distributed`)."""
@@ -574,6 +578,10 @@ def main(argv: list[str] | None = None) -> int:
             log.info("secrets from Secret Manager: %s", ", ".join(resolve_secrets()))
         if args.command not in ("config", "launch", "export"):  # these never join a distributed run
             _init_distributed()
+        if args.command in CACHED:
+            from dflash.serve.compile_cache import enable_compile_cache
+
+            enable_compile_cache()
         return args.func(args)
     except (ConfigError, FileNotFoundError, ValueError) as err:  # ShardError, ManifestMismatchError included
         print(f"dflash {args.command}: error: {err}", file=sys.stderr)

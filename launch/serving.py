@@ -100,8 +100,9 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
         params = engine.models.target_params  # placed once: the AR engine holds the same arrays, no second copy
         if options.precompile:
             count, seconds = engine.precompile()
-            print(f"precompiled {count} programs for {plan.describe()} in {seconds:.1f} s (every prompt length and "
-                  f"attention span up to {max_len} tokens; --no-precompile skips this)", flush=True)
+            print(f"precompiled {count} programs for {plan.describe()} in {seconds:.1f} s, {engine.loaded} of them "
+                  f"loaded from the compilation cache (every prompt length and attention span up to {max_len} tokens; "
+                  "--no-precompile skips this)", flush=True)
         servers.append(make_server(engine, target.tokenizer, options.model_name or recipe.target.source,
                                    options.host, port, max_body_bytes=options.max_body_bytes,
                                    read_timeout=options.read_timeout, api_key=options.api_key,

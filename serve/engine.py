@@ -21,8 +21,9 @@ engine).
 Text: with `detokenize`, each request's `text` and `stable_text` are kept up to date after every step
 (`serve.text`), so a stream of `stable_text` deltas equals the final text.
 
-Compiles: `compiles` counts the jit cache misses of the engine's programs; `precompile()` runs every shape
-the engine can use once, after which no request compiles. Compiled shapes are also logged once each
+Compiles: `compiles` counts the programs the engine's calls compiled (or loaded from the persistent compilation
+cache, `serve.compile_cache`); `precompile()` compiles every shape the engine can use, after which no request
+compiles. Compiled shapes are also logged once each
 (`compiled_shapes`). Design and measurements: docs/decisions.md D13, D16, D68.
 """
 
@@ -46,6 +47,7 @@ from dflash.models.config import DecoderConfig
 from dflash.models.decoder import Params
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.sharding import CACHE_RULES, TARGET_RULES, place, replicated, tensor_mesh
+from dflash.serve.compile_cache import compile_counts
 from dflash.serve.config import SamplingConfig
 from dflash.serve.lookup import history_rows, lookup_rows
 from dflash.serve.paged import OutOfPagesError, PagePool, PageTable
@@ -78,8 +80,11 @@ _PROGRAMS = (prefill, prefill_chunk, prefill_logprobs, decode_steps, propose, ve
              build_tree, verify_tree, verify_tree_logprobs, decode_tree_steps)
 
 
-def _compile_count() -> int:
-    return sum(program._cache_size() for program in _PROGRAMS) + _set_active._cache_size()
+def _compile_count() -> tuple[int, int]:
+    """Programs of the engine's kernels this thread has obtained (a miss of jit's in-memory caches: an ahead-of-time
+    compile counts, the first call after it does not), and those of them loaded from the persistent cache."""
+    counts = compile_counts()
+    return counts.total(_PROGRAM_NAMES), counts.loaded_total(_PROGRAM_NAMES)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -90,6 +95,9 @@ def _set_active(state: SpecState, active_B: jax.Array) -> SpecState:
     park = state.target.capacity  # >= max_len: writes there are dropped in both caches
     target = dataclasses.replace(state.target, lengths=jnp.where(active_B, state.target.lengths, park))
     return dataclasses.replace(state, target=target, lengths=jnp.where(active_B, state.lengths, park), active=active_B)
+
+
+_PROGRAM_NAMES = frozenset(f"jit({program.__name__})" for program in (*_PROGRAMS, _set_active))
 
 
 def _engine_mesh(count: int, devices: Sequence[Any] | None) -> Mesh | None:
@@ -142,6 +150,7 @@ class Engine:
         self.detokenize = detokenize
         self.compiled_shapes: set[tuple[Any, ...]] = set()
         self.compiles = 0  # programs compiled by this engine's calls (jit cache misses)
+        self.loaded = 0  # of those, loaded from the persistent compilation cache (`serve.compile_cache`)
         self._ids = iter(range(1 << 62))
         self.queue: deque[Completion] = deque()
         self.running: dict[int, Completion] = {}  # slot -> request
@@ -312,7 +321,9 @@ class Engine:
         try:
             return program(*args, **kwargs)
         finally:
-            self.compiles += _compile_count() - before
+            after = _compile_count()
+            self.compiles += after[0] - before[0]
+            self.loaded += after[1] - before[1]
 
     # ------------------------------------------------------------------------- admission and prefill
 
@@ -324,6 +335,20 @@ class Engine:
         """Prefill requests into their slots (pages already given) in one call, padded to a bucket of rows and
         of tokens; returns their first tokens and, for a single request asking for log-probabilities, the
         prompt's scores (a scored request is always prefilled alone: its logits cover every position)."""
+        new, scored = self._admission(admitted)
+        self._sync_table()
+        scores = None
+        if scored:
+            self.state, scores = self._counted(prefill_logprobs, self.models, self.state, new)
+            scores = jax.device_get(scores)
+        else:
+            self.state = self._counted(prefill, self.models, self.state, new)
+        pending = np.asarray(self.state.pending)  # waits for the prefill
+        return [int(pending[slot]) for slot, _ in admitted], scores
+
+    def _admission(self, admitted: Sequence[tuple[int, Completion]]) -> tuple[Admission, bool]:
+        """The prefill call's input for these requests, padded to a bucket of rows and of tokens, and whether it
+        is scored (the log-probability program)."""
         n_max = max(len(request.prompt_ids) for _, request in admitted)
         rows = self._prefill_rows(len(admitted))
         tokens = np.zeros((rows, self._prefill_len(n_max)), np.int32)
@@ -334,21 +359,13 @@ class Engine:
         for i, (slot, request) in enumerate(admitted):
             tokens[i, :len(request.prompt_ids)] = request.prompt_ids
             slots[i], lengths[i], seeds[i], rules[i] = slot, len(request.prompt_ids), request.seed, request.sampling
-        self._sync_table()
         scored = any(r.scored for _, r in admitted)
         if scored and len(admitted) > 1:
             raise AssertionError("a scored request is prefilled alone")  # pragma: no cover - _admit's rule
         self._note_shape("prefill", tokens.shape)
         new = Admission(jnp.asarray(slots), jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(request_keys(seeds)),
                         SamplingRows.of(rules))
-        scores = None
-        if scored:
-            self.state, scores = self._counted(prefill_logprobs, self.models, self.state, new)
-            scores = jax.device_get(scores)
-        else:
-            self.state = self._counted(prefill, self.models, self.state, new)
-        pending = np.asarray(self.state.pending)  # waits for the prefill
-        return [int(pending[slot]) for slot, _ in admitted], scores
+        return new, scored
 
     def _admit(self) -> None:
         """Admit queued requests in order while a slot is free and the pool holds the head's worst case: all
@@ -404,18 +421,23 @@ class Engine:
 
     def _prefill_chunk(self, slot: int, request: Completion, start: int) -> int:
         """Prefill the prompt's next chunk (from token `start`) into `slot`; returns the tokens prefilled now."""
+        args, n = self._chunk_args(slot, request, start)
+        self._sync_table()
+        self.state = self._counted(prefill_chunk, self.models, self.state, *args)
+        return n
+
+    def _chunk_args(self, slot: int, request: Completion, start: int) -> tuple[tuple[Any, ...], int]:
+        """`prefill_chunk`'s arguments after the models and state for the chunk of `request` from token `start`,
+        and the number of its tokens in that chunk."""
         chunk = self.limits.prefill_chunk
         n = min(chunk, len(request.prompt_ids) - start)
         tokens = np.zeros((1, chunk), np.int32)
         tokens[0, :n] = request.prompt_ids[start:start + n]
         pages = span_pages(start + chunk, self.limits.page_size, self.limits.max_pages)
-        self._sync_table()
         self._note_shape("prefill_chunk", (1, chunk, pages))
         new = Admission(jnp.asarray([slot], jnp.int32), jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
                         jnp.asarray(request_keys([request.seed])), SamplingRows.of([request.sampling]))
-        self.state = self._counted(prefill_chunk, self.models, self.state, new, jnp.asarray([start], jnp.int32),
-                                   pages)
-        return n
+        return (new, jnp.asarray([start], jnp.int32), pages), n
 
     def _prefill_next_chunk(self) -> None:
         """One chunk of the longest-waiting chunked prompt; after its last chunk the request starts running."""
@@ -519,9 +541,7 @@ class Engine:
         if self._loop_steps(scored) > 1:
             self._loop(active)
             return
-        # Attention sees only the pages in use, bucketed to a power of two (a bounded number of shapes).
-        pages = span_pages(int(self.lengths[active].max()) + self.width, self.limits.page_size, self.limits.max_pages)
-        out, n, scores = self._device_step(pages, scored)
+        out, n, scores = self._device_step(self._step_pages(np.where(active, self.lengths, 0)), scored)
         self._emit_steps(active, np.asarray(out)[None], np.asarray(n)[None],
                          None if scores is None else jax.device_get(scores))
 
@@ -538,6 +558,19 @@ class Engine:
         step, not per R steps)."""
         r = self.limits.steps_per_dispatch
         return r if self.plan.loops and not scored and not self.prefilling else 1
+
+    @property
+    def _loops(self) -> bool:
+        """Whether the plan runs up to R > 1 steps in one device loop (`_loop_steps`)."""
+        return self.plan.loops and self.limits.steps_per_dispatch > 1
+
+    def _step_pages(self, lengths_B: np.ndarray) -> int:
+        """The attention span of a single step over slots holding lengths_B tokens (0: inactive): the pages in
+        use after it, bucketed to a power of two (a bounded number of shapes); when the plan also loops on the
+        device, the loop's span (at most one bucket more), so that single steps compile at the loops' spans only."""
+        if self._loops:
+            return self._loop_pages(lengths_B)
+        return span_pages(int(lengths_B.max()) + self.width, self.limits.page_size, self.limits.max_pages)
 
     def _loop_pages(self, lengths_B: np.ndarray) -> int:
         """The attention span of a device loop over slots holding lengths_B tokens (0: inactive)."""
@@ -567,19 +600,24 @@ class Engine:
         out, n = (np.asarray(a[:ran]) for a in jax.device_get((out, n)))
         self._emit_steps(active, out, n)
 
+    def _compile_only(self, program: Any, *args: Any) -> None:
+        """Compile `program` for these arguments without running it (jit's ahead-of-time path, which a later call
+        with arguments of the same shapes reuses); counted in `compiles`."""
+        self._counted(lambda: program.lower(*args).compile())
+
     def precompile(self, *, logprobs: bool = True) -> tuple[int, float]:
         """Compile every program the engine can use (each prefill length up to max_len and each attention span,
-        with and without log-probabilities) by running each once on empty slots; afterwards no request
-        compiles. logprobs=False leaves out the log-probability variants (half the programs), for a server
-        whose only client never asks for them (`dflash eval`'s in-process servers). Needs an idle engine;
-        returns (programs compiled, seconds)."""
+        with and without log-probabilities): the prefills and device loops ahead of time without running them,
+        the single decode steps (a chain of programs) by running each once on empty slots; afterwards no request
+        compiles. Programs in the persistent compilation cache (`serve.compile_cache`) load from it instead.
+        logprobs=False leaves out the log-probability variants, for a server whose only client never asks for
+        them (`dflash eval`'s in-process servers). Needs an idle engine; returns (programs compiled, seconds)."""
         if self.busy:
             raise RuntimeError("precompile needs an idle engine; requests are queued or running")
-        t0, before = time.perf_counter(), self.compiles
-        page_size, max_pages = self.limits.page_size, self.limits.max_pages
+        t0, before, loaded = time.perf_counter(), self.compiles, self.loaded
         longest = self.max_len - self.width - 1  # the longest prompt that leaves room for one token
         lengths = sorted({self._prefill_len(n) for n in range(1, longest + 1)})
-        spans = sorted({span_pages(t, page_size, max_pages) for t in range(1 + self.width, self.max_len + 1)})
+        spans = sorted({self._step_pages(np.array([n])) for n in range(1, self.max_len - self.width + 1)})
         variants = (False, True) if logprobs else (False,)
         rows = sorted({self._prefill_rows(r) for r in range(1, self.slots + 1)})
         chunk = self.limits.prefill_chunk
@@ -591,32 +629,36 @@ class Engine:
                 for r in rows if not scored else (1,):  # a scored request is prefilled alone
                     probes = [(slot, Completion(-1, [0] * min(length, longest), 1, (), 0, top_n=0 if scored else None))
                               for slot in range(r)]
-                    for slot, probe in probes:
-                        self.table.ensure(slot, len(probe.prompt_ids) + 1 + self.width)
-                    self._prefill(probes)
-                    for slot, _ in probes:
-                        self.table.release(slot)
-        chunks = [] if chunk is None else sorted({span for _, span in self._chunk_spans()})
+                    new, _ = self._admission(probes)
+                    self._compile_only(prefill_logprobs if scored else prefill, self.models, self.state, new)
+        # A prompt is chunked only when it is longer than the chunk (with a chunk >= max_len, none is).
+        chunks = [] if chunk is None or longest <= chunk else sorted({span for _, span in self._chunk_spans()})
         for span in chunks:
             start = max(s for s, p in self._chunk_spans() if p == span)
-            probe = Completion(-1, [0] * (start + 1), 1, (), 0)
-            self.table.ensure(0, start + 1 + self.width)
-            self._prefill_chunk(0, probe, start)
-            self.table.release(0)
+            args, _ = self._chunk_args(0, Completion(-1, [0] * (start + 1), 1, (), 0), start)
+            self._compile_only(prefill_chunk, self.models, self.state, *args)
         self.state = self._counted(_set_active, self.state, jnp.zeros(self.slots, bool))
         self._sync_table()
+        # Single steps: scored ones always; unscored ones only where the plan does not loop on the device or a
+        # chunked prefill can be under way (`_loop_steps`). Device loops: at the same spans (`_step_pages`).
+        singles = variants if not self._loops or chunks else tuple(v for v in variants if v)
+        loop_spans = spans if self._loops else []
         for pages in spans:
-            for scored in variants:
+            for scored in singles:
                 jax.block_until_ready(self._device_step(pages, scored))
-            if self._loop_steps(False) > 1:
-                outputs = self._dispatch(jnp.full((self.slots, 8), -1, jnp.int32), jnp.ones(self.slots, jnp.int32),
-                                         pages)
-                jax.block_until_ready(outputs)
+        for pages in loop_spans:  # compiled, not run (R steps on empty slots)
+            r = self.limits.steps_per_dispatch
+            stop_ids, budget = jnp.full((self.slots, 8), -1, jnp.int32), jnp.ones(self.slots, jnp.int32)
+            kernel, *shape = self.plan.loop_shape(self.slots, 8, r, pages)
+            self._note_shape(kernel, tuple(shape))
+            program, args = self.plan.loop_call(self.models, self.state, stop_ids, budget, r, pages, self._history)
+            self._compile_only(program, *args)
         self._fresh_state()
         seconds = time.perf_counter() - t0
         log.info("engine: precompiled %d programs (%d prefill lengths x %d row counts, %d prefill chunk spans, %d "
-                 "attention spans) in %.1f s", self.compiles - before, len(lengths), len(rows), len(chunks), len(spans),
-                 seconds)
+                 "attention spans of single steps, %d of device loops; %d loaded from the compilation cache) in "
+                 "%.1f s", self.compiles - before, len(lengths), len(rows), len(chunks), len(spans), len(loop_spans),
+                 self.loaded - loaded, seconds)
         return self.compiles - before, seconds
 
     def run(self) -> dict[int, Completion]:

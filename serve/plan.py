@@ -94,6 +94,12 @@ class Plan:
     def loop(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
              pages: int, history: HistoryFn) -> LoopOut:
         """Up to `steps` steps in one device loop (`speculative.run_steps`'s exit rules)."""
+        program, args = self.loop_call(models, state, stop_ids_BxS, budget_B, steps, pages, history)
+        return program(*args)
+
+    def loop_call(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
+                  pages: int, history: HistoryFn) -> tuple[Any, tuple[Any, ...]]:
+        """The one jitted program `loop` runs and its arguments (the engine compiles it ahead of time)."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -118,9 +124,9 @@ class AR(Plan):
     def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn) -> StepOut:
         return _verify_chain(models, state, jnp.zeros((state.pending.shape[0], 0), jnp.int32), pages, scored)
 
-    def loop(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
-             pages: int, history: HistoryFn) -> LoopOut:
-        return decode_steps(models, state, stop_ids_BxS, budget_B, 1, steps, pages)
+    def loop_call(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
+                  pages: int, history: HistoryFn) -> tuple[Any, tuple[Any, ...]]:
+        return decode_steps, (models, state, stop_ids_BxS, budget_B, 1, steps, pages)
 
     def describe(self) -> str:
         return "AR"
@@ -161,9 +167,9 @@ class Chain(Plan):
             drafts = propose(models, state, self.k, pages * state.target.page_size, sample=self.rule == "sample")
         return _verify_chain(models, state, drafts, pages, scored)
 
-    def loop(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
-             pages: int, history: HistoryFn) -> LoopOut:
-        return decode_steps(models, state, stop_ids_BxS, budget_B, self.k, steps, pages, self.rule == "sample")
+    def loop_call(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
+                  pages: int, history: HistoryFn) -> tuple[Any, tuple[Any, ...]]:
+        return decode_steps, (models, state, stop_ids_BxS, budget_B, self.k, steps, pages, self.rule == "sample")
 
     def describe(self) -> str:
         return f"DFlash K={self.k}" + (", sampled drafts" if self.rule == "sample" else "")
@@ -228,13 +234,13 @@ class Tree(Plan):
             return verify_tree_logprobs(models, state, tree, self.k, pages)
         return (*verify_tree(models, state, tree, self.k, pages), None)
 
-    def loop(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
-             pages: int, history: HistoryFn) -> LoopOut:
+    def loop_call(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
+                  pages: int, history: HistoryFn) -> tuple[Any, tuple[Any, ...]]:
         tokens = sizes = None
         if self.lookup_nodes:
             tokens, sizes = (jnp.asarray(a) for a in history())
-        return decode_tree_steps(models, state, stop_ids_BxS, budget_B, tokens, sizes, self.k, self.nodes,
-                                 self.lookup_nodes, steps, pages)
+        return decode_tree_steps, (models, state, stop_ids_BxS, budget_B, tokens, sizes, self.k, self.nodes,
+                                   self.lookup_nodes, steps, pages)
 
     def describe(self) -> str:
         return f"DFlash K={self.k}, tree of {self.nodes} nodes" + (" + prompt lookup" if self.lookup else "")

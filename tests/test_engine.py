@@ -385,20 +385,25 @@ def test_logprobs_are_the_targets_own_for_greedy_and_sampled_requests(setup, blo
 
 
 @pytest.mark.slow  # ~60 s of compiles; the default tier checks 0 compiles in `dflash eval`'s timed region (test_eval)
-@pytest.mark.parametrize("chunk", [None, 16])
-def test_after_precompile_no_request_compiles(setup, chunk):
-    """precompile runs every prefill length (a max_len that is no power of two caps the last bucket) and row
-    count, every prefill chunk's span and every attention span, with and without log-probabilities; requests of
-    any prompt length, budget and kind then compile nothing."""
+@pytest.mark.parametrize("chunk,steps", [(None, 1), (16, 1), (16, 4), (64, 4)])
+def test_after_precompile_no_request_compiles(setup, chunk, steps):
+    """precompile compiles every prefill length (a max_len that is no power of two caps the last bucket) and row
+    count, every prefill chunk's span and every attention span, with and without log-probabilities, and with R > 1
+    the device loops (then unscored single steps only where a prompt can be chunked: a chunk of 64 > max_len never
+    is); requests of any prompt length, budget and kind then compile nothing."""
     target_cfg, target_params, drafter, requests = setup
     engine = Engine(target_params, target_cfg, drafter, Chain(4),
-                    Limits(slots=3, max_len=48, page_size=8, prefill_chunk=chunk))
+                    Limits(slots=3, max_len=48, page_size=8, prefill_chunk=chunk, steps_per_dispatch=steps))
     count, seconds = engine.precompile()
     # prefill lengths 16, 32, 48 x (plain at 1, 2 and 3 rows, logprobs at 1 row); spans of 1, 2, 4, 6 pages x
     # (verify, verify with logprobs, propose); the activation update once. With chunks of 16: plain prompts of
     # 16 tokens at most, and chunks starting at 0, 16, 32 (spans of 2, 4, 6 pages).
     if chunk is None:
         assert count == engine.compiles == 3 * 3 + 3 + 4 * 3 + 1 and seconds > 0
+    elif chunk > 48:  # no prompt is chunked: no chunk programs and no unscored single steps, the loops instead
+        assert count == engine.compiles and seconds > 0
+        kinds = {s[0] for s in engine.compiled_shapes}
+        assert "prefill_chunk" not in kinds and "decode_steps" in kinds
     else:  # jit caches are process-wide: count only what this engine's shapes added, checked by kind
         assert count == engine.compiles and seconds > 0
         assert {s[1:] for s in engine.compiled_shapes if s[0] == "prefill_chunk"} == {(1, 16, 2), (1, 16, 4),
@@ -407,9 +412,11 @@ def test_after_precompile_no_request_compiles(setup, chunk):
                                                                                (1, 48)}
     assert not engine.busy and engine.pool.num_free == engine.pool.num_usable
     rng = np.random.default_rng(9)
+    # with R > 1 only the first request asks for log-probabilities, so that unscored single steps run too (while a
+    # prompt is chunked)
     for i, (n, budget) in enumerate([(1, 3), (15, None), (17, 5), (33, 10), (43, 1), (30, None)]):
         prompt = [int(t) for t in rng.integers(0, 255, size=n)]
-        engine.submit(prompt, budget, seed=i, logprobs=3 if i % 3 == 0 else None,
+        engine.submit(prompt, budget, seed=i, logprobs=3 if i % 3 == 0 and (steps == 1 or i == 0) else None,
                       prompt_logprobs=2 if i % 4 == 1 else None,
                       sampling=SamplingConfig(temperature=0.7) if i % 2 else None)
     done = engine.run()
