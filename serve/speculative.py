@@ -352,16 +352,23 @@ def propose(models: Models, state: SpecState, block_size: int, span: int | None 
     span: context slots the full-attention layers attend over (static; default: all). Every L must be <= span.
     Sliding-window layers attend over their ring (the last W positions) whatever the span."""
     drafter = models.drafter()
-    k = block_size
-    ids = block_token_ids(state.pending, k, drafter.arch.mask_token_id)
-    positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    ctx_kv, ctx_valid = state.draft.visible(state.lengths, span)
-    hidden = drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
+    hidden = draft_hidden(models, drafter, state, block_size, span)
     if sample:  # a path-selector drafter is refused by the plan (`plan.Chain.check`)
         return sampled_drafts(models, hidden[:, 1:], state)
     if drafter.candidate_selector is not None:
         return selector_drafts(models, drafter, hidden[:, 1:], state.pending)
     return argmax_drafts(models, hidden[:, 1:])
+
+
+def draft_hidden(models: Models, drafter: DFlashDrafter, state: SpecState, block_size: int,
+                 span: int | None) -> jax.Array:
+    """The drafter's final hidden states [B, K, D] over each slot's block [pending, MASK x (K-1)] at positions
+    L .. L+K-1, attending to the context its layers see (`DraftCache.visible`: the first `span` slots of a full
+    layer, the window of a sliding one)."""
+    ids = block_token_ids(state.pending, block_size, drafter.arch.mask_token_id)
+    positions = state.lengths[:, None] + jnp.arange(block_size, dtype=jnp.int32)[None, :]
+    ctx_kv, ctx_valid = state.draft.visible(state.lengths, span)
+    return drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
 
 
 def sampled_drafts(models: Models, hidden_BxTxD: jax.Array, state: SpecState) -> tuple[jax.Array, DraftLaw]:
@@ -606,6 +613,8 @@ __all__ = [
     "argmax_drafts",
     "bucket",
     "decode_steps",
+    "draft_hidden",
+    "draft_logits",
     "empty_state",
     "prefill",
     "prefill_chunk",
