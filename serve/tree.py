@@ -293,55 +293,70 @@ def _walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_depth: int,
 
 def _sampled_walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_depth: int,
                   draft_ids: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The walk of recursive rejection sampling (module docstring) for every row: one pass over the nodes in order
-    (a parent comes before its children, siblings in the order they are tried), where node i is tried iff its
-    parent is the node reached so far. Carried per row: the node reached, its law p, the residual r, and the law
-    the next drawn child of that node comes from (q of the next depth without the drawn siblings tried so far)."""
+    """The walk of recursive rejection sampling (module docstring) for every row. Each iteration tries one child
+    per row: the first node past the last one tried whose parent is the node reached (a parent comes before its
+    children, siblings in the order they are tried), so a row runs one iteration per child it tries and the loop
+    ends when no row has one left. Carried per row: the node reached, its law p, the residual r, and the law the
+    next drawn child of that node comes from (q of the next depth without the drawn siblings tried so far)."""
     b, n_nodes, vocab = logits_BxNxV.shape
-    rows = jnp.arange(b)
+    rows, index = jnp.arange(b), jnp.arange(n_nodes)
     keys = step_keys(state.rng)  # next key, acceptance uniforms, the draw from the residual, (the drafts' draws)
     u_BxN = jax.vmap(lambda key: jax.random.uniform(key, (n_nodes,)))(keys[:, 1])
     p_BxNxV = jnp.exp(row_logprobs(logits_BxNxV, state.sampling))
     drawn_BxN = jnp.zeros((b, n_nodes), bool) if tree.drawn is None else tree.drawn
-    q_BxDxV = None if tree.law is None else jnp.exp(tree.law)
+    if tree.law is None:  # no drawn children: their law is never read
+        q_BxDxV = jnp.zeros((b, 1, vocab), jnp.float32)
+    else:
+        q_BxDxV = jnp.exp(tree.law)
+        if draft_ids is not None:
+            q_BxDxV = jnp.zeros((*q_BxDxV.shape[:2], vocab), jnp.float32).at[:, :, draft_ids].set(q_BxDxV)
 
     def children_law(depth_B: jax.Array) -> jax.Array:
-        """[B, V]: the law the drawn children of a node at depth_B were drawn from (zeros: no drawn children)."""
-        if q_BxDxV is None:
-            return jnp.zeros((b, vocab), jnp.float32)
-        q = q_BxDxV[rows, jnp.minimum(depth_B, q_BxDxV.shape[1] - 1)]
-        return q if draft_ids is None else jnp.zeros((b, vocab), jnp.float32).at[:, draft_ids].set(q)
+        """[B, V]: the law the drawn children of a node at depth_B were drawn from."""
+        return q_BxDxV[rows, jnp.minimum(depth_B, q_BxDxV.shape[1] - 1)]
+
+    def next_child(cur_B: jax.Array, after_B: jax.Array) -> jax.Array:
+        """[B]: the first node past `after_B` whose parent is cur_B (n_nodes: none left)."""
+        ok = (tree.parent == cur_B[:, None]) & (index[None, :] > after_B[:, None])
+        return jnp.where(jnp.any(ok, axis=1), jnp.argmax(ok, axis=1), n_nodes).astype(jnp.int32)
 
     def normalised(x_BxV: jax.Array, fallback_BxV: jax.Array) -> jax.Array:
         total = jnp.sum(x_BxV, axis=-1, keepdims=True)
         return jnp.where(total > 0, x_BxV / jnp.where(total > 0, total, 1.0), fallback_BxV)
 
-    def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        cur, p_cur, r, q, path, n = carry
-        tried = tree.parent[:, i] == cur
-        token = tree.token[:, i]
-        drawn = drawn_BxN[:, i]
+    def body(carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        i, cur, p_cur, r, q, path, n = carry
+        tried = i < n_nodes
+        j = jnp.minimum(i, n_nodes - 1)
+        token, drawn, depth = tree.token[rows, j], drawn_BxN[rows, j], tree.depth[rows, j]
         q_token = jnp.where(drawn, q[rows, token], 1.0)
-        accept = tried & (u_BxN[:, i] * q_token < r[rows, token])  # u < min(1, r(c) / q_c(c))
+        r_token = r[rows, token]
+        accept = tried & (u_BxN[rows, j] * q_token < r_token)  # u < min(1, r(c) / q_c(c))
         reject = tried & ~accept
-        point = jax.nn.one_hot(token, vocab, dtype=jnp.float32)
-        residual = normalised(jnp.maximum(r - jnp.where(drawn[:, None], q, point), 0.0), p_cur)
-        r = jnp.where(reject[:, None], residual, r)
-        without = normalised(q * (1.0 - point), q)  # the next drawn sibling: q without this one
-        q = jnp.where((reject & drawn)[:, None], without, q)
-        depth = tree.depth[:, i]
-        p_i = p_BxNxV[:, i]
-        cur = jnp.where(accept, i, cur)
-        p_cur = jnp.where(accept[:, None], p_i, p_cur)
-        r = jnp.where(accept[:, None], p_i, r)
-        q = jnp.where(accept[:, None], children_law(depth), q)
-        path = path.at[rows, depth].set(jnp.where(accept, i, path[rows, depth]))
-        return cur, p_cur, r, q, path, jnp.where(accept, depth, n)
+
+        def rejected(rq: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            r, q = rq  # r <- max(r - q_c, 0) renormalised (a point mass: r without c); the node's p where empty
+            left = jnp.where(drawn[:, None], jnp.maximum(r - q, 0.0), r)
+            left = left.at[rows, token].set(jnp.where(drawn, jnp.maximum(r_token - q_token, 0.0), 0.0))
+            r = jnp.where(reject[:, None], normalised(left, p_cur), r)
+            q_rest = normalised(q.at[rows, token].set(0.0), q)  # the next drawn sibling's law: q without c
+            return r, jnp.where((reject & drawn)[:, None], q_rest, q)
+
+        def accepted(cpq: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            cur, p_cur, r, q, path, n = cpq  # move to node j: its law, and its children's
+            p_j = p_BxNxV[rows, j]
+            return (jnp.where(accept, j, cur), jnp.where(accept[:, None], p_j, p_cur),
+                    jnp.where(accept[:, None], p_j, r), jnp.where(accept[:, None], children_law(depth), q),
+                    path.at[rows, depth].set(jnp.where(accept, j, path[rows, depth])), jnp.where(accept, depth, n))
+
+        r, q = jax.lax.cond(jnp.any(reject), rejected, lambda rq: rq, (r, q))
+        cur, p_cur, r, q, path, n = jax.lax.cond(jnp.any(accept), accepted, lambda c: c, (cur, p_cur, r, q, path, n))
+        return next_child(cur, jnp.where(tried, j, n_nodes)), cur, p_cur, r, q, path, n
 
     zeros = jnp.zeros((b,), jnp.int32)
-    carry = (zeros, p_BxNxV[:, 0], p_BxNxV[:, 0], children_law(zeros), jnp.zeros((b, max_depth + 1), jnp.int32),
-             zeros)
-    _, _, r, _, path, n = jax.lax.fori_loop(1, n_nodes, body, carry)
+    carry = (next_child(zeros, zeros), zeros, p_BxNxV[:, 0], p_BxNxV[:, 0], children_law(zeros),
+             jnp.zeros((b, max_depth + 1), jnp.int32), zeros)
+    _, _, _, r, _, path, n = jax.lax.while_loop(lambda c: jnp.any(c[0] < n_nodes), body, carry)
     bonus = jax.vmap(jax.random.categorical)(keys[:, 2], jnp.log(r)).astype(jnp.int32)
     return path, n, bonus, keys[:, 0]
 
