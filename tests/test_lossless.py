@@ -334,14 +334,17 @@ def path_hash(token_RxN: np.ndarray, parent_RxN: np.ndarray) -> np.ndarray:
     return h
 
 
-def sampled_tree(state: WalkState, drafts: str = "without replacement") -> Tree:
+def sampled_tree(state: WalkState, drafts: str = "without replacement", draft_ids: np.ndarray | None = None) -> Tree:
     """Each row's sampled tree: the drafter's 12 nodes drawn from `DRAFTER_Q` under the row's rule by
     `rank_drafts` (the engine's draws), shaped best-first, with a prompt-lookup path of K - 1 tokens (random per
     row, independent of the draws) merged in. Negative controls: drafts "with replacement" (each rank drawn
     independently from q, so siblings repeat, then verified as drawn without), or "shape by draws" (the shape
-    taken from the drawn tokens' own probabilities, so which draws become nodes depends on what was drawn)."""
-    logits = jnp.broadcast_to(jnp.log(jnp.asarray(DRAFTER_Q, jnp.float32)), (ROWS, K - 1, V))
-    ids, logp, logq = RANK(logits, state, DRAWN, sample=True)
+    taken from the drawn tokens' own probabilities, so which draws become nodes depends on what was drawn). With
+    `draft_ids` the drafter has a draft vocabulary: its law covers those token ids only (`DRAFTER_Q`'s columns
+    there)."""
+    q = DRAFTER_Q if draft_ids is None else DRAFTER_Q[:, draft_ids]
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (ROWS, K - 1, q.shape[1]))
+    ids, logp, logq = RANK(logits, state, DRAWN, None if draft_ids is None else jnp.asarray(draft_ids), sample=True)
     if drafts == "with replacement":
         keys = jax.random.split(jax.random.PRNGKey(17), ROWS)
         ids = jax.vmap(lambda key, lq: jax.random.categorical(key, lq[:, None, :], axis=-1,
@@ -355,14 +358,17 @@ def sampled_tree(state: WalkState, drafts: str = "without replacement") -> Tree:
                       jnp.asarray(rng.integers(0, LOOKUP + 1, size=ROWS)), logq)
 
 
-def sampled_pvalues(tree: Tree, state: WalkState, every_depth: bool = True) -> tuple[list[float], np.ndarray]:
+def sampled_pvalues(tree: Tree, state: WalkState, every_depth: bool = True,
+                    draft_ids: np.ndarray | None = None) -> tuple[list[float], np.ndarray]:
     """The walk's p-value at each depth 1 .. K of a sampled tree per row (K: the bonus after a fully accepted
     path), the target's law taken at `RULE` whatever rule `state` verifies with; rows grouped by the path hash
     of the node reached; and n [R]. Depths reached by few rows are left out unless `every_depth` (which requires
     each to be exercised)."""
     token, parent = np.asarray(tree.token), np.asarray(tree.parent)
     h = path_hash(token, parent)
-    path, n, bonus, _ = (np.asarray(a) for a in WALK(tree, jnp.asarray(TARGET_LAWS[h], jnp.float32), state, DEPTH))
+    ids = None if draft_ids is None else jnp.asarray(draft_ids)
+    path, n, bonus, _ = (np.asarray(a) for a in WALK(tree, jnp.asarray(TARGET_LAWS[h], jnp.float32), state, DEPTH,
+                                                     ids))
     p_by_hash = law(TARGET_LAWS, RULE)
     pvalues = []
     for d in range(DEPTH + 1):
@@ -426,3 +432,18 @@ def test_the_sampled_tree_emits_the_target_law_at_every_depth():
     assert min(repeated) < FAIL, repeated
     chosen, _ = sampled_pvalues(sampled_tree(state, "shape by draws"), state, every_depth=False)
     assert min(chosen) < FAIL, chosen
+
+
+def test_a_sampled_tree_over_a_draft_vocabulary_emits_the_target_law():
+    """A drafter with a draft vocabulary (its rows are token ids 0, 2, 3, 5 of the 6): the draws come back as token
+    ids and the walk reads their law through the same map (`models.draft_ids`), exact at every depth; a walk that
+    maps the rows to the wrong ids fails."""
+    draft_ids = np.array([0, 2, 3, 5])
+    state = walk_state(RULE)
+    tree = sampled_tree(state, draft_ids=draft_ids)
+    drawn = np.asarray(tree.token)[np.asarray(tree.drawn) & (np.asarray(tree.parent) >= 0)]
+    assert set(drawn.tolist()) == {0, 2, 3, 5}
+    good, _ = sampled_pvalues(tree, state, draft_ids=draft_ids)
+    assert len(good) == K and all(p > PASS for p in good), good
+    wrong, _ = sampled_pvalues(tree, state, every_depth=False, draft_ids=np.array([0, 2, 5, 3]))
+    assert min(wrong) < FAIL, wrong
