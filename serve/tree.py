@@ -61,8 +61,10 @@ from dflash.serve.speculative import (
     TokenLogprobs,
     _add_context,
     _layer_ids,
+    categorical,
     draft_hidden,
     draft_logits,
+    first_argmax,
     run_steps,
     step_keys,
 )
@@ -268,7 +270,7 @@ def _walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_depth: int,
     b = logits_BxNxV.shape[0]
     rows = jnp.arange(b)
     greedy = state.sampling.greedy
-    argmax_BxN = jnp.argmax(logits_BxNxV, axis=-1).astype(jnp.int32)
+    argmax_BxN = first_argmax(logits_BxNxV)
     cur = jnp.zeros((b,), jnp.int32)
     going = jnp.ones((b,), bool)
     n = jnp.zeros((b,), jnp.int32)
@@ -302,7 +304,10 @@ def _sampled_walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_dep
     rows, index = jnp.arange(b), jnp.arange(n_nodes)
     keys = step_keys(state.rng)  # next key, acceptance uniforms, the draw from the residual, (the drafts' draws)
     u_BxN = jax.vmap(lambda key: jax.random.uniform(key, (n_nodes,)))(keys[:, 1])
-    p_BxNxV = jnp.exp(row_logprobs(logits_BxNxV, state.sampling))
+    def node_law(j_B: jax.Array) -> jax.Array:
+        """[B, V]: the target's filtered law at node j_B of each row (only the nodes a row reaches are computed)."""
+        return jnp.exp(row_logprobs(logits_BxNxV[rows, j_B], state.sampling))
+
     drawn_BxN = jnp.zeros((b, n_nodes), bool) if tree.drawn is None else tree.drawn
     if tree.law is None:  # no drawn children: their law is never read
         q_BxDxV = jnp.zeros((b, 1, vocab), jnp.float32)
@@ -344,7 +349,7 @@ def _sampled_walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_dep
 
         def accepted(cpq: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             cur, p_cur, r, q, path, n = cpq  # move to node j: its law, and its children's
-            p_j = p_BxNxV[rows, j]
+            p_j = node_law(j)
             return (jnp.where(accept, j, cur), jnp.where(accept[:, None], p_j, p_cur),
                     jnp.where(accept[:, None], p_j, r), jnp.where(accept[:, None], children_law(depth), q),
                     path.at[rows, depth].set(jnp.where(accept, j, path[rows, depth])), jnp.where(accept, depth, n))
@@ -354,10 +359,11 @@ def _sampled_walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_dep
         return next_child(cur, jnp.where(tried, j, n_nodes)), cur, p_cur, r, q, path, n
 
     zeros = jnp.zeros((b,), jnp.int32)
-    carry = (next_child(zeros, zeros), zeros, p_BxNxV[:, 0], p_BxNxV[:, 0], children_law(zeros),
+    p_root = node_law(zeros)
+    carry = (next_child(zeros, zeros), zeros, p_root, p_root, children_law(zeros),
              jnp.zeros((b, max_depth + 1), jnp.int32), zeros)
     _, _, _, r, _, path, n = jax.lax.while_loop(lambda c: jnp.any(c[0] < n_nodes), body, carry)
-    bonus = jax.vmap(jax.random.categorical)(keys[:, 2], jnp.log(r)).astype(jnp.int32)
+    bonus = jax.vmap(categorical)(keys[:, 2], jnp.log(r))
     return path, n, bonus, keys[:, 0]
 
 
