@@ -8,7 +8,7 @@ from typing import Literal
 
 from dflash.configs.schema import require
 
-DRAFT_RULES = ("argmax", "sample")  # how a sampled request's chain drafts are chosen (`ServeConfig.draft_rule`)
+DRAFT_RULES = ("argmax", "sample")  # how a sampled request's drafts are chosen (`ServeConfig.draft_rule`)
 
 
 def lookup_fits(nodes: int) -> bool:
@@ -48,8 +48,9 @@ class ServeConfig:
     (or 1) verifies the drafter's chain of K - 1 drafts; N >= 2 a best-first tree of N nodes (depth <= K - 1) built
     from the block's distributions (`serve.tree`); "auto": the N (chain included) with the most tokens per second
     measured at start-up. tree_ngram: merge a prompt-lookup path into the tree (needs tree_nodes >= 3 or auto).
-    draft_rule: how a sampled request's chain drafts are chosen, "argmax" (one-hot drafts) or "sample" (drawn from
-    the drafter's distribution, speculative sampling; the chain only), both lossless (D64)."""
+    draft_rule: how a sampled request's drafts are chosen, "argmax" (the drafter's top-ranked tokens, one-hot drafts)
+    or "sample" (drawn from the drafter's distribution: speculative sampling on the chain, multi-draft speculative
+    sampling without replacement on a tree), all lossless (D64, D84)."""
 
     block_size: int | Literal["auto"] = 0
     tree_nodes: int | Literal["auto"] = 0
@@ -64,8 +65,6 @@ class ServeConfig:
         require(not self.tree_ngram or self.tree_nodes == "auto" or lookup_fits(self.tree_nodes), "serve.tree_ngram",
                 self.tree_ngram, "be false unless serve.tree_nodes >= 3 or 'auto' (the lookup path takes nodes)")
         require(self.draft_rule in DRAFT_RULES, "serve.draft_rule", self.draft_rule, f"be one of {DRAFT_RULES}")
-        require(self.draft_rule == "argmax" or self.tree_nodes == 0, "serve.draft_rule", self.draft_rule,
-                "be argmax with a tree (serve.tree_nodes != 0): sampled drafts are the chain's")
 
 
 __all__ = ["DRAFT_RULES", "SamplingConfig", "ServeConfig", "lookup_fits"]

@@ -6,8 +6,11 @@
     AR()                      the target alone: each step verifies the pending token (K = 1)
     Chain(k, rule)            the drafter's K - 1 drafts from one forward, verified as a chain; sampled requests
                               take the argmax drafts (rule "argmax") or drafts drawn from the drafter ("sample")
-    Tree(k, nodes, lookup)    a best-first tree of N nodes (depth <= K - 1) from the block's distributions,
-                              optionally with a prompt-lookup path merged in (`serve.tree`)
+    Tree(k, nodes, lookup, rule)
+                              a best-first tree of N nodes (depth <= K - 1) from the block's distributions,
+                              optionally with a prompt-lookup path merged in (`serve.tree`); sampled requests
+                              take the top-ranked tokens as children (rule "argmax") or children drawn from the
+                              drafter ("sample"), verified by recursive rejection sampling
     Lookup(k)                 prompt lookup alone, no drafter: K - 1 drafts continuing the latest earlier match of
                               the last tokens in the prompt and output (`serve.lookup`)
 
@@ -16,8 +19,9 @@ propose + verify over every slot, optionally scoring log-probabilities) and, whe
 device, `loop` (up to R steps in one dispatch). The engine (`serve.engine`) owns slots, pages and requests and
 never asks which plan it runs. `Limits` holds what the engine is sized for.
 
-Tests replace the drafter's proposals through `Chain.drafts` ((state, K) -> [B, K - 1]) and the tree's ranked
-lists through `Tree.ranked` ((state, K, M) -> (ids, logp) [B, K - 1, M]); such plans run one step per dispatch.
+Tests replace the drafter's proposals through `Chain.drafts` ((state, K) -> [B, K - 1]), the tree's ranked lists
+through `Tree.ranked` ((state, K, M) -> (ids, logp) [B, K - 1, M]) and the drafter's logits under a tree through
+`Tree.logits` ((state, K) -> [B, K - 1, V]); such plans run one step per dispatch.
 """
 
 from __future__ import annotations
@@ -34,7 +38,14 @@ from dflash.models.drafter import DFlashDrafter
 from dflash.serve.config import DRAFT_RULES, ServeConfig, lookup_fits
 from dflash.serve.requests import is_int
 from dflash.serve.speculative import Models, SpecState, TokenLogprobs, decode_steps, propose, verify, verify_logprobs
-from dflash.serve.tree import build_tree, decode_tree_steps, propose_topk, verify_tree, verify_tree_logprobs
+from dflash.serve.tree import (
+    build_tree,
+    decode_tree_steps,
+    propose_topk,
+    rank_drafts,
+    verify_tree,
+    verify_tree_logprobs,
+)
 
 # Host-side prompt lookup of the running slots: length -> (continuations [B, length] int32, their lengths [B]).
 LookupFn = Callable[[int], tuple[np.ndarray, np.ndarray]]
@@ -179,13 +190,18 @@ class Chain(Plan):
 class Tree(Plan):
     """A best-first tree of `nodes` nodes (depth <= K - 1) built from the block's per-position distributions and
     verified in one target pass (`serve.tree`); with `lookup`, a prompt-lookup path of `lookup_nodes` nodes is
-    merged in. ranked: (state, K, M) -> the ranked lists (ids, logp) [B, K - 1, M] in place of the drafter's
-    (tests)."""
+    merged in. rule: a sampled request's children, "argmax" (the drafter's top-ranked tokens, point-mass drafts) or
+    "sample" (drawn from the drafter's law without replacement, in the shape the argmax tree would have); both
+    verified by recursive rejection sampling, lossless; greedy requests unaffected (D84). ranked: (state, K, M) ->
+    the ranked lists (ids, logp) [B, K - 1, M] in place of the drafter's (tests, rule argmax); logits: (state, K)
+    -> the drafter's logits [B, K - 1, V] in place of its forward, ranked or drawn from by the rule (tests)."""
 
     k: int
     nodes: int
     lookup: bool = False
+    rule: str = "argmax"
     ranked: Callable[[SpecState, int, int], Any] | None = None
+    logits: Callable[[SpecState, int], Any] | None = None
     kernel: ClassVar[str] = "verify_tree"
 
     def __post_init__(self) -> None:
@@ -194,6 +210,11 @@ class Tree(Plan):
                  "be an integer >= 2 (a chain is `Chain`)")
         _require(not self.lookup or lookup_fits(self.nodes), "tree_nodes", self.nodes,
                  "be >= 3 with prompt lookup (nodes for the drafter and for the lookup path)")
+        _require(self.rule in DRAFT_RULES, "draft_rule", self.rule, f"be one of {DRAFT_RULES}")
+        _require(self.rule == "argmax" or self.ranked is None, "draft_rule", self.rule,
+                 "be argmax with given ranked lists (sampled children are drawn from the drafter's law: give logits)")
+        _require(self.ranked is None or self.logits is None, "ranked", self.ranked,
+                 "be None when logits are given (the lists are ranked from them)")
 
     @property
     def width(self) -> int:
@@ -206,7 +227,7 @@ class Tree(Plan):
 
     @property
     def loops(self) -> bool:
-        return self.ranked is None
+        return self.ranked is None and self.logits is None
 
     def check(self, drafter: DFlashDrafter | None) -> None:
         super().check(drafter)
@@ -222,14 +243,17 @@ class Tree(Plan):
 
     def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn) -> StepOut:
         m = self.nodes - 1 - self.lookup_nodes
+        sample = self.rule == "sample"
         if self.ranked is not None:
-            ids, logp = (jnp.asarray(a) for a in self.ranked(state, self.k, m))
+            ranked = tuple(jnp.asarray(a) for a in self.ranked(state, self.k, m))
+        elif self.logits is not None:
+            ranked = _rank_drafts(jnp.asarray(self.logits(state, self.k), jnp.float32), state, m, sample=sample)
         else:
-            ids, logp = propose_topk(models, state, self.k, m, pages * state.target.page_size)
+            ranked = propose_topk(models, state, self.k, m, pages * state.target.page_size, sample)
         extra = extra_len = None
         if self.lookup_nodes:
             extra, extra_len = (jnp.asarray(a) for a in lookup(self.lookup_nodes))
-        tree = build_tree(ids, logp, state.pending, self.nodes, extra, extra_len)
+        tree = build_tree(*ranked[:2], state.pending, self.nodes, extra, extra_len, *ranked[2:])
         if scored:
             return verify_tree_logprobs(models, state, tree, self.k, pages)
         return (*verify_tree(models, state, tree, self.k, pages), None)
@@ -240,10 +264,11 @@ class Tree(Plan):
         if self.lookup_nodes:
             tokens, sizes = (jnp.asarray(a) for a in history())
         return decode_tree_steps, (models, state, stop_ids_BxS, budget_B, tokens, sizes, self.k, self.nodes,
-                                   self.lookup_nodes, steps, pages)
+                                   self.lookup_nodes, steps, pages, self.rule == "sample")
 
     def describe(self) -> str:
-        return f"DFlash K={self.k}, tree of {self.nodes} nodes" + (" + prompt lookup" if self.lookup else "")
+        return (f"DFlash K={self.k}, tree of {self.nodes} nodes" + (" + prompt lookup" if self.lookup else "")
+                + (", sampled drafts" if self.rule == "sample" else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +294,8 @@ class Lookup(Plan):
         return f"prompt lookup K={self.k}"
 
 
+_rank_drafts = jax.jit(rank_drafts, static_argnames=("m", "sample"))
+
 DecodePlan = AR | Chain | Tree | Lookup
 
 
@@ -290,7 +317,7 @@ def default_plan(drafter: DFlashDrafter | None) -> DecodePlan:
 def plan_from(serve: ServeConfig, drafter: DFlashDrafter | None, chooser: Chooser | None = None) -> DecodePlan:
     """The plan a recipe's `serve` section asks for, with `drafter` (None: AR): K is serve.block_size (0: the
     drafter's training K); serve.tree_nodes N > 1 makes a tree (with serve.tree_ngram, prompt lookup merged in),
-    0 or 1 the chain with serve.draft_rule; "auto" values are measured by `chooser`. The plan is checked against
+    0 or 1 the chain, either with serve.draft_rule; "auto" values are measured by `chooser`. The plan is checked against
     the drafter here; this is the only place a recipe becomes a plan."""
     if drafter is None:
         return AR()
@@ -302,7 +329,7 @@ def plan_from(serve: ServeConfig, drafter: DFlashDrafter | None, chooser: Choose
     if nodes == "auto":
         _require(chooser is not None, "serve.tree_nodes", nodes, "be a number here (auto needs measurements)")
         nodes = chooser.tree_nodes(drafter, k, serve.tree_ngram)
-    plan: DecodePlan = Tree(k, nodes, serve.tree_ngram and lookup_fits(nodes)) if nodes > 1 \
+    plan: DecodePlan = Tree(k, nodes, serve.tree_ngram and lookup_fits(nodes), serve.draft_rule) if nodes > 1 \
         else Chain(k, serve.draft_rule)
     plan.check(drafter)
     return plan

@@ -17,15 +17,28 @@ extra paths (prompt lookup, `ngram`) are merged in as a trie after the drafter's
 `verify_tree` writes all N nodes after each slot's committed tokens (node j at token L + j, rotated at position
 L + depth(j)), each node attending to the committed tokens and its ancestors only (`paged.TreeChunkCache`), then
 walks the tree from the root. Greedy: the child equal to the target's argmax, until none is; output = that path
-plus the target's token after it, equal to AR decoding. Sampled: at each node, its children c_1, c_2, .. (distinct
-tokens, fixed before the target is read; each is a one-hot draft) are tried in order by recursive rejection
-sampling (SpecInfer): c_j is accepted with probability r_j(c_j) where r_1 = p and r_{j+1} is r_j with c_j
-removed, renormalised, i.e. p(c_j) / (1 - p(c_1) - .. - p(c_{j-1})); if every child is rejected the next token
-is drawn from p with all the children removed, renormalised (from p itself where the children held all of p and
-float32 rounding rejected them all: `speculative.residual_logprobs`). Each emitted token then has exactly the target's
-filtered distribution p given the path so far (each sibling's draft distribution is the one-hot of its token,
-and that is what its residual removes). Only the accepted path is kept: its K/V are copied onto tokens
-L .. L + n (`PagedKVCache.copy_tokens`), its target features go to the draft cache, and L moves by n + 1.
+plus the target's token after it, equal to AR decoding. Only the accepted path is kept: its K/V are copied onto
+tokens L .. L + n (`PagedKVCache.copy_tokens`), its target features go to the draft cache, and L moves by n + 1.
+
+Sampled requests: multi-draft speculative sampling with recursive rejection (SpecInfer's rule; without replacement
+as in Jeon et al., "Recursive Speculative Decoding", 2024). Each node's children are drafts, each with the law it
+was drawn from given its elder siblings: a point mass on its token (`rule` "argmax": the drafter's top-ranked
+tokens; a prompt-lookup node under either rule), or (`rule` "sample", `Tree.drawn`) the drafter's law q at that
+depth under the request's rule with the elder drawn siblings removed, renormalised (the drafter's nodes of a
+sampled tree are drawn from q without replacement, `rank_drafts`). At a node with target law p (filtered,
+`row_logprobs`) the walk keeps a residual r, first p, and tries the children in order: child c with law q_c is
+accepted with probability min(1, r(c) / q_c(c)); a rejection sets r to max(r - q_c, 0), renormalised (for a point
+mass: r with c removed). The first accepted child is the next node; when every child is rejected the token is
+drawn from r (after a fully accepted path of K - 1: from p). Why the token has exactly p's law: by induction from
+the last child, the rest of the procedure draws from its r whatever the later children are (their laws given the
+earlier ones are known), so P(token = x) = min(q_c(x), r(x)) + (1 - sum min(q_c, r)) * max(r - q_c, 0)(x) / Z
+= r(x) (Z = 1 - sum min(q_c, r)); at the first child r = p. This needs each child drawn from the law it is tried
+with, given everything the walk has read before it: the tree's shape (how many children each node has) is fixed
+before the drafts are drawn (best-first over the drafter's sorted probabilities, `build_tree`), never chosen by
+the drawn tokens, and nodes at one depth share the depth's draws (a DFlash block predicts each position
+independently of the tokens before it, and the walk reads the children of one node per depth). Where a rejection
+leaves r empty (r <= q_c everywhere: float32 rounding of r = q_c, which exact arithmetic never rejects) the
+token is drawn from the node's p (item 5's fallback, `speculative.residual_logprobs`).
 """
 
 from __future__ import annotations
@@ -38,8 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash.models.decoder import embed, forward_cached
-from dflash.models.drafter import block_token_ids, drafter_logits
+from dflash.models.decoder import forward_cached
 from dflash.serve.lookup import append_history, lookup_paths
 from dflash.serve.paged import TreeChunkCache
 from dflash.serve.sampling import row_logprobs
@@ -49,8 +61,12 @@ from dflash.serve.speculative import (
     TokenLogprobs,
     _add_context,
     _layer_ids,
-    residual_logprobs,
+    categorical,
+    draft_hidden,
+    draft_logits,
+    first_argmax,
     run_steps,
+    step_keys,
 )
 
 
@@ -58,11 +74,16 @@ from dflash.serve.speculative import (
 @dataclasses.dataclass(frozen=True)
 class Tree:
     """N nodes per slot: token [B, N] int32 (node 0: the pending token), parent [B, N] int32 (-1: the root, and
-    unused nodes, which are no node's child), depth [B, N] int32 (root 0)."""
+    unused nodes, which are no node's child), depth [B, N] int32 (root 0). A sampled tree also holds the law its
+    drafter nodes were drawn from: law [B, K-1, V'] (log q of block position d + 1, the children of depth-d nodes,
+    under each row's rule; V' the draft rows) and drawn [B, N] bool (nodes drawn from it; the others, prompt-lookup
+    nodes and every node of an argmax tree, are point-mass drafts)."""
 
     token: jax.Array
     parent: jax.Array
     depth: jax.Array
+    law: jax.Array | None = None
+    drawn: jax.Array | None = None
 
     @property
     def nodes(self) -> int:
@@ -79,29 +100,46 @@ class Tree:
         return anc
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "m", "span"))
-def propose_topk(models: Models, state: SpecState, block_size: int, m: int,
-                 span: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """The drafter's M most likely tokens at block positions 1 .. K-1 and their log-probabilities, most likely
-    first: (ids [B, K-1, M] int32, logp [B, K-1, M] fp32), from one forward over [pending, MASK x (K-1)] (as
-    `speculative.propose`; a draft vocabulary ranks only its rows). A path-selector drafter, whose positions are
-    not independent, is refused by the plan (`plan.Tree.check`)."""
-    drafter = models.drafter()
-    k = block_size
-    ids = block_token_ids(state.pending, k, drafter.arch.mask_token_id)
-    positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    span = state.draft.k.shape[2] if span is None else min(span, state.draft.k.shape[2])
-    ctx_valid = jnp.arange(span)[None, :] < state.lengths[:, None]
-    ctx_kv = [(k_ctx[:, :span], v_ctx[:, :span]) for k_ctx, v_ctx in state.draft.kv()]
-    hidden = drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
-    if models.draft_ids is not None:
-        logits = jnp.einsum("bkd,vd->bkv", hidden[:, 1:], models.draft_head).astype(jnp.float32)
-    else:
-        logits = drafter_logits(models.target_params, models.target_cfg, hidden[:, 1:]).astype(jnp.float32)
-    values, rank_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), min(m, logits.shape[-1]))
-    if models.draft_ids is not None:
-        rank_ids = jnp.take(models.draft_ids, rank_ids)
-    return rank_ids.astype(jnp.int32), values
+@functools.partial(jax.jit, static_argnames=("block_size", "m", "span", "sample"))
+def propose_topk(models: Models, state: SpecState, block_size: int, m: int, span: int | None = None,
+                 sample: bool = False) -> tuple[jax.Array, ...]:
+    """The drafter's ranked lists at block positions 1 .. K-1 from one forward over [pending, MASK x (K-1)] (as
+    `speculative.propose`): (ids [B, K-1, M] int32, logp [B, K-1, M] fp32), the M most likely tokens and their
+    log-probabilities, most likely first (a draft vocabulary ranks only its rows). With `sample`, a sampled row's
+    ids are instead M draws without replacement from its law q and the law comes back too, (ids, logp, law)
+    (`rank_drafts`). A path-selector drafter, whose positions are not independent, is refused by the plan
+    (`plan.Tree.check`)."""
+    hidden = draft_hidden(models, models.drafter(), state, block_size, span)
+    return rank_drafts(draft_logits(models, hidden[:, 1:]), state, m, models.draft_ids, sample)
+
+
+def rank_drafts(logits_BxDxV: jax.Array, state: SpecState, m: int, draft_ids: jax.Array | None = None,
+                sample: bool = False) -> tuple[jax.Array, ...]:
+    """(ids, logp) [B, D, M] of the drafter's logits [B, D, V'] (V' its draft rows, `draft_ids` their token ids):
+    the M most likely rows and their log-probabilities, most likely first. With `sample`, (ids, logp, law): law
+    [B, D, V'] is each row's log q under its own rule (`row_logprobs`), and a sampled row's ids are M draws from
+    q without replacement in draw order (Gumbel top-M: sequential draws, each from q with the earlier ones
+    removed), its logp q's M largest log-probabilities sorted (the tree's shape, which must not depend on the
+    draws); beyond q's support (fewer than M tokens after top-k / top-p) both are -inf and `build_tree` makes no
+    node of them. Greedy rows keep the ranked lists, and a batch of greedy rows never draws (`lax.cond`); the
+    draws take the fourth key of the step's split (`step_keys`), which the walk leaves to the drafts."""
+    m = min(m, logits_BxDxV.shape[-1])
+    logp, rows = jax.lax.top_k(jax.nn.log_softmax(logits_BxDxV.astype(jnp.float32), axis=-1), m)
+    law = None
+    if sample:
+        law = row_logprobs(logits_BxDxV, state.sampling)
+
+        def draw(_: None) -> tuple[jax.Array, jax.Array]:
+            keys = step_keys(state.rng)[:, 3]
+            gumbel = jax.vmap(lambda key: jax.random.gumbel(key, law.shape[1:], jnp.float32))(keys)
+            drawn = jax.lax.top_k(law + gumbel, m)[1]
+            shape = jax.lax.top_k(law, m)[0]
+            greedy = state.sampling.greedy[:, None, None]
+            return jnp.where(greedy, rows, drawn), jnp.where(greedy, logp, shape)
+
+        rows, logp = jax.lax.cond(jnp.all(state.sampling.greedy), lambda _: (rows, logp), draw, None)
+    ids = (rows if draft_ids is None else jnp.take(draft_ids, rows)).astype(jnp.int32)
+    return (ids, logp) if law is None else (ids, logp, law)
 
 
 def _best_first(ids_DxM: jax.Array, logp_DxM: jax.Array, nodes: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -168,10 +206,14 @@ def _merge_path(token: jax.Array, parent: jax.Array, depth: jax.Array, path_G: j
 
 @functools.partial(jax.jit, static_argnames=("nodes",))
 def build_tree(ids_BxDxM: jax.Array, logp_BxDxM: jax.Array, pending_B: jax.Array, nodes: int,
-               extra_BxG: jax.Array | None = None, extra_len_B: jax.Array | None = None) -> Tree:
+               extra_BxG: jax.Array | None = None, extra_len_B: jax.Array | None = None,
+               law: jax.Array | None = None) -> Tree:
     """Each slot's tree of `nodes` nodes: the root (pending token), then the most probable paths best-first from
     the ranked lists (depth <= D), then, with `extra_BxG`, one extra path per slot (its first extra_len[b]
-    tokens, e.g. a prompt-lookup continuation) merged in as a trie on the last G nodes."""
+    tokens, e.g. a prompt-lookup continuation) merged in as a trie on the last G nodes. The shape comes from logp
+    alone, the tokens from ids: the node of rank r at depth d holds ids[d - 1, r], and the children of a node are
+    ranks 0, 1, .. of the next depth. With `law` (drafts drawn by `rank_drafts(..., sample=True)`), the tree is
+    sampled: its drafter nodes are marked drawn from it, the extra path's nodes are point masses."""
     g = 0 if extra_BxG is None else extra_BxG.shape[1]
     if not 1 <= g + 1 < nodes:
         raise ValueError(f"nodes must exceed 1 + the extra path's length ({g}); received nodes={nodes}")
@@ -184,7 +226,11 @@ def build_tree(ids_BxDxM: jax.Array, logp_BxDxM: jax.Array, pending_B: jax.Array
         token, parent, depth = jnp.pad(token, pad), jnp.pad(parent, pad, constant_values=-1), jnp.pad(depth, pad)
         token, parent, depth = jax.vmap(functools.partial(_merge_path, start=nodes - g))(
             token, parent, depth, extra_BxG.astype(jnp.int32), extra_len_B.astype(jnp.int32))
-    return Tree(token.at[:, 0].set(pending_B), parent, depth)
+    drawn = None
+    if law is not None:
+        index = jnp.arange(nodes)[None, :]
+        drawn = jnp.broadcast_to((index >= 1) & (index < nodes - g), token.shape)
+    return Tree(token.at[:, 0].set(pending_B), parent, depth, law, drawn)
 
 
 def tree_problems(tree: Tree, max_depth: int) -> list[str]:
@@ -216,51 +262,109 @@ def tree_problems(tree: Tree, max_depth: int) -> list[str]:
     return problems
 
 
-def _walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_depth: int
-          ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(path [B, D+1] node ids (path[:, 0] = 0; entries past n repeat node 0), n accepted [B], bonus [B], next
-    keys): greedy rows follow the argmax, sampled rows recursive rejection sampling (module docstring). A batch
-    of greedy rows never runs the sampling branch (`lax.cond`)."""
-    b, n_nodes, vocab = logits_BxNxV.shape
+def _walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_depth: int,
+          draft_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(path [B, D+1] node ids (path[:, 0] = 0; entries past n are node 0), n accepted [B], bonus [B], next keys):
+    greedy rows follow the argmax, sampled rows recursive rejection sampling (`_sampled_walk`; module docstring).
+    A batch of greedy rows never runs the sampling branch (`lax.cond`)."""
+    b = logits_BxNxV.shape[0]
     rows = jnp.arange(b)
     greedy = state.sampling.greedy
-    argmax_BxN = jnp.argmax(logits_BxNxV, axis=-1).astype(jnp.int32)
+    argmax_BxN = first_argmax(logits_BxNxV)
+    cur = jnp.zeros((b,), jnp.int32)
+    going = jnp.ones((b,), bool)
+    n = jnp.zeros((b,), jnp.int32)
+    path = [cur]
+    for _ in range(max_depth):
+        ok = (tree.parent == cur[:, None]) & (tree.token == argmax_BxN[rows, cur][:, None])
+        step = going & jnp.any(ok, axis=1)
+        nxt = jnp.argmax(ok, axis=1).astype(jnp.int32)
+        cur = jnp.where(step, nxt, cur)
+        n = n + step
+        going = step
+        path.append(jnp.where(step, nxt, 0))
+    by_argmax = (jnp.stack(path, axis=1), n, argmax_BxN[rows, cur], state.rng)
 
-    def run(sampled: bool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        if sampled:
-            keys = jax.vmap(lambda key: jax.random.split(key, 3))(state.rng)
-            u_BxDxN = jax.vmap(lambda key: jax.random.uniform(key, (max_depth, n_nodes)))(keys[:, 1])
-            logp = row_logprobs(logits_BxNxV, state.sampling)  # [B, N, V]; greedy rows unused
-            # p(token of node j | its parent's path): the target's filtered probability at the parent
-            p_tok_BxN = jnp.exp(logp[rows[:, None], jnp.maximum(tree.parent, 0), tree.token])
-        cur = jnp.zeros((b,), jnp.int32)
-        going = jnp.ones((b,), bool)
-        n = jnp.zeros((b,), jnp.int32)
-        path = [cur]
-        for d in range(max_depth):
-            child = tree.parent == cur[:, None]
-            ok = tree.token == argmax_BxN[rows, cur][:, None]
-            if sampled:
-                mass = jnp.where(child, p_tok_BxN, 0.0)
-                ratio = p_tok_BxN / jnp.maximum(1.0 - (jnp.cumsum(mass, axis=1) - mass), 1e-30)
-                ok = jnp.where(greedy[:, None], ok, u_BxDxN[:, d] < ratio)
-            ok = child & ok
-            step = going & jnp.any(ok, axis=1)
-            nxt = jnp.argmax(ok, axis=1).astype(jnp.int32)  # the first accepted child, in sibling order
-            cur = jnp.where(step, nxt, cur)
-            n = n + step
-            going = step
-            path.append(jnp.where(step, nxt, 0))
-        bonus, rng = argmax_BxN[rows, cur], state.rng
-        if sampled:
-            removed_BxV = jnp.zeros((b, vocab), bool).at[rows[:, None], tree.token].max(tree.parent == cur[:, None])
-            residual = residual_logprobs(logp[rows, cur], removed_BxV)  # children covering p: p itself
-            drawn = jax.vmap(jax.random.categorical)(keys[:, 2], residual).astype(jnp.int32)
-            bonus = jnp.where(greedy, bonus, drawn)
-            rng = jnp.where(greedy[:, None], rng, keys[:, 0])
-        return jnp.stack(path, axis=1), n, bonus, rng
+    def mixed(_: None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        sampled = _sampled_walk(tree, logits_BxNxV, state, max_depth, draft_ids)
+        return tuple(jnp.where(greedy.reshape(-1, *(1,) * (g.ndim - 1)), g, s)
+                     for g, s in zip(by_argmax, sampled, strict=True))
 
-    return jax.lax.cond(jnp.all(greedy), lambda _: run(False), lambda _: run(True), None)
+    return jax.lax.cond(jnp.all(greedy), lambda _: by_argmax, mixed, None)
+
+
+def _sampled_walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_depth: int,
+                  draft_ids: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The walk of recursive rejection sampling (module docstring) for every row. Each iteration tries one child
+    per row: the first node past the last one tried whose parent is the node reached (a parent comes before its
+    children, siblings in the order they are tried), so a row runs one iteration per child it tries and the loop
+    ends when no row has one left. Carried per row: the node reached, its law p, the residual r, and the law the
+    next drawn child of that node comes from (q of the next depth without the drawn siblings tried so far)."""
+    b, n_nodes, vocab = logits_BxNxV.shape
+    rows, index = jnp.arange(b), jnp.arange(n_nodes)
+    keys = step_keys(state.rng)  # next key, acceptance uniforms, the draw from the residual, (the drafts' draws)
+    u_BxN = jax.vmap(lambda key: jax.random.uniform(key, (n_nodes,)))(keys[:, 1])
+    def node_law(j_B: jax.Array) -> jax.Array:
+        """[B, V]: the target's filtered law at node j_B of each row (only the nodes a row reaches are computed)."""
+        return jnp.exp(row_logprobs(logits_BxNxV[rows, j_B], state.sampling))
+
+    drawn_BxN = jnp.zeros((b, n_nodes), bool) if tree.drawn is None else tree.drawn
+    if tree.law is None:  # no drawn children: their law is never read
+        q_BxDxV = jnp.zeros((b, 1, vocab), jnp.float32)
+    else:
+        q_BxDxV = jnp.exp(tree.law)
+        if draft_ids is not None:
+            q_BxDxV = jnp.zeros((*q_BxDxV.shape[:2], vocab), jnp.float32).at[:, :, draft_ids].set(q_BxDxV)
+
+    def children_law(depth_B: jax.Array) -> jax.Array:
+        """[B, V]: the law the drawn children of a node at depth_B were drawn from."""
+        return q_BxDxV[rows, jnp.minimum(depth_B, q_BxDxV.shape[1] - 1)]
+
+    def next_child(cur_B: jax.Array, after_B: jax.Array) -> jax.Array:
+        """[B]: the first node past `after_B` whose parent is cur_B (n_nodes: none left)."""
+        ok = (tree.parent == cur_B[:, None]) & (index[None, :] > after_B[:, None])
+        return jnp.where(jnp.any(ok, axis=1), jnp.argmax(ok, axis=1), n_nodes).astype(jnp.int32)
+
+    def normalised(x_BxV: jax.Array, fallback_BxV: jax.Array) -> jax.Array:
+        total = jnp.sum(x_BxV, axis=-1, keepdims=True)
+        return jnp.where(total > 0, x_BxV / jnp.where(total > 0, total, 1.0), fallback_BxV)
+
+    def body(carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        i, cur, p_cur, r, q, path, n = carry
+        tried = i < n_nodes
+        j = jnp.minimum(i, n_nodes - 1)
+        token, drawn, depth = tree.token[rows, j], drawn_BxN[rows, j], tree.depth[rows, j]
+        q_token = jnp.where(drawn, q[rows, token], 1.0)
+        r_token = r[rows, token]
+        accept = tried & (u_BxN[rows, j] * q_token < r_token)  # u < min(1, r(c) / q_c(c))
+        reject = tried & ~accept
+
+        def rejected(rq: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            r, q = rq  # r <- max(r - q_c, 0) renormalised (a point mass: r without c); the node's p where empty
+            left = jnp.where(drawn[:, None], jnp.maximum(r - q, 0.0), r)
+            left = left.at[rows, token].set(jnp.where(drawn, jnp.maximum(r_token - q_token, 0.0), 0.0))
+            r = jnp.where(reject[:, None], normalised(left, p_cur), r)
+            q_rest = normalised(q.at[rows, token].set(0.0), q)  # the next drawn sibling's law: q without c
+            return r, jnp.where((reject & drawn)[:, None], q_rest, q)
+
+        def accepted(cpq: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            cur, p_cur, r, q, path, n = cpq  # move to node j: its law, and its children's
+            p_j = node_law(j)
+            return (jnp.where(accept, j, cur), jnp.where(accept[:, None], p_j, p_cur),
+                    jnp.where(accept[:, None], p_j, r), jnp.where(accept[:, None], children_law(depth), q),
+                    path.at[rows, depth].set(jnp.where(accept, j, path[rows, depth])), jnp.where(accept, depth, n))
+
+        r, q = jax.lax.cond(jnp.any(reject), rejected, lambda rq: rq, (r, q))
+        cur, p_cur, r, q, path, n = jax.lax.cond(jnp.any(accept), accepted, lambda c: c, (cur, p_cur, r, q, path, n))
+        return next_child(cur, jnp.where(tried, j, n_nodes)), cur, p_cur, r, q, path, n
+
+    zeros = jnp.zeros((b,), jnp.int32)
+    p_root = node_law(zeros)
+    carry = (next_child(zeros, zeros), zeros, p_root, p_root, children_law(zeros),
+             jnp.zeros((b, max_depth + 1), jnp.int32), zeros)
+    _, _, _, r, _, path, n = jax.lax.while_loop(lambda c: jnp.any(c[0] < n_nodes), body, carry)
+    bonus = jax.vmap(categorical)(keys[:, 2], jnp.log(r))
+    return path, n, bonus, keys[:, 0]
 
 
 def _verify_tree(models: Models, state: SpecState, tree: Tree, block_size: int, span_pages: int | None,
@@ -273,7 +377,7 @@ def _verify_tree(models: Models, state: SpecState, tree: Tree, block_size: int, 
     logits, feats, chunk = forward_cached(models.target_params, models.target_cfg, tree.token, positions, chunk,
                                           layer_ids=_layer_ids(drafter))
     cache = chunk.paged.with_full_table(state.target)
-    path, n, bonus, rng = _walk(tree, logits, state, d_max)
+    path, n, bonus, rng = _walk(tree, logits, state, d_max, models.draft_ids)
     n = jnp.where(state.active, n, 0)
     idx = jnp.arange(block_size)[None, :]
     path_tokens = jnp.take_along_axis(tree.token, path, axis=1)  # [B, K]: path_tokens[:, i] is the i-th token
@@ -310,28 +414,30 @@ def verify_tree_logprobs(models: Models, state: SpecState, tree: Tree, block_siz
     return _verify_tree(models, state, tree, block_size, span_pages, True)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "nodes", "lookup", "steps", "span_pages"),
+@functools.partial(jax.jit, static_argnames=("block_size", "nodes", "lookup", "steps", "span_pages", "sample"),
                    donate_argnames=("state",))
 def decode_tree_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array,
                       history_BxH: jax.Array | None, history_len_B: jax.Array | None, block_size: int, nodes: int,
-                      lookup: int, steps: int, span_pages: int) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
+                      lookup: int, steps: int, span_pages: int,
+                      sample: bool = False) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
     """`speculative.decode_steps` with tree steps: up to `steps` of `propose_topk` + `build_tree` +
     `verify_tree` in one device loop, with the same exit rules and outputs (tokens [steps, B, K], accepted n
     [steps, B], steps run). lookup > 0 merges a prompt-lookup path of that many nodes into each tree, found on the
     device (`lookup_paths`) in each slot's token history (history_BxH: prompt and output so far, its first
-    history_len_B entries real, the last the pending token), to which each step appends its output. Each step is
-    the same computation as one engine step at R = 1 (the same trees, outputs and state)."""
+    history_len_B entries real, the last the pending token), to which each step appends its output. `sample`: sampled
+    rows draw the drafter's nodes from its law (`propose_topk`). Each step is the same computation as one engine
+    step at R = 1 (the same trees, outputs and state)."""
     m = nodes - 1 - lookup
     span = span_pages * state.target.page_size
 
     def step(st: SpecState, hist: tuple[jax.Array, jax.Array] | None) -> tuple[SpecState, Any, jax.Array, jax.Array]:
-        ids, logp = propose_topk(models, st, block_size, m, span)
+        ranked = propose_topk(models, st, block_size, m, span, sample)
         extra = extra_len = None
         if lookup:
             extra, extra_len = lookup_paths(*hist, lookup)
             extra_len = jnp.where(st.active, extra_len, 0)
-        st, out, n, _ = _verify_tree(models, st, build_tree(ids, logp, st.pending, nodes, extra, extra_len),
-                                     block_size, span_pages, False)
+        tree = build_tree(*ranked[:2], st.pending, nodes, extra, extra_len, *ranked[2:])
+        st, out, n, _ = _verify_tree(models, st, tree, block_size, span_pages, False)
         if lookup:
             hist = append_history(*hist, out, jnp.where(st.active, n + 1, 0))
         return st, hist, out, n
@@ -340,5 +446,5 @@ def decode_tree_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array,
     return run_steps(step, state, hist, stop_ids_BxS, budget_B, block_size, steps)
 
 
-__all__ = ["Tree", "build_tree", "decode_tree_steps", "propose_topk", "tree_problems", "verify_tree",
+__all__ = ["Tree", "build_tree", "decode_tree_steps", "propose_topk", "rank_drafts", "tree_problems", "verify_tree",
            "verify_tree_logprobs"]

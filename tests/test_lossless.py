@@ -22,7 +22,7 @@ from scipy.stats import chi2
 
 from dflash.serve.sampling import SamplingConfig, SamplingRows
 from dflash.serve.speculative import DraftLaw, accept_drafted, accept_sampled, residual_logprobs
-from dflash.serve.tree import Tree, _walk, build_tree, tree_problems
+from dflash.serve.tree import Tree, _walk, build_tree, rank_drafts, tree_problems
 
 ROWS = 20_000
 V = 6  # vocabulary
@@ -240,10 +240,13 @@ def test_the_tree_walk_with_a_merged_lookup_path_emits_the_target_law_at_every_d
     assert all(p < FAIL for p in wrong[:2]), wrong  # the deeper depths see fewer rows
 
 
-def test_a_duplicated_sibling_breaks_the_walk_and_the_test_sees_it():
-    """The negative control of the distinct-sibling rule: a root whose children repeat a token (a trie merge that
-    failed to follow the existing child) tries the repeat against mass its residual no longer holds, and the law
-    of the first token is wrong; the same tree with the repeat replaced passes. `tree_problems` names the repeat."""
+def test_a_duplicated_sibling_is_refused_and_never_accepted():
+    """The distinct-sibling rule (`tree_problems` names a repeat; `build_tree` never makes one): a root whose
+    children repeat a token (a trie merge that failed to follow the existing child) wastes a node. The walk's
+    residual has no mass left on a rejected token, so the repeat is never accepted and the law stays exact (a
+    point mass tried again is a draft like any other: the rule holds for any sequence of drafts whose laws are
+    known). What a repeat does break is drawn children verified as drawn without replacement: the negative
+    control of `test_the_sampled_tree_emits_the_target_law_at_every_depth`."""
     a, b, c = (int(t) for t in np.argsort(-ROOT_LAW)[:3])
     parent, depth = np.array([-1, 0, 0, 0]), np.array([0, 1, 1, 1])
     sound, duplicated = (padded(np.array([0, *children]), parent, depth, rows=1) for children in ([a, b, c], [a, b, a]))
@@ -255,9 +258,10 @@ def test_a_duplicated_sibling_breaks_the_walk_and_the_test_sees_it():
     token = np.array([0, a, b, a])
     logits = tree_target(token, parent)
     path, n, bonus = walk(padded(token, parent, depth), np.broadcast_to(logits, (ROWS, 4, V)), RULE)
+    assert not np.any(path[:, 1] == 3), "a repeated token was accepted against mass its residual no longer holds"
     first = np.where(n > 0, token[path[:, 1]], bonus)
     pvalue, _ = chisquare_by_group(np.zeros(ROWS), first, np.broadcast_to(law(logits[:1], RULE), (ROWS, V)))
-    assert pvalue < FAIL, pvalue
+    assert pvalue > PASS, pvalue
 
 
 def test_children_covering_the_support_rejected_by_rounding_draw_from_the_node_law(monkeypatch):
@@ -301,3 +305,145 @@ def test_built_trees_keep_the_walks_rules():
                                          r"received 4"):
         build_tree(jnp.asarray(ids), jnp.asarray(logp), jnp.zeros(b, jnp.int32), 12,
                    jnp.zeros((b, K), jnp.int32), jnp.zeros(b, jnp.int32))
+
+
+# ------------------------------------------------------------------------------------------------ the sampled tree
+
+# The drafter's law at block positions 1 .. K-1 (before the request's rule): a DFlash block predicts each position
+# independently of the tokens before it, so every node at depth d draws its children from row d.
+DRAFTER_Q = np.array([[0.45, 0.2, 0.15, 0.1, 0.06, 0.04], [0.5, 0.2, 0.1, 0.1, 0.06, 0.04],
+                      [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]])
+LOOKUP = K - 1  # a prompt-lookup path of K - 1 nodes, merged as point masses
+DRAWN = NODES - 1 - LOOKUP  # the drafter's nodes
+TARGET_LAWS = np.random.default_rng(21).normal(0.0, 1.3, size=(7, V))  # the target's logits by path hash
+RANK = jax.jit(rank_drafts, static_argnames=("m", "sample"))
+
+
+def walk_state(verifier: SamplingConfig, seed: int = 3) -> WalkState:
+    return WalkState(SamplingRows.of([verifier] * ROWS), jax.random.split(jax.random.PRNGKey(seed), ROWS))
+
+
+def path_hash(token_RxN: np.ndarray, parent_RxN: np.ndarray) -> np.ndarray:
+    """[R, N]: a hash of each node's path from the root (its tokens in order), 0 .. 6; the target's law at a node
+    is a function of it (`TARGET_LAWS`), so nodes on different paths see different laws."""
+    rows = np.arange(len(token_RxN))
+    h = np.zeros(token_RxN.shape, np.int64)
+    for i in range(1, token_RxN.shape[1]):  # a parent comes before its children
+        up = h[rows, np.maximum(parent_RxN[:, i], 0)]
+        h[:, i] = np.where(parent_RxN[:, i] >= 0, (up * 5 + token_RxN[:, i] + 1) % 7, 0)
+    return h
+
+
+def sampled_tree(state: WalkState, drafts: str = "without replacement", draft_ids: np.ndarray | None = None) -> Tree:
+    """Each row's sampled tree: the drafter's 12 nodes drawn from `DRAFTER_Q` under the row's rule by
+    `rank_drafts` (the engine's draws), shaped best-first, with a prompt-lookup path of K - 1 tokens (random per
+    row, independent of the draws) merged in. Negative controls: drafts "with replacement" (each rank drawn
+    independently from q, so siblings repeat, then verified as drawn without), or "shape by draws" (the shape
+    taken from the drawn tokens' own probabilities, so which draws become nodes depends on what was drawn). With
+    `draft_ids` the drafter has a draft vocabulary: its law covers those token ids only (`DRAFTER_Q`'s columns
+    there)."""
+    q = DRAFTER_Q if draft_ids is None else DRAFTER_Q[:, draft_ids]
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (ROWS, K - 1, q.shape[1]))
+    ids, logp, logq = RANK(logits, state, DRAWN, None if draft_ids is None else jnp.asarray(draft_ids), sample=True)
+    if drafts == "with replacement":
+        keys = jax.random.split(jax.random.PRNGKey(17), ROWS)
+        ids = jax.vmap(lambda key, lq: jax.random.categorical(key, lq[:, None, :], axis=-1,
+                                                              shape=(K - 1, V)))(keys, logq).astype(jnp.int32)
+    elif drafts == "shape by draws":
+        logp = jnp.take_along_axis(logq, ids, axis=-1)
+        logp = jnp.where(jnp.arange(ids.shape[-1]) < 5, logp, -jnp.inf)  # only the support's draws are tokens
+    rng = np.random.default_rng(8)
+    lookup = rng.integers(0, V, size=(ROWS, LOOKUP)).astype(np.int32)
+    return build_tree(ids, logp, jnp.zeros(ROWS, jnp.int32), NODES, jnp.asarray(lookup),
+                      jnp.asarray(rng.integers(0, LOOKUP + 1, size=ROWS)), logq)
+
+
+def sampled_pvalues(tree: Tree, state: WalkState, every_depth: bool = True,
+                    draft_ids: np.ndarray | None = None) -> tuple[list[float], np.ndarray]:
+    """The walk's p-value at each depth 1 .. K of a sampled tree per row (K: the bonus after a fully accepted
+    path), the target's law taken at `RULE` whatever rule `state` verifies with; rows grouped by the path hash
+    of the node reached; and n [R]. Depths reached by few rows are left out unless `every_depth` (which requires
+    each to be exercised)."""
+    token, parent = np.asarray(tree.token), np.asarray(tree.parent)
+    h = path_hash(token, parent)
+    ids = None if draft_ids is None else jnp.asarray(draft_ids)
+    path, n, bonus, _ = (np.asarray(a) for a in WALK(tree, jnp.asarray(TARGET_LAWS[h], jnp.float32), state, DEPTH,
+                                                     ids))
+    p_by_hash = law(TARGET_LAWS, RULE)
+    pvalues = []
+    for d in range(DEPTH + 1):
+        reached = np.flatnonzero(n >= d)
+        node = path[reached, d]
+        nxt = np.where(n[reached] > d, token[reached, path[reached, min(d + 1, DEPTH)]], bonus[reached])
+        key = h[reached, node]
+        pvalue, groups = chisquare_by_group(key, nxt, p_by_hash[key])
+        if every_depth:
+            assert groups >= 1 and len(reached) > 200, (d, groups, len(reached))  # every depth is exercised
+        if groups:
+            pvalues.append(pvalue)
+    return pvalues, n
+
+
+def test_drafts_are_drawn_without_replacement_in_the_argmax_trees_shape():
+    """`rank_drafts(..., sample=True)`: a sampled row's first draft has the law q (the drafter's, under the row's
+    rule), its second, given the first, q without the first renormalised; the shape scores are q's sorted
+    log-probabilities (-inf past its support of top-k 5, where no draft is a token), and greedy rows keep the
+    ranked lists."""
+    state = walk_state(RULE)
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(DRAFTER_Q, jnp.float32)), (ROWS, K - 1, V))
+    ids, logp, logq = (np.asarray(a) for a in RANK(logits, state, DRAWN, sample=True))
+    q = law(np.log(DRAFTER_Q), RULE)  # [K - 1, V]
+    np.testing.assert_allclose(np.exp(logq[0]), q, atol=1e-6)
+    np.testing.assert_allclose(np.exp(logp[0, :, :5]), -np.sort(-q, axis=-1)[:, :5], atol=1e-6)
+    assert np.isneginf(logp[:, :, 5:]).all()
+    assert ids.shape == (ROWS, K - 1, V)  # M = 12 ranks of a vocabulary of 6: all of it
+    assert all(len(set(row[:5])) == 5 for row in ids.reshape(-1, V))  # the support, each token once
+    for d in range(K - 1):
+        first = ids[:, d, 0]
+        assert chisquare_by_group(np.zeros(ROWS), first, np.broadcast_to(q[d], (ROWS, V)))[0] > PASS
+        rest = np.broadcast_to(q[d], (ROWS, V)) * (np.arange(V)[None, :] != first[:, None])
+        assert chisquare_by_group(first, ids[:, d, 1], rest / rest.sum(-1, keepdims=True))[0] > PASS
+    greedy = walk_state(SamplingConfig())
+    ranked_ids, ranked_logp, _ = (np.asarray(a) for a in RANK(logits, greedy, DRAWN, sample=True))
+    plain_ids, plain_logp = (np.asarray(a) for a in RANK(logits, greedy, DRAWN))
+    np.testing.assert_array_equal(ranked_ids, plain_ids)
+    np.testing.assert_array_equal(ranked_logp, plain_logp)
+    np.testing.assert_array_equal(plain_ids[0, :, 0], np.argmax(DRAFTER_Q, axis=-1))
+
+
+def test_the_sampled_tree_emits_the_target_law_at_every_depth():
+    """Multi-draft speculative sampling without replacement, with a prompt-lookup path merged in as point masses:
+    per row a tree of 12 drafter nodes drawn from the drafter's law and the lookup path, the target's law a
+    function of each node's path. The token after the node reached at every depth, and the bonus after a fully
+    accepted path, has the target's law there. Negative controls, each failing: the verifier at the wrong
+    temperature; drafts drawn with replacement (repeated siblings) verified as drawn without; the tree's shape
+    chosen by the drawn tokens."""
+    state = walk_state(RULE)
+    tree = sampled_tree(state)
+    assert tree_problems(tree, DEPTH) == []
+    good, n = sampled_pvalues(tree, state)
+    assert len(good) == K and all(p > PASS for p in good), good
+    assert np.mean(n == DEPTH) > 0.05 and np.mean(n == 0) > 0.05  # rejection and full acceptance both occur
+    token, parent, drawn = (np.asarray(a) for a in (tree.token, tree.parent, tree.drawn))
+    assert drawn[:, 1:DRAWN + 1].all() and not drawn[:, DRAWN + 1:].any() and not drawn[:, 0].any()
+    wrong, _ = sampled_pvalues(tree, walk_state(WRONG))
+    assert all(p < FAIL for p in wrong[:2]), wrong
+    repeated, _ = sampled_pvalues(sampled_tree(state, "with replacement"), state, every_depth=False)
+    assert min(repeated) < FAIL, repeated
+    chosen, _ = sampled_pvalues(sampled_tree(state, "shape by draws"), state, every_depth=False)
+    assert min(chosen) < FAIL, chosen
+
+
+def test_a_sampled_tree_over_a_draft_vocabulary_emits_the_target_law():
+    """A drafter with a draft vocabulary (its rows are token ids 0, 2, 3, 5 of the 6): the draws come back as token
+    ids and the walk reads their law through the same map (`models.draft_ids`), exact at every depth; a walk that
+    maps the rows to the wrong ids fails."""
+    draft_ids = np.array([0, 2, 3, 5])
+    state = walk_state(RULE)
+    tree = sampled_tree(state, draft_ids=draft_ids)
+    drawn = np.asarray(tree.token)[np.asarray(tree.drawn) & (np.asarray(tree.parent) >= 0)]
+    assert set(drawn.tolist()) == {0, 2, 3, 5}
+    good, _ = sampled_pvalues(tree, state, draft_ids=draft_ids)
+    assert len(good) == K and all(p > PASS for p in good), good
+    wrong, _ = sampled_pvalues(tree, state, every_depth=False, draft_ids=np.array([0, 2, 5, 3]))
+    assert min(wrong) < FAIL, wrong

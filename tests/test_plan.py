@@ -44,11 +44,17 @@ def test_plans_check_their_own_fields():
         == (3, 7, 0)
     assert Chain(4).loops and Tree(4, 6).loops and AR().loops and not Lookup(4).loops
     assert not Chain(4, drafts=lambda state, k: None).loops and not Tree(4, 6, ranked=lambda s, k, m: None).loops
+    assert not Tree(4, 6, rule="sample", logits=lambda s, k: None).loops and Tree(4, 6, rule="sample").loops
+    assert Tree(4, 8, True, "sample").describe() == "DFlash K=4, tree of 8 nodes + prompt lookup, sampled drafts"
     for bad, match in ((lambda: Chain(1), "block_size must be an integer >= 2"),
                        (lambda: Chain(4, "top1"), "draft_rule must be one of"),
                        (lambda: Chain(4, "sample", drafts=lambda state, k: None), "with given drafts"),
                        (lambda: Tree(4, 1), "tree_nodes must be an integer >= 2"),
                        (lambda: Tree(4, 2, lookup=True), "tree_nodes must be >= 3 with prompt lookup"),
+                       (lambda: Tree(4, 6, rule="top1"), "draft_rule must be one of"),
+                       (lambda: Tree(4, 6, rule="sample", ranked=lambda s, k, m: None), "with given ranked lists"),
+                       (lambda: Tree(4, 6, ranked=lambda s, k, m: None, logits=lambda s, k: None),
+                        "ranked must be None when logits are given"),
                        (lambda: Lookup(True), "block_size must be an integer >= 2")):
         with pytest.raises(ValueError, match=match):
             bad()
@@ -76,6 +82,8 @@ def test_plan_from_builds_every_plan_of_a_serve_section(drafter):
     assert plan_from(ServeConfig(block_size=4, draft_rule="sample"), drafter) == Chain(4, "sample")
     assert plan_from(ServeConfig(tree_nodes=1), drafter) == Chain(8)
     assert plan_from(ServeConfig(tree_nodes=8, tree_ngram=True), drafter) == Tree(8, 8, lookup=True)
+    assert plan_from(ServeConfig(tree_nodes=8, tree_ngram=True, draft_rule="sample"), drafter) \
+        == Tree(8, 8, lookup=True, rule="sample")
     chooser = Chooser()
     assert plan_from(ServeConfig(block_size="auto", tree_nodes="auto", tree_ngram=True), drafter, chooser) \
         == Tree(4, 6, lookup=True)
@@ -108,5 +116,8 @@ def test_serve_flags_are_overrides_of_the_serve_section():
     assert _recipe(parser.parse_args(["serve", "--config", "tiny"])).serve == load_recipe("tiny").serve
     with pytest.raises(ConfigError, match=r"serve.block_size must be an integer >= 2, 0 .* received 1"):
         _recipe(parser.parse_args(["serve", "--config", "tiny", "--block-size", "1"]))
-    with pytest.raises(ConfigError, match="serve.draft_rule"):
-        _recipe(parser.parse_args(["eval", "--config", "tiny", "--tree-nodes", "4", "--draft-rule", "sample"]))
+    sampled_tree = _recipe(parser.parse_args(["eval", "--config", "tiny", "--tree-nodes", "4", "--draft-rule",
+                                              "sample"]))  # a tree with drafts drawn from the drafter (D84)
+    assert sampled_tree.serve == ServeConfig(tree_nodes=4, draft_rule="sample")
+    with pytest.raises(ConfigError, match="serve.draft_rule must be one of"):
+        _recipe(parser.parse_args(["serve", "--config", "tiny", "serve.draft_rule=top1"]))

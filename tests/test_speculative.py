@@ -343,3 +343,23 @@ def test_draft_vocabulary_proposes_inside_it_and_stays_lossless(setup, tmp_path)
         Engine(target_params, small, loaded, Chain(8), Limits(slots=1, max_len=MAX_LEN))
     with pytest.raises(ValueError, match="draft_vocab"):
         DraftVocab(np.array([3, 3]))
+
+
+def test_first_argmax_and_categorical_are_jax_s_own():
+    """`speculative.first_argmax` (the engine's argmax: a max, then the first index holding it) returns what
+    `jnp.argmax` returns, ties (the first), NaN (the first NaN) and -inf included; `speculative.categorical` draws
+    exactly `jax.random.categorical`'s tokens from the same keys, masked (-inf) logits included."""
+    from dflash.serve.speculative import categorical, first_argmax
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, size=(64, 7, 50)).astype(np.float32)  # many ties
+    x[0, 0, 5] = x[0, 1, 9] = np.nan
+    x[1, 0] = -np.inf
+    x[2, 0, :] = np.nan
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+    logits = jnp.asarray(np.where(rng.random((200, 50)) < 0.3, -np.inf, rng.normal(size=(200, 50))), jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(3), 200)
+    ours = jax.jit(jax.vmap(categorical))(keys, logits)
+    theirs = jax.jit(jax.vmap(jax.random.categorical))(keys, logits)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    assert ours.dtype == jnp.int32 and np.isfinite(np.asarray(logits)[np.arange(200), np.asarray(ours)]).all()

@@ -166,16 +166,18 @@ def test_tree_requests_joining_and_leaving_equal_ar(setup):
     assert engine.pool.num_free == engine.pool.num_usable
 
 
-def test_tree_steps_per_dispatch_change_no_output(setup):
+@pytest.mark.parametrize("rule", ["argmax", "sample"])
+def test_tree_steps_per_dispatch_change_no_output(setup, rule):
     """A tree with prompt lookup at R = 4 steps per dispatch (`decode_tree_steps`, lookup on the device) against
     R = 1, two slots, requests joining as others leave: a stop id and budgets inside a dispatch, and a seeded
-    sampled request; tokens, finish reasons and per-step acceptance are identical, and greedy outputs equal AR."""
+    sampled request (its children the top-ranked tokens, or drawn from the drafter); tokens, finish reasons and
+    per-step acceptance are identical, and greedy outputs equal AR (the sample rule leaves them alone)."""
     target_cfg, target_params, drafter, prompts, ar = setup
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
     stop = next(t for i, t in enumerate(ar[1]) if i >= 5 and ar[1].index(t) == i)  # first seen after 5 tokens
 
     def run(r):
-        engine = Engine(target_params, target_cfg, drafter, Tree(TRAIN_K, 12, lookup=True),
+        engine = Engine(target_params, target_cfg, drafter, Tree(TRAIN_K, 12, lookup=True, rule=rule),
                         Limits(slots=2, max_len=MAX_LEN, steps_per_dispatch=r))
         ids = [engine.submit(prompts[3], NEW), engine.submit(prompts[1], NEW, stop_ids=(stop,)),
                engine.submit(prompts[0], 7), engine.submit(prompts[2], NEW, seed=5, sampling=sampling)]
@@ -213,17 +215,17 @@ def test_prompt_lookup_alone_equals_ar(setup):
     assert sum(sum(r.accepted) for r in results) > 0
 
 
-def test_sampled_tree_has_the_target_distribution(setup):
-    """T=1, top-k 3: the joint law of the first three tokens (prefill, then one tree step) equals the target's
-    exact law (chi-square over the 27 cells, 4000 draws). The tree (7 nodes): a child outside the support first,
-    then two of the target's tokens, the first two children with children of their own, so rejection, acceptance
-    of a later sibling and the depth-2 walk all occur."""
-    from scipy.stats import chisquare
+THREE = 4000  # draws of the first three tokens (27 cells)
 
+
+@pytest.fixture(scope="module")
+def three_tokens(setup):
+    """T=1, top-k 3, one prompt: the target's exact law of its first three tokens (prefill, then one tree step):
+    (prompt, rule, cells [(a, b, c)], their probabilities, the second tokens' laws p2[a], the third's p3[(a, b)])."""
     from dflash.models.decoder import forward
     from dflash.serve.sampling import filtered_logprobs
 
-    target_cfg, target_params, drafter, _, _ = setup
+    target_cfg, target_params, _, _, _ = setup
     sampling = SamplingConfig(temperature=1.0, top_k=3)
     prompt = [11, 42, 7, 99, 3, 150]
 
@@ -237,9 +239,35 @@ def test_sampled_tree_has_the_target_distribution(setup):
     p3 = {(a, b): law(prompt + [a, b]) for a in firsts for b in np.flatnonzero(p2[a] > 0).tolist()}
     cells = [(a, b, c) for (a, b), p in p3.items() for c in np.flatnonzero(p > 0).tolist()]
     expected = np.array([p1[a] * p2[a][b] * p3[(a, b)][c] for a, b, c in cells])
-    second = {a: [int(t) for t in np.argsort(-p2[a])[:2]] for a in firsts}
-    third = {a: [int(t) for t in np.argsort(-p3[(a, second[a][0])])[:2]] for a in firsts}
-    outside = {a: int(np.flatnonzero(p2[a] == 0)[0]) for a in firsts}
+    return prompt, sampling, cells, expected, p2, p3
+
+
+def decode_three(setup, three_tokens, plan, budget=3):
+    """THREE seeded decodes of the prompt (`budget` tokens) by `plan`: the chi-square of the joint law of the first
+    three tokens against the target's (asserted p > 1e-3), and the completions."""
+    from scipy.stats import chisquare
+
+    target_cfg, target_params, drafter, _, _ = setup
+    prompt, sampling, cells, expected, _, _ = three_tokens
+    results = decode(target_params, target_cfg, [prompt] * THREE, budget, max_len=32, plan=plan, drafter=drafter,
+                     sampling=sampling, seeds=list(range(THREE)))
+    triples = [tuple(r.token_ids[:3]) for r in results]
+    observed = np.array([sum(1 for t in triples if t == c) for c in cells])
+    assert observed.sum() == THREE, "a sequence outside the target's support was sampled"
+    stat = chisquare(observed, expected / expected.sum() * THREE)
+    assert stat.pvalue > 1e-3, (stat, list(zip(cells, observed, (expected * THREE).round(1), strict=True)))
+    return results
+
+
+def test_sampled_tree_has_the_target_distribution(setup, three_tokens):
+    """The argmax rule (one-hot children) through the engine: the joint law of the first three tokens equals the
+    target's exact law (chi-square over the 27 cells). The tree (7 nodes): a child outside the support first,
+    then two of the target's tokens, the first two children with children of their own, so rejection, acceptance
+    of a later sibling and the depth-2 walk all occur."""
+    _, _, _, _, p2, p3 = three_tokens
+    second = {a: [int(t) for t in np.argsort(-p2[a])[:2]] for a in p2}
+    third = {a: [int(t) for t in np.argsort(-p3[(a, second[a][0])])[:2]] for a in p2}
+    outside = {a: int(np.flatnonzero(p2[a] == 0)[0]) for a in p2}
 
     def lists(state, k, m):
         pending = np.asarray(state.pending)
@@ -253,18 +281,76 @@ def test_sampled_tree_has_the_target_distribution(setup):
                 ids[b, 1, :2] = third[a]
         return ids, logp
 
-    n = 4000  # a budget of 3: the prefill's token, then one step's first two
-    results = decode(target_params, target_cfg, [prompt] * n, 3, max_len=32, plan=Tree(3, 7, ranked=lists),
-                     drafter=drafter, sampling=sampling, seeds=list(range(n)))
-    triples = [tuple(r.token_ids[:3]) for r in results]
-    observed = np.array([sum(1 for t in triples if t == c) for c in cells])
-    assert observed.sum() == n, "a sequence outside the target's support was sampled"
-    stat = chisquare(observed, expected / expected.sum() * n)
-    assert stat.pvalue > 1e-3, (stat, list(zip(cells, observed, (expected * n).round(1), strict=True)))
+    results = decode_three(setup, three_tokens, Tree(3, 7, ranked=lists))
     accepted = np.array([r.accepted[0] for r in results])
     assert 0.1 < np.mean(accepted) < 0.9, "both acceptance and rejection must be exercised"
     through_sibling = [r.accepted[0] > 0 and r.token_ids[1] != second[r.token_ids[0]][1] for r in results]
     assert np.mean(through_sibling) > 0.05, "a later sibling must be accepted after an earlier one's rejection"
+
+
+def test_tree_of_drafts_drawn_from_the_drafter_has_the_target_distribution(setup, three_tokens):
+    """The sample rule through the engine (`Tree(rule="sample")`: `rank_drafts` draws the drafter's nodes without
+    replacement, the walk verifies them by multi-draft speculative sampling): the joint law of the first three
+    tokens equals the target's. The drafter's law (in place of its forward) puts 0.15 outside the target's support
+    and the rest on its three tokens in another order at depth 1, and at depth 2 on the third tokens after the
+    most likely second one; the tree (4 nodes): two draws under the root, one under the first, so drafts are
+    rejected, accepted as a later sibling, and accepted two deep (a budget of 4 tokens lets the first step emit
+    3)."""
+    _, _, _, _, p2, p3 = three_tokens
+    vocab = next(iter(p2.values())).size
+
+    def logits(state, k):
+        pending = np.asarray(state.pending)
+        q = np.full((len(pending), k - 1, vocab), 1e-4)
+        for b, a in enumerate(pending.tolist()):
+            if a in p2:
+                order = np.argsort(-p2[a])
+                q[b, 0, order[:3]] = [0.25, 0.45, 0.1]
+                q[b, 0, np.flatnonzero(p2[a] == 0)[0]] = 0.15
+                q[b, 1, np.argsort(-p3[(a, int(order[0]))])[:3]] = [0.5, 0.3, 0.15]
+        return np.log(q / q.sum(-1, keepdims=True))
+
+    results = decode_three(setup, three_tokens, Tree(3, 4, rule="sample", logits=logits), budget=4)  # n up to 2
+    accepted = np.array([r.accepted[0] for r in results])
+    assert 0.1 < np.mean(accepted > 0) < 0.9 and np.mean(accepted == 2) > 0.05, np.bincount(accepted)
+    first_choice = [r.token_ids[1] == int(np.argsort(-p2[r.token_ids[0]])[1]) for r in results]
+    assert 0.05 < np.mean([f for f, n in zip(first_choice, accepted, strict=True) if n > 0]) < 0.95
+    # The walk verifies the draws by their law, not as one-hot drafts (also lossless, for any drafts fixed before
+    # the target is read, but accepted less): the share of first steps accepting a draft is the multi-draft rule's
+    # (a float64 reference over every draw order: the root's two children are the first two draws from q's
+    # top-3 support), within 4 sigma, and far from what one-hot verification of the same draws accepts.
+    p1 = {a: np.mean([r.token_ids[0] == a for r in results]) for a in p2}
+    drafter = {a: top3(logits(type("State", (), {"pending": np.asarray([a])}), 3)[0, 0]) for a in p2}
+    multi = sum(p1[a] * accept_any(p2[a], drafter[a], 2, drawn=True) for a in p2)
+    one_hot = sum(p1[a] * accept_any(p2[a], drafter[a], 2, drawn=False) for a in p2)
+    sigma = np.sqrt(multi * (1 - multi) / THREE)
+    assert abs(np.mean(accepted > 0) - multi) < 4 * sigma and abs(one_hot - multi) > 8 * sigma, (multi, one_hot)
+
+
+def top3(logits_V: np.ndarray) -> np.ndarray:
+    """The drafter's law under the request's rule (T=1, top-k 3)."""
+    q = np.exp(logits_V - logits_V.max()) * (logits_V >= np.sort(logits_V)[-3])
+    return q / q.sum()
+
+
+def accept_any(p: np.ndarray, q: np.ndarray, children: int, drawn: bool) -> float:
+    """P(one of a node's children is accepted) when its children are the first `children` draws without
+    replacement from q, verified by recursive rejection sampling against p as drawn from their laws (`drawn`) or
+    as point masses (float64, every draw order)."""
+    def rest(r: np.ndarray, left: np.ndarray, k: int) -> float:
+        if k == children or left.sum() <= 0:
+            return 0.0
+        law = left / left.sum()
+        total = 0.0
+        for c in np.flatnonzero(law > 0):
+            proposal = law if drawn else np.eye(len(q))[c]
+            accept = min(1.0, r[c] / proposal[c])
+            residual = np.maximum(r - proposal, 0.0)
+            later = 0.0 if accept >= 1 else rest(residual / residual.sum(), np.where(np.arange(len(q)) == c, 0.0, left),
+                                                 k + 1)
+            total += law[c] * (accept + (1.0 - accept) * later)
+        return total
+    return rest(p, q, 0)
 
 
 @pytest.mark.slow  # ~40 s of compiles
