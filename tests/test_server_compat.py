@@ -136,14 +136,14 @@ def test_non_neutral_openai_fields_get_400_naming_the_field(server, path, field,
 @pytest.mark.e2e
 def test_unknown_vendor_fields_are_ignored_with_one_warning(server, caplog):
     srv, url = server
-    body = {"prompt": [1, 2, 3], "max_tokens": 2, "repetition_penalty": 1.0, "ignore_eos": False}
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "repetition_penalty": 1.0, "length_penalty": 1.0}
     with caplog.at_level(logging.WARNING, logger="dflash.serve.http"):
         for _ in range(3):
             resp = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
             assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
     warned = [r.getMessage() for r in caplog.records if "unknown request field" in r.getMessage()]
     assert sum("'repetition_penalty'" in m for m in warned) == 1
-    assert sum("'ignore_eos'" in m for m in warned) == 1
+    assert sum("'length_penalty'" in m for m in warned) == 1
     _still_serves(url)
 
 
