@@ -23,6 +23,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Files not scanned: the golden-file generators run in a separate environment with torch and transformers
 # (README "Golden files", docs/decisions.md D2), never in the project venv.
 EXCLUDED = {
+    "tools/golden_families.py": "torch + transformers environment (golden files)",
     "tools/golden_smollm2.py": "torch + transformers environment (golden files)",
     "tools/golden_speculators.py": "torch + transformers + speculators environment (golden files)",
     "tools/golden_tiny.py": "torch + transformers environment (golden files)",
