@@ -22,9 +22,9 @@ Text: with `detokenize`, each request's `text` and `stable_text` are kept up to 
 (`serve.text`), so a stream of `stable_text` deltas equals the final text.
 
 Compiles: `compiles` counts the programs the engine's calls compiled (or loaded from the persistent compilation
-cache, `serve.compile_cache`); `precompile()` compiles every shape the engine can use, after which no request
-compiles. Compiled shapes are also logged once each
-(`compiled_shapes`). Design and measurements: docs/decisions.md D13, D16, D68.
+cache, `serve.compile_cache`; `loaded`); `precompile()` compiles every shape the engine can use ahead of time,
+after which no request compiles. Compiled shapes are also logged once each (`compiled_shapes`). Design and
+measurements: docs/decisions.md D13, D16, D68, D78.
 """
 
 from __future__ import annotations
@@ -644,7 +644,6 @@ class Engine:
             args, _ = self._chunk_args(0, Completion(-1, [0] * (start + 1), 1, (), 0), start)
             self._compile_only(prefill_chunk, self.models, self.state, *args)
         self.state = self._counted(_set_active, self.state, jnp.zeros(self.slots, bool))
-        self._sync_table()
         # Single steps: scored ones always; unscored ones only where the plan does not loop on the device or a
         # chunked prefill can be under way (`_loop_steps`). Device loops: at the same spans (`_step_pages`).
         singles = variants if not self._loops or chunks else tuple(v for v in variants if v)
