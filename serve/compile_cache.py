@@ -54,14 +54,15 @@ def compile_cache_dir(env: Mapping[str, str] | None = None) -> Path | None:
 def enable_compile_cache(env: Mapping[str, str] | None = None) -> Path | None:
     """Point JAX's persistent compilation cache at `compile_cache_dir(env)` (created if missing) and cache every
     program that takes over `MIN_COMPILE_SECS` to compile, unless the environment sets JAX's own thresholds. Call
-    before the first compile. Returns the directory, or None when turned off (or not writable: a warning, and the
-    stage runs without it)."""
+    before the first compile. Returns the directory, or None when turned off (JAX's cache off too, even where the
+    environment sets JAX_COMPILATION_CACHE_DIR) or not writable (a warning; the stage runs without it)."""
     env = os.environ if env is None else env
     directory = compile_cache_dir(env)
-    if directory is None:
-        return None
     import jax
 
+    if directory is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
