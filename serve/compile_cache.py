@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -54,26 +55,38 @@ def compile_cache_dir(env: Mapping[str, str] | None = None) -> Path | None:
 def enable_compile_cache(env: Mapping[str, str] | None = None) -> Path | None:
     """Point JAX's persistent compilation cache at `compile_cache_dir(env)` (created if missing) and cache every
     program that takes over `MIN_COMPILE_SECS` to compile, unless the environment sets JAX's own thresholds. Call
-    before the first compile. Returns the directory, or None when turned off (or not writable: a warning, and the
-    stage runs without it)."""
+    before the first compile. Returns the directory, or None when turned off (JAX's cache off too, even where the
+    environment sets JAX_COMPILATION_CACHE_DIR) or not writable (a warning; the stage runs without it).
+
+    Imports nothing: before JAX is imported the settings go into this process's environment, where JAX reads its
+    options' defaults (`JAX_COMPILATION_CACHE_DIR` and the rest), so a stage that refuses its input before it needs
+    JAX never loads it (tests/test_refuse_early.py); once JAX is imported they go to `jax.config`."""
     env = os.environ if env is None else env
     directory = compile_cache_dir(env)
     if directory is None:
+        _set_jax_option("jax_enable_compilation_cache", False)
         return None
-    import jax
-
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         log.warning("compilation cache: cannot create %s (%s); compiling without it", directory, err)
         return None
-    jax.config.update("jax_compilation_cache_dir", str(directory))
+    _set_jax_option("jax_compilation_cache_dir", str(directory))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in env:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
+        _set_jax_option("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
     if "JAX_COMPILATION_CACHE_MAX_SIZE" not in env:
-        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+        _set_jax_option("jax_compilation_cache_max_size", MAX_BYTES)
     log.info("compilation cache: %s (%s=off turns it off)", directory, ENV)
     return directory
+
+
+def _set_jax_option(name: str, value: bool | float | int | str) -> None:
+    """`jax.config.update(name, value)` once JAX is imported; before, the environment variable JAX reads the
+    option's default from when it is imported (its name upper-cased)."""
+    if "jax" in sys.modules:
+        sys.modules["jax"].config.update(name, value)
+    else:
+        os.environ[name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # JAX's monitoring events, recorded in the compiling thread: a read of the persistent cache that found the program

@@ -22,9 +22,9 @@ Text: with `detokenize`, each request's `text` and `stable_text` are kept up to 
 (`serve.text`), so a stream of `stable_text` deltas equals the final text.
 
 Compiles: `compiles` counts the programs the engine's calls compiled (or loaded from the persistent compilation
-cache, `serve.compile_cache`); `precompile()` compiles every shape the engine can use, after which no request
-compiles. Compiled shapes are also logged once each
-(`compiled_shapes`). Design and measurements: docs/decisions.md D13, D16, D68.
+cache, `serve.compile_cache`; `loaded`); `precompile()` compiles every shape the engine can use ahead of time,
+after which no request compiles. Compiled shapes are also logged once each (`compiled_shapes`). Design and
+measurements: docs/decisions.md D13, D16, D68, D78.
 """
 
 from __future__ import annotations
@@ -605,13 +605,24 @@ class Engine:
         with arguments of the same shapes reuses); counted in `compiles`."""
         self._counted(lambda: program.lower(*args).compile())
 
+    @staticmethod
+    def _compile_call(program: Any, *args: Any, **kwargs: Any) -> Any:
+        """The `call` of a plan's step in precompile: compile the program ahead of time and return the shapes of its
+        outputs, for the next program of the step to be compiled against. The outputs are committed to their devices
+        when an input is (jit's rule), and a later call reuses the program only if that matches, so it does."""
+        compiled = program.lower(*args, **kwargs).compile()
+        committed = any(leaf.sharding is not None if isinstance(leaf, jax.ShapeDtypeStruct)
+                        else getattr(leaf, "committed", False) for leaf in jax.tree.leaves((args, kwargs)))
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type,
+                                                           sharding=s.sharding if committed else None),
+                            compiled.out_info)
+
     def precompile(self, *, logprobs: bool = True) -> tuple[int, float]:
         """Compile every program the engine can use (each prefill length up to max_len and each attention span,
-        with and without log-probabilities): the prefills and device loops ahead of time without running them,
-        the single decode steps (a chain of programs) by running each once on empty slots; afterwards no request
-        compiles. Programs in the persistent compilation cache (`serve.compile_cache`) load from it instead.
-        logprobs=False leaves out the log-probability variants, for a server whose only client never asks for
-        them (`dflash eval`'s in-process servers). Needs an idle engine; returns (programs compiled, seconds)."""
+        with and without log-probabilities) ahead of time, without running any; afterwards no request compiles.
+        Programs in the persistent compilation cache (`serve.compile_cache`) load from it instead. logprobs=False
+        leaves out the log-probability variants, for a server whose only client never asks for them (`dflash
+        eval`'s in-process servers). Needs an idle engine; returns (programs compiled, seconds)."""
         if self.busy:
             raise RuntimeError("precompile needs an idle engine; requests are queued or running")
         t0, before, loaded = time.perf_counter(), self.compiles, self.loaded
@@ -638,15 +649,17 @@ class Engine:
             args, _ = self._chunk_args(0, Completion(-1, [0] * (start + 1), 1, (), 0), start)
             self._compile_only(prefill_chunk, self.models, self.state, *args)
         self.state = self._counted(_set_active, self.state, jnp.zeros(self.slots, bool))
-        self._sync_table()
         # Single steps: scored ones always; unscored ones only where the plan does not loop on the device or a
         # chunked prefill can be under way (`_loop_steps`). Device loops: at the same spans (`_step_pages`).
         singles = variants if not self._loops or chunks else tuple(v for v in variants if v)
         loop_spans = spans if self._loops else []
-        for pages in spans:
+        for pages in spans:  # compiled, not run
             for scored in singles:
-                jax.block_until_ready(self._device_step(pages, scored))
-        for pages in loop_spans:  # compiled, not run (R steps on empty slots)
+                kernel, *shape = self.plan.shape(self.slots, pages)
+                self._note_shape(kernel, tuple(shape))
+                self._counted(self.plan.step, self.models, self.state, pages, scored, self._lookup,
+                              self._compile_call)
+        for pages in loop_spans:  # compiled, not run
             r = self.limits.steps_per_dispatch
             stop_ids, budget = jnp.full((self.slots, 8), -1, jnp.int32), jnp.ones(self.slots, jnp.int32)
             kernel, *shape = self.plan.loop_shape(self.slots, 8, r, pages)

@@ -284,7 +284,10 @@ class PagedKVCache:
         """The same cache over a new page table (same shape; e.g. `PageTable.array()` after `ensure`)."""
         if page_table.shape != self.page_table.shape:
             raise ValueError(f"page_table must have shape {self.page_table.shape}; received {page_table.shape}")
-        return dataclasses.replace(self, page_table=jnp.asarray(page_table, jnp.int32))
+        new = jnp.asarray(page_table, jnp.int32)
+        if getattr(self.page_table, "committed", False):  # placed (an engine over several devices): placed alike,
+            new = jax.device_put(new, self.page_table.sharding)  # so that the programs compiled for it still fit
+        return dataclasses.replace(self, page_table=new)
 
     def view(self, num_pages: int) -> PagedKVCache:
         """The same cache seeing only the first `num_pages` entries of each page table (static): attention

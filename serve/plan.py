@@ -53,6 +53,13 @@ LookupFn = Callable[[int], tuple[np.ndarray, np.ndarray]]
 HistoryFn = Callable[[], tuple[np.ndarray, np.ndarray]]
 StepOut = tuple[SpecState, jax.Array, jax.Array, TokenLogprobs | None]  # (state, tokens [B, K], accepted [B], scores)
 LoopOut = tuple[SpecState, jax.Array, jax.Array, jax.Array]  # (state, tokens [R, B, K], accepted [R, B], steps run)
+# How a step calls each jitted program: `run` calls it; the engine's precompile passes one that compiles it ahead of
+# time and returns the shapes of its outputs instead (`Engine.precompile`).
+Call = Callable[..., Any]
+
+
+def run(program: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return program(*args, **kwargs)
 
 
 def _require(ok: bool, field: str, value: Any, rule: str) -> None:
@@ -97,9 +104,10 @@ class Plan:
     def loop_shape(self, slots: int, stops: int, steps: int, pages: int) -> tuple[Any, ...]:
         return ("decode_steps", slots, self.k, stops, steps, pages)
 
-    def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn) -> StepOut:
+    def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn,
+             call: Call = run) -> StepOut:
         """One propose + verify over every slot at an attention span of `pages` pages (scored: also the target's
-        log-probabilities of the output)."""
+        log-probabilities of the output); each jitted program is called through `call`."""
         raise NotImplementedError
 
     def loop(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
@@ -117,12 +125,12 @@ class Plan:
         raise NotImplementedError
 
 
-def _verify_chain(models: Models, state: SpecState, drafts: Any, pages: int, scored: bool) -> StepOut:
+def _verify_chain(models: Models, state: SpecState, drafts: Any, pages: int, scored: bool, call: Call) -> StepOut:
     """Verify a chain of drafts: [B, K-1], or (drafts, law) when they were drawn from the drafter."""
     drafts, law = drafts if isinstance(drafts, tuple) else (drafts, None)
     if scored:
-        return verify_logprobs(models, state, drafts, pages, law)
-    return (*verify(models, state, drafts, pages, law), None)
+        return call(verify_logprobs, models, state, drafts, pages, law)
+    return (*call(verify, models, state, drafts, pages, law), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +140,9 @@ class AR(Plan):
     k: int = dataclasses.field(default=1, init=False)
     drafts_with_drafter: ClassVar[bool] = False
 
-    def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn) -> StepOut:
-        return _verify_chain(models, state, jnp.zeros((state.pending.shape[0], 0), jnp.int32), pages, scored)
+    def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn,
+             call: Call = run) -> StepOut:
+        return _verify_chain(models, state, jnp.zeros((state.pending.shape[0], 0), jnp.int32), pages, scored, call)
 
     def loop_call(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
                   pages: int, history: HistoryFn) -> tuple[Any, tuple[Any, ...]]:
@@ -171,12 +180,13 @@ class Chain(Plan):
                  "be argmax for a drafter with DFlash2's path selector (sample draws each slot from the drafter's "
                  "independent per-slot distributions)")
 
-    def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn) -> StepOut:
+    def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn,
+             call: Call = run) -> StepOut:
         if self.drafts is not None:
             drafts = jnp.asarray(self.drafts(state, self.k), jnp.int32)
         else:
-            drafts = propose(models, state, self.k, pages * state.target.page_size, sample=self.rule == "sample")
-        return _verify_chain(models, state, drafts, pages, scored)
+            drafts = call(propose, models, state, self.k, pages * state.target.page_size, sample=self.rule == "sample")
+        return _verify_chain(models, state, drafts, pages, scored, call)
 
     def loop_call(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
                   pages: int, history: HistoryFn) -> tuple[Any, tuple[Any, ...]]:
@@ -241,7 +251,8 @@ class Tree(Plan):
     def loop_shape(self, slots: int, stops: int, steps: int, pages: int) -> tuple[Any, ...]:
         return ("decode_tree_steps", slots, self.k, self.nodes, stops, steps, pages)
 
-    def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn) -> StepOut:
+    def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn,
+             call: Call = run) -> StepOut:
         m = self.nodes - 1 - self.lookup_nodes
         sample = self.rule == "sample"
         if self.ranked is not None:
@@ -249,14 +260,14 @@ class Tree(Plan):
         elif self.logits is not None:
             ranked = _rank_drafts(jnp.asarray(self.logits(state, self.k), jnp.float32), state, m, sample=sample)
         else:
-            ranked = propose_topk(models, state, self.k, m, pages * state.target.page_size, sample)
+            ranked = call(propose_topk, models, state, self.k, m, pages * state.target.page_size, sample=sample)
         extra = extra_len = None
         if self.lookup_nodes:
             extra, extra_len = (jnp.asarray(a) for a in lookup(self.lookup_nodes))
-        tree = build_tree(*ranked[:2], state.pending, self.nodes, extra, extra_len, *ranked[2:])
+        tree = call(build_tree, *ranked[:2], state.pending, self.nodes, extra, extra_len, *ranked[2:])
         if scored:
-            return verify_tree_logprobs(models, state, tree, self.k, pages)
-        return (*verify_tree(models, state, tree, self.k, pages), None)
+            return call(verify_tree_logprobs, models, state, tree, self.k, pages)
+        return (*call(verify_tree, models, state, tree, self.k, pages), None)
 
     def loop_call(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
                   pages: int, history: HistoryFn) -> tuple[Any, tuple[Any, ...]]:
@@ -287,8 +298,9 @@ class Lookup(Plan):
     def loops(self) -> bool:
         return False
 
-    def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn) -> StepOut:
-        return _verify_chain(models, state, jnp.asarray(lookup(self.k - 1)[0]), pages, scored)
+    def step(self, models: Models, state: SpecState, pages: int, scored: bool, lookup: LookupFn,
+             call: Call = run) -> StepOut:
+        return _verify_chain(models, state, jnp.asarray(lookup(self.k - 1)[0]), pages, scored, call)
 
     def describe(self) -> str:
         return f"prompt lookup K={self.k}"

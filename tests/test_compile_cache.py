@@ -15,17 +15,22 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dflash.serve.compile_cache import compile_cache_dir, compile_counts, enable_compile_cache
+from dflash.serve.compile_cache import compile_cache_dir, compile_counts
 
+# JAX imported before the cache is turned on (its options set through jax.config), or after it, as
+# `dflash.launch.cli` does (set through the environment JAX reads their defaults from)
 PROBE = """
-import json, jax, jax.numpy as jnp
+import json, sys
+{first}
 from dflash.serve.compile_cache import compile_counts, enable_compile_cache
 directory = enable_compile_cache()
+assert ("jax" in sys.modules) == {jax_first}
+import jax, jax.numpy as jnp
 before = compile_counts()
 jax.jit(lambda x: jnp.tanh(x @ x.T).sum(0))(jnp.ones((32, 32))).block_until_ready()
 after = compile_counts()
-print(json.dumps({"dir": None if directory is None else str(directory), "obtained": after.total(["jit(<lambda>)"]),
-                  "loaded": after.loaded_total(["jit(<lambda>)"])}))
+print(json.dumps({{"dir": None if directory is None else str(directory), "obtained": after.total(["jit(<lambda>)"]),
+                  "loaded": after.loaded_total(["jit(<lambda>)"])}}))
 """
 
 
@@ -48,26 +53,27 @@ def test_where_the_cache_lives():
         assert compile_cache_dir({**home, "DFLASH_COMPILE_CACHE": off}) is None
 
 
-def test_turned_off_creates_nothing(tmp_path):
-    assert enable_compile_cache({"DFLASH_COMPILE_CACHE": "off", "XDG_CACHE_HOME": str(tmp_path / "xdg")}) is None
-    assert not (tmp_path / "xdg").exists()
-
-
-def _probe(env: dict[str, str]) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+def _probe(env: dict[str, str], jax_first: bool) -> dict:
+    code = PROBE.format(first="import jax" if jax_first else "", jax_first=jax_first)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_second_process_loads_what_the_first_compiled(tmp_path):
+@pytest.mark.parametrize("jax_first", [True, False], ids=["jax-imported-first", "cache-turned-on-first"])
+def test_a_second_process_loads_what_the_first_compiled(tmp_path, jax_first):
     """Two processes over one cache directory: the first compiles the program and writes it, the second loads it
-    (counted as loaded); with the cache off the program is compiled again and nothing is written."""
+    (counted as loaded); turned off, the program is compiled again and nothing is written, not even where the
+    environment names JAX's own cache directory."""
     cache = tmp_path / "cache"
-    first, second = _probe(_env(cache)), _probe(_env(cache))
+    first, second = _probe(_env(cache), jax_first), _probe(_env(cache), jax_first)
     assert first == {"dir": str(cache), "obtained": 1, "loaded": 0} and any(cache.iterdir())
     assert second == {"dir": str(cache), "obtained": 1, "loaded": 1}
-    off = _probe(_env("off"))
+    jax_own = tmp_path / "jax-own"
+    off = _probe({**_env("off"), "JAX_COMPILATION_CACHE_DIR": str(jax_own), "XDG_CACHE_HOME": str(tmp_path / "xdg")},
+                 jax_first)
     assert off == {"dir": None, "obtained": 1, "loaded": 0}
+    assert not (tmp_path / "xdg").exists() and not (jax_own.exists() and any(jax_own.iterdir()))
 
 
 def test_compiles_are_counted_once_per_program_in_the_compiling_thread():

@@ -55,3 +55,22 @@ def test_the_target_and_its_pages_are_split_the_drafter_replicated(setup):
     assert leaves and all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == 2 for x in leaves)
     with pytest.raises(ValueError, match="devices must be at most the 8 local devices; received 9"):
         Engine(setup[1], setup[0], setup[2], Chain(4), Limits(slots=1, max_len=MAX_LEN, devices=9))
+
+
+@pytest.mark.slow  # ~1 min of compiles; test_engine's and test_tree's precompile tests keep the property on one device
+def test_after_precompile_on_several_devices_no_request_compiles(setup):
+    """Precompile compiles every program ahead of time against the engine's placed state (a step's later programs
+    against their inputs' shapes, committed to the mesh as the real outputs are; the page table uploaded after an
+    admission placed like the one it replaces): the requests after it, log-probabilities included, compile nothing."""
+    from dflash.serve.config import SamplingConfig
+
+    target_cfg, target_params, drafter, requests = setup
+    engine = Engine(target_params, target_cfg, drafter, Tree(4, 6, lookup=True),
+                    Limits(slots=2, max_len=MAX_LEN, devices=2, steps_per_dispatch=2))
+    count, _ = engine.precompile()
+    assert count == engine.compiles > 0
+    for i, (prompt, budget) in enumerate(requests):
+        engine.submit(prompt, budget, seed=i, logprobs=2 if i == 1 else None,
+                      sampling=SamplingConfig(temperature=0.8) if i == 2 else None)
+    done = engine.run()
+    assert len(done) == len(requests) and engine.compiles == count
