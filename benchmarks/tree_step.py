@@ -177,7 +177,8 @@ def run_side(tree: Path, slots: str, reps: int) -> dict[str, dict[str, float]]:
     done = subprocess.run([sys.executable, "-c", WORKLOAD, str(tree), slots, str(reps)], cwd=tree,
                           capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
-        raise SystemExit(f"the workload failed in {tree}:\n{done.stderr[-4000:]}")
+        raise SystemExit(f"the workload failed in {tree} (exit status {done.returncode}):\n{done.stderr[-4000:]}\n"
+                         f"{done.stdout[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

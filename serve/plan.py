@@ -204,7 +204,8 @@ class Tree(Plan):
     "sample" (drawn from the drafter's law without replacement, in the shape the argmax tree would have); both
     verified by recursive rejection sampling, lossless; greedy requests unaffected (D84). ranked: (state, K, M) ->
     the ranked lists (ids, logp) [B, K - 1, M] in place of the drafter's (tests, rule argmax); logits: (state, K)
-    -> the drafter's logits [B, K - 1, V] in place of its forward, ranked or drawn from by the rule (tests)."""
+    -> the drafter's logits [B, K - 1, V'] over its rows (its draft vocabulary's, if any) in place of its forward,
+    ranked or drawn from by the rule (tests)."""
 
     k: int
     nodes: int
@@ -258,7 +259,8 @@ class Tree(Plan):
         if self.ranked is not None:
             ranked = tuple(jnp.asarray(a) for a in self.ranked(state, self.k, m))
         elif self.logits is not None:
-            ranked = _rank_drafts(jnp.asarray(self.logits(state, self.k), jnp.float32), state, m, sample=sample)
+            ranked = _rank_drafts(jnp.asarray(self.logits(state, self.k), jnp.float32), state, m, models.draft_ids,
+                                  sample=sample)
         else:
             ranked = call(propose_topk, models, state, self.k, m, pages * state.target.page_size, sample=sample)
         extra = extra_len = None

@@ -38,7 +38,7 @@ before the drafts are drawn (best-first over the drafter's sorted probabilities,
 the drawn tokens, and nodes at one depth share the depth's draws (a DFlash block predicts each position
 independently of the tokens before it, and the walk reads the children of one node per depth). Where a rejection
 leaves r empty (r <= q_c everywhere: float32 rounding of r = q_c, which exact arithmetic never rejects) the
-token is drawn from the node's p (item 5's fallback, `speculative.residual_logprobs`).
+token is drawn from the node's p (item 5's fallback, as `speculative.residual_logprobs` does for the chain).
 """
 
 from __future__ import annotations
@@ -234,11 +234,12 @@ def build_tree(ids_BxDxM: jax.Array, logp_BxDxM: jax.Array, pending_B: jax.Array
 
 
 def tree_problems(tree: Tree, max_depth: int) -> list[str]:
-    """What breaks the rules the walk relies on, on the host (for tests and debugging; `build_tree` keeps them by
-    construction): node 0 the root (parent -1, depth 0); a used node's parent comes before it and its depth is
-    its parent's + 1, at most `max_depth` (K - 1); siblings carry distinct token ids (recursive rejection
-    sampling removes each rejected sibling's token from the residual, so a repeated one would be tried against
-    mass it no longer has). Unused nodes (parent -1 past the root) are ignored. [] when the tree is sound."""
+    """What breaks the rules the tree relies on, on the host (for tests and debugging; `build_tree` keeps them by
+    construction): node 0 the root (parent -1, depth 0); a used node's parent comes before it (the walk tries
+    nodes in index order) and its depth is its parent's + 1, at most `max_depth` (K - 1); siblings carry distinct
+    token ids (a repeated point-mass sibling finds no mass left in the residual, so it is a wasted node; drawn
+    children are distinct because they are drawn without replacement, which their laws assume). Unused nodes
+    (parent -1 past the root) are ignored. [] when the tree is sound."""
     token, parent, depth = (np.asarray(a) for a in (tree.token, tree.parent, tree.depth))
     problems = []
     for b in range(token.shape[0]):
@@ -304,6 +305,7 @@ def _sampled_walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_dep
     rows, index = jnp.arange(b), jnp.arange(n_nodes)
     keys = step_keys(state.rng)  # next key, acceptance uniforms, the draw from the residual, (the drafts' draws)
     u_BxN = jax.vmap(lambda key: jax.random.uniform(key, (n_nodes,)))(keys[:, 1])
+
     def node_law(j_B: jax.Array) -> jax.Array:
         """[B, V]: the target's filtered law at node j_B of each row (only the nodes a row reaches are computed)."""
         return jnp.exp(row_logprobs(logits_BxNxV[rows, j_B], state.sampling))
