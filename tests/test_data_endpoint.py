@@ -129,6 +129,7 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+@pytest.mark.slow  # ~60 s of subprocesses; test_data_regenerate's crash-resume test keeps the property in process
 @pytest.mark.e2e
 @pytest.mark.heavy
 def test_kill_9_mid_run_against_dflash_serve_loses_and_duplicates_nothing(tmp_path, monkeypatch, capsys) -> None:

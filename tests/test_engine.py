@@ -424,7 +424,9 @@ def test_after_precompile_no_request_compiles(setup, chunk, steps):
     assert engine.compiles == count  # nothing compiled inside a request
 
 
-@pytest.mark.parametrize("block_size,draft_rule", [(4, "argmax"), (4, "sample"),
+@pytest.mark.parametrize("block_size,draft_rule", [(4, "argmax"),
+                                                   pytest.param(4, "sample", marks=pytest.mark.slow),  # ~40 s;
+                                                   # test_tree's sampled steps-per-dispatch test keeps it
                                                    pytest.param(None, "argmax", marks=pytest.mark.slow)])
 def test_several_steps_per_dispatch_change_no_output(setup, block_size, draft_rule):
     """R = 4 decode steps per dispatch (one device loop) against R = 1, same requests: a stop id, a stop string and

@@ -34,8 +34,11 @@ def _run(setup, plan, devices):
     return engine, [done[i].token_ids for i in ids]
 
 
-@pytest.mark.parametrize(("plan", "devices"), [(AR(), 4), (Chain(4), 2), (Tree(4, 6, lookup=True), 4)],
-                         ids=["ar-4", "chain-2", "tree-4"])
+# ~50 s each: the tree over 4 devices (with prompt lookup: the target's verify, the drafter's ranked lists, the
+# lookup merge) runs in the default tier, the AR and chain layouts on demand (`bin/test -m slow`)
+@pytest.mark.parametrize(("plan", "devices"), [pytest.param(AR(), 4, id="ar-4", marks=pytest.mark.slow),
+                                               pytest.param(Chain(4), 2, id="chain-2", marks=pytest.mark.slow),
+                                               pytest.param(Tree(4, 6, lookup=True), 4, id="tree-4")])
 def test_greedy_output_equals_the_one_device_engine(setup, plan, devices):
     _, one = _run(setup, plan, 1)
     engine, many = _run(setup, plan, devices)

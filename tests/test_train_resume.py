@@ -100,6 +100,33 @@ def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
         time.sleep(0.02)
 
 
+def test_a_sigterm_stops_at_the_next_step_boundary_and_the_previous_handler_comes_back():
+    """PreemptionWatch in one process: no notice, no stop; SIGTERM inside the block is recorded (the process lives)
+    and stop_at is true from then on; on exit the handler that was there before is restored. (The trainer's use of
+    it, end to end: the slow test below.)"""
+    from dflash.train.preemption import PreemptionWatch
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with PreemptionWatch() as watch:
+            assert not watch.stop_at(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.time() + 10
+            while not watch.notice and time.time() < deadline:
+                time.sleep(0.01)
+            assert watch.stop_at(2) and watch.stop_at(3)
+        assert seen == []  # the watch, not the handler before it, took the notice
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.time() + 10
+        while not seen and time.time() < deadline:
+            time.sleep(0.01)
+        assert seen == [signal.SIGTERM]  # restored on exit
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.slow  # ~2 min of subprocesses; the in-process test above keeps the watch's behaviour in the default tier
 @pytest.mark.e2e
 def test_sigterm_at_a_random_step_checkpoints_it_and_the_restart_redoes_nothing(tmp_path, straight_runs):
     """SIGTERM (a preemption notice) at a random step: the step in flight is checkpointed, the run exits
