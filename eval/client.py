@@ -108,10 +108,13 @@ class Client:
         return self.get("/v1/models")["data"][0]["id"]
 
     def chat(self, model: str, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int | None = None) -> Reply:
+             top_p: float = 1.0, seed: int | None = None, template_kwargs: dict[str, Any] | None = None) -> Reply:
         """One chat completion (streamed unless `self.stream` is False; with `self.extra_body`'s fields): greedy, or
-        sampled at `temperature` (> 0) with `top_p` and `seed`."""
+        sampled at `temperature` (> 0) with `top_p` and `seed`; `template_kwargs`: the chat template's variables
+        (`chat_template_kwargs`, which dflash serve, vLLM and SGLang read)."""
         sampled = {"top_p": top_p, **({"seed": seed} if seed is not None else {})} if temperature > 0 else {}
+        if template_kwargs:
+            sampled["chat_template_kwargs"] = template_kwargs
         extra = {k: v for k, v in self.extra_body.items() if self.stream or k != "stream_options"}
         body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
                            "temperature": temperature, **sampled, **extra, "stream": self.stream})

@@ -54,8 +54,10 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
-    """What to send: prompt sets, items per set, new tokens per turn, client concurrencies, and the sampling rule
-    (temperature 0: greedy; top_p with temperature > 0; seed: the base of each request's seed)."""
+    """What to send: prompt sets, items per set, new tokens per turn, client concurrencies, the sampling rule
+    (temperature 0: greedy; top_p with temperature > 0; seed: the base of each request's seed), and the chat
+    template's variables every request carries (`chat_template_kwargs`, e.g. gpt-oss's `{"reasoning_effort":
+    "low"}` or Qwen3's `{"enable_thinking": false}`; empty: the template's defaults)."""
 
     sets: tuple[str, ...] = ("gsm8k", "mtbench")
     limit: int = 8
@@ -64,6 +66,7 @@ class EvalSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +93,10 @@ class EvalSettings:
             raise ValueError(f"temperature must be >= 0 (0 = greedy); received {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1]; received {self.top_p}")
+        if not isinstance(self.chat_template_kwargs, dict) or not all(
+                isinstance(k, str) for k in self.chat_template_kwargs):
+            raise ValueError("chat_template_kwargs must be an object of template variables, e.g. "
+                             f'{{"reasoning_effort": "low"}}; received {self.chat_template_kwargs!r}')
 
 
 class RecordStore:
@@ -160,7 +167,7 @@ def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurr
         before = meter.before(concurrency) if meter else None
         t0 = time.perf_counter()
         reply = client.chat(model, messages, settings.max_new_tokens, settings.temperature, settings.top_p,
-                            settings.request_seed(item.id, turn))
+                            settings.request_seed(item.id, turn), settings.chat_template_kwargs)
         busy += time.perf_counter() - t0
         counts = meter.after(reply, before, concurrency) if meter else None
         messages.append({"role": "assistant", "content": reply.text})
@@ -253,7 +260,8 @@ def warm_up(client: Client, items: Sequence[EvalItem], settings: EvalSettings) -
     model = client.model()
     for item in {item.set: item for item in reversed(items)}.values():
         client.chat(model, [{"role": "user", "content": item.turns[0]}], settings.max_new_tokens,
-                    settings.temperature, settings.top_p, settings.request_seed(item.id, 0))
+                    settings.temperature, settings.top_p, settings.request_seed(item.id, 0),
+                    settings.chat_template_kwargs)
 
 
 def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, items: Sequence[EvalItem],
@@ -271,6 +279,8 @@ def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, i
         store.begin(mode, {"model": served["id"], "block_size": served["block_size"], "drafter": served["drafter"],
                            "max_new_tokens": settings.max_new_tokens,
                            **({} if settings.greedy else {"sampling": settings.sampling}),
+                           **({"chat_template_kwargs": settings.chat_template_kwargs}
+                              if settings.chat_template_kwargs else {}),
                            **({} if isinstance(engines[mode], DFlashEngine) else {"engine": engines[mode].name})})
         if any(not store.has_conversation(mode, c, i) for c in settings.concurrency for i in items):
             warm_up(client, items, settings)

@@ -4,6 +4,7 @@ devices and process index, and calls one library function."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -217,9 +218,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from dflash.eval.run import EvalSettings, run_eval
 
     try:
+        template_kwargs = {} if args.chat_template_kwargs is None else json.loads(args.chat_template_kwargs)
+    except json.JSONDecodeError as err:
+        print(f"dflash eval: error: --chat-template-kwargs must be a JSON object, e.g. "
+              f"'{{\"reasoning_effort\": \"low\"}}'; received {args.chat_template_kwargs!r} ({err})", file=sys.stderr)
+        return 2
+    try:
         settings = EvalSettings(sets=tuple(s for s in args.sets.split(",") if s), limit=args.limit,
                                 max_new_tokens=args.max_new_tokens, concurrency=_int_list(args.concurrency),
-                                temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                chat_template_kwargs=template_kwargs)
     except ValueError as err:
         print(f"dflash eval: error: {err}", file=sys.stderr)
         return 2
@@ -497,6 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample at this temperature (default 0: greedy; the equality check against AR is greedy only)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (default 1: off)")
     p.add_argument("--seed", type=int, default=0, help="base of each sampled request's seed (default 0)")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='the chat template\'s variables, sent with every request to both servers, e.g. '
+                   '\'{"reasoning_effort": "low"}\' (gpt-oss) or \'{"enable_thinking": false}\' (Qwen3)')
     p.add_argument("--out", default="runs/eval", help="output directory; a rerun resumes it (default runs/eval)")
     p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
     p.add_argument("--devices", type=int, default=1,

@@ -42,6 +42,7 @@ class FakeServer(ThreadingHTTPServer):
         self.step_s, self.record_delay = step_s, record_delay
         self.owned_by = engine if owned_by is None else owned_by
         self.log: list[dict[str, Any]] = []
+        self.bodies: list[dict[str, Any]] = []  # every chat request's body, as received
         self.lock = threading.Lock()
         self.requests = 0
         self.cursor = 0  # where in the `accepted` cycle the next step starts (continues across requests)
@@ -150,6 +151,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(404, {"detail": "Not Found"})
             return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        server.bodies.append(body)
         if server.engine == "sglang" and body.get("stream") and body.get("return_meta_info"):
             self._json(400, {"object": "error", "message": "return_meta_info is not supported with streaming. "
                              "Please set stream=false when using return_meta_info=true.", "type": "BadRequestError",

@@ -104,6 +104,30 @@ def test_dflash_eval_url_measures_a_fake_vllm_servers_tau_from_its_metrics(tmp_p
     assert "Engine: vllm (AR: vllm); τ from its Prometheus counters" in (out / "report.md").read_text()
 
 
+def test_chat_template_kwargs_reach_every_request_of_both_servers_and_the_records_setup(tmp_path, capsys):
+    """`--chat-template-kwargs` (gpt-oss's reasoning effort, Qwen3's thinking switch): sent with every request,
+    warm-ups included, to the speculative and the AR server alike, and kept in each mode's setup, so replies made
+    without them are measured again rather than mixed in; a value that is not a JSON object is refused naming the
+    flag."""
+    out = tmp_path / "eval"
+    argv = ["eval", "--config", "tiny", "--sets", "gsm8k", "--limit", "1", "--max-new-tokens", "8", "--out", str(out),
+            "--no-progress"]
+    with fake_server("vllm", record_delay=0) as spec, fake_server("vllm", spec=False) as ar:
+        urls = ["--url", spec.url, "--ar-url", ar.url]
+        assert main([*argv, *urls]) == 0
+        plain = len(spec.bodies)
+        assert main([*argv, *urls, "--chat-template-kwargs", '{"reasoning_effort": "low"}']) == 0
+        sent = spec.bodies[plain:], ar.bodies[plain:]
+    assert all("chat_template_kwargs" not in b for b in spec.bodies[:plain] + ar.bodies[:plain])
+    assert all(len(bodies) == plain for bodies in sent)  # the earlier replies were not reused: measured again
+    assert all(b["chat_template_kwargs"] == {"reasoning_effort": "low"} for bodies in sent for b in bodies)
+    setups = [r["setup"] for r in RecordStore(out / "records.jsonl").records.values() if r["kind"] == "setup"]
+    assert [s.get("chat_template_kwargs") for s in setups] == [{"reasoning_effort": "low"}] * 2
+    capsys.readouterr()
+    assert main([*argv, "--url", "http://127.0.0.1:9", "--chat-template-kwargs", "low"]) == 2
+    assert "--chat-template-kwargs must be a JSON object" in capsys.readouterr().err
+
+
 def test_sglang_tau_and_acceptance_come_from_each_replys_meta_info(tmp_path):
     """SGLang refuses meta_info on a streamed chat request: requests go unstreamed, τ = (completion_tokens - 1) /
     spec_verify_ct per request (the first token is the prefill's), acceptance by position from
