@@ -21,7 +21,14 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from dflash.models.config import DecoderConfig, RopeScaling
-from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, check_fits_target, without_retired
+from dflash.models.drafter import (
+    DFlashDrafter,
+    DrafterArch,
+    DraftVocab,
+    check_fits_target,
+    restore_drafter,
+    without_retired,
+)
 from dflash.models.speculators import is_speculators, load_speculators
 from dflash.models.zlab import load_zlab, read_config, read_zlab
 
@@ -110,17 +117,17 @@ def _read_checkpoint(path: Path, step: int | None) -> tuple[DFlashDrafter, int, 
         raise CheckpointError(f"checkpoint {directory / str(step)} records no drafter architecture (meta has no "
                               "'arch'); it was not written by `dflash train`")
     arch = arch_from_meta(meta["arch"], f"checkpoint {directory / str(step)}")
-    drafter = DFlashDrafter(arch, nnx.Rngs(0))
-    flat = []
-    for keys, variable in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
+
+    def value(keys: tuple[Any, ...], variable: nnx.Param) -> jax.Array:
         node = saved["params"]
         for key in (*keys, "value"):
             node = node[str(key)]
         if tuple(node.shape) != tuple(variable.shape):
             raise CheckpointError(f"{directory} step {step}: parameter {'/'.join(map(str, keys))} has shape "
                                   f"{tuple(node.shape)}, the architecture says {tuple(variable.shape)}")
-        flat.append((keys, variable.replace(jnp.asarray(node, jnp.float32))))
-    nnx.update(drafter, nnx.from_flat_state(flat))
+        return jnp.asarray(node, jnp.float32)
+
+    drafter = restore_drafter(arch, value)  # built abstractly: no random init for the checkpoint to overwrite
     if meta.get("draft_vocab"):
         drafter.draft_vocab = DraftVocab(np.asarray(meta["draft_vocab"], np.int64))
     return drafter, step, meta, directory
