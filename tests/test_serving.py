@@ -5,6 +5,9 @@ subprocesses."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from flax import nnx
 
@@ -110,3 +113,11 @@ def test_an_ar_port_serves_the_target_alone_over_the_same_weights(tmp_path, devi
         for server in servers:
             server.worker.shutdown()
             server.server_close()
+
+
+def test_the_serve_path_imports_no_checkpoint_library():
+    """Orbax (the trainer's checkpoints) is imported only where a run dir is read: `dflash serve`'s modules leave it
+    out (~0.5 s of a warm start; docs/benchmarks.md "Serve start-up")."""
+    code = ("import sys\nfrom dflash.launch import cli, serving\nfrom dflash.models import drafter_io, target\n"
+            "assert not [m for m in sys.modules if m.startswith('orbax')], 'orbax imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
