@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._report import machine, write_section  # noqa: E402
 from dflash.eval.servers import free_port  # noqa: E402
 
-PRECOMPILED = re.compile(r"precompiled (\d+) programs in ([\d.]+) s, (\d+) of them loaded")
+PRECOMPILED = re.compile(r"precompiled (\d+) programs .*?in ([\d.]+) s, (\d+) of them loaded")
 # A warm start's phases in one process: wall and CPU seconds of each, and the precompile's JAX events summed.
 SPLIT = """
 import collections, json, sys, time

@@ -5,7 +5,9 @@
 A GGUF target is dequantised to fp32 and laid out as the decoder's params (transposed, layers stacked) on every
 load: 1.9 s of each `dflash serve --config demo` start for SmolLM2-135M, most of the load. With a directory (the
 serving stages pass `serve.compile_cache.converted_dir()`, beside JAX's compiled programs), the first load writes
-the converted params there, one `.npy` per leaf, and later loads read them back (~0.1 s for that target's 513 MiB).
+the converted params there, one `.npy` per leaf, and later loads map them back (copy-on-write: a write to a loaded
+array never reaches the file; on a CPU device JAX takes the mapped arrays as they are, so the 513 MiB of that target
+are neither read nor copied at load, and their pages come from the OS's file cache as programs touch them).
 
 An entry is keyed by the source file (resolved path, size, modification time), the code that converts it (the
 bytes of `models/loading.py` and `models/gguf_file.py`) and the `gguf` and numpy versions, so a changed file or
@@ -85,7 +87,7 @@ def _read(entry: Path) -> dict[str, Any] | None:
         meta = json.loads((entry / "meta.json").read_text())
         flat = {}
         for name, (shape, dtype) in meta["leaves"].items():
-            array = np.load(entry / f"{name}.npy", allow_pickle=False)
+            array = np.load(entry / f"{name}.npy", mmap_mode="c", allow_pickle=False)  # pages read when touched
             if list(array.shape) != shape or str(array.dtype) != dtype:
                 raise ValueError(f"{name} is {array.shape} {array.dtype}; meta.json says {shape} {dtype}")
             flat[name] = array

@@ -285,6 +285,13 @@ def test_a_converted_copy_loads_bit_exact_and_is_rewritten_when_the_file_changes
         return bool(calls)
 
     assert load() and load() is False  # converted, then read back without dequantising
+    _, mapped = load_gguf(path, cache)  # memory-mapped, copy-on-write: the forward is the same, the file unchanged
+    ids = jnp.asarray(np.load(GOLDEN / "tiny" / "qwen2_bias_untied" / "reference.npz")["input_ids"])
+    logits, _ = decoder.forward(jax.tree.map(jnp.asarray, mapped), cfg, ids)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(decoder.forward(jax.tree.map(jnp.asarray, want),
+                                                                                 cfg, ids)[0]))
+    mapped["embed"][:] = 0
+    assert load() is False  # what a loaded array's writes did stays in this process
     [entry] = [p for p in cache.iterdir()]
     np.save(entry / "layers.wq.npy", np.zeros((3,), np.float32))  # a copy that does not match its meta.json
     assert load() and load() is False
