@@ -53,7 +53,7 @@ def test_build_server_wires_the_recipe_and_the_options(tmp_path):
     k, name, protocol, key = _built(load_recipe("tiny", ["serve.block_size=4"]),
                                     ServeOptions(drafter=tmp_path, port=0, api_key="k"))
     assert (k, name, key) == (4, recipe.target.source, "k")
-    assert (protocol.max_tokens, protocol.unknown_fields) == (recipe.sampling.max_new_tokens, "ignore")
+    assert (protocol.max_tokens, protocol.unknown_fields) == (None, "ignore")  # max_tokens left to the context
     k, *_ = _built(recipe, ServeOptions(drafter=tmp_path, port=0))
     assert k == recipe.drafter.block_size  # block_size 0: the drafter's training K
     k, name, protocol, key = _built(recipe, ServeOptions(ar=True, port=0, model_name="x", unknown_fields="reject"))
