@@ -9,11 +9,12 @@ to a fresh, empty directory (cold: every program compiles and is written), stops
 the first healthy `/health`, the CPU seconds the server had used by then (user + system, all its threads; on a
 shared machine the wall time moves with the other work, the CPU time much less; `--warm-nice -15` starts the warm
 servers ahead of the machine's other work, which needs root, to approach an idle machine's wall time), the
-precompile's own seconds,
-programs and programs loaded from the cache as the server prints them, and the cache's size after the start. Then
-where a warm start's time goes, in one process over the warm cache: importing, loading the models, building the
-engine, and the precompile split into JAX's tracing, lowering to StableHLO, obtaining each executable (here: reading
-it from the cache) and the rest (running the single decode steps once). `--write` records it in docs/benchmarks.md.
+precompile's own seconds, programs and programs loaded from the cache as the server prints them, and the cache's
+size after the start (JAX's entries, and the converted copy of a GGUF target's weights, `models/converted.py`, kept
+in the same directory). Then where a warm start's time goes, in one process over the warm cache: importing, loading
+the models, building the engine, and the precompile split into JAX's tracing, lowering to StableHLO, obtaining each
+executable (here: reading it from the cache) and the rest (host work between the programs). `--write` records it in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._report import machine, write_section  # noqa: E402
 from dflash.eval.servers import free_port  # noqa: E402
 
-PRECOMPILED = re.compile(r"precompiled (\d+) programs in ([\d.]+) s, (\d+) of them loaded")
+PRECOMPILED = re.compile(r"precompiled (\d+) programs .*?in ([\d.]+) s, (\d+) of them loaded")
 # A warm start's phases in one process: wall and CPU seconds of each, and the precompile's JAX events summed.
 SPLIT = """
 import collections, json, sys, time
@@ -51,6 +52,7 @@ from dflash.configs.recipe import load_recipe
 from dflash.launch.serving import ServeOptions
 from dflash.models.drafter_io import load_drafter
 from dflash.models.target import load_target
+from dflash.serve.compile_cache import converted_dir
 from dflash.serve.engine import Engine
 from dflash.serve.plan import plan_from
 phases = {}
@@ -61,7 +63,7 @@ wall, cpu = mark("import", wall0, cpu0)
 config, drafter_dir, ar = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 recipe = load_recipe(config)
 options = ServeOptions(drafter=None if ar else drafter_dir, ar=ar)
-target = load_target(recipe.target)
+target = load_target(recipe.target, converted_dir())
 drafter = None if ar else load_drafter(options.drafter_dir(recipe), target.cfg)
 wall, cpu = mark("load", wall, cpu)
 engine = Engine(target.params, target.cfg, drafter, plan_from(recipe.serve, drafter, None),
@@ -119,12 +121,14 @@ def start_once(args: list[str], cache: Path, log: Path, timeout: float, nice: in
             proc.kill()
             proc.wait()
     match = PRECOMPILED.search(log.read_text())
-    files = [p for p in cache.rglob("*") if p.is_file()]
+    files = [p for p in cache.glob("*") if p.is_file()]  # JAX's entries (converted weights: converted/)
+    converted = [p for p in (cache / "converted").rglob("*") if p.is_file()]
     return {"healthy_s": healthy, "cpu_s": cpu, "load": load, "programs": int(match.group(1)) if match else None,
             "precompile_s": float(match.group(2)) if match else None,
             "loaded": int(match.group(3)) if match else None,
             "cache_entries": sum(1 for p in files if not p.name.endswith("-atime")),
-            "cache_mb": sum(p.stat().st_size for p in files) / 2**20}
+            "cache_mb": sum(p.stat().st_size for p in files) / 2**20,
+            "converted_mb": sum(p.stat().st_size for p in converted) / 2**20}
 
 
 def split_table(split: dict) -> str:
@@ -167,7 +171,8 @@ def main() -> None:
             rows.append((kind, row))
             print(f"{kind}: healthy after {row['healthy_s']:.1f} s ({row['cpu_s']:.1f} CPU s, load "
                   f"{row['load']:.1f}); precompiled {row['programs']} programs in {row['precompile_s']} s, "
-                  f"{row['loaded']} loaded; cache {row['cache_entries']} entries, {row['cache_mb']:.0f} MiB",
+                  f"{row['loaded']} loaded; cache {row['cache_entries']} entries, {row['cache_mb']:.0f} MiB, "
+                  f"converted weights {row['converted_mb']:.0f} MiB",
                   flush=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
         env["DFLASH_COMPILE_CACHE"] = str(cache)
@@ -178,11 +183,12 @@ def main() -> None:
             raise RuntimeError(f"the split run failed: {out.stderr[-2000:]}")
         split = json.loads(out.stdout.strip().splitlines()[-1])
     lines = ["| start | seconds to /health | CPU s by then | load average | precompile s | programs | loaded from "
-             "the cache | cache entries | cache MiB |", "|---|---|---|---|---|---|---|---|---|"]
+             "the cache | cache entries | cache MiB | converted weights MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for kind, row in rows:
         lines.append(f"| {kind} | {row['healthy_s']:.1f} | {row['cpu_s']:.1f} | {row['load']:.1f} | "
                      f"{row['precompile_s']} | {row['programs']} | {row['loaded']} | {row['cache_entries']} | "
-                     f"{row['cache_mb']:.0f} |")
+                     f"{row['cache_mb']:.0f} | {row['converted_mb']:.0f} |")
     warm = [r for _, r in rows[1:]]
     cold = rows[0][1]
     summary = f"cold {cold['healthy_s']:.0f} s ({cold['cpu_s']:.0f} CPU s)"

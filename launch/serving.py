@@ -24,6 +24,7 @@ from dflash.data.eval_sets import eval_prompts
 from dflash.models.drafter_io import load_drafter, read_best
 from dflash.models.target import load_target
 from dflash.serve.acceptance import Measured
+from dflash.serve.compile_cache import converted_dir
 from dflash.serve.engine import Engine
 from dflash.serve.http import DFlashServer, make_server
 from dflash.serve.plan import AR, Limits, plan_from
@@ -81,7 +82,7 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
         raise ValueError(f"--ar-port must be another port than --port of a DFlash server; received "
                          f"ar_port={options.ar_port}, port={options.port}, ar={options.ar}")
     source = None if options.ar else options.drafter_dir(recipe)
-    target = load_target(recipe.target)
+    target = load_target(recipe.target, converted_dir())  # a GGUF dequantised once, then read back (D78)
     drafter = None if source is None else load_drafter(source, target.cfg, step=options.step)
     chooser = None
     if drafter is not None and "auto" in (recipe.serve.block_size, recipe.serve.tree_nodes):

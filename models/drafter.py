@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -630,6 +630,23 @@ class DFlashDrafter(nnx.Module):
         masks = ctx_valid_BxS if isinstance(ctx_valid_BxS, list | tuple) else [ctx_valid_BxS] * len(self.layers)
         visible = [BlockVisibility(jnp.asarray(m).astype(bool)[:, None, :]) for m in masks]
         return self.blocks(block_embeds_BxKxD, block_pos_BxK, ctx_kv, visible)
+
+
+def restore_drafter(arch: DrafterArch, value: Callable[[tuple[Any, ...], nnx.Param], Any]) -> DFlashDrafter:
+    """A drafter of `arch` whose every parameter is `value(path, abstract)` (an array of `abstract.shape`; `path`
+    the parameter's keys): the module is built abstractly (`nnx.eval_shape`, no random init, nothing compiled) and
+    then filled, which is what a loader wants, instead of initialising weights it overwrites at once. Raises
+    ValueError if a variable is left abstract (a state that is not a `Param`)."""
+    drafter = nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0)))
+    flat = [(keys, variable.replace(value(keys, variable)))
+            for keys, variable in nnx.to_flat_state(nnx.state(drafter, nnx.Param))]
+    nnx.update(drafter, nnx.from_flat_state(flat))
+    left = [keys for keys, v in nnx.to_flat_state(nnx.state(drafter))
+            if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
+    if left:
+        raise ValueError(f"restore_drafter fills Params only; the drafter holds other state {left[:3]}: build it "
+                         "with DFlashDrafter(arch, rngs) and update that instead")
+    return drafter
 
 
 # ----------------------------------------------------------------------------- inputs and outputs

@@ -12,18 +12,27 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from dflash.models.config import DecoderConfig, RopeScaling
-from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, check_fits_target, without_retired
+from dflash.models.drafter import (
+    DFlashDrafter,
+    DrafterArch,
+    DraftVocab,
+    check_fits_target,
+    restore_drafter,
+    without_retired,
+)
 from dflash.models.speculators import is_speculators, load_speculators
 from dflash.models.zlab import load_zlab, read_config, read_zlab
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
 
 FORMAT = "dflash-train/1"
 
@@ -34,7 +43,10 @@ class CheckpointError(RuntimeError):
 
 def checkpoint_manager(directory: str | Path, keep: int | None = None, create: bool = False,
                        asynchronous: bool = False) -> ocp.CheckpointManager:
-    """An Orbax manager over `directory` with the trainer's three items (state, data, meta)."""
+    """An Orbax manager over `directory` with the trainer's three items (state, data, meta). Orbax is imported here,
+    not with the module: `dflash serve` of an exported drafter never needs it (~0.5 s of its start)."""
+    import orbax.checkpoint as ocp
+
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
                                            enable_async_checkpointing=asynchronous)
     handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
@@ -47,6 +59,8 @@ def read_meta(manager: ocp.CheckpointManager, directory: Path, step: int) -> dic
     if not (directory / str(step) / "meta").is_dir():
         raise CheckpointError(f"checkpoint {directory / str(step)} has no meta/ entry; it is not a "
                               f"{FORMAT} checkpoint or it is incomplete")
+    import orbax.checkpoint as ocp
+
     try:
         return dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     except Exception as err:  # noqa: BLE001 - any failure to read means the same thing here
@@ -58,6 +72,8 @@ def read_meta(manager: ocp.CheckpointManager, directory: Path, step: int) -> dic
 def read_raw(manager: ocp.CheckpointManager, directory: Path, step: int) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """(state as saved: nested dicts of arrays on this process's first device, data state, meta) of
     checkpoint `step`, whatever mesh and process count wrote it."""
+    import orbax.checkpoint as ocp
+
     meta = read_meta(manager, directory, step)
     try:
         local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -110,17 +126,17 @@ def _read_checkpoint(path: Path, step: int | None) -> tuple[DFlashDrafter, int, 
         raise CheckpointError(f"checkpoint {directory / str(step)} records no drafter architecture (meta has no "
                               "'arch'); it was not written by `dflash train`")
     arch = arch_from_meta(meta["arch"], f"checkpoint {directory / str(step)}")
-    drafter = DFlashDrafter(arch, nnx.Rngs(0))
-    flat = []
-    for keys, variable in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
+
+    def value(keys: tuple[Any, ...], variable: nnx.Param) -> jax.Array:
         node = saved["params"]
         for key in (*keys, "value"):
             node = node[str(key)]
         if tuple(node.shape) != tuple(variable.shape):
             raise CheckpointError(f"{directory} step {step}: parameter {'/'.join(map(str, keys))} has shape "
                                   f"{tuple(node.shape)}, the architecture says {tuple(variable.shape)}")
-        flat.append((keys, variable.replace(jnp.asarray(node, jnp.float32))))
-    nnx.update(drafter, nnx.from_flat_state(flat))
+        return jnp.asarray(node, jnp.float32)
+
+    drafter = restore_drafter(arch, value)  # built abstractly: no random init for the checkpoint to overwrite
     if meta.get("draft_vocab"):
         drafter.draft_vocab = DraftVocab(np.asarray(meta["draft_vocab"], np.int64))
     return drafter, step, meta, directory

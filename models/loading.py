@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from dflash.models.config import SUPPORTED_FAMILIES, DecoderConfig, RopeScaling
+from dflash.models.converted import cached_params
 from dflash.models.gguf_file import GGUFFile, read_gguf
 
 # GGUF files load for these architectures (the newer families load from HF directories only).
@@ -508,8 +509,9 @@ def decoder_config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tupl
     )
 
 
-def load_gguf(path: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
-    """Load a llama / qwen2 / qwen3 GGUF, dequantised to fp32, into the decoder params layout."""
+def load_gguf(path: str | Path, converted: Path | None = None) -> tuple[DecoderConfig, dict[str, Any]]:
+    """Load a llama / qwen2 / qwen3 GGUF, dequantised to fp32, into the decoder params layout; with `converted`, a
+    directory of converted copies (`models.converted`): read from there when the file was converted before."""
     import gguf
 
     path = Path(path)
@@ -536,23 +538,24 @@ def load_gguf(path: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
             arr = unpermute_llama_rows(arr, cfg.num_kv_heads)
         return arr
 
-    params = _assemble(
+    params = cached_params(converted, path, lambda: _assemble(
         cfg, get, lambda i, key: f"blk.{i}.{_LAYER_KEYS_GGUF[key]}",
         embed_name="token_embd.weight", norm_name="output_norm.weight", head_name="output.weight", where=str(path),
-    )
+    ))
     return cfg, params
 
 
 # ----------------------------------------------------------------------------- dispatch
 
 
-def load_weights(path: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
-    """Load a `.gguf` file or an HF directory."""
+def load_weights(path: str | Path, converted: Path | None = None) -> tuple[DecoderConfig, dict[str, Any]]:
+    """Load a `.gguf` file (with `converted`, through a directory of converted copies: `load_gguf`) or an HF
+    directory (its safetensors are read as they are stored; nothing to keep)."""
     path = Path(path)
     if path.is_dir():
         return load_hf_dir(path)
     if path.suffix == ".gguf":
-        return load_gguf(path)
+        return load_gguf(path, converted)
     raise WeightsError(f"{path}: must be a .gguf file or an HF model directory (config.json + *.safetensors)")
 
 

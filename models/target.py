@@ -46,12 +46,13 @@ class Target:
         return arch
 
 
-def load_target(cfg: TargetConfig) -> Target:
+def load_target(cfg: TargetConfig, converted: Path | None = None) -> Target:
     """Check `cfg.source`'s architecture from its config.json alone (`check_target`: an unsupported one is refused
-    before any download), then resolve it, load weights and tokenizer, cast params to `cfg.dtype` on device."""
+    before any download), then resolve it, load weights and tokenizer, cast params to `cfg.dtype` on device.
+    converted: a directory of converted copies of GGUF weights (`models.converted`; None: dequantise every time)."""
     check_target(cfg.source)
     path = resolve_source(cfg.source)
-    decoder_cfg, host_params = load_weights(path)
+    decoder_cfg, host_params = load_weights(path, converted)
     tokenizer = load_tokenizer(path)
     if tokenizer.vocab_size > decoder_cfg.vocab_size:
         raise ValueError(

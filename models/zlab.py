@@ -25,6 +25,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -32,7 +33,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from dflash.models.config import DecoderConfig
-from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, to_hf_tensors
+from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab, restore_drafter, to_hf_tensors
 from dflash.models.loading import WeightsError, _rope_scaling_from_hf, _safetensors_files
 
 log = logging.getLogger(__name__)
@@ -384,25 +385,26 @@ def drafter_from_tensors(arch: DrafterArch, tensors: dict[str, np.ndarray], wher
                          ignored: frozenset[str] = frozenset()) -> DFlashDrafter:
     """A drafter of `arch` holding `tensors` (z-lab names, [out, in]); the set must match exactly
     (names in `ignored` may be present and are skipped), every shape is checked."""
-    drafter = DFlashDrafter(arch, nnx.Rngs(0))
-    flat, expected = [], set()
-    for keys, variable in nnx.to_flat_state(nnx.state(drafter, nnx.Param)):
+    expected = set()
+
+    def value(keys: tuple[Any, ...], variable: nnx.Param) -> jax.Array:
         parts = [str(k) for k in keys]
         transpose = parts[-1] == "kernel"
         name = ".".join(parts[:-1] + ["weight"]) if transpose else ".".join(parts)
         expected.add(name)
         if name not in tensors:
             raise WeightsError(f"{where}: tensor {name!r} is missing")
-        value = np.asarray(tensors[name]).astype(np.float32)
-        value = value.T if transpose else value
-        if tuple(value.shape) != tuple(variable.shape):
+        array = np.asarray(tensors[name]).astype(np.float32)
+        array = array.T if transpose else array
+        if tuple(array.shape) != tuple(variable.shape):
             raise WeightsError(f"{where}: tensor {name!r} has shape {tuple(tensors[name].shape)}; the config "
                                f"implies {tuple(variable.shape[::-1] if transpose else variable.shape)}")
-        flat.append((keys, variable.replace(jnp.asarray(value, jnp.float32))))
+        return jnp.asarray(array, jnp.float32)
+
+    drafter = restore_drafter(arch, value)  # built abstractly: no random init for the tensors to overwrite
     extra = sorted(set(tensors) - expected - ignored)
     if extra:
         raise WeightsError(f"{where}: unexpected tensors {extra[:5]} (not part of this drafter's config)")
-    nnx.update(drafter, nnx.from_flat_state(flat))
     return drafter
 
 

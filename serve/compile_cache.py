@@ -80,6 +80,14 @@ def enable_compile_cache(env: Mapping[str, str] | None = None) -> Path | None:
     return directory
 
 
+def converted_dir(env: Mapping[str, str] | None = None) -> Path | None:
+    """Where the serving stages keep converted copies of GGUF targets' weights (`models.converted`):
+    `converted/` inside the compilation cache's directory (JAX's own eviction only touches its `*-cache` files
+    there); None when the cache is turned off."""
+    directory = compile_cache_dir(env)
+    return None if directory is None else directory / "converted"
+
+
 def _set_jax_option(name: str, value: bool | float | int | str) -> None:
     """`jax.config.update(name, value)` once JAX is imported; before, the environment variable JAX reads the
     option's default from when it is imported (its name upper-cased)."""
@@ -151,4 +159,4 @@ def compile_counts() -> CompileCounts:
     return CompileCounts(Counter(counts.obtained), Counter(counts.loaded))
 
 
-__all__ = ["ENV", "CompileCounts", "compile_cache_dir", "compile_counts", "enable_compile_cache"]
+__all__ = ["ENV", "CompileCounts", "compile_cache_dir", "compile_counts", "converted_dir", "enable_compile_cache"]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dflash.serve.compile_cache import compile_cache_dir, compile_counts
+from dflash.serve.compile_cache import compile_cache_dir, compile_counts, converted_dir
 
 # JAX imported before the cache is turned on (its options set through jax.config), or after it, as
 # `dflash.launch.cli` does (set through the environment JAX reads their defaults from)
@@ -51,6 +51,8 @@ def test_where_the_cache_lives():
     assert compile_cache_dir({**home, "DFLASH_COMPILE_CACHE": "~/c"}) == Path("~/c").expanduser()
     for off in ("off", "OFF", "0", "none", ""):
         assert compile_cache_dir({**home, "DFLASH_COMPILE_CACHE": off}) is None
+        assert converted_dir({**home, "DFLASH_COMPILE_CACHE": off}) is None  # the same switch
+    assert converted_dir({**home, "DFLASH_COMPILE_CACHE": "/d"}) == Path("/d/converted")  # GGUF weights, converted
 
 
 def _probe(env: dict[str, str], jax_first: bool) -> dict:
@@ -101,7 +103,7 @@ def test_compiles_are_counted_once_per_program_in_the_compiling_thread():
     assert seen == [1] and compile_counts().total(name) == after.total(name)
 
 
-PRECOMPILED = re.compile(r"precompiled (\d+) programs in [\d.]+ s, (\d+) of them loaded from the compilation cache")
+PRECOMPILED = re.compile(r"precompiled (\d+) programs .*?in [\d.]+ s, (\d+) of them loaded from the compilation cache")
 
 
 def _serve_start(env: dict[str, str]) -> tuple[int, int]:

@@ -115,6 +115,29 @@ def test_export_then_import_is_bit_exact_in_fp32(setup, tmp_path, fmt):
         assert config["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
 
 
+def test_loading_builds_the_drafter_abstractly_and_fills_every_parameter(setup, tmp_path, monkeypatch):
+    """The loaders build the module under `nnx.eval_shape` (no random init to overwrite, nothing compiled: ~2 s of
+    a `dflash serve` start) and fill every parameter with a concrete array equal to the stored one."""
+    target_cfg, _, drafter, run_dir = setup
+    export_run(run_dir, fmt="zlab", out=tmp_path / "out", say=lambda _: None)
+    built = []
+    init = DFlashDrafter.__init__
+
+    def spy(self, *args, **kwargs):
+        built.append(isinstance(jax.numpy.zeros(()), jax.core.Tracer))  # True: built inside a trace, abstractly
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(DFlashDrafter, "__init__", spy)
+    for source in (tmp_path / "out", run_dir):  # an exported directory, a run dir's Orbax checkpoint
+        loaded = load_drafter(source, target_cfg)
+        want, got = drafter_params(drafter), drafter_params(loaded)
+        assert want.keys() == got.keys()
+        for keys, value in nnx.to_flat_state(nnx.state(loaded)):
+            assert isinstance(value.get_value(), jax.Array), keys
+            np.testing.assert_array_equal(got[keys], want[keys])
+    assert built == [True, True]
+
+
 def test_bf16_export_is_the_fp32_weights_rounded_to_bf16(setup, tmp_path):
     target_cfg, _, drafter, run_dir = setup
     export_run(run_dir, fmt="zlab", out=tmp_path / "bf16", dtype="bfloat16", say=lambda _: None)

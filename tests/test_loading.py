@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 
@@ -255,3 +256,60 @@ def test_gguf_reader_refuses_what_it_cannot_read(tmp_path):
         (tmp_path / f"{name}.gguf").write_bytes(content)
         with pytest.raises(GGUFFormatError, match=message):
             read_gguf(tmp_path / f"{name}.gguf")
+
+
+def _leaves(params) -> dict:
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def test_a_converted_copy_loads_bit_exact_and_is_rewritten_when_the_file_changes(tmp_path, monkeypatch):
+    """`load_gguf(path, converted)` dequantises once and keeps the params (models/converted.py, D78); the next load
+    reads them back without dequantising, bit-exact; a changed file, a corrupt copy or a copy cut short converts
+    again; the older copy of the file goes."""
+    from dflash.models import converted
+
+    path, cache = tmp_path / "t.gguf", tmp_path / "converted"
+    write_gguf_from_hf("qwen2_bias_untied", path)
+    cfg, want = load_gguf(path)
+    calls = []
+    dequantize = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: calls.append(1) or dequantize(*a))
+
+    def load():
+        calls.clear()
+        got_cfg, got = load_gguf(path, cache)
+        assert got_cfg == cfg and _leaves(got).keys() == _leaves(want).keys()
+        for name, value in _leaves(got).items():
+            assert value.dtype == np.float32
+            np.testing.assert_array_equal(value, _leaves(want)[name], err_msg=name)
+        return bool(calls)
+
+    assert load() and load() is False  # converted, then read back without dequantising
+    _, mapped = load_gguf(path, cache)  # memory-mapped, copy-on-write: the forward is the same, the file unchanged
+    ids = jnp.asarray(np.load(GOLDEN / "tiny" / "qwen2_bias_untied" / "reference.npz")["input_ids"])
+    logits, _ = decoder.forward(jax.tree.map(jnp.asarray, mapped), cfg, ids)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(decoder.forward(jax.tree.map(jnp.asarray, want),
+                                                                                 cfg, ids)[0]))
+    mapped["embed"][:] = 0
+    assert load() is False  # what a loaded array's writes did stays in this process
+    [entry] = [p for p in cache.iterdir()]
+    np.save(entry / "layers.wq.npy", np.zeros((3,), np.float32))  # a copy that does not match its meta.json
+    assert load() and load() is False
+    (entry / "meta.json").write_text("{")
+    assert load() and load() is False
+    path.write_bytes(path.read_bytes())  # the same bytes, a new modification time: another entry
+    os.utime(path, ns=(1, 1))
+    assert load() and load() is False
+    assert [p.name for p in cache.iterdir()] == [converted.entry_key(path)]  # the older entry was removed
+    monkeypatch.setattr(converted, "MAX_BYTES", 100)  # a copy over the bound is not kept
+    shutil.rmtree(cache)
+    assert load() and load() and not cache.exists()
+
+
+def test_load_target_without_a_directory_keeps_no_copy(tmp_path, monkeypatch):
+    from dflash.models import converted
+
+    monkeypatch.setattr(converted, "_write", lambda *a: pytest.fail("wrote a converted copy without a directory"))
+    path = tmp_path / "t.gguf"
+    write_gguf_from_hf("qwen3_qknorm_tied", path)
+    load_weights(path)
