@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._report import machine, write_section  # noqa: E402
-from dflash.eval.servers import free_port  # noqa: E402
+from dflash.eval.servers import free_port, stop_process  # noqa: E402
 
 PRECOMPILED = re.compile(r"precompiled (\d+) programs .*?in ([\d.]+) s, (\d+) of them loaded")
 # A warm start's phases in one process: wall and CPU seconds of each, and the precompile's JAX events summed.
@@ -114,12 +113,7 @@ def start_once(args: list[str], cache: Path, log: Path, timeout: float, nice: in
             time.sleep(0.1)
         healthy, cpu = time.perf_counter() - start, _cpu_seconds(proc.pid)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=60)
     match = PRECOMPILED.search(log.read_text())
     files = [p for p in cache.glob("*") if p.is_file()]  # JAX's entries (converted weights: converted/)
     converted = [p for p in (cache / "converted").rglob("*") if p.is_file()]

@@ -58,13 +58,20 @@ def _serve(args: Sequence[str], log: Path, slots: int, ar_port: bool) -> Iterato
             wait_healthy(url, proc, log)
         yield urls
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Stop a server subprocess as a pod would: SIGTERM (it finishes what it is doing), then SIGKILL if it is still
+    running `timeout` seconds later; nothing if it has exited."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.contextmanager
@@ -109,4 +116,4 @@ def serve_in_process(target: Any, drafter: Any, plan: Any = None, *, slots: int,
         thread.join(timeout=30)
 
 
-__all__ = ["free_port", "serve_in_process", "serve_pair_subprocess", "serve_subprocess", "wait_healthy"]
+__all__ = ["free_port", "serve_in_process", "serve_pair_subprocess", "serve_subprocess", "stop_process", "wait_healthy"]

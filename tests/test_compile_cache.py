@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dflash.eval.servers import stop_process
 from dflash.serve.compile_cache import compile_cache_dir, compile_counts, converted_dir
 
 # JAX imported before the cache is turned on (its options set through jax.config), or after it, as
@@ -120,12 +120,7 @@ def _serve_start(env: dict[str, str]) -> tuple[int, int]:
                 return int(match.group(1)), int(match.group(2))
         raise AssertionError(f"no precompile line; the server exited with {proc.wait()}:\n{''.join(lines)[-3000:]}")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=60)
 
 
 @pytest.mark.slow  # ~1 min of SmolLM2 compiles; test_a_second_process_loads_what_the_first_compiled keeps the property

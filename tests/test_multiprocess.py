@@ -37,17 +37,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(run_dir: Path, devices: int, log: Path, *extra: str, **dist: str) -> subprocess.Popen:
-    """`dflash train --config tiny` in the background on `devices` simulated CPU devices; output to `log`.out/.err."""
+def _background(args: list[str], devices: int, log: Path, **dist: str) -> subprocess.Popen:
+    """`dflash ARGS` in the background on `devices` simulated CPU devices (the JAX_* variables of `dist` join it to
+    a distributed run); output to `log`.out/.err."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu", **dist}
-    cmd = [sys.executable, "-m", "dflash.launch.cli", "train", "--config", "tiny", "--no-progress",
-           f"train.run_dir={run_dir}",
-           f"train.steps={STEPS}", "train.save_every=2", "train.log_every=1", "train.wandb=disabled",
-           "train.batch_size=4", *extra]  # 2 rows per host: the hosts' blocks must assemble in global order
+    cmd = [sys.executable, "-m", "dflash.launch.cli", *args]
     # Files, not pipes: a process blocked on a full pipe would stall its peer inside a collective.
     with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
+
+
+def _start(run_dir: Path, devices: int, log: Path, *extra: str, **dist: str) -> subprocess.Popen:
+    """`dflash train --config tiny` in the background (`_background`)."""
+    return _background(["train", "--config", "tiny", "--no-progress", f"train.run_dir={run_dir}",
+                        f"train.steps={STEPS}", "train.save_every=2", "train.log_every=1", "train.wandb=disabled",
+                        "train.batch_size=4", *extra],  # 2 rows per host: the hosts' blocks must assemble in order
+                       devices, log, **dist)
 
 
 def _wait(procs: dict[str, subprocess.Popen], logs: Path, timeout: float = 600) -> dict[str, tuple[str, str]]:
@@ -215,13 +221,9 @@ def test_inconsistent_distributed_environment_is_refused(monkeypatch, capsys, en
 
 
 def _regenerate(data_dir: Path, devices: int, log: Path, replicas: int, **dist: str) -> subprocess.Popen:
-    """`dflash data regenerate --config tiny` in the background on `devices` simulated CPU devices."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu", **dist}
-    cmd = [sys.executable, "-m", "dflash.launch.cli", "data", "regenerate", "--config", "tiny", f"data.dir={data_dir}",
-           "data.max_prompts=6", "data.regen.max_new_tokens=12", f"data.regen.replicas={replicas}"]
-    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
+    """`dflash data regenerate --config tiny` in the background (`_background`)."""
+    return _background(["data", "regenerate", "--config", "tiny", f"data.dir={data_dir}", "data.max_prompts=6",
+                        "data.regen.max_new_tokens=12", f"data.regen.replicas={replicas}"], devices, log, **dist)
 
 
 @pytest.mark.slow  # ~40 s on 2 cores: nightly; test_data_regenerate's topology test (1 device, 4 replicas, two
@@ -244,13 +246,10 @@ def test_two_processes_of_two_devices_regenerate_what_one_device_does(tmp_path):
 
 
 def _capture(data_dir: Path, devices: int, log: Path, replicas: int, **dist: str) -> subprocess.Popen:
-    """`dflash data capture --config tiny` (8 rows, shards of 2) in the background on `devices` CPU devices."""
-    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    env |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu", **dist}
-    cmd = [sys.executable, "-m", "dflash.launch.cli", "data", "capture", "--config", "tiny", f"data.dir={data_dir}",
-           "data.max_examples=8", "data.samples_per_shard=2", f"data.capture_replicas={replicas}", "--no-progress"]
-    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
+    """`dflash data capture --config tiny` (8 rows, shards of 2) in the background (`_background`)."""
+    return _background(["data", "capture", "--config", "tiny", f"data.dir={data_dir}", "data.max_examples=8",
+                        "data.samples_per_shard=2", f"data.capture_replicas={replicas}", "--no-progress"],
+                       devices, log, **dist)
 
 
 @pytest.mark.slow  # ~40 s on 2 cores: nightly; test_data_pipeline's shares test (two shares of 2 replicas, then
