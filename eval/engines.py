@@ -80,6 +80,13 @@ class Counts:
         pp = self.per_position
         return (self.steps - pp[0], *(pp[j - 1] - pp[j] for j in range(1, len(pp))), pp[-1])
 
+    def positions(self) -> tuple[int, ...]:
+        """`per_position`, or derived from `hist` (the steps that accepted draft i are those with more than i
+        accepted): the inverse of `histogram`."""
+        if self.per_position or not self.hist:
+            return self.per_position
+        return tuple(sum(self.hist[i + 1:]) for i in range(len(self.hist) - 1))
+
     def __add__(self, other: Counts) -> Counts:
         return Counts(self.steps + other.steps, self.accepted + other.accepted,
                       _add(self.per_position, other.per_position), _add(self.hist, other.hist))
@@ -208,8 +215,8 @@ class SGLangEngine(Engine):
             return None
         tokens = int(meta.get("completion_tokens") or reply.tokens)
         hist = tuple(int(x) for x in meta.get("spec_accept_histogram") or ())
-        per_position = tuple(sum(hist[i + 1:]) for i in range(len(hist) - 1)) if hist else ()
-        return Counts(steps, max(0, tokens - 1 - steps), per_position, hist)
+        counts = Counts(steps, max(0, tokens - 1 - steps), (), hist)
+        return dataclasses.replace(counts, per_position=counts.positions())
 
     def describe(self, client: Client) -> dict[str, Any]:
         out = super().describe(client)

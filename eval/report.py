@@ -74,9 +74,7 @@ def _acceptance(replies: list[dict[str, Any]], block_size: int, pooled: Counts |
     steps, accepted = sum(c.steps for c in counts), sum(c.accepted for c in counts)
     placed = [c for c in counts if c.per_position or c.hist]  # counts that say where their drafts were accepted
     total = sum(placed, Counts(0, 0))
-    total = Counts(sum(c.steps for c in placed), total.accepted, total.per_position, total.hist)
-    hist = total.histogram()
-    positions = total.per_position or tuple(sum(hist[i + 1:]) for i in range(len(hist) - 1))
+    hist, positions = total.histogram(), total.positions()
     return {"tau": 1.0 + accepted / steps, "steps": steps,
             "accept_per_position": [n / total.steps for n in positions] if total.steps else [],
             "accept_hist": [n / total.steps for n in hist] if total.steps else [], "tau_source": source}

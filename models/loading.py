@@ -167,10 +167,9 @@ def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer
             if tuple(fused.shape) != want:
                 raise WeightsError(f"{where}: tensor {layer_name(i, 'experts')!r} ({key}) must have shape {want}; "
                                    f"received {tuple(fused.shape)}")
-            arr = np.asarray(fused, np.float32)
-            if key != "we_down":
-                arr = arr[:, :fe] if key == "we_gate" else arr[:, fe:]
-            return np.ascontiguousarray(arr.transpose(0, 2, 1))
+            if key != "we_down":  # the half this key needs, before it is converted
+                fused = fused[:, :fe] if key == "we_gate" else fused[:, fe:]
+            return np.ascontiguousarray(np.asarray(fused, np.float32).transpose(0, 2, 1))
         shape = (fe, d) if key != "we_down" else (d, fe)
         return np.stack([fetch(layer_name(i, f"experts.{x}.{_EXPERT_KEYS_HF[key]}"), shape).T for x in range(e)])
 

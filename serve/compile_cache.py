@@ -145,9 +145,8 @@ def _on_duration(event: str, _seconds: float, **kwargs: object) -> None:
         _local.found = False
 
 
-def compile_counts() -> CompileCounts:
-    """A copy of what the calling thread has obtained so far; counting starts at the first call in the process
-    (`Engine` makes one when it is built), which registers the listeners with jax.monitoring."""
+def _register() -> None:
+    """Register the listeners with jax.monitoring, once per process: counting starts here."""
     with _registering:
         if not _registered:
             import jax
@@ -155,8 +154,23 @@ def compile_counts() -> CompileCounts:
             jax.monitoring.register_event_listener(_on_event)
             jax.monitoring.register_event_duration_secs_listener(_on_duration)
             _registered.append(True)
+
+
+def compile_counts() -> CompileCounts:
+    """A copy of what the calling thread has obtained so far; counting starts at the first call in the process
+    (`Engine` makes one when it is built), which registers the listeners with jax.monitoring."""
+    _register()
     counts = _thread_counts()
     return CompileCounts(Counter(counts.obtained), Counter(counts.loaded))
 
 
-__all__ = ["ENV", "CompileCounts", "compile_cache_dir", "compile_counts", "converted_dir", "enable_compile_cache"]
+def compile_totals(names: Iterable[str]) -> tuple[int, int]:
+    """`compile_counts().total(names), compile_counts().loaded_total(names)` without copying the counters: what
+    the engine reads around every program it calls."""
+    _register()
+    counts = _thread_counts()
+    return counts.total(names), counts.loaded_total(names)
+
+
+__all__ = ["ENV", "CompileCounts", "compile_cache_dir", "compile_counts", "compile_totals", "converted_dir",
+           "enable_compile_cache"]

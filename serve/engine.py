@@ -47,7 +47,7 @@ from dflash.models.config import DecoderConfig
 from dflash.models.decoder import Params
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.sharding import CACHE_RULES, TARGET_RULES, place, replicated, tensor_mesh
-from dflash.serve.compile_cache import compile_counts
+from dflash.serve.compile_cache import compile_totals
 from dflash.serve.config import SamplingConfig
 from dflash.serve.lookup import history_rows, lookup_rows
 from dflash.serve.paged import OutOfPagesError, PagePool, PageTable
@@ -83,8 +83,7 @@ _PROGRAMS = (prefill, prefill_chunk, prefill_logprobs, decode_steps, propose, ve
 def _compile_count() -> tuple[int, int]:
     """Programs of the engine's kernels this thread has obtained (a miss of jit's in-memory caches: an ahead-of-time
     compile counts, the first call after it does not), and those of them loaded from the persistent cache."""
-    counts = compile_counts()
-    return counts.total(_PROGRAM_NAMES), counts.loaded_total(_PROGRAM_NAMES)
+    return compile_totals(_PROGRAM_NAMES)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -603,7 +602,7 @@ class Engine:
     def _compile_only(self, program: Any, *args: Any) -> None:
         """Compile `program` for these arguments without running it (jit's ahead-of-time path, which a later call
         with arguments of the same shapes reuses); counted in `compiles`."""
-        self._counted(lambda: program.lower(*args).compile())
+        self._counted(self._compile_call, program, *args)
 
     @staticmethod
     def _compile_call(program: Any, *args: Any, **kwargs: Any) -> Any:

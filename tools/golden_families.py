@@ -103,9 +103,6 @@ CASES: tuple[Case, ...] = (
 
 def build_config(case: Case) -> Any:
     kwargs: dict[str, Any] = {**COMMON, **case.overrides}
-    if case.config_cls is Gemma3TextConfig:
-        kwargs.pop("rope_parameters")
-        kwargs["rope_parameters"] = case.overrides["rope_parameters"]
     config = case.config_cls(**kwargs, attn_implementation="eager")
     config.dtype = "float32"
     return config

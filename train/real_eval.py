@@ -47,11 +47,9 @@ def host_params(params: Any) -> Any:
     return multihost_utils.process_allgather(params, tiled=True)
 
 
-def drafter_from_state(graphdef: nnx.GraphDef, params: Any, gathered: Any = None) -> DFlashDrafter:
-    """A drafter holding copies of the TrainState's `params` (fetched to the host, or `gathered` already by
-    `host_params`, then put on this process's first device), so the training state is never aliased and may be
-    donated by the next step."""
-    host = host_params(params) if gathered is None else gathered
+def drafter_from_state(graphdef: nnx.GraphDef, host: Any) -> DFlashDrafter:
+    """A drafter holding copies of the TrainState's params as `host_params` returned them (put on this process's
+    first device), so the training state is never aliased and may be donated by the next step."""
     return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.array(a, copy=True), host))
 
 
@@ -112,7 +110,7 @@ class RealTauEval:
         return out
 
     def _decode(self, step: int, gathered: Any) -> dict[str, Any]:
-        drafter = drafter_from_state(self.graphdef, None, gathered)
+        drafter = drafter_from_state(self.graphdef, gathered)
         drafter.draft_vocab = self.draft_vocab
         metrics = real_tau(self.target, drafter, self.prompts, self.new_tokens)
         if self.best is None or metrics["tau"] > self.best["tau"]:
