@@ -157,6 +157,18 @@ def _complete_records(path: Path, data: bytes) -> list[dict[str, Any]]:
         records.append(record)
     return records
 
+PARTS_SUFFIX = ".parts"  # `data.scaleout`: the shares of a multi-process run, before their merge
+
+
+def parts_dir(out: Path) -> Path:
+    """Where a multi-process run's shares of `out` are written until they are merged (`data.scaleout`)."""
+    return out.with_name(out.name + PARTS_SUFFIX)
+
+
+def errors_path(path: Path) -> Path:
+    """The items of the regeneration output `path` that failed (`regenerate`'s docstring)."""
+    return path.with_name(path.name + ".errors.jsonl")
+
 
 def read_regenerated(path: str | Path, limit: int | None = None) -> list[list[dict[str, str]]]:
     """The regenerated conversations of `path` (a `regenerate` output), ordered by id, so the training rows
@@ -164,7 +176,7 @@ def read_regenerated(path: str | Path, limit: int | None = None) -> list[list[di
     A partial last line (a run still writing, or interrupted) is ignored, not repaired: this only reads.
     A `.xz` file (the packaged sets of `data.packaged_regenerated`) is decompressed first."""
     path = Path(path)
-    parts = path.with_name(path.name + ".parts")  # `data.scaleout`: shares of a multi-process run not merged yet
+    parts = parts_dir(path)  # shares of a multi-process run not merged yet
     if parts.is_dir() and any(parts.glob("part-*.jsonl")):
         raise ValueError(f"{path} must be merged with its shares in {parts} before training reads it (a multi-process "
                          "regeneration stopped before its merge): rerun `dflash data regenerate` with the same config, "
@@ -493,13 +505,13 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
     """
     backend = EngineBackend(engine, tokenizer, cfg) if isinstance(engine, Engine) else engine
     out_path = Path(out_path)
-    errors_path = out_path.with_name(out_path.name + ".errors.jsonl")
+    errors_file = errors_path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _check_meta(Path(meta_path) if meta_path is not None else out_path.with_name(out_path.name + ".meta.json"), cfg,
                 tokenizer)
     stats = RegenStats()
     done: set[str] = set(also_done)
-    for path in (out_path, errors_path):
+    for path in (out_path, errors_file):
         records, removed = repair_jsonl(path)
         stats.repaired_bytes += removed
         done.update(r["id"] for r in records)
@@ -507,7 +519,7 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
     # resumed items are progress already made, not speed: the bar starts at them and counts new work only
     initial = sum(1 for i in items if isinstance(i, Mapping) and i.get("id") in done) if total is not None else 0
     t0 = time.perf_counter()
-    with (open(out_path, "a", encoding="utf-8") as out, open(errors_path, "a", encoding="utf-8") as errors,
+    with (open(out_path, "a", encoding="utf-8") as out, open(errors_file, "a", encoding="utf-8") as errors,
           Progress(total, initial=initial, enabled=progress, unit="conv", desc=label) as bar):
         regen = _Regenerator(backend, tokenizer, cfg, out, errors, stats)
         source = iter(items)
@@ -555,5 +567,6 @@ def make_regen_engine(target: Any, *, slots: int, max_len: int, sampling: Sampli
                   sampling=sampling)
 
 
-__all__ = ["Backend", "EngineBackend", "ItemError", "RegenConfig", "RegenStats", "Reply", "completion_reply",
-           "make_regen_engine", "read_regenerated", "regenerate", "repair_jsonl", "request_seed", "split_turns"]
+__all__ = ["PARTS_SUFFIX", "Backend", "EngineBackend", "ItemError", "RegenConfig", "RegenStats", "Reply",
+           "completion_reply", "errors_path", "make_regen_engine", "parts_dir", "read_regenerated", "regenerate",
+           "repair_jsonl", "request_seed", "split_turns"]

@@ -35,13 +35,18 @@ from typing import Any
 
 from dflash.data.config import RegenConfig
 from dflash.data.files import TMP_SUFFIX, fsync_path
-from dflash.data.regenerate import ItemError, Reply, completion_reply
+from dflash.data.regenerate import (
+    ItemError,
+    Reply,
+    _complete_records,
+    completion_reply,
+    errors_path,
+    parts_dir,
+)
 from dflash.serve.engine import Engine
 from dflash.serve.plan import AR, Limits
 
 log = logging.getLogger(__name__)
-
-PARTS_SUFFIX = ".parts"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +81,6 @@ def share_of(item_id: str, count: int) -> int:
     return int.from_bytes(hashlib.sha256(item_id.encode("utf-8")).digest()[:8], "little") % count
 
 
-def parts_dir(out: Path) -> Path:
-    return out.with_name(out.name + PARTS_SUFFIX)
-
-
 def part_files(out: Path) -> list[Path]:
     """The parts (records, not errors) of every topology under `<out>.parts/`."""
     folder = parts_dir(out)
@@ -87,20 +88,9 @@ def part_files(out: Path) -> list[Path]:
         else []
 
 
-def errors_path(path: Path) -> Path:
-    return path.with_name(path.name + ".errors.jsonl")
-
-
 def _ids(path: Path) -> set[str]:
     """The ids of the complete lines of a JSONL file (a partial last line, still being written, is ignored)."""
-    if not path.is_file():
-        return set()
-    data = path.read_bytes()
-    out = set()
-    for line in data[: data.rfind(b"\n") + 1].splitlines():
-        if line.strip():
-            out.add(json.loads(line)["id"])
-    return out
+    return {record["id"] for record in _records(path)}
 
 
 def done_ids(out: Path) -> set[str]:
@@ -154,10 +144,11 @@ def _write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
+    """The records of the complete lines of a JSONL file (a partial last line, still being written, is ignored)."""
     if not path.is_file():
         return []
     data = path.read_bytes()
-    return [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip()]
+    return _complete_records(path, data[: data.rfind(b"\n") + 1])
 
 
 def barrier(name: str) -> None:

@@ -28,7 +28,7 @@ from dflash.configs.recipe import Recipe
 from dflash.data.capture import CaptureReport, capture, examples_hash
 from dflash.data.examples import build_examples
 from dflash.data.manifest import PART_NAME, PARTS_DIR, Manifest, Provenance, load_manifest, read_manifest_file
-from dflash.data.regenerate import RegenStats, make_regen_engine, regenerate
+from dflash.data.regenerate import RegenStats, errors_path, make_regen_engine, regenerate
 from dflash.data.scaleout import (
     Share,
     barrier,
@@ -183,10 +183,10 @@ def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:
     parts = part_files(regen)
     if regen.is_file() or parts:
         done = sum(1 for line in regen.read_text().splitlines() if line.strip()) if regen.is_file() else 0
-        errors_path = regen.with_name(regen.name + ".errors.jsonl")
+        errors = errors_path(regen)
         kinds: dict[str, int] = {}
-        if errors_path.is_file():
-            for line in errors_path.read_text().splitlines():
+        if errors.is_file():
+            for line in errors.read_text().splitlines():
                 if line.strip():
                     kind = json.loads(line).get("kind", "?")
                     kinds[kind] = kinds.get(kind, 0) + 1

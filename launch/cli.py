@@ -318,10 +318,10 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
     if args.config is None:
         raise ConfigError("--config must name the recipe to compile (a name in configs/ or a YAML path); "
                           "received none")
-    _recipe(args, unreachable_ok=True)  # a bad recipe, override or target stops here, not in the subprocess
-    from dflash.launch.compile import recipe_topology, run_compile
+    recipe = _recipe(args, unreachable_ok=True)  # a bad recipe, override or target stops here, not in the subprocess
+    from dflash.launch.compile import run_compile
 
-    topology = args.topology or recipe_topology(args.config, args.overrides)
+    topology = args.topology or recipe.launch.tpu_type
     if topology is None:
         raise ConfigError(f"--topology must name a TPU slice (e.g. v5p-128): recipe {args.config!r} sets no "
                           "launch.tpu_type; received none")

@@ -31,15 +31,17 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from dflash.eval.servers import free_port
+from dflash.train.metrics import read_metrics
+from dflash.train.preemption import PREEMPTED_EXIT_CODE
+
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH = [sys.executable, "-m", "dflash.launch.cli"]
-PREEMPTED = 42  # train.preemption.PREEMPTED_EXIT_CODE
 
 
 def say(text: str) -> None:
@@ -55,23 +57,15 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 def metrics_steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line]
+    return [r["step"] for r in read_metrics(run_dir) if "loss" in r]
 
 
 # ---------------------------------------------------------------------------------------------------- local
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _workers(args: argparse.Namespace, train: list[str], logs: Path, tag: str) -> list[subprocess.Popen]:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     procs = []
     for i in range(args.hosts):
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
@@ -115,7 +109,7 @@ def local(args: argparse.Namespace) -> list[tuple[str, str]]:
     procs[-1].send_signal(signal.SIGTERM)
     codes = _wait_all(procs, 600)
     stopped = max(metrics_steps(run_dir), default=0)
-    if all(c == PREEMPTED for c in codes):
+    if all(c == PREEMPTED_EXIT_CODE for c in codes):
         results.append(("3 train", f"{args.hosts} processes, stopped at step {stopped} of {args.steps}"))
         results.append(("4 kill", f"SIGTERM to one worker: every worker checkpointed step {stopped} and exited 42"))
     else:  # what the JobSet does when a pod fails: stop the others, restart them all
