@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 from dflash.configs.schema import ConfigError, require
-from dflash.launch.pod import MOUNT_ROOT, RESTART_EXIT_CODES, PodStage, mask
+from dflash.launch.pod import K8S_NAME, MOUNT_ROOT, RESTART_EXIT_CODES, PodStage, check_cluster, mask
 
 MAX_NAME = 28  # gcluster job submit refuses longer workload names
-_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,10 +42,9 @@ class GclusterLaunch(PodStage):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(bool(_NAME.fullmatch(self.cluster)), "--cluster", self.cluster,
-                "be a GKE cluster name (lowercase letters, digits and '-', starting with a letter)")
+        check_cluster(self.cluster)
         if self.name:
-            require(bool(_NAME.fullmatch(self.name)) and len(self.name) <= MAX_NAME, "--name", self.name,
+            require(bool(K8S_NAME.fullmatch(self.name)) and len(self.name) <= MAX_NAME, "--name", self.name,
                     f"be at most {MAX_NAME} lowercase letters, digits and '-', starting with a letter "
                     "(gcluster job submit's limit)")
         require(self.num_slices == 1, "--num-slices", self.num_slices,

@@ -44,6 +44,7 @@ DEFAULT_GRACE_SECONDS = 30
 PRIORITIES = ("very-low", "low", "medium", "high", "very-high")
 LAUNCHER_ENV = ("DFLASH_DISTRIBUTED", "JAX_COMPILATION_CACHE_DIR", "PYTHONUNBUFFERED")  # set by the launcher itself
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+K8S_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # GKE clusters', xpk workloads' and gcluster jobs' names
 SECRET_REF = re.compile(r"projects/[^/\s]+/secrets/[A-Za-z0-9_-]+(/versions/([0-9]+|latest))?")
 _SENSITIVE = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
 GATED_TARGETS = ("meta-llama/",)  # Hub organisations whose models need HF_TOKEN (the llama31 recipes' targets)
@@ -104,6 +105,12 @@ def mask(key: str, value: str) -> str:
     `--secret` reference is not a credential: it is shown)."""
     hidden = _SENSITIVE.search(key) and value and not key.startswith(SECRET_PREFIX)
     return f"<{len(value)} characters, hidden>" if hidden else value
+
+
+def check_cluster(cluster: str) -> None:
+    """`--cluster` of either launcher: a GKE cluster's name."""
+    require(bool(K8S_NAME.fullmatch(cluster)), "--cluster", cluster,
+            "be a GKE cluster name (lowercase letters, digits and '-', starting with a letter)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -264,6 +271,6 @@ def check_credentials(recipe: Any, plan: PodStage) -> list[str]:
     return []
 
 
-__all__ = ["DEFAULT_MAX_RESTARTS", "GATED_TARGETS", "MOUNT_ROOT", "MULTI_HOST_STAGES", "PodStage",
-           "RESTART_EXIT_CODES", "SECRET_PREFIX", "STAGES", "check_credentials", "check_on_slice", "mask",
-           "mount_path", "parse_env", "parse_secrets", "split_gcs"]
+__all__ = ["DEFAULT_MAX_RESTARTS", "GATED_TARGETS", "K8S_NAME", "MOUNT_ROOT", "MULTI_HOST_STAGES", "PodStage",
+           "RESTART_EXIT_CODES", "SECRET_PREFIX", "STAGES", "check_cluster", "check_credentials", "check_on_slice",
+           "mask", "mount_path", "parse_env", "parse_secrets", "split_gcs"]

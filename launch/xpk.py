@@ -45,11 +45,10 @@ import subprocess
 from pathlib import Path
 
 from dflash.configs.schema import ConfigError, require
-from dflash.launch.pod import MOUNT_ROOT, STAGES, PodStage, mask, mount_path, split_gcs
+from dflash.launch.pod import K8S_NAME, MOUNT_ROOT, STAGES, PodStage, check_cluster, mask, mount_path, split_gcs
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: xpk's own venv lives beside .venv
 XPK_VENV = ROOT / ".venv-xpk"
-_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # xpk's workload / storage names, at most 40 characters
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,10 +62,9 @@ class XpkLaunch(PodStage):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(bool(_NAME.fullmatch(self.cluster)), "--cluster", self.cluster,
-                "be a GKE cluster name (lowercase letters, digits and '-', starting with a letter)")
+        check_cluster(self.cluster)
         if self.workload:
-            require(bool(_NAME.fullmatch(self.workload)) and len(self.workload) <= 40, "--workload", self.workload,
+            require(bool(K8S_NAME.fullmatch(self.workload)) and len(self.workload) <= 40, "--workload", self.workload,
                     "be at most 40 lowercase letters, digits and '-', starting with a letter")
 
     @property

@@ -176,10 +176,15 @@ def read_best(run_dir: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _run_dir_of(path: Path) -> Path:
+    """The run dir of `path`: itself, or its parent when it is a run's checkpoints/ directory (one holding no best/
+    of its own)."""
+    return path.parent if path.name == "checkpoints" and not (path / BEST_DIR).is_dir() else path
+
+
 def _best_dir(path: Path) -> Path:
     """`<run_dir>/best` of a run dir (or of its checkpoints/ directory); FileNotFoundError when absent."""
-    run_dir = path.parent if path.name == "checkpoints" and not (path / "best").is_dir() else path
-    best = run_dir / BEST_DIR
+    best = _run_dir_of(path) / BEST_DIR
     if not (best / "config.json").is_file():
         raise FileNotFoundError(f"{best} holds no best drafter: a run keeps <run_dir>/best/ (the best drafter "
                                 "by real τ) only when it evaluates real τ during training; set train.eval_every "
@@ -195,7 +200,7 @@ def best_or_latest(path: str | Path, step: int | str | None) -> tuple[int | str 
     path = Path(path).expanduser()
     if _step_arg(step) != "best":
         return step, ""
-    run_dir = path.parent if path.name == "checkpoints" and not (path / BEST_DIR).is_dir() else path
+    run_dir = _run_dir_of(path)
     if (run_dir / BEST_DIR / "config.json").is_file() or not (run_dir / "checkpoints").is_dir():
         return step, ""  # the best drafter, or not a run dir at all: load_drafter / read_run say what is wrong
     manager = checkpoint_manager((run_dir / "checkpoints").resolve())
