@@ -62,12 +62,17 @@ from dflash.serve.speculative import (
     bucket,
     decode_steps,
     empty_state,
+    gather_rows,
     prefill,
     prefill_chunk,
     prefill_logprobs,
     propose,
+    put_rows,
+    scatter_rows,
     span_pages,
+    step_leaves,
     sync_page_table,
+    take_rows,
     verify,
     verify_logprobs,
 )
@@ -77,7 +82,7 @@ from dflash.serve.tree import build_tree, decode_tree_steps, propose_topk, verif
 log = logging.getLogger(__name__)
 
 _PROGRAMS = (prefill, prefill_chunk, prefill_logprobs, decode_steps, propose, verify, verify_logprobs, propose_topk,
-             build_tree, verify_tree, verify_tree_logprobs, decode_tree_steps)
+             build_tree, verify_tree, verify_tree_logprobs, decode_tree_steps, gather_rows, scatter_rows)
 
 
 def _compile_count() -> tuple[int, int]:
@@ -86,17 +91,7 @@ def _compile_count() -> tuple[int, int]:
     return compile_totals(_PROGRAM_NAMES)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _set_active(state: SpecState, active_B: jax.Array) -> SpecState:
-    """`state` with these slots active; inactive slots' lengths are parked at the cache capacity, so that a
-    decode step writes none of their target or draft cache slots (a slot part way through a chunked prefill
-    keeps its prompt's K/V; a free slot has no pages anyway)."""
-    park = state.target.capacity  # >= max_len: writes there are dropped in both caches
-    target = dataclasses.replace(state.target, lengths=jnp.where(active_B, state.target.lengths, park))
-    return dataclasses.replace(state, target=target, lengths=jnp.where(active_B, state.lengths, park), active=active_B)
-
-
-_PROGRAM_NAMES = frozenset(f"jit({program.__name__})" for program in (*_PROGRAMS, _set_active))
+_PROGRAM_NAMES = frozenset(f"jit({program.__name__})" for program in _PROGRAMS)
 
 
 def _engine_mesh(count: int, devices: Sequence[Any] | None) -> Mesh | None:
@@ -465,13 +460,12 @@ class Engine:
                      len(self.compiled_shapes))
 
     def _emit(self, slot: int, tokens: Sequence[int], scores: TokenLogprobs | None = None,
-              positions: Sequence[int] = ()) -> None:
-        """Append a step's tokens to the slot's request (scores[slot or 0, positions[i]] scores tokens[i]),
-        ending it at a stop token, its budget or a stop string; then update its text."""
+              positions: Sequence[int] = (), row: int = 0) -> None:
+        """Append a step's tokens to the slot's request (scores[row, positions[i]] scores tokens[i]), ending it at a
+        stop token, its budget or a stop string; then update its text."""
         request = self.running[slot]
         start = len(request.token_ids)
         reason = None
-        row = 0 if scores is not None and scores.chosen.shape[0] == 1 else slot
         for i, token in enumerate(tokens):
             request.token_ids.append(token)
             if request.top_n is not None and scores is not None:
@@ -489,67 +483,92 @@ class Engine:
         if reason is not None:
             self._finish(slot)
 
-    def _emit_steps(self, active: np.ndarray, out_RxBxK: np.ndarray, n_RxB: np.ndarray,
+    def _emit_steps(self, slots: Sequence[int], out_RxbxK: np.ndarray, n_Rxb: np.ndarray,
                     scores: TokenLogprobs | None = None) -> None:
-        """Each step's tokens (out[i, b, :n[i, b] + 1]) emitted in order to the active slots' requests, with the
-        accepted counts; a request that finishes (stop, budget, stop string) or fails alone leaves the later steps.
-        scores: the one step's log-probabilities (position j scores out[0, b, j])."""
-        for i in range(out_RxBxK.shape[0]):
-            self.lengths = np.where(active, self.lengths + n_RxB[i] + 1, self.lengths)
+        """Each step's tokens (out[i, j, :n[i, j] + 1]) emitted in order to the request in `slots[j]` (row j of the
+        step's view; rows past `slots` pad the bucket), with the accepted counts; a request that finishes (stop,
+        budget, stop string) or fails alone leaves the later steps. scores: the one step's log-probabilities
+        (position p of row j scores out[0, j, p])."""
+        live = list(enumerate(slots))
+        for i in range(out_RxbxK.shape[0]):
             self.steps += 1
-            for slot, request in list(self.running.items()):
-                if not active[slot]:
-                    continue
+            for row, slot in live:
+                self.lengths[slot] += int(n_Rxb[i, row]) + 1
+                request = self.running[slot]
                 try:
-                    before, n = len(request.token_ids), int(n_RxB[i, slot])
-                    self._emit(slot, [int(t) for t in out_RxBxK[i, slot, :n + 1]], scores, range(n + 1))
+                    before, n = len(request.token_ids), int(n_Rxb[i, row])
+                    self._emit(slot, [int(t) for t in out_RxbxK[i, row, :n + 1]], scores, range(n + 1), row)
                     if not self.ar:  # what was emitted: a stop or the budget may cut the step short of n + 1 tokens
                         request.accepted.append(len(request.token_ids) - before - 1)
                 except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone
                     self._fail(request, slot, err)
-            active = active & np.isin(np.arange(self.slots), list(self.running))
+            live = [(row, slot) for row, slot in live if slot in self.running]
 
-    def _histories(self) -> dict[int, list[int]]:
-        """Each running slot's prompt and output so far (what prompt lookup searches)."""
-        return {slot: request.prompt_ids + request.token_ids for slot, request in self.running.items()}
-
-    def _lookup(self, length: int) -> tuple[np.ndarray, np.ndarray]:
-        return lookup_rows(self._histories(), self.slots, length)
-
-    def _history(self) -> tuple[np.ndarray, np.ndarray]:
-        return history_rows(self._histories(), self.slots, self.max_len)
+    def _histories(self, slots: Sequence[int]) -> dict[int, list[int]]:
+        """The prompt and output so far of the request in each of `slots`, by row (what prompt lookup searches)."""
+        return {row: self.running[slot].prompt_ids + self.running[slot].token_ids for row, slot in enumerate(slots)}
 
     # ------------------------------------------------------------------------- decode steps
 
+    @property
+    def buckets(self) -> list[int]:
+        """Every bucket of rows a decode step can run at (`bucket`)."""
+        return sorted({self.bucket(n) for n in range(1, self.slots + 1)})
+
+    def bucket(self, n: int) -> int:
+        """The rows a decode step over n running requests computes: a power of two, at most `slots` (the
+        precompiled buckets; D87)."""
+        return min(bucket(n, minimum=1), self.slots)
+
+    def _rows(self, slots: Sequence[int]) -> np.ndarray:
+        """The step view's rows for these slots: the slots, then B (a missing row) up to the bucket."""
+        rows = np.full(self.bucket(len(slots)), self.slots, np.int32)
+        rows[:len(slots)] = slots
+        return rows
+
     def step(self) -> None:
-        """Admit what fits (one chunk of a long prompt at most), then the plan's step over every running request
-        (or up to R of them in one device loop). A request whose host-side work raises ends alone
-        (finish_reason "error"); a failing device call raises (reset the engine)."""
+        """Admit what fits (one chunk of a long prompt at most), then the plan's decode step (`decode`)."""
+        self.admit()
+        self.decode()
+
+    def admit(self) -> bool:
+        """Admit queued requests into free slots and prefill them (one chunk of a long prompt at most); returns
+        whether a request started (its first token is out: a server publishes it before the next decode)."""
+        started = len(self.running)
         self._admit()
         self._prefill_next_chunk()
+        return len(self.running) > started
+
+    def decode(self) -> None:
+        """The plan's step over the running requests (or up to R of them in one device loop), computed at the
+        smallest bucket of rows that holds them (`take_rows`: the step costs what the running requests cost, not
+        what `slots` would). A request whose host-side work raises ends alone (finish_reason "error"); a failing
+        device call raises (reset the engine)."""
         if not self.running:
             return
-        active = np.zeros(self.slots, bool)
-        active[list(self.running)] = True
-        self.state = self._counted(_set_active, self.state, jnp.asarray(active))
-        # A step appends `width` tokens per active slot; admission already reserved them, so this only raises on a
+        slots = sorted(self.running)
+        rows = self._rows(slots)
+        # A step appends `width` tokens per running slot; admission already reserved them, so this only raises on a
         # bookkeeping bug.
-        self.table.ensure_batch(np.where(active, self.lengths + self.width, 0))
+        self.table.ensure_batch([self.lengths[s] + self.width if s in self.running else 0 for s in range(self.slots)])
         self._sync_table()
         scored = any(r.top_n is not None for r in self.running.values())
+        lengths = self.lengths[slots]
         if self._loop_steps(scored) > 1:
-            self._loop(active)
+            self._loop(slots, rows, lengths)
             return
-        out, n, scores = self._device_step(self._step_pages(np.where(active, self.lengths, 0)), scored)
-        self._emit_steps(active, np.asarray(out)[None], np.asarray(n)[None],
+        pages = self._step_pages(lengths)
+        kernel, *shape = self.plan.shape(len(rows), pages)
+        self._note_shape(kernel, tuple(shape))
+        lookup = functools.partial(self._lookup_rows, slots, len(rows))
+        view, out, n, scores = self._counted(self.plan.step, self.models, take_rows(self.state, rows), pages, scored,
+                                             lookup)
+        self.state = put_rows(self.state, view, rows)
+        self._emit_steps(slots, np.asarray(out)[None], np.asarray(n)[None],
                          None if scores is None else jax.device_get(scores))
 
-    def _device_step(self, pages: int, scored: bool) -> tuple[jax.Array, jax.Array, TokenLogprobs | None]:
-        kernel, *shape = self.plan.shape(self.slots, pages)
-        self._note_shape(kernel, tuple(shape))
-        self.state, out, n, scores = self._counted(self.plan.step, self.models, self.state, pages, scored,
-                                                   self._lookup)
-        return out, n, scores
+    def _lookup_rows(self, slots: Sequence[int], b: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        return lookup_rows(self._histories(slots), b, length)
 
     def _loop_steps(self, scored: bool) -> int:
         """Decode steps the next dispatch may run: 1 unless the plan loops on the device, no request asks for
@@ -563,41 +582,44 @@ class Engine:
         """Whether the plan runs up to R > 1 steps in one device loop (`_loop_steps`)."""
         return self.plan.loops and self.limits.steps_per_dispatch > 1
 
-    def _step_pages(self, lengths_B: np.ndarray) -> int:
-        """The attention span of a single step over slots holding lengths_B tokens (0: inactive): the pages in
-        use after it, bucketed to a power of two (a bounded number of shapes); when the plan also loops on the
-        device, the loop's span (at most one bucket more), so that single steps compile at the loops' spans only."""
+    def _step_pages(self, lengths_b: np.ndarray) -> int:
+        """The attention span of a single step over slots holding lengths_b tokens: the pages in use after it,
+        bucketed to a power of two (a bounded number of shapes); when the plan also loops on the device, the
+        loop's span (at most one bucket more), so that single steps compile at the loops' spans only."""
         if self._loops:
-            return self._loop_pages(lengths_B)
-        return span_pages(int(lengths_B.max()) + self.width, self.limits.page_size, self.limits.max_pages)
+            return self._loop_pages(lengths_b)
+        return span_pages(int(lengths_b.max()) + self.width, self.limits.page_size, self.limits.max_pages)
 
-    def _loop_pages(self, lengths_B: np.ndarray) -> int:
-        """The attention span of a device loop over slots holding lengths_B tokens (0: inactive)."""
-        most = int(lengths_B.max()) + self.limits.steps_per_dispatch * self.width
+    def _loop_pages(self, lengths_b: np.ndarray) -> int:
+        """The attention span of a device loop over slots holding lengths_b tokens."""
+        most = int(lengths_b.max()) + self.limits.steps_per_dispatch * self.width
         return span_pages(min(most, self.max_len), self.limits.page_size, self.limits.max_pages)
 
-    def _dispatch(self, stop_ids: jax.Array, budget: jax.Array, pages: int) -> tuple[Any, ...]:
-        """One device loop of up to R steps; (tokens [R, B, K], n [R, B], steps run)."""
-        r = self.limits.steps_per_dispatch
-        kernel, *shape = self.plan.loop_shape(self.slots, stop_ids.shape[1], r, pages)
+    def _loop_call(self, view: SpecState, stop_ids: jax.Array, budget: jax.Array, pages: int,
+                   slots: Sequence[int]) -> tuple[Any, tuple[Any, ...]]:
+        """The device loop's program and arguments over `view` (rows: `slots`, then padding)."""
+        b, r = view.lengths.shape[0], self.limits.steps_per_dispatch
+        kernel, *shape = self.plan.loop_shape(b, stop_ids.shape[1], r, pages)
         self._note_shape(kernel, tuple(shape))
-        self.state, out, n, ran = self._counted(self.plan.loop, self.models, self.state, stop_ids, budget, r, pages,
-                                                self._history)
-        return out, n, ran
+        return self.plan.loop_call(self.models, view, stop_ids, budget, r, pages,
+                                   lambda: history_rows(self._histories(slots), b, self.max_len))
 
-    def _loop(self, active: np.ndarray) -> None:
+    def _loop(self, slots: Sequence[int], rows: np.ndarray, lengths: np.ndarray) -> None:
         """Up to R decode steps in one dispatch, then each step's tokens emitted in order."""
-        stops = bucket(max(len(r.stop_ids) for r in self.running.values()), minimum=8)  # few shapes
-        stop_ids = np.full((self.slots, stops), -1, np.int32)
-        budget = np.full(self.slots, INT32_MAX, np.int32)
-        for slot, request in self.running.items():
-            stop_ids[slot, :len(request.stop_ids)] = request.stop_ids
-            budget[slot] = request.max_new_tokens - len(request.token_ids)
-        pages = self._loop_pages(np.where(active, self.lengths, 0))
-        out, n, ran = self._dispatch(jnp.asarray(stop_ids), jnp.asarray(budget), pages)
+        requests = [self.running[s] for s in slots]
+        stops = bucket(max(len(r.stop_ids) for r in requests), minimum=8)  # few shapes
+        stop_ids = np.full((len(rows), stops), -1, np.int32)
+        budget = np.full(len(rows), INT32_MAX, np.int32)
+        for row, request in enumerate(requests):
+            stop_ids[row, :len(request.stop_ids)] = request.stop_ids
+            budget[row] = request.max_new_tokens - len(request.token_ids)
+        program, args = self._loop_call(take_rows(self.state, rows), jnp.asarray(stop_ids), jnp.asarray(budget),
+                                        self._loop_pages(lengths), slots)
+        view, out, n, ran = self._counted(program, *args)
+        self.state = put_rows(self.state, view, rows)
         ran = int(ran)
         out, n = (np.asarray(a[:ran]) for a in jax.device_get((out, n)))
-        self._emit_steps(active, out, n)
+        self._emit_steps(slots, out, n)
 
     def _compile_only(self, program: Any, *args: Any) -> None:
         """Compile `program` for these arguments without running it (jit's ahead-of-time path, which a later call
@@ -647,30 +669,35 @@ class Engine:
             start = max(s for s, p in self._chunk_spans() if p == span)
             args, _ = self._chunk_args(0, Completion(-1, [0] * (start + 1), 1, (), 0), start)
             self._compile_only(prefill_chunk, self.models, self.state, *args)
-        self.state = self._counted(_set_active, self.state, jnp.zeros(self.slots, bool))
         # Single steps: scored ones always; unscored ones only where the plan does not loop on the device or a
-        # chunked prefill can be under way (`_loop_steps`). Device loops: at the same spans (`_step_pages`).
+        # chunked prefill can be under way (`_loop_steps`). Device loops: at the same spans (`_step_pages`). Each
+        # at every bucket of rows (`bucket`), with the row gather and scatter around it.
         singles = variants if not self._loops or chunks else tuple(v for v in variants if v)
         loop_spans = spans if self._loops else []
-        for pages in spans:  # compiled, not run
-            for scored in singles:
-                kernel, *shape = self.plan.shape(self.slots, pages)
-                self._note_shape(kernel, tuple(shape))
-                self._counted(self.plan.step, self.models, self.state, pages, scored, self._lookup,
-                              self._compile_call)
-        for pages in loop_spans:  # compiled, not run
-            r = self.limits.steps_per_dispatch
-            stop_ids, budget = jnp.full((self.slots, 8), -1, jnp.int32), jnp.ones(self.slots, jnp.int32)
-            kernel, *shape = self.plan.loop_shape(self.slots, 8, r, pages)
-            self._note_shape(kernel, tuple(shape))
-            program, args = self.plan.loop_call(self.models, self.state, stop_ids, budget, r, pages, self._history)
-            self._compile_only(program, *args)
+        buckets = self.buckets
+        for b in buckets:
+            rows = np.full(b, self.slots, np.int32)
+            view = self._counted(take_rows, self.state, rows)  # runs the gather (a few per-slot values), no step
+            outs = []
+            for pages in spans:  # compiled, not run
+                for scored in singles:
+                    kernel, *shape = self.plan.shape(b, pages)
+                    self._note_shape(kernel, tuple(shape))
+                    lookup = functools.partial(lookup_rows, {}, b)
+                    outs.append(self._counted(self.plan.step, self.models, view, pages, scored, lookup,
+                                              self._compile_call)[0])
+            for pages in loop_spans:  # compiled, not run
+                stop_ids, budget = jnp.full((b, 8), -1, jnp.int32), jnp.ones(b, jnp.int32)
+                program, args = self._loop_call(view, stop_ids, budget, pages, [])
+                outs.append(self._counted(self._compile_call, program, *args)[0])
+            for out in outs[:1]:  # every step returns the view alike
+                self._compile_only(scatter_rows, step_leaves(self.state), step_leaves(out), jnp.asarray(rows))
         self._fresh_state()
         seconds = time.perf_counter() - t0
         log.info("engine: precompiled %d programs (%d prefill lengths x %d row counts, %d prefill chunk spans, %d "
-                 "attention spans of single steps, %d of device loops; %d loaded from the compilation cache) in "
-                 "%.1f s", self.compiles - before, len(lengths), len(rows), len(chunks), len(spans), len(loop_spans),
-                 self.loaded - loaded, seconds)
+                 "attention spans of single steps and %d of device loops x %d buckets of running requests; %d loaded "
+                 "from the compilation cache) in %.1f s", self.compiles - before, len(lengths), len(rows), len(chunks),
+                 len(spans) if singles else 0, len(loop_spans), len(buckets), self.loaded - loaded, seconds)
         return self.compiles - before, seconds
 
     def run(self) -> dict[int, Completion]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dflash.models.config import DecoderConfig
@@ -126,6 +127,7 @@ class DraftCache:
     ring_pos: jax.Array
     sliding: tuple[bool, ...] = dataclasses.field(metadata={"static": True})
     window: int = dataclasses.field(metadata={"static": True})
+    rows: jax.Array | None = None  # a view of some slots (`take_rows`): the batch row of each view row, B = none
 
     @classmethod
     def create(cls, arch: DrafterArch, batch: int, max_len: int, dtype: Any = jnp.float32) -> DraftCache:
@@ -137,21 +139,38 @@ class DraftCache:
         return cls(jnp.zeros(full, dtype), jnp.zeros(full, dtype), jnp.zeros(windowed, dtype),
                    jnp.zeros(windowed, dtype), jnp.full((batch, ring), -1, jnp.int32), sliding, arch.sliding_window)
 
-    def kv(self) -> list[KV]:
-        """Per-layer context (k, v) [B, S_l, Hk, Dh]: the full cache of a full layer, the ring of a sliding one."""
+    def _rows(self, x: jax.Array, axis: int) -> jax.Array:
+        """x's rows along its batch `axis` as this cache's rows (a view's: gathered, a missing row reads row B-1)."""
+        if self.rows is None:
+            return x
+        return jnp.take(x, self.rows, axis=axis, mode="clip")
+
+    def _batch_rows(self, rows_B: jax.Array) -> jax.Array:
+        """The batch rows of the arrays that rows `rows_B` of this cache (of a view: its rows) write to."""
+        return rows_B if self.rows is None else self.rows[rows_B]
+
+    def kv(self, span: int | None = None) -> list[KV]:
+        """Per-layer context (k, v) [B, S_l, Hk, Dh]: the first `span` slots (default all) of a full layer's
+        cache, the ring of a sliding one."""
         full, ring = iter(range(self.k.shape[0])), iter(range(self.wk.shape[0]))
-        return [(self.wk[i], self.wv[i]) if s else (self.k[i], self.v[i])
-                for s, i in ((s, next(ring) if s else next(full)) for s in self.sliding)]
+        out = []
+        for s in self.sliding:
+            if s:
+                i = next(ring)
+                out.append((self._rows(self.wk[i], 0), self._rows(self.wv[i], 0)))
+            else:
+                i = next(full)
+                out.append((self._rows(self.k[i, :, :span], 0), self._rows(self.v[i, :, :span], 0)))
+        return out
 
     def visible(self, lengths_B: jax.Array, span: int | None = None) -> tuple[list[KV], list[jax.Array]]:
         """(per-layer context (k, v), per-layer valid [B, S_l]) for blocks at positions `lengths_B`: a full
         layer the first `span` slots (default all) below L, a sliding layer the ring slots holding L-W .. L-1."""
         span = self.k.shape[2] if span is None else min(span, self.k.shape[2])
         full_valid = jnp.arange(span)[None, :] < lengths_B[:, None]
-        pos, lengths = self.ring_pos, lengths_B[:, None]
+        pos, lengths = self._rows(self.ring_pos, 0), lengths_B[:, None]
         ring_valid = (pos >= 0) & (pos < lengths) & (pos >= lengths - self.window)
-        kv = [(k, v) if s else (k[:, :span], v[:, :span]) for (k, v), s in zip(self.kv(), self.sliding, strict=True)]
-        return kv, [ring_valid if s else full_valid for s in self.sliding]
+        return self.kv(span), [ring_valid if s else full_valid for s in self.sliding]
 
     def write(self, new_kv: list[KV], starts_B: jax.Array, rows_B: jax.Array | None = None,
               counts_B: jax.Array | None = None) -> DraftCache:
@@ -162,7 +181,7 @@ class DraftCache:
         are emptied when the prefill starts at 0, forgetting what the slot held before (a later chunk of a chunked
         prefill keeps the earlier chunks' positions)."""
         b, t = new_kv[0][0].shape[:2]
-        rows_B = jnp.arange(b) if rows_B is None else rows_B
+        rows_B = self._batch_rows(jnp.arange(b) if rows_B is None else rows_B)  # B (a view's missing row): dropped
         full_kv = [kv for kv, s in zip(new_kv, self.sliding, strict=True) if not s]
         ring_kv = [kv for kv, s in zip(new_kv, self.sliding, strict=True) if s]
         k, v = self.k, self.v
@@ -183,12 +202,13 @@ class DraftCache:
             new_k = gather(jnp.stack([x for x, _ in ring_kv]).astype(wk.dtype))
             new_v = gather(jnp.stack([x for _, x in ring_kv]).astype(wv.dtype))
             keep = take_BxR[None, :, :, None, None]
-            wk = wk.at[:, rows_B].set(jnp.where(keep, new_k, wk[:, rows_B]))
-            wv = wv.at[:, rows_B].set(jnp.where(keep, new_v, wv[:, rows_B]))
-            old_pos = pos[rows_B]
+            old_k, old_v = (jnp.take(w, rows_B, axis=1, mode="clip") for w in (wk, wv))
+            wk = wk.at[:, rows_B].set(jnp.where(keep, new_k, old_k), mode="drop")
+            wv = wv.at[:, rows_B].set(jnp.where(keep, new_v, old_v), mode="drop")
+            old_pos = jnp.take(pos, rows_B, axis=0, mode="clip")
             if counts_B is not None:  # a prefill: its first chunk (start 0) forgets the slot's previous request
                 old_pos = jnp.where(starts_B[:, None] == 0, -1, old_pos)
-            pos = pos.at[rows_B].set(jnp.where(take_BxR, held_BxR, old_pos))
+            pos = pos.at[rows_B].set(jnp.where(take_BxR, held_BxR, old_pos), mode="drop")
         return dataclasses.replace(self, k=k, v=v, wk=wk, wv=wv, ring_pos=pos)
 
 
@@ -205,6 +225,65 @@ class SpecState:
     active: jax.Array
     rng: jax.Array
     sampling: SamplingRows
+
+
+@functools.partial(jax.jit, static_argnames=("park",))
+def gather_rows(leaves: tuple[Any, ...], rows_b: jax.Array, park: int) -> tuple[Any, ...]:
+    """`take_rows`'s gather: (lengths, target lengths, pending, key, sampling rules, page table) at rows `rows_b`,
+    with the view's `active`; a missing row (B) is inactive, parked at `park` and on the null page."""
+    lengths, target_lengths, pending, rng, sampling, table = leaves
+    valid = rows_b < lengths.shape[0]
+    lengths, target_lengths, pending, rng, sampling, table = jax.tree.map(
+        lambda x: jnp.take(x, rows_b, axis=0, mode="clip"), leaves)
+    return (jnp.where(valid, lengths, park), jnp.where(valid, target_lengths, park), pending, valid, rng, sampling,
+            jnp.where(valid[:, None], table, NULL_PAGE))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def scatter_rows(full: tuple[jax.Array, ...], view: tuple[jax.Array, ...], rows_b: jax.Array) -> tuple[jax.Array, ...]:
+    """`put_rows`'s scatter: the view's per-slot leaves written back at rows `rows_b` (a missing row, B, dropped)."""
+    return tuple(f.at[rows_b].set(v, mode="drop") for f, v in zip(full, view, strict=True))
+
+
+def step_leaves(state: SpecState) -> tuple[jax.Array, ...]:
+    """The per-slot leaves a decode step changes: committed lengths (of both caches), pending token, active, key."""
+    return state.lengths, state.target.lengths, state.pending, state.active, state.rng
+
+
+def take_rows(state: SpecState, rows_b: np.ndarray) -> SpecState:
+    """A view of `state` holding only the slots `rows_b` [b] (int32; B marks a missing row, which pads b to a
+    bucket), for a decode step that computes b rows instead of B: the per-slot leaves (lengths, pending token,
+    key, sampling rule, page-table row) gathered; the big arrays shared, not copied: the paged pool as it is
+    (pages are global), the draft cache's arrays read and written at the view's rows (`DraftCache.rows`). A missing
+    row is inactive, its lengths parked past the cache and its table on the null page, so it writes nothing. Each
+    row of the view is active. `put_rows` writes the step's result back."""
+    rows = np.asarray(rows_b, np.int32)
+    lengths, target_lengths, pending, active, rng, sampling, table = gather_rows(
+        (state.lengths, state.target.lengths, state.pending, state.rng, state.sampling, state.target.page_table),
+        jnp.asarray(rows), park=state.target.capacity)
+    target = dataclasses.replace(state.target, page_table=table, lengths=target_lengths)
+    draft = None if state.draft is None else dataclasses.replace(state.draft, rows=jnp.asarray(rows))
+    return SpecState(target, draft, lengths, pending, active, rng, sampling)
+
+
+def view_slots(state: SpecState) -> np.ndarray:
+    """The slot of each row of a step's state (`take_rows`'s view: the running slots in increasing order, then B for
+    the rows padding the bucket; a state that is no view: 0 .. B-1). What a test's drafts hook (`plan.Chain.drafts`)
+    reads to know whose row it drafts."""
+    if state.draft is not None and state.draft.rows is not None:
+        return np.asarray(state.draft.rows)
+    return np.arange(state.lengths.shape[0])
+
+
+def put_rows(state: SpecState, view: SpecState, rows_b: np.ndarray) -> SpecState:
+    """`state` after a decode step over its view `take_rows(state, rows_b)` returned `view`: the view's per-slot
+    leaves written back at their slots, its caches' big arrays taken as they are (the step donated the view, and
+    with it `state`'s caches: only `state`'s per-slot leaves are read here, and donated)."""
+    lengths, target_lengths, pending, active, rng = scatter_rows(step_leaves(state), step_leaves(view),
+                                                                  jnp.asarray(rows_b, jnp.int32))
+    target = dataclasses.replace(view.target, page_table=state.target.page_table, lengths=target_lengths)
+    draft = None if view.draft is None else dataclasses.replace(view.draft, rows=None)
+    return SpecState(target, draft, lengths, pending, active, rng, state.sampling)
 
 
 @jax.tree_util.register_dataclass
@@ -634,16 +713,22 @@ __all__ = [
     "draft_logits",
     "empty_state",
     "first_argmax",
+    "gather_rows",
     "prefill",
     "prefill_chunk",
     "prefill_logprobs",
     "propose",
+    "put_rows",
     "residual_logprobs",
     "run_steps",
     "sampled_drafts",
+    "scatter_rows",
     "span_pages",
     "step_keys",
+    "step_leaves",
     "sync_page_table",
+    "take_rows",
     "verify",
     "verify_logprobs",
+    "view_slots",
 ]

@@ -76,9 +76,9 @@ class Job:
 class EngineWorker:
     """Runs the engine on its own thread; `submit` and `cancel` are safe to call from any thread.
 
-    The engine thread admits submitted requests between steps and, after every step, publishes each
-    request's newly stable text on its job's queue (then None when it finished), and updates the Prometheus
-    metrics in `registry`.
+    The engine thread admits submitted requests between steps and, after every step (and after an admission, so
+    that a first token never waits for the running requests' next decode dispatch), publishes each request's newly
+    stable text on its job's queue (then None when it finished), and updates the Prometheus metrics in `registry`.
     """
 
     def __init__(self, engine: Engine):
@@ -176,7 +176,9 @@ class EngineWorker:
             self._cancel_gone()
             if self.engine.busy:
                 try:
-                    self.engine.step()
+                    if self.engine.admit():  # a request started: its first token goes out before the next decode
+                        self._publish()
+                    self.engine.decode()
                 except Exception as err:  # noqa: BLE001 - any engine failure must end the waiting requests
                     log.exception("engine step failed; failing the requests in flight and resetting the engine")
                     self._fail_all(f"the engine failed ({type(err).__name__}: {err}); the request was dropped")

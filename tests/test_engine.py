@@ -11,6 +11,7 @@ from conftest import ALONE_LEN, ALONE_SLOTS, ar_alone, decode_alone, tiny_engine
 from dflash.serve.engine import Engine, RequestRejected
 from dflash.serve.plan import AR, Chain, Limits
 from dflash.serve.sampling import SamplingConfig
+from dflash.serve.speculative import view_slots
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
@@ -264,10 +265,13 @@ def test_compiled_shapes_are_logged_and_bounded(setup, caplog):
     assert prefills == [(1, 16), (1, 64), (3, 32)]
     # verify: one program per power-of-two span of 16-token pages; the longest request (33 + 17 tokens + K)
     # needs 4 pages, so the spans seen are 1, 2 and 4 at most (prompts start at 2..33 tokens).
-    spans = sorted(s[3] for s in engine.compiled_shapes if s[0] == "verify")
-    assert {s[1:3] for s in engine.compiled_shapes if s[0] == "verify"} == {(3, 4)}
-    assert set(spans) <= {1, 2, 4} and 4 in spans
-    assert sum("engine: first" in r.message for r in caplog.records) == len(engine.compiled_shapes) == 3 + len(spans)
+    # Each step computes the smallest bucket of rows holding the running requests (1, 2, then the 3 slots): three
+    # together first, one alone at the end.
+    verifies = {s[1:] for s in engine.compiled_shapes if s[0] == "verify"}
+    assert {b for b, _, _ in verifies} == {1, 2, 3} and {k for _, k, _ in verifies} == {4}
+    spans = {s for _, _, s in verifies}
+    assert spans <= {1, 2, 4} and 4 in spans
+    assert sum("engine: first" in r.message for r in caplog.records) == len(engine.compiled_shapes) == 3 + len(verifies)
 
 
 def test_cancel_frees_the_slot_and_its_pages_and_spares_the_neighbours(setup):
@@ -349,9 +353,10 @@ def test_logprobs_are_the_targets_own_for_greedy_and_sampled_requests(setup, blo
     def oracle(state, k):  # drafts from the greedy continuation: whole blocks accepted, sampled rows mixed
         lengths = np.asarray(state.lengths)
         drafts = np.zeros((len(lengths), k - 1), np.int32)
-        for slot, request in engine.running.items():
-            seq = greedy[tuple(request.prompt_ids)][lengths[slot] + 1:lengths[slot] + k]
-            drafts[slot, :len(seq)] = seq
+        for row, slot in enumerate(view_slots(state)):
+            if slot in engine.running:  # else a row padding the step's bucket
+                seq = greedy[tuple(engine.running[slot].prompt_ids)][lengths[row] + 1:lengths[row] + k]
+                drafts[row, :len(seq)] = seq
         return drafts
 
     engine = Engine(target_params, target_cfg, drafter, Chain(block_size, drafts=oracle) if block_size else AR(),

@@ -20,6 +20,7 @@ from dflash.models.drafter import DFlashDrafter, DraftVocab
 from dflash.serve.engine import decode
 from dflash.serve.plan import Chain, Limits
 from dflash.serve.sampling import SamplingConfig
+from dflash.serve.speculative import view_slots
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
@@ -41,9 +42,12 @@ def setup():
 def _oracle(prompts, ar, wrong: bool):
     """Drafts read from the AR reference (right, or each shifted by one: always wrong)."""
     def draft(state, k):
-        lengths = np.asarray(state.lengths)
-        out = np.zeros((len(prompts), k - 1), np.int32)
-        for b, (p, ref) in enumerate(zip(prompts, ar, strict=True)):
+        lengths, slots = np.asarray(state.lengths), view_slots(state)  # the step's rows: decode's slot i, prompt i
+        out = np.zeros((len(slots), k - 1), np.int32)
+        for b, slot in enumerate(slots):
+            if slot >= len(prompts):
+                continue  # a row padding the step's bucket
+            p, ref = prompts[slot], ar[slot]
             done = int(lengths[b]) - len(p)  # tokens of ref already committed; ref[done] is pending
             if done < 0:
                 continue  # a finished (inactive) slot: its drafts are ignored

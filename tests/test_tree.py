@@ -20,6 +20,7 @@ from dflash.serve.engine import Engine, decode
 from dflash.serve.lookup import append_history, lookup_paths, ngram_continuation
 from dflash.serve.plan import Limits, Lookup, Tree
 from dflash.serve.sampling import SamplingConfig
+from dflash.serve.speculative import view_slots
 from dflash.serve.tree import build_tree
 
 TRAIN_K = 8
@@ -114,10 +115,10 @@ def _oracle_lists(prompts, ar):
         ids = np.zeros((len(pending), k - 1, m), np.int32)
         logp = np.full((len(pending), k - 1, m), -30.0, np.float32)
         logp[:, :, 0], logp[:, :, 1], logp[:, :, 2:] = -0.69, -0.70, -20.0
-        for b in range(len(pending)):
+        for b, slot in enumerate(view_slots(state)):  # the step's rows: decode's slot i holds prompt i
             ids[b] = np.arange(m)[None, :] + 100
-            done = int(lengths[b]) - len(prompts[b % len(prompts)])
-            ref = ar[b % len(ar)]
+            done = int(lengths[b]) - len(prompts[slot % len(prompts)])
+            ref = ar[slot % len(ar)]
             for i in range(1, k):
                 right = ref[done + i] if 0 <= done and done + i < len(ref) else 0
                 ids[b, i - 1, 0], ids[b, i - 1, 1] = (right + 1) % 256, right
