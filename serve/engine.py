@@ -35,7 +35,7 @@ import hashlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -127,13 +127,17 @@ class Engine:
 
     def __init__(self, target_params: Params, target_cfg: DecoderConfig, drafter: DFlashDrafter | None,
                  plan: DecodePlan, limits: Limits, *, sampling: SamplingConfig | None = None,
-                 detokenize: Detokenize | None = None, devices: Sequence[Any] | None = None):
+                 detokenize: Detokenize | None = None, devices: Sequence[Any] | None = None,
+                 oracle: Mapping[tuple[int, ...], Sequence[int]] | None = None):
         """drafter: what the plan drafts with (unused by AR and prompt lookup alone); plan: checked against the
         drafter here (`Plan.check`); sampling: the default rule of requests that bring none (None: greedy);
         detokenize: ids -> text, needed for stop strings; devices: the `limits.devices` devices the engine holds
-        (default: the first local ones; e.g. one group of a host's chips per regeneration replica)."""
+        (default: the first local ones; e.g. one group of a host's chips per regeneration replica); oracle: the
+        oracle-ceiling benchmark only (`benchmarks/oracle_ceiling.py`, D92): prompt ids -> their greedy
+        continuation, which the drafter's drafts are replaced by for greedy requests with these prompts (every
+        draft accepted, each step still paying the drafter's forward)."""
         plan.check(drafter)
-        self.plan, self.limits = plan, limits
+        self.plan, self.limits, self.oracle = plan, limits, oracle
         drafter = drafter if plan.drafts_with_drafter else None
         self.mesh = _engine_mesh(limits.devices, devices)
         self.models = _placed(Models.of(target_params, target_cfg, drafter), self.mesh)
@@ -210,9 +214,11 @@ class Engine:
         self.table = PageTable(self.pool, limits.slots, limits.max_pages)
         self.lengths = np.zeros(limits.slots, np.int64)  # committed tokens per slot, mirrored on the host
         state = empty_state(self.models.target_cfg, self.arch, limits.slots, limits.max_len, limits.pages,
-                            limits.page_size, self.models.target_params["embed"].dtype)
+                            limits.page_size, self.models.target_params["embed"].dtype, self.oracle is not None)
         self.state: SpecState = state if self.mesh is None else place(state, CACHE_RULES, self.mesh)
         self._table_version = 0  # the table version on the device
+        self._oracle_rows = None if self.oracle is None else np.full((limits.slots, limits.max_len), -1, np.int32)
+        self._oracle_stale = False  # the oracle rows changed since their upload
 
     def reset(self) -> None:
         """Drop every queued, running and unread finished request and start from empty slots (e.g. after a
@@ -229,6 +235,11 @@ class Engine:
 
     def _sync_table(self) -> None:
         self.state, self._table_version = sync_page_table(self.state, self.table, self._table_version)
+        if self._oracle_stale:  # placed like the table it replaces, as the page table is
+            rows = jnp.asarray(self._oracle_rows)
+            if getattr(self.state.oracle, "committed", False):
+                rows = jax.device_put(rows, self.state.oracle.sharding)
+            self.state, self._oracle_stale = dataclasses.replace(self.state, oracle=rows), False
 
     @property
     def busy(self) -> bool:
@@ -395,6 +406,11 @@ class Engine:
     def _start(self, slot: int, request: Completion, first: int, scores: TokenLogprobs | None) -> None:
         """A prefilled request starts running: its first token is emitted (and its prompt's scores kept)."""
         n = len(request.prompt_ids)
+        if self.oracle is not None:  # the benchmark's oracle: the slot's known sequence, uploaded before its steps
+            known = [*request.prompt_ids, *self.oracle.get(tuple(request.prompt_ids), ())][:self.max_len]
+            self._oracle_rows[slot] = -1
+            self._oracle_rows[slot, :len(known)] = known
+            self._oracle_stale = True
         self.lengths[slot] = n
         request.first_token_s = time.perf_counter()
         self.running[slot] = request

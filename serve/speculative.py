@@ -216,7 +216,11 @@ class DraftCache:
 @dataclasses.dataclass(frozen=True)
 class SpecState:
     """Decoding state of B slots: caches (no draft cache in AR mode), committed lengths L [B], pending token
-    [B], active [B], one key per slot [B, 2], and each slot's sampling rule (temperature 0 = greedy)."""
+    [B], active [B], one key per slot [B, 2], and each slot's sampling rule (temperature 0 = greedy).
+
+    oracle [B, T] (the oracle-ceiling benchmark only, else None): each slot's whole expected sequence, prompt and
+    greedy continuation (-1 where unknown); greedy rows then draft it (`oracle_drafts`), so every draft is
+    accepted while a step still costs what the drafter's costs (D92)."""
 
     target: PagedKVCache
     draft: DraftCache | None
@@ -225,6 +229,7 @@ class SpecState:
     active: jax.Array
     rng: jax.Array
     sampling: SamplingRows
+    oracle: jax.Array | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("park",))
@@ -263,7 +268,9 @@ def take_rows(state: SpecState, rows_b: np.ndarray) -> SpecState:
         jnp.asarray(rows), park=state.target.capacity)
     target = dataclasses.replace(state.target, page_table=table, lengths=target_lengths)
     draft = None if state.draft is None else dataclasses.replace(state.draft, rows=jnp.asarray(rows))
-    return SpecState(target, draft, lengths, pending, active, rng, sampling)
+    oracle = None if state.oracle is None else jnp.take(state.oracle, jnp.asarray(rows), axis=0, mode="fill",
+                                                          fill_value=-1)
+    return SpecState(target, draft, lengths, pending, active, rng, sampling, oracle)
 
 
 def view_slots(state: SpecState) -> np.ndarray:
@@ -283,7 +290,7 @@ def put_rows(state: SpecState, view: SpecState, rows_b: np.ndarray) -> SpecState
                                                                   jnp.asarray(rows_b, jnp.int32))
     target = dataclasses.replace(view.target, page_table=state.target.page_table, lengths=target_lengths)
     draft = None if view.draft is None else dataclasses.replace(view.draft, rows=None)
-    return SpecState(target, draft, lengths, pending, active, rng, state.sampling)
+    return SpecState(target, draft, lengths, pending, active, rng, state.sampling, state.oracle)
 
 
 @jax.tree_util.register_dataclass
@@ -319,13 +326,33 @@ class TokenLogprobs:
 
 
 def empty_state(target_cfg: DecoderConfig, arch: DrafterArch | None, batch: int, max_len: int, num_pages: int,
-                page_size: int, dtype: Any = jnp.float32) -> SpecState:
+                page_size: int, dtype: Any = jnp.float32, oracle: bool = False) -> SpecState:
     """B empty, inactive slots: a paged target cache of `num_pages` pages (the null page included) whose
-    tables hold ceil(max_len / page_size) pages per slot; a draft cache [.., max_len, ..] unless AR."""
+    tables hold ceil(max_len / page_size) pages per slot; a draft cache [.., max_len, ..] unless AR; with
+    `oracle`, an empty oracle table [B, max_len]."""
     target = PagedKVCache.create(target_cfg, batch, -(-max_len // page_size), num_pages, page_size, dtype)
     draft = None if arch is None else DraftCache.create(arch, batch, max_len)
     return SpecState(target, draft, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32),
-                     jnp.zeros((batch,), bool), jnp.zeros((batch, 2), jnp.uint32), SamplingRows.of([None] * batch))
+                     jnp.zeros((batch,), bool), jnp.zeros((batch, 2), jnp.uint32), SamplingRows.of([None] * batch),
+                     jnp.full((batch, max_len), -1, jnp.int32) if oracle else None)
+
+
+def oracle_tokens(state: SpecState, d: int) -> tuple[jax.Array, jax.Array]:
+    """(tokens [B, d], use [B, d]): each slot's oracle sequence (`SpecState.oracle`) at positions L + 1 .. L + d,
+    and where a perfect drafter proposes them: the greedy rows' known positions."""
+    positions = state.lengths[:, None] + 1 + jnp.arange(d)[None, :]
+    known = jnp.take_along_axis(state.oracle, jnp.clip(positions, 0, state.oracle.shape[1] - 1), axis=1)
+    known = jnp.where(positions < state.oracle.shape[1], known, -1)
+    return known, (known >= 0) & state.sampling.greedy[:, None]
+
+
+def oracle_drafts(state: SpecState, drafts_BxD: jax.Array) -> jax.Array:
+    """`drafts_BxD` [B, K - 1] with each greedy row's known tokens of its oracle sequence in their place
+    (`oracle_tokens`; unchanged without an oracle): what a perfect drafter proposes."""
+    if state.oracle is None:
+        return drafts_BxD
+    known, use = oracle_tokens(state, drafts_BxD.shape[1])
+    return jnp.where(use, known, drafts_BxD).astype(drafts_BxD.dtype)
 
 
 def span_pages(max_tokens: int, page_size: int, max_pages: int) -> int:
@@ -398,10 +425,11 @@ def _prefill(models: Models, state: SpecState, new: Admission, logprobs: bool, s
     if logprobs:  # position i scores the token after it: prompt token i + 1, then the first generated token
         following = jnp.pad(new.tokens[:, 1:], ((0, 0), (0, 1))).at[jnp.arange(r), num_valid - 1].set(pending)
         scores = TokenLogprobs.of(logits, following)
-    return SpecState(target, draft, state.lengths.at[new.slots].set(starts_R + num_valid, mode="drop"),
-                     state.pending.at[new.slots].set(pending, mode="drop"),
-                     state.active.at[new.slots].set(True, mode="drop"), state.rng.at[new.slots].set(rng, mode="drop"),
-                     state.sampling.set(new.slots, new.sampling)), scores
+    return dataclasses.replace(
+        state, target=target, draft=draft, lengths=state.lengths.at[new.slots].set(starts_R + num_valid, mode="drop"),
+        pending=state.pending.at[new.slots].set(pending, mode="drop"),
+        active=state.active.at[new.slots].set(True, mode="drop"), rng=state.rng.at[new.slots].set(rng, mode="drop"),
+        sampling=state.sampling.set(new.slots, new.sampling)), scores
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -449,10 +477,11 @@ def propose(models: Models, state: SpecState, block_size: int, span: int | None 
     drafter = models.drafter()
     hidden = draft_hidden(models, drafter, state, block_size, span)
     if sample:  # a path-selector drafter is refused by the plan (`plan.Chain.check`)
-        return sampled_drafts(models, hidden[:, 1:], state)
+        drafts, law = sampled_drafts(models, hidden[:, 1:], state)
+        return oracle_drafts(state, drafts), law  # (the oracle drafts greedy rows only)
     if drafter.candidate_selector is not None:
-        return selector_drafts(models, drafter, hidden[:, 1:], state.pending)
-    return argmax_drafts(models, hidden[:, 1:])
+        return oracle_drafts(state, selector_drafts(models, drafter, hidden[:, 1:], state.pending))
+    return oracle_drafts(state, argmax_drafts(models, hidden[:, 1:]))
 
 
 def draft_hidden(models: Models, drafter: DFlashDrafter, state: SpecState, block_size: int,
@@ -613,8 +642,8 @@ def _verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_page
     out = jnp.where(idx == n[:, None], bonus[:, None], out)
     new_len = jnp.where(state.active, state.lengths + n + 1, state.lengths)
     draft = _add_context(drafter, state.draft, feats, state.lengths)  # slots >= new_len stay invisible
-    new_state = SpecState(cache.rollback(new_len), draft, new_len, jnp.where(state.active, bonus, state.pending),
-                          state.active, rng, state.sampling)
+    new_state = dataclasses.replace(state, target=cache.rollback(new_len), draft=draft, lengths=new_len,
+                                    pending=jnp.where(state.active, bonus, state.pending), rng=rng)
     # logits[:, i] follows block token i, and out[:, i] is the token emitted after it (for i <= n)
     return new_state, out, n, TokenLogprobs.of(logits, out) if logprobs else None
 
@@ -714,6 +743,8 @@ __all__ = [
     "empty_state",
     "first_argmax",
     "gather_rows",
+    "oracle_drafts",
+    "oracle_tokens",
     "prefill",
     "prefill_chunk",
     "prefill_logprobs",

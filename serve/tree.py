@@ -65,6 +65,7 @@ from dflash.serve.speculative import (
     draft_hidden,
     draft_logits,
     first_argmax,
+    oracle_tokens,
     run_steps,
     step_keys,
 )
@@ -110,7 +111,15 @@ def propose_topk(models: Models, state: SpecState, block_size: int, m: int, span
     (`rank_drafts`). A path-selector drafter, whose positions are not independent, is refused by the plan
     (`plan.Tree.check`)."""
     hidden = draft_hidden(models, models.drafter(), state, block_size, span)
-    return rank_drafts(draft_logits(models, hidden[:, 1:]), state, m, models.draft_ids, sample)
+    ranked = rank_drafts(draft_logits(models, hidden[:, 1:]), state, m, models.draft_ids, sample)
+    if state.oracle is None:
+        return ranked
+    # The oracle benchmark: each greedy row's first choice at every depth is its known token, certain (log p 0), so
+    # the best-first tree holds the whole known path, and its other nodes as the drafter ranks them.
+    ids, logp, *law = ranked
+    known, use = oracle_tokens(state, ids.shape[1])
+    return (ids.at[:, :, 0].set(jnp.where(use, known, ids[:, :, 0])),
+            logp.at[:, :, 0].set(jnp.where(use, 0.0, logp[:, :, 0])), *law)
 
 
 def rank_drafts(logits_BxDxV: jax.Array, state: SpecState, m: int, draft_ids: jax.Array | None = None,
@@ -392,8 +401,9 @@ def _verify_tree(models: Models, state: SpecState, tree: Tree, block_size: int, 
     new_len = jnp.where(state.active, state.lengths + n + 1, state.lengths)
     path_feats = None if feats is None else jnp.take_along_axis(feats, path[None, :, :, None], axis=2)
     draft = _add_context(drafter, state.draft, path_feats, state.lengths)  # slots >= new_len stay invisible
-    new_state = SpecState(cache.rollback(new_len), draft, new_len, jnp.where(state.active, bonus, state.pending),
-                          state.active, jnp.where(state.active[:, None], rng, state.rng), state.sampling)
+    new_state = dataclasses.replace(state, target=cache.rollback(new_len), draft=draft, lengths=new_len,
+                                    pending=jnp.where(state.active, bonus, state.pending),
+                                    rng=jnp.where(state.active[:, None], rng, state.rng))
     scores = None
     if logprobs:
         scores = TokenLogprobs.of(jnp.take_along_axis(logits, path[:, :, None], axis=1), out)

@@ -17,8 +17,8 @@ from conftest import ar_alone, tiny_engine_models
 from flax import nnx
 
 from dflash.models.drafter import DFlashDrafter, DraftVocab
-from dflash.serve.engine import decode
-from dflash.serve.plan import Chain, Limits
+from dflash.serve.engine import Engine, decode
+from dflash.serve.plan import Chain, Limits, Tree
 from dflash.serve.sampling import SamplingConfig
 from dflash.serve.speculative import view_slots
 
@@ -367,3 +367,26 @@ def test_first_argmax_and_categorical_are_jax_s_own():
     theirs = jax.jit(jax.vmap(jax.random.categorical))(keys, logits)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     assert ours.dtype == jnp.int32 and np.isfinite(np.asarray(logits)[np.arange(200), np.asarray(ours)]).all()
+
+
+@pytest.mark.parametrize("plan", [Chain(8), Tree(8, 10)], ids=["chain", "tree"])
+def test_oracle_drafts_the_greedy_continuation_in_the_device_loop(setup, plan):
+    """The oracle-ceiling benchmark's engine (D92): greedy requests whose prompts it knows draft their AR
+    continuation inside the device loop, so every step of the chain or the tree accepts all K-1 drafts (the last may
+    stop at the budget); the output is AR's. Control: the untrained drafter's own drafts are mostly rejected."""
+    target_cfg, target_params, drafter, prompts, ar = setup
+    known = {tuple(int(t) for t in p): ref for p, ref in zip(prompts[:3], ar, strict=False)}  # not prompt 3's
+
+    def run(oracle):
+        engine = Engine(target_params, target_cfg, drafter, plan,
+                        Limits(slots=len(prompts), max_len=MAX_LEN, steps_per_dispatch=4), oracle=oracle)
+        ids = [engine.submit(p, NEW) for p in prompts]
+        done = engine.run()
+        return [done[i] for i in ids]
+
+    oracle_runs, plain = run(known), run(None)
+    for res, ref in zip(oracle_runs, ar, strict=True):
+        assert res.token_ids == ref
+    for res in oracle_runs[:3]:
+        assert all(a == 7 for a in res.accepted[:-1]) and len(res.accepted) == -(-(NEW - 1) // 8)
+    assert np.mean([a for r in [*plain, oracle_runs[3]] for a in r.accepted]) < 1  # its drafter's own: rejected

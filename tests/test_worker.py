@@ -99,7 +99,9 @@ def test_updates_stream_stable_text_refusals_are_synchronous_and_failures_stay_a
     assert _metric(metrics, "dflash_requests_total", status="200", finish_reason="length") == 2
     assert _metric(metrics, "dflash_requests_total", status="200", finish_reason="stop") == 1
     assert _metric(metrics, "dflash_running_requests") == 0 and _metric(metrics, "dflash_queue_depth") == 0
-    assert _metric(metrics, "dflash_time_to_first_token_seconds_count") == 3
+    # the three served, and the three doomed ones: each first token goes out after its prefill, before the decode
+    # step that fails
+    assert _metric(metrics, "dflash_time_to_first_token_seconds_count") == 6
     assert _metric(metrics, "dflash_e2e_request_latency_seconds_count") == 3
     assert _metric(metrics, "dflash_inter_token_latency_seconds_count") == sum(
         len(j.request.token_ids) - 1 for j in [*jobs, after])
