@@ -1,6 +1,7 @@
 """The engine at two commits, side by side: did a change slow decoding down?
 
-    .venv/bin/python benchmarks/engine_before_after.py --base REV [--rounds 4] [--new-tokens 128] [--write]
+    .venv/bin/python benchmarks/engine_before_after.py --base REV [--rounds 4] [--new-tokens 128]
+        [--slots 1] [--steps-per-dispatch 1] [--write]
 
 Checks out REV in a temporary git worktree and runs the same workload in it and in this tree, alternating (base,
 new, base, new, ...) so that drifts of the machine hit both alike. The workload builds the engine the way its side
@@ -10,7 +11,10 @@ slots=, max_len=, block_size=)`) and uses `submit`, `step`, `run`; it imports ea
 a random-init 2-layer K=8 drafter (seed 0; tau ~ 1, the cost of a DFlash step), one 64-token prompt, batch 1. Per
 side and round: decode tokens/s (the tokens after the first step over the time of the rest, so prefill and
 compilation are excluded), median of 5 timed runs after a warm-up, for AR (`block_size=None`) and DFlash K=8.
-`--write` records the table in docs/benchmarks.md.
+`--slots N` runs N requests (distinct 64-token prompts) on an engine of N slots instead: the throughput of a full
+server (the tokens of all N after the first step, over the time of the rest); `--steps-per-dispatch R` sizes the
+device loop (`dflash serve`'s default is 4). `--write` records the table in docs/benchmarks.md (a section per slot
+count).
 """
 
 from __future__ import annotations
@@ -50,10 +54,11 @@ WORKLOAD = textwrap.dedent("""
         try:
             from dflash.serve.plan import AR, Chain, Limits
         except ImportError:  # before D68
-            return Engine(target.params, target.cfg, drafter, slots=1, max_len=1024, block_size=k)
+            return Engine(target.params, target.cfg, drafter, slots=slots, max_len=1024, block_size=k)
         plan = AR() if k is None else Chain(k)
-        return Engine(target.params, target.cfg, drafter, plan, Limits(slots=1, max_len=1024))
-    new_tokens = int(sys.argv[2])
+        return Engine(target.params, target.cfg, drafter, plan,
+                      Limits(slots=slots, max_len=1024, steps_per_dispatch=dispatch))
+    new_tokens, slots, dispatch = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=1024))
     mask = default_mask_token_id(target.tokenizer, target.cfg)
     drafter = DFlashDrafter(resolve_drafter(DrafterConfig(num_layers=2, block_size=8), target.cfg, mask), nnx.Rngs(0))
@@ -62,7 +67,8 @@ WORKLOAD = textwrap.dedent("""
         rates = []
         for rep in range(6):
             engine = engine_at(k)
-            engine.submit(list(range(100, 164)), new_tokens)
+            for i in range(slots):
+                engine.submit(list(range(100 + i, 164 + i)), new_tokens)
             engine.step()
             first = sum(len(c.token_ids) for c in engine.running.values())
             t0 = time.perf_counter()
@@ -75,9 +81,9 @@ WORKLOAD = textwrap.dedent("""
 """)
 
 
-def run_side(tree: Path, new_tokens: int) -> dict[str, float]:
-    done = subprocess.run([sys.executable, "-c", WORKLOAD, str(tree), str(new_tokens)], cwd=tree,
-                          capture_output=True, text=True, timeout=1800)
+def run_side(tree: Path, new_tokens: int, slots: int, dispatch: int) -> dict[str, float]:
+    done = subprocess.run([sys.executable, "-c", WORKLOAD, str(tree), str(new_tokens), str(slots), str(dispatch)],
+                          cwd=tree, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"the workload failed in {tree}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -88,6 +94,8 @@ def main() -> None:
     parser.add_argument("--base", required=True, help="the commit to compare against (e.g. HEAD~3, a hash)")
     parser.add_argument("--rounds", type=int, default=4, help="alternating base/new rounds (default 4)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per request (default 128)")
+    parser.add_argument("--slots", type=int, default=1, help="requests at once on an engine of this many slots")
+    parser.add_argument("--steps-per-dispatch", type=int, default=1, help="the engine's device loop (default 1)")
     parser.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
     args = parser.parse_args()
     from benchmarks._report import machine, write_section
@@ -104,7 +112,8 @@ def main() -> None:
         try:
             rounds = []
             for i in range(args.rounds):
-                base, new = run_side(base_tree, args.new_tokens), run_side(ROOT, args.new_tokens)
+                base = run_side(base_tree, args.new_tokens, args.slots, args.steps_per_dispatch)
+                new = run_side(ROOT, args.new_tokens, args.slots, args.steps_per_dispatch)
                 rounds.append((base, new))
                 print(f"round {i + 1}: base {base}  new {new}", flush=True)
         finally:
@@ -121,13 +130,18 @@ def main() -> None:
     print("\n".join(lines))
     if args.write:
         command = shlex.join([".venv/bin/python", "benchmarks/engine_before_after.py", *sys.argv[1:]])
-        write_section("Engine before / after a change", "\n".join([
-            "## Engine before / after a change",
+        full = args.slots > 1
+        title = "Engine before / after a change" + (f", a full server of {args.slots} slots" if full else "")
+        workload = (f"{args.slots} requests at once on an engine of {args.slots} slots (distinct 64-token prompts), "
+                    f"{args.steps_per_dispatch} steps per dispatch: decode tokens/s of all of them" if full else
+                    "Decode tokens/s at batch 1 (prefill and compile excluded), one 64-token prompt")
+        write_section(title, "\n".join([
+            f"## {title}",
             "",
             f"`{command}` on {machine()}: base {base_rev} vs new {new_rev}, {args.rounds} alternating rounds, "
-            f"{(time.perf_counter() - t_start) / 60:.0f} min. Decode tokens/s at batch 1 (prefill and compile "
-            f"excluded), one 64-token prompt, {args.new_tokens} new tokens, median of 5 runs per side and round; "
-            "DFlash with a random-init 2-layer K=8 drafter (tau ~ 1: the cost of a step, not a speedup).",
+            f"{(time.perf_counter() - t_start) / 60:.0f} min. {workload}, {args.new_tokens} new tokens each, median "
+            "of 5 runs per side and round (prefill and compile excluded); DFlash with a random-init 2-layer K=8 "
+            "drafter (tau ~ 1: the cost of a step, not a speedup).",
             "",
             *lines,
             "",

@@ -99,14 +99,24 @@ def serve_in_process(target: Any, drafter: Any, plan: Any = None, *, slots: int,
     out, since the evaluation client never asks for them (a request that did would compile, and `dflash eval`
     would count it and fail)."""
     from dflash.serve.engine import Engine
-    from dflash.serve.http import make_server
     from dflash.serve.plan import Limits, default_plan
 
     plan = default_plan(drafter) if plan is None else plan
     engine = Engine(target.params, target.cfg, drafter, plan, Limits(slots=slots, max_len=max_len))
     if precompile:
         engine.precompile(logprobs=False)
-    server = make_server(engine, target.tokenizer, model_name, "127.0.0.1", 0)
+    with serve_engine(engine, target.tokenizer, model_name) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_engine(engine: Any, tokenizer: Any, model_name: str = "dflash") -> Iterator[str]:
+    """A real HTTP server over `engine` (`serve.engine.Engine`) in a thread of this process; yields its URL (a free
+    loopback port). Benchmarks that compare engines of other shapes over one loaded target build them and serve each
+    this way."""
+    from dflash.serve.http import make_server
+
+    server = make_server(engine, tokenizer, model_name, "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -116,4 +126,4 @@ def serve_in_process(target: Any, drafter: Any, plan: Any = None, *, slots: int,
         thread.join(timeout=30)
 
 
-__all__ = ["free_port", "serve_in_process", "serve_pair_subprocess", "serve_subprocess", "stop_process", "wait_healthy"]
+__all__ = ["free_port", "serve_engine", "serve_in_process", "serve_pair_subprocess", "serve_subprocess", "stop_process", "wait_healthy"]
