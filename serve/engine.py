@@ -9,9 +9,13 @@
 What a step drafts and how it verifies is the engine's decode plan (`serve.plan`: AR, a chain of K, a tree of N
 nodes, prompt lookup); what it holds is its `Limits`. Each step admits queued requests into free slots (those
 joining together prefilled in one call, straight into their slots' pages; with `prefill_chunk`, a long prompt one
-chunk per step), runs the plan's step over all slots (or up to R of them in one device loop), and emits each
-request's tokens; a request that hits a stop token, a stop string or its budget leaves at once and frees its slot
-and pages. Requests carry their own sampling rule and seed, so neighbours never change an output.
+chunk per step), runs the plan's step over the running requests (or up to R of them in one device loop), and emits
+each request's tokens; a request that hits a stop token, a stop string or its budget leaves at once and frees its
+slot and pages. Requests carry their own sampling rule and seed, so neighbours never change an output.
+
+Cost: a step computes only the running requests: a view of their slots (`speculative.take_rows`) padded to the
+smallest power-of-two bucket that holds them, so one request on a 64-slot engine costs what it costs on a 1-slot
+one; idle slots hold memory (their pages' share of the pool, their draft-cache rows), never compute (D95).
 
 Isolation: `submit` refuses (`RequestRejected`, naming the field) anything the device could not take
 (`requests.RequestRules`); a request whose host-side work fails (detokenizing, stop strings, log-probabilities)
@@ -24,7 +28,7 @@ Text: with `detokenize`, each request's `text` and `stable_text` are kept up to 
 Compiles: `compiles` counts the programs the engine's calls compiled (or loaded from the persistent compilation
 cache, `serve.compile_cache`; `loaded`); `precompile()` compiles every shape the engine can use ahead of time,
 after which no request compiles. Compiled shapes are also logged once each (`compiled_shapes`). Design and
-measurements: docs/decisions.md D13, D16, D68, D78.
+measurements: docs/decisions.md D13, D16, D68, D78, D95.
 """
 
 from __future__ import annotations
@@ -133,7 +137,7 @@ class Engine:
         drafter here (`Plan.check`); sampling: the default rule of requests that bring none (None: greedy);
         detokenize: ids -> text, needed for stop strings; devices: the `limits.devices` devices the engine holds
         (default: the first local ones; e.g. one group of a host's chips per regeneration replica); oracle: the
-        oracle-ceiling benchmark only (`benchmarks/oracle_ceiling.py`, D92): prompt ids -> their greedy
+        oracle-ceiling benchmark only (`benchmarks/oracle_ceiling.py`, D95): prompt ids -> their greedy
         continuation, which the drafter's drafts are replaced by for greedy requests with these prompts (every
         draft accepted, each step still paying the drafter's forward)."""
         plan.check(drafter)
@@ -533,7 +537,7 @@ class Engine:
 
     def bucket(self, n: int) -> int:
         """The rows a decode step over n running requests computes: a power of two, at most `slots` (the
-        precompiled buckets; D87)."""
+        precompiled buckets; D95)."""
         return min(bucket(n, minimum=1), self.slots)
 
     def _rows(self, slots: Sequence[int]) -> np.ndarray:

@@ -211,16 +211,16 @@ def _ask_openai(client, target) -> None:
 def test_an_engine_failure_gives_503_and_the_server_recovers(server, monkeypatch):
     srv, url, _ = server
     engine = srv.worker.engine
-    real_step = engine.step
+    real_decode = engine.decode  # the worker admits, publishes the first tokens, then decodes
     calls = {"n": 0}
 
-    def failing_step():
+    def failing_decode():
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated device fault")
-        return real_step()
+        return real_decode()
 
-    monkeypatch.setattr(engine, "step", failing_step)
+    monkeypatch.setattr(engine, "decode", failing_decode)
     bad = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3}, timeout=120)
     assert bad.status_code == 503 and "simulated device fault" in bad.json()["error"]["message"]
     ok = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3}, timeout=120)
