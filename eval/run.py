@@ -265,15 +265,17 @@ def warm_up(client: Client, items: Sequence[EvalItem], settings: EvalSettings) -
 
 
 def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, items: Sequence[EvalItem],
-            progress: bool = True, engines: dict[str, Engine] | None = None) -> list[dict[str, Any]]:
+            progress: bool = True, engines: dict[str, Engine] | None = None,
+            speculative: Sequence[str] = ("dflash",)) -> list[dict[str, Any]]:
     """Send `items` (the sets' conversations) to the servers of `clients` (mode -> client: "dflash", "ar" or
     both) at every concurrency; the records of both modes, old and new. `engines`: mode -> the engine serving it
-    (`eval.engines.engine_for`, which also set how its client sends requests; default: ours); the "dflash" mode's
-    speculative counts are read the engine's way."""
+    (`eval.engines.engine_for`, which also set how its client sends requests; default: ours); the speculative modes'
+    counts (`speculative`: "dflash"; benchmarks/vs_vllm.py names one per engine, all paired) are read the engine's
+    way."""
     out_dir.mkdir(parents=True, exist_ok=True)
     store = RecordStore(out_dir / "records.jsonl")
     engines = {mode: (engines or {}).get(mode) or DFlashEngine() for mode in clients}
-    meters = {mode: Meter(engines[mode], client, measure=mode == "dflash") for mode, client in clients.items()}
+    meters = {mode: Meter(engines[mode], client, measure=mode in speculative) for mode, client in clients.items()}
     for mode, client in clients.items():
         served = engines[mode].describe(client)
         store.begin(mode, {"model": served["id"], "block_size": served["block_size"], "drafter": served["drafter"],

@@ -137,8 +137,11 @@ def test_vllm_loader_takes_every_tensor(kind, exports, loader_reports):
     assert report["model_class"] == MODEL_CLASS[kind]
     assert (report["missing"], report["left_over"], report["mismatched"]) == ([], [], [])
     assert sorted(report["shared"]) == ["lm_head.weight", "model.embed_tokens.weight"]
-    assert report["checked"] == report["parameters"] - 2
+    assert report["optional"] == ["model.mask_embedding"]  # vLLM's slot for a mask embedding shipped apart
+    assert report["checked"] == report["parameters"] - 3
     assert report["tensors"] == len(load_file(str(zlab_dir / "model.safetensors")))
+    print(f"{kind}: vLLM {report['model_class']} took all {report['tensors']} tensors into {report['checked']} "
+          f"parameters; the CPU runner refuses it: {REFUSED[kind]}")
     arch = drafter.arch
     layers = report["reads"]["layers"]
     assert [layer["causal"] for layer in layers] == [False] * arch.num_layers  # bidirectional blocks

@@ -10,15 +10,17 @@ the export through that class's `load_weights`, strictly:
   export's tensors as vLLM packs them at tensor-parallel size 1 (`qkv_proj` = q | k | v rows, `gate_up_proj` =
   gate | up rows, the rest by name): a parameter still NaN or unequal is `missing` / `mismatched`, an export tensor
   that no parameter took is `left_over`; the target's embedding and LM head (shared from the target at serving
-  time) are the only parameters allowed to stay unloaded. A tensor of the wrong shape stops vLLM's own loader (an
-  `error`).
+  time) and the parameters of features the export does not use (`optional`: a separately trained mask embedding, a
+  reduced draft vocabulary's map) are the only ones allowed to stay unloaded. A tensor of the wrong shape stops
+  vLLM's own loader (an `error`).
 
 Runs in the engines environment (.venv-engines), never the project's .venv:
 
     .venv-engines/bin/python tools/engines/vllm_loader.py --target HF_TARGET_DIR --out REPORT.json DRAFTER_DIR [...]
 
 REPORT.json (vLLM logs to stdout) is a list with one object per export, `{"dir", "architecture", "model_class",
-"refused", "parameters", "tensors", "checked", "missing", "left_over", "mismatched", "shared", "reads", "error"}`
+"refused", "parameters", "tensors", "checked", "missing", "left_over", "mismatched", "shared", "optional", "reads",
+"error"}`
 (`reads`: how the class read the config: each layer's window, causality and
 convolution, the selector's top-k and rank); exit status 0 when every export loaded strictly, 1 otherwise.
 """
@@ -133,7 +135,8 @@ def check(target: Path, drafter: Path) -> dict:
     k = config.get("block_size") or config.get("dflash_config", {}).get("block_size")
     report: dict = {"dir": str(drafter), "architecture": (config.get("architectures") or [None])[0],
                     "model_class": None, "refused": None, "parameters": 0, "tensors": 0, "checked": 0,
-                    "missing": [], "left_over": [], "mismatched": [], "shared": [], "error": None}
+                    "missing": [], "left_over": [], "mismatched": [], "shared": [], "optional": [],
+                    "reads": None, "error": None}
     try:
         vllm_config, report["refused"] = _vllm_config(target, drafter, int(k))
         draft_config = vllm_config.speculative_config.draft_model_config
@@ -160,7 +163,9 @@ def check(target: Path, drafter: Path) -> dict:
             if want is None:
                 if name in SHARED:
                     report["shared"].append(name)
-                elif not name.endswith(OPTIONAL):
+                elif name.endswith(OPTIONAL):
+                    report["optional"].append(name)
+                else:
                     report["missing"].append(name)
                 continue
             got = param.detach().float()
