@@ -91,7 +91,8 @@ def _servers(args: argparse.Namespace, slots: int, out: Path, hf_target: Path, d
     with contextlib.ExitStack() as stack:
         # one at a time: each start has the machine to itself
         ours_dflash, ours_ar = stack.enter_context(serve_pair_subprocess(
-            ["--config", args.config, "--drafter", str(drafter), *args.overrides], out / "ours.log", slots))
+            ["--config", args.config, "--drafter", str(drafter), *args.overrides], out / "ours.log", slots,
+            timeout=harness.START_TIMEOUT_S * 2))  # both engines precompile every shape first
         vllm_ar = stack.enter_context(harness.vllm_server(hf_target, log=out / "vllm-ar.log", **vllm))
         vllm_dflash = stack.enter_context(harness.vllm_server(
             hf_target, log=out / "vllm-dflash.log", **vllm,
