@@ -175,8 +175,8 @@ class TestServedBesideAR:
 
     def test_eval_url_against_vllm(self, vllm_ar, vllm_dflash, tmp_path):
         """`dflash eval --url <vLLM DFlash> --ar-url <vLLM AR>` (the real CLI): told vLLM from the servers, τ per
-        request from vLLM's counters (each reply's verify steps and accepted drafts add up to its tokens: every token
-        after the first came from a verify step), every reply compared with AR's and equal."""
+        request from vLLM's counters (a reply's verify steps plus accepted drafts are its tokens after the first when
+        it stopped, at least those when the budget cut its last step), every reply compared with AR's and equal."""
         out = tmp_path / "eval"
         cmd = [sys.executable, "-m", "dflash.launch.cli", "eval", "--url", vllm_dflash, "--ar-url", vllm_ar,
                "--sets", "gsm8k,mtbench", "--limit", "2", "--max-new-tokens", "48", "--out", str(out)]
@@ -191,10 +191,11 @@ class TestServedBesideAR:
         spec = [r for r in replies if r["kind"] == "reply" and r["mode"] == "dflash"]
         assert len(spec) == 6 and all(r["spec"] for r in spec)  # 2 GSM8K turns, 2 MT-Bench conversations of 2 turns
         assert sum(r["spec"]["steps"] for r in spec) == head["steps"]
-        for r in spec:
-            if r["finish"] == "stop":
-                assert r["spec"]["steps"] + r["spec"]["accepted"] == r["tokens"] - 1, r
-        print(done.stdout.strip().splitlines()[-1])
+        for r in spec:  # vLLM counts a budget-cut last step's accepted drafts whole: exact when the reply stopped
+            emitted = r["spec"]["steps"] + r["spec"]["accepted"]
+            assert emitted == r["tokens"] - 1 if r["finish"] == "stop" else emitted >= r["tokens"] - 1, r
+        print(f"{sum(r['finish'] == 'stop' for r in spec)} of {len(spec)} replies stopped; "
+              + done.stdout.strip().splitlines()[-1])
 
 
 def test_speculators_layout_served_by_vllm(hf_target, shipped, smollm2_target, prompts, ours, measured, tmp_path):
