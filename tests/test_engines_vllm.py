@@ -178,8 +178,11 @@ class TestServedBesideAR:
         request from vLLM's counters (a reply's verify steps plus accepted drafts are its tokens after the first when
         it stopped, at least those when the budget cut its last step), every reply compared with AR's and equal."""
         out = tmp_path / "eval"
+        short = tmp_path / "short.jsonl"  # replies that stop inside the budget, where the counts add up exactly
+        short.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (
+            "What is 2 + 3? Reply with the number only.", "Name one primary color. Reply with one word.")))
         cmd = [sys.executable, "-m", "dflash.launch.cli", "eval", "--url", vllm_dflash, "--ar-url", vllm_ar,
-               "--sets", "gsm8k,mtbench", "--limit", "2", "--max-new-tokens", "48", "--out", str(out)]
+               "--sets", f"gsm8k,mtbench,{short}", "--limit", "2", "--max-new-tokens", "48", "--out", str(out)]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         results = json.loads((out / "results.json").read_text())
@@ -189,7 +192,8 @@ class TestServedBesideAR:
         assert 1.0 < head["tau"] <= K and len(head["accept_per_position"]) == K - 1
         replies = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
         spec = [r for r in replies if r["kind"] == "reply" and r["mode"] == "dflash"]
-        assert len(spec) == 6 and all(r["spec"] for r in spec)  # 2 GSM8K turns, 2 MT-Bench conversations of 2 turns
+        assert len(spec) == 8 and all(r["spec"] for r in spec)  # GSM8K 2, MT-Bench 2 x 2 turns, 2 short
+        assert any(r["finish"] == "stop" for r in spec)
         assert sum(r["spec"]["steps"] for r in spec) == head["steps"]
         for r in spec:  # vLLM counts a budget-cut last step's accepted drafts whole: exact when the reply stopped
             emitted = r["spec"]["steps"] + r["spec"]["accepted"]
