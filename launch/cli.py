@@ -285,10 +285,19 @@ def cmd_launch_pod(args: argparse.Namespace) -> int:
     recipe = _recipe(args, unreachable_ok=True)  # the recipe, its overrides and its target, before any pod starts
     import shlex
 
-    from dflash.launch.pod import check_credentials, check_on_slice, parse_env, parse_secrets
+    from dflash.launch.pod import check_credentials, check_on_slice, parse_env, parse_secrets, target_bucket
     from dflash.launch.tpus import parse_tpu_type
 
-    tpu = parse_tpu_type(args.tpu_type)
+    endpoint = args.stage == "regenerate" and bool(recipe.data.regen.endpoint.url)
+    if endpoint and args.tpu_type:
+        raise ConfigError(f"--tpu-type must not be given for `regenerate` through data.regen.endpoint.url "
+                          f"({recipe.data.regen.endpoint.url}): the stage only sends HTTP requests to that server, "
+                          f"so it runs on one CPU node (--cpu-type, default {args.cpu_type}) and holds no TPU; "
+                          f"received {args.tpu_type}")
+    if not endpoint and not args.tpu_type:
+        raise ConfigError(f"--tpu-type must name the TPU slice of `{args.stage}` (e.g. v5p-128 for train, v5p-8 for "
+                          "one host); received none")
+    tpu = None if endpoint else parse_tpu_type(args.tpu_type)
     check_on_slice(recipe, args.stage, tpu, args.num_slices)
     image = args.image or os.environ.get("DFLASH_IMAGE") or ("dflash-tpu:latest" if args.dry_run else None)
     if image is None:
@@ -298,7 +307,11 @@ def cmd_launch_pod(args: argparse.Namespace) -> int:
                   image=image, num_slices=args.num_slices, data_dir=args.data_dir, overrides=tuple(args.overrides),
                   stage_args=tuple(shlex.split(args.args)), env=parse_env(args.env or []),
                   secrets=parse_secrets(args.secret or []), max_restarts=args.max_restarts,
-                  grace_period=args.grace_period, project=args.project, priority=args.priority)
+                  grace_period=args.grace_period, project=args.project, priority=args.priority,
+                  cpu_type=args.cpu_type if endpoint else "",
+                  model_buckets=tuple(b for b in [target_bucket(recipe.target.source)] if b),
+                  chat_template_kwargs=json.dumps(dict(recipe.data.regen.template_kwargs), sort_keys=True)
+                  if args.stage == "eval" else "")
     if args.target == "xpk":
         from dflash.launch import xpk
 
@@ -307,7 +320,7 @@ def cmd_launch_pod(args: argparse.Namespace) -> int:
         return xpk.launch(plan, dry_run=args.dry_run, xpk=args.xpk, manifest=args.manifest, notes=notes)
     from dflash.launch import gcluster
 
-    plan = gcluster.GclusterLaunch(**common, name=args.name, location=args.zone)
+    plan = gcluster.GclusterLaunch(**common, name=args.name, location=args.zone, service_account=args.service_account)
     notes = check_credentials(recipe, plan)
     return gcluster.launch(plan, dry_run=args.dry_run, gcluster=args.gcluster, manifest=args.manifest, notes=notes)
 
@@ -361,7 +374,11 @@ def _add_pod_args(q: argparse.ArgumentParser, launcher: str) -> None:
     _add_config_args(q)
     q.add_argument("--cluster", required=True, help="the GKE cluster (made with `xpk cluster create` or a Cluster "
                    "Toolkit blueprint)")
-    q.add_argument("--tpu-type", required=True, help="the slice type, e.g. v5p-128 (train) or v5p-8 (other stages)")
+    q.add_argument("--tpu-type", default=None, help="the slice type, e.g. v5p-128 (train) or v5p-8 (other stages), "
+                   "named as xpk and Cloud TPU do (v5p: TensorCores, 2 per chip); not for regeneration through "
+                   "data.regen.endpoint, which runs on a CPU node")
+    q.add_argument("--cpu-type", default="n2-standard-32", help="the CPU machine type of regeneration through "
+                   "data.regen.endpoint (a node pool of it in the cluster; default n2-standard-32)")
     q.add_argument("--num-slices", type=int, default=1, help="slices (multislice over DCN; train only; xpk only)")
     q.add_argument("--run-dir", required=True, help="gs://BUCKET/PATH: checkpoints, metrics, exports, eval")
     q.add_argument("--data-dir", default="", help="gs://BUCKET/PATH of data.dir (default: RUN_DIR/data)")
@@ -386,14 +403,18 @@ def _add_pod_args(q: argparse.ArgumentParser, launcher: str) -> None:
     q.add_argument("--args", default="", help="extra arguments of the stage's command, e.g. '--sets gsm8k --limit 80'")
     q.add_argument("--dry-run", action="store_true", help=f"print the {launcher} command and the workload; run nothing")
     if launcher == "xpk":
-        q.add_argument("--workload", default="", help="workload name (default: RECIPE-STAGE-RUNNAME, 40 characters)")
+        q.add_argument("--workload", default="", help="workload name (default: RECIPE-STAGE-RUNNAME-HASH, 40 "
+                       "characters)")
         q.add_argument("--spot", action="store_true", help="spot capacity")
         q.add_argument("--xpk", default=None, help="the xpk executable (default: .venv-xpk/bin/xpk from "
                        "tools/setup_xpk.sh, $XPK, or xpk on PATH)")
         q.add_argument("--manifest", default=None, help="also write the JobSet that xpk would apply to this file "
                        "(runs xpk's own dry run; needs --project and --zone)")
     else:
-        q.add_argument("--name", default="", help="job name (default: RECIPE-STAGE-RUNNAME, at most 28 characters)")
+        q.add_argument("--name", default="", help="job name (default: RECIPE-STAGE-RUNNAME-HASH, at most 28 "
+                       "characters)")
+        q.add_argument("--service-account", default="", help="the Kubernetes service account of the pods (default: "
+                       "the namespace's `default`); Workload Identity for --secret and the buckets, docs/pods.md")
         q.add_argument("--gcluster", default=None, help="the gcluster executable (default: $GCLUSTER or gcluster on "
                        "PATH)")
         q.add_argument("--manifest", default=None, help="write the JobSet gcluster would apply to this file instead "
