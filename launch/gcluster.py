@@ -150,6 +150,10 @@ class GclusterLaunch(PodStage):
             cmd += ["--service-account", self.service_account]
         return cmd
 
+    def manifest_command(self, path: str, gcluster: str = "gcluster") -> list[str]:
+        """The job submission that writes the JobSet to `path` instead of applying it (`--dry-run-out`)."""
+        return [*self.gcluster_command(gcluster), "--dry-run-out", path]
+
     def describe(self, gcluster: str = "gcluster") -> str:
         """What --dry-run prints: the gcluster command, then the job it submits."""
         hosts, form = self.hosts, self.slice_form()
@@ -195,7 +199,7 @@ def launch(plan: GclusterLaunch, *, dry_run: bool, gcluster: str | None = None, 
         print(check_tool_version([exe, "--version"], r"gcluster version v?(\d+)\.(\d+)\.(\d+)", GCLUSTER_VERSION,
                                  "Cluster Toolkit (gcluster)"), flush=True)
     if manifest:
-        done = subprocess.run([*plan.gcluster_command(exe), "--dry-run-out", manifest], capture_output=True, text=True)
+        done = subprocess.run(plan.manifest_command(manifest, exe), capture_output=True, text=True)
         if done.returncode != 0:
             print(done.stdout[-3000:] + done.stderr[-3000:])
             return done.returncode

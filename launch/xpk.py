@@ -128,6 +128,10 @@ class XpkLaunch(PodStage):
             cmd.append("--spot")
         return cmd
 
+    def manifest_command(self, path: str, xpk: str = "xpk") -> list[str]:
+        """xpk's own dry run of the workload, writing the JobSet it would apply to `path` (no cluster access)."""
+        return [*self.xpk_command(xpk), "--dry-run", "--skip-validation", "--output-manifest-file", path]
+
     def storage_setup(self, xpk: str = "xpk") -> list[list[str]]:
         """The one-time `xpk storage attach` per bucket that mounts it at /gcs/<bucket> in every workload, read-write
         (one storage per bucket, whichever stage or run uses it; the target's bucket too)."""
@@ -207,8 +211,7 @@ def launch(plan: XpkLaunch, *, dry_run: bool, xpk: str | None = None, manifest: 
     if manifest:
         require(bool(plan.project and plan.zone), "--manifest", manifest,
                 "come with --project and --zone (xpk asks gcloud for them otherwise)")
-        cmd = [*plan.xpk_command(exe), "--dry-run", "--skip-validation", "--output-manifest-file", manifest]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(plan.manifest_command(manifest, exe), capture_output=True, text=True)
         if done.returncode != 0:
             print(done.stdout[-3000:] + done.stderr[-3000:])
             return done.returncode

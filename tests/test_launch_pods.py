@@ -215,3 +215,115 @@ def test_secret_references_are_resolved_in_the_pod_before_the_stage_runs(monkeyp
     monkeypatch.setattr(secrets, "_get_json", refused)
     assert main(["config", "--config", "tiny"]) == 2
     assert "--secret projects/p/secrets/mine/versions/1 could not be read in this pod" in capsys.readouterr().err
+
+
+def test_default_names_are_distinct_for_runs_that_share_a_prefix():
+    """Issue 58: `qwen3-30b-a3b-lr6e-4` and `...-lr3e-4` rendered one gcluster name. The name's readable part is cut
+    to leave room for a hash of the whole run dir, so they differ, stay valid GKE names within each tool's limit, and a
+    relaunch of the same run gets the same name."""
+    from dflash.launch.gcluster import MAX_NAME, GclusterLaunch
+    from dflash.launch.pod import K8S_NAME
+    from dflash.launch.tpus import parse_tpu_type
+    from dflash.launch.xpk import XpkLaunch
+
+    def plan(cls, run_dir, **kw):
+        return cls(stage="train", recipe="qwen3_30b_a3b", cluster="c1", tpu=parse_tpu_type("v5p-64"), run_dir=run_dir,
+                   image="img", **kw)
+
+    runs = ["gs://bk1/runs/qwen3-30b-a3b-lr6e-4", "gs://bk1/runs/qwen3-30b-a3b-lr3e-4", "gs://bk2/runs/qwen3-30b-a3b-lr6e-4"]
+    for cls, limit, attr in ((GclusterLaunch, MAX_NAME, "job_name"), (XpkLaunch, 40, "workload_name")):
+        names = [getattr(plan(cls, run), attr) for run in runs]
+        assert len(set(names)) == len(runs), names
+        assert all(K8S_NAME.fullmatch(n) and len(n) <= limit for n in names), names
+        assert getattr(plan(cls, runs[0] + "/"), attr) == names[0]  # the same run, the same name
+    gc = [plan(GclusterLaunch, run).job_name for run in runs]
+    assert len({n[:-7] for n in gc}) == 1  # the readable parts alone collide: the hash is what tells them apart
+
+
+def test_endpoint_regeneration_runs_on_a_cpu_node_and_its_key_must_reach_the_pods(capsys, monkeypatch):
+    """Regeneration through an OpenAI-compatible server only sends HTTP: no TPU is requested (xpk `--device-type
+    n2-standard-32-1`, gcluster `--compute-type n2-standard-32`), the stage is one process, and the variable named by
+    `data.regen.endpoint.api_key_env` must be passed (--env or --secret), else the launch is refused."""
+    endpoint = ["data.regen.endpoint.url=http://10.0.0.7:8000/v1", "data.regen.endpoint.api_key_env=VLLM_KEY"]
+    base = ["regenerate", "--config", "qwen3_8b", "--cluster", "c1", "--run-dir", RUN, "--dry-run", *endpoint]
+    for launcher, slice_flags in (("xpk", ["--device-type", "n2-standard-32-1"]),
+                                  ("gcluster", ["--compute-type", "n2-standard-32"])):
+        assert main(["launch", launcher, *base]) == 2
+        assert ("data.regen.endpoint.api_key_env must be passed to the pods, which send the endpoint's API key from "
+                "it: pass --env VLLM_KEY") in capsys.readouterr().err
+        assert main(["launch", launcher, *base, "--secret", "VLLM_KEY=projects/p/secrets/vllm"]) == 0
+        out = capsys.readouterr().out
+        argv = shlex.split(out.splitlines()[2])
+        assert " ".join(slice_flags) in " ".join(argv)
+        assert not {"--tpu-type", "--topology"} & set(argv)
+        assert "CPU node (no TPU: the stage only sends HTTP to data.regen.endpoint)" in out
+        assert "DFLASH_DISTRIBUTED=off" in out and "DFLASH_DISTRIBUTED=auto" not in out
+        assert main(["launch", launcher, *base, "--secret", "VLLM_KEY=projects/p/secrets/vllm", "--tpu-type",
+                     "v5p-8"]) == 2
+        err = capsys.readouterr().err
+        assert "--tpu-type must not be given for `regenerate` through data.regen.endpoint.url" in err
+    assert main(["launch", "xpk", *base, "--secret", "VLLM_KEY=projects/p/secrets/vllm", "--cpu-type",
+                 "e2-standard-8"]) == 2
+    assert "--cpu-type must be a CPU machine type xpk 1.16.0 has one-VM device types for" in capsys.readouterr().err
+    # Without an endpoint a slice is needed.
+    assert main(["launch", "xpk", "regenerate", "--config", "qwen3_8b", "--cluster", "c1", "--run-dir", RUN,
+                 "--dry-run"]) == 2
+    assert "--tpu-type must name the TPU slice of `regenerate`" in capsys.readouterr().err
+
+
+def test_a_target_on_a_bucket_is_launched_from_its_mount_and_gs_uris_name_it(capsys):
+    """`target.source=/gcs/BUCKET/...` exists in the pods, not here: the launch passes it on, mounts its bucket (read-
+    only for gcluster, which mounts per job), and leaves its architecture check to the pod; a local run still needs it
+    to exist and says where such a path lives; `gs://...` is refused naming the mount path to pass."""
+    from dflash.models.registry import check_target, resolve_source
+
+    source = "target.source=/gcs/b/models/Qwen3-8B"
+    argv, out = _dry_run(capsys, "xpk", "train", "v5p-64", source)
+    assert source in shlex.split(_flag(argv, "--command")[0]) and "gcs-b" in _flag(argv, "--storage")
+    assert "xpk storage attach gcs-b --type gcsfuse --bucket b" in out
+    argv, _ = _dry_run(capsys, "gcluster", "train", "v5p-64", source)
+    assert "gs://b:/gcs/b:ro" in _flag(argv, "--mount") and "gs://team-bucket:/gcs/team-bucket:rw" in _flag(argv,
+                                                                                                          "--mount")
+    assert "note: HF_TOKEN is not passed" not in capsys.readouterr().out  # nothing comes from the Hub
+
+    assert main(["launch", "xpk", "train", "--config", "qwen3_8b", "--cluster", "c1", "--tpu-type", "v5p-64",
+                 "--run-dir", RUN, "--dry-run", "target.source=gs://b/models/Qwen3-8B"]) == 2
+    err = capsys.readouterr().err
+    assert "target.source must be a path the process reads as files, not a Cloud Storage URI" in err
+    assert "pass its GCS FUSE mount path target.source=/gcs/b/models/Qwen3-8B" in err
+
+    with pytest.raises(FileNotFoundError, match=r"'/gcs/b/models/Qwen3-8B' does not exist on this machine: /gcs/b is "
+                                                r"where `dflash launch` mounts gs://b in its pods"):
+        check_target("/gcs/b/models/Qwen3-8B")
+    with pytest.raises(FileNotFoundError, match="does not exist on this machine"):
+        resolve_source("/gcs/b/models/Qwen3-8B")
+    assert check_target("/gcs/b/models/Qwen3-8B", unreachable_ok=True) is None  # the launch's check: the pod's
+    with pytest.raises(FileNotFoundError, match="neither 'smollm2' nor an existing path"):  # elsewhere: as before
+        check_target("/no/such/model", unreachable_ok=True)
+    assert main(["chat", "--config", "qwen3_8b", "target.source=/gcs/b/models/Qwen3-8B", "--prompt", "hi"]) == 2
+    assert "does not exist on this machine" in capsys.readouterr().err  # a run here stops before loading anything
+
+
+@pytest.mark.parametrize("launcher", ["xpk", "gcluster"])
+def test_the_eval_stage_carries_the_recipes_chat_template_variables(capsys, launcher):
+    """Issue 58 item 4: the pod eval stage renders `--chat-template-kwargs` with the recipe's
+    `data.regen.template_kwargs` (what the drafter was trained on) and the dry run prints it; `--args` may set it."""
+    for recipe, expected in (("qwen3_8b", {"enable_thinking": False}),
+                             ("gpt_oss_20b", {"reasoning_effort": "low", "strftime_now": "2026-12-06"})):
+        code = main(["launch", launcher, "eval", "--config", recipe, "--cluster", "c1", "--tpu-type", "v5p-8",
+                     "--run-dir", RUN, "--dry-run"])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        worker = shlex.split(out.split("#   ", 1)[1].splitlines()[0])  # the workload's command line
+        args, _ = build_parser().parse_known_args(worker[1:])
+        assert json.loads(args.chat_template_kwargs) == expected
+        assert f"(the recipe's data.regen.template_kwargs): {json.dumps(expected, sort_keys=True)}" in out
+    code = main(["launch", launcher, "eval", "--config", "qwen3_8b", "--cluster", "c1", "--tpu-type", "v5p-8",
+                 "--run-dir", RUN, "--dry-run", "--args", "--chat-template-kwargs '{\"enable_thinking\": true}'",
+                 "data.regen.template_kwargs={enable_thinking: false}"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("--chat-template-kwargs") == 2  # once in the command line, once in the workload
+    assert "template_kwargs):" not in out  # the --args value is the one used; nothing else is claimed
+    code = main(["launch", launcher, "train", "--config", "qwen3_8b", "--cluster", "c1", "--tpu-type", "v5p-128",
+                 "--run-dir", RUN, "--dry-run"])
+    assert code == 0 and "--chat-template-kwargs" not in capsys.readouterr().out  # train reads the recipe itself
