@@ -119,6 +119,7 @@ def mask(key: str, value: str) -> str:
 
 
 def plural(n: int, noun: str) -> str:
+    """`1 host`, `8 hosts`."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
@@ -176,9 +177,9 @@ class PodStage:
     (`data_dir` default: run_dir/data); `env` and `secrets` are `parse_env` / `parse_secrets` results;
     `grace_period` the seconds from SIGTERM to SIGKILL (0: GRACE_SECONDS of the stage). `tpu` None: the stage runs
     on one CPU node of machine type `cpu_type` (endpoint regeneration, which only sends HTTP). `model_buckets`: the
-    buckets the target is read from (mounted read-only unless also the run's). `chat_template_kwargs`: the JSON
-    object of chat-template variables the eval stage passes (`dflash eval --chat-template-kwargs`; the recipe's
-    `data.regen.template_kwargs`)."""
+    buckets the target is read from (`read_only` unless also the run's: gcluster mounts them so).
+    `chat_template_kwargs`: the JSON object of chat-template variables the eval stage passes (`dflash eval
+    --chat-template-kwargs`; the recipe's `data.regen.template_kwargs`)."""
 
     stage: str
     recipe: str
