@@ -7,7 +7,9 @@ through `data.shards.ShardWriter` (atomicity and resume rules: its docstring; th
 `data.records.encode_record`).
 
     examples (tokens int32[S], loss_mask float32[S], n)      `data.examples.build_examples` makes them
-      -> shard i = samples [i*P, (i+1)*P)                      P = samples_per_shard; finished shards skipped
+      -> shard i = samples [i*P, (i+1)*P)                      P = samples_per_shard, or fewer so a shard averages
+                                                                about SHARD_BYTES (`shard_samples`); finished
+                                                                shards skipped
       -> windows of 8 batches' rows, sorted by length          longest first; samples keep their order on disk
       -> batches of `batch_size` rows, cut to `length_bucket`   the batch's longest n rounded up (<= S); the
          multiples                                              last batch padded with copies of a pad row
@@ -77,6 +79,8 @@ from dflash.models.drafter import concat_features, online_features
 from dflash.models.sharding import TARGET_RULES, place, replicated, tensor_mesh
 
 log = logging.getLogger(__name__)
+
+SHARD_BYTES = 1 << 30  # about the most a shard holds on average: a bucket object of a size GCS and gcsfuse move well
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +181,7 @@ def capture(
     devices: Sequence[Sequence[Any]] | None = None,
     share: tuple[int, int] = (0, 1),
     label: str = "capture",
+    shard_bytes: int = SHARD_BYTES,
 ) -> CaptureReport:
     """Capture target features of `examples` into `out_dir` (resuming an interrupted capture); see module.
 
@@ -199,6 +204,8 @@ def capture(
       `merge_shares(out_dir, P)` completes the capture once every share is finished. The report's manifest is
       then this share's state.
     label: the progress bar's and log lines' name.
+    shard_bytes: a shard holds at most `samples_per_shard` samples, fewer when that many would take more than
+      about this many bytes on average (`shard_samples`; the manifest records the size used).
     """
     if target_topk < 0:
         raise ValueError(f"target_topk must be >= 0; received {target_topk}")
@@ -210,14 +217,19 @@ def capture(
         raise ValueError(f"batch_size, samples_per_shard and seq_len must be > 0; received {batch_size}, "
                          f"{samples_per_shard}, {seq_len}")
     pad_id = _check_examples(examples, seq_len)
+    per_token = record_size(1, len(layer_ids) * target_cfg.hidden_size, target_labels, target_topk) - HEADER_SIZE
+    sized = shard_samples(examples, samples_per_shard, per_token, shard_bytes)
+    if sized < samples_per_shard:
+        log.info("%s: shards of %d samples (at most %d by samples_per_shard; about %s each at %s a sample on "
+                 "average)", label, sized, samples_per_shard, _size(sized * _mean_record(examples, per_token)),
+                 _size(_mean_record(examples, per_token)))
     header = _manifest_header(provenance, target_cfg, examples, layer_ids, seq_len=seq_len, pad_id=pad_id,
-                              samples_per_shard=samples_per_shard, compression=compression,
+                              samples_per_shard=sized, compression=compression,
                               target_labels=target_labels, target_topk=target_topk)
     start = time.perf_counter()
     writer = ShardWriter(out_dir, header, verify=verify_existing, share=share)
     pending = writer.pending
-    shard_rows = [range(i * samples_per_shard, min((i + 1) * samples_per_shard, len(examples)))
-                  for i in range(header.num_shards)]
+    shard_rows = [range(i * sized, min((i + 1) * sized, len(examples))) for i in range(header.num_shards)]
     shard_tokens = [sum(int(examples[r][2]) for r in rows) for rows in shard_rows]
     check_free_space(writer.out_dir, write_estimate(header, examples, _unfinished(writer)),
                      label=label, share_bytes=write_estimate(header, examples, pending) if share[1] > 1 else None)
@@ -230,7 +242,11 @@ def capture(
         plan = [(shard, chunk, length) for shard in pending
                 for chunk, length in _length_batches(examples, list(shard_rows[shard]), batch_size, seq_len,
                                                      length_bucket)]
-        _run_plan(writer, plan, shard_rows, examples, replicas, filler, batch_size, bar)
+        try:
+            _run_plan(writer, plan, shard_rows, examples, replicas, filler, batch_size, bar)
+        except BaseException:
+            writer.save()  # the shards finished so far, listed before the error goes up
+            raise
         manifest = writer.finish()
     finally:
         for replica in replicas:
@@ -240,6 +256,18 @@ def capture(
     return CaptureReport(manifest=manifest, shards_written=len(pending), shards_kept=len(writer.kept), tokens=todo,
                          seconds=seconds, tokens_per_s=todo / seconds if seconds > 0 else 0.0,
                          bytes_per_token=manifest.bytes_per_token)
+
+
+def _mean_record(examples: Sequence[Example], per_token: int) -> float:
+    return sum(int(e[2]) for e in examples) / len(examples) * per_token + HEADER_SIZE + RECORD_OVERHEAD
+
+
+def shard_samples(examples: Sequence[Example], samples_per_shard: int, per_token: int,
+                  shard_bytes: int = SHARD_BYTES) -> int:
+    """Samples per shard: `samples_per_shard`, or fewer so that a shard of average samples holds about `shard_bytes`
+    (at least one). A function of the examples and the layout only, so every process and every resume of the
+    capture shards it alike (a Qwen3-8B layout, 41 KB a token: about 25 samples of 1,000 tokens, not 256 (10 GB))."""
+    return max(1, min(samples_per_shard, int(shard_bytes // _mean_record(examples, per_token))))
 
 
 def _unfinished(writer: ShardWriter) -> list[int]:

@@ -212,17 +212,19 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    _recipe(args)  # the recipe, its overrides and its target must be valid before servers start with them
+    recipe = _recipe(args)  # the recipe, its overrides and its target must be valid before servers start with them
     from dflash.eval.client import ServerError
     from dflash.eval.report import headline_line
-    from dflash.eval.run import EvalSettings, run_eval
+    from dflash.eval.run import EvalSettings, run_eval, template_variables
 
     try:
-        template_kwargs = {} if args.chat_template_kwargs is None else json.loads(args.chat_template_kwargs)
+        given = None if args.chat_template_kwargs is None else json.loads(args.chat_template_kwargs)
     except json.JSONDecodeError as err:
         print(f"dflash eval: error: --chat-template-kwargs must be a JSON object, e.g. "
               f"'{{\"reasoning_effort\": \"low\"}}'; received {args.chat_template_kwargs!r} ({err})", file=sys.stderr)
         return 2
+    template_kwargs, origin = template_variables(given, recipe.data.regen.template_kwargs)
+    print(f"dflash eval: chat template variables {json.dumps(template_kwargs)} ({origin})")
     try:
         settings = EvalSettings(sets=tuple(s for s in args.sets.split(",") if s), limit=args.limit,
                                 max_new_tokens=args.max_new_tokens, concurrency=_int_list(args.concurrency),
@@ -528,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="base of each sampled request's seed (default 0)")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help='the chat template\'s variables, sent with every request to both servers, e.g. '
-                   '\'{"reasoning_effort": "low"}\' (gpt-oss) or \'{"enable_thinking": false}\' (Qwen3)')
+                   '\'{"reasoning_effort": "low"}\' (gpt-oss) or \'{"enable_thinking": false}\' (Qwen3); default: '
+                   'the recipe\'s data.regen.template_kwargs (what its training answers were made with)')
     p.add_argument("--out", default="runs/eval", help="output directory; a rerun resumes it (default runs/eval)")
     p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
     p.add_argument("--devices", type=int, default=1,

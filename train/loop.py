@@ -120,10 +120,11 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     is_main = jax.process_index() == 0
     target = target if target is not None else load_target(recipe.target)
     run = build_run(cfg, recipe.data, target, target.drafter_arch(recipe.drafter))
-    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir, run.draft_vocab)  # every process
     meta = {"arch": arch_dict(run.arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
     if run.draft_vocab is not None:
         meta["draft_vocab"] = run.draft_vocab.ids.tolist()
+    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir, run.draft_vocab,  # every process
+                            template_kwargs=recipe.data.regen.template_kwargs, run_meta=meta)
     ckpt = Checkpointer(run_dir / "checkpoints", meta, keep=cfg.keep_checkpoints)
     state, shardings, start = create_or_restore_state(cfg, run.arch, run.spec.optimizer, run.mesh, ckpt,
                                                       run.batches, run.data_fingerprint, target)
