@@ -331,7 +331,10 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=1)
-    return 0 if all(report.fits(p) for p in report.programs) else 3
+    refusals = report.refusals()
+    for reason in refusals:
+        log.error("does not fit: %s", reason)
+    return 3 if refusals else 0
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
