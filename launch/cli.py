@@ -333,7 +333,7 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
             json.dump(report.to_json(), f, indent=1)
     refusals = report.refusals()
     for reason in refusals:
-        log.error("does not fit: %s", reason)
+        print(f"does not fit: {reason}", file=sys.stderr)
     return 3 if refusals else 0
 
 
