@@ -169,8 +169,9 @@ def place() -> None:
                                                                                TARGET_RULES, mesh))]
         return total // n + max(whole, default=0) + PLACE_SLACK, total
 
-    _, weights = open_hf_dir(golden)
     _, whole = load_hf_dir(golden)
+    _, weights = open_hf_dir(golden)
+    read_values.clear()  # the whole load above read everything; count the placement's reads alone
     limit, total = bound(weights)
     before = resident_bytes(local)
     placed = put(weights, tree_shardings(whole, TARGET_RULES, mesh), [np.float32])
