@@ -1,6 +1,10 @@
-"""`dflash launch compile`: compile a recipe's train step (and the engine's propose and verify) ahead of time for a
-TPU slice from a machine without TPUs, and report memory per chip (arguments, outputs, temporaries), whether it
-fits the chip's HBM, and the step's FLOPs with the run's cost at a stated MFU.
+"""`dflash launch compile`: compile a recipe's train step (and the engine's propose and verify, regeneration's AR step
+and capture's forward at the recipe's settings) ahead of time for a TPU slice from a machine without TPUs, and report
+memory per chip (arguments, outputs, temporaries), whether it fits the chip's HBM, and the step's FLOPs with the
+run's cost at a stated MFU. Beside the programs, each stage's need per chip: what it holds between calls
+(`launch.resident.stage_holdings`: placed params, optimizer state, K/V pages and slots) plus its largest program's
+working memory (`CompileReport.stage_needs`); a program or a stage that does not fit is refused, named
+(`CompileReport.refusals`, exit 3).
 
 Nothing is allocated: the target and the drafter are built abstractly (`models.registry.known_target`,
 `jax.eval_shape`), every input is a `jax.ShapeDtypeStruct` carrying its sharding from the rules of

@@ -99,6 +99,8 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
     # one device: the target whole on it; several: read straight onto the engine's mesh, each device its share (the
     # engine places what it is given by the same table, so these arrays are its own: no second copy)
     local = jax.local_devices()[:limits.devices]
+    if limits.devices > 1:
+        vars(target).pop("params", None)  # `auto`'s measurement ran on one device: that whole copy is not kept
     params = target.params if limits.devices == 1 else target.on(tensor_mesh(local))
     servers = []
     for plan, port in plans:
