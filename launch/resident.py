@@ -214,6 +214,17 @@ def stage_holdings(recipe: Any, tpu: Any) -> list[StageHoldings]:
     return stages
 
 
+def format_stages(stages: list[StageHoldings]) -> str:
+    """One line per stage: its chips and what it holds per chip in GiB, the largest first (no program counted: what
+    `dflash launch compile` adds from the compiled programs)."""
+    gib = 1 << 30
+    lines = []
+    for s in stages:
+        parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in sorted(s.holds, key=lambda h: -h[1]))
+        lines.append(f"{s.name:<19} {s.chips:>3} chip(s)  holds {s.held_bytes / gib:7.2f} GiB per chip: {parts}")
+    return "\n".join(lines)
+
+
 def _capture_holds(recipe: Any, known: Any, arch: Any, dtype: Any, chips: int) -> list[tuple[str, int]]:
     from dflash.models.registry import abstract_target_params
     from dflash.models.sharding import TARGET_RULES
@@ -232,5 +243,5 @@ def _suffix(name: str, chips: int) -> str:
     return name + (f" x{chips}" if chips > 1 else "")
 
 
-__all__ = ["ENGINE_SLOTS", "EVAL_SLOTS", "StageHoldings", "drafter_params", "engine_cache", "per_chip",
-           "stage_holdings"]
+__all__ = ["ENGINE_SLOTS", "EVAL_SLOTS", "StageHoldings", "drafter_params", "engine_cache", "format_stages",
+           "per_chip", "stage_holdings"]

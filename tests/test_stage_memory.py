@@ -10,7 +10,7 @@ import pytest
 
 from dflash.configs.recipe import load_recipe
 from dflash.launch.compile import CompileReport, ProgramMemory
-from dflash.launch.resident import StageHoldings, stage_holdings
+from dflash.launch.resident import StageHoldings, format_stages, stage_holdings
 from dflash.launch.tpus import parse_tpu_type
 from dflash.models.placement import resident_bytes
 
@@ -106,3 +106,5 @@ def test_each_stage_of_the_large_pod_recipes_holds_less_than_a_chip(name):
         assert stage.held_bytes < 0.9 * tpu.hbm_bytes, (stage.name, stage.held_bytes / GIB, stage.holds)
     train = stages["train"]
     assert dict(train.holds)["target params"] < 2 * GIB  # its share of the mesh, not a whole copy
+    text = format_stages(list(stages.values()))
+    assert len(text.splitlines()) == len(stages) and text.startswith("train ") and "target params" in text
