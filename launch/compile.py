@@ -191,10 +191,10 @@ class CompileReport:
         if needs:
             lines += ["", "memory per chip by stage in GiB: what it holds between calls, plus its largest program's "
                       "working memory (peak less arguments):",
-                      f"{'stage':<19}{'chips':>6}{'holds':>9}{'program':>12}{'working':>9}{'need':>9}{'fits':>6}"]
+                      f"{'stage':<19}{'chips':>6}{'holds':>9}{'program':>15}{'working':>9}{'need':>9}{'fits':>6}"]
             for n in needs:
                 program = n.program.name if n.program else "-"
-                lines.append(f"{n.stage.name:<19}{n.stage.chips:>6}{gib(n.stage.held_bytes):>9}{program:>12}"
+                lines.append(f"{n.stage.name:<19}{n.stage.chips:>6}{gib(n.stage.held_bytes):>9}{program:>15}"
                              f"{gib(n.working_bytes):>9}{gib(n.need_bytes):>9}{'yes' if n.fits else 'NO':>6}")
                 lines.append("    holds " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in n.stage.holds)
                              + (f"; {n.stage.note}" if n.stage.note else ""))
