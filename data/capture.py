@@ -76,7 +76,9 @@ from dflash.data.shards import ShardWriter, part_state_files, shard_index, write
 from dflash.models.config import DecoderConfig, check_layer_ids
 from dflash.models.decoder import forward
 from dflash.models.drafter import concat_features, online_features
+from dflash.models.placement import log_memory_per_device
 from dflash.models.sharding import TARGET_RULES, place, replicated, tensor_mesh
+from dflash.models.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +188,8 @@ def capture(
     """Capture target features of `examples` into `out_dir` (resuming an interrupted capture); see module.
 
     target_params / target_cfg: the frozen target, as `online_features` takes them (their dtype is the
-      compute dtype; features are cast to bf16 after).
+      compute dtype; features are cast to bf16 after), or a `models.target.Target` (`target_params`), whose weights
+      each replica reads straight onto its devices (`Target.on_group`).
     provenance: `Provenance.of_target(target)` (or `.of(name, weights fingerprint, tokenizer)`).
     examples: (tokens int32[S], loss_mask float32[S], n) rows with S == seq_len (`data.examples.build_examples`).
     verify_existing: on resume, re-hash kept shards (sha256) rather than only checking their sizes.
@@ -198,8 +201,8 @@ def capture(
       with rows of similar length batched together; 0 = every batch at seq_len. The stored records are the
       same up to the rounding of another batch shape (docs/decisions.md D36).
     devices: the replicas' device groups (`data.scaleout.local_devices`): each batch runs whole on one replica, the
-      target's weights copied onto each one-device group or split over a larger group in tensor parallel; None:
-      the default device.
+      target's weights on each one-device group or split over a larger group in tensor parallel; None: the default
+      device.
     share: (p, P): capture only the shards i with i % P == p into the shared `out_dir` (its state under parts/);
       `merge_shares(out_dir, P)` completes the capture once every share is finished. The report's manifest is
       then this share's state.
@@ -429,23 +432,29 @@ def _start_replicas(target_params: Any, target_cfg: DecoderConfig, layer_ids: tu
                     target_topk: int, devices: Sequence[Sequence[Any]] | None,
                     examples: Sequence[Example]) -> list[_Replica]:
     """One `_Replica` per device group (one on the default device for None), sharing one results queue: the
-    target's weights copied onto a one-device group, or placed over a larger group by the models' sharding table
-    (`models.sharding.TARGET_RULES` on a tensor mesh, as the engine's `Limits.devices`) with the batch replicated."""
+    target's weights on a one-device group, or placed over a larger group by the models' sharding table
+    (`models.sharding.TARGET_RULES` on a tensor mesh, as the engine's `Limits.devices`) with the batch replicated.
+    A `Target` is read straight onto each group (`Target.on_group`: no device holds more than its group's share);
+    params are copied there. The memory each device then holds is logged."""
     results: queue.Queue = queue.Queue()
     replicas = []
+    loaded = isinstance(target_params, Target)
     for index, group in enumerate([None] if devices is None else [tuple(g) for g in devices]):
         if group is None:
-            params, put = target_params, (lambda x: x)
+            params, put = target_params.params if loaded else target_params, (lambda x: x)
         elif len(group) == 1:
-            params, put = jax.device_put(target_params, group[0]), partial(jax.device_put, device=group[0])
+            params = target_params.on_group(group) if loaded else jax.device_put(target_params, group[0])
+            put = partial(jax.device_put, device=group[0])
         else:
             mesh = tensor_mesh(group)
-            params, put = place(target_params, TARGET_RULES, mesh), partial(jax.device_put, device=replicated(mesh))
+            params = target_params.on_group(group) if loaded else place(target_params, TARGET_RULES, mesh)
+            put = partial(jax.device_put, device=replicated(mesh))
         step = (partial(_features_and_next_ids, params, target_cfg=target_cfg, layer_ids=layer_ids, topk=target_topk)
                 if target_labels else partial(_features_bf16, params, target_cfg=target_cfg, layer_ids=layer_ids))
         replicas.append(_Replica(index, lambda tokens, step=step, put=put: step(put(tokens)), examples, results))
     if not replicas:
         raise ValueError("devices must name at least one device group; received none")
+    log_memory_per_device("capture")  # every replica's target, before the first batch
     for replica in replicas:
         replica.start()
     return replicas

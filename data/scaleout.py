@@ -182,14 +182,15 @@ class ReplicaBackend:
 
 
 def replica_engines(target: Any, cfg: RegenConfig, groups: Sequence[tuple[Any, ...]]) -> list[Engine]:
-    """One AR-mode engine per device group, the target's weights copied onto each (split over a group of several
-    devices in tensor parallel, `Limits.devices`)."""
+    """One AR-mode engine per device group, the target's weights read straight onto each (`Target.on_group`: whole
+    on a one-device group, split over a group of several devices in tensor parallel, as `Limits.devices` lays them
+    out; no device holds more than its group's share)."""
     import jax
 
     engines = []
     for group in groups:
         with jax.default_device(group[0]):
-            params = jax.device_put(target.params, group[0]) if len(group) == 1 else target.params
+            params = target.on_group(group)
             limits = Limits(slots=cfg.slots, max_len=cfg.max_len, devices=len(group))
             engines.append(Engine(params, target.cfg, None, AR(), limits, devices=group))
     return engines

@@ -33,6 +33,7 @@ from dflash.data.scaleout import Share, barrier, local_devices, process_tag, rep
 from dflash.data.shards import RecordSource, merge_shares, part_state_files
 from dflash.data.sources import MixStats, mix, mix_spec, tokenizer_counter
 from dflash.data.walk import WalkSummary, run_walk
+from dflash.models.placement import log_memory_per_device
 from dflash.models.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def run_regenerate(recipe: Recipe, *, target: Target | None = None, progress: bo
         one_device = len(groups) == 1 and len(groups[0]) == 1
         backend = (make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len) if one_device
                    else replica_backend(target, cfg.regen, groups))
+        log_memory_per_device(f"{tag}regenerate")  # the target and each replica's pages, before the first answer
     stats = regenerate(backend, tokenizer, mine, out, cfg.regen, **kwargs)
     if merge:
         barrier("dflash-data-regenerate")
@@ -121,7 +123,7 @@ def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool 
     log.info("%scapture: %d replica(s) on %s%s", tag, len(groups),
              "; ".join(", ".join(str(d) for d in group) for group in groups),
              f"; shards i with i % {share.count} == {share.index}" if share.count > 1 else "")
-    report = capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
+    report = capture(target, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
                      cfg.shard_dir, seq_len=cfg.seq_len, batch_size=cfg.capture_batch_size,
                      samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress,
                      target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0,

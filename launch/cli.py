@@ -346,7 +346,10 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=1)
-    return 0 if all(report.fits(p) for p in report.programs) else 3
+    refusals = report.refusals()
+    for reason in refusals:
+        print(f"does not fit: {reason}", file=sys.stderr)
+    return 3 if refusals else 0
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -553,10 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
                                "the workload and runs nothing.")
         _add_pod_args(q, launcher)
         q.set_defaults(func=cmd_launch_pod)
-    q = targets.add_parser("compile", help="compile the train step, propose and verify for a TPU topology and "
-                           "report memory per chip", description="Compile a recipe's train step (and the engine's "
-                           "propose and verify) ahead of time for a TPU slice from this machine; print memory per chip "
-                           "and whether it fits HBM, and the run's cost from the step's FLOPs.")
+    q = targets.add_parser("compile", help="compile every stage's programs for a TPU topology and report memory "
+                           "per chip", description="Compile a recipe's train step (and the engine's propose and "
+                           "verify, regeneration's step and capture's forward) ahead of time for a TPU slice from this "
+                           "machine; print memory per chip of each program and of each stage (what it holds plus its "
+                           "programs' working memory) and whether it fits HBM (exit 3 naming what does not), and the "
+                           "run's cost from the step's FLOPs.")
     q.add_argument("--config", "--recipe", dest="config", default=None,
                    help="the recipe to compile: a name in configs/ or a YAML path (--recipe: the older name)")
     q.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")

@@ -274,7 +274,7 @@ def target(tmp_path_factory: pytest.TempPathFactory):
     cfg, params = load_hf_dir(root)
     tokenizer = load_tokenizer_from_hf_dir(root)
     params = jax.tree.map(jnp.asarray, _scripted_params(cfg, params, tokenizer))
-    return Target(name=str(root), path=root, cfg=cfg, params=params, tokenizer=tokenizer, dtype=jnp.float32)
+    return Target(name=str(root), path=root, cfg=cfg, weights=params, tokenizer=tokenizer, dtype=jnp.float32)
 
 
 @pytest.fixture(scope="module")

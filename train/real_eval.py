@@ -5,6 +5,9 @@ step="best")`, `dflash serve --drafter RUN_DIR/best` and `dflash eval` read. Wit
 same prompts are also decoded sampled at that temperature (fixed seeds, so the same drafter gives the same τ) and
 logged as `eval/real_tau_t/...`; the best drafter is still picked by greedy τ.
 
+The target is read onto process 0's first device for each evaluation (from its checkpoint, `models.target.Target.on`)
+and freed after it, so that between evaluations no device holds more than its share of the training mesh.
+
 On several processes (a pod slice) every process gathers the drafter's params (a collective over the sharded state),
 process 0 decodes with the gathered drafter on its first device and writes `best/`, and the others wait for it at a
 barrier (`BARRIER_TIMEOUT_S`), so that no host runs ahead into the next step's collectives meanwhile.
@@ -138,7 +141,10 @@ class RealTauEval:
     def _decode(self, step: int, gathered: Any) -> dict[str, Any]:
         drafter = drafter_from_state(self.graphdef, gathered)
         drafter.draft_vocab = self.draft_vocab
-        metrics = real_tau(self.target, drafter, self.prompts, self.new_tokens)
+        # the whole target on this process's first device for this evaluation only (read from its checkpoint, freed
+        # when it returns): between evaluations no device holds more than its share of the training mesh
+        params = self.target.on(jax.local_devices()[0])
+        metrics = real_tau(self.target, drafter, self.prompts, self.new_tokens, params=params)
         if self.best is None or metrics["tau"] > self.best["tau"]:
             self.best = save_best(self.run_dir, drafter, step, metrics, self.setup, self.run_meta)
         log.info("step %d: real τ %.3f on %d prompts (%s; %d tokens in %.1f s); best %.3f at step %d; "
@@ -153,7 +159,7 @@ class RealTauEval:
         out["eval/tokens"], out["eval/seconds"] = metrics["tokens"], metrics["seconds"]
         if self.sampling is not None:  # the same prompts sampled: its own metric, not the best drafter's criterion
             sampled = real_tau(self.target, drafter, self.prompts, self.new_tokens, self.sampling,
-                               draft_rule=self.draft_rule)
+                               draft_rule=self.draft_rule, params=params)
             log.info("step %d: real τ at temperature %g %.3f (%s)", step, self.sampling.temperature, sampled["tau"],
                      ", ".join(f"{k[4:]} {v:.2f}" for k, v in sampled.items() if k.startswith("tau/")))
             out["eval/real_tau_t"] = sampled["tau"]
