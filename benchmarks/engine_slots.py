@@ -12,7 +12,7 @@ the servers rotating from prompt to prompt so that drifts of the machine hit the
 client (`eval.client`). Per plan it prints the mean TPOT and TTFT on each server and the N-slot / 1-slot ratio of
 TPOT (the median of the per-request ratios, and the ratio of the means), and checks that every server answered the
 same text (greedy output never depends on the server's size). The engine runs a step at the smallest bucket of rows
-that holds the running requests (D95), so a request alone on a 16-slot server costs what it costs on a 1-slot one.
+that holds the running requests (D99), so a request alone on a 16-slot server costs what it costs on a 1-slot one.
 `--write` records the table in docs/benchmarks.md.
 """
 
@@ -127,7 +127,7 @@ def main() -> None:
             f"sized as `dflash serve --slots N` (4 steps per dispatch, prefill chunk 512, precompiled); {len(prompts)} "
             f"prompts ({', '.join(args.sets)}, first turns), {args.max_tokens} new tokens at most, greedy, one request "
             f"at a time, each prompt sent to every server in turn ({args.rounds} rounds, the servers' order rotating). "
-            "A step runs at the smallest bucket of rows holding the running requests (D95).",
+            "A step runs at the smallest bucket of rows holding the running requests (D99).",
             "",
             table,
         ]))

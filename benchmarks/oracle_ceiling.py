@@ -7,7 +7,7 @@ Loads the embedded SmolLM2 target (fp32) and the shipped drafter (K = 4) once an
 HTTP server in this process, each engine sized as `dflash serve --slots N` sizes it (prefill chunk 512, 4 steps per
 dispatch) and precompiled:
 - AR (the baseline), and the shipped drafter's chain (K = 4) and the demo recipe's tree (8 nodes + prompt lookup);
-- the same engines with an oracle (`Engine(oracle=...)`, D95): a greedy request's drafts are its AR continuation,
+- the same engines with an oracle (`Engine(oracle=...)`, D99): a greedy request's drafts are its AR continuation,
   computed first by the same engine code (`serve.engine.decode`), so every draft is accepted and every step emits K
   tokens, while the step still runs the drafter's forward and the whole verify: the time a perfect drafter of this
   cost would take. At K = 8 (chain, and a tree of 16 nodes + prompt lookup) the drafter is a random-init one of the

@@ -7,7 +7,9 @@ through `data.shards.ShardWriter` (atomicity and resume rules: its docstring; th
 `data.records.encode_record`).
 
     examples (tokens int32[S], loss_mask float32[S], n)      `data.examples.build_examples` makes them
-      -> shard i = samples [i*P, (i+1)*P)                      P = samples_per_shard; finished shards skipped
+      -> shard i = samples [i*P, (i+1)*P)                      P = samples_per_shard, or fewer so a shard averages
+                                                                about SHARD_BYTES (`shard_samples`); finished
+                                                                shards skipped
       -> windows of 8 batches' rows, sorted by length          longest first; samples keep their order on disk
       -> batches of `batch_size` rows, cut to `length_bucket`   the batch's longest n rounded up (<= S); the
          multiples                                              last batch padded with copies of a pad row
@@ -74,9 +76,13 @@ from dflash.data.shards import ShardWriter, part_state_files, shard_index, write
 from dflash.models.config import DecoderConfig, check_layer_ids
 from dflash.models.decoder import forward
 from dflash.models.drafter import concat_features, online_features
+from dflash.models.placement import log_memory_per_device
 from dflash.models.sharding import TARGET_RULES, place, replicated, tensor_mesh
+from dflash.models.target import Target
 
 log = logging.getLogger(__name__)
+
+SHARD_BYTES = 1 << 30  # about the most a shard holds on average: a bucket object of a size GCS and gcsfuse move well
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,11 +183,13 @@ def capture(
     devices: Sequence[Sequence[Any]] | None = None,
     share: tuple[int, int] = (0, 1),
     label: str = "capture",
+    shard_bytes: int = SHARD_BYTES,
 ) -> CaptureReport:
     """Capture target features of `examples` into `out_dir` (resuming an interrupted capture); see module.
 
     target_params / target_cfg: the frozen target, as `online_features` takes them (their dtype is the
-      compute dtype; features are cast to bf16 after).
+      compute dtype; features are cast to bf16 after), or a `models.target.Target` (`target_params`), whose weights
+      each replica reads straight onto its devices (`Target.on_group`).
     provenance: `Provenance.of_target(target)` (or `.of(name, weights fingerprint, tokenizer)`).
     examples: (tokens int32[S], loss_mask float32[S], n) rows with S == seq_len (`data.examples.build_examples`).
     verify_existing: on resume, re-hash kept shards (sha256) rather than only checking their sizes.
@@ -193,12 +201,14 @@ def capture(
       with rows of similar length batched together; 0 = every batch at seq_len. The stored records are the
       same up to the rounding of another batch shape (docs/decisions.md D36).
     devices: the replicas' device groups (`data.scaleout.local_devices`): each batch runs whole on one replica, the
-      target's weights copied onto each one-device group or split over a larger group in tensor parallel; None:
-      the default device.
+      target's weights on each one-device group or split over a larger group in tensor parallel; None: the default
+      device.
     share: (p, P): capture only the shards i with i % P == p into the shared `out_dir` (its state under parts/);
       `merge_shares(out_dir, P)` completes the capture once every share is finished. The report's manifest is
       then this share's state.
     label: the progress bar's and log lines' name.
+    shard_bytes: a shard holds at most `samples_per_shard` samples, fewer when that many would take more than
+      about this many bytes on average (`shard_samples`; the manifest records the size used).
     """
     if target_topk < 0:
         raise ValueError(f"target_topk must be >= 0; received {target_topk}")
@@ -210,14 +220,19 @@ def capture(
         raise ValueError(f"batch_size, samples_per_shard and seq_len must be > 0; received {batch_size}, "
                          f"{samples_per_shard}, {seq_len}")
     pad_id = _check_examples(examples, seq_len)
+    per_token = record_size(1, len(layer_ids) * target_cfg.hidden_size, target_labels, target_topk) - HEADER_SIZE
+    sized = shard_samples(examples, samples_per_shard, per_token, shard_bytes)
+    if sized < samples_per_shard:
+        log.info("%s: shards of %d samples (at most %d by samples_per_shard; about %s each at %s a sample on "
+                 "average)", label, sized, samples_per_shard, _size(sized * _mean_record(examples, per_token)),
+                 _size(_mean_record(examples, per_token)))
     header = _manifest_header(provenance, target_cfg, examples, layer_ids, seq_len=seq_len, pad_id=pad_id,
-                              samples_per_shard=samples_per_shard, compression=compression,
+                              samples_per_shard=sized, compression=compression,
                               target_labels=target_labels, target_topk=target_topk)
     start = time.perf_counter()
     writer = ShardWriter(out_dir, header, verify=verify_existing, share=share)
     pending = writer.pending
-    shard_rows = [range(i * samples_per_shard, min((i + 1) * samples_per_shard, len(examples)))
-                  for i in range(header.num_shards)]
+    shard_rows = [range(i * sized, min((i + 1) * sized, len(examples))) for i in range(header.num_shards)]
     shard_tokens = [sum(int(examples[r][2]) for r in rows) for rows in shard_rows]
     check_free_space(writer.out_dir, write_estimate(header, examples, _unfinished(writer)),
                      label=label, share_bytes=write_estimate(header, examples, pending) if share[1] > 1 else None)
@@ -230,7 +245,11 @@ def capture(
         plan = [(shard, chunk, length) for shard in pending
                 for chunk, length in _length_batches(examples, list(shard_rows[shard]), batch_size, seq_len,
                                                      length_bucket)]
-        _run_plan(writer, plan, shard_rows, examples, replicas, filler, batch_size, bar)
+        try:
+            _run_plan(writer, plan, shard_rows, examples, replicas, filler, batch_size, bar)
+        except BaseException:
+            writer.save()  # the shards finished so far, listed before the error goes up
+            raise
         manifest = writer.finish()
     finally:
         for replica in replicas:
@@ -240,6 +259,18 @@ def capture(
     return CaptureReport(manifest=manifest, shards_written=len(pending), shards_kept=len(writer.kept), tokens=todo,
                          seconds=seconds, tokens_per_s=todo / seconds if seconds > 0 else 0.0,
                          bytes_per_token=manifest.bytes_per_token)
+
+
+def _mean_record(examples: Sequence[Example], per_token: int) -> float:
+    return sum(int(e[2]) for e in examples) / len(examples) * per_token + HEADER_SIZE + RECORD_OVERHEAD
+
+
+def shard_samples(examples: Sequence[Example], samples_per_shard: int, per_token: int,
+                  shard_bytes: int = SHARD_BYTES) -> int:
+    """Samples per shard: `samples_per_shard`, or fewer so that a shard of average samples holds about `shard_bytes`
+    (at least one). A function of the examples and the layout only, so every process and every resume of the
+    capture shards it alike (a Qwen3-8B layout, 41 KB a token: about 25 samples of 1,000 tokens, not 256 (10 GB))."""
+    return max(1, min(samples_per_shard, int(shard_bytes // _mean_record(examples, per_token))))
 
 
 def _unfinished(writer: ShardWriter) -> list[int]:
@@ -401,23 +432,29 @@ def _start_replicas(target_params: Any, target_cfg: DecoderConfig, layer_ids: tu
                     target_topk: int, devices: Sequence[Sequence[Any]] | None,
                     examples: Sequence[Example]) -> list[_Replica]:
     """One `_Replica` per device group (one on the default device for None), sharing one results queue: the
-    target's weights copied onto a one-device group, or placed over a larger group by the models' sharding table
-    (`models.sharding.TARGET_RULES` on a tensor mesh, as the engine's `Limits.devices`) with the batch replicated."""
+    target's weights on a one-device group, or placed over a larger group by the models' sharding table
+    (`models.sharding.TARGET_RULES` on a tensor mesh, as the engine's `Limits.devices`) with the batch replicated.
+    A `Target` is read straight onto each group (`Target.on_group`: no device holds more than its group's share);
+    params are copied there. The memory each device then holds is logged."""
     results: queue.Queue = queue.Queue()
     replicas = []
+    loaded = isinstance(target_params, Target)
     for index, group in enumerate([None] if devices is None else [tuple(g) for g in devices]):
         if group is None:
-            params, put = target_params, (lambda x: x)
+            params, put = target_params.params if loaded else target_params, (lambda x: x)
         elif len(group) == 1:
-            params, put = jax.device_put(target_params, group[0]), partial(jax.device_put, device=group[0])
+            params = target_params.on_group(group) if loaded else jax.device_put(target_params, group[0])
+            put = partial(jax.device_put, device=group[0])
         else:
             mesh = tensor_mesh(group)
-            params, put = place(target_params, TARGET_RULES, mesh), partial(jax.device_put, device=replicated(mesh))
+            params = target_params.on_group(group) if loaded else place(target_params, TARGET_RULES, mesh)
+            put = partial(jax.device_put, device=replicated(mesh))
         step = (partial(_features_and_next_ids, params, target_cfg=target_cfg, layer_ids=layer_ids, topk=target_topk)
                 if target_labels else partial(_features_bf16, params, target_cfg=target_cfg, layer_ids=layer_ids))
         replicas.append(_Replica(index, lambda tokens, step=step, put=put: step(put(tokens)), examples, results))
     if not replicas:
         raise ValueError("devices must name at least one device group; received none")
+    log_memory_per_device("capture")  # every replica's target, before the first batch
     for replica in replicas:
         replica.start()
     return replicas

@@ -358,7 +358,9 @@ class DataConfig:
                  together hold fewer / more tokens (the target's tokenizer, no template) is left out (0: no
                  bound); counted per source in the mix's stats.
     regen:       regeneration settings (system prompt, template kwargs, sampling, token budgets, slots).
-    samples_per_shard / capture_batch_size / compression: offline capture (ArrayRecord shards).
+    samples_per_shard / capture_batch_size / compression: offline capture (ArrayRecord shards); a shard holds
+                 samples_per_shard samples, fewer when they would take more than about 1 GiB on average
+                 (`data.capture.SHARD_BYTES`).
     capture_bucket: capture batches rows of similar length and runs each batch at its longest row rounded up
                  to a multiple of this (at most seq_len), instead of at seq_len; 0 = every batch at seq_len.
                  The stored shards are the same up to the rounding of another shape; each length is one compile.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,13 +133,19 @@ class EvalPrompt:
     ids: tuple[int, ...]
 
 
-def eval_prompts(tokenizer: ChatTokenizer, sets: Sequence[str], per_set: int, skip: int = 0) -> list[EvalPrompt]:
+def eval_prompts(tokenizer: ChatTokenizer, sets: Sequence[str], per_set: int, skip: int = 0,
+                 template_kwargs: Mapping[str, Any] | None = None) -> list[EvalPrompt]:
     """Items `skip` .. `skip + per_set - 1` of each evaluation set (default the first `per_set`), first turn
-    only, chat-templated for generation: the held-out prompts of real τ (`serve.acceptance`)."""
+    only, chat-templated for generation with the template's variables `template_kwargs` (the recipe's
+    `data.regen.template_kwargs`: a drafter trained on Qwen3's non-thinking answers is measured on non-thinking
+    replies, gpt-oss at the effort and date its answers were made with): the held-out prompts of real τ
+    (`serve.acceptance`)."""
     prompts = []
+    kwargs = dict(template_kwargs or {})
     for name in sets:
         for item in load_eval_set(name, skip + per_set)[skip:]:
-            ids = tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}], add_generation_prompt=True)
+            ids = tokenizer.encode_chat([{"role": "user", "content": item.turns[0]}], add_generation_prompt=True,
+                                        **kwargs)
             prompts.append(EvalPrompt(name, tuple(int(t) for t in ids)))
     return prompts
 

@@ -14,7 +14,7 @@ import numpy as np
 from dflash.data.chat_tokens import tokenize_rows
 from dflash.data.config import DataConfig
 from dflash.data.packaged import PACKAGED_REGENERATED, load_gsm8k, packaged_regenerated_path
-from dflash.data.regenerate import read_regenerated
+from dflash.data.regen_store import read_regenerated
 
 log = logging.getLogger(__name__)
 

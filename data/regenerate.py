@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import lzma
 import os
 import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -26,7 +25,9 @@ from typing import Any, Protocol
 
 from dflash.data import harmony
 from dflash.data.config import RegenConfig
+from dflash.data.files import FlushPolicy
 from dflash.data.progress import Progress
+from dflash.data.regen_store import ChunkStore, done_ids, errors_path, merge_parts, meta_path, repair_jsonl
 from dflash.serve.config import SamplingConfig
 from dflash.serve.engine import Completion, Engine
 from dflash.serve.plan import AR, Limits
@@ -122,81 +123,6 @@ def split_turns(messages: Any, system_prompt: str | None = None, max_turns: int 
     if system_prompt is not None and not has_system:
         segments[0].insert(0, {"role": "system", "content": system_prompt})
     return segments[:max_turns] if max_turns else segments
-
-
-def repair_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The records of a JSONL file written line by line, after truncating a partial last line (a crash
-    mid-write); returns (records, bytes removed). A malformed complete line is an error, not repaired."""
-    if not path.exists():
-        return [], 0
-    data = path.read_bytes()
-    keep = data.rfind(b"\n") + 1
-    removed = len(data) - keep
-    if removed:
-        log.warning("%s: removing a partial last line (%d bytes) left by an interrupted run", path, removed)
-        with open(path, "r+b") as f:
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
-    return _complete_records(path, data[:keep]), removed
-
-
-def _complete_records(path: Path, data: bytes) -> list[dict[str, Any]]:
-    """The JSON objects of the complete lines in `data` (each must have a string 'id')."""
-    records = []
-    for number, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number} must be one JSON object per line; received {line[:80]!r} ({err}); "
-                             "only a partial LAST line is repaired automatically") from err
-        if not isinstance(record, dict) or not isinstance(record.get("id"), str):
-            raise ValueError(f"{path}:{number} must be an object with a string 'id'; received {line[:80]!r}")
-        records.append(record)
-    return records
-
-PARTS_SUFFIX = ".parts"  # `data.scaleout`: the shares of a multi-process run, before their merge
-
-
-def parts_dir(out: Path) -> Path:
-    """Where a multi-process run's shares of `out` are written until they are merged (`data.scaleout`)."""
-    return out.with_name(out.name + PARTS_SUFFIX)
-
-
-def errors_path(path: Path) -> Path:
-    """The items of the regeneration output `path` that failed (`regenerate`'s docstring)."""
-    return path.with_name(path.name + ".errors.jsonl")
-
-
-def read_regenerated(path: str | Path, limit: int | None = None) -> list[list[dict[str, str]]]:
-    """The regenerated conversations of `path` (a `regenerate` output), ordered by id, so the training rows
-    do not depend on the order replies finished in (which varies with `slots`); at most `limit` of them.
-    A partial last line (a run still writing, or interrupted) is ignored, not repaired: this only reads.
-    A `.xz` file (the packaged sets of `data.packaged_regenerated`) is decompressed first."""
-    path = Path(path)
-    parts = parts_dir(path)  # shares of a multi-process run not merged yet
-    if parts.is_dir() and any(parts.glob("part-*.jsonl")):
-        raise ValueError(f"{path} must be merged with its shares in {parts} before training reads it (a multi-process "
-                         "regeneration stopped before its merge): rerun `dflash data regenerate` with the same config, "
-                         "which finds every item done and merges")
-    data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
-    records = _complete_records(path, data[: data.rfind(b"\n") + 1])
-    for record in records:
-        if not isinstance(record.get("messages"), list):
-            raise ValueError(f"{path}: record {record['id']!r} must have a 'messages' list")
-    if not records:
-        raise ValueError(f"{path} must hold at least one regenerated conversation; received none")
-    records.sort(key=lambda r: r["id"])
-    return [r["messages"] for r in records[:limit]]
-
-
-def _append(f, record: Mapping[str, Any]) -> None:
-    """One line in one write, then flush + fsync: a crash leaves at most a partial last line."""
-    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
 
 
 def _check_meta(path: Path, cfg: RegenConfig, tokenizer: Any) -> None:
@@ -314,9 +240,8 @@ def completion_reply(completion: Completion, tokenizer: Any, stop_ids: tuple[int
 class _Regenerator:
     """The host loop: keeps `backend.capacity` conversations in flight, one request each."""
 
-    def __init__(self, backend: Backend, tokenizer: Any, cfg: RegenConfig, out, errors, stats: RegenStats):
-        self.backend, self.tok, self.cfg, self.out, self.errors, self.stats = (backend, tokenizer, cfg, out, errors,
-                                                                                stats)
+    def __init__(self, backend: Backend, tokenizer: Any, cfg: RegenConfig, store: ChunkStore, stats: RegenStats):
+        self.backend, self.tok, self.cfg, self.store, self.stats = backend, tokenizer, cfg, store, stats
         self.in_flight: dict[Hashable, _Conversation] = {}  # backend handle -> conversation
         self.finished = 0  # conversations finished (any outcome) in this call, for the progress bar
         self.harmony = harmony.is_harmony(tokenizer)  # gpt-oss: replies split into channels, history rewritten
@@ -421,8 +346,8 @@ class _Regenerator:
     def fail_later(self, conv: _Conversation, err: ItemError) -> None:
         """A later turn's reply is not kept: the conversation ends after the turns before it, and the reason is
         written to the errors file (a line with the same id; resume skips it either way)."""
-        _append(self.errors, {"id": conv.item_id, "source": conv.source, "turn": err.turn, "kind": err.kind,
-                              "error": str(err), "kept_turns": conv.turn})
+        self.store.add({"id": conv.item_id, "source": conv.source, "turn": err.turn, "kind": err.kind,
+                        "error": str(err), "kept_turns": conv.turn})
         self.cut(conv)
 
     def cut(self, conv: _Conversation) -> None:
@@ -432,15 +357,15 @@ class _Regenerator:
         self.write(conv)
 
     def write(self, conv: _Conversation) -> None:
-        _append(self.out, conv.record())
+        self.store.add(conv.record())
         self.stats.succeeded += 1
         self.stats.turns += conv.turn
         self.stats.truncated_turns += conv.finish_reasons.count("length")
         self.finished += 1
 
     def fail(self, conv: _Conversation, err: ItemError) -> None:
-        _append(self.errors, {"id": conv.item_id, "source": conv.source, "turn": err.turn, "kind": err.kind,
-                              "error": str(err)})
+        self.store.add({"id": conv.item_id, "source": conv.source, "turn": err.turn, "kind": err.kind,
+                        "error": str(err)})
         if err.kind == "truncated":
             self.stats.dropped += 1
         else:
@@ -469,8 +394,8 @@ def _answered_length(conv: _Conversation) -> int:
 
 
 def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping[str, Any]], out_path: str | Path,
-               cfg: RegenConfig, *, progress: bool = True, also_done: Iterable[str] = (),
-               meta_path: str | Path | None = None, label: str = "regenerate") -> RegenStats:
+               cfg: RegenConfig, *, progress: bool = True, share: tuple[int, int] = (0, 1), merge: bool = True,
+               policy: FlushPolicy | None = None, label: str = "regenerate") -> RegenStats:
     """Regenerate every item's assistant turns with the target into `out_path`; resumes a previous run on the
     same `out_path`. Returns this call's stats. `engine`: an AR-mode Engine in this process, or any `Backend`
     (engine replicas over several devices, an OpenAI-compatible server): the file is the same.
@@ -483,45 +408,48 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
     previous reply finishes, with the seed `request_seed(cfg.seed, id, turn)`, so a conversation's output
     depends neither on its batch neighbours nor on `slots` nor on resuming.
 
-    Files:
-    - `out_path` (JSONL, one line per finished conversation, written with flush + fsync):
-      `{"id", "source", "messages": [system?, user1, a1', user2, a2', ...], "finish_reasons":
-      ["stop"|"length", ...], "tokens": generated tokens over all turns (stop tokens included)}`; a harmony (gpt-oss)
-      target's replies are `{"role": "assistant", "thinking": analysis, "content": final}`, and its later turns are
-      prompted with earlier analysis dropped (`data.harmony`; replies it cannot render back: kind "format");
-    - `<out_path>.errors.jsonl`: `{"id", "source", "turn", "kind", "error"}`, kind one of "invalid" (bad
-      item, empty user turn), "template" (the chat template failed), "too_long" (the first prompt does not
+    Files (`data.regen_store`):
+    - `out_path` (JSONL, one line per finished conversation, sorted by id): `{"id", "source", "messages": [system?,
+      user1, a1', user2, a2', ...], "finish_reasons": ["stop"|"length", ...], "tokens": generated tokens over all
+      turns (stop tokens included)}`; a harmony (gpt-oss) target's replies are `{"role": "assistant", "thinking":
+      analysis, "content": final}`, and its later turns are prompted with earlier analysis dropped (`data.harmony`;
+      replies it cannot render back: kind "format");
+    - `<out_path>.errors.jsonl` (sorted by id): `{"id", "source", "turn", "kind", "error"}`, kind one of "invalid"
+      (bad item, empty user turn), "template" (the chat template failed), "too_long" (the first prompt does not
       fit), "truncated" (the first reply hit max_new_tokens while `drop_truncated`). A later turn whose
       prompt no longer fits the context, or (with `drop_truncated`) whose reply hit max_new_tokens, ends
       the conversation after the turns already regenerated (counted as `turns_cut`);
     - `<out_path>.meta.json`: the config (all but `slots`) and the tokenizer fingerprint; a rerun with
       different ones is refused, so one file never mixes two regeneration settings.
 
-    Resume: a rerun reads both JSONL files and skips every id already in either (counted as skipped), and every
-    id of `also_done` (other shares' files: `data.scaleout`). A crash can leave at most a partial last line (each
-    line is one write); the rerun truncates it (logged, counted in `RegenStats.repaired_bytes`) and never drops a
-    complete line. `meta_path`: where the settings are kept (default `<out_path>.meta.json`; the shares of one
-    run share their dataset's). `label` names the progress lines.
+    While it runs, finished conversations and failed items go out in whole chunks under `<out_path>.parts/`
+    (`data.regen_store.ChunkStore`, as share `share` = (p, P) of a multi-process run; when `policy` says:
+    default 1000 conversations, 64 MiB or 5 minutes, `data.files.FlushPolicy`), never a write or an fsync per
+    conversation. With `merge` (a single process) the chunks are merged into the two files at the end; a
+    multi-process run merges once every share is done (`data.stages.run_regenerate`).
+
+    Resume: a rerun skips every id already in `out_path`, its errors file or a chunk of any topology (counted as
+    skipped). A kill loses at most the chunk being filled (whose items are answered again, with the same seeds), so
+    the merged files do not depend on where a run was stopped. A partial last line of a file of the older
+    line-by-line layout is truncated (logged, counted in `RegenStats.repaired_bytes`). `label` names the progress
+    lines.
     """
     backend = EngineBackend(engine, tokenizer, cfg) if isinstance(engine, Engine) else engine
     out_path = Path(out_path)
-    errors_file = errors_path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    _check_meta(Path(meta_path) if meta_path is not None else out_path.with_name(out_path.name + ".meta.json"), cfg,
-                tokenizer)
+    _check_meta(meta_path(out_path), cfg, tokenizer)
     stats = RegenStats()
-    done: set[str] = set(also_done)
-    for path in (out_path, errors_file):
-        records, removed = repair_jsonl(path)
-        stats.repaired_bytes += removed
-        done.update(r["id"] for r in records)
+    if share[1] == 1:  # files of the line-by-line layout a single process wrote before chunks
+        for path in (out_path, errors_path(out_path)):
+            stats.repaired_bytes += repair_jsonl(path)[1]
+    done = done_ids(out_path)
     total = len(items) if hasattr(items, "__len__") else None
     # resumed items are progress already made, not speed: the bar starts at them and counts new work only
     initial = sum(1 for i in items if isinstance(i, Mapping) and i.get("id") in done) if total is not None else 0
     t0 = time.perf_counter()
-    with (open(out_path, "a", encoding="utf-8") as out, open(errors_file, "a", encoding="utf-8") as errors,
-          Progress(total, initial=initial, enabled=progress, unit="conv", desc=label) as bar):
-        regen = _Regenerator(backend, tokenizer, cfg, out, errors, stats)
+    store = ChunkStore(out_path, share, policy)
+    with Progress(total, initial=initial, enabled=progress, unit="conv", desc=label) as bar:
+        regen = _Regenerator(backend, tokenizer, cfg, store, stats)
         source = iter(items)
         exhausted = False
         shown = 0
@@ -536,6 +464,7 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
                 if not regen.in_flight:
                     break
                 regen.collect()
+                store.tick()  # a slow stage still writes its chunk on the time bound
                 stats.wall_s = time.perf_counter() - t0
                 advanced = regen.finished - shown
                 if advanced:
@@ -546,7 +475,10 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
             close = getattr(backend, "close", None)
             if callable(close):
                 close()
+            store.close()  # what finished is kept, also when the run stops on an error
         bar.update(regen.finished - shown, tokens=stats.generated_tokens - bar.tokens)
+    if merge and share[1] == 1:
+        merge_parts(out_path)
     stats.wall_s = time.perf_counter() - t0
     if progress:
         bar.write(stats.summary())
@@ -567,6 +499,5 @@ def make_regen_engine(target: Any, *, slots: int, max_len: int, sampling: Sampli
                   sampling=sampling)
 
 
-__all__ = ["PARTS_SUFFIX", "Backend", "EngineBackend", "ItemError", "RegenConfig", "RegenStats", "Reply",
-           "completion_reply", "errors_path", "make_regen_engine", "parts_dir", "read_regenerated", "regenerate",
-           "repair_jsonl", "request_seed", "split_turns"]
+__all__ = ["Backend", "EngineBackend", "ItemError", "RegenConfig", "RegenStats", "Reply", "completion_reply",
+           "make_regen_engine", "regenerate", "request_seed", "split_turns"]

@@ -5,8 +5,8 @@ the shares merge into the one file the loaders read.
     share = Share.of_process()                      # (jax.process_index(), jax.process_count())
     mine = [item for item in items if share.owns(item["id"])]
     backend = replica_backend(target, cfg.regen, local_devices(cfg.regen.replicas, cfg.regen.devices_per_replica))
-    regenerate(backend, tokenizer, mine, share.part_path(out), cfg.regen, also_done=done_ids(out))
-    barrier(); if process 0: merge_parts(out)       # -> out, sorted by id
+    regenerate(backend, tokenizer, mine, out, cfg.regen, share=share.pair, merge=False)   # chunks of this share
+    barrier(); if process 0: merge_parts(out)       # -> out, sorted by id (data.regen_store)
 
 Why the result does not depend on the topology: a conversation's output depends only on its own requests (the
 prompt and the seed `request_seed(seed, item id, turn)`), never on its batch neighbours, its replica or its
@@ -14,35 +14,25 @@ process (the engine's batch invariance, tests/test_engine.py); the share of an i
 merged file is sorted by id. Greedy output on 1 device, 4 devices and 2 processes x 2 devices is identical
 (tests/test_data_regenerate.py, tests/test_multiprocess.py), sampled output too, seeded by item id.
 
-Files: a process of a multi-process run writes `<out>.parts/part-<p>-of-<P>.jsonl` (and its `.errors.jsonl`); a
-single process writes `<out>` itself. A rerun counts as done every id in `<out>`, in its errors file and in any
-part of any topology, so a run may resume on another slice. Process 0 merges after all processes finished:
-every record of `<out>` and the parts, each id once, sorted by id, written atomically, then the parts removed.
+Files (`data.regen_store`): process p of P writes its chunks `<out>.parts/part-<p>-of-<P>-<n>.jsonl`, each many
+conversations written whole (a bucket takes about one write per second per object). A rerun counts as done every
+id in `<out>`, in its errors file and in any chunk of any topology, so a run may resume on another slice. Process 0
+merges after all processes finished: every record of `<out>` and the chunks, each id once, sorted by id, written
+atomically, then the chunks removed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
-import os
 import queue
 import threading
 from collections.abc import Hashable, Sequence
-from pathlib import Path
 from typing import Any
 
 from dflash.data.config import RegenConfig
-from dflash.data.files import TMP_SUFFIX, fsync_path
-from dflash.data.regenerate import (
-    ItemError,
-    Reply,
-    _complete_records,
-    completion_reply,
-    errors_path,
-    parts_dir,
-)
+from dflash.data.regenerate import ItemError, Reply, completion_reply
 from dflash.serve.engine import Engine
 from dflash.serve.plan import AR, Limits
 
@@ -69,86 +59,15 @@ class Share:
     def owns(self, item_id: str) -> bool:
         return share_of(item_id, self.count) == self.index
 
-    def part_path(self, out: Path) -> Path:
-        """Where this share writes: `out` itself for one process, else its part under `<out>.parts/`."""
-        if self.count == 1:
-            return out
-        return parts_dir(out) / f"part-{self.index:05d}-of-{self.count:05d}.jsonl"
+    @property
+    def pair(self) -> tuple[int, int]:
+        """(index, count), as `data.regenerate.regenerate` takes a share."""
+        return self.index, self.count
 
 
 def share_of(item_id: str, count: int) -> int:
     """The share (of `count`) an item id belongs to."""
     return int.from_bytes(hashlib.sha256(item_id.encode("utf-8")).digest()[:8], "little") % count
-
-
-def part_files(out: Path) -> list[Path]:
-    """The parts (records, not errors) of every topology under `<out>.parts/`."""
-    folder = parts_dir(out)
-    return sorted(p for p in folder.glob("part-*.jsonl") if not p.name.endswith(".errors.jsonl")) if folder.is_dir() \
-        else []
-
-
-def _ids(path: Path) -> set[str]:
-    """The ids of the complete lines of a JSONL file (a partial last line, still being written, is ignored)."""
-    return {record["id"] for record in _records(path)}
-
-
-def done_ids(out: Path) -> set[str]:
-    """Every id finished (written or failed) in `out`, its errors file and the parts of any topology."""
-    done = _ids(out) | _ids(errors_path(out))
-    for part in part_files(out):
-        done |= _ids(part) | _ids(errors_path(part))
-    return done
-
-
-def merge_parts(out: Path) -> int:
-    """Merge the parts into `out` (and their errors into its errors file): each id once, sorted by id, written
-    atomically; then remove the parts. With no parts, sort `out` in place when it is not sorted yet. Returns the
-    number of records merged in from parts."""
-    parts = part_files(out)
-    merged = 0
-    for target, sources in ((out, parts), (errors_path(out), [errors_path(p) for p in parts])):
-        records = _records(target)
-        known = {r["id"] for r in records}
-        added = False
-        for source in sources:
-            for record in _records(source):
-                if record["id"] not in known:
-                    known.add(record["id"])
-                    records.append(record)
-                    added = True
-                    merged += target == out
-        ordered = sorted(records, key=lambda r: r["id"])
-        if added or ordered != records:
-            _write_jsonl_atomic(target, ordered)
-    folder = parts_dir(out)
-    if folder.is_dir():
-        for path in sorted(folder.iterdir()):
-            path.unlink()
-        folder.rmdir()
-    if parts:
-        log.info("merged %d conversations from %d part(s) into %s", merged, len(parts), out)
-    return merged
-
-
-def _write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
-    """`records` as JSONL (UTF-8, one per line, as `regenerate` writes them) replacing `path` atomically."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    """The records of the complete lines of a JSONL file (a partial last line, still being written, is ignored)."""
-    if not path.is_file():
-        return []
-    data = path.read_bytes()
-    return _complete_records(path, data[: data.rfind(b"\n") + 1])
 
 
 def barrier(name: str) -> None:
@@ -263,14 +182,15 @@ class ReplicaBackend:
 
 
 def replica_engines(target: Any, cfg: RegenConfig, groups: Sequence[tuple[Any, ...]]) -> list[Engine]:
-    """One AR-mode engine per device group, the target's weights copied onto each (split over a group of several
-    devices in tensor parallel, `Limits.devices`)."""
+    """One AR-mode engine per device group, the target's weights read straight onto each (`Target.on_group`: whole
+    on a one-device group, split over a group of several devices in tensor parallel, as `Limits.devices` lays them
+    out; no device holds more than its group's share)."""
     import jax
 
     engines = []
     for group in groups:
         with jax.default_device(group[0]):
-            params = jax.device_put(target.params, group[0]) if len(group) == 1 else target.params
+            params = target.on_group(group)
             limits = Limits(slots=cfg.slots, max_len=cfg.max_len, devices=len(group))
             engines.append(Engine(params, target.cfg, None, AR(), limits, devices=group))
     return engines
@@ -290,5 +210,5 @@ def process_tag() -> str:
     return f"[process {jax.process_index()}/{jax.process_count()}] " if jax.process_count() > 1 else ""
 
 
-__all__ = ["ReplicaBackend", "Share", "barrier", "done_ids", "local_devices", "merge_parts", "part_files",
-           "parts_dir", "process_tag", "replica_backend", "replica_engines", "share_of"]
+__all__ = ["ReplicaBackend", "Share", "barrier", "local_devices", "process_tag", "replica_backend", "replica_engines",
+           "share_of"]

@@ -5,7 +5,7 @@ A capture directory holds `manifest.json` (`data.manifest.Manifest`) and `shard-
 (`data.records.encode_record`); while the shares of a multi-process capture run, `parts/part-<p>-of-<P>.json`
 records each one's finished shards until process 0 merges them into `manifest.json` (`merge_shares`).
 
-    writer = ShardWriter(out_dir, header)          # capture (data.capture): atomic per shard, resumes
+    writer = ShardWriter(out_dir, header)          # capture (data.capture): whole shards renamed in place, resumes
     writer = ShardWriter(out_dir, header, share=(p, P)); ...; merge_shares(out_dir, P)   # P processes, one dir
     with writer.shard(i) as shard: shard.write(tokens_N, loss_mask_N, features_NxFD[, next_ids_N[, topk]])
     source = RecordSource(out_dir, load_manifest(out_dir))     # training (data.offline): random access
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from dflash.data.manifest import (
 from dflash.data.records import Sample, ShardError, decode_record, encode_record, record_tokens
 
 READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"  # random access (ArrayRecord's advice)
+STATE_SECONDS = 60.0  # a writer rewrites its state (manifest.json, a share's part) at most this often, and at the end
 _COMPRESSIONS = re.compile(r"uncompressed|(zstd|brotli)(:-?\d+)?|snappy")
 
 
@@ -65,20 +67,23 @@ class ShardWriter:
     - empty or missing: starts a new capture and writes the initial manifest;
     - holding a manifest (or the shares' state under `parts/`, below): its identity fields must equal
       `header`'s (else ManifestMismatchError naming each differing field, manifest vs this run); listed shards
-      whose size (and sha256 if `verify`) match are kept, the rest and any unlisted shard file are deleted,
-      `.tmp` leftovers are deleted;
+      whose size (and sha256 if `verify`) match are kept; an unlisted shard file that reads back whole is kept too
+      (finished after the state was last written), the rest and `.tmp` leftovers are deleted;
     - holding shard files without a manifest, or any other file: ShardError (not a capture directory).
 
     Then `pending` lists the shard indices still to write; `with writer.shard(i) as shard:
     shard.write(tokens, loss_mask, features)` writes shard i (its exact sample count, or ShardError), and
     `finish()` marks the capture complete.
 
-    Crash safety: a shard is written to `shard-XXXXX.array_record.tmp`, closed, fsynced, hashed (sha256,
-    size) and renamed with `os.replace`; only then is the manifest rewritten (tmp + fsync + replace) with
-    the shard's entry. A shard is therefore visible under its final name only when complete, and a crash
-    loses at most the shard in progress. Samples are assigned to shards by index (shard i = samples
-    [i*S, (i+1)*S)), so a shard rewritten on resume is byte-identical to the one an uninterrupted capture
-    would have written.
+    Crash safety, and a bucket's rules (docs/design.md §6): a shard is written to `shard-XXXXX.array_record.tmp`,
+    closed, fsynced once and renamed into place with `os.replace`, so it is visible under its final name only when
+    complete, and nothing is rewritten or fsynced per record. The manifest (or a share's state) lists the finished
+    shards; it is one object rewritten in place, so it is rewritten at most every STATE_SECONDS (and when the
+    writer finishes, and on an error, `save`), not after every shard: a shard finished since is found again on
+    resume by reading it (the right name and record count, every record's header; its entry recomputed), so a kill
+    (even -9) loses at most the shard in progress. Samples are assigned to shards by index (shard i = samples
+    [i*S, (i+1)*S)), so a shard rewritten on resume is byte-identical to the one an uninterrupted capture would
+    have written.
 
     Shares (`share=(p, P)`, P > 1: process p of a P-process capture into one shared directory): the writer owns
     the shards i with i % P == p and touches no other file: its state is `parts/part-<p>-of-<P>.json` (a manifest
@@ -101,6 +106,7 @@ class ShardWriter:
         self._entries: dict[int, ShardEntry] = {}
         self.kept: list[int] = []
         self._header = header
+        self._saved = 0.0
         self._open(verify)
 
     # -- directory state
@@ -162,6 +168,12 @@ class ShardWriter:
                     continue  # rewritten below, like an unfinished shard
                 self._entries[index] = entry
                 break
+        for name in shard_files:  # finished after the state was last written: found by reading them back
+            index = shard_index(name.removesuffix(TMP_SUFFIX))
+            if not name.endswith(TMP_SUFFIX) and index in mine and index not in self._entries:
+                entry = self._adopt(index)
+                if entry is not None:
+                    self._entries[index] = entry
         keep = {entry.file for entry in self._entries.values()}
         for name in shard_files:  # one process owns every file; a share only its own shards'
             index = shard_index(name.removesuffix(TMP_SUFFIX))
@@ -173,9 +185,33 @@ class ShardWriter:
         if not single and own_tmp.exists():
             own_tmp.unlink()
         self.kept = sorted(self._entries)
-        self._write_manifest()
+        self.save()
         if single:
             _remove_parts(self.out_dir)  # manifest.json now lists every shard they held
+
+    def _adopt(self, index: int) -> ShardEntry | None:
+        """The entry of shard `index`'s file when it reads back as that shard (its record count, and every record
+        decoding as this capture's sample of its index: it was renamed into place whole), else None (it is deleted
+        and written again)."""
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        path, header = self.out_dir / shard_name(index), self._header
+        first = index * header.samples_per_shard
+        try:
+            reader = ArrayRecordReader(str(path), READER_OPTIONS)
+            try:
+                if reader.num_records() != header.shard_samples(index):
+                    return None
+                tokens = sum(len(decode_record(raw, feature_dim=header.feature_dim, sample_index=first + r,
+                                               where=f"{path}: record {r}", next_ids=header.target_labels,
+                                               topk=header.target_topk).tokens)
+                             for r, raw in enumerate(reader.read_all()))
+            finally:
+                reader.close()
+        except Exception:  # noqa: BLE001 - unreadable (the C++ reader raises several types): not a finished shard
+            return None
+        return ShardEntry(file=path.name, samples=self._header.shard_samples(index), tokens=tokens,
+                          bytes=path.stat().st_size, sha256=file_sha256(path))
 
     @property
     def pending(self) -> list[int]:
@@ -196,9 +232,12 @@ class ShardWriter:
             self._header, shards=shards, total_tokens=tokens, bytes_per_token=size / tokens if tokens else 0.0,
             complete=self.share[1] == 1 and len(shards) == self._header.num_shards, created=self._created)
 
-    def _write_manifest(self) -> None:
+    def save(self) -> None:
+        """Write the state (manifest.json, or this share's part) listing every finished shard. A listed shard whose
+        rename a power loss undid is found missing on resume and written again (`check_shard_file`)."""
         self.state_path.parent.mkdir(exist_ok=True)
         write_atomic(self.state_path, self.manifest().to_json())
+        self._saved = time.monotonic()
 
     # -- writing
 
@@ -219,14 +258,13 @@ class ShardWriter:
             tmp.unlink(missing_ok=True)
             raise ShardError(f"{self.out_dir / shard_name(index)}: shard must hold {expected} samples; "
                              f"received {samples}")
-        with tmp.open("rb+") as fh:
-            os.fsync(fh.fileno())
+        fsync_path(tmp)
         entry = ShardEntry(file=shard_name(index), samples=samples, tokens=tokens, bytes=tmp.stat().st_size,
                            sha256=file_sha256(tmp))
         os.replace(tmp, self.out_dir / entry.file)
-        fsync_path(self.out_dir)
         self._entries[index] = entry
-        self._write_manifest()
+        if time.monotonic() - self._saved >= STATE_SECONDS:
+            self.save()
 
     def finish(self) -> Manifest:
         """Mark the capture complete (every shard must be finished) and return the final manifest; a share
@@ -234,7 +272,7 @@ class ShardWriter:
         if self.pending:
             raise ShardError(f"{self.out_dir}: every shard must be finished before finish(); "
                              f"pending {self.pending[:5]}")
-        self._write_manifest()
+        self.save()
         return self.manifest()
 
 

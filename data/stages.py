@@ -17,7 +17,6 @@ Each takes the whole recipe and returns what it did; the CLI prints it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -28,20 +27,13 @@ from dflash.configs.recipe import Recipe
 from dflash.data.capture import CaptureReport, capture, examples_hash
 from dflash.data.examples import build_examples
 from dflash.data.manifest import PART_NAME, PARTS_DIR, Manifest, Provenance, load_manifest, read_manifest_file
-from dflash.data.regenerate import RegenStats, errors_path, make_regen_engine, regenerate
-from dflash.data.scaleout import (
-    Share,
-    barrier,
-    done_ids,
-    local_devices,
-    merge_parts,
-    part_files,
-    process_tag,
-    replica_backend,
-)
+from dflash.data.regen_store import count_lines, errors_path, merge_parts, part_files, parts_dir
+from dflash.data.regenerate import RegenStats, make_regen_engine, regenerate
+from dflash.data.scaleout import Share, barrier, local_devices, process_tag, replica_backend
 from dflash.data.shards import RecordSource, merge_shares, part_state_files
 from dflash.data.sources import MixStats, mix, mix_spec, tokenizer_counter
 from dflash.data.walk import WalkSummary, run_walk
+from dflash.models.placement import log_memory_per_device
 from dflash.models.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -77,8 +69,7 @@ def run_regenerate(recipe: Recipe, *, target: Target | None = None, progress: bo
     if share.count > 1:
         log.info("%sthis process answers %d of the %d items (share %d of %d, by item id)", tag, len(mine),
                  len(items), share.index, share.count)
-    kwargs = {"progress": progress, "also_done": done_ids(out), "meta_path": out.with_name(out.name + ".meta.json"),
-              "label": f"{tag}regenerate"}
+    kwargs = {"progress": progress, "label": f"{tag}regenerate", "share": share.pair, "merge": False}
     if cfg.regen.endpoint.url:  # an OpenAI-compatible server answers: the tokenizer is all this process needs
         from dflash.data.endpoint import connect
 
@@ -91,7 +82,8 @@ def run_regenerate(recipe: Recipe, *, target: Target | None = None, progress: bo
         one_device = len(groups) == 1 and len(groups[0]) == 1
         backend = (make_regen_engine(target, slots=cfg.regen.slots, max_len=cfg.regen.max_len) if one_device
                    else replica_backend(target, cfg.regen, groups))
-    stats = regenerate(backend, tokenizer, mine, share.part_path(out), cfg.regen, **kwargs)
+        log_memory_per_device(f"{tag}regenerate")  # the target and each replica's pages, before the first answer
+    stats = regenerate(backend, tokenizer, mine, out, cfg.regen, **kwargs)
     if merge:
         barrier("dflash-data-regenerate")
         if share.index == 0:
@@ -131,7 +123,7 @@ def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool 
     log.info("%scapture: %d replica(s) on %s%s", tag, len(groups),
              "; ".join(", ".join(str(d) for d in group) for group in groups),
              f"; shards i with i % {share.count} == {share.index}" if share.count > 1 else "")
-    report = capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
+    report = capture(target, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
                      cfg.shard_dir, seq_len=cfg.seq_len, batch_size=cfg.capture_batch_size,
                      samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress,
                      target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0,
@@ -182,20 +174,14 @@ def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:
     regen = cfg.regenerated_path
     parts = part_files(regen)
     if regen.is_file() or parts:
-        done = sum(1 for line in regen.read_text().splitlines() if line.strip()) if regen.is_file() else 0
-        errors = errors_path(regen)
-        kinds: dict[str, int] = {}
-        if errors.is_file():
-            for line in errors.read_text().splitlines():
-                if line.strip():
-                    kind = json.loads(line).get("kind", "?")
-                    kinds[kind] = kinds.get(kind, 0) + 1
+        done, kinds = count_lines([regen, errors_path(regen)])
         lines.append(f"regenerated: {done} conversations in {regen.name}; errors: "
                      + (", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) or "none"))
         if parts:
-            lines.append(f"  and {len(done_ids(regen)) - done - sum(kinds.values())} items done in {len(parts)} "
-                         f"unmerged share(s) under {regen.name}.parts/ (a rerun of `dflash data regenerate` "
-                         "merges them)")
+            pending, pending_kinds = count_lines(parts)
+            lines.append(f"  and {pending} conversations, {sum(pending_kinds.values())} errors in {len(parts)} "
+                         f"unmerged chunk(s) under {parts_dir(regen).name}/ (a run in progress or stopped: a rerun of "
+                         "`dflash data regenerate` finishes and merges them)")
     else:
         lines.append(f"regenerated: none ({regen.name} not written yet: dflash data regenerate)")
     shares = [path for path in part_state_files(cfg.shard_dir) if PART_NAME.fullmatch(path.name)]

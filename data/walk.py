@@ -46,7 +46,7 @@ from flax import nnx
 
 from dflash.data.files import fsync_path, write_atomic
 from dflash.data.progress import Progress
-from dflash.data.regenerate import repair_jsonl
+from dflash.data.regen_store import repair_jsonl
 from dflash.models.drafter import DFlashDrafter
 from dflash.serve.acceptance import answer_spans, chain, matched_prefix, teacher_leads
 from dflash.serve.engine import Engine

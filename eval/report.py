@@ -46,12 +46,16 @@ def _pct(values: Sequence[float], q: float) -> float | None:
 
 
 def _mode_stats(replies: list[dict[str, Any]]) -> dict[str, Any]:
+    """TPOT, tokens/s and TTFT of one mode's replies. A reply whose tokens all came in one streamed chunk has TPOT
+    0 (nothing measured after its first token): counted in the mean TPOT; the decode rate is None when that mean
+    is 0."""
     tpots = [r["tpot_s"] for r in replies if r["tpot_s"] is not None]
     tokens = sum(r["tokens"] for r in replies)
     latency = sum(r["latency_s"] for r in replies)
+    mean_tpot = statistics.mean(tpots) if tpots else None
     return {"replies": len(replies), "tokens": tokens,
-            "tpot_ms": statistics.mean(tpots) * 1e3 if tpots else None,
-            "decode_tok_s": 1.0 / statistics.mean(tpots) if tpots else None,
+            "tpot_ms": mean_tpot * 1e3 if mean_tpot is not None else None,
+            "decode_tok_s": 1.0 / mean_tpot if mean_tpot else None,
             "tok_s": tokens / latency if latency > 0 else None,
             "ttft_ms": statistics.mean(r["ttft_s"] for r in replies) * 1e3 if replies else None}
 

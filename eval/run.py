@@ -38,7 +38,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -265,15 +265,17 @@ def warm_up(client: Client, items: Sequence[EvalItem], settings: EvalSettings) -
 
 
 def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, items: Sequence[EvalItem],
-            progress: bool = True, engines: dict[str, Engine] | None = None) -> list[dict[str, Any]]:
+            progress: bool = True, engines: dict[str, Engine] | None = None,
+            speculative: Sequence[str] = ("dflash",)) -> list[dict[str, Any]]:
     """Send `items` (the sets' conversations) to the servers of `clients` (mode -> client: "dflash", "ar" or
     both) at every concurrency; the records of both modes, old and new. `engines`: mode -> the engine serving it
-    (`eval.engines.engine_for`, which also set how its client sends requests; default: ours); the "dflash" mode's
-    speculative counts are read the engine's way."""
+    (`eval.engines.engine_for`, which also set how its client sends requests; default: ours); the speculative modes'
+    counts (`speculative`: "dflash"; benchmarks/vs_vllm.py names one per engine, all paired) are read the engine's
+    way."""
     out_dir.mkdir(parents=True, exist_ok=True)
     store = RecordStore(out_dir / "records.jsonl")
     engines = {mode: (engines or {}).get(mode) or DFlashEngine() for mode in clients}
-    meters = {mode: Meter(engines[mode], client, measure=mode == "dflash") for mode, client in clients.items()}
+    meters = {mode: Meter(engines[mode], client, measure=mode in speculative) for mode, client in clients.items()}
     for mode, client in clients.items():
         served = engines[mode].describe(client)
         store.begin(mode, {"model": served["id"], "block_size": served["block_size"], "drafter": served["drafter"],
@@ -361,6 +363,38 @@ def timed_compiles(records: Sequence[dict[str, Any]]) -> dict[str, int | None]:
     return out
 
 
+def template_variables(given: dict[str, Any] | None, recipe_kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """The chat template's variables `dflash eval` sends with every request, and where they came from: `given`
+    (`--chat-template-kwargs`) when it is not None, else the recipe's `data.regen.template_kwargs`, the variables its
+    training answers were made with (and its real-τ prompts rendered with: a Qwen3 drafter trained on non-thinking
+    answers is measured on non-thinking replies, gpt-oss at the recipe's effort and date)."""
+    if given is not None:
+        return dict(given), "--chat-template-kwargs"
+    return dict(recipe_kwargs), "the recipe's data.regen.template_kwargs"
+
+
+BEST_RESULTS = "results.json"  # <run_dir>/best/results.json: `dflash eval` of that best drafter, for its model card
+
+
+def keep_with_best(results: dict[str, Any], best: Path, step: int) -> bool:
+    """Store `results` (an evaluation of the best drafter of step `step`) inside `best` as BEST_RESULTS, so that
+    best/ copied alone still carries its model card's eval table; not when best/ was replaced meanwhile (a run
+    still training kept a newer drafter: those results are not its). Returns whether it was stored."""
+    from dflash.data.files import write_atomic
+    from dflash.models.drafter_io import BEST_JSON
+
+    try:
+        current = json.loads((best / BEST_JSON).read_text()).get("step")
+    except (OSError, json.JSONDecodeError):
+        current = None
+    if current != step:
+        log.warning("%s now holds the drafter of step %s, not the evaluated step %s: these results stay in the eval "
+                    "directory only", best, current, step)
+        return False
+    write_atomic(best / BEST_RESULTS, json.dumps(results, indent=1) + "\n")
+    return True
+
+
 def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = None, ar_url: str | None = None,
              drafter: str | None = None, step: str | None = None, config: str = "default",
              overrides: Sequence[str] = (), api_key: str | None = None, devices: int = 1, progress: bool = True,
@@ -380,12 +414,15 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
     if (url is None) == (drafter is None):
         raise ValueError("pass exactly one of --url (a running speculative server: dflash serve, vLLM, SGLang) and "
                          "--drafter (a run dir or export)")
+    best, best_step = None, None
     if drafter is not None:  # --step best of a run that kept no best/: its newest checkpoint, said so
-        from dflash.models.drafter_io import best_or_latest
+        from dflash.models.drafter_io import BEST_JSON, best_dir_of, best_or_latest
 
         step, fallback = best_or_latest(drafter, step)
         if fallback:
             log.warning("%s", fallback)
+        best = best_dir_of(drafter, step)
+        best_step = json.loads((best / BEST_JSON).read_text()).get("step") if best is not None else None
     out_dir = Path(out_dir).expanduser()
     common = ["--config", config, "--devices", str(devices), *(["--api-key", api_key] if api_key else []),
               *overrides]
@@ -399,9 +436,14 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
             url = stack.enter_context(servers.serve_subprocess([*args, *common], out_dir / "server-dflash.log", slots))
         elif ar_url is None:
             ar_url = stack.enter_context(servers.serve_subprocess(["--ar", *common], out_dir / "server-ar.log", slots))
-        return evaluate(url, ar_url, settings, out_dir, drafter={"path": drafter, "step": step} if drafter else None,
-                        api_key=api_key, progress=progress, engine="dflash" if drafter else engine)
+        described = {"path": drafter, "step": step, **({"best_step": best_step} if best is not None else {})}
+        results, paths = evaluate(url, ar_url, settings, out_dir, drafter=described if drafter else None,
+                                  api_key=api_key, progress=progress, engine="dflash" if drafter else engine)
+    if best is not None and keep_with_best(results, best, best_step):
+        log.info("the results of the best drafter (step %s) are kept in %s too (its model card's eval table)",
+                 best_step, best / BEST_RESULTS)
+    return results, paths
 
 
-__all__ = ["MODES", "EvalSettings", "RecordStore", "collect", "environment", "evaluate", "run_eval", "timed_compiles",
-           "warm_up"]
+__all__ = ["BEST_RESULTS", "MODES", "EvalSettings", "RecordStore", "collect", "environment", "evaluate",
+           "keep_with_best", "run_eval", "template_variables", "timed_compiles", "warm_up"]

@@ -42,7 +42,7 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, log: Path | None, time
 
 
 @contextlib.contextmanager
-def _serve(args: Sequence[str], log: Path, slots: int, ar_port: bool) -> Iterator[list[str]]:
+def _serve(args: Sequence[str], log: Path, slots: int, ar_port: bool, timeout: float = 600.0) -> Iterator[list[str]]:
     port = free_port()
     ports = [port, *([free_port()] if ar_port else [])]
     cmd = [sys.executable, "-m", "dflash.launch.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port),
@@ -55,7 +55,7 @@ def _serve(args: Sequence[str], log: Path, slots: int, ar_port: bool) -> Iterato
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         for url in urls:
-            wait_healthy(url, proc, log)
+            wait_healthy(url, proc, log, timeout)
         yield urls
     finally:
         stop_process(proc)
@@ -83,10 +83,12 @@ def serve_subprocess(args: Sequence[str], log: Path, slots: int) -> Iterator[str
 
 
 @contextlib.contextmanager
-def serve_pair_subprocess(args: Sequence[str], log: Path, slots: int) -> Iterator[tuple[str, str]]:
+def serve_pair_subprocess(args: Sequence[str], log: Path, slots: int,
+                          timeout: float = 600.0) -> Iterator[tuple[str, str]]:
     """As `serve_subprocess` with `--ar-port <free>`: one process serving the drafter and the target alone (AR) over
-    one copy of the weights, on one chip; yields (DFlash URL, AR URL)."""
-    with _serve(args, log, slots, ar_port=True) as urls:
+    one copy of the weights, on one chip; yields (DFlash URL, AR URL) once both answer (within `timeout` seconds:
+    the start includes the precompile)."""
+    with _serve(args, log, slots, ar_port=True, timeout=timeout) as urls:
         yield urls[0], urls[1]
 
 

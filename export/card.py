@@ -41,6 +41,20 @@ def find_results(run_dir: Path) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
+def best_results(best: Path, step: int | None) -> Path | None:
+    """The `dflash eval` results kept inside a best/ drafter (`eval.run.BEST_RESULTS`) when they evaluated that
+    drafter (their recorded best step is `step`), else None."""
+    from dflash.eval.run import BEST_RESULTS
+
+    path = Path(best) / BEST_RESULTS
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    evaluated = (results.get("drafter") or {}).get("best_step")
+    return path if results.get("schema") == SCHEMA and step is not None and evaluated == step else None
+
+
 def read_results(path: Path) -> dict[str, Any]:
     """A results.json of `dflash eval`; ValueError unless it carries schema dflash-eval/1."""
     try:
@@ -57,6 +71,11 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def template_text(kwargs: dict[str, Any] | None) -> str:
+    """How the card names a chat template's variables: the JSON object, or the template's defaults."""
+    return f"`{json.dumps(kwargs)}`" if kwargs else "none (the template's defaults)"
+
+
 def _eval_section(results: dict[str, Any] | None, source: str | None) -> list[str]:
     lines = ["## Evaluation", ""]
     if results is None:
@@ -70,7 +89,8 @@ def _eval_section(results: dict[str, Any] | None, source: str | None) -> list[st
     lines += [f"`dflash eval` against {served} ({source}): **{headline_line(results)}**; greedy replies "
               f"differing from AR decoding: {mismatches}. Sets {', '.join(s.get('sets', []))}, {s.get('limit')} items "
               f"each, {s.get('max_new_tokens')} new tokens per turn, on "
-              f"{results.get('environment', {}).get('machine', '?')}.", "",
+              f"{results.get('environment', {}).get('machine', '?')}; chat template variables "
+              f"{template_text(s.get('chat_template_kwargs'))}.", "",
               "| set | τ (accepted + 1 per step) | speedup | DFlash tok/s | AR tok/s | differ from AR |",
               "|---|---|---|---|---|---|"]
     for name, r in results.get("sets", {}).items():
@@ -96,11 +116,26 @@ def _examples(max_examples: object) -> str:
     return "every example" if not max_examples else f"up to {max_examples} examples"
 
 
-def _training_section(meta: dict[str, Any] | None, step: int | None, best: bool) -> list[str]:
+def _chosen(record: dict[str, Any] | None) -> list[str]:
+    """The line saying how a best/ drafter was chosen (its best.json), or none."""
+    if not record or "tau" not in record:
+        return []
+    setup = record.get("eval") or {}
+    sets = ", ".join(f"{k} {v:.2f}" for k, v in (record.get("tau_per_set") or {}).items())
+    variables = template_text(setup.get("template_kwargs"))
+    how = (f" on {setup.get('per_set')} prompts of each of {', '.join(setup.get('sets', []))} (first turns, greedy, "
+           f"{setup.get('new_tokens')} new tokens), chat template variables {variables}"
+           if setup else " (its prompts were not recorded)")
+    return [f"- Chosen: real τ {record['tau']:.2f} ({sets}) decoded by the bundled engine during training{how}."]
+
+
+def _training_section(meta: dict[str, Any] | None, step: int | None, best: bool,
+                      best_record: dict[str, Any] | None = None) -> list[str]:
     lines = ["## Training", ""]
     which = f"step {step}" + (" (the best drafter by real τ during training)" if best else "")
     if not meta or "recipe" not in meta:
-        return lines + [f"Exported from {which}; the run's recipe was not found (no checkpoint left).", ""]
+        return lines + [f"Exported from {which}; the run's recipe was not found (no checkpoint left).",
+                        *_chosen(best_record), ""]
     recipe = meta["recipe"]
     train, data, target = recipe.get("train", {}), recipe.get("data", {}), recipe.get("target", {})
     lines += [f"- Exported: {which} of `train.steps={train.get('steps')}`, trained with dflash-tpu (JAX, Orbax "
@@ -114,14 +149,18 @@ def _training_section(meta: dict[str, Any] | None, step: int | None, best: bool)
               f"- Data: `{data.get('source')}` (prompts `{data.get('prompts')}`), sequences of {data.get('seq_len')} "
               f"tokens{_packed(data.get('pack'))}, {_examples(data.get('max_examples'))}, target features computed "
               f"{data.get('features')}.",
+              f"- Chat template variables of the training answers (`data.regen.template_kwargs`): "
+              f"{template_text(data.get('regen', {}).get('template_kwargs'))}.",
+              *_chosen(best_record),
               ""]
     return lines
 
 
 def render_card(arch: DrafterArch, *, fmt: str, dtype: str, step: int | None, best: bool, meta: dict[str, Any] | None,
                 target: str | None, model_ref: str, results: dict[str, Any] | None, results_source: str | None,
-                param_count: int, has_modeling_file: bool) -> str:
-    """The README.md of an export. `model_ref` is how users point at it (the Hub repo, or the directory)."""
+                param_count: int, has_modeling_file: bool, best_record: dict[str, Any] | None = None) -> str:
+    """The README.md of an export. `model_ref` is how users point at it (the Hub repo, or the directory);
+    `best_record`: the best.json of a best/ drafter (how it was chosen)."""
     k = arch.block_size
     target_name = target or "<target model>"
     layout = ("z-lab layout (what vLLM `method: dflash`, SGLang `DFLASH` and z-lab's `DFlashDraftModel` load)"
@@ -149,7 +188,7 @@ def render_card(arch: DrafterArch, *, fmt: str, dtype: str, step: int | None, be
         + (f"; the speculators config counts the same layers as `aux_hidden_state_layer_ids` "
            f"{[j + 1 for j in ids]} (index 0 = the embedding output)." if fmt == "speculators" else "."), "",
     ]
-    lines += _training_section(meta, step, best)
+    lines += _training_section(meta, step, best, best_record)
     lines += _eval_section(results, results_source)
     spec = json.dumps({"method": "dflash", "model": model_ref, "num_speculative_tokens": k - 1})
     lines += ["## Serving", "", "vLLM:", "", "```bash", f"vllm serve {target_name} --speculative-config '{spec}'",
@@ -175,4 +214,5 @@ def render_card(arch: DrafterArch, *, fmt: str, dtype: str, step: int | None, be
     return "\n".join(lines)
 
 
-__all__ = ["KNOWN_TARGETS", "find_results", "read_results", "render_card", "target_id"]
+__all__ = ["KNOWN_TARGETS", "best_results", "find_results", "read_results", "render_card", "target_id",
+           "template_text"]

@@ -30,7 +30,7 @@ from typing import Any
 from dflash.configs.recipe import load_recipe
 from dflash.configs.schema import ConfigError, apply_overrides, build
 from dflash.data.files import fsync_path, fsync_tree
-from dflash.export.card import find_results, read_results, render_card, target_id
+from dflash.export.card import best_results, find_results, read_results, render_card, target_id
 from dflash.export.hub import Upload, plan_upload, upload_folder
 from dflash.models.config import TargetConfig
 from dflash.models.drafter import DrafterArch, check_fits_target, hf_tensor_names, param_count
@@ -184,7 +184,8 @@ def write_export(run: RunDrafter, directory: Path, *, fmt: str, dtype: str, targ
     card = render_card(arch, fmt=fmt, dtype=dtype, step=run.step, best=run.source.name == "best", meta=run.meta,
                        target=target, model_ref=model_ref, results=results,
                        results_source=str(results_path) if results_path else None,
-                       param_count=param_count(drafter), has_modeling_file=modeling_file is not None)
+                       param_count=param_count(drafter), has_modeling_file=modeling_file is not None,
+                       best_record=run.best)
     (directory / "README.md").write_text(card)
     return [(p.relative_to(directory).as_posix(), p.stat().st_size) for p in sorted(directory.rglob("*"))
             if p.is_file()]
@@ -218,7 +219,9 @@ def export_run(run_dir: str | Path, *, fmt: str, out: str | Path | None = None, 
     checked = check_target(run.drafter.arch, source, known,
                            origin + (f" with {' '.join(overrides)}" if overrides else ""), where=str(run.source))
     target = target or target_id(source)
-    results_path = Path(results).expanduser() if results is not None else find_results(run.run_dir)
+    # the results kept inside best/ for this very drafter (they travel with a copied best/), else the run dir's newest
+    kept = best_results(run.source, run.step) if run.source.name == "best" else None
+    results_path = Path(results).expanduser() if results is not None else kept or find_results(run.run_dir)
     message = (f"dflash-export: {run.run_dir.name} step {run.step}"
                + (" (best)" if run.source.name == "best" else "") + f", {fmt} layout, {dtype}")
     upload = (plan_upload(push_to_hub, private=private, revision=revision, commit_message=message, endpoint=endpoint)

@@ -212,17 +212,19 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    _recipe(args)  # the recipe, its overrides and its target must be valid before servers start with them
+    recipe = _recipe(args)  # the recipe, its overrides and its target must be valid before servers start with them
     from dflash.eval.client import ServerError
     from dflash.eval.report import headline_line
-    from dflash.eval.run import EvalSettings, run_eval
+    from dflash.eval.run import EvalSettings, run_eval, template_variables
 
     try:
-        template_kwargs = {} if args.chat_template_kwargs is None else json.loads(args.chat_template_kwargs)
+        given = None if args.chat_template_kwargs is None else json.loads(args.chat_template_kwargs)
     except json.JSONDecodeError as err:
         print(f"dflash eval: error: --chat-template-kwargs must be a JSON object, e.g. "
               f"'{{\"reasoning_effort\": \"low\"}}'; received {args.chat_template_kwargs!r} ({err})", file=sys.stderr)
         return 2
+    template_kwargs, origin = template_variables(given, recipe.data.regen.template_kwargs)
+    print(f"dflash eval: chat template variables {json.dumps(template_kwargs)} ({origin})")
     try:
         settings = EvalSettings(sets=tuple(s for s in args.sets.split(",") if s), limit=args.limit,
                                 max_new_tokens=args.max_new_tokens, concurrency=_int_list(args.concurrency),
@@ -285,10 +287,19 @@ def cmd_launch_pod(args: argparse.Namespace) -> int:
     recipe = _recipe(args, unreachable_ok=True)  # the recipe, its overrides and its target, before any pod starts
     import shlex
 
-    from dflash.launch.pod import check_credentials, check_on_slice, parse_env, parse_secrets
+    from dflash.launch.pod import check_credentials, check_on_slice, parse_env, parse_secrets, target_bucket
     from dflash.launch.tpus import parse_tpu_type
 
-    tpu = parse_tpu_type(args.tpu_type)
+    endpoint = args.stage == "regenerate" and bool(recipe.data.regen.endpoint.url)
+    if endpoint and args.tpu_type:
+        raise ConfigError(f"--tpu-type must not be given for `regenerate` through data.regen.endpoint.url "
+                          f"({recipe.data.regen.endpoint.url}): the stage only sends HTTP requests to that server, "
+                          f"so it runs on one CPU node (--cpu-type, default {args.cpu_type}) and holds no TPU; "
+                          f"received {args.tpu_type}")
+    if not endpoint and not args.tpu_type:
+        raise ConfigError(f"--tpu-type must name the TPU slice of `{args.stage}` (e.g. v5p-128 for train, v5p-8 for "
+                          "one host); received none")
+    tpu = None if endpoint else parse_tpu_type(args.tpu_type)
     check_on_slice(recipe, args.stage, tpu, args.num_slices)
     image = args.image or os.environ.get("DFLASH_IMAGE") or ("dflash-tpu:latest" if args.dry_run else None)
     if image is None:
@@ -298,7 +309,11 @@ def cmd_launch_pod(args: argparse.Namespace) -> int:
                   image=image, num_slices=args.num_slices, data_dir=args.data_dir, overrides=tuple(args.overrides),
                   stage_args=tuple(shlex.split(args.args)), env=parse_env(args.env or []),
                   secrets=parse_secrets(args.secret or []), max_restarts=args.max_restarts,
-                  grace_period=args.grace_period, project=args.project, priority=args.priority)
+                  grace_period=args.grace_period, project=args.project, priority=args.priority,
+                  cpu_type=args.cpu_type if endpoint else "",
+                  model_buckets=tuple(b for b in [target_bucket(recipe.target.source)] if b),
+                  chat_template_kwargs=json.dumps(dict(recipe.data.regen.template_kwargs), sort_keys=True)
+                  if args.stage == "eval" else "")
     if args.target == "xpk":
         from dflash.launch import xpk
 
@@ -307,7 +322,7 @@ def cmd_launch_pod(args: argparse.Namespace) -> int:
         return xpk.launch(plan, dry_run=args.dry_run, xpk=args.xpk, manifest=args.manifest, notes=notes)
     from dflash.launch import gcluster
 
-    plan = gcluster.GclusterLaunch(**common, name=args.name, location=args.zone)
+    plan = gcluster.GclusterLaunch(**common, name=args.name, location=args.zone, service_account=args.service_account)
     notes = check_credentials(recipe, plan)
     return gcluster.launch(plan, dry_run=args.dry_run, gcluster=args.gcluster, manifest=args.manifest, notes=notes)
 
@@ -331,7 +346,10 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=1)
-    return 0 if all(report.fits(p) for p in report.programs) else 3
+    refusals = report.refusals()
+    for reason in refusals:
+        print(f"does not fit: {reason}", file=sys.stderr)
+    return 3 if refusals else 0
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -361,7 +379,11 @@ def _add_pod_args(q: argparse.ArgumentParser, launcher: str) -> None:
     _add_config_args(q)
     q.add_argument("--cluster", required=True, help="the GKE cluster (made with `xpk cluster create` or a Cluster "
                    "Toolkit blueprint)")
-    q.add_argument("--tpu-type", required=True, help="the slice type, e.g. v5p-128 (train) or v5p-8 (other stages)")
+    q.add_argument("--tpu-type", default=None, help="the slice type, e.g. v5p-128 (train) or v5p-8 (other stages), "
+                   "named as xpk and Cloud TPU do (v5p: TensorCores, 2 per chip); not for regeneration through "
+                   "data.regen.endpoint, which runs on a CPU node")
+    q.add_argument("--cpu-type", default="n2-standard-32", help="the CPU machine type of regeneration through "
+                   "data.regen.endpoint (a node pool of it in the cluster; default n2-standard-32)")
     q.add_argument("--num-slices", type=int, default=1, help="slices (multislice over DCN; train only; xpk only)")
     q.add_argument("--run-dir", required=True, help="gs://BUCKET/PATH: checkpoints, metrics, exports, eval")
     q.add_argument("--data-dir", default="", help="gs://BUCKET/PATH of data.dir (default: RUN_DIR/data)")
@@ -386,14 +408,18 @@ def _add_pod_args(q: argparse.ArgumentParser, launcher: str) -> None:
     q.add_argument("--args", default="", help="extra arguments of the stage's command, e.g. '--sets gsm8k --limit 80'")
     q.add_argument("--dry-run", action="store_true", help=f"print the {launcher} command and the workload; run nothing")
     if launcher == "xpk":
-        q.add_argument("--workload", default="", help="workload name (default: RECIPE-STAGE-RUNNAME, 40 characters)")
+        q.add_argument("--workload", default="", help="workload name (default: RECIPE-STAGE-RUNNAME-HASH, 40 "
+                       "characters)")
         q.add_argument("--spot", action="store_true", help="spot capacity")
         q.add_argument("--xpk", default=None, help="the xpk executable (default: .venv-xpk/bin/xpk from "
                        "tools/setup_xpk.sh, $XPK, or xpk on PATH)")
         q.add_argument("--manifest", default=None, help="also write the JobSet that xpk would apply to this file "
                        "(runs xpk's own dry run; needs --project and --zone)")
     else:
-        q.add_argument("--name", default="", help="job name (default: RECIPE-STAGE-RUNNAME, at most 28 characters)")
+        q.add_argument("--name", default="", help="job name (default: RECIPE-STAGE-RUNNAME-HASH, at most 28 "
+                       "characters)")
+        q.add_argument("--service-account", default="", help="the Kubernetes service account of the pods (default: "
+                       "the namespace's `default`); Workload Identity for --secret and the buckets, docs/pods.md")
         q.add_argument("--gcluster", default=None, help="the gcluster executable (default: $GCLUSTER or gcluster on "
                        "PATH)")
         q.add_argument("--manifest", default=None, help="write the JobSet gcluster would apply to this file instead "
@@ -507,7 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="base of each sampled request's seed (default 0)")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help='the chat template\'s variables, sent with every request to both servers, e.g. '
-                   '\'{"reasoning_effort": "low"}\' (gpt-oss) or \'{"enable_thinking": false}\' (Qwen3)')
+                   '\'{"reasoning_effort": "low"}\' (gpt-oss) or \'{"enable_thinking": false}\' (Qwen3); default: '
+                   'the recipe\'s data.regen.template_kwargs (what its training answers were made with)')
     p.add_argument("--out", default="runs/eval", help="output directory; a rerun resumes it (default runs/eval)")
     p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
     p.add_argument("--devices", type=int, default=1,
@@ -529,10 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
                                "the workload and runs nothing.")
         _add_pod_args(q, launcher)
         q.set_defaults(func=cmd_launch_pod)
-    q = targets.add_parser("compile", help="compile the train step, propose and verify for a TPU topology and "
-                           "report memory per chip", description="Compile a recipe's train step (and the engine's "
-                           "propose and verify) ahead of time for a TPU slice from this machine; print memory per chip "
-                           "and whether it fits HBM, and the run's cost from the step's FLOPs.")
+    q = targets.add_parser("compile", help="compile every stage's programs for a TPU topology and report memory "
+                           "per chip", description="Compile a recipe's train step (and the engine's propose and "
+                           "verify, regeneration's step and capture's forward) ahead of time for a TPU slice from this "
+                           "machine; print memory per chip of each program and of each stage (what it holds plus its "
+                           "programs' working memory) and whether it fits HBM (exit 3 naming what does not), and the "
+                           "run's cost from the step's FLOPs.")
     q.add_argument("--config", "--recipe", dest="config", default=None,
                    help="the recipe to compile: a name in configs/ or a YAML path (--recipe: the older name)")
     q.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")

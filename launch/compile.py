@@ -1,6 +1,10 @@
-"""`dflash launch compile`: compile a recipe's train step (and the engine's propose and verify) ahead of time for a
-TPU slice from a machine without TPUs, and report memory per chip (arguments, outputs, temporaries), whether it
-fits the chip's HBM, and the step's FLOPs with the run's cost at a stated MFU.
+"""`dflash launch compile`: compile a recipe's train step (and the engine's propose and verify, regeneration's AR step
+and capture's forward at the recipe's settings) ahead of time for a TPU slice from a machine without TPUs, and report
+memory per chip (arguments, outputs, temporaries), whether it fits the chip's HBM, and the step's FLOPs with the
+run's cost at a stated MFU. Beside the programs, each stage's need per chip: what it holds between calls
+(`launch.resident.stage_holdings`: placed params, optimizer state, K/V pages and slots) plus its largest program's
+working memory (`CompileReport.stage_needs`); a program or a stage that does not fit is refused, named
+(`CompileReport.refusals`, exit 3).
 
 Nothing is allocated: the target and the drafter are built abstractly (`models.registry.known_target`,
 `jax.eval_shape`), every input is a `jax.ShapeDtypeStruct` carrying its sharding from the rules of
@@ -30,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash.configs.schema import ConfigError
+from dflash.launch.resident import ENGINE_SLOTS, StageHoldings, stage_holdings
 from dflash.launch.tpus import TpuType, parse_tpu_type
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (the worker runs from it)
 LIBTPU_VERSION = "0.0.50"  # what jax[tpu]==0.12.0.1 pins (libtpu==0.0.50.*)
 LIBTPU_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash" / f"libtpu-{LIBTPU_VERSION}"
 DEFAULT_MFU = 0.4
-ENGINE_SLOTS = 8  # `dflash serve --slots` default
 GIB = 1 << 30
 
 
@@ -67,6 +71,33 @@ class ProgramMemory:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageNeed:
+    """A stage's memory per chip: what it holds (`stage`) plus `program`'s working memory (its peak less its
+    arguments, which are arrays the stage holds; None: none of its programs was compiled)."""
+
+    stage: StageHoldings
+    program: ProgramMemory | None
+    hbm_bytes: int
+
+    @property
+    def working_bytes(self) -> int:
+        return 0 if self.program is None else self.program.peak_bytes - self.program.argument_bytes
+
+    @property
+    def need_bytes(self) -> int:
+        return self.stage.held_bytes + self.working_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes <= self.hbm_bytes and not (self.program is not None and self.program.error)
+
+    def describe(self) -> str:
+        held = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.stage.holds)
+        work = f"; {self.program.name}'s working memory {self.working_bytes / GIB:.2f}" if self.program else ""
+        return f"holds {self.stage.held_bytes / GIB:.2f} GiB: {held}{work}"
+
+
+@dataclasses.dataclass(frozen=True)
 class CompileReport:
     """What `dflash launch compile` prints: the backend, the slice, the mesh, every program, and the run's cost."""
 
@@ -83,9 +114,31 @@ class CompileReport:
     params: dict[str, int]
     programs: list[ProgramMemory]
     step_flops: float = 0.0  # matmul FLOPs of one train step over the whole slice, counted from its jaxpr
+    stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # `launch.resident.StageHoldings`
 
     def fits(self, program: ProgramMemory) -> bool:
         return not program.error and program.peak_bytes <= self.hbm_bytes
+
+    def stage_needs(self) -> list[StageNeed]:
+        """Each stage's need per chip: what it holds (`launch.resident`) plus the working memory (peak less
+        arguments) of the largest of its programs that were compiled."""
+        by_name = {p.name: p for p in self.programs}
+        out = []
+        for stage in map(StageHoldings.from_json, self.stages):
+            compiled = [by_name[n] for n in stage.programs if n in by_name]
+            worst = max(compiled, key=lambda p: p.peak_bytes - p.argument_bytes, default=None)
+            out.append(StageNeed(stage, worst, self.hbm_bytes))
+        return out
+
+    def refusals(self) -> list[str]:
+        """Why the recipe does not fit: each program the compiler refused or that exceeds HBM, and each stage whose
+        need per chip exceeds it (naming the stage, the bytes and the chip's HBM); empty when everything fits."""
+        hbm = self.hbm_bytes / GIB
+        out = [f"program {p.name} needs {p.peak_bytes / GIB:.2f} GiB per chip, over the chip's {hbm:.1f} GiB HBM"
+               + (f" ({p.error})" if p.error else "") for p in self.programs if not self.fits(p)]
+        out += [f"stage {n.stage.name} needs {n.need_bytes / GIB:.2f} GiB per chip ({n.describe()}), over the "
+                f"{self.tpu_type} chip's {hbm:.1f} GiB HBM" for n in self.stage_needs() if not n.fits]
+        return out
 
     @property
     def train(self) -> ProgramMemory:
@@ -134,6 +187,17 @@ class CompileReport:
                          f"{'yes' if self.fits(p) else 'NO':>6}")
             if p.error:
                 lines.append(f"  {p.name}: {p.error}")
+        needs = self.stage_needs()
+        if needs:
+            lines += ["", "memory per chip by stage in GiB: what it holds between calls, plus its largest program's "
+                      "working memory (peak less arguments):",
+                      f"{'stage':<19}{'chips':>6}{'holds':>9}{'program':>15}{'working':>9}{'need':>9}{'fits':>6}"]
+            for n in needs:
+                program = n.program.name if n.program else "-"
+                lines.append(f"{n.stage.name:<19}{n.stage.chips:>6}{gib(n.stage.held_bytes):>9}{program:>15}"
+                             f"{gib(n.working_bytes):>9}{gib(n.need_bytes):>9}{'yes' if n.fits else 'NO':>6}")
+                lines.append("    holds " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in n.stage.holds)
+                             + (f"; {n.stage.note}" if n.stage.note else ""))
         tokens = self.batch_size * self.seq_len
         hours = self.hours(mfu)
         lines += [
@@ -337,11 +401,13 @@ def compile_train_step(recipe: Any, mesh: Any) -> tuple[ProgramMemory, dict[str,
     return _compile("train_step", lowered, mesh.devices.size, args), ins
 
 
-def compile_engine(recipe: Any, devices: list[Any], slots: int = ENGINE_SLOTS) -> list[ProgramMemory]:
-    """The engine's propose and verify for `recipe`'s target and drafter on one host's chips (`devices`): the
-    target's weights and paged K/V split over them in tensor parallel and the drafter replicated, as `dflash serve
-    --devices` places them (`models.sharding`); `slots` sequences of up to target.max_seq_len tokens, target in
-    target.dtype, drafter in fp32."""
+def compile_engine(recipe: Any, devices: list[Any], slots: int = ENGINE_SLOTS, max_len: int | None = None,
+                   ar: bool = False, name: str = "") -> list[ProgramMemory]:
+    """The engine's programs for `recipe`'s target and drafter on one host's chips (`devices`): the target's weights
+    and paged K/V split over them in tensor parallel and the drafter replicated, as `dflash serve --devices` places
+    them (`models.sharding`); `slots` sequences of up to `max_len` (default target.max_seq_len) tokens, target in
+    target.dtype, drafter in fp32: `propose` and `verify`, or with `ar` (no drafter, as regeneration runs it) the
+    AR step (`verify` of a block of one) named `name`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -360,18 +426,54 @@ def compile_engine(recipe: Any, devices: list[Any], slots: int = ENGINE_SLOTS) -
         shardings = tree_shardings(tree, rules, mesh) if rules else jax.tree.map(lambda _: replicated(mesh), tree)
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
-    graphdef, drafter_params = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
-    models = Models(place(abstract_target_params(known.cfg, dtype), TARGET_RULES), place(drafter_params), known.cfg,
-                    graphdef)
-    page_size, max_len = 16, recipe.target.max_seq_len
+    target = place(abstract_target_params(known.cfg, dtype), TARGET_RULES)
+    page_size, max_len = 16, max_len or recipe.target.max_seq_len
     num_pages = slots * -(-max_len // page_size) + 1
+    n = len(devices)
+    suffix = f" x{n}" if n > 1 else ""
+    if ar:
+        models = Models(target, None, known.cfg, None)
+        state = place(jax.eval_shape(lambda: empty_state(known.cfg, None, slots, max_len, num_pages, page_size,
+                                                         dtype)), CACHE_RULES)
+        drafts = jax.ShapeDtypeStruct((slots, 0), jnp.int32, sharding=replicated(mesh))
+        return [_compile(name + suffix, verify.lower(models, state, drafts), n, (models, state, drafts))]
+    graphdef, drafter_params = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(arch, nnx.Rngs(0))), nnx.Param)
+    models = Models(target, place(drafter_params), known.cfg, graphdef)
     state = place(jax.eval_shape(lambda: empty_state(known.cfg, arch, slots, max_len, num_pages, page_size, dtype)),
                   CACHE_RULES)
     drafts = jax.ShapeDtypeStruct((slots, arch.block_size - 1), jnp.int32, sharding=replicated(mesh))
-    n = len(devices)
-    suffix = f" x{n}" if n > 1 else ""
     return [_compile("propose" + suffix, propose.lower(models, state, block_size=arch.block_size), n, (models, state)),
             _compile("verify" + suffix, verify.lower(models, state, drafts), n, (models, state, drafts))]
+
+
+def compile_capture(recipe: Any, devices: list[Any]) -> ProgramMemory:
+    """`dflash data capture`'s forward (the target's features of `data.capture_batch_size` rows of `data.seq_len`
+    tokens, with its labels when `data.labels` asks for them) on one replica's chips (`devices`: the target split
+    over them in tensor parallel, the batch replicated, as `data.capture` places them)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash.data.capture import _features_and_next_ids, _features_bf16
+    from dflash.models.drafter import resolve_drafter
+    from dflash.models.registry import abstract_target_params, known_target
+    from dflash.models.sharding import TARGET_RULES, replicated, tensor_mesh, tree_shardings
+
+    known = known_target(recipe.target.source)
+    arch = resolve_drafter(recipe.drafter, known.cfg, known.mask_token_id)
+    mesh = tensor_mesh(devices)
+    target = abstract_target_params(known.cfg, jnp.dtype(recipe.target.dtype))
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), target,
+                          tree_shardings(target, TARGET_RULES, mesh))
+    data = recipe.data
+    tokens = jax.ShapeDtypeStruct((data.capture_batch_size, data.seq_len), jnp.int32, sharding=replicated(mesh))
+    layer_ids = tuple(arch.layer_ids)
+    if data.labels == "text":
+        lowered = _features_bf16.lower(target, tokens, target_cfg=known.cfg, layer_ids=layer_ids)
+    else:
+        lowered = _features_and_next_ids.lower(target, tokens, target_cfg=known.cfg, layer_ids=layer_ids,
+                                               topk=data.soft_topk if data.labels == "soft" else 0)
+    n = len(devices)
+    return _compile("capture" + (f" x{n}" if n > 1 else ""), lowered, n, (target, tokens))
 
 
 def build_report(recipe_name: str, overrides: list[str], tpu_type: str, num_slices: int, backend: str,
@@ -389,6 +491,12 @@ def build_report(recipe_name: str, overrides: list[str], tpu_type: str, num_slic
         host = tpu.chips // tpu.hosts
         programs += compile_engine(recipe, devices[:1])
         programs += compile_engine(recipe, devices[:host]) if host > 1 else []
+        regen = recipe.data.regen
+        if not regen.endpoint.url:  # the data stages' programs, on one replica's chips at the recipe's settings
+            programs += compile_engine(recipe, devices[:regen.devices_per_replica], regen.slots, regen.max_len,
+                                       ar=True, name="regen_step")
+        programs.append(compile_capture(recipe, devices[:recipe.data.capture_devices_per_replica]))
+    stages = [s.to_json() for s in stage_holdings(recipe, tpu)]
     state = ins["state"]
     params = {"target params": sum(math.prod(x.shape) for x in _leaves(ins["target"])),
               "drafter params": sum(math.prod(x.shape) for x in _leaves(state.params))}
@@ -397,7 +505,7 @@ def build_report(recipe_name: str, overrides: list[str], tpu_type: str, num_slic
     return CompileReport(recipe=recipe_name, tpu_type=tpu.name, num_slices=num_slices, backend=what,
                          mesh=dict(mesh.shape), hbm_bytes=tpu.hbm_bytes, peak_flops=tpu.peak_flops,
                          batch_size=recipe.train.batch_size, seq_len=recipe.data.seq_len, steps=recipe.train.steps,
-                         params=params, programs=programs, step_flops=train_step_flops(recipe, ins))
+                         params=params, programs=programs, step_flops=train_step_flops(recipe, ins), stages=stages)
 
 
 def _leaves(tree: Any) -> list[Any]:

@@ -22,6 +22,8 @@ import jax
 from dflash.configs.recipe import Recipe
 from dflash.data.eval_sets import eval_prompts
 from dflash.models.drafter_io import load_drafter, read_best
+from dflash.models.placement import log_memory_per_device
+from dflash.models.sharding import tensor_mesh
 from dflash.models.target import load_target
 from dflash.serve.acceptance import Measured
 from dflash.serve.compile_cache import converted_dir
@@ -94,7 +96,13 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
     plans = [(plan_from(recipe.serve, drafter, chooser), options.port)]
     if options.ar_port is not None:
         plans.append((AR(), options.ar_port))
-    servers, params = [], target.params
+    # one device: the target whole on it; several: read straight onto the engine's mesh, each device its share (the
+    # engine places what it is given by the same table, so these arrays are its own: no second copy)
+    local = jax.local_devices()[:limits.devices]
+    if limits.devices > 1:
+        vars(target).pop("params", None)  # `auto`'s measurement ran on one device: that whole copy is not kept
+    params = target.params if limits.devices == 1 else target.on(tensor_mesh(local))
+    servers = []
     for plan, port in plans:
         engine = Engine(params, target.cfg, None if isinstance(plan, AR) else drafter, plan, limits,
                         sampling=recipe.sampling)
@@ -108,6 +116,7 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
                                    options.host, port, max_body_bytes=options.max_body_bytes,
                                    read_timeout=options.read_timeout, api_key=options.api_key,
                                    unknown_fields=options.unknown_fields))
+    log_memory_per_device("serve")  # weights, pages and slots of every engine, before the first request
     return servers
 
 

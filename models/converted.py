@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 MAX_BYTES = 4 << 30  # an entry, and all of them together (least recently used go first)
-_CONVERTERS = ("loading.py", "gguf_file.py")  # the code whose output an entry holds
+_CONVERTERS = ("loading.py", "gguf_file.py", "regions.py")  # the code whose output an entry holds
 
 
 def entry_key(source: Path) -> str:
@@ -152,7 +152,7 @@ def cached_params(directory: Path | None, source: Path, convert: Callable[[], di
         return params
     t0 = time.perf_counter()
     params = convert()
-    flat = _flatten(params)
+    flat = _flatten(params)  # read whole (a converter may return `models.regions.Lazy` leaves)
     size = sum(a.nbytes for a in flat.values())
     if size > MAX_BYTES:
         log.info("converted weights: %s converts to %.1f GiB, over the %.0f GiB bound; not kept", source.name,
@@ -166,7 +166,7 @@ def cached_params(directory: Path | None, source: Path, convert: Callable[[], di
         return params
     log.info("converted %s in %.1f s; kept a copy (%.0f MiB) in %s for the next load (safe to delete)", source.name,
              time.perf_counter() - t0, size / 2**20, directory / key)
-    return params
+    return _unflatten(flat)
 
 
 __all__ = ["FORMAT", "MAX_BYTES", "cached_params", "entry_key"]

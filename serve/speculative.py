@@ -220,7 +220,7 @@ class SpecState:
 
     oracle [B, T] (the oracle-ceiling benchmark only, else None): each slot's whole expected sequence, prompt and
     greedy continuation (-1 where unknown); greedy rows then draft it (`oracle_drafts`), so every draft is
-    accepted while a step still costs what the drafter's costs (D95)."""
+    accepted while a step still costs what the drafter's costs (D99)."""
 
     target: PagedKVCache
     draft: DraftCache | None

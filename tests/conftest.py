@@ -1,6 +1,9 @@
 """Test setup: simulated 8-device CPU mesh, set once here before JAX starts (STYLE 11)."""
 
+import builtins
+import dataclasses
 import gc
+import io
 import os
 import tomllib
 from pathlib import Path
@@ -110,6 +113,60 @@ def export_round_trip(drafter, layout: str, directory: Path, target_cfg, expect)
         save_speculators(drafter, directory, verifier="tiny")
         loaded = load_speculators(directory, target_cfg, expect=expect)
     return loaded, json.loads((directory / "config.json").read_text())
+
+
+@dataclasses.dataclass
+class IoCount:
+    """Files opened for writing under a root, fsyncs and renames (any path) while counting."""
+
+    writes: int = 0
+    fsyncs: int = 0
+    renames: int = 0
+
+    def most(self) -> int:
+        return max(self.writes, self.fsyncs, self.renames)
+
+
+@pytest.fixture
+def io_count(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> IoCount:
+    """Count the writes under tmp_path (every `open` for writing: builtins, io, pathlib; every ArrayRecord file
+    written), every os.fsync and every rename (os.replace, os.rename, which pathlib's calls)."""
+    from array_record.python import array_record_module
+
+    count = IoCount()
+    real_open, real_fsync, real_replace, real_rename = io.open, os.fsync, os.replace, os.rename
+    root = str(tmp_path)
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+") and str(file).startswith(root):
+            count.writes += 1
+        return real_open(file, mode, *args, **kwargs)
+
+    def counting_fsync(fd):
+        count.fsyncs += 1
+        return real_fsync(fd)
+
+    def counting_replace(src, dst, **kwargs):
+        count.renames += 1
+        return real_replace(src, dst, **kwargs)
+
+    def counting_rename(src, dst, **kwargs):
+        count.renames += 1
+        return real_rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    monkeypatch.setattr(os, "replace", counting_replace)
+    monkeypatch.setattr(os, "rename", counting_rename)
+    real_writer = array_record_module.ArrayRecordWriter
+
+    def counting_writer(path, *args):
+        count.writes += str(path).startswith(root)
+        return real_writer(path, *args)
+
+    monkeypatch.setattr(array_record_module, "ArrayRecordWriter", counting_writer)
+    return count
 
 
 @pytest.fixture(scope="session")

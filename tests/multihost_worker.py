@@ -12,6 +12,10 @@ Actions (each prints `OK <action> process i/n` at the end; any failed check rais
   off its init by a deterministic update, saved with the trainer's Checkpointer (every process writes its shards).
 - `read`: the same state restored onto this run's mesh (whatever process and device count wrote it); every
   addressable shard must equal the state this run computes itself.
+- `place`: a target read straight onto the mesh of every process's devices (fsdp): each process reads from the
+  safetensors only the values its devices' shards hold (the sharded leaves' half on 2 processes, nothing of the
+  other's), each local device holds at most 1/N of the target plus its largest unsharded leaf plus PLACE_SLACK, and
+  the gathered arrays equal the whole load; the default target (a GGUF) placed the same way holds the same bound.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 STEP = 3
+PLACE_SLACK = 64 << 10  # bytes a device may hold beyond its share of a placed target
 GLOBAL_BATCH = 4
 STEPS = 5  # batches compared (past an epoch boundary of the 12 toy examples)
 META = {"arch": {"recipe": "tiny", "seed": 5}}
@@ -131,12 +136,77 @@ def data() -> None:
         assert tokens.shape == (GLOBAL_BATCH, 6)
 
 
+def place() -> None:
+    import math
+
+    from jax.experimental import multihost_utils
+
+    from dflash.models.config import TargetConfig
+    from dflash.models.loading import load_hf_dir, open_hf_dir
+    from dflash.models.placement import put, resident_bytes
+    from dflash.models.regions import Lazy, SafetensorsFile
+    from dflash.models.sharding import TARGET_RULES, path_str, spec_for, tree_shardings
+    from dflash.models.target import load_target
+
+    golden = Path(__file__).resolve().parent / "golden" / "tiny" / "qwen3_untied"
+    mesh = _mesh()
+    n = mesh.devices.size
+    local = jax.local_devices()
+    read_values = []
+    original = SafetensorsFile.read
+
+    def counting(self, name, index, raw=False):
+        out = original(self, name, index, raw)
+        read_values.append(out.size)
+        return out
+
+    SafetensorsFile.read = counting
+
+    def bound(weights):
+        flat = jax.tree_util.tree_flatten_with_path(weights, is_leaf=lambda x: isinstance(x, Lazy))[0]
+        total = sum(math.prod(x.shape) for _, x in flat) * 4
+        whole = [math.prod(x.shape) * 4 for p, x in flat if not any(spec_for(path_str(p), tuple(x.shape),
+                                                                               TARGET_RULES, mesh))]
+        return total // n + max(whole, default=0) + PLACE_SLACK, total
+
+    _, whole = load_hf_dir(golden)
+    _, weights = open_hf_dir(golden)
+    read_values.clear()  # the whole load above read everything; count the placement's reads alone
+    limit, total = bound(weights)
+    before = resident_bytes(local)
+    placed = put(weights, tree_shardings(whole, TARGET_RULES, mesh), [np.float32])
+    after = resident_bytes(local)
+    held = {d.id: after[d] - before[d] for d in local}
+    assert max(held.values()) <= limit, (held, limit)
+    mine = sum(math.prod(s.data.shape) for x in jax.tree.leaves(placed) for s in x.addressable_shards
+               if s.replica_id == 0 or x.sharding.is_fully_replicated and s.device == local[0])
+    assert sum(read_values) <= mine, (sum(read_values), mine)
+    assert sum(read_values) < 0.6 * total // 4, (sum(read_values), total // 4)  # about half the values, never all
+    for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(np.asarray(multihost_utils.process_allgather(got, tiled=True)), want)
+    SafetensorsFile.read = original
+
+    target = load_target(TargetConfig(source="smollm2", dtype="float32", max_seq_len=256))
+    limit, _ = bound(target.weights)
+    before = resident_bytes(local)
+    smol = target.on(mesh)
+    after = resident_bytes(local)
+    held = {d.id: after[d] - before[d] for d in local}
+    assert max(held.values()) <= limit, (held, limit)
+    assert "params" not in target.__dict__
+    print(f"placed: read {sum(read_values)} of {total // 4} values; smollm2 per device {held} (bound {limit})",
+          flush=True)
+    del smol
+
+
 def main() -> None:
     _init()
     for arg in sys.argv[1:]:
         action, _, directory = arg.partition(":")
         if action == "data":
             data()
+        elif action == "place":
+            place()
         else:
             {"write": write, "read": read}[action](Path(directory))
         print(f"OK {action} process {jax.process_index()}/{jax.process_count()} devices {jax.device_count()}",

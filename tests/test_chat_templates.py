@@ -452,6 +452,35 @@ def test_qwen3_thinking_on(qwen3: ChatTokenizer, case: str) -> None:
     assert mask_on.sum() - mask_off.sum() == think_tokens * len(written)
 
 
+def test_real_tau_prompts_are_rendered_with_the_recipes_template_variables(qwen3: ChatTokenizer,
+                                                                           tmp_path: Path) -> None:
+    """Real τ during training renders its held-out prompts with the recipe's data.regen.template_kwargs (a Qwen3
+    drafter trained on non-thinking answers is chosen on non-thinking replies), and says which in best.json."""
+    from types import SimpleNamespace
+
+    from dflash.data.eval_sets import eval_prompts
+    from dflash.train.config import TrainConfig
+    from dflash.train.real_eval import RealTauEval
+
+    off = eval_prompts(qwen3, ["gsm8k", "mtbench"], 2, template_kwargs={"enable_thinking": False})
+    on = eval_prompts(qwen3, ["gsm8k", "mtbench"], 2)
+    assert all(qwen3.decode(list(p.ids), skip_special_tokens=False).endswith("assistant\n" + THINK) for p in off)
+    assert not any(qwen3.decode(list(p.ids), skip_special_tokens=False).endswith(THINK) for p in on)
+    cfg = TrainConfig(eval_every=10, eval_prompts=2, eval_sets=("gsm8k", "mtbench"))
+    evaluator = RealTauEval(cfg, SimpleNamespace(tokenizer=qwen3), None, tmp_path,
+                            template_kwargs={"enable_thinking": False})
+    assert evaluator.prompts == off
+    assert evaluator.setup == {"sets": ["gsm8k", "mtbench"], "per_set": 2, "new_tokens": cfg.eval_tokens,
+                               "template_kwargs": {"enable_thinking": False}}
+    # a best/ measured on other prompts is not compared with this run's τ: the next evaluation replaces it
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "best.json").write_text(json.dumps({"step": 5, "tau": 9.0, "eval": {**evaluator.setup,
+                                                                                              "template_kwargs": {}}}))
+    assert RealTauEval(cfg, SimpleNamespace(tokenizer=qwen3), None, tmp_path).best is not None
+    assert RealTauEval(cfg, SimpleNamespace(tokenizer=qwen3), None, tmp_path,
+                       template_kwargs={"enable_thinking": False}).best is None
+
+
 def test_qwen3_history_rewrite_is_refused(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A template that drops the think blocks of earlier turns (as Qwen3's published one does) renders an
     earlier turn differently once the conversation goes on: single turns work, multi-turn is refused."""

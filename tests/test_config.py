@@ -55,3 +55,34 @@ def test_malformed_override_and_unknown_config_name():
 def test_bool_is_not_an_int():
     with pytest.raises(ConfigError, match="must be an integer"):
         build(TargetConfig, {"max_seq_len": True})
+
+
+def test_training_md_names_every_shipped_recipe():
+    """docs/training.md's recipe list names every configs/*.yaml (issue 58: it had left out gpt_oss_20b)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    listed = text.split("Recipes in `configs/`:", 1)[1].split("`dflash config", 1)[0]
+    missing = [p.stem for p in shipped_configs() if f"`{p.stem}`" not in listed]
+    assert not missing, f"docs/training.md's recipe list does not name {missing}"
+
+
+def test_gpt_oss_20b_header_counts_its_epochs_from_the_rows_it_trains():
+    """gpt_oss_20b trains one row per assistant turn (docs/data.md "Harmony"), so its 5,880 steps are not the 6 epochs
+    of the recipes that train one row per conversation: the header's counts are the mix's, and its arithmetic holds."""
+    import re
+
+    from dflash.configs.recipe import resolve_config_path
+    from dflash.data.sources import mix, mix_spec
+
+    recipe = load_recipe("gpt_oss_20b")
+    items, _ = mix(mix_spec(recipe.data))
+    turns = sum(1 for item in items for m in item["messages"] if m["role"] == "user")
+    header = " ".join(line.lstrip("# ") for line in resolve_config_path("gpt_oss_20b").read_text().splitlines()
+                      if line.startswith("#"))
+    rows = recipe.train.steps * recipe.train.batch_size
+    assert f"{len(items):,} prompts" in header and f"{turns:,} user turns" in header
+    assert f"{rows:,} rows = 6 epochs" in header and rows == 6 * len(items)
+    assert f"{rows / turns:.1f} epochs" in header and rows / turns < 3  # 2.6: the negative of the old claim
+    steps = re.search(r"6 x [\d,]+ / \d+ = ([\d,]+) steps", header)
+    assert steps and int(steps.group(1).replace(",", "")) == round(6 * turns / recipe.train.batch_size)

@@ -129,13 +129,15 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-@pytest.mark.slow  # ~60 s of subprocesses; test_data_regenerate's crash-resume test keeps the property in process
+@pytest.mark.slow  # ~60 s of subprocesses; test_data_writes' kill -9 test keeps the property without a server
 @pytest.mark.e2e
 @pytest.mark.heavy
 def test_kill_9_mid_run_against_dflash_serve_loses_and_duplicates_nothing(tmp_path, monkeypatch, capsys) -> None:
     """`dflash data regenerate` through a real `dflash serve --ar` (subprocesses, the tiny recipe), killed with
-    SIGKILL after its third conversation; the rerun ends with every item once, equal to an uninterrupted run."""
+    SIGKILL after its third conversation (DFLASH_FLUSH_SECONDS=0: each conversation its own chunk, so that a kill
+    falls mid-run); the rerun ends with every item once, equal to an uninterrupted run."""
     from dflash.configs.recipe import load_recipe
+    from dflash.data.regen_store import done_ids
     from dflash.data.sources import mix, mix_spec
     from dflash.data.stages import run_regenerate
     from dflash.eval.servers import serve_subprocess
@@ -144,6 +146,7 @@ def test_kill_9_mid_run_against_dflash_serve_loses_and_duplicates_nothing(tmp_pa
                  "data.regen.endpoint.api_key_env=REGEN_KEY"]
     monkeypatch.setenv("REGEN_KEY", "k9")
     monkeypatch.setenv("DFLASH_PROGRESS_INTERVAL", "1")
+    monkeypatch.setenv("DFLASH_FLUSH_SECONDS", "0")
     monkeypatch.delenv("DFLASH_PROGRESS", raising=False)
     with serve_subprocess(["--config", "tiny", "--ar", "--no-precompile", "--api-key", "k9"], tmp_path / "serve.log",
                           slots=2) as url:
@@ -154,13 +157,13 @@ def test_kill_9_mid_run_against_dflash_serve_loses_and_duplicates_nothing(tmp_pa
             proc = subprocess.Popen([sys.executable, "-m", "dflash.launch.cli", "data", "regenerate", "--config",
                                      "tiny", f"data.dir={killed}", *endpoint], stdout=log, stderr=subprocess.STDOUT)
             deadline = time.time() + 300
-            while proc.poll() is None and len(_lines(out)) < 3 and time.time() < deadline:
+            while proc.poll() is None and len(done_ids(out)) < 3 and time.time() < deadline:
                 time.sleep(0.02)
             assert proc.poll() is None, f"finished before it was killed: {(tmp_path / 'first.log').read_text()}"
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-        before = len(_lines(out))
-        assert 3 <= before < 8
+        before = len(done_ids(out))
+        assert 3 <= before < 8 and not out.exists()  # in chunks, not merged
         progress = r"regenerate: \d/8 conv \(\d+\.\d%\) \| [\d.]+ conv/s \| \d+ tokens/s \| elapsed \w+ \| ETA \w+"
         assert re.search(progress, (tmp_path / "first.log").read_text())  # progress lines in a log, no terminal
 

@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash.data.files import FlushPolicy
+from dflash.data.regen_store import part_files, parts_dir, read_regenerated, repair_jsonl
 from dflash.data.regenerate import (
     ItemError,
     RegenConfig,
     make_regen_engine,
-    read_regenerated,
     regenerate,
-    repair_jsonl,
     request_seed,
     split_turns,
 )
@@ -229,19 +229,24 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(target, engines, tmp_p
     whole = regenerate(engine, tok, items, tmp_path / "whole.jsonl", cfg, progress=False)
     assert (whole.succeeded, whole.errors) == (9, 1)
 
+    # What a kill leaves (tests/test_data_writes.py kills a real process): chunks renamed into place, one half
+    # written under its temporary name; the chunks after it were never written.
     path = tmp_path / "crash.jsonl"
-    regenerate(engine, tok, items, path, cfg, progress=False)
-    lines = path.read_text().splitlines(keepends=True)
-    kept = lines[:3] + lines[5:7]  # lines 3, 4 and 7.. lost
-    partial = lines[7][: len(lines[7]) // 2]  # the crash hit mid-write
-    path.write_text("".join(kept) + partial)
+    regenerate(engine, tok, items, path, cfg, progress=False, merge=False, policy=FlushPolicy(records=2))
+    chunks = part_files(path)
+    assert len(chunks) == 5
+    for chunk in chunks[3:]:
+        chunk.unlink()
+    (parts_dir(path) / (chunks[3].name + ".tmp")).write_text(chunks[3].name[:7])
+    kept = {json.loads(line)["id"] for chunk in chunks[:3] for line in chunk.read_text().splitlines()}
 
     stats = regenerate(engine, tok, items, path, cfg, progress=False)
-    assert stats.repaired_bytes == len(partial.encode())
-    assert (stats.succeeded, stats.errors, stats.skipped) == (4, 0, 6)  # 5 lines and the error were done
+    assert (stats.succeeded + stats.errors, stats.skipped) == (10 - len(kept), len(kept)) and len(kept) == 6
     assert _read(path) == _read(tmp_path / "whole.jsonl")
+    assert path.read_bytes() == (tmp_path / "whole.jsonl").read_bytes()  # sorted by id: the same bytes
     errors = [json.loads(line) for line in (tmp_path / "crash.jsonl.errors.jsonl").read_text().splitlines()]
     assert [(e["id"], e["kind"]) for e in errors] == [("empty", "invalid")]
+    assert not parts_dir(path).exists()
 
     again = regenerate(engine, tok, items, path, cfg, progress=False)
     assert (again.succeeded, again.errors, again.skipped, again.generated_tokens) == (0, 0, 10, 0)
@@ -451,7 +456,8 @@ def test_the_dataset_does_not_depend_on_the_topology(target, tmp_path, temperatu
     by item id)."""
     from dflash.configs.recipe import load_recipe
     from dflash.data import stages
-    from dflash.data.scaleout import Share, merge_parts, part_files, share_of
+    from dflash.data.regen_store import merge_parts
+    from dflash.data.scaleout import Share, share_of
 
     N = 10  # noqa: N806
     prompts = _prompt_file(tmp_path / "prompts.jsonl", N)
@@ -471,7 +477,7 @@ def test_the_dataset_does_not_depend_on_the_topology(target, tmp_path, temperatu
         assert stats.succeeded == sum(share_of(f"prompts:{i}", 2) == index for i in range(N)) > 0
     out = sliced.data.regenerated_path
     assert len(part_files(out)) == 2 and not out.exists()
-    with pytest.raises(ValueError, match=r"must be merged with its shares .* rerun `dflash data regenerate`"):
+    with pytest.raises(ValueError, match=r"must be merged with its chunks .* rerun `dflash data regenerate`"):
         read_regenerated(out.parent / "regenerated.jsonl")
     merge_parts(out)
     assert not part_files(out) and not (out.parent / "regenerated.jsonl.parts").exists()

@@ -245,6 +245,57 @@ def test_resume_after_crash_matches_uninterrupted(setup: Setup, tmp_path: Path,
     assert (again.shards_kept, again.shards_written, again.tokens) == (4, 0, 0)
 
 
+def test_shards_finished_after_the_last_state_write_are_kept_on_resume(setup: Setup, tmp_path: Path) -> None:
+    """What a kill -9 leaves now that the manifest is rewritten at most every STATE_SECONDS: shards renamed into place
+    that no state lists yet. The rerun reads them back and keeps them (their entries recomputed: the same sha256); a
+    file under a shard's name that is not that shard (another shard's bytes, garbage) is written again."""
+    out = _copy(setup, tmp_path)
+    header = dataclasses.replace(load_manifest(out), shards=(), complete=False, total_tokens=0, bytes_per_token=0.0)
+    (out / MANIFEST_NAME).write_text(header.to_json())  # the state as written when the capture started
+    (out / "shard-00003.array_record").unlink()
+    shutil.copyfile(out / "shard-00000.array_record", out / "shard-00002.array_record")  # right count, wrong rows
+    (out / "shard-00003.array_record.tmp").write_bytes(b"half a shard")
+    report = _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
+    assert (report.shards_kept, report.shards_written) == (2, 2)
+    resumed, uninterrupted = load_manifest(out, verify=True), load_manifest(setup.capture_dir)
+    assert dataclasses.replace(resumed, created={}) == dataclasses.replace(uninterrupted, created={})
+    for entry in uninterrupted.shards:
+        assert (out / entry.file).read_bytes() == (setup.capture_dir / entry.file).read_bytes()
+    assert not list(out.glob("*.tmp"))
+
+
+def test_capture_writes_at_most_one_file_fsync_and_rename_per_100_records(setup: Setup, tmp_path: Path,
+                                                                         io_count: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """1000 short rows in 2 shards: every file written (shards and manifests), fsync and rename at most once per 100
+    records, the manifest written at the start and the end only (not per shard: one object rewritten in place,
+    STATE_SECONDS). The negative control rewrites the manifest after every shard of 10 (STATE_SECONDS = 0): more
+    than one write per 100 records. A shard's size also follows the bytes (`shard_samples`)."""
+    import dflash.data.shards as shards_module
+
+    rows = _examples(seed=3, count=1000)
+    report = _capture(setup.cfg, setup.params, setup.provenance, rows, tmp_path / "big", samples_per_shard=500)
+    assert report.manifest.num_shards == 2 and report.manifest.complete
+    print(f"\ncapture of 1000 records in 2 shards: {io_count}")
+    assert 0 < io_count.most() <= 1000 / 100, io_count
+
+    io_count.writes = io_count.fsyncs = io_count.renames = 0
+    monkeypatch.setattr(shards_module, "STATE_SECONDS", 0.0)
+    _capture(setup.cfg, setup.params, setup.provenance, rows[:200], tmp_path / "small", samples_per_shard=10)
+    print(f"capture of 200 records in 20 shards, the manifest after each: {io_count}")
+    assert io_count.writes >= 40 and io_count.fsyncs >= 40
+
+    per_token = bytes_per_token(report.manifest)
+    assert capture_module.shard_samples(rows, 500, per_token, 1 << 30) == 500
+    rows = rows[:100]
+    mean = sum(int(r[2]) for r in rows) / len(rows) * per_token + HEADER_SIZE + capture_module.RECORD_OVERHEAD
+    assert capture_module.shard_samples(rows, 500, per_token, int(40 * mean) + 1) == 40
+    assert capture_module.shard_samples(rows, 500, per_token, 10) == 1
+    sized = _capture(setup.cfg, setup.params, setup.provenance, rows, tmp_path / "sized", samples_per_shard=500,
+                     shard_bytes=int(40 * mean) + 1)
+    assert sized.manifest.samples_per_shard == 40 and sized.manifest.num_shards == 3
+
+
 def test_rerun_with_other_settings_names_every_mismatch(setup: Setup, tmp_path: Path) -> None:
     out = _copy(setup, tmp_path)
     other = _examples(seed=1)

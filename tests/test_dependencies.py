@@ -21,15 +21,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 # Files not scanned: the golden-file generators run in a separate environment with torch and transformers
-# (README "Golden files", docs/decisions.md D2), never in the project venv.
+# (README "Golden files", docs/decisions.md D2), and the engines tier's helpers in .venv-engines (its own lock,
+# requirements-engines.lock: docs/development.md), never in the project venv.
 EXCLUDED = {
     "tools/golden_families.py": "torch + transformers environment (golden files)",
     "tools/golden_smollm2.py": "torch + transformers environment (golden files)",
     "tools/golden_speculators.py": "torch + transformers + speculators environment (golden files)",
     "tools/golden_tiny.py": "torch + transformers environment (golden files)",
     "tools/golden_zlab.py": "torch + transformers environment (golden files)",
+    "tools/engines/hf_target.py": "the engines environment (.venv-engines: requirements-engines.lock)",
+    "tools/engines/speculators_logits.py": "the engines environment (.venv-engines: requirements-engines.lock)",
+    "tools/engines/vllm_loader.py": "the engines environment (.venv-engines: requirements-engines.lock)",
 }
-TORCH_ENV_MODULES = {"torch", "transformers"}  # a file importing these must be listed in EXCLUDED
+# a file importing these must be listed in EXCLUDED (they live in the golden-file and engines environments only)
+TORCH_ENV_MODULES = {"torch", "transformers", "vllm", "speculators"}
 
 # Declared dependencies that no scanned file imports, each with what uses it.
 NOT_IMPORTED = {
@@ -135,7 +140,7 @@ def test_torch_environment_scripts_are_the_excluded_ones():
         for path in _python_files(folder):
             torch_env = _imports(path) & TORCH_ENV_MODULES
             assert not torch_env, (f"{path.relative_to(ROOT)} imports {sorted(torch_env)}, which live only in the "
-                                   "golden-file environment; list the file in EXCLUDED if it runs there")
+                                   "golden-file or engines environment; list the file in EXCLUDED if it runs there")
     for name in EXCLUDED:
         assert (ROOT / name).is_file(), f"EXCLUDED lists {name}, which does not exist; remove it from the list"
 

@@ -351,6 +351,47 @@ def test_paired_collection_alternates_which_mode_goes_first(tmp_path):
     assert walls["dflash"]["tokens"] == walls["ar"]["tokens"] == 4 * 3
 
 
+def test_collection_pairs_any_number_of_modes(tmp_path):
+    """benchmarks/vs_vllm.py's use: four servers (two engines, each DFlash and AR) paired at concurrency 1, the order
+    reversed from one conversation to the next, the named speculative modes' counts read; a reply whose tokens came
+    in one chunk (TPOT 0) is summarised without a decode rate."""
+    from dflash.eval import run as eval_run
+
+    calls = []
+
+    class Fake:
+        def __init__(self, mode):
+            self.mode = mode
+
+        def get(self, path):
+            return {"data": [{"id": "m", "block_size": 4 if self.mode.endswith("dflash") else None}]}
+
+        def model(self):
+            return "m"
+
+        def compiles(self):
+            return 0
+
+        def chat(self, model, messages, *args):
+            calls.append(self.mode)
+            one_chunk = self.mode == "x-dflash"
+            return type("Reply", (), {"text": "ok", "tokens": 3, "finish_reason": "length", "latency_s": 0.01,
+                                      "ttft_s": 0.001, "tpot_s": 0.0 if one_chunk else 0.001,
+                                      "accepted": [1] if self.mode.endswith("dflash") else []})()
+
+    modes = ("x-dflash", "x-ar", "y-dflash", "y-ar")
+    settings = EvalSettings(sets=("gsm8k",), limit=2, max_new_tokens=3)
+    items = eval_run.eval_items(settings)
+    records = eval_run.collect({m: Fake(m) for m in modes}, settings, tmp_path, items, False,
+                               speculative=("x-dflash", "y-dflash"))
+    assert calls[4:] == [*modes, *reversed(modes)]  # after each mode's warm-up request
+    x = [{**r, "mode": r["mode"][2:]} for r in records if r["mode"].startswith("x-") and r["concurrency"] == 1]
+    meta = {"environment": {}, "target": {"model": "m"}, "drafter": {}, "settings": {"block_size": 4}}
+    head = summarize(x, ["gsm8k"], [1], 4, {}, meta)["headline"]
+    assert head["dflash"]["tpot_ms"] == 0.0 and head["dflash"]["decode_tok_s"] is None
+    assert head["ar"]["decode_tok_s"] == pytest.approx(1000.0) and head["tau"] == 2.0
+
+
 @pytest.mark.slow
 def test_run_eval_starts_one_process_serving_both_modes(tiny, served, monkeypatch, tmp_path):
     """`dflash eval --drafter` starts one server process for both modes (`dflash serve --ar-port`: on an

@@ -193,3 +193,23 @@ def test_a_meter_waits_for_the_counters_to_count_every_request_sent():
         reply = client.chat("fake/target", [{"role": "user", "content": "hi"}], 4)  # 2 steps: 0, 1
         counts = meter.after(reply, before, 1)
     assert counts == Counts(2, 1, (1, 0, 0)) and reply.tokens == 4 and meter.available
+
+
+def test_dflash_eval_sends_the_recipes_template_variables_unless_the_flag_is_given(tmp_path, capsys):
+    """`dflash eval` without --chat-template-kwargs sends the recipe's data.regen.template_kwargs (the variables its
+    training answers were made with) with every request, and says so; the flag overrides them, `{}` included. They
+    are recorded in results.json's settings (the model card names them) and in each mode's setup."""
+    recipe = ["--config", "tiny", "data.regen.template_kwargs={enable_thinking: false}"]
+    for flag, want, origin in (([], {"enable_thinking": False}, "the recipe's data.regen.template_kwargs"),
+                               (["--chat-template-kwargs", "{}"], {}, "--chat-template-kwargs")):
+        out = tmp_path / f"eval{len(flag)}"
+        with fake_server("vllm") as spec, fake_server("vllm", spec=False) as ar:
+            code = main(["eval", *recipe, "--url", spec.url, "--ar-url", ar.url, "--sets", "gsm8k", "--limit", "1",
+                         "--max-new-tokens", "8", "--out", str(out), "--no-progress", *flag])
+        stdout = capsys.readouterr().out
+        assert code == 0, stdout
+        assert f"dflash eval: chat template variables {json.dumps(want)} ({origin})" in stdout
+        assert json.loads((out / "results.json").read_text())["settings"]["chat_template_kwargs"] == want
+        setups = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()
+                  if json.loads(line)["kind"] == "setup"]
+        assert [s["setup"].get("chat_template_kwargs", {}) for s in setups] == [want, want]

@@ -480,6 +480,59 @@ def test_a_best_drafter_without_its_checkpoints_exports_for_the_configs_target(s
     assert verifier["architectures"] == ["LlamaForCausalLM"] and verifier["name_or_path"] == str(TARGET_DIR)
 
 
+def test_best_copied_alone_keeps_its_card_and_is_never_rotated_out(setup, tmp_path):
+    """best/ is not a checkpoint: rotating checkpoints (train.keep_checkpoints=1) never removes it, and it carries what
+    its model card needs: the run's recipe (run.json, saved with it), how it was chosen (best.json: its τ, prompts and
+    chat template variables) and `dflash eval`'s results of it (results.json, kept there by the eval of --step best).
+    Copied alone, as docs/pods.md copies it off the bucket, it exports with the same card."""
+    from dflash.eval.run import BEST_RESULTS, keep_with_best
+    from dflash.models.drafter_io import best_dir_of, read_run
+    from dflash.train.checkpoint import Checkpointer
+    from dflash.train.real_eval import save_best
+    from dflash.train.step import init_state, make_optimizer
+
+    _, _, drafter, run_dir = setup
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    meta = read_run(run).meta
+    setup_record = {"sets": ["gsm8k"], "per_set": 8, "new_tokens": 128, "template_kwargs": {"enable_thinking": False}}
+    save_best(run, DFlashDrafter(drafter.arch, nnx.Rngs(4)), 2, {"tau": 1.5, "tau/gsm8k": 1.5,
+                                                                  "accept_per_position": [0.5, 0.0, 0.0]},
+              setup_record, meta)
+    before = {p.name: p.read_bytes() for p in (run / "best").iterdir()}
+    ckpt = Checkpointer(run / "checkpoints", meta, keep=1)
+    state = init_state(nnx.state(drafter, nnx.Param), make_optimizer(1e-3, 10), jax.random.PRNGKey(0))
+    for step in (4, 5, 6):
+        ckpt.save(step, state, {"iterator": {"next_index": step}})
+    ckpt.close()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["6"]  # 2 and 3 rotated out
+    assert {p.name: p.read_bytes() for p in (run / "best").iterdir()} == before  # best/ untouched
+
+    results = json.loads((run_dir / "eval" / "results.json").read_text())
+    results["settings"]["chat_template_kwargs"] = {"enable_thinking": False}
+    results["drafter"] = {"path": str(run), "step": "best", "best_step": 2}
+    assert best_dir_of(run, "best") == run / "best" == best_dir_of(run / "best", None)
+    assert best_dir_of(run, None) is None and best_dir_of(run, 6) is None
+    assert not keep_with_best(results, run / "best", 5)  # best/ holds another step now: not kept there
+    assert not (run / "best" / BEST_RESULTS).exists()
+    assert keep_with_best(results, run / "best", 2)
+
+    alone = tmp_path / "alone"
+    shutil.copytree(run / "best", alone / "best")  # no checkpoints/, no eval/
+    export_run(alone, step="best", fmt="zlab", out=tmp_path / "out", say=lambda _: None)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "step 2 (the best drafter by real τ during training)" in card and "Data: `gsm8k`" in card
+    assert "| gsm8k | 2.50 | 1.70x | 30.0 | 20.0 | 0 |" in card  # the eval table, from best/results.json
+    assert 'chat template variables `{"enable_thinking": false}`.' in card  # the variables the eval table used
+    assert ("Chosen: real τ 1.50 (gsm8k 1.50) decoded by the bundled engine during training on 8 prompts of each of "
+            'gsm8k (first turns, greedy, 128 new tokens), chat template variables `{"enable_thinking": false}`') in card
+    assert "Chat template variables of the training answers (`data.regen.template_kwargs`): none" in card
+    # without results.json in best/ (an older best/), the card says no results were found
+    (alone / "best" / BEST_RESULTS).unlink()
+    export_run(alone, step="best", fmt="zlab", out=tmp_path / "bare", say=lambda _: None)
+    assert "No `dflash eval` results were given or found" in (tmp_path / "bare" / "README.md").read_text()
+
+
 def test_the_card_names_the_engine_the_results_came_from():
     """Results of `dflash eval --url` against vLLM say so on the card; ours (or results before engines were
     recorded) name the bundled engine."""

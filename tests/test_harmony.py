@@ -32,7 +32,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from dflash.data import harmony
 from dflash.data.chat_tokens import harmony_rows, tokenize_conversation, tokenize_rows
 from dflash.data.config import RegenConfig
-from dflash.data.regenerate import read_regenerated
+from dflash.data.regen_store import read_regenerated
 from dflash.models.tokenizer import ChatTokenizer, load_tokenizer_from_hf_dir
 
 SPECIAL = ["<unk>", "<|endoftext|>", "<|return|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>",
@@ -274,7 +274,7 @@ def target(tmp_path_factory: pytest.TempPathFactory):
     cfg, params = load_hf_dir(root)
     tokenizer = load_tokenizer_from_hf_dir(root)
     params = jax.tree.map(jnp.asarray, _scripted_params(cfg, params, tokenizer))
-    return Target(name=str(root), path=root, cfg=cfg, params=params, tokenizer=tokenizer, dtype=jnp.float32)
+    return Target(name=str(root), path=root, cfg=cfg, weights=params, tokenizer=tokenizer, dtype=jnp.float32)
 
 
 @pytest.fixture(scope="module")

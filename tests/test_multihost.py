@@ -6,6 +6,8 @@ one a run of tests/multihost_worker.py.
   computes itself, the data iterator state with it.
 - Each host reads a disjoint part of the data through Grain, and the global batch assembled from the hosts' parts
   is the one-process global batch.
+- A target read onto the mesh of 2 processes x 2 devices: each process reads only its devices' shards, and no device
+  holds more than its share (plus its largest unsharded leaf and a slack).
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(actions: list[str], processes: int, logs: Path, timeout: float = 300) -> list[str]:
-    """Run the worker's `actions` (ACTION[:DIR]) on `processes` processes (1 CPU device each); their stdouts, once
-    all exit 0."""
+def _run(actions: list[str], processes: int, logs: Path, timeout: float = 300, devices: int = 1) -> list[str]:
+    """Run the worker's `actions` (ACTION[:DIR]) on `processes` processes (`devices` CPU devices each); their
+    stdouts, once all exit 0."""
     address = f"127.0.0.1:{_free_port()}"
     base = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-    base |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    base |= {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
     procs = []
     for i in range(processes):
         env = dict(base)
@@ -85,3 +87,17 @@ def test_checkpoints_move_between_process_counts_and_hosts_read_disjoint_data(tm
     outs = _run([f"read:{one}"], 2, logs)
     for i, out in enumerate(outs):
         assert f"OK read process {i}/2 devices 2" in out, out
+
+
+@pytest.mark.slow  # ~30 s of worker processes: nightly; tests/test_placement.py keeps the 4-device placement bounds
+@pytest.mark.e2e
+def test_each_process_reads_and_holds_only_its_devices_share_of_the_target(tmp_path):
+    """2 processes x 2 devices, the target on an fsdp mesh of all 4 (tests/multihost_worker.py `place`): each process
+    reads from the checkpoint only its devices' shards and each device holds at most 1/4 of the target plus its
+    largest unsharded leaf plus a slack, for a safetensors target and for the default GGUF one."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    outs = _run(["place"], 2, logs, devices=2)
+    for i, out in enumerate(outs):
+        assert f"OK place process {i}/2 devices 4" in out, out
+        assert "placed: read " in out

@@ -97,13 +97,18 @@ def test_compile_report_end_to_end_on_the_tiny_recipe(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 0, text
     report = CompileReport.from_json(json.loads(out.read_text()))
-    assert [p.name for p in report.programs] == ["train_step", "propose", "verify", "propose x4", "verify x4"]
+    assert [p.name for p in report.programs] == ["train_step", "propose", "verify", "propose x4", "verify x4",
+                                                 "regen_step", "capture"]
+    assert [n.stage.name for n in report.stage_needs()] == ["train", "regenerate", "capture", "serve", "serve x4",
+                                                            "eval"]
+    assert all(n.fits and n.program is not None for n in report.stage_needs()) and not report.refusals()
     assert report.mesh == {"data": 1, "fsdp": 4, "tensor": 1} and report.train.devices == 4
     for p in report.programs:
         assert p.argument_bytes > 0 and p.temp_bytes > 0 and not p.error and report.fits(p)
     assert report.params["target params"] == 134_515_008  # SmolLM2-135M, tied head
     assert report.step_flops > report.train.flops > 0
     assert "train_step" in text and "yes" in text and "simulated mesh of 4 devices" in text
+    assert "memory per chip by stage in GiB" in text and "regen_step" in text
     assert main(["launch", "compile", "--recipe", "tiny"]) == 2  # no topology given, none in the recipe
     assert "--topology must name a TPU slice" in capsys.readouterr().err
 

@@ -371,7 +371,7 @@ def test_first_argmax_and_categorical_are_jax_s_own():
 
 @pytest.mark.parametrize("plan", [Chain(8), Tree(8, 10)], ids=["chain", "tree"])
 def test_oracle_drafts_the_greedy_continuation_in_the_device_loop(setup, plan):
-    """The oracle-ceiling benchmark's engine (D95): greedy requests whose prompts it knows draft their AR
+    """The oracle-ceiling benchmark's engine (D99): greedy requests whose prompts it knows draft their AR
     continuation inside the device loop, so every step of the chain or the tree accepts all K-1 drafts (the last may
     stop at the budget); the output is AR's. Control: the untrained drafter's own drafts are mostly rejected."""
     target_cfg, target_params, drafter, prompts, ar = setup

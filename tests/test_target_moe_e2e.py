@@ -53,7 +53,7 @@ def test_a_drafter_for_a_moe_target_trains_online_serves_losslessly_and_exports(
     cfg, params = load_hf_dir(path)
     assert cfg.num_experts == 8 and cfg.family == case
     tokenizer = load_tokenizer_from_hf_dir(path)
-    target = Target(name=str(path), path=path, cfg=cfg, params=jax.tree.map(jnp.asarray, params),
+    target = Target(name=str(path), path=path, cfg=cfg, weights=jax.tree.map(jnp.asarray, params),
                     tokenizer=tokenizer, dtype=jnp.float32)
     recipe = load_recipe("tiny", [
         f"target.source={path}", "drafter.mask_token_id=255", "drafter.block_size=4", "drafter.layer_ids=[0,2]",

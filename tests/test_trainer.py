@@ -271,7 +271,7 @@ def test_a_nan_stops_the_run_naming_the_step_and_saves_nothing(smollm2_target, t
 
     poisoned = dict(smollm2_target.params)
     poisoned["layers"] = dict(poisoned["layers"], w_up=jnp.full_like(poisoned["layers"]["w_up"], jnp.nan))
-    target = dataclasses.replace(smollm2_target, params=poisoned)
+    target = dataclasses.replace(smollm2_target, weights=poisoned)
     recipe = load_recipe("tiny", [f"train.run_dir={tmp_path}", "train.save_every=1", "train.steps=3",
                                   "train.batch_size=8"])
     with pytest.raises(NonFiniteMetricError, match=r"at step 1: .*loss=nan"):

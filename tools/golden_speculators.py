@@ -2,9 +2,10 @@
 (or `DFlash2DraftModel` for a `dflash2` config).
 
 Run in an environment with speculators (vllm-project/speculators 0.9.0: it needs transformers >= 5) --
-never the project's runtime env. Its full dependency set pins a CUDA torch and torchvision/torchaudio
-(several GB of CUDA wheels); on a CPU machine install the CPU torch first and speculators' Python
-dependencies without them, as tests/golden/export/MANIFEST.json records:
+never the project's runtime env. The engines environment has it (`bin/setup-engines`, then
+`.venv-engines/bin/python tools/golden_speculators.py ...`). Its full dependency set pins a CUDA torch and
+torchvision/torchaudio (several GB of CUDA wheels); by hand on a CPU machine, install the CPU torch first and
+speculators' Python dependencies without them, as tests/golden/export/MANIFEST.json records for the first goldens:
 
     python3.11 -m venv /tmp/specenv
     /tmp/specenv/bin/pip install torch transformers==5.19.0 safetensors numpy pydantic pydantic-settings \\

@@ -110,8 +110,10 @@ class TrainConfig:
     wandb: `offline` (default; files under run_dir/wandb, no network), `online`, or `disabled`.
     eval_every: steps between real-τ evaluations (0 = off; when on, the last step is always evaluated): the
              current drafter decodes `eval_prompts` held-out prompts of each of `eval_sets` (first turns,
-             greedy, `eval_tokens` new tokens each) with the engine; the best drafter by real τ is kept in
-             run_dir/best (z-lab layout + best.json).
+             greedy, `eval_tokens` new tokens each, rendered with data.regen.template_kwargs) with the engine; the
+             best drafter by real τ is kept in run_dir/best (z-lab layout + best.json + run.json). 8 per set: the
+             paired τ difference of two checkpoints varies by 0.015 (std) between sets of 24 prompts, 0.030 between
+             sets of 6 (docs/studies/2026-12-07-best-noise.md, D94).
     walk_anchors: the fraction of each row's num_anchors drawn from the serving walk's block starts (`data.walk`,
              `dflash data walk`), the rest uniformly among the row's valid positions as without it (0 = off).
     walk_oversample: p of the walk anchors' weights (K - accepted)^p: 0 draws the walk's block starts alike, p > 0
@@ -148,7 +150,7 @@ class TrainConfig:
     wandb: Literal["offline", "online", "disabled"] = "offline"
     tensorboard: bool = True
     eval_every: int = 0
-    eval_prompts: int = 2
+    eval_prompts: int = 8
     eval_sets: tuple[str, ...] = ("gsm8k", "mtbench", "humaneval")
     eval_tokens: int = 48
     walk_anchors: float = 0.0

@@ -1,6 +1,7 @@
 """The training loop: the whole `dflash train` stage, `run_training(recipe)`, in three parts.
 
-`build_run` loads what a run trains against (target placed on the mesh, batches, optimizer, drafter graph);
+`build_run` loads what a run trains against (target read straight onto the mesh, each device its share; batches,
+optimizer, drafter graph);
 `create_or_restore_state` creates the sharded TrainState or resumes it from `<run_dir>/checkpoints`;
 `train_loop` steps, logs and checkpoints, and every `train.eval_every` steps measures real τ with the engine
 (`train.real_eval`: keeps `<run_dir>/best/`). Mechanics and the resume guarantees: docs/decisions.md D9/D10.
@@ -37,6 +38,7 @@ from dflash.data.progress import Progress
 from dflash.data.walk import find_walk, load_walk, walk_weights
 from dflash.models.config import DecoderConfig
 from dflash.models.drafter import DFlashDrafter, DrafterArch, DraftVocab
+from dflash.models.placement import log_memory_per_device
 from dflash.models.target import Target, load_target
 from dflash.train.checkpoint import Checkpointer
 from dflash.train.config import TrainConfig
@@ -58,7 +60,6 @@ from dflash.train.step import (
     FrozenTarget,
     StepSpec,
     TrainState,
-    cast_floats,
     init_state,
     make_eval_step,
     make_optimizer,
@@ -120,13 +121,15 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     is_main = jax.process_index() == 0
     target = target if target is not None else load_target(recipe.target)
     run = build_run(cfg, recipe.data, target, target.drafter_arch(recipe.drafter))
-    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir, run.draft_vocab)  # every process
     meta = {"arch": arch_dict(run.arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
     if run.draft_vocab is not None:
         meta["draft_vocab"] = run.draft_vocab.ids.tolist()
+    real_eval = RealTauEval(cfg, target, drafter_graphdef(run.arch), run_dir, run.draft_vocab,  # every process
+                            template_kwargs=recipe.data.regen.template_kwargs, run_meta=meta)
     ckpt = Checkpointer(run_dir / "checkpoints", meta, keep=cfg.keep_checkpoints)
     state, shardings, start = create_or_restore_state(cfg, run.arch, run.spec.optimizer, run.mesh, ckpt,
                                                       run.batches, run.data_fingerprint, target)
+    log_memory_per_device("train")  # the target's share, the head and the sharded state, before the first step
     writer = MetricsWriter(run_dir, config=to_dict(recipe), wandb_mode=cfg.wandb, tensorboard=cfg.tensorboard,
                            enabled=is_main)
     metrics = StepMetrics(cfg, writer, block_tokens=cfg.batch_size * cfg.num_anchors * run.arch.block_size,
@@ -164,7 +167,7 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
             f"be a multiple of mesh data x fsdp = {batch_divisor(mesh)}")
     require(cfg.batch_size % jax.process_count() == 0, "train.batch_size", cfg.batch_size,
             f"be a multiple of the process count {jax.process_count()}")
-    target_params = place(cast_floats(target.params, spec.compute_dtype), TARGET_RULES, mesh)
+    target_params = target.on(mesh, TARGET_RULES, spec.compute_dtype)  # each device reads its share, nothing else
     examples = build_examples(data, target.tokenizer) if cfg.head_vocab or data.features == "online" else None
     vocab, ids = None, None
     if cfg.head_vocab:
