@@ -194,6 +194,15 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slots_arg(text: str) -> int | str:
+    """--slots: an integer >= 1, or `auto` (sized to the devices' free memory; `launch.serving.auto_slots`)."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto'; received {text!r}")
+    return int(text)
+
+
 def _step(text: str | None) -> int | str | None:
     """--step: a checkpoint step, `best` (the best real-τ drafter of a run), or None (the latest)."""
     if text is None or text == "best":
@@ -485,7 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve the target alone (AR) on this port, in this process over the same weights "
                    "(one chip holds both: the baseline of a paired dflash eval on a TPU host)")
     _add_plan_args(p)
-    p.add_argument("--slots", type=int, default=8, help="concurrent sequences per step (continuous batching)")
+    p.add_argument("--slots", type=_slots_arg, default="auto",
+                   help="concurrent sequences (continuous batching); a step computes only the running ones. auto "
+                   "(default): the most that fit half the devices' free memory after the weights, up to 64 (8 on "
+                   "CPU); each slot holds its K/V pages of target.max_seq_len tokens")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prefill a longer prompt one chunk of this many tokens (a power of two >= 16) per engine "
                    "step, between the running requests' steps (0: every prompt in one call; default 512)")

@@ -103,6 +103,21 @@ def engine_cache(target_cfg: Any, arch: Any, slots: int, max_len: int, dtype: An
     return jax.eval_shape(lambda: empty_state(target_cfg, arch, slots, max_len, pages, PAGE_SIZE, dtype))
 
 
+def slot_bytes(target_cfg: Any, arch: Any, max_len: int, dtype: Any, chips: int = 1, engines: int = 1) -> int:
+    """Bytes one more slot of `max_len` tokens holds on the fullest of `chips` chips (tensor parallel, by
+    `CACHE_RULES`): its target K/V pages and per-slot arrays in each of `engines` engines (a DFlash server and its
+    `--ar-port` companion: two), and its rows of the drafter's context cache in the first (unless `arch` is None)."""
+    from dflash.models.sharding import CACHE_RULES
+
+    mesh = _mesh(1, 1, chips)
+
+    def held(slots: int, with_drafter: Any) -> int:
+        return per_chip(engine_cache(target_cfg, with_drafter, slots, max_len, dtype), CACHE_RULES, mesh)
+
+    first = held(2, arch) - held(1, arch)
+    return first + (held(2, None) - held(1, None)) * (engines - 1)
+
+
 def _engine_holds(known: Any, arch: Any, dtype: Any, chips: int, slots: int, max_len: int,
                   drafter: bool = True, engines: int = 1) -> list[tuple[str, int]]:
     """What an engine (or `engines` of them over one copy of the weights: a DFlash server's and an AR server's) holds
@@ -244,4 +259,4 @@ def _suffix(name: str, chips: int) -> str:
 
 
 __all__ = ["ENGINE_SLOTS", "EVAL_SLOTS", "StageHoldings", "drafter_params", "engine_cache", "format_stages",
-           "per_chip", "stage_holdings"]
+           "per_chip", "slot_bytes", "stage_holdings"]

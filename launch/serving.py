@@ -22,7 +22,8 @@ import jax
 from dflash.configs.recipe import Recipe
 from dflash.data.eval_sets import eval_prompts
 from dflash.models.drafter_io import load_drafter, read_best
-from dflash.models.placement import log_memory_per_device
+from dflash.launch.resident import slot_bytes
+from dflash.models.placement import GIB, free_bytes, log_memory_per_device
 from dflash.models.sharding import tensor_mesh
 from dflash.models.target import load_target
 from dflash.serve.acceptance import Measured
@@ -32,6 +33,13 @@ from dflash.serve.http import DFlashServer, make_server
 from dflash.serve.plan import AR, Limits, plan_from
 
 AUTO_SETS = ("gsm8k", "mtbench", "humaneval")  # the held-out prompts `auto` measures on: 2 of each
+# `--slots auto`: the most slots (a power of two) whose caches fit SLOT_MEMORY_SHARE of what the devices have free
+# once the weights are placed (the rest: the steps' working memory and the compiled programs), at most
+# MAX_AUTO_SLOTS on an accelerator and CPU_AUTO_SLOTS on CPU devices, where the cores, not memory, bound what more
+# concurrent requests add (docs/serving.md "What a slot costs"; D99).
+SLOT_MEMORY_SHARE = 0.5
+MAX_AUTO_SLOTS = 64
+CPU_AUTO_SLOTS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +47,8 @@ class ServeOptions:
     """How to serve a recipe (`dflash serve`'s flags; what it drafts and verifies is the recipe's `serve` section).
 
     drafter: a `dflash train` run dir or an exported drafter dir (None: the recipe's train.run_dir); step: a
-    checkpoint step of a run dir, "best", or None (the latest); ar: serve the target alone; slots, prefill_chunk
+    checkpoint step of a run dir, "best", or None (the latest); ar: serve the target alone; slots ("auto": sized to
+    the devices' free memory once the weights are placed, `auto_slots`), prefill_chunk
     (0: off), steps_per_dispatch and devices (the host's devices the target is split over, tensor parallel; 0:
     all of them): the engine's `Limits` (checked when the server is built, before anything loads); model_name:
     the model id clients send (None: target.source); precompile: compile every shape the engine can use before
@@ -50,7 +59,7 @@ class ServeOptions:
     drafter: str | Path | None = None
     step: int | str | None = None
     ar: bool = False
-    slots: int = 8
+    slots: int | str = "auto"
     prefill_chunk: int = 512
     steps_per_dispatch: int = 4
     devices: int = 1
@@ -67,10 +76,29 @@ class ServeOptions:
     def drafter_dir(self, recipe: Recipe) -> Path:
         return Path(self.drafter or recipe.train.run_dir).expanduser()
 
-    def limits(self, max_len: int) -> Limits:
+    def limits(self, max_len: int, slots: int | None = None) -> Limits:
+        """The engine's limits (`slots` resolves "auto"; until then it is checked at one slot)."""
+        if slots is None and self.slots != "auto":
+            if not isinstance(self.slots, int) or isinstance(self.slots, bool):
+                raise ValueError(f"slots must be an integer >= 1 or 'auto'; received {self.slots!r}")
+            slots = self.slots
         devices = self.devices or len(jax.local_devices())
-        return Limits(slots=self.slots, max_len=max_len, prefill_chunk=self.prefill_chunk or None,
+        return Limits(slots=1 if slots is None else slots, max_len=max_len, prefill_chunk=self.prefill_chunk or None,
                       steps_per_dispatch=self.steps_per_dispatch, devices=devices)
+
+
+def auto_slots(per_slot: int, free: int, cpu: bool) -> tuple[int, str]:
+    """`--slots auto`: the largest power of two n <= the cap (CPU_AUTO_SLOTS on CPU devices, else MAX_AUTO_SLOTS)
+    whose n x `per_slot` bytes fit SLOT_MEMORY_SHARE of `free` bytes (at least 1), and the line that says why."""
+    cap = CPU_AUTO_SLOTS if cpu else MAX_AUTO_SLOTS
+    budget = int(free * SLOT_MEMORY_SHARE)
+    n = 1
+    while n * 2 <= cap and n * 2 * per_slot <= budget:
+        n *= 2
+    bound = (f"the cap on {'CPU devices' if cpu else 'accelerators'}" if n == cap
+             else f"{SLOT_MEMORY_SHARE:.0%} of the free memory")
+    return n, (f"slots: auto -> {n} (a slot holds {per_slot / GIB:.3f} GiB per device; {free / GIB:.1f} GiB free "
+               f"per device after the weights; bound by {bound}; --slots N sets it)")
 
 
 def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
@@ -79,7 +107,7 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
     `options.ar_port`, a second one serving the target alone over the same weights (AR). Checks the options before
     anything loads."""
     max_len = recipe.target.max_seq_len
-    limits = options.limits(max_len)
+    limits = options.limits(max_len)  # checked before anything loads ("auto": at one slot, resolved below)
     if options.ar_port is not None and (options.ar or options.ar_port == options.port != 0):
         raise ValueError(f"--ar-port must be another port than --port of a DFlash server; received "
                          f"ar_port={options.ar_port}, port={options.port}, ar={options.ar}")
@@ -102,6 +130,12 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
     if limits.devices > 1:
         vars(target).pop("params", None)  # `auto`'s measurement ran on one device: that whole copy is not kept
     params = target.params if limits.devices == 1 else target.on(tensor_mesh(local))
+    if options.slots == "auto":
+        per_slot = slot_bytes(target.cfg, None if drafter is None else drafter.arch, max_len, params["embed"].dtype,
+                              limits.devices, engines=len(plans))
+        slots, why = auto_slots(per_slot, free_bytes(local), cpu=local[0].platform == "cpu")
+        print(why, flush=True)
+        limits = options.limits(max_len, slots)
     servers = []
     for plan, port in plans:
         engine = Engine(params, target.cfg, None if isinstance(plan, AR) else drafter, plan, limits,
@@ -134,7 +168,7 @@ def serve_recipe(recipe: Recipe, options: ServeOptions) -> None:
         mode = plan.describe() + ("" if options.ar or i else f" (drafter {options.drafter_dir(recipe)})")
         devices = server.worker.engine.limits.devices
         print(f"serving {server.model_name} on http://{options.host}:{server.server_address[1]}/v1 - {mode}, "
-              f"{options.slots} slots" + (f", {devices} devices" if devices > 1 else "") + "; Ctrl-C stops",
+              f"{server.worker.engine.slots} slots" + (f", {devices} devices" if devices > 1 else "") + "; Ctrl-C stops",
               flush=True)
     main, *others = servers
     threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in others]

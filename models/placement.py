@@ -16,6 +16,7 @@ GPU), else the bytes of every live array's shards on it (CPU), each buffer count
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,6 +108,28 @@ def resident_bytes(devices: Sequence[jax.Device] | None = None) -> dict[jax.Devi
     return totals
 
 
+def free_bytes(devices: Sequence[jax.Device] | None = None) -> int:
+    """Bytes the fullest of `devices` (default: this process's) can still allocate: the allocator's `bytes_limit`
+    less `bytes_in_use` where the backend reports them (TPU, GPU); else (CPU devices share the host's memory) the
+    host's available memory (`MemAvailable`, or free pages where /proc/meminfo is absent) split evenly."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    stats = [d.memory_stats() for d in devices]
+    if all(s and "bytes_limit" in s and "bytes_in_use" in s for s in stats):
+        return min(int(s["bytes_limit"]) - int(s["bytes_in_use"]) for s in stats)
+    return _host_available() // len(devices)
+
+
+def _host_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def memory_line(totals: dict[jax.Device, int]) -> str:
     """`memory per device: max X GiB (device i), min Y GiB (device j)` of `resident_bytes`' totals."""
     high = max(totals, key=lambda d: (totals[d], -d.id))
@@ -124,4 +147,4 @@ def log_memory_per_device(stage: str, devices: Sequence[jax.Device] | None = Non
     return totals
 
 
-__all__ = ["GIB", "abstract", "log_memory_per_device", "memory_line", "put", "put_leaf", "resident_bytes"]
+__all__ = ["GIB", "abstract", "free_bytes", "log_memory_per_device", "memory_line", "put", "put_leaf", "resident_bytes"]

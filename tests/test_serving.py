@@ -34,6 +34,55 @@ def test_limits_are_checked_before_anything_loads():
     recipe = load_recipe("tiny")
     with pytest.raises(ValueError, match="slots must be an integer >= 1; received 0"):
         build_server(recipe, ServeOptions(slots=0, drafter="/nonexistent"))  # refused before the target loads
+    with pytest.raises(ValueError, match="slots must be an integer >= 1 or 'auto'; received 'many'"):
+        build_server(recipe, ServeOptions(slots="many", drafter="/nonexistent"))
+
+
+def test_auto_slots_fit_half_the_free_memory_up_to_the_cap():
+    """`--slots auto` (`auto_slots`): the largest power of two whose slots fit half the free memory, at most 64 on an
+    accelerator and 8 on CPU, at least 1; the line names the bound."""
+    from dflash.launch.cli import _slots_arg
+    from dflash.launch.serving import auto_slots
+
+    gib = 1 << 30
+    assert auto_slots(gib, 16 * gib, cpu=False) == (8, auto_slots(gib, 16 * gib, cpu=False)[1])
+    assert auto_slots(gib, 17.9 * gib, cpu=False)[0] == 8  # 16 slots need 16 GiB > half of 17.9
+    assert auto_slots(gib, 1000 * gib, cpu=False)[0] == 64
+    assert auto_slots(gib, 1000 * gib, cpu=True)[0] == 8
+    assert auto_slots(gib, gib, cpu=False)[0] == 1  # not even one fits half: one slot, the engine's own error if none
+    n, line = auto_slots(gib // 4, 3 * gib, cpu=False)
+    assert n == 4 and "0.250 GiB per device" in line and "bound by 50% of the free memory" in line
+    assert "bound by the cap on CPU devices" in auto_slots(1, gib, cpu=True)[1]
+    assert (_slots_arg("auto"), _slots_arg("16")) == ("auto", 16)
+    for bad in ("0", "-2", "x", "1.5"):
+        with pytest.raises(Exception, match=f"must be an integer >= 1 or 'auto'; received '{bad}'"):
+            _slots_arg(bad)
+
+
+def test_slots_auto_is_sized_from_the_slot_bytes_and_the_free_memory(monkeypatch, capsys):
+    """A server built with slots "auto" (the default) takes the count `auto_slots` gives for its own slot bytes
+    (`launch.resident.slot_bytes`: the K/V pages and per-slot arrays one more slot adds, measured here against the
+    engine's real state) and the devices' free memory."""
+    import jax
+
+    from dflash.launch import serving
+    from dflash.launch.resident import slot_bytes
+
+    recipe = load_recipe("tiny")
+    target = load_target(recipe.target)
+    per_slot = slot_bytes(target.cfg, None, recipe.target.max_seq_len, target.params["embed"].dtype)
+    monkeypatch.setattr(serving, "free_bytes", lambda devices: 4 * per_slot + 1)  # half of it: 2 slots
+    server = build_server(recipe, ServeOptions(ar=True, port=0, precompile=False))
+    try:
+        engine = server.worker.engine
+        assert engine.slots == 2
+        held = sum(x.nbytes for x in jax.tree.leaves(engine.state))
+        one = serving.Engine(target.params, target.cfg, None, AR(), ServeOptions().limits(recipe.target.max_seq_len, 1))
+        assert held - sum(x.nbytes for x in jax.tree.leaves(one.state)) == per_slot  # the accounting is the engine's
+    finally:
+        server.worker.shutdown()
+        server.server_close()
+    assert "slots: auto -> 2 (" in capsys.readouterr().out
 
 
 def _built(recipe, options):
