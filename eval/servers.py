@@ -128,4 +128,5 @@ def serve_engine(engine: Any, tokenizer: Any, model_name: str = "dflash") -> Ite
         thread.join(timeout=30)
 
 
-__all__ = ["free_port", "serve_engine", "serve_in_process", "serve_pair_subprocess", "serve_subprocess", "stop_process", "wait_healthy"]
+__all__ = ["free_port", "serve_engine", "serve_in_process", "serve_pair_subprocess", "serve_subprocess", "stop_process",
+           "wait_healthy"]

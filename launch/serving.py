@@ -21,8 +21,8 @@ import jax
 
 from dflash.configs.recipe import Recipe
 from dflash.data.eval_sets import eval_prompts
-from dflash.models.drafter_io import load_drafter, read_best
 from dflash.launch.resident import slot_bytes
+from dflash.models.drafter_io import load_drafter, read_best
 from dflash.models.placement import GIB, free_bytes, log_memory_per_device
 from dflash.models.sharding import tensor_mesh
 from dflash.models.target import load_target
@@ -168,7 +168,8 @@ def serve_recipe(recipe: Recipe, options: ServeOptions) -> None:
         mode = plan.describe() + ("" if options.ar or i else f" (drafter {options.drafter_dir(recipe)})")
         devices = server.worker.engine.limits.devices
         print(f"serving {server.model_name} on http://{options.host}:{server.server_address[1]}/v1 - {mode}, "
-              f"{server.worker.engine.slots} slots" + (f", {devices} devices" if devices > 1 else "") + "; Ctrl-C stops",
+              f"{server.worker.engine.slots} slots" + (f", {devices} devices" if devices > 1 else "")
+              + "; Ctrl-C stops",
               flush=True)
     main, *others = servers
     threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in others]
