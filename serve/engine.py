@@ -70,6 +70,7 @@ from dflash.serve.speculative import (
     prefill,
     prefill_chunk,
     prefill_logprobs,
+    prompt_bucket,
     propose,
     put_rows,
     scatter_rows,
@@ -234,8 +235,8 @@ class Engine:
         self._fresh_state()
 
     def _prefill_len(self, n: int) -> int:
-        """The padded length a prompt of n tokens is prefilled at: a power of two, at most max_len."""
-        return min(bucket(n), self.max_len)
+        """The padded length a prompt of n tokens is prefilled at (`prompt_bucket`), at most max_len."""
+        return min(prompt_bucket(n), self.max_len)
 
     def _sync_table(self) -> None:
         self.state, self._table_version = sync_page_table(self.state, self.table, self._table_version)

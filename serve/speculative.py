@@ -74,8 +74,21 @@ def step_keys(rng_Bx2: jax.Array) -> jax.Array:
 
 
 def bucket(n: int, minimum: int = 16) -> int:
-    """Smallest power of two >= max(n, minimum) (prompt padding: few prefill shapes compile)."""
+    """Smallest power of two >= max(n, minimum) (row counts, attention spans: few shapes compile)."""
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def prompt_bucket(n: int) -> int:
+    """The padded length of a prompt of n tokens: the smallest of 16, 32, 48, 64, 96, 128, 192, 256, 384, ...
+    (powers of two and one and a half times them, multiples of 16) that holds n. A prefill's cost grows with its
+    padded length, so this ladder pads by a third at most (a power of two alone: by half, a 130-token prompt
+    computing 256), for two more programs per doubling (D99)."""
+    b = 16
+    while n > b:
+        if b >= 32 and n <= b + b // 2:
+            return b + b // 2
+        b *= 2
+    return b
 
 
 @jax.tree_util.register_dataclass
@@ -748,6 +761,7 @@ __all__ = [
     "prefill",
     "prefill_chunk",
     "prefill_logprobs",
+    "prompt_bucket",
     "propose",
     "put_rows",
     "residual_logprobs",

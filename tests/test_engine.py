@@ -61,7 +61,7 @@ def test_requests_arriving_together_share_one_padded_prefill(setup):
                                                                                     sampling=sampling)]
     engine.step()
     assert len(engine.running) == 4 and not engine.queue
-    assert ("prefill", 4, 64) in engine.compiled_shapes  # 3 prompts (5, 9, 33 tokens) padded to 4 rows x 64
+    assert ("prefill", 4, 48) in engine.compiled_shapes  # 3 prompts (5, 9, 33 tokens) padded to 4 rows x 48
     done = engine.run()
     for rid, (prompt, budget) in zip([first, *ids[:2]], [requests[1], requests[0], requests[2]], strict=True):
         assert done[rid].token_ids == ar_alone(target_params, target_cfg, prompt, budget), rid
@@ -262,7 +262,7 @@ def test_compiled_shapes_are_logged_and_bounded(setup, caplog):
     prefills = sorted(shape[1:] for shape in engine.compiled_shapes if shape[0] == "prefill")
     # the first three requests (5, 20 and 9 tokens) are admitted together in one prefill of 3 rows (all slots);
     # the others join one at a time as slots free: prompts of 2..33 tokens, three length buckets
-    assert prefills == [(1, 16), (1, 64), (3, 32)]
+    assert prefills == [(1, 16), (1, 48), (3, 32)]
     # verify: one program per power-of-two span of 16-token pages; the longest request (33 + 17 tokens + K)
     # needs 4 pages, so the spans seen are 1, 2 and 4 at most (prompts start at 2..33 tokens).
     # Each step computes the smallest bucket of rows holding the running requests (1, 2, then the 3 slots): three

@@ -8,7 +8,7 @@ import pytest
 from dflash.configs.schema import ConfigError
 from dflash.serve.engine import request_keys
 from dflash.serve.sampling import SamplingConfig, filtered_logprobs, sample
-from dflash.serve.speculative import bucket
+from dflash.serve.speculative import bucket, prompt_bucket
 
 
 def test_greedy_is_argmax():
@@ -44,6 +44,10 @@ def test_bad_sampling_values():
 
 def test_prefill_buckets_are_powers_of_two_at_least_16():
     assert [bucket(n) for n in (1, 16, 17, 100, 129)] == [16, 16, 32, 128, 256]
+    # prompt lengths: powers of two and 1.5x them from 48, multiples of 16 (a page): padding of a third at most
+    assert [prompt_bucket(n) for n in (1, 16, 17, 33, 48, 49, 65, 100, 129, 193, 257, 385)] == \
+        [16, 16, 32, 48, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert all(prompt_bucket(n) % 16 == 0 and n <= prompt_bucket(n) <= max(32, 1.5 * n) for n in range(1, 5000))
 
 
 def test_rows_apply_each_sequences_own_rule():
