@@ -340,6 +340,9 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
     if topology is None:
         raise ConfigError(f"--topology must name a TPU slice (e.g. v5p-128): recipe {args.config!r} sets no "
                           "launch.tpu_type; received none")
+    from dflash.launch.tpus import parse_tpu_type
+
+    parse_tpu_type(topology, "--topology" if args.topology else "launch.tpu_type")  # its own name in the error
     report = run_compile(args.config, args.overrides, topology, args.num_slices, backend=args.backend,
                          libtpu=args.libtpu, engine=not args.no_engine)
     print(report.format(args.mfu))
@@ -623,10 +626,26 @@ def main(argv: list[str] | None = None) -> int:
 
             enable_compile_cache()
         return args.func(args)
-    except (ConfigError, FileNotFoundError, ValueError) as err:  # ShardError, ManifestMismatchError included
+    except Exception as err:
+        if not isinstance(err, _expected_errors()):
+            raise  # a bug: its traceback is what to report
         print(f"dflash {args.command}: error: {err}", file=sys.stderr)
         return 2
 
+
+def _expected_errors() -> tuple[type[Exception], ...]:
+    """The errors of a wrong input (a value, a file, a URL, a model name), each naming the field, the value and the
+    rule: they end a subcommand with its one-line message and exit status 2, never a traceback. ValueError covers
+    ConfigError, ShardError, ManifestMismatchError, RequestRejected and a bad JSON file; OSError a missing or
+    unreadable file and an unreachable host; the others are the stages' own errors about a server or the Hub, taken
+    from their modules only when loaded (an error of a module never imported was not raised; importing
+    data.endpoint would import JAX)."""
+    own = [getattr(sys.modules[module], name) for module, name in _STAGE_ERRORS if module in sys.modules]
+    return (ValueError, OSError, *own)
+
+
+_STAGE_ERRORS = (("dflash.data.endpoint", "EndpointError"), ("dflash.eval.client", "ServerError"),
+                 ("dflash.export.hub", "HubError"))
 
 if __name__ == "__main__":
     sys.exit(main())
