@@ -188,11 +188,14 @@ def summarize(records: list[dict[str, Any]], sets: Sequence[str], concurrency: S
         mine = [r for r in replies if r["set"] == Path(name).stem or r["set"] == name]
         by_set[name] = _set_summary(mine, concurrency[0], block_size, answers, compare)
     headline = _set_summary(replies, concurrency[0], block_size, answers, compare, pooled)
+    categories = sorted({r["category"] for r in replies if r.get("category")})  # SPEED-Bench's
+    by_category = {c: _set_summary([r for r in replies if r.get("category") == c], concurrency[0], block_size,
+                                   answers, compare) for c in categories}
     compiled: dict[str, int] = {}  # programs each mode's server compiled inside its timed requests (0: none)
     for r in records:
         if r["kind"] == "compiles" and r["count"]:
             compiled[r["mode"]] = compiled.get(r["mode"], 0) + r["count"]
-    return {"schema": SCHEMA, **meta, "sets": by_set, "compiled_in_timed": compiled,
+    return {"schema": SCHEMA, **meta, "sets": by_set, "categories": by_category, "compiled_in_timed": compiled,
             "headline": {k: headline[k] for k in ("tau", "tau_source", "steps", "speedup", "paired", "mismatches",
                                                   "dflash", "ar", "accept_per_position")},
             "concurrency": _concurrency(records, concurrency)}
@@ -293,6 +296,13 @@ def render_markdown(results: dict[str, Any]) -> str:
                      f"{_fmt(r['ar']['tpot_ms'], '.1f')} | {_fmt(r['speedup'], '.2f', 'x')}{quartiles} | "
                      f"{_fmt(r['dflash']['tok_s'], '.1f')} | {_fmt(r['ar']['tok_s'], '.1f')} | "
                      f"{_fmt(r['accuracy']['ar'], '.2f')} | {_fmt(r['mismatches'], 'd')} |")
+    if results.get("categories"):
+        lines += ["", "Per SPEED-Bench category:", "", "| category | tau | DFlash TPOT ms | AR TPOT ms "
+                  "| speedup (median) | requests | differ from AR |", "|---|---|---|---|---|---|---|"]
+        for name, r in results["categories"].items():
+            lines.append(f"| {name} | {_fmt(r['tau'])} | {_fmt(r['dflash']['tpot_ms'], '.1f')} | "
+                         f"{_fmt(r['ar']['tpot_ms'], '.1f')} | {_fmt(r['speedup'], '.2f', 'x')} | "
+                         f"{r['dflash']['replies']} | {_fmt(r['mismatches'], 'd')} |")
     lines += ["", "| concurrency | DFlash tok/s | AR tok/s | ratio | DFlash p50 / p95 s | AR p50 / p95 s "
               "| compiled while timed (DFlash / AR) |", "|---|---|---|---|---|---|---|"]
     for c, r in results["concurrency"].items():

@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dflash.data.eval_sets import EvalItem, load_eval_set
+from dflash.data.eval_sets import SPEEDBENCH_HUB, EvalItem, load_eval_set
 from dflash.data.progress import Progress
 from dflash.eval.client import Client, ServerError
 from dflash.eval.engines import Counts, DFlashEngine, Engine, Meter, engine_for
@@ -67,6 +67,7 @@ class EvalSettings:
     top_p: float = 1.0
     seed: int = 0
     chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    speedbench: str = SPEEDBENCH_HUB  # where `speedbench[:...]` sets are read: hf:<id> or a directory of splits
 
     @property
     def greedy(self) -> bool:
@@ -173,7 +174,8 @@ def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurr
         messages.append({"role": "assistant", "content": reply.text})
         ours = meter is None or isinstance(meter.engine, DFlashEngine)
         store.add({"kind": "reply", "mode": mode, "concurrency": concurrency, "id": item.id, "set": item.set,
-                   "turn": turn, "text": reply.text, "tokens": reply.tokens, "finish": reply.finish_reason,
+                   **({"category": item.category} if item.category else {}), "turn": turn, "text": reply.text,
+                   "tokens": reply.tokens, "finish": reply.finish_reason,
                    "latency_s": reply.latency_s, "ttft_s": reply.ttft_s, "tpot_s": reply.tpot_s,
                    "accepted": reply.accepted,
                    **({} if ours else {"spec": counts.to_json() if counts else None,
@@ -325,7 +327,7 @@ def evaluate(dflash_url: str, ar_url: str, settings: EvalSettings, out_dir: str 
 
 
 def eval_items(settings: EvalSettings) -> list[EvalItem]:
-    return [item for name in settings.sets for item in load_eval_set(name, settings.limit)]
+    return [item for name in settings.sets for item in load_eval_set(name, settings.limit, settings.speedbench)]
 
 
 def check_reachable(url: str, api_key: str | None = None, flag: str = "--url") -> None:

@@ -229,7 +229,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         settings = EvalSettings(sets=tuple(s for s in args.sets.split(",") if s), limit=args.limit,
                                 max_new_tokens=args.max_new_tokens, concurrency=_int_list(args.concurrency),
                                 temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                chat_template_kwargs=template_kwargs)
+                                chat_template_kwargs=template_kwargs, speedbench=args.speedbench)
     except ValueError as err:
         print(f"dflash eval: error: {err}", file=sys.stderr)
         return 2
@@ -526,7 +526,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "`dflash serve --ar`, or vLLM or SGLang without speculation (default: started here, beside the "
                    "DFlash server)")
     p.add_argument("--sets", default="gsm8k,mtbench",
-                   help="comma-separated: gsm8k, math500, humaneval, mbpp, mtbench, a .json/.jsonl file, hf:ID")
+                   help="comma-separated: gsm8k, math500, humaneval, mbpp, mtbench, speedbench[:SPLIT][:CATEGORY] "
+                   "(SPEED-Bench, from --speedbench), a .json/.jsonl file, hf:ID")
+    p.add_argument("--speedbench", default="hf:nvidia/SPEED-Bench", metavar="hf:ID|DIR",
+                   help="where speedbench sets are read: the Hub dataset or a directory of prepared splits "
+                   "(<split>.jsonl, <split>.parquet or <split>/*.parquet; default hf:nvidia/SPEED-Bench)")
     p.add_argument("--limit", type=int, default=8, help="conversations per set (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per turn (default 256)")
     p.add_argument("--concurrency", default="1", help="client concurrencies, e.g. 1,4,16 (default 1)")
