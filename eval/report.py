@@ -167,6 +167,9 @@ def _concurrency(records: list[dict[str, Any]], levels: Sequence[int]) -> dict[s
                    and r["concurrency"] == c]
             row[mode] = {"throughput_tok_s": wall["tokens"] / wall["seconds"] if wall and wall["seconds"] else None,
                          "p50_latency_s": _pct(lat, 0.5), "p95_latency_s": _pct(lat, 0.95)}
+            counted = [r["count"] for r in records if r["kind"] == "compiles" and r["mode"] == mode
+                       and r["concurrency"] == c]
+            row[mode]["compiles"] = None if not counted or None in counted else sum(counted)
         d, a = row["dflash"]["throughput_tok_s"], row["ar"]["throughput_tok_s"]
         row["throughput_ratio"] = d / a if d and a else None
         out[str(c)] = row
@@ -185,7 +188,14 @@ def summarize(records: list[dict[str, Any]], sets: Sequence[str], concurrency: S
         mine = [r for r in replies if r["set"] == Path(name).stem or r["set"] == name]
         by_set[name] = _set_summary(mine, concurrency[0], block_size, answers, compare)
     headline = _set_summary(replies, concurrency[0], block_size, answers, compare, pooled)
-    return {"schema": SCHEMA, **meta, "sets": by_set,
+    categories = sorted({r["category"] for r in replies if r.get("category")})  # SPEED-Bench's
+    by_category = {c: _set_summary([r for r in replies if r.get("category") == c], concurrency[0], block_size,
+                                   answers, compare) for c in categories}
+    compiled: dict[str, int] = {}  # programs each mode's server compiled inside its timed requests (0: none)
+    for r in records:
+        if r["kind"] == "compiles" and r["count"]:
+            compiled[r["mode"]] = compiled.get(r["mode"], 0) + r["count"]
+    return {"schema": SCHEMA, **meta, "sets": by_set, "categories": by_category, "compiled_in_timed": compiled,
             "headline": {k: headline[k] for k in ("tau", "tau_source", "steps", "speedup", "paired", "mismatches",
                                                   "dflash", "ar", "accept_per_position")},
             "concurrency": _concurrency(records, concurrency)}
@@ -231,9 +241,16 @@ def headline_line(results: dict[str, Any]) -> str:
     elif n:
         where = f"{n} paired request{'s' if n > 1 else ''}: too few to trust; "
     engine = _engine(results)
+    compiled = results.get("compiled_in_timed") or {}
+    marked = f"; compiled inside timed requests: {_compiled_text(compiled)}" if compiled else ""
     return (f"DFlash vs AR: {_fmt(h['speedup'])}x tokens/s ({where}{tau_text(results)}, "
             f"K={results['settings']['block_size'] or '?'}{_sampling(results['settings'])}"
-            f"{'' if engine == 'dflash' else f', {engine}'})")
+            f"{'' if engine == 'dflash' else f', {engine}'}{marked})")
+
+
+def _compiled_text(compiled: dict[str, int]) -> str:
+    """`dflash 3, ar 1`: the programs each mode's server compiled inside its timed requests."""
+    return ", ".join(f"{mode} {n}" for mode, n in compiled.items())
 
 
 def _engine_lines(results: dict[str, Any]) -> list[str]:
@@ -248,6 +265,16 @@ def _engine_lines(results: dict[str, Any]) -> list[str]:
     return [f"Engine: {engine['dflash']} (AR: {engine.get('ar', '?')}); {where}.", ""]
 
 
+def _compile_lines(results: dict[str, Any]) -> list[str]:
+    """The warning that marks the numbers when a server compiled inside the timed requests (nothing otherwise)."""
+    compiled = results.get("compiled_in_timed") or {}
+    if not compiled:
+        return []
+    return [f"**Compiled inside the timed requests: {_compiled_text(compiled)} program(s)** (rows marked (!) below): "
+            "those requests' times include XLA compiles, so their speed is understated (`dflash eval --strict` exits "
+            "1 on this).", ""]
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     h, s, drafter = results["headline"], results["settings"], results["drafter"]
     lines = [f"# DFlash evaluation: {results['target'].get('model', '?')}", "",
@@ -259,7 +286,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                 "sampled-decoding tests)"), "",
              f"Drafter: `{drafter.get('path') or drafter.get('url', '?')}`; sets {', '.join(s['sets'])}, "
              f"{s['limit']} items each, {s['max_new_tokens']} new tokens per turn, concurrency {s['concurrency']}; "
-             f"{results['environment'].get('machine', '')}.", "", *_engine_lines(results),
+             f"{results['environment'].get('machine', '')}.", "", *_engine_lines(results), *_compile_lines(results),
              "| set | tau | DFlash TPOT ms | AR TPOT ms | speedup (median, p25-p75) | DFlash tok/s | AR tok/s "
              "| accuracy (AR) | differ from AR |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["sets"].items():
@@ -269,13 +296,22 @@ def render_markdown(results: dict[str, Any]) -> str:
                      f"{_fmt(r['ar']['tpot_ms'], '.1f')} | {_fmt(r['speedup'], '.2f', 'x')}{quartiles} | "
                      f"{_fmt(r['dflash']['tok_s'], '.1f')} | {_fmt(r['ar']['tok_s'], '.1f')} | "
                      f"{_fmt(r['accuracy']['ar'], '.2f')} | {_fmt(r['mismatches'], 'd')} |")
-    lines += ["", "| concurrency | DFlash tok/s | AR tok/s | ratio | DFlash p50 / p95 s | AR p50 / p95 s |",
-              "|---|---|---|---|---|---|"]
+    if results.get("categories"):
+        lines += ["", "Per SPEED-Bench category:", "", "| category | tau | DFlash TPOT ms | AR TPOT ms "
+                  "| speedup (median) | requests | differ from AR |", "|---|---|---|---|---|---|---|"]
+        for name, r in results["categories"].items():
+            lines.append(f"| {name} | {_fmt(r['tau'])} | {_fmt(r['dflash']['tpot_ms'], '.1f')} | "
+                         f"{_fmt(r['ar']['tpot_ms'], '.1f')} | {_fmt(r['speedup'], '.2f', 'x')} | "
+                         f"{r['dflash']['replies']} | {_fmt(r['mismatches'], 'd')} |")
+    lines += ["", "| concurrency | DFlash tok/s | AR tok/s | ratio | DFlash p50 / p95 s | AR p50 / p95 s "
+              "| compiled while timed (DFlash / AR) |", "|---|---|---|---|---|---|---|"]
     for c, r in results["concurrency"].items():
         d, a = r["dflash"], r["ar"]
-        lines.append(f"| {c} | {_fmt(d['throughput_tok_s'], '.1f')} | {_fmt(a['throughput_tok_s'], '.1f')} | "
+        mark = " (!)" if d.get("compiles") or a.get("compiles") else ""
+        lines.append(f"| {c}{mark} | {_fmt(d['throughput_tok_s'], '.1f')} | {_fmt(a['throughput_tok_s'], '.1f')} | "
                      f"{_fmt(r['throughput_ratio'], '.2f', 'x')} | {_fmt(d['p50_latency_s'])} / "
-                     f"{_fmt(d['p95_latency_s'])} | {_fmt(a['p50_latency_s'])} / {_fmt(a['p95_latency_s'])} |")
+                     f"{_fmt(d['p95_latency_s'])} | {_fmt(a['p50_latency_s'])} / {_fmt(a['p95_latency_s'])} | "
+                     f"{_fmt(d.get('compiles'), 'd')} / {_fmt(a.get('compiles'), 'd')} |")
     lines += ["", "Acceptance by draft position (share of verify steps whose draft i was accepted):", "",
               "| set | " + " | ".join(f"d{i + 1}" for i in range(len(h["accept_per_position"]))) + " |",
               "|---|" + "---|" * len(h["accept_per_position"])]

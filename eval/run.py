@@ -43,9 +43,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dflash.data.eval_sets import EvalItem, load_eval_set
+from dflash.data.eval_sets import SPEEDBENCH_HUB, EvalItem, load_eval_set
 from dflash.data.progress import Progress
-from dflash.eval.client import Client
+from dflash.eval.client import Client, ServerError
 from dflash.eval.engines import Counts, DFlashEngine, Engine, Meter, engine_for
 
 MODES = ("dflash", "ar")
@@ -67,6 +67,7 @@ class EvalSettings:
     top_p: float = 1.0
     seed: int = 0
     chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    speedbench: str = SPEEDBENCH_HUB  # where `speedbench[:...]` sets are read: hf:<id> or a directory of splits
 
     @property
     def greedy(self) -> bool:
@@ -173,7 +174,8 @@ def _conversation(client: Client, model: str, item: EvalItem, mode: str, concurr
         messages.append({"role": "assistant", "content": reply.text})
         ours = meter is None or isinstance(meter.engine, DFlashEngine)
         store.add({"kind": "reply", "mode": mode, "concurrency": concurrency, "id": item.id, "set": item.set,
-                   "turn": turn, "text": reply.text, "tokens": reply.tokens, "finish": reply.finish_reason,
+                   **({"category": item.category} if item.category else {}), "turn": turn, "text": reply.text,
+                   "tokens": reply.tokens, "finish": reply.finish_reason,
                    "latency_s": reply.latency_s, "ttft_s": reply.ttft_s, "tpot_s": reply.tpot_s,
                    "accepted": reply.accepted,
                    **({} if ours else {"spec": counts.to_json() if counts else None,
@@ -308,23 +310,34 @@ def environment() -> dict[str, Any]:
 
 def evaluate(dflash_url: str, ar_url: str, settings: EvalSettings, out_dir: str | Path, *,
              drafter: dict[str, Any] | None = None, api_key: str | None = None, progress: bool = True,
-             engine: str = "auto") -> tuple[dict[str, Any], dict[str, Path]]:
+             engine: str = "auto", items: Sequence[EvalItem] | None = None) -> tuple[dict[str, Any], dict[str, Path]]:
     """Evaluate the speculative server at `dflash_url` (served by `engine`: dflash, vllm, sglang, or auto: told from
     the server) against the AR server at `ar_url` (same target, same prompts; its engine told from the server),
-    paired at concurrency 1; writes results.json, report.md and the plots into `out_dir`; returns (results, paths)."""
+    paired at concurrency 1; writes results.json, report.md and the plots into `out_dir`; returns (results, paths).
+    `items`: the sets' conversations when the caller loaded them already (default: `eval_items(settings)`)."""
 
     out_dir = Path(out_dir).expanduser()
+    items = eval_items(settings) if items is None else list(items)
     clients = {"dflash": Client(dflash_url, api_key), "ar": Client(ar_url, api_key)}
     engines = {"dflash": engine_for(clients["dflash"], engine), "ar": engine_for(clients["ar"], fallback=True)}
     served = engines["dflash"].describe(clients["dflash"])
     _check_same_target(clients["ar"], served)
-    items = eval_items(settings)
     records = collect(clients, settings, out_dir, items, progress, engines)
     return _results(records, items, served, dflash_url, settings, out_dir, drafter, engines)
 
 
 def eval_items(settings: EvalSettings) -> list[EvalItem]:
-    return [item for name in settings.sets for item in load_eval_set(name, settings.limit)]
+    return [item for name in settings.sets for item in load_eval_set(name, settings.limit, settings.speedbench)]
+
+
+def check_reachable(url: str, api_key: str | None = None, flag: str = "--url") -> None:
+    """A ServerError naming `flag` and `url` unless a server answers GET /v1/models there: a wrong URL is refused
+    before any server is started here."""
+    try:
+        Client(url, api_key, timeout=10.0).get("/v1/models")
+    except ServerError as err:
+        raise ServerError(f"{flag} must be the address of a running OpenAI-compatible server; received {url!r}, "
+                          f"where {err}") from err
 
 
 def _check_same_target(ar: Client, served: dict[str, Any]) -> None:
@@ -424,6 +437,10 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
         best = best_dir_of(drafter, step)
         best_step = json.loads((best / BEST_JSON).read_text()).get("step") if best is not None else None
     out_dir = Path(out_dir).expanduser()
+    items = eval_items(settings)  # a wrong set name or file is refused before any server starts
+    for flag, given in (("--url", url), ("--ar-url", ar_url)):
+        if given is not None:
+            check_reachable(given, api_key, flag)
     common = ["--config", config, "--devices", str(devices), *(["--api-key", api_key] if api_key else []),
               *overrides]
     slots = int(max(settings.concurrency))
@@ -438,12 +455,13 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
             ar_url = stack.enter_context(servers.serve_subprocess(["--ar", *common], out_dir / "server-ar.log", slots))
         described = {"path": drafter, "step": step, **({"best_step": best_step} if best is not None else {})}
         results, paths = evaluate(url, ar_url, settings, out_dir, drafter=described if drafter else None,
-                                  api_key=api_key, progress=progress, engine="dflash" if drafter else engine)
+                                  api_key=api_key, progress=progress, engine="dflash" if drafter else engine,
+                                  items=items)
     if best is not None and keep_with_best(results, best, best_step):
         log.info("the results of the best drafter (step %s) are kept in %s too (its model card's eval table)",
                  best_step, best / BEST_RESULTS)
     return results, paths
 
 
-__all__ = ["BEST_RESULTS", "MODES", "EvalSettings", "RecordStore", "collect", "environment", "evaluate",
-           "keep_with_best", "run_eval", "template_variables", "timed_compiles", "warm_up"]
+__all__ = ["BEST_RESULTS", "MODES", "EvalSettings", "RecordStore", "check_reachable", "collect", "environment",
+           "evaluate", "keep_with_best", "run_eval", "template_variables", "timed_compiles", "warm_up"]

@@ -108,6 +108,9 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
     anything loads."""
     max_len = recipe.target.max_seq_len
     limits = options.limits(max_len)  # checked before anything loads ("auto": at one slot, resolved below)
+    for flag, port in (("--port", options.port), ("--ar-port", options.ar_port)):
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"{flag} must be a TCP port in [0, 65535] (0: any free one); received {port}")
     if options.ar_port is not None and (options.ar or options.ar_port == options.port != 0):
         raise ValueError(f"--ar-port must be another port than --port of a DFlash server; received "
                          f"ar_port={options.ar_port}, port={options.port}, ar={options.ar}")

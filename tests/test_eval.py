@@ -272,6 +272,52 @@ def test_report_statistics_on_known_records():
     assert final_answer("x = \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}" and final_answer("no digits") is None
 
 
+def _compiled_run(count):
+    """The results of a greedy run whose DFlash server compiled `count` programs inside its timed requests at
+    concurrency 4 (0 at 1; the AR server none)."""
+    records = [_reply("dflash", "gsm8k:0", 0, "7", [1], 0.05), _reply("ar", "gsm8k:0", 0, "7", [], 0.10)]
+    records += [{"kind": "compiles", "mode": m, "concurrency": c, "count": count if (m, c) == ("dflash", 4) else 0}
+                for m in ("dflash", "ar") for c in (1, 4)]
+    settings = dataclasses.asdict(EvalSettings(sets=("gsm8k",), limit=1, concurrency=(1, 4)))
+    meta = {"environment": {}, "target": {"model": "m"}, "drafter": {}, "settings": {**settings, "block_size": 4},
+            "engine": {"dflash": "dflash", "ar": "dflash", "source": "replies", "unavailable": None}}
+    results = summarize(records, ["gsm8k"], [1, 4], 4, {}, meta)
+    results["compiles"] = {"dflash": count, "ar": 0}
+    return results
+
+
+def test_a_compile_inside_the_timed_requests_marks_the_numbers():
+    """Reported per mode and per concurrency, on the headline and in report.md (negative control: a clean run shows
+    none of it)."""
+    marked, clean = _compiled_run(3), _compiled_run(0)
+    assert marked["compiled_in_timed"] == {"dflash": 3} and clean["compiled_in_timed"] == {}
+    assert marked["concurrency"]["4"]["dflash"]["compiles"] == 3 and marked["concurrency"]["1"]["dflash"]["compiles"] \
+        == 0
+    assert headline_line(marked).endswith("; compiled inside timed requests: dflash 3)")
+    assert "compiled" not in headline_line(clean)
+    report = render_markdown(marked)
+    assert "Compiled inside the timed requests: dflash 3 program(s)" in report and "| 4 (!) |" in report
+    assert "| 1 |" in report and "(!)" not in render_markdown(clean)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_finished_eval_exits_0_on_compiles_unless_strict(strict, monkeypatch, tmp_path, capsys):
+    """`dflash eval` reports a forced compile inside the timed requests (a note; with --strict an error) and exits 1
+    on it only with --strict; a clean run exits 0 either way."""
+    from dflash.eval import run as eval_run
+    from dflash.launch.cli import main
+
+    for count, code in ((3, 1 if strict else 0), (0, 0)):
+        results = _compiled_run(count)
+        monkeypatch.setattr(eval_run, "run_eval", lambda *a, results=results, **k: (
+            results, {"report.md": tmp_path / "report.md"}))
+        argv = ["eval", "--config", "tiny", "--url", "http://127.0.0.1:9", "--out", str(tmp_path)]
+        assert main(argv + (["--strict"] if strict else [])) == code
+        out = capsys.readouterr().out
+        assert ("the servers compiled inside the timed requests ({'dflash': 3}" in out) == bool(count)
+        assert out.count("ERROR") == (1 if count and strict else 0)
+
+
 def test_speedup_is_the_median_of_per_request_ratios_and_its_timing_noise_is_judged():
     """Each request's AR TPOT over the same request's DFlash TPOT; the median resists one request of a slow spell
     (the mean of TPOTs does not). A ratio is the request's τ times the cost ratio of the two modes' steps: the
