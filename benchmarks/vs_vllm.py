@@ -127,19 +127,6 @@ def engine_results(records: list[dict[str, Any]], engine: str, concurrency: int,
     return summarize(mine, list(sets), [concurrency], k, {}, meta)
 
 
-# ---------------------------------------------------------------------------------------------------------- oracle
-# ORACLE CEILING (placeholder, not measured): the engine's oracle mode (every draft accepted, the verify cost kept:
-# the speed our engine would reach with a perfect drafter at this K) is being added to the engine separately. When it
-# lands, start a third server of ours in that mode in `_servers` ("ours-oracle"), add it to the paired modes and fill
-# these columns from its records; until then they print "-".
-ORACLE_COLUMNS = ("oracle DFlash tok/s", "oracle TPOT ms")
-
-
-def oracle_ceiling(records: list[dict[str, Any]], concurrency: int) -> tuple[float | None, float | None]:
-    """(tokens/s, TPOT ms) of our engine's oracle mode at `concurrency`: not measured yet (see ORACLE_COLUMNS)."""
-    return None, None
-
-
 # -------------------------------------------------------------------------------------------------------- report
 def _f(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
@@ -148,7 +135,7 @@ def _f(value: float | None, spec: str = ".1f") -> str:
 def table(rows: list[dict[str, Any]]) -> list[str]:
     """One line per (server slots, concurrency, engine)."""
     head = ["slots", "C", "engine", "AR tok/s", "DFlash tok/s", "DFlash/AR", "AR TPOT ms", "DFlash TPOT ms",
-            "AR TTFT ms", "DFlash TTFT ms", "τ", "differ", "ours/vLLM DFlash tok/s", *ORACLE_COLUMNS]
+            "AR TTFT ms", "DFlash TTFT ms", "τ", "differ", "ours/vLLM DFlash tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
@@ -156,7 +143,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             _f(r["speedup"], ".2f") + ("x" if r["speedup"] else ""), _f(r["ar_tpot_ms"]), _f(r["dflash_tpot_ms"]),
             _f(r["ar_ttft_ms"], ".0f"), _f(r["dflash_ttft_ms"], ".0f"),
             _f(r["tau"], ".2f") + (" pooled" if r["tau_source"] == "pooled" else ""), _f(r["differ"], "d"),
-            _f(r["vs_vllm"], ".2f") + ("x" if r["vs_vllm"] else ""), *(_f(v) for v in r["oracle"])]) + " |")
+            _f(r["vs_vllm"], ".2f") + ("x" if r["vs_vllm"] else "")]) + " |")
     return lines
 
 
@@ -171,8 +158,7 @@ def rows_of(records: list[dict[str, Any]], slots: int, concurrency: int, sets: t
                     "speedup": head["speedup"], "ar_tpot_ms": head["ar"]["tpot_ms"],
                     "dflash_tpot_ms": head["dflash"]["tpot_ms"], "ar_ttft_ms": head["ar"]["ttft_ms"],
                     "dflash_ttft_ms": head["dflash"]["ttft_ms"], "tau": head["tau"], "tau_source": head["tau_source"],
-                    "differ": head["mismatches"],
-                    "oracle": oracle_ceiling(records, concurrency) if engine == "ours" else (None, None)})
+                    "differ": head["mismatches"]})
     ours, vllm = out
     ratio = ours["dflash_tok_s"] / vllm["dflash_tok_s"] if ours["dflash_tok_s"] and vllm["dflash_tok_s"] else None
     ours["vs_vllm"], vllm["vs_vllm"] = ratio, None
@@ -227,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         "four servers back to back (order alternating), above it each server ran its own segment. tok/s: tokens "
         "over the segment's wall time; TPOT, TTFT: client-side means; τ: ours per reply, vLLM's counters (pooled "
         "above C = 1); DFlash/AR: median per-request TPOT ratio; differ: DFlash replies unequal to the same engine's "
-        "AR. Oracle columns: not measured yet (the engine's oracle mode).", "", *table(rows)])
+        "AR. Our engine with perfect drafts on this machine: [the oracle ceiling]"
+        "(#the-oracle-ceiling-dflash-beside-a-perfect-drafter).", "", *table(rows)])
     print(body)
     if args.write:
         print(f"written to {write_section(SECTION, body)}")
