@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.heavy, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "DFLASH_DISTRIBUTED", "XLA_FLAGS")
-MEMORY = r"memory per device: max \d+\.\d+ GiB \(device \d+\), min \d+\.\d+ GiB \(device \d+\)"
+MEMORY = r"memory per device: max \d+\.\d+ (GiB|MiB) \(device \d+\), min \d+\.\d+ (GiB|MiB) \(device \d+\)"
 PROMPTS, STEPS, KILL_AT, EVAL_PROMPTS = 24, 8, 3, 2
 
 
@@ -69,3 +69,4 @@ def test_the_pod_rehearsal_runs_every_stage_on_two_processes_of_four_devices(tmp
     stopped = re.search(r"every worker checkpointed step (\d+) and exited 42; restarted, resumed from step (\d+)", kill)
     assert stopped and stopped.group(1) == stopped.group(2) and KILL_AT <= int(stopped.group(1)) < STEPS, kill
     assert re.search(r"^pod smoke \(--local, recipe tiny\): \d+ s$", out, re.MULTILINE)
+    print(out[out.index("\npod smoke ("):])  # the summary table, with the wall time (pytest -s shows it)

@@ -77,18 +77,21 @@ def metrics_steps(run_dir: Path) -> list[int]:
 MEMORY = "memory per device"
 
 
-def rehearsal_overrides(like: str, target: Path) -> list[str]:
+def rehearsal_overrides(like: str, target: Path, devices: int) -> list[str]:
     """The `tiny` recipe on the tiny MoE `target` (tools/tiny_moe.py) with the pod recipe `like`'s layout: its train
-    mesh axes, regeneration and capture replica sizes, feature mode and chat-template variables."""
+    mesh axes, regeneration and capture replica sizes (and as many replicas as a host of `devices` holds, as on a
+    TPU host; on CPU devices the default is one), feature mode and chat-template variables."""
     from dflash.configs.recipe import load_recipe
 
     pod = load_recipe(like)
     mesh, data = pod.train.mesh, pod.data
-    return [f"target.source={target}", f"drafter.mask_token_id={MASK_TOKEN_ID}", "drafter.block_size=4",
+    regen, capture = data.regen.devices_per_replica, data.capture_devices_per_replica
+    return [f"target.source={target}", "target.max_seq_len=128", "data.regen.max_len=128",  # fewer engine shapes
+            f"drafter.mask_token_id={MASK_TOKEN_ID}", "drafter.block_size=4",
             "drafter.layer_ids=[0,2]", f"train.mesh.data={mesh.data}", f"train.mesh.fsdp={mesh.fsdp}",
             f"train.mesh.tensor={mesh.tensor}", f"data.features={data.features}",
-            f"data.regen.devices_per_replica={data.regen.devices_per_replica}",
-            f"data.capture_devices_per_replica={data.capture_devices_per_replica}",
+            f"data.regen.devices_per_replica={regen}", f"data.regen.replicas={max(devices // regen, 1)}",
+            f"data.capture_devices_per_replica={capture}", f"data.capture_replicas={max(devices // capture, 1)}",
             f"data.regen.template_kwargs={json.dumps(data.regen.template_kwargs)}"]
 
 
@@ -169,8 +172,8 @@ def local(args: argparse.Namespace) -> list[tuple[str, str]]:
     target = work / "target"
     shutil.rmtree(target, ignore_errors=True)
     tiny_moe_dir("qwen3_moe", target)
-    overrides = rehearsal_overrides(args.like, target)
-    say(f"# the tiny Qwen3-MoE target in {target}, laid out as {args.like}: {shlex.join(overrides[4:])}")
+    overrides = rehearsal_overrides(args.like, target, args.devices)
+    say(f"# the tiny Qwen3-MoE target in {target}, laid out as {args.like}: {shlex.join(overrides[6:])}")
     common = ["--config", args.config, "--no-progress", f"data.dir={data_dir}", f"train.run_dir={run_dir}", *overrides]
 
     def stage_logs(tag: str) -> list[Path]:
