@@ -18,6 +18,8 @@ import hashlib
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -387,6 +389,45 @@ class _Regenerator:
                 self.finish_turn(conv, result)
 
 
+class RegenerationStopped(Exception):  # noqa: N818 - an outcome, not an error: the CLI exits 42 on it
+    """Regeneration stopped on SIGTERM (what GKE sends a preempted pod) with every finished conversation written;
+    the launchers restart on `dflash data regenerate`'s exit 42 and the rerun resumes after them."""
+
+    def __init__(self, stats: RegenStats):
+        super().__init__(f"stopped by SIGTERM with {stats.succeeded + stats.errors + stats.dropped} conversations "
+                         "of this run written (the ones in flight are answered again on resume, with the same seeds)")
+        self.stats = stats
+
+
+class _SigtermWatch:
+    """`with _SigtermWatch() as watch: ... if watch.received: <stop>` around the host loop: a SIGTERM handler that
+    records the notice (from the main thread only; elsewhere nothing is installed and `received` stays False).
+    On exit the previous handler comes back; one installed outside Python (JAX's preemption notifier in a
+    `jax.distributed` run, which would otherwise swallow the signal) cannot be, and the default action takes its
+    place."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> _SigtermWatch:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+            self._installed = False
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if not self.received:
+            log.warning("SIGTERM: writing the finished conversations held, then stopping")
+        self.received = True
+
+
 def _answered_length(conv: _Conversation) -> int:
     """Messages up to and including the last reply."""
     last = max((i for i, m in enumerate(conv.messages) if m["role"] == "assistant"), default=-1)
@@ -428,11 +469,13 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
     conversation. With `merge` (a single process) the chunks are merged into the two files at the end; a
     multi-process run merges once every share is done (`data.stages.run_regenerate`).
 
-    Resume: a rerun skips every id already in `out_path`, its errors file or a chunk of any topology (counted as
-    skipped). A kill loses at most the chunk being filled (whose items are answered again, with the same seeds), so
-    the merged files do not depend on where a run was stopped. A partial last line of a file of the older
-    line-by-line layout is truncated (logged, counted in `RegenStats.repaired_bytes`). `label` names the progress
-    lines.
+    SIGTERM (a preempted pod): the loop stops at its next turn, the chunk being filled is written, and
+    `RegenerationStopped` is raised (`dflash data regenerate` exits 42, on which the launchers restart); only the
+    conversations in flight are answered again. Resume: a rerun skips every id already in `out_path`, its errors
+    file or a chunk of any topology (counted as skipped). A kill -9 loses at most the chunk being filled (whose
+    items are answered again, with the same seeds), so the merged files do not depend on where a run was stopped.
+    A partial last line of a file of the older line-by-line layout is truncated (logged, counted in
+    `RegenStats.repaired_bytes`). `label` names the progress lines.
     """
     backend = EngineBackend(engine, tokenizer, cfg) if isinstance(engine, Engine) else engine
     out_path = Path(out_path)
@@ -448,13 +491,13 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
     initial = sum(1 for i in items if isinstance(i, Mapping) and i.get("id") in done) if total is not None else 0
     t0 = time.perf_counter()
     store = ChunkStore(out_path, share, policy)
-    with Progress(total, initial=initial, enabled=progress, unit="conv", desc=label) as bar:
+    with Progress(total, initial=initial, enabled=progress, unit="conv", desc=label) as bar, _SigtermWatch() as sigterm:
         regen = _Regenerator(backend, tokenizer, cfg, store, stats)
         source = iter(items)
         exhausted = False
         shown = 0
         try:
-            while True:
+            while not sigterm.received:
                 while not exhausted and len(regen.in_flight) < backend.capacity:
                     item = next(source, _END)
                     if item is _END:
@@ -477,6 +520,10 @@ def regenerate(engine: Engine | Backend, tokenizer: Any, items: Iterable[Mapping
                 close()
             store.close()  # what finished is kept, also when the run stops on an error
         bar.update(regen.finished - shown, tokens=stats.generated_tokens - bar.tokens)
+    stats.wall_s = time.perf_counter() - t0
+    if sigterm.received:  # the chunk held is written (store.close above): a restart loses none of it
+        log.info("%s", stats.summary())
+        raise RegenerationStopped(stats)
     if merge and share[1] == 1:
         merge_parts(out_path)
     stats.wall_s = time.perf_counter() - t0
@@ -499,5 +546,5 @@ def make_regen_engine(target: Any, *, slots: int, max_len: int, sampling: Sampli
                   sampling=sampling)
 
 
-__all__ = ["Backend", "EngineBackend", "ItemError", "RegenConfig", "RegenStats", "Reply", "completion_reply",
-           "make_regen_engine", "regenerate", "request_seed", "split_turns"]
+__all__ = ["Backend", "EngineBackend", "ItemError", "RegenConfig", "RegenStats", "RegenerationStopped", "Reply",
+           "completion_reply", "make_regen_engine", "regenerate", "request_seed", "split_turns"]

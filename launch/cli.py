@@ -172,9 +172,15 @@ def cmd_data(args: argparse.Namespace) -> int:
     _log_devices()
     progress = not args.no_progress
     if args.stage == "regenerate":
+        from dflash.data.regenerate import RegenerationStopped
         from dflash.data.stages import run_regenerate
+        from dflash.train.preemption import PREEMPTED_EXIT_CODE
 
-        _, stats, out = run_regenerate(recipe, progress=progress)  # the mix's table is logged before the run
+        try:
+            _, stats, out = run_regenerate(recipe, progress=progress)  # the mix's table is logged before the run
+        except RegenerationStopped as stopped:  # SIGTERM: what finished is written; the launchers restart on 42
+            print(f"dflash data regenerate: {stopped}; exit {PREEMPTED_EXIT_CODE}", file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
         print(f"{stats.summary()}\nwritten to {out}")
         return 0 if stats.succeeded + stats.skipped > 0 or not (stats.errors + stats.dropped) else 1
     if args.stage == "walk":

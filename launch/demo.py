@@ -82,11 +82,10 @@ def short_eval(recipe: Recipe, target: Any, out: TextIO, progress: bool = True) 
     """Evaluate a drafter against the served engine (DFlash and AR servers in this process, real HTTP) on a
     few prompts of four kinds: the one shipped for the target when there is one, else the drafter just
     trained; the report goes to <run_dir>/eval (a rerun resumes it)."""
-    from dflash.data.eval_sets import eval_prompts
     from dflash.eval.report import headline_line
     from dflash.eval.run import EvalSettings, evaluate
     from dflash.eval.servers import serve_in_process
-    from dflash.launch.serving import AUTO_SETS
+    from dflash.launch.serving import auto_prompts
     from dflash.models.drafter_io import load_drafter
     from dflash.models.registry import shipped_drafter_path
     from dflash.serve.acceptance import Measured
@@ -101,8 +100,10 @@ def short_eval(recipe: Recipe, target: Any, out: TextIO, progress: bool = True) 
     max_len = recipe.target.max_seq_len
     chooser = None
     if "auto" in (recipe.serve.block_size, recipe.serve.tree_nodes):
-        chooser = Measured(target, eval_prompts(target.tokenizer, AUTO_SETS, 2), max_len=max_len,
-                           say=lambda text: out.write(text + "\n"))
+        def say(text: str) -> None:
+            out.write(text + "\n")
+
+        chooser = Measured(target, auto_prompts(recipe, target.tokenizer, say), max_len=max_len, say=say)
     plan = plan_from(recipe.serve, drafter, chooser)
     out.write(f"\n== evaluation against the served engine of {which}: greedy {plan.describe()} vs AR on "
               f"{settings.limit} prompts each of {', '.join(EVAL_SETS)}, each request on both, paired\n")

@@ -13,19 +13,23 @@ TPU host, where a second process could not open the chip.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 
 from dflash.configs.recipe import Recipe
-from dflash.data.eval_sets import eval_prompts
+from dflash.data.eval_sets import EvalPrompt, eval_prompts
 from dflash.launch.resident import slot_bytes
 from dflash.models.drafter_io import load_drafter, read_best
 from dflash.models.placement import GIB, free_bytes, log_memory_per_device
 from dflash.models.sharding import tensor_mesh
 from dflash.models.target import load_target
+from dflash.models.tokenizer import ChatTokenizer
 from dflash.serve.acceptance import Measured
 from dflash.serve.compile_cache import converted_dir
 from dflash.serve.engine import Engine
@@ -40,6 +44,19 @@ AUTO_SETS = ("gsm8k", "mtbench", "humaneval")  # the held-out prompts `auto` mea
 SLOT_MEMORY_SHARE = 0.5
 MAX_AUTO_SLOTS = 64
 CPU_AUTO_SLOTS = 8
+
+AUTO_PER_SET = 2
+
+
+def auto_prompts(recipe: Recipe, tokenizer: ChatTokenizer, say: Callable[[str], None]) -> list[EvalPrompt]:
+    """The held-out prompts a `serve.block_size` / `serve.tree_nodes` of `auto` is measured on (`serve.acceptance.
+    Measured`): AUTO_PER_SET of each of AUTO_SETS, rendered with the recipe's `data.regen.template_kwargs`, the
+    variables its drafter's answers were made with (a Qwen3 drafter trained on non-thinking answers is measured on
+    non-thinking replies; D93); says which it used."""
+    kwargs = dict(recipe.data.regen.template_kwargs)
+    say(f"auto: measured on {AUTO_PER_SET} prompts of each of {', '.join(AUTO_SETS)}, chat-template variables "
+        f"{json.dumps(kwargs, sort_keys=True)} (data.regen.template_kwargs)")
+    return eval_prompts(tokenizer, AUTO_SETS, AUTO_PER_SET, template_kwargs=kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +139,9 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
         best = read_best(source) if source.is_dir() else None
         accept = (best["accept_per_position"], f"{source}/best/best.json (step {best.get('step')})") \
             if best and "accept_per_position" in best else None
-        chooser = Measured(target, eval_prompts(target.tokenizer, AUTO_SETS, 2), max_len=max_len, accept=accept,
-                           say=lambda text: print(text, flush=True))
+        say = functools.partial(print, flush=True)
+        chooser = Measured(target, auto_prompts(recipe, target.tokenizer, say), max_len=max_len, accept=accept,
+                           say=say)
     plans = [(plan_from(recipe.serve, drafter, chooser), options.port)]
     if options.ar_port is not None:
         plans.append((AR(), options.ar_port))

@@ -131,11 +131,13 @@ def _host_available() -> int:
 
 
 def memory_line(totals: dict[jax.Device, int]) -> str:
-    """`memory per device: max X GiB (device i), min Y GiB (device j)` of `resident_bytes`' totals."""
+    """`memory per device: max X GiB (device i), min Y GiB (device j)` of `resident_bytes`' totals; in MiB when the
+    largest is under 0.1 GiB (a tiny model's skew would read 0.000 GiB everywhere)."""
     high = max(totals, key=lambda d: (totals[d], -d.id))
     low = min(totals, key=lambda d: (totals[d], -d.id))
-    return (f"memory per device: max {totals[high] / GIB:.3f} GiB (device {high.id}), "
-            f"min {totals[low] / GIB:.3f} GiB (device {low.id})")
+    scale, unit = (GIB, "GiB") if totals[high] >= GIB / 10 else (1 << 20, "MiB")
+    return (f"memory per device: max {totals[high] / scale:.3f} {unit} (device {high.id}), "
+            f"min {totals[low] / scale:.3f} {unit} (device {low.id})")
 
 
 def log_memory_per_device(stage: str, devices: Sequence[jax.Device] | None = None) -> dict[jax.Device, int]:

@@ -3,11 +3,15 @@
 `FakeTokenizer` renders a chat as text and encodes it one id per character; `InstantBackend` answers every turn at
 once with a reply that depends only on the prompt and the turn's seed (as the engine's: not on its batch, its
 order or a resume), `delay_s` after it was submitted. Run as a script, `python tests/regen_worker.py OUT N
-[DELAY_S [RECORDS_PER_CHUNK]]` regenerates N items into OUT (one process), which the kill -9 test stops mid-run.
+[DELAY_S [RECORDS_PER_CHUNK [SIGTERM_AFTER]]]` regenerates N items into OUT (one process), which the kill -9 test
+stops mid-run; with SIGTERM_AFTER the backend sends its own process SIGTERM once it has answered that many turns
+(a preemption notice arriving mid-chunk), and the script prints STOPPED and exits 42 when regeneration stops on it.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,10 +48,11 @@ class FakeTokenizer:
 class InstantBackend:
     """Answers each turn `delay_s` after it was submitted: a reply of 3-12 characters from the prompt and the seed."""
 
-    def __init__(self, capacity: int = 8, delay_s: float = 0.0):
-        self.capacity, self.delay_s = capacity, delay_s
+    def __init__(self, capacity: int = 8, delay_s: float = 0.0, sigterm_after: int = 0):
+        self.capacity, self.delay_s, self.sigterm_after = capacity, delay_s, sigterm_after
         self.pending: list[tuple[float, int, str]] = []
         self._next = 0
+        self.answered = 0
 
     def submit(self, messages: list[dict[str, str]], prompt_ids: list[int], seed: int, turn: int) -> int:
         handle = self._next
@@ -66,6 +71,9 @@ class InstantBackend:
         now = time.monotonic()
         ready = [p for p in self.pending if p[0] <= now]
         self.pending = [p for p in self.pending if p[0] > now]
+        before, self.answered = self.answered, self.answered + len(ready)
+        if before < self.sigterm_after <= self.answered:
+            os.kill(os.getpid(), signal.SIGTERM)
         return [(handle, Reply(text, len(text) + 1, "stop")) for _, handle, text in ready]
 
 
@@ -85,13 +93,17 @@ def items(n: int) -> list[dict[str, Any]]:
 def main(argv: list[str]) -> None:
     from dflash.data.config import RegenConfig
     from dflash.data.files import FlushPolicy
-    from dflash.data.regenerate import regenerate
+    from dflash.data.regenerate import RegenerationStopped, regenerate
 
     out, n = Path(argv[0]), int(argv[1])
     delay = float(argv[2]) if len(argv) > 2 else 0.0
     policy = FlushPolicy(records=int(argv[3])) if len(argv) > 3 else None
-    regenerate(InstantBackend(delay_s=delay), FakeTokenizer(), items(n), out, RegenConfig(seed=5), progress=False,
-               policy=policy)
+    backend = InstantBackend(delay_s=delay, sigterm_after=int(argv[4]) if len(argv) > 4 else 0)
+    try:
+        regenerate(backend, FakeTokenizer(), items(n), out, RegenConfig(seed=5), progress=False, policy=policy)
+    except RegenerationStopped:
+        print("STOPPED", flush=True)
+        sys.exit(42)
     print("OK", flush=True)
 
 

@@ -27,6 +27,7 @@ for this test, and loaded with `load_tokenizer_from_hf_dir`.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -479,6 +480,50 @@ def test_real_tau_prompts_are_rendered_with_the_recipes_template_variables(qwen3
     assert RealTauEval(cfg, SimpleNamespace(tokenizer=qwen3), None, tmp_path).best is not None
     assert RealTauEval(cfg, SimpleNamespace(tokenizer=qwen3), None, tmp_path,
                        template_kwargs={"enable_thinking": False}).best is None
+
+
+class _Chosen(Exception):
+    """Raised by the fake K chooser with the prompts it was given (nothing is measured)."""
+
+
+def test_the_k_chooser_of_serve_and_demo_renders_the_recipes_template_variables(qwen3: ChatTokenizer, tmp_path: Path,
+                                                                                 monkeypatch, capsys) -> None:
+    """`serve.block_size: auto` measures K on held-out prompts rendered with the recipe's data.regen.template_kwargs
+    (one source of template variables, D93), in `dflash serve` (`build_servers`) and in `dflash demo`'s evaluation,
+    and says which variables it used; without them the prompts are the template's defaults (thinking on)."""
+    from types import SimpleNamespace
+
+    import dflash.models.drafter_io as drafter_io
+    import dflash.models.registry as registry
+    import dflash.serve.acceptance as acceptance
+    from dflash.configs.recipe import load_recipe
+    from dflash.data.eval_sets import eval_prompts
+    from dflash.launch import demo, serving
+
+    def chooser(target, prompts, **_):
+        raise _Chosen(prompts)
+
+    target = SimpleNamespace(cfg=None, tokenizer=qwen3)
+    monkeypatch.setattr(serving, "load_target", lambda *a, **k: target)
+    monkeypatch.setattr(serving, "load_drafter", lambda *a, **k: object())
+    monkeypatch.setattr(serving, "Measured", chooser)
+    monkeypatch.setattr(drafter_io, "load_drafter", lambda *a, **k: object())
+    monkeypatch.setattr(registry, "shipped_drafter_path", lambda source: None)
+    monkeypatch.setattr(acceptance, "Measured", chooser)
+    off = eval_prompts(qwen3, serving.AUTO_SETS, serving.AUTO_PER_SET, template_kwargs={"enable_thinking": False})
+    on = eval_prompts(qwen3, serving.AUTO_SETS, serving.AUTO_PER_SET)
+    assert off != on and all(qwen3.decode(list(p.ids), skip_special_tokens=False).endswith(THINK) for p in off)
+    for kwargs, want in (("{enable_thinking: false}", off), ("{}", on)):
+        recipe = load_recipe("tiny", ["serve.block_size=auto", f"data.regen.template_kwargs={kwargs}",
+                                      f"train.run_dir={tmp_path}"])
+        with pytest.raises(_Chosen) as served:
+            serving.build_servers(recipe, serving.ServeOptions(drafter=tmp_path, port=0))
+        out = io.StringIO()
+        with pytest.raises(_Chosen) as demoed:
+            demo.short_eval(recipe, target, out, progress=False)
+        assert served.value.args[0] == demoed.value.args[0] == want
+        said = f"chat-template variables {'{}' if want is on else '{\"enable_thinking\": false}'} (data.regen."
+        assert said in out.getvalue() and said in capsys.readouterr().out
 
 
 def test_qwen3_history_rewrite_is_refused(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -158,6 +158,43 @@ def test_unmerged_chunks_are_counted_by_inspect_and_refused_by_training(tmp_path
     assert "unmerged chunk" not in report
 
 
+def test_sigterm_writes_the_chunk_in_progress_and_exits_42(tmp_path):
+    """SIGTERM (a preempted pod) halfway through a chunk that would hold 10^6 conversations: the conversations finished
+    so far are written as one chunk before the process exits 42 (a kill -9 there would leave none), and the rerun
+    skips exactly them and ends with the file of an uninterrupted run. Without the handler the process dies of the
+    signal with nothing on disk (the negative control is the default action itself)."""
+    n = 200
+    whole = tmp_path / "whole" / "regenerated.jsonl"
+    _regenerate(whole, n)
+    out = tmp_path / "stopped" / "regenerated.jsonl"
+    stopped = subprocess.run([sys.executable, str(WORKER), str(out), str(n), "0", str(10**6), "40"],
+                             capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 42 and stopped.stdout.strip() == "STOPPED", stopped.stdout + stopped.stderr
+    assert "SIGTERM: writing the finished conversations held" in stopped.stderr
+    assert len(part_files(out)) == 1 and not out.exists()
+    held = done_ids(out)
+    assert 20 <= len(held) < n  # 40 turns answered: at least 20 conversations of one or two turns
+    rerun = _regenerate(out, n)
+    assert rerun.skipped == len(held) and rerun.succeeded + rerun.errors == n - len(held)
+    assert out.read_bytes() == whole.read_bytes()
+
+
+def test_dflash_data_regenerate_exits_42_when_stopped_by_sigterm(monkeypatch, capsys):
+    """The CLI maps a regeneration stopped by SIGTERM to exit 42, which the launchers restart on
+    (`launch.pod.RESTART_EXIT_CODES`)."""
+    import dflash.data.stages as stages
+    from dflash.data.regenerate import RegenerationStopped, RegenStats
+    from dflash.launch.cli import main
+    from dflash.launch.pod import RESTART_EXIT_CODES
+
+    def stop(*args, **kwargs):
+        raise RegenerationStopped(RegenStats(succeeded=7))
+
+    monkeypatch.setattr(stages, "run_regenerate", stop)
+    assert main(["data", "regenerate", "--config", "tiny"]) == 42 and 42 in RESTART_EXIT_CODES
+    assert "stopped by SIGTERM with 7 conversations of this run written" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # ~40 s of subprocesses (each imports JAX); in the default tier the same resume from what a kill
 # leaves: test_a_rerun_skips_what_the_chunks_hold_and_drops_a_chunk_half_written, test_data_regenerate's crash test
 def test_kill_9_at_random_points_resumes_to_the_file_of_an_uninterrupted_run(tmp_path):

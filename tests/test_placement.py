@@ -233,6 +233,8 @@ def test_memory_line_names_the_extremes():
     devices = jax.devices()[:3]
     line = memory_line({devices[0]: 3 << 30, devices[1]: 1 << 30, devices[2]: 2 << 30})
     assert line == "memory per device: max 3.000 GiB (device 0), min 1.000 GiB (device 1)"
+    small = memory_line({devices[0]: 3 << 20, devices[1]: 1 << 19})  # under 0.1 GiB: MiB, not 0.003 and 0.000 GiB
+    assert small == "memory per device: max 3.000 MiB (device 0), min 0.500 MiB (device 1)"
 
 
 def test_open_weights_reads_no_weight(monkeypatch):

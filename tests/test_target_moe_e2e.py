@@ -2,41 +2,22 @@
 MoE target inside the train step), serves with greedy output equal to AR through the engine, and exports to the z-lab
 and the speculators layouts (layer ids + 1), each loading back to the same drafter. The targets are the golden tiny
 `qwen3_moe` and `gpt_oss` (tools/golden_families.py) with a small word-level tokenizer and a ChatML template built
-here (their 256-row embeddings fit no real tokenizer)."""
+by tools/tiny_moe.py (their 256-row embeddings fit no real tokenizer)."""
 
 import json
-import shutil
 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import GOLDEN, assert_same_params
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+from conftest import assert_same_params
 
 from dflash.configs.recipe import load_recipe
-from dflash.data.packaged import load_gsm8k
 from dflash.models.loading import load_hf_dir
 from dflash.models.target import Target
 from dflash.models.tokenizer import load_tokenizer_from_hf_dir
+from tools.tiny_moe import MASK_TOKEN_ID, tiny_moe_dir
 
 pytestmark = [pytest.mark.heavy, pytest.mark.e2e]
-
-CHATML = (r"{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endfor %}"
-          r"{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
-
-
-def _moe_target_dir(case, root):
-    """The golden tiny weights of `case` beside a 200-token word-level tokenizer trained on GSM8K answers."""
-    shutil.copytree(GOLDEN / "tiny" / case, root, ignore=shutil.ignore_patterns("reference.npz", "mxfp4"))
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    special = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.WordLevelTrainer(vocab_size=200, special_tokens=[AddedToken(t, special=True) for t in special])
-    texts = [m["content"] for c in load_gsm8k("train", limit=200) for m in c] + ["user assistant"]
-    tok.train_from_iterator(texts, trainer)
-    tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}))
-    return root
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", pytest.param("gpt_oss", marks=pytest.mark.slow)])  # gpt-oss: ~70 s;
@@ -49,14 +30,15 @@ def test_a_drafter_for_a_moe_target_trains_online_serves_losslessly_and_exports(
     from dflash.serve.plan import AR, Chain, Limits
     from dflash.train.loop import run_training
 
-    path = _moe_target_dir(case, tmp_path / "moe")
+    path = tiny_moe_dir(case, tmp_path / "moe")
     cfg, params = load_hf_dir(path)
     assert cfg.num_experts == 8 and cfg.family == case
     tokenizer = load_tokenizer_from_hf_dir(path)
     target = Target(name=str(path), path=path, cfg=cfg, weights=jax.tree.map(jnp.asarray, params),
                     tokenizer=tokenizer, dtype=jnp.float32)
     recipe = load_recipe("tiny", [
-        f"target.source={path}", "drafter.mask_token_id=255", "drafter.block_size=4", "drafter.layer_ids=[0,2]",
+        f"target.source={path}", f"drafter.mask_token_id={MASK_TOKEN_ID}", "drafter.block_size=4",
+        "drafter.layer_ids=[0,2]",
         "data.seq_len=64", "data.max_examples=16", "train.batch_size=8", "train.steps=3", "train.save_every=3",
         f"train.run_dir={tmp_path / 'run'}"])
     result = run_training(recipe, target=target, progress=False)
@@ -73,7 +55,7 @@ def test_a_drafter_for_a_moe_target_trains_online_serves_losslessly_and_exports(
 
     export_run(tmp_path / "run", fmt="zlab", out=tmp_path / "zlab", say=lambda _: None)
     exported = json.loads((tmp_path / "zlab" / "config.json").read_text())
-    assert exported["dflash_config"]["mask_token_id"] == 255 and exported["num_target_layers"] == 4
+    assert exported["dflash_config"]["mask_token_id"] == MASK_TOKEN_ID and exported["num_target_layers"] == 4
     assert_same_params(drafter, load_drafter_dir(tmp_path / "zlab", cfg))
     export_run(tmp_path / "run", fmt="speculators", out=tmp_path / "spec", say=lambda _: None)
     spec = json.loads((tmp_path / "spec" / "config.json").read_text())

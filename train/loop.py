@@ -163,6 +163,8 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
                     "hidden_states[L], which is post-final-norm, while this trainer uses the pre-norm output; "
                     "dflash-export refuses such a drafter", arch.layer_ids, target.cfg.num_layers - 1)
     mesh = make_mesh(cfg.mesh)
+    log.info("train mesh %s over %d devices of %d process(es)", " x ".join(f"{k}={v}" for k, v in mesh.shape.items()),
+             mesh.size, jax.process_count())
     require(cfg.batch_size % batch_divisor(mesh) == 0, "train.batch_size", cfg.batch_size,
             f"be a multiple of mesh data x fsdp = {batch_divisor(mesh)}")
     require(cfg.batch_size % jax.process_count() == 0, "train.batch_size", cfg.batch_size,
