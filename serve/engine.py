@@ -111,11 +111,24 @@ def _engine_mesh(count: int, devices: Sequence[Any] | None) -> Mesh | None:
     return None if count == 1 else tensor_mesh(devices)
 
 
-def _placed(models: Models, mesh: Mesh | None) -> Models:
+def _home(models: Models, devices: Sequence[Any] | None) -> Any:
+    """The device of a one-device engine: the one its models are committed to (a checkpoint's restored drafter is),
+    else the first of `devices`, else the first local device."""
+    for leaf in jax.tree.leaves(models):
+        if getattr(leaf, "committed", False):
+            return next(iter(leaf.devices()))
+    return (list(devices) if devices else jax.local_devices())[0]
+
+
+def _placed(models: Models, mesh: Mesh | None, home: Any) -> Models:
     """`models` on `mesh`: the target by `models.sharding.TARGET_RULES` (tensor parallel over heads and MLP), the
-    drafter and its draft-vocabulary rows replicated."""
+    drafter and its draft-vocabulary rows replicated. Without a mesh, every array committed to `home` (aliased, not
+    copied): a program's arguments are then committed alike at precompile and in every later call, whatever mix of
+    committed and uncommitted arrays the caller brought (jit compiles a program again when that mix changes; a
+    drafter restored from a checkpoint, committed, beside an uncommitted target made the engine compile inside
+    requests after its first step)."""
     if mesh is None:
-        return models
+        return jax.device_put(models, home)
     everywhere = replicated(mesh)
     return dataclasses.replace(
         models, target_params=place(models.target_params, TARGET_RULES, mesh),
@@ -145,7 +158,9 @@ class Engine:
         self.plan, self.limits, self.oracle = plan, limits, oracle
         drafter = drafter if plan.drafts_with_drafter else None
         self.mesh = _engine_mesh(limits.devices, devices)
-        self.models = _placed(Models.of(target_params, target_cfg, drafter), self.mesh)
+        models = Models.of(target_params, target_cfg, drafter)
+        self.home = _home(models, devices) if self.mesh is None else None
+        self.models = _placed(models, self.mesh, self.home)
         self.arch = None if drafter is None else drafter.arch
         self.sampling = None if sampling is None or sampling.greedy else sampling
         self.rules = RequestRules(target_cfg.vocab_size, limits.max_len, plan.width, plan.k, limits.page_size,
@@ -220,7 +235,8 @@ class Engine:
         self.lengths = np.zeros(limits.slots, np.int64)  # committed tokens per slot, mirrored on the host
         state = empty_state(self.models.target_cfg, self.arch, limits.slots, limits.max_len, limits.pages,
                             limits.page_size, self.models.target_params["embed"].dtype, self.oracle is not None)
-        self.state: SpecState = state if self.mesh is None else place(state, CACHE_RULES, self.mesh)
+        self.state: SpecState = (jax.device_put(state, self.home) if self.mesh is None
+                                 else place(state, CACHE_RULES, self.mesh))
         self._table_version = 0  # the table version on the device
         self._oracle_rows = None if self.oracle is None else np.full((limits.slots, limits.max_len), -1, np.int32)
         self._oracle_stale = False  # the oracle rows changed since their upload

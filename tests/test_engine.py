@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import numpy as np
 import pytest
 from conftest import ALONE_LEN, ALONE_SLOTS, ar_alone, decode_alone, tiny_engine_models
@@ -427,6 +428,26 @@ def test_after_precompile_no_request_compiles(setup, chunk, steps):
     done = engine.run()
     assert len(done) == 6 and all(r.finish_reason == "length" for r in done.values())
     assert engine.compiles == count  # nothing compiled inside a request
+
+
+def test_a_drafter_committed_to_its_device_compiles_nothing_inside_requests(setup):
+    """A drafter restored from a checkpoint is committed to a device (Orbax restores onto one) beside an uncommitted
+    target: the engine commits every array to that one device, so the programs precompile builds are the ones its
+    steps call. Before, each program after the first prefill compiled again (jit tells committed arguments from
+    uncommitted ones), and `dflash eval` of a run's checkpoint reported compiles inside its timed requests."""
+    from flax import nnx
+
+    target_cfg, target_params, drafter, requests = setup
+    graphdef, state = nnx.split(drafter)
+    committed = nnx.merge(graphdef, jax.device_put(state, jax.local_devices()[0]))
+    assert all(leaf.committed for leaf in jax.tree.leaves(nnx.state(committed)))
+    engine = Engine(target_params, target_cfg, committed, Chain(4), Limits(slots=2, max_len=MAX_LEN, page_size=8,
+                                                                            prefill_chunk=None, steps_per_dispatch=2))
+    count, _ = engine.precompile(logprobs=False)
+    for prompt, budget in requests[:3]:  # two at once, the third joining as one finishes
+        engine.submit(prompt, budget)
+    done = engine.run()
+    assert len(done) == 3 and engine.compiles == count
 
 
 @pytest.mark.parametrize("block_size,draft_rule", [(4, "argmax"),
