@@ -196,11 +196,14 @@ def stage_holdings(recipe: Any, tpu: Any) -> list[StageHoldings]:
     train, _ = _train_holds(recipe, known, arch, tpu.chips)
     stages.append(StageHoldings("train", tpu.chips, tuple(train), ("train_step",)))
     if recipe.train.eval_every:
+        from dflash.serve.acceptance import REAL_TAU_SLOTS
+
         prompts = recipe.train.eval_prompts * len(recipe.train.eval_sets)
-        decode = _engine_holds(known, arch, dtype, 1, prompts, max_len)
+        decode = _engine_holds(known, arch, dtype, 1, min(prompts, REAL_TAU_SLOTS), max_len)
         stages.append(StageHoldings(
             "train real-τ eval", 1, tuple(train + [(f"eval {k}", b) for k, b in decode]), ("propose", "verify"),
-            f"process 0's first chip while it decodes {prompts} held-out prompts every train.eval_every steps "
+            f"process 0's first chip while it decodes {prompts} held-out prompts, {min(prompts, REAL_TAU_SLOTS)} at a "
+            "time, every train.eval_every steps "
             f"(context bound by target.max_seq_len {max_len}); the engine's programs at {ENGINE_SLOTS} slots"))
     regen = recipe.data.regen
     if not regen.endpoint.url:

@@ -69,6 +69,9 @@ def accept_per_position(accepted: Sequence[Sequence[int]], k: int) -> list[float
     return [float(np.mean(flat > i)) if flat.size else 0.0 for i in range(k - 1)]
 
 
+REAL_TAU_SLOTS = 8  # real τ decodes at most this many held-out prompts at once (the engine's pages are per slot)
+
+
 def decode_max_len(prompts: Sequence[EvalPrompt], new_tokens: int, block_size: int) -> int:
     """Context per slot: the longest prompt (as the engine pads it for prefill) + the new tokens + one block,
     rounded up to a multiple of 16."""
@@ -80,23 +83,24 @@ def decode_max_len(prompts: Sequence[EvalPrompt], new_tokens: int, block_size: i
 def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPrompt], new_tokens: int,
              sampling: SamplingConfig | None = None, teacher: bool = True, prefill_chunk: int | None = None,
              draft_rule: str = "argmax", params: Any = None) -> dict[str, Any]:
-    """DFlash decode of `prompts` in one batch (the chain at the drafter's training K, sampled requests drafting by
-    `draft_rule`) with the target's params as loaded, greedy or by `sampling` (prompt i seeded `sampling.seed + i`:
-    the same drafter and prompts give the same τ); host metrics: `tau` (pooled over prompts), `tau/<set>`,
-    `accept_per_position` (pooled), `tokens` (new tokens) and `seconds`; and, on the decoded answers,
+    """DFlash decode of `prompts`, REAL_TAU_SLOTS at once (the chain at the drafter's training K, sampled requests
+    drafting by `draft_rule`) with the target's params as loaded, greedy or by `sampling` (prompt i seeded
+    `sampling.seed + i`: the same drafter and prompts give the same τ); host metrics: `tau` (pooled over prompts),
+    `tau/<set>`, `accept_per_position` (pooled), `tokens` (new tokens) and `seconds`; and, on the decoded answers,
     teacher-forced τ (`teacher_taus`) at the serving walk's blocks (`tf_tau_walk`: `tau` again, computed from the
     stored tokens as `dflash data walk` does, equal to it up to numerics) and at every answer position
-    (`tf_tau_uniform`: what uniform training anchors measure; minus `tau`, the train/serve gap), unless `teacher`
-    is False (they run the drafter over every answer position of a row at once: at long contexts that costs more
-    than the decode). `prefill_chunk`: as `Limits` (long prompts prefilled a chunk at a time, so a batch of
-    8K-token prompts does not materialise their whole attention at once). `params`: the target's params on one
-    device (default: `target.params`, kept on the target)."""
+    (`tf_tau_uniform`: what uniform training anchors measure; minus `tau`, the train/serve gap), unless `teacher` is
+    False (they run the drafter over every answer position of a row at once: at long contexts that costs more than
+    the decode). `prefill_chunk`: as `Limits` (long prompts prefilled a chunk at a time, so a batch of 8K-token
+    prompts does not materialise their whole attention at once). `params`: the target's params on one device
+    (default: `target.params`, kept on the target)."""
     t0 = time.perf_counter()
     k = drafter.arch.block_size
     params = target.params if params is None else params
     done = decode(params, target.cfg, [list(p.ids) for p in prompts], new_tokens,
                   max_len=decode_max_len(prompts, new_tokens, k), drafter=drafter, plan=Chain(k, draft_rule),
-                  stop_ids=target.tokenizer.stop_token_ids, sampling=sampling, prefill_chunk=prefill_chunk)
+                  stop_ids=target.tokenizer.stop_token_ids, sampling=sampling, prefill_chunk=prefill_chunk,
+                  slots=REAL_TAU_SLOTS)
     metrics: dict[str, Any] = {"tau": pooled_tau([c.accepted for c in done])}
     for name in dict.fromkeys(p.set for p in prompts):
         metrics[f"tau/{name}"] = pooled_tau([c.accepted for c, p in zip(done, prompts, strict=True) if p.set == name])

@@ -127,8 +127,9 @@ def _placed(models: Models, mesh: Mesh | None, home: Any) -> Models:
     committed and uncommitted arrays the caller brought (jit compiles a program again when that mix changes; a
     drafter restored from a checkpoint, committed, beside an uncommitted target made the engine compile inside
     requests after its first step)."""
-    if mesh is None:
-        return jax.device_put(models, home)
+    if mesh is None:  # an array already committed to `home` is kept as it is (`--ar-port`'s engine shares them)
+        return jax.tree.map(lambda x: x if getattr(x, "committed", False) and x.devices() == {home}
+                            else jax.device_put(x, home), models)
     everywhere = replicated(mesh)
     return dataclasses.replace(
         models, target_params=place(models.target_params, TARGET_RULES, mesh),
@@ -747,13 +748,15 @@ class Engine:
 def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
            *, max_len: int, drafter: DFlashDrafter | None = None, plan: DecodePlan | None = None,
            stop_ids: Sequence[int] = (), sampling: SamplingConfig | None = None, seeds: Sequence[int] | None = None,
-           on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = None) -> list[Completion]:
+           on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = None,
+           slots: int | None = None) -> list[Completion]:
     """Decode `prompts` together, one slot each, through the engine by `plan` (default: AR without a drafter,
     else the drafter's chain at its training K). Greedy DFlash equals AR token for token; sampled DFlash has AR
     sampling's distribution.
 
     seeds: one per prompt (default: sampling.seed + index); on_token: called with each new token of a
-    single prompt as the engine emits it (streaming); prefill_chunk: as `Limits`."""
+    single prompt as the engine emits it (streaming); prefill_chunk: as `Limits`; slots: at most this many prompts
+    decode at once (default: all; the rest wait in the queue, as a server's requests do)."""
     if not prompts:
         raise ValueError("prompts must be a non-empty list of non-empty token lists; received none")
     if on_token is not None and len(prompts) != 1:
@@ -763,7 +766,8 @@ def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[S
     if len(seeds) != len(prompts):
         raise ValueError(f"seeds must hold one seed per prompt ({len(prompts)}); received {len(seeds)}")
     engine = Engine(target_params, target_cfg, drafter, plan,
-                    Limits(slots=len(prompts), max_len=max_len, prefill_chunk=prefill_chunk), sampling=sampling)
+                    Limits(slots=min(len(prompts), slots or len(prompts)), max_len=max_len,
+                           prefill_chunk=prefill_chunk), sampling=sampling)
     for prompt, seed in zip(prompts, seeds, strict=True):
         engine.submit(prompt, max_new_tokens, stop_ids, seed=int(seed))
     requests = list(engine.queue)
