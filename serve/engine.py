@@ -667,14 +667,12 @@ class Engine:
     @staticmethod
     def _compile_call(program: Any, *args: Any, **kwargs: Any) -> Any:
         """The `call` of a plan's step in precompile: compile the program ahead of time and return the shapes of its
-        outputs, for the next program of the step to be compiled against. The outputs are committed to their devices
-        when an input is (jit's rule), and a later call reuses the program only if that matches, so it does."""
+        outputs, for the next program of the step to be compiled against. The engine's models are committed to its
+        devices (`_placed`), so every output is too (jit's rule), and a later call reuses the program only if its
+        arguments' placement matches: the shapes carry their shardings."""
         compiled = program.lower(*args, **kwargs).compile()
-        committed = any(leaf.sharding is not None if isinstance(leaf, jax.ShapeDtypeStruct)
-                        else getattr(leaf, "committed", False) for leaf in jax.tree.leaves((args, kwargs)))
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type,
-                                                           sharding=s.sharding if committed else None),
-                            compiled.out_info)
+                                                           sharding=s.sharding), compiled.out_info)
 
     def precompile(self, *, logprobs: bool = True) -> tuple[int, float]:
         """Compile every program the engine can use (each prefill length up to max_len and each attention span,

@@ -5,6 +5,7 @@ statistics on known records."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import subprocess
@@ -362,31 +363,37 @@ def test_median_interval_matches_the_binomial_table():
     assert median_interval([1.0] * 5) is None
 
 
+class _FakeServer:
+    """A server `eval.run.collect` talks to: DFlash when its mode ends in "dflash" (block size 4, one accepted draft
+    per reply), else AR; every reply 3 tokens; `calls` records the order of the chat requests; the mode `one_chunk`
+    streams its replies in one chunk (TPOT 0)."""
+
+    def __init__(self, mode, *, calls, one_chunk=None):
+        self.mode, self.calls, self.one_chunk = mode, calls, one_chunk
+
+    def get(self, path):
+        return {"data": [{"id": "m", "block_size": 4 if self.mode.endswith("dflash") else None}]}
+
+    def model(self):
+        return "m"
+
+    def compiles(self):
+        return 0
+
+    def chat(self, model, messages, *args):
+        self.calls.append(self.mode)
+        return type("Reply", (), {"text": "ok", "tokens": 3, "finish_reason": "length", "latency_s": 0.01,
+                                  "ttft_s": 0.001, "tpot_s": 0.0 if self.mode == self.one_chunk else 0.001,
+                                  "accepted": [1] if self.mode.endswith("dflash") else []})()
+
+
 def test_paired_collection_alternates_which_mode_goes_first(tmp_path):
     """With both servers up at concurrency 1, each conversation runs on both back to back, DFlash first for even
     conversations and AR first for odd ones; both modes' wall records count only their own requests."""
     from dflash.eval import run as eval_run
 
     calls = []
-
-    class Fake:
-        def __init__(self, mode):
-            self.mode = mode
-
-        def get(self, path):
-            return {"data": [{"id": "m", "block_size": 4 if self.mode == "dflash" else None}]}
-
-        def model(self):
-            return "m"
-
-        def compiles(self):
-            return 0
-
-        def chat(self, model, messages, *args):
-            calls.append(self.mode)
-            return type("Reply", (), {"text": "ok", "tokens": 3, "finish_reason": "length", "latency_s": 0.01,
-                                      "ttft_s": 0.001, "tpot_s": 0.001, "accepted": [1] if self.mode == "dflash"
-                                      else []})()
+    Fake = functools.partial(_FakeServer, calls=calls)
 
     settings = EvalSettings(sets=("gsm8k",), limit=4, max_new_tokens=3)
     items = eval_run.eval_items(settings)
@@ -404,26 +411,7 @@ def test_collection_pairs_any_number_of_modes(tmp_path):
     from dflash.eval import run as eval_run
 
     calls = []
-
-    class Fake:
-        def __init__(self, mode):
-            self.mode = mode
-
-        def get(self, path):
-            return {"data": [{"id": "m", "block_size": 4 if self.mode.endswith("dflash") else None}]}
-
-        def model(self):
-            return "m"
-
-        def compiles(self):
-            return 0
-
-        def chat(self, model, messages, *args):
-            calls.append(self.mode)
-            one_chunk = self.mode == "x-dflash"
-            return type("Reply", (), {"text": "ok", "tokens": 3, "finish_reason": "length", "latency_s": 0.01,
-                                      "ttft_s": 0.001, "tpot_s": 0.0 if one_chunk else 0.001,
-                                      "accepted": [1] if self.mode.endswith("dflash") else []})()
+    Fake = functools.partial(_FakeServer, calls=calls, one_chunk="x-dflash")
 
     modes = ("x-dflash", "x-ar", "y-dflash", "y-ar")
     settings = EvalSettings(sets=("gsm8k",), limit=2, max_new_tokens=3)
