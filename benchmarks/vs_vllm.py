@@ -1,6 +1,7 @@
 """Our engine against vLLM on this CPU: the same target (the embedded SmolLM2, float32), the same drafter (the one
-shipped for it, K = 4), the same prompts, both engines' AR and DFlash servers up together and every request sent to
-all four back to back, the order alternating (paired and interleaved), at each concurrency, on servers of each size.
+shipped for it, K = 4), the same prompts, at each concurrency, on servers of each size; one engine's servers up at a
+time (ours: its DFlash and AR pair, one process; vLLM: its AR server, then its DFlash server), as two servers up
+together on 2 cores slow each other (vLLM's compute threads spin between requests).
 
     .venv/bin/python benchmarks/vs_vllm.py [--slots 1,4] [--concurrency 1,4] [--sets gsm8k,mtbench,humaneval,math500]
         [--limit 3] [--max-new-tokens 128] [--config smollm2] [--out DIR] [--vllm-eager] [--write] [KEY=VALUE ...]
@@ -17,15 +18,15 @@ same GGUF dequantised into a Hugging Face directory (tools/engines/hf_target.py)
 
 The requests are `dflash eval`'s (`eval.run.collect`: its client, records, warm-ups and counters): the sets' prompts
 (MT-Bench's second turn follows each server's own first answer), greedy, `--max-new-tokens` per turn, at each
-concurrency C of `--concurrency` not above S. At C = 1 each conversation goes to the four servers one after the
-other, the order reversed from one conversation to the next; above 1 each server runs its own timed segment of C
-requests in flight. Per (S, C) and engine: AR and DFlash tokens/s (tokens over the segment's wall time), TPOT and
-TTFT (means over the replies, client-side, streamed), τ (ours: each reply's accepted drafts; vLLM: its
-`vllm:spec_decode_*` counters per request at C = 1, pooled over the segment above), the DFlash/AR speedup (median
-of the per-request TPOT ratios), and ours / vLLM for DFlash tokens/s. Greedy replies of each engine's DFlash are
-compared with its own AR's (`differ`: must be 0 for ours; for vLLM a note). The records stay in `--out` (default: a
-fresh temporary directory; a rerun into the same directory resumes). `--write` records the table in
-docs/benchmarks.md.
+concurrency C of `--concurrency` not above S. At C = 1 each conversation goes to our two servers one after the
+other, the order reversed from one conversation to the next (paired), and to each vLLM server in its turn; above 1
+each server runs its own timed segment of C requests in flight. Per (S, C) and engine: AR and DFlash tokens/s
+(tokens over the segment's wall time), TPOT and TTFT (means over the replies, client-side, streamed), τ (ours: each
+reply's accepted drafts; vLLM: its `vllm:spec_decode_*` counters per request at C = 1, pooled over the segment
+above), the DFlash/AR speedup (median of the per-request TPOT ratios), and ours / vLLM for DFlash tokens/s. Greedy
+replies of each engine's DFlash are compared with its own AR's (`differ`: must be 0 for ours; for vLLM a note). The
+records stay in `--out` (default: a fresh temporary directory; a rerun into the same directory resumes). `--write`
+records the table in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ sys.path.insert(0, str(ROOT))
 SECTION = "Ours against vLLM on this CPU"
 ENGINES = ("ours", "vllm")
 MODES = tuple(f"{engine}-{mode}" for engine in ENGINES for mode in ("dflash", "ar"))
+# the servers up at once: our pair is one process; each vLLM server alone (two vLLM servers up together on 2 cores
+# ran each ~2.5x slower than alone: their compute threads spin between requests)
+GROUPS = ("ours", "vllm-ar", "vllm-dflash")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -80,39 +84,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def _servers(args: argparse.Namespace, slots: int, out: Path, hf_target: Path, drafter: Path, k: int, max_len: int):
-    """(mode -> URL) of our pair and the two vLLM servers of `slots` slots, all up; every one stopped on exit."""
+def _servers(args: argparse.Namespace, group: str, slots: int, out: Path, hf_target: Path, drafter: Path, k: int,
+             max_len: int):
+    """(mode -> URL) of one group's servers of `slots` slots (GROUPS), up; stopped on exit."""
     from dflash.eval.servers import serve_pair_subprocess
     from tools.engines import harness
 
     bind = {"all": f"0-{os.cpu_count() - 1}", "auto": None}.get(args.vllm_threads_bind, args.vllm_threads_bind)
     vllm = {"eager": args.vllm_eager, "in_process_worker": args.vllm_executor == "uni", "slots": slots,
             "max_len": max_len, "kv_cache_gib": args.vllm_kv_gib, "threads_bind": bind}
-    with contextlib.ExitStack() as stack:
-        # one at a time: each start has the machine to itself
-        ours_dflash, ours_ar = stack.enter_context(serve_pair_subprocess(
-            ["--config", args.config, "--drafter", str(drafter), *args.overrides], out / "ours.log", slots,
-            timeout=harness.START_TIMEOUT_S * 2))  # both engines precompile every shape first
-        vllm_ar = stack.enter_context(harness.vllm_server(hf_target, log=out / "vllm-ar.log", **vllm))
-        vllm_dflash = stack.enter_context(harness.vllm_server(
-            hf_target, log=out / "vllm-dflash.log", **vllm,
-            speculative={"method": "dflash", "model": str(drafter), "num_speculative_tokens": k - 1}))
-        yield {"ours-dflash": ours_dflash, "ours-ar": ours_ar, "vllm-dflash": vllm_dflash, "vllm-ar": vllm_ar}
+    if group == "ours":
+        with serve_pair_subprocess(["--config", args.config, "--drafter", str(drafter), *args.overrides],
+                                   out / "ours.log", slots,
+                                   timeout=harness.START_TIMEOUT_S * 2) as (dflash, ar):  # precompiles every shape
+            yield {"ours-dflash": dflash, "ours-ar": ar}
+    elif group == "vllm-ar":
+        with harness.vllm_server(hf_target, log=out / "vllm-ar.log", **vllm) as url:
+            yield {"vllm-ar": url}
+    else:
+        with harness.vllm_server(hf_target, log=out / "vllm-dflash.log", **vllm, speculative={
+                "method": "dflash", "model": str(drafter), "num_speculative_tokens": k - 1}) as url:
+            yield {"vllm-dflash": url}
 
 
 def measure(args: argparse.Namespace, slots: int, out: Path, settings: Any, items: list, hf_target: Path,
             drafter: Path, k: int, max_len: int) -> list[dict[str, Any]]:
-    """Every request of `items` on the four servers of `slots` slots at each concurrency <= slots: the records."""
+    """Every request of `items` on each group's servers of `slots` slots, one group up at a time, at each
+    concurrency <= slots: the records of all four modes."""
     from dflash.eval.client import Client
     from dflash.eval.engines import engine_for
     from dflash.eval.run import collect
 
-    with _servers(args, slots, out, hf_target, drafter, k, max_len) as urls:
-        clients = {mode: Client(url) for mode, url in urls.items()}
-        engines = {mode: engine_for(client, mode.split("-")[0].replace("ours", "dflash")) for mode, client in
-                   clients.items()}
-        return collect(clients, settings, out, items, progress=True, engines=engines,
-                       speculative=("ours-dflash", "vllm-dflash"))
+    records: list[dict[str, Any]] = []
+    for group in GROUPS:
+        with _servers(args, group, slots, out, hf_target, drafter, k, max_len) as urls:
+            clients = {mode: Client(url) for mode, url in urls.items()}
+            engines = {mode: engine_for(client, mode.split("-")[0].replace("ours", "dflash"))
+                       for mode, client in clients.items()}
+            records = collect(clients, settings, out, items, progress=True, engines=engines,
+                              speculative=("ours-dflash", "vllm-dflash"))
+    return records
 
 
 def engine_results(records: list[dict[str, Any]], engine: str, concurrency: int, sets: tuple[str, ...],
@@ -209,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{' ' + ' '.join(args.overrides) if args.overrides else ''}; vLLM "
         f"{'eager (--vllm-eager: not a measurement)' if args.vllm_eager else 'with torch.compile'}, threads bound "
         f"{args.vllm_threads_bind}, executor {args.vllm_executor}, KV cache {args.vllm_kv_gib} GiB. Each row: one "
-        "engine's AR and DFlash servers of `slots` slots at client concurrency C; at C = 1 every request went to the "
-        "four servers back to back (order alternating), above it each server ran its own segment. tok/s: tokens "
+        "engine's AR and DFlash servers of `slots` slots at client concurrency C, one engine's servers up at a time "
+        "(ours: the pair, requests alternating between them at C = 1; vLLM: AR, then DFlash), each server's requests "
+        "a segment of C in flight. tok/s: tokens "
         "over the segment's wall time; TPOT, TTFT: client-side means; τ: ours per reply, vLLM's counters (pooled "
         "above C = 1); DFlash/AR: median per-request TPOT ratio; differ: DFlash replies unequal to the same engine's "
         "AR. Our engine with perfect drafts on this machine: [the oracle ceiling]"

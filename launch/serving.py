@@ -118,6 +118,29 @@ def auto_slots(per_slot: int, free: int, cpu: bool) -> tuple[int, str]:
                f"per device after the weights; bound by {bound}; --slots N sets it)")
 
 
+MAP_WARN_SHARE = 0.8  # the share of vm.max_map_count past which `dflash serve` warns (XLA CPU's programs map memory)
+
+
+def map_limit_note(maps: str | Path = "/proc/self/maps",
+                   limit: str | Path = "/proc/sys/vm/max_map_count") -> str | None:
+    """A warning when this process's memory maps pass MAP_WARN_SHARE of Linux's per-process limit, else None (and
+    None where either file is unreadable: not Linux). XLA's CPU backend maps memory for every compiled program
+    (~330 maps each, measured on SmolLM2's engine); at the limit (65530 by default) the next compile ends the process
+    with `LLVM ERROR: Unable to allocate section memory` (a 16-slot CPU server's DFlash and AR engines hold ~150
+    programs; docs/serving.md)."""
+    try:
+        used = sum(1 for _ in Path(maps).open())
+        cap = int(Path(limit).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if used < MAP_WARN_SHARE * cap:
+        return None
+    return (f"warning: this process holds {used} memory maps of the {cap} Linux allows one process "
+            "(vm.max_map_count); XLA's CPU programs map memory and a compile past the limit ends the process with "
+            "'LLVM ERROR: Unable to allocate section memory'. Serve fewer slots or one engine per process, or raise "
+            "the limit: sysctl -w vm.max_map_count=262144")
+
+
 def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
     """Load the recipe's target and (unless `options.ar`) the drafter, make the decode plan, build the engine (the
     recipe's sampling as the requests' default) and return a bound server with its engine thread started; with
@@ -172,6 +195,8 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
                                    read_timeout=options.read_timeout, api_key=options.api_key,
                                    unknown_fields=options.unknown_fields))
     log_memory_per_device("serve")  # weights, pages and slots of every engine, before the first request
+    if local[0].platform == "cpu" and (note := map_limit_note()):
+        print(note, flush=True)
     return servers
 
 

@@ -59,6 +59,22 @@ def test_auto_slots_fit_half_the_free_memory_up_to_the_cap():
             _slots_arg(bad)
 
 
+def test_the_map_limit_note_warns_only_near_the_limit(tmp_path):
+    """`map_limit_note`: silent below 80% of vm.max_map_count and where the files are missing; past it, a warning
+    naming both counts, the crash XLA's CPU JIT ends in, and the sysctl that raises the limit."""
+    from dflash.launch.serving import map_limit_note
+
+    maps, limit = tmp_path / "maps", tmp_path / "max_map_count"
+    limit.write_text("1000\n")
+    maps.write_text("x\n" * 799)
+    assert map_limit_note(maps, limit) is None
+    maps.write_text("x\n" * 800)
+    note = map_limit_note(maps, limit)
+    assert note and "800 memory maps of the 1000" in note and "Unable to allocate section memory" in note
+    assert "sysctl -w vm.max_map_count=" in note
+    assert map_limit_note(tmp_path / "absent", limit) is None and map_limit_note(maps, tmp_path / "absent") is None
+
+
 def test_slots_auto_is_sized_from_the_slot_bytes_and_the_free_memory(monkeypatch, capsys):
     """A server built with slots "auto" (the default) takes the count `auto_slots` gives for its own slot bytes
     (`launch.resident.slot_bytes`: the K/V pages and per-slot arrays one more slot adds, measured here against the
