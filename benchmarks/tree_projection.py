@@ -20,6 +20,7 @@ a verify on an accelerator, unmeasured there), and the host loop (the device loo
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import re
 import shlex
@@ -99,7 +100,8 @@ def main() -> None:
         write_section("Tree vs chain: projected accelerator speed-up", "\n".join([
             "## Tree vs chain: projected accelerator speed-up",
             "",
-            f"`{command}`. **A projection, not a measurement**: τ by mode measured on this CPU by `{source}` "
+            f"`{command}`, {datetime.date.today().isoformat()}. **A projection, not a measurement**: τ by mode "
+            f"measured on this CPU by `{source}` "
             f"(batch {batch}, greedy, the shipped K = {k} drafter on {meta.get('source', 'smollm2')}; modes "
             f"finished: {len(by_mode)}), step cost by verify width taken from elsewhere: TPU v5p flat up to "
             "1024 tokens at batch 1 (published, docs/design.md §9), H200 `verify` ms by K measured at B=1 and B=8 "

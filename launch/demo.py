@@ -10,7 +10,7 @@
    MT-Bench, HumanEval, MATH-500), each request on both back to back (paired), reporting τ, acceptance by
    position, whether the output equals AR, and as the last line `DFlash vs AR: <speedup>x tokens/s (median of
    <n> paired requests, timing noise +-<x>%; tau <τ>, K=<K>)`. The drafter evaluated is the one
-   shipped for the target in data/assets/drafters (trained by configs/smollm2.yaml for an hour: what
+   shipped for the target in data/assets/drafters (trained by configs/smollm2.yaml, 2,600 steps: what
    training in earnest gives) when there is one, else the drafter just trained.
 The server (`dflash serve`) and the data stages (`dflash data`) are separate commands.
 """

@@ -16,6 +16,15 @@ def lookup_fits(nodes: int) -> bool:
     return nodes >= 3
 
 
+MAX_TEMPERATURE = 100.0
+TEMPERATURE_RULE = f"be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"
+
+
+def temperature_ok(value: float) -> bool:
+    """The one rule for a temperature (a recipe's, a request's, an engine caller's): finite, in [0, 100]."""
+    return 0.0 <= value <= MAX_TEMPERATURE  # NaN and infinity fail the comparison
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """How the next token is chosen. temperature 0 is greedy (argmax)."""
@@ -27,7 +36,7 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        require(self.temperature >= 0.0, "sampling.temperature", self.temperature, "be >= 0")
+        require(temperature_ok(self.temperature), "sampling.temperature", self.temperature, TEMPERATURE_RULE)
         require(0.0 < self.top_p <= 1.0, "sampling.top_p", self.top_p, "lie in (0, 1]")
         require(self.top_k >= 0, "sampling.top_k", self.top_k, "be >= 0 (0 disables top-k)")
         require(self.max_new_tokens >= 1, "sampling.max_new_tokens", self.max_new_tokens, "be >= 1")

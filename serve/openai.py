@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dflash.models.tokenizer import ChatTokenizer
-from dflash.serve.config import SamplingConfig
+from dflash.serve.config import TEMPERATURE_RULE, SamplingConfig, temperature_ok
 
 if TYPE_CHECKING:
     from dflash.serve.engine import Completion
@@ -530,8 +530,8 @@ def _sampling(body: dict[str, Any], default: SamplingConfig) -> SamplingConfig:
             raise RequestError(f"{name} must {expected}; received {value!r}", name)
 
     temperature, top_p, top_k = body.get("temperature"), body.get("top_p"), body.get("top_k")
-    number("temperature", temperature, isinstance(temperature, int | float) and 0 <= temperature <= 100,
-           "be a number in [0, 100] (0 = greedy)")
+    number("temperature", temperature, isinstance(temperature, int | float) and temperature_ok(temperature),
+           TEMPERATURE_RULE)
     number("top_p", top_p, isinstance(top_p, int | float) and 0 < top_p <= 1, "be a number in (0, 1]")
     if top_k is not None and (not _is_int(top_k) or not -1 <= top_k < INT32):
         raise RequestError(f"top_k must be an integer in [-1, 2**31) (0 or -1 = off); received {top_k!r}", "top_k")

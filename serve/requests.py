@@ -173,8 +173,6 @@ class RequestRules:
         if sampling is not None:
             _reject_unless(is_int(sampling.top_k) and 0 <= sampling.top_k <= INT32_MAX, "sampling.top_k",
                            f"sampling.top_k must be an integer in [0, {INT32_MAX}]; received {sampling.top_k!r}")
-            _reject_unless(bool(np.isfinite(sampling.temperature)), "sampling.temperature",
-                           f"sampling.temperature must be a finite number >= 0; received {sampling.temperature!r}")
         stop_strings = tuple(stop_strings)
         _reject_unless(all(isinstance(text, str) and text for text in stop_strings), "stop_strings",
                        f"stop_strings must be non-empty strings; received {stop_strings!r}")

@@ -225,3 +225,22 @@ def test_tau_vs_compute_draws_a_run_from_held_out_files_with_its_start_as_step_z
     in_loop = script()
     assert in_loop.returncode == 0 and "In-loop" in in_loop.stdout, in_loop.stderr
     assert "| arm: 1 layers, K=4, kl | 50 | 0.00 | 1.70 | 1.70 |" in in_loop.stdout.splitlines()
+
+
+def test_every_benchmarks_section_is_dated():
+    """A measurement without its date cannot be told from a stale one: every section of docs/benchmarks.md names the
+    day it was measured (YYYY-MM-DD; the scripts' `--write` puts it there)."""
+    sections = re.split(r"(?m)^## ", (DOCS / "benchmarks.md").read_text())[1:]
+    undated = [s.split("\n", 1)[0] for s in sections if not re.search(r"\b20\d\d-\d\d-\d\d\b", s)]
+    assert sections and not undated, undated
+
+
+def test_recipe_comments_quote_no_demo_numbers():
+    """The demo's time, speed-up and τ are recorded in one place, the README's Quick start (what fresh runs print);
+    a recipe comment that quoted them went stale (issue 60): recipes name no `N.NNx` ratio, no τ value and no
+    minutes of the demo."""
+    quoted = re.compile(r"\d\.\d+x|\b(?:tau|τ)\s*[=~]?\s*\d\.\d+|about \d+ minutes")
+    for recipe in sorted((ROOT / "configs").glob("demo*.yaml")):
+        comments = [line.split("#", 1)[1] for line in recipe.read_text().splitlines() if "#" in line]
+        assert not [c for c in comments if quoted.search(c)], recipe.name
+    assert re.search(r"DFlash vs AR: \d\.\d+x tokens/s", (ROOT / "README.md").read_text())

@@ -36,8 +36,10 @@ def test_sampled_frequencies_follow_the_distribution():
 
 
 def test_bad_sampling_values():
-    with pytest.raises(ConfigError, match="sampling.temperature must be >= 0"):
-        SamplingConfig(temperature=-1.0)
+    for bad in (-1.0, 100.5, float("inf"), float("nan")):  # one rule, the request's and the recipe's alike
+        with pytest.raises(ConfigError, match=r"sampling.temperature must be a number in \[0, 100\] \(0 = greedy\)"):
+            SamplingConfig(temperature=bad)
+    assert SamplingConfig(temperature=100.0).temperature == 100.0
     with pytest.raises(ConfigError, match="sampling.max_new_tokens must be >= 1"):
         SamplingConfig(max_new_tokens=0)
 
