@@ -163,8 +163,8 @@ class EngineWorker:
 
     def _loop(self) -> None:
         while True:
-            try:
-                job = self.inbox.get(timeout=0.01 if self.engine.busy else 0.2)
+            try:  # busy: take what has arrived and go on decoding (a wait here delays every dispatch)
+                job = self.inbox.get_nowait() if self.engine.busy else self.inbox.get(timeout=0.2)
             except queue.Empty:
                 job = None
             while job is not None:
