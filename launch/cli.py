@@ -11,7 +11,7 @@ import sys
 
 from dflash.configs.schema import ConfigError
 from dflash.export.cli import DESCRIPTION as EXPORT_DESCRIPTION
-from dflash.export.cli import add_export_args
+from dflash.export.cli import add_export_args as add_export_cli_args
 
 log = logging.getLogger("dflash")
 
@@ -97,6 +97,13 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_config_args(sub: argparse._SubParsersAction) -> None:
+    """The arguments of `dflash config`."""
+    p = sub.add_parser("config", help="print the resolved recipe (after overrides) as YAML")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     from dflash.models.target import load_target
@@ -108,6 +115,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise ConfigError("chat needs --prompt TEXT (repeatable) or prompts on standard input; received none")
     chat(load_target(recipe.target), recipe.sampling, recipe.target.max_seq_len, prompts, system=args.system)
     return 0
+
+
+def add_chat_args(sub: argparse._SubParsersAction) -> None:
+    """The arguments of `dflash chat`."""
+    p = sub.add_parser("chat", help="chat with the target (AR decoding), printing tokens/s")
+    _add_config_args(p)
+    p.add_argument("--prompt", action="append", help="a user prompt (repeatable); else one per stdin line")
+    p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
+    p.set_defaults(func=cmd_chat)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -126,6 +142,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"dflash demo: {stopped}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     return 0
+
+
+def add_demo_args(sub: argparse._SubParsersAction) -> None:
+    """The arguments of `dflash demo`."""
+    p = sub.add_parser("demo", help="the main job on the embedded default target: train a drafter briefly, chat")
+    _add_config_args(p, default="demo")
+    p.add_argument("--prompt", action="append", help="prompt(s) to use instead of the built-in ones")
+    p.add_argument("--skip-train", action="store_true", help="only chat (no drafter training)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_demo)
 
 
 def _run_errors() -> tuple[type[Exception], ...]:
@@ -160,6 +186,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"held-out (GSM8K test): loss {ev['loss']:.3f}, teacher-forced acceptance length "
               f"{ev['acceptance_length']:.2f} (block {result.arch.block_size}); accuracy by position: {per_pos}")
     return 0
+
+
+def add_train_args(sub: argparse._SubParsersAction) -> None:
+    """The arguments of `dflash train`."""
+    p = sub.add_parser("train", help="distill a DFlash drafter (online or stored target features); resumes from "
+                                     "train.run_dir")
+    _add_config_args(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -198,6 +233,35 @@ def cmd_data(args: argparse.Namespace) -> int:
           f"{recipe.data.shard_dir}: {m.num_samples} samples, {m.total_tokens} tokens, layer_ids {list(m.layer_ids)}; "
           f"{report.tokens_per_s:.0f} tokens/s this run, {m.bytes_per_token:.0f} bytes/token on disk")
     return 0
+
+
+def add_data_args(sub: argparse._SubParsersAction) -> None:
+    """The arguments of `dflash data regenerate|capture|walk|inspect`."""
+    p = sub.add_parser("data", help="training data: regenerate answers with the target, capture features, inspect")
+    stages = p.add_subparsers(dest="stage", required=True)
+    for stage, text in [("regenerate", "data.prompts -> the target's answers -> data.dir/regenerated.jsonl (resumes)"),
+                        ("capture", "data.source -> target features -> data.dir/shards, read by "
+                                    "`dflash train data.features=offline` (resumes)"),
+                        ("walk", "data.source rows -> the blocks greedy DFlash serving visits and the drafts each "
+                                 "accepted -> data.dir/walk/ (resumes; read by data.walk, train.walk_anchors)"),
+                        ("inspect", "the counts, the capture manifest and one decoded sample with its loss mask")]:
+        q = stages.add_parser(stage, help=text, description=text)
+        _add_config_args(q)
+        if stage == "inspect":
+            q.add_argument("--sample", type=int, default=0, help="which captured sample to decode (default 0)")
+        else:
+            q.add_argument("--no-progress", action="store_true", help="no progress bar")
+        if stage == "walk":
+            q.add_argument("--drafter", help="a `dflash train` run dir or an exported drafter dir (default: "
+                           "train.run_dir)")
+            q.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
+            q.add_argument("--mode", choices=("teacher", "engine", "stored"), default="teacher",
+                           help="teacher: one target + one drafter forward per row over the stored answer (default; "
+                           "tested equal to the engine's walk); engine: decode the prompts through the engine; "
+                           "stored: the drafter alone over the features `dflash data capture` stored (bf16)")
+            q.add_argument("--limit", type=int, default=0, help="walk only the first N rows (a measurement)")
+            q.add_argument("--slots", type=int, default=8, help="engine slots (--mode engine)")
+        q.set_defaults(func=cmd_data)
 
 
 def _slots_arg(text: str) -> int | str:
@@ -273,6 +337,50 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 1 if (mismatches and ours) or (compiled and args.strict) else 0
 
 
+def add_eval_args(sub: argparse._SubParsersAction) -> None:
+    """The arguments of `dflash eval`."""
+    p = sub.add_parser("eval", help="evaluate a drafter against the served engine: tau, acceptance, DFlash vs AR "
+                                    "speed, output equality; writes results.json, report.md and plots")
+    _add_config_args(p)
+    p.add_argument("--url", help="a running speculative server to evaluate (dflash serve, vLLM, SGLang), e.g. "
+                                 "http://127.0.0.1:8000")
+    p.add_argument("--engine", choices=("auto", "dflash", "vllm", "sglang"), default="auto",
+                   help="the engine serving --url, whose own counters give tau (default auto: told from the server)")
+    p.add_argument("--drafter", help="a run dir or an exported drafter: its server is started here")
+    p.add_argument("--step", default=None, help="with --drafter: a checkpoint step or 'best' (default: latest)")
+    p.add_argument("--ar-url", help="a running AR server of the same target: the --ar-port of the DFlash server, "
+                   "`dflash serve --ar`, or vLLM or SGLang without speculation (default: started here, beside the "
+                   "DFlash server)")
+    p.add_argument("--sets", default="gsm8k,mtbench",
+                   help="comma-separated: gsm8k, math500, humaneval, mbpp, mtbench, speedbench[:SPLIT][:CATEGORY] "
+                   "(SPEED-Bench, from --speedbench), a .json/.jsonl file, hf:ID")
+    p.add_argument("--speedbench", default="hf:nvidia/SPEED-Bench", metavar="hf:ID|DIR",
+                   help="where speedbench sets are read: the Hub dataset or a directory of prepared splits "
+                   "(<split>.jsonl, <split>.parquet or <split>/*.parquet; default hf:nvidia/SPEED-Bench)")
+    p.add_argument("--limit", type=int, default=8, help="conversations per set (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per turn (default 256)")
+    p.add_argument("--concurrency", default="1", help="client concurrencies, e.g. 1,4,16 (default 1)")
+    _add_plan_args(p)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (default 0: greedy; the equality check against AR is greedy only)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (default 1: off)")
+    p.add_argument("--seed", type=int, default=0, help="base of each sampled request's seed (default 0)")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='the chat template\'s variables, sent with every request to both servers, e.g. '
+                   '\'{"reasoning_effort": "low"}\' (gpt-oss) or \'{"enable_thinking": false}\' (Qwen3); default: '
+                   'the recipe\'s data.regen.template_kwargs (what its training answers were made with)')
+    p.add_argument("--out", default="runs/eval", help="output directory; a rerun resumes it (default runs/eval)")
+    p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
+    p.add_argument("--devices", type=int, default=1,
+                   help="each server started here splits the target over this many of the host's devices (tensor "
+                   "parallel); 0: all of them (default 1)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 when a server compiled a program inside the timed requests (default: reported per "
+                   "mode and marked in the report, exit 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_eval)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     from dflash.launch.serving import ServeOptions, serve_recipe
@@ -291,10 +399,58 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_args(sub: argparse._SubParsersAction) -> None:
+    """The arguments of `dflash serve`."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server: target + DFlash drafter (or AR)")
+    _add_config_args(p)
+    p.add_argument("--drafter", help="a `dflash train` run dir or a z-lab HF drafter dir (default: train.run_dir)")
+    p.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
+    p.add_argument("--ar", action="store_true", help="serve the target alone (no drafter)")
+    p.add_argument("--ar-port", type=int, default=None,
+                   help="also serve the target alone (AR) on this port, in this process over the same weights "
+                   "(one chip holds both: the baseline of a paired dflash eval on a TPU host)")
+    _add_plan_args(p)
+    p.add_argument("--slots", type=_slots_arg, default="auto",
+                   help="concurrent sequences (continuous batching); a step computes only the running ones. auto "
+                   "(default): the most that fit half the devices' free memory after the weights, up to 64 (8 on "
+                   "CPU); each slot holds its K/V pages of target.max_seq_len tokens")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prefill a longer prompt one chunk of this many tokens (a power of two >= 16) per engine "
+                   "step, between the running requests' steps (0: every prompt in one call; default 512)")
+    p.add_argument("--steps-per-dispatch", type=int, default=4,
+                   help="decode steps run on the device per host round trip (one jitted loop; back early when a "
+                   "request finishes); 1: one propose and one verify call per step (default 4)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="split the target's weights and paged K/V over this many of the host's devices (tensor "
+                   "parallel; the drafter replicated); 0: all of them (default 1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: target.source)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: env DFLASH_API_KEY; unset: open)")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get a 413 (default 4)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a connection may stay silent before it is cut (0: never; default 30)")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="refuse unknown request fields with a 400 (default: ignore them, one warning per name)")
+    p.add_argument("--no-precompile", action="store_true",
+                   help="skip compiling every shape at start-up (quick tries; requests then compile as they come)")
+    p.set_defaults(func=cmd_serve)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from dflash.export.cli import run_export
 
     return run_export(args, prog="dflash export")
+
+
+def add_export_args(sub: argparse._SubParsersAction) -> None:
+    """`dflash export`: the arguments of `dflash-export` (`export.cli.add_export_args`)."""
+    p = sub.add_parser("export", help="a trained drafter -> the Hugging Face layout vLLM and SGLang (zlab) or "
+                                      "speculators load, with a model card; optionally pushed to the Hub "
+                                      "(= dflash-export)", description=EXPORT_DESCRIPTION)
+    add_export_cli_args(p)
+    p.set_defaults(func=cmd_export)
 
 
 def cmd_launch_pod(args: argparse.Namespace) -> int:
@@ -369,6 +525,44 @@ def cmd_launch_compile(args: argparse.Namespace) -> int:
     for reason in refusals:
         print(f"does not fit: {reason}", file=sys.stderr)
     return 3 if refusals else 0
+
+
+def add_launch_args(sub: argparse._SubParsersAction) -> None:
+    """The arguments of `dflash launch xpk|gcluster|compile`."""
+    p = sub.add_parser("launch", help="run a stage on a TPU pod with xpk or Cluster Toolkit (gcluster), or compile it "
+                                      "ahead of time for one")
+    targets = p.add_subparsers(dest="target", required=True)
+    for launcher, text in [
+        ("xpk", "create an xpk workload running a stage on a TPU slice (see docs/pods.md)"),
+        ("gcluster", "submit a Cluster Toolkit job (gcluster job submit) running a stage on a TPU slice "
+                     "(see docs/pods.md)"),
+    ]:
+        q = targets.add_parser(launcher, help=text,
+                               description=f"{text[0].upper()}{text[1:]}; --dry-run prints the {launcher} command and "
+                               "the workload and runs nothing.")
+        _add_pod_args(q, launcher)
+        q.set_defaults(func=cmd_launch_pod)
+    q = targets.add_parser("compile", help="compile every stage's programs for a TPU topology and report memory "
+                           "per chip", description="Compile a recipe's train step (and the engine's propose and "
+                           "verify, regeneration's step and capture's forward) ahead of time for a TPU slice from this "
+                           "machine; print memory per chip of each program and of each stage (what it holds plus its "
+                           "programs' working memory) and whether it fits HBM (exit 3 naming what does not), and the "
+                           "run's cost from the step's FLOPs.")
+    q.add_argument("--config", "--recipe", dest="config", default=None,
+                   help="the recipe to compile: a name in configs/ or a YAML path (--recipe: the older name)")
+    q.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
+    q.add_argument("--topology", default=None, help="TPU slice type, e.g. v5p-128 (default: the recipe's "
+                   "launch.tpu_type)")
+    q.add_argument("--num-slices", type=int, default=1)
+    q.add_argument("--backend", default="auto", choices=("auto", "tpu", "cpu"),
+                   help="tpu: XLA's TPU compiler through libtpu (tools/setup_libtpu.sh); cpu: a simulated CPU mesh of "
+                   "the same shape; auto (default): tpu when libtpu is found, else cpu")
+    q.add_argument("--libtpu", default=None, help="path of libtpu.so (default: $TPU_LIBRARY_PATH or the cache of "
+                   "tools/setup_libtpu.sh)")
+    q.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the time estimate (0.4)")
+    q.add_argument("--no-engine", action="store_true", help="the train step only")
+    q.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    q.set_defaults(func=cmd_launch_compile)
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -449,173 +643,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="DFlash drafter pipeline for JAX.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("demo", help="the main job on the embedded default target: train a drafter briefly, chat")
-    _add_config_args(p, default="demo")
-    p.add_argument("--prompt", action="append", help="prompt(s) to use instead of the built-in ones")
-    p.add_argument("--skip-train", action="store_true", help="only chat (no drafter training)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_demo)
-
-    p = sub.add_parser("chat", help="chat with the target (AR decoding), printing tokens/s")
-    _add_config_args(p)
-    p.add_argument("--prompt", action="append", help="a user prompt (repeatable); else one per stdin line")
-    p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
-    p.set_defaults(func=cmd_chat)
-
-    p = sub.add_parser("train", help="distill a DFlash drafter (online or stored target features); resumes from "
-                                     "train.run_dir")
-    _add_config_args(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("data", help="training data: regenerate answers with the target, capture features, inspect")
-    stages = p.add_subparsers(dest="stage", required=True)
-    for stage, text in [("regenerate", "data.prompts -> the target's answers -> data.dir/regenerated.jsonl (resumes)"),
-                        ("capture", "data.source -> target features -> data.dir/shards, read by "
-                                    "`dflash train data.features=offline` (resumes)"),
-                        ("walk", "data.source rows -> the blocks greedy DFlash serving visits and the drafts each "
-                                 "accepted -> data.dir/walk/ (resumes; read by data.walk, train.walk_anchors)"),
-                        ("inspect", "the counts, the capture manifest and one decoded sample with its loss mask")]:
-        q = stages.add_parser(stage, help=text, description=text)
-        _add_config_args(q)
-        if stage == "inspect":
-            q.add_argument("--sample", type=int, default=0, help="which captured sample to decode (default 0)")
-        else:
-            q.add_argument("--no-progress", action="store_true", help="no progress bar")
-        if stage == "walk":
-            q.add_argument("--drafter", help="a `dflash train` run dir or an exported drafter dir (default: "
-                           "train.run_dir)")
-            q.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
-            q.add_argument("--mode", choices=("teacher", "engine", "stored"), default="teacher",
-                           help="teacher: one target + one drafter forward per row over the stored answer (default; "
-                           "tested equal to the engine's walk); engine: decode the prompts through the engine; "
-                           "stored: the drafter alone over the features `dflash data capture` stored (bf16)")
-            q.add_argument("--limit", type=int, default=0, help="walk only the first N rows (a measurement)")
-            q.add_argument("--slots", type=int, default=8, help="engine slots (--mode engine)")
-        q.set_defaults(func=cmd_data)
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server: target + DFlash drafter (or AR)")
-    _add_config_args(p)
-    p.add_argument("--drafter", help="a `dflash train` run dir or a z-lab HF drafter dir (default: train.run_dir)")
-    p.add_argument("--step", default=None, help="checkpoint step of a run dir, or 'best' (default: the latest)")
-    p.add_argument("--ar", action="store_true", help="serve the target alone (no drafter)")
-    p.add_argument("--ar-port", type=int, default=None,
-                   help="also serve the target alone (AR) on this port, in this process over the same weights "
-                   "(one chip holds both: the baseline of a paired dflash eval on a TPU host)")
-    _add_plan_args(p)
-    p.add_argument("--slots", type=_slots_arg, default="auto",
-                   help="concurrent sequences (continuous batching); a step computes only the running ones. auto "
-                   "(default): the most that fit half the devices' free memory after the weights, up to 64 (8 on "
-                   "CPU); each slot holds its K/V pages of target.max_seq_len tokens")
-    p.add_argument("--prefill-chunk", type=int, default=512,
-                   help="prefill a longer prompt one chunk of this many tokens (a power of two >= 16) per engine "
-                   "step, between the running requests' steps (0: every prompt in one call; default 512)")
-    p.add_argument("--steps-per-dispatch", type=int, default=4,
-                   help="decode steps run on the device per host round trip (one jitted loop; back early when a "
-                   "request finishes); 1: one propose and one verify call per step (default 4)")
-    p.add_argument("--devices", type=int, default=1,
-                   help="split the target's weights and paged K/V over this many of the host's devices (tensor "
-                   "parallel; the drafter replicated); 0: all of them (default 1)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model-name", default=None, help="the model id clients send (default: target.source)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: env DFLASH_API_KEY; unset: open)")
-    p.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get a 413 (default 4)")
-    p.add_argument("--read-timeout", type=float, default=30.0,
-                   help="seconds a connection may stay silent before it is cut (0: never; default 30)")
-    p.add_argument("--strict-fields", action="store_true",
-                   help="refuse unknown request fields with a 400 (default: ignore them, one warning per name)")
-    p.add_argument("--no-precompile", action="store_true",
-                   help="skip compiling every shape at start-up (quick tries; requests then compile as they come)")
-    p.set_defaults(func=cmd_serve)
-
-    p = sub.add_parser("eval", help="evaluate a drafter against the served engine: tau, acceptance, DFlash vs AR "
-                                    "speed, output equality; writes results.json, report.md and plots")
-    _add_config_args(p)
-    p.add_argument("--url", help="a running speculative server to evaluate (dflash serve, vLLM, SGLang), e.g. "
-                                 "http://127.0.0.1:8000")
-    p.add_argument("--engine", choices=("auto", "dflash", "vllm", "sglang"), default="auto",
-                   help="the engine serving --url, whose own counters give tau (default auto: told from the server)")
-    p.add_argument("--drafter", help="a run dir or an exported drafter: its server is started here")
-    p.add_argument("--step", default=None, help="with --drafter: a checkpoint step or 'best' (default: latest)")
-    p.add_argument("--ar-url", help="a running AR server of the same target: the --ar-port of the DFlash server, "
-                   "`dflash serve --ar`, or vLLM or SGLang without speculation (default: started here, beside the "
-                   "DFlash server)")
-    p.add_argument("--sets", default="gsm8k,mtbench",
-                   help="comma-separated: gsm8k, math500, humaneval, mbpp, mtbench, speedbench[:SPLIT][:CATEGORY] "
-                   "(SPEED-Bench, from --speedbench), a .json/.jsonl file, hf:ID")
-    p.add_argument("--speedbench", default="hf:nvidia/SPEED-Bench", metavar="hf:ID|DIR",
-                   help="where speedbench sets are read: the Hub dataset or a directory of prepared splits "
-                   "(<split>.jsonl, <split>.parquet or <split>/*.parquet; default hf:nvidia/SPEED-Bench)")
-    p.add_argument("--limit", type=int, default=8, help="conversations per set (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per turn (default 256)")
-    p.add_argument("--concurrency", default="1", help="client concurrencies, e.g. 1,4,16 (default 1)")
-    _add_plan_args(p)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sample at this temperature (default 0: greedy; the equality check against AR is greedy only)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature (default 1: off)")
-    p.add_argument("--seed", type=int, default=0, help="base of each sampled request's seed (default 0)")
-    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
-                   help='the chat template\'s variables, sent with every request to both servers, e.g. '
-                   '\'{"reasoning_effort": "low"}\' (gpt-oss) or \'{"enable_thinking": false}\' (Qwen3); default: '
-                   'the recipe\'s data.regen.template_kwargs (what its training answers were made with)')
-    p.add_argument("--out", default="runs/eval", help="output directory; a rerun resumes it (default runs/eval)")
-    p.add_argument("--api-key", default=None, help="the servers' API key, if they need one")
-    p.add_argument("--devices", type=int, default=1,
-                   help="each server started here splits the target over this many of the host's devices (tensor "
-                   "parallel); 0: all of them (default 1)")
-    p.add_argument("--strict", action="store_true",
-                   help="exit 1 when a server compiled a program inside the timed requests (default: reported per "
-                   "mode and marked in the report, exit 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_eval)
-
-    p = sub.add_parser("launch", help="run a stage on a TPU pod with xpk or Cluster Toolkit (gcluster), or compile it "
-                                      "ahead of time for one")
-    targets = p.add_subparsers(dest="target", required=True)
-    for launcher, text in [
-        ("xpk", "create an xpk workload running a stage on a TPU slice (see docs/pods.md)"),
-        ("gcluster", "submit a Cluster Toolkit job (gcluster job submit) running a stage on a TPU slice "
-                     "(see docs/pods.md)"),
-    ]:
-        q = targets.add_parser(launcher, help=text,
-                               description=f"{text[0].upper()}{text[1:]}; --dry-run prints the {launcher} command and "
-                               "the workload and runs nothing.")
-        _add_pod_args(q, launcher)
-        q.set_defaults(func=cmd_launch_pod)
-    q = targets.add_parser("compile", help="compile every stage's programs for a TPU topology and report memory "
-                           "per chip", description="Compile a recipe's train step (and the engine's propose and "
-                           "verify, regeneration's step and capture's forward) ahead of time for a TPU slice from this "
-                           "machine; print memory per chip of each program and of each stage (what it holds plus its "
-                           "programs' working memory) and whether it fits HBM (exit 3 naming what does not), and the "
-                           "run's cost from the step's FLOPs.")
-    q.add_argument("--config", "--recipe", dest="config", default=None,
-                   help="the recipe to compile: a name in configs/ or a YAML path (--recipe: the older name)")
-    q.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides")
-    q.add_argument("--topology", default=None, help="TPU slice type, e.g. v5p-128 (default: the recipe's "
-                   "launch.tpu_type)")
-    q.add_argument("--num-slices", type=int, default=1)
-    q.add_argument("--backend", default="auto", choices=("auto", "tpu", "cpu"),
-                   help="tpu: XLA's TPU compiler through libtpu (tools/setup_libtpu.sh); cpu: a simulated CPU mesh of "
-                   "the same shape; auto (default): tpu when libtpu is found, else cpu")
-    q.add_argument("--libtpu", default=None, help="path of libtpu.so (default: $TPU_LIBRARY_PATH or the cache of "
-                   "tools/setup_libtpu.sh)")
-    q.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the time estimate (0.4)")
-    q.add_argument("--no-engine", action="store_true", help="the train step only")
-    q.add_argument("--json", default=None, help="also write the report as JSON to this file")
-    q.set_defaults(func=cmd_launch_compile)
-
-    p = sub.add_parser("export", help="a trained drafter -> the Hugging Face layout vLLM and SGLang (zlab) or "
-                                      "speculators load, with a model card; optionally pushed to the Hub "
-                                      "(= dflash-export)", description=EXPORT_DESCRIPTION)
-    add_export_args(p)
-    p.set_defaults(func=cmd_export)
-
-    p = sub.add_parser("config", help="print the resolved recipe (after overrides) as YAML")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_config)
+    # each command's arguments are defined beside its `cmd_*`, in the order `dflash --help` lists them
+    add_demo_args(sub)
+    add_chat_args(sub)
+    add_train_args(sub)
+    add_data_args(sub)
+    add_serve_args(sub)
+    add_eval_args(sub)
+    add_launch_args(sub)
+    add_export_args(sub)
+    add_config_args(sub)
     return parser
 
 
