@@ -181,3 +181,64 @@ def test_the_wheel_holds_the_namespace(tmp_path):
         assert name in names, name
     assert {n.split("/")[0] for n in names} == {"dflash", wheel.name.split("-py3")[0] + ".dist-info"}
     assert "dflash/__init__.py" not in names
+
+
+# ----------------------------------------------------------------------------- function sizes (issue 60)
+MAX_PARAMETERS = 10  # more travel together: a typed frozen options value (`launch.serving.ServeOptions`, D107)
+MAX_CLI_LINES = 80  # a command's arguments live beside its cmd_* (`add_<command>_args`), not in one long builder
+
+
+def functions(path: Path) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """(qualified name, node) of every function and method in a file, nested ones included."""
+    found = []
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((prefix + child.name, child))
+                walk(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, f"{prefix}{child.name}.")
+            else:
+                walk(child, prefix)
+
+    walk(ast.parse(path.read_text(), str(path)), "")
+    return found
+
+
+def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Parameters of a function: positional, keyword-only, *args and **kwargs each one; a leading self or cls
+    not counted."""
+    args = node.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    return len(names) + (args.vararg is not None) + (args.kwarg is not None)
+
+
+def long_parameter_lists(root: Path) -> list[str]:
+    return [f"{path.relative_to(root)}:{node.lineno} {name} takes {parameter_count(node)} parameters"
+            for package in PACKAGE_DIRS for path in sorted((root / package).rglob("*.py"))
+            for name, node in functions(path) if parameter_count(node) > MAX_PARAMETERS]
+
+
+def test_no_product_function_takes_more_than_ten_parameters():
+    """Parameters that travel together are one typed frozen value (issue 60, D107); tests, benchmarks and tools
+    are not product code."""
+    assert long_parameter_lists(ROOT) == []
+
+
+def test_the_parameter_count_sees_a_long_list(tmp_path):
+    (tmp_path / "serve").mkdir(parents=True)
+    (tmp_path / "serve" / "m.py").write_text(
+        "class C:\n    def __init__(self, a, b, c, d, e, f, g, h, i, j):\n        pass\n"
+        "def f(a, b, c, d, e, f, g, h, i, *args, k=1, **kwargs):\n    def inner(self, *, a, b, c, d, e, f, g, h, i, j,"
+        " k):\n        pass\n")
+    assert [r for r in long_parameter_lists(tmp_path)] == ["serve/m.py:4 f takes 12 parameters",
+                                                             "serve/m.py:5 f.inner takes 11 parameters"]
+
+
+def test_no_cli_function_is_longer_than_eighty_lines():
+    long = [f"launch/cli.py:{node.lineno} {name} is {node.end_lineno - node.lineno + 1} lines"
+            for name, node in functions(ROOT / "launch" / "cli.py") if node.end_lineno - node.lineno + 1 > MAX_CLI_LINES]
+    assert long == []
