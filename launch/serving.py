@@ -33,7 +33,7 @@ from dflash.models.tokenizer import ChatTokenizer
 from dflash.serve.acceptance import Measured
 from dflash.serve.compile_cache import converted_dir
 from dflash.serve.engine import Engine
-from dflash.serve.http import DFlashServer, make_server
+from dflash.serve.http import DFlashServer, HttpLimits, make_server
 from dflash.serve.plan import AR, Limits, plan_from
 
 AUTO_SETS = ("gsm8k", "mtbench", "humaneval")  # the held-out prompts `auto` measures on: 2 of each
@@ -191,9 +191,8 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
                   f"loaded from the compilation cache (every prompt length and attention span up to {max_len} tokens; "
                   "--no-precompile skips this)", flush=True)
         servers.append(make_server(engine, target.tokenizer, options.model_name or recipe.target.source,
-                                   options.host, port, max_body_bytes=options.max_body_bytes,
-                                   read_timeout=options.read_timeout, api_key=options.api_key,
-                                   unknown_fields=options.unknown_fields))
+                                   options.host, port, limits=HttpLimits(options.max_body_bytes, options.read_timeout),
+                                   api_key=options.api_key, unknown_fields=options.unknown_fields))
     log_memory_per_device("serve")  # weights, pages and slots of every engine, before the first request
     if local[0].platform == "cpu" and (note := map_limit_note()):
         print(note, flush=True)

@@ -13,6 +13,7 @@ that leaves is logged in one INFO line and its jobs are cancelled. Design: docs/
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import io
 import json
@@ -114,6 +115,18 @@ def allowed_methods(path: str) -> str | None:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class HttpLimits:
+    """What a connection may take: `max_body_bytes` (larger bodies get a 413 unread), `read_timeout` (seconds a
+    connection may stay silent, mid-request or idle between keep-alive requests; None: never) and `header_timeout`
+    (seconds a request's line and headers may take in all, from their first byte: a deadline, not a per-read
+    timeout; None: none)."""
+
+    max_body_bytes: int = 4 << 20
+    read_timeout: float | None = 30.0
+    header_timeout: float | None = 10.0
+
+
 class DFlashServer(ThreadingHTTPServer):
     """The HTTP server over one `EngineWorker`: `protocol` (the request policy `serve.openai` applies), the
     connection limits and API key the handler enforces, and the set of open connections `close` ends."""
@@ -125,16 +138,15 @@ class DFlashServer(ThreadingHTTPServer):
     request_queue_size = 256  # the listen backlog (the stdlib's 5 resets bursts of concurrent clients)
 
     def __init__(self, address: tuple[str, int], worker: EngineWorker, tokenizer: ChatTokenizer, model_name: str,
-                 max_len: int, default_max_tokens: int | None = None, *, max_body_bytes: int = 4 << 20,
-                 read_timeout: float | None = 30.0, api_key: str | None = None, unknown_fields: str = "reject",
-                 header_timeout: float | None = 10.0):
+                 max_len: int, default_max_tokens: int | None = None, *, limits: HttpLimits = HttpLimits(),
+                 api_key: str | None = None, unknown_fields: str = "reject"):
         # the request policy; the default sampling rule is the engine's (the recipe's `sampling:`)
         self.protocol = ProtocolConfig(model_name, default_max_tokens, worker.engine.sampling or GREEDY,
                                        unknown_fields)
         self._connections: set[Any] = set()
         self._conn_lock = threading.Lock()
-        self.max_body_bytes, self.read_timeout = max_body_bytes, read_timeout
-        self.header_timeout = header_timeout or None
+        self.max_body_bytes, self.read_timeout = limits.max_body_bytes, limits.read_timeout
+        self.header_timeout = limits.header_timeout or None
         self.api_key = api_key or None
         self._warned_fields: set[str] = set()
         super().__init__(address, _Handler)
@@ -558,24 +570,20 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def make_server(engine: Engine, tokenizer: ChatTokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                default_max_tokens: int | None = None, *, max_body_bytes: int = 4 << 20,
-                read_timeout: float | None = 30.0, api_key: str | None = None,
-                unknown_fields: str = "reject", header_timeout: float | None = 10.0) -> DFlashServer:
+                default_max_tokens: int | None = None, *, limits: HttpLimits = HttpLimits(),
+                api_key: str | None = None, unknown_fields: str = "reject") -> DFlashServer:
     """A started engine thread and a bound (not yet serving) HTTP server; call `serve_forever()`.
 
     default_max_tokens: the budget of requests that send no max_tokens (None: until a stop or the end of the
-    context, as vLLM); max_body_bytes: larger bodies get a 413 unread; read_timeout: seconds a connection may
-    stay silent (mid-request or idle between keep-alive requests); header_timeout: seconds a request's line and
-    headers may take in all, from their first byte (a deadline, not a per-read timeout; None: none); api_key: if
-    set, /v1/* needs
+    context, as vLLM); limits: the connection limits (`HttpLimits`: body size, read and header timeouts); api_key:
+    if set, /v1/* needs
     `Authorization: Bearer <key>`; unknown_fields: "reject" (a 400) or "ignore" (one logged warning per field
     name) for fields that are neither this server's nor documented OpenAI ones (OpenAI fields are always
     accepted at neutral values).
     """
     worker = EngineWorker(engine).start()
     return DFlashServer((host, port), worker, tokenizer, model_name, engine.max_len, default_max_tokens,
-                        max_body_bytes=max_body_bytes, read_timeout=read_timeout, api_key=api_key,
-                        unknown_fields=unknown_fields, header_timeout=header_timeout)
+                        limits=limits, api_key=api_key, unknown_fields=unknown_fields)
 
 
-__all__ = ["SEED_HEADER", "DFlashServer", "HeadDeadline", "allowed_methods", "make_server"]
+__all__ = ["SEED_HEADER", "DFlashServer", "HeadDeadline", "HttpLimits", "allowed_methods", "make_server"]

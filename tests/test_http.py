@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from test_openai_protocol import ByteTokenizer, Done, Update
 
 from dflash.serve import http as transport
-from dflash.serve.http import DFlashServer
+from dflash.serve.http import DFlashServer, HttpLimits
 
 TOK = ByteTokenizer()
 VOCAB = 257
@@ -133,7 +133,7 @@ DRAW_SEED = transport.openai.draw_seed  # the real one: the fixture draws 0 so t
 @pytest.fixture(scope="module")
 def served():
     worker = FakeWorker()
-    srv = DFlashServer(("127.0.0.1", 0), worker, TOK, "m", MAX_LEN, read_timeout=5.0)
+    srv = DFlashServer(("127.0.0.1", 0), worker, TOK, "m", MAX_LEN, limits=HttpLimits(read_timeout=5.0))
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     with pytest.MonkeyPatch.context() as patch:
@@ -445,7 +445,8 @@ def test_ignore_eos_reaches_the_worker(served):
 def strict():
     """A server whose request heads must arrive within 1 s (each read may wait 5 s)."""
     worker = FakeWorker()
-    srv = DFlashServer(("127.0.0.1", 0), worker, TOK, "m", MAX_LEN, read_timeout=5.0, header_timeout=1.0)
+    srv = DFlashServer(("127.0.0.1", 0), worker, TOK, "m", MAX_LEN,
+                      limits=HttpLimits(read_timeout=5.0, header_timeout=1.0))
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield int(srv.server_address[1])

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from dflash.serve.engine import Engine
-from dflash.serve.http import make_server
+from dflash.serve.http import HttpLimits, make_server
 from dflash.serve.plan import AR, Limits
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
@@ -43,8 +43,8 @@ def server(smollm2_target):
     target = smollm2_target
     # AR: the HTTP layer is under test; test_server_fuzz's slots and context, so the two share compiled programs
     engine = Engine(target.params, target.cfg, None, AR(), Limits(slots=4, max_len=MAX_LEN))
-    srv = make_server(engine, target.tokenizer, "smollm2", port=0, max_body_bytes=CAP, read_timeout=1.0,
-                      api_key=KEY, unknown_fields="ignore")
+    srv = make_server(engine, target.tokenizer, "smollm2", port=0,
+                      limits=HttpLimits(max_body_bytes=CAP, read_timeout=1.0), api_key=KEY, unknown_fields="ignore")
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv, f"http://127.0.0.1:{srv.server_address[1]}"

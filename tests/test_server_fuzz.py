@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash.serve.engine import Engine
-from dflash.serve.http import make_server
+from dflash.serve.http import HttpLimits, make_server
 from dflash.serve.plan import AR, Limits
 
 pytestmark = [pytest.mark.heavy, pytest.mark.e2e]
@@ -49,8 +49,8 @@ def server(smollm2_target):
     target = smollm2_target
     engine = Engine(target.params, target.cfg, None, AR(),
                     Limits(slots=4, max_len=MAX_LEN))  # AR: the HTTP layer is under test
-    srv = make_server(engine, target.tokenizer, "smollm2", port=0, max_body_bytes=1 << 20, read_timeout=2.0,
-                      unknown_fields="ignore")
+    srv = make_server(engine, target.tokenizer, "smollm2", port=0,
+                      limits=HttpLimits(max_body_bytes=1 << 20, read_timeout=2.0), unknown_fields="ignore")
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv, srv.server_address[1]
