@@ -46,7 +46,7 @@ def main() -> None:
 
     from benchmarks._report import machine, write_section
     from dflash.configs.recipe import load_recipe
-    from dflash.data.capture import _length_batches, capture
+    from dflash.data.capture import CaptureFormat, CaptureRun, _length_batches, capture
     from dflash.data.examples import build_examples
     from dflash.data.manifest import Provenance, load_manifest
     from dflash.data.shards import iter_shard
@@ -64,8 +64,9 @@ def main() -> None:
 
     def run(rows: list, out: Path, bucket: int) -> float:
         t0 = time.perf_counter()
-        capture(target.params, target.cfg, provenance, rows, arch.layer_ids, out, seq_len=seq_len, batch_size=batch,
-                samples_per_shard=len(rows), progress=False, target_labels=True, length_bucket=bucket)
+        capture(target.params, target.cfg, provenance, rows, arch.layer_ids, out,
+                fmt=CaptureFormat(seq_len=seq_len, samples_per_shard=len(rows), target_labels=True),
+                run=CaptureRun(batch_size=batch, progress=False, length_bucket=bucket))
         return time.perf_counter() - t0
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -180,7 +180,7 @@ def capture_by_replicas(target: Any, args: argparse.Namespace, tmp: Path) -> lis
     import jax
 
     from dflash.configs.recipe import load_recipe
-    from dflash.data.capture import capture
+    from dflash.data.capture import CaptureFormat, CaptureRun, capture
     from dflash.data.examples import build_examples
     from dflash.data.manifest import Provenance, load_manifest
 
@@ -190,18 +190,17 @@ def capture_by_replicas(target: Any, args: argparse.Namespace, tmp: Path) -> lis
     devices = jax.local_devices()
     layouts = [(f"{n} replica(s) x 1 device", [(d,) for d in devices[:n]]) for n in args.devices]
     layouts += [(f"1 replica over {n} devices", [tuple(devices[:n])]) for n in args.split[:1]]
-    kwargs = {"seq_len": CAPTURE_SEQ_LEN, "batch_size": CAPTURE_BATCH, "samples_per_shard": 4 * CAPTURE_BATCH,
-              "progress": False}
+    fmt = CaptureFormat(seq_len=CAPTURE_SEQ_LEN, samples_per_shard=4 * CAPTURE_BATCH)
     rows, first = [], None
     for label, groups in layouts:
         name = label.replace(" ", "_")
         t0 = time.perf_counter()
         capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
-                tmp / f"warm-{name}", devices=groups, **kwargs)
+                tmp / f"warm-{name}", fmt=fmt, run=CaptureRun(CAPTURE_BATCH, devices=groups, progress=False))
         warm_s = time.perf_counter() - t0
         out = tmp / f"capture-{name}"
         report = capture(target.params, target.cfg, Provenance.of_target(target), examples, arch.layer_ids, out,
-                         devices=groups, **kwargs)
+                         fmt=fmt, run=CaptureRun(CAPTURE_BATCH, devices=groups, progress=False))
         manifest = load_manifest(out)
         first = first or out
         same = all((out / e.file).read_bytes() == (first / e.file).read_bytes() for e in manifest.shards)

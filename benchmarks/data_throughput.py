@@ -98,7 +98,7 @@ def capture_costs(target: Any, args: argparse.Namespace, tmp: Path) -> dict[str,
     import numpy as np
 
     from dflash.configs.recipe import load_recipe
-    from dflash.data.capture import capture
+    from dflash.data.capture import CaptureFormat, CaptureRun, capture
     from dflash.data.examples import build_examples
     from dflash.data.manifest import Provenance
     from dflash.data.records import record_size
@@ -109,14 +109,15 @@ def capture_costs(target: Any, args: argparse.Namespace, tmp: Path) -> dict[str,
     examples, _ = build_examples(recipe.data, target.tokenizer, limit=args.rows)
     b, s = args.batch_size, args.seq_len
     provenance = Provenance.of_target(target)
-    kwargs = {"seq_len": s, "batch_size": b, "samples_per_shard": max(b, 4 * b)}
+    fmt = CaptureFormat(seq_len=s, samples_per_shard=max(b, 4 * b))
 
     t0 = time.perf_counter()
     capture(target.params, target.cfg, provenance, examples[:b], arch.layer_ids, tmp / "warm-shards",
-            progress=False, **kwargs)
+            fmt=fmt, run=CaptureRun(batch_size=b, progress=False))
     warm_s = time.perf_counter() - t0
     shard_dir = tmp / "shards"
-    report = capture(target.params, target.cfg, provenance, examples, arch.layer_ids, shard_dir, **kwargs)
+    report = capture(target.params, target.cfg, provenance, examples, arch.layer_ids, shard_dir, fmt=fmt,
+                     run=CaptureRun(batch_size=b))
 
     # The same padded batches, in the same order, through the jitted online feature forward.
     pad = report.manifest.pad_id if report.manifest.pad_id is not None else 0

@@ -163,40 +163,33 @@ def _features_and_next_ids(target_params: Any, tokens_BxS: jax.Array, *, target_
     return feats, next_BxS, ids_BxSxK.astype(jnp.int32), probs_BxSxK
 
 
-def capture(
-    target_params: Any,
-    target_cfg: DecoderConfig,
-    provenance: Provenance,
-    examples: Sequence[Example],
-    layer_ids: Sequence[int],
-    out_dir: str | Path,
-    *,
-    seq_len: int,
-    batch_size: int,
-    samples_per_shard: int,
-    compression: str = "uncompressed",
-    verify_existing: bool = True,
-    progress: bool = True,
-    target_labels: bool = False,
-    target_topk: int = 0,
-    length_bucket: int = 64,
-    devices: Sequence[Sequence[Any]] | None = None,
-    share: tuple[int, int] = (0, 1),
-    label: str = "capture",
-    shard_bytes: int = SHARD_BYTES,
-) -> CaptureReport:
-    """Capture target features of `examples` into `out_dir` (resuming an interrupted capture); see module.
+@dataclasses.dataclass(frozen=True)
+class CaptureFormat:
+    """What a capture's shards hold and how they are cut (its manifest records them; a resume must match).
 
-    target_params / target_cfg: the frozen target, as `online_features` takes them (their dtype is the
-      compute dtype; features are cast to bf16 after), or a `models.target.Target` (`target_params`), whose weights
-      each replica reads straight onto its devices (`Target.on_group`).
-    provenance: `Provenance.of_target(target)` (or `.of(name, weights fingerprint, tokenizer)`).
-    examples: (tokens int32[S], loss_mask float32[S], n) rows with S == seq_len (`data.examples.build_examples`).
-    verify_existing: on resume, re-hash kept shards (sha256) rather than only checking their sizes.
+    seq_len: the rows' length S (`data.seq_len`).
+    samples_per_shard / shard_bytes: a shard holds at most `samples_per_shard` samples, fewer when that many would
+      take more than about `shard_bytes` bytes on average (`shard_samples`; the manifest records the size used).
+    compression: the ArrayRecord shards' compression.
     target_labels: also store the target's greedy next token at every position (`data.labels: target`;
       the same forward, with the LM head).
     target_topk: also store the target's k most likely next tokens and their probabilities at every position
       (`data.labels: soft`; implies target_labels).
+    """
+
+    seq_len: int
+    samples_per_shard: int
+    compression: str = "uncompressed"
+    target_labels: bool = False
+    target_topk: int = 0
+    shard_bytes: int = SHARD_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureRun:
+    """How a capture runs; none of it changes what the shards hold.
+
+    batch_size: rows per target forward.
     length_bucket: a batch runs at its longest row's length rounded up to a multiple of this (at most seq_len),
       with rows of similar length batched together; 0 = every batch at seq_len. The stored records are the
       same up to the rounding of another batch shape (docs/decisions.md D36).
@@ -206,10 +199,34 @@ def capture(
     share: (p, P): capture only the shards i with i % P == p into the shared `out_dir` (its state under parts/);
       `merge_shares(out_dir, P)` completes the capture once every share is finished. The report's manifest is
       then this share's state.
-    label: the progress bar's and log lines' name.
-    shard_bytes: a shard holds at most `samples_per_shard` samples, fewer when that many would take more than
-      about this many bytes on average (`shard_samples`; the manifest records the size used).
+    verify_existing: on resume, re-hash kept shards (sha256) rather than only checking their sizes.
+    progress / label: the progress bar, and its and the log lines' name.
     """
+
+    batch_size: int
+    length_bucket: int = 64
+    devices: Sequence[Sequence[Any]] | None = None
+    share: tuple[int, int] = (0, 1)
+    verify_existing: bool = True
+    progress: bool = True
+    label: str = "capture"
+
+
+def capture(target_params: Any, target_cfg: DecoderConfig, provenance: Provenance, examples: Sequence[Example],
+            layer_ids: Sequence[int], out_dir: str | Path, *, fmt: CaptureFormat, run: CaptureRun) -> CaptureReport:
+    """Capture target features of `examples` into `out_dir` (resuming an interrupted capture) in `fmt`, run as
+    `run` says; see module.
+
+    target_params / target_cfg: the frozen target, as `online_features` takes them (their dtype is the
+      compute dtype; features are cast to bf16 after), or a `models.target.Target` (`target_params`), whose weights
+      each replica reads straight onto its devices (`Target.on_group`).
+    provenance: `Provenance.of_target(target)` (or `.of(name, weights fingerprint, tokenizer)`).
+    examples: (tokens int32[S], loss_mask float32[S], n) rows with S == fmt.seq_len (`data.examples.build_examples`).
+    """
+    seq_len, samples_per_shard, compression = fmt.seq_len, fmt.samples_per_shard, fmt.compression
+    target_labels, target_topk, shard_bytes = fmt.target_labels, fmt.target_topk, fmt.shard_bytes
+    batch_size, length_bucket, devices, share = run.batch_size, run.length_bucket, run.devices, run.share
+    verify_existing, progress, label = run.verify_existing, run.progress, run.label
     if target_topk < 0:
         raise ValueError(f"target_topk must be >= 0; received {target_topk}")
     if length_bucket < 0:

@@ -182,22 +182,33 @@ def describe_differences(differences: Sequence[tuple[str, Any, Any]], left: str,
     return "; ".join(f"{name}: {left} {a!r}, {right} {b!r}" for name, a, b in differences)
 
 
-def check_manifest(manifest: Manifest, *, target_fingerprint: str | None = None,
-                   tokenizer_fingerprint: str | None = None, chat_template_hash: str | None = None,
-                   layer_ids: Sequence[int] | None = None, hidden_size: int | None = None,
-                   seq_len: int | None = None, feature_dim: int | None = None,
-                   examples_hash: str | None = None, target_labels: bool | None = None,
-                   target_topk: int | None = None) -> None:
-    """Raise ManifestMismatchError naming EVERY given field whose run value differs from the manifest's.
+@dataclasses.dataclass(frozen=True)
+class ExpectedFeatures:
+    """What a run expects of stored features, field by field as the manifest names them; a field left None is not
+    compared (`check_manifest`)."""
+
+    target_fingerprint: str | None = None
+    tokenizer_fingerprint: str | None = None
+    chat_template_hash: str | None = None
+    layer_ids: Sequence[int] | None = None
+    hidden_size: int | None = None
+    seq_len: int | None = None
+    feature_dim: int | None = None
+    examples_hash: str | None = None
+    target_labels: bool | None = None
+    target_topk: int | None = None
+
+
+def check_manifest(manifest: Manifest, expected: ExpectedFeatures) -> None:
+    """Raise ManifestMismatchError naming EVERY given field of `expected` whose run value differs from the
+    manifest's.
 
     Fields left None are not compared. Call it with the run's target, tokenizer, layer ids and seq_len
     before the first training step (STYLE 8).
     """
-    run = {"target_fingerprint": target_fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint,
-           "chat_template_hash": chat_template_hash,
-           "layer_ids": None if layer_ids is None else tuple(int(j) for j in layer_ids),
-           "hidden_size": hidden_size, "seq_len": seq_len, "feature_dim": feature_dim,
-           "examples_hash": examples_hash, "target_labels": target_labels, "target_topk": target_topk}
+    run = {field.name: getattr(expected, field.name) for field in dataclasses.fields(expected)}
+    if expected.layer_ids is not None:
+        run["layer_ids"] = tuple(int(j) for j in expected.layer_ids)
     differences = [(name, getattr(manifest, name), value) for name, value in run.items()
                    if value is not None and getattr(manifest, name) != value]
     if differences:

@@ -35,6 +35,15 @@ Counted = tuple[TrainBatch, int]  # a batch and the number of bad records replac
 
 
 @dataclasses.dataclass(frozen=True)
+class HostShare:
+    """Host `index` of `count` reading one global batch: it reads rows [index*B, (index+1)*B) of every global batch
+    of B * count rows (`make_offline_batches`; a multi-host run: the JAX process index and count)."""
+
+    index: int = 0
+    count: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class HostRows(grain.transforms.Map):
     """Global batch of sample indices int64[B * hosts] -> this host's contiguous rows [i*B, (i+1)*B)."""
 
@@ -328,8 +337,7 @@ def make_offline_batches(
     seed: int,
     *,
     seq_len: int | None = None,
-    shard_index: int = 0,
-    shard_count: int = 1,
+    host: HostShare = HostShare(),
     worker_count: int = 0,
     skip_bad_records: bool = False,
     pad_id: int | None = None,
@@ -345,8 +353,8 @@ def make_offline_batches(
     position; padding is `PadAndStack`'s. The chain, each step a named Grain transform:
     `MapDataset.range(num_samples)` (global sample indices) -> `.shuffle(seed)` (the permutation online's
     `source(examples).shuffle(seed)` makes) -> `.repeat()` -> `.batch(B * hosts)` (the GLOBAL batch of
-    indices) -> `HostRows` (host i keeps rows [i*B, (i+1)*B) and reads only those records) -> `ReadSamples`
-    -> `PadAndStack`; `OfflineBatches` then slices it for resume and adds `mp_prefetch` when
+    indices) -> `HostRows` (`host`, a `HostShare`: host i keeps rows [i*B, (i+1)*B) and reads only those records)
+    -> `ReadSamples` -> `PadAndStack`; `OfflineBatches` then slices it for resume and adds `mp_prefetch` when
     `worker_count` > 0.
 
     The capture must be complete; shard sizes (and sha256 when `verify`) are checked before the first
@@ -375,6 +383,7 @@ def make_offline_batches(
         raise ValueError(f"seq_len must be > 0; received {seq_len}")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32) (grain's shuffle seed); received {seed}")
+    shard_index, shard_count = host.index, host.count
     if shard_count <= 0 or not 0 <= shard_index < shard_count:
         raise ValueError(f"shard_index must be in [0, shard_count) with shard_count > 0; "
                          f"received shard_index={shard_index}, shard_count={shard_count}")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from dflash.configs.recipe import Recipe
-from dflash.data.capture import CaptureReport, capture, examples_hash
+from dflash.data.capture import CaptureFormat, CaptureReport, CaptureRun, capture, examples_hash
 from dflash.data.examples import build_examples
 from dflash.data.manifest import PART_NAME, PARTS_DIR, Manifest, Provenance, load_manifest, read_manifest_file
 from dflash.data.regen_store import count_lines, errors_path, merge_parts, part_files, parts_dir
@@ -123,12 +123,12 @@ def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool 
     log.info("%scapture: %d replica(s) on %s%s", tag, len(groups),
              "; ".join(", ".join(str(d) for d in group) for group in groups),
              f"; shards i with i % {share.count} == {share.index}" if share.count > 1 else "")
-    report = capture(target, target.cfg, Provenance.of_target(target), examples, arch.layer_ids,
-                     cfg.shard_dir, seq_len=cfg.seq_len, batch_size=cfg.capture_batch_size,
-                     samples_per_shard=cfg.samples_per_shard, compression=cfg.compression, progress=progress,
-                     target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0,
-                     length_bucket=cfg.capture_bucket, devices=groups, share=(share.index, share.count),
-                     label=f"{tag}capture")
+    fmt = CaptureFormat(seq_len=cfg.seq_len, samples_per_shard=cfg.samples_per_shard, compression=cfg.compression,
+                        target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0)
+    run = CaptureRun(batch_size=cfg.capture_batch_size, length_bucket=cfg.capture_bucket, devices=groups,
+                     share=(share.index, share.count), progress=progress, label=f"{tag}capture")
+    report = capture(target, target.cfg, Provenance.of_target(target), examples, arch.layer_ids, cfg.shard_dir,
+                     fmt=fmt, run=run)
     if share.count == 1 or not merge:
         return report
     barrier("dflash-data-capture")

@@ -21,17 +21,18 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 
 import dflash.data.capture as capture_module
 from dflash.data.batch import BatchLayout, TrainBatch
-from dflash.data.capture import bytes_per_token, capture, examples_hash, write_estimate
+from dflash.data.capture import CaptureFormat, CaptureRun, bytes_per_token, capture, examples_hash, write_estimate
 from dflash.data.files import file_sha256
 from dflash.data.manifest import (
     MANIFEST_NAME,
+    ExpectedFeatures,
     ManifestMismatchError,
     Provenance,
     chat_template_hash,
     check_manifest,
     load_manifest,
 )
-from dflash.data.offline import OfflineBatches, PackedRows, make_offline_batches
+from dflash.data.offline import HostShare, OfflineBatches, PackedRows, make_offline_batches
 from dflash.data.online import make_batches
 from dflash.data.records import BF16, HEADER_SIZE, ShardError, record_size
 from dflash.data.shards import READER_OPTIONS, RecordSource, iter_shard, merge_shares
@@ -77,11 +78,15 @@ def _examples(seed: int = 0, count: int = NUM_SAMPLES) -> list[tuple[np.ndarray,
 
 
 def _capture(setup_or_cfg, params, provenance, examples, out_dir, **kwargs):
-    # Full-length batches (the trainer's online shape) unless a test asks for length buckets.
-    defaults = dict(seq_len=SEQ_LEN, batch_size=CAPTURE_BATCH, samples_per_shard=PER_SHARD, progress=False,
-                    length_bucket=0)
-    return capture(params, setup_or_cfg, provenance, examples, kwargs.pop("layer_ids", LAYER_IDS), out_dir,
-                   **(defaults | kwargs))
+    # Full-length batches (the trainer's online shape) unless a test asks for length buckets; each keyword goes to
+    # the options type that has it (`CaptureFormat`, `CaptureRun`).
+    given = dict(seq_len=SEQ_LEN, batch_size=CAPTURE_BATCH, samples_per_shard=PER_SHARD, progress=False,
+                 length_bucket=0) | kwargs
+    layer_ids = given.pop("layer_ids", LAYER_IDS)
+    of = {cls: {f.name for f in dataclasses.fields(cls)} for cls in (CaptureFormat, CaptureRun)}
+    assert set(given) <= of[CaptureFormat] | of[CaptureRun], set(given) - of[CaptureFormat] - of[CaptureRun]
+    fmt, run = (cls(**{k: v for k, v in given.items() if k in names}) for cls, names in of.items())
+    return capture(params, setup_or_cfg, provenance, examples, layer_ids, out_dir, fmt=fmt, run=run)
 
 
 @pytest.fixture(scope="module")
@@ -314,12 +319,12 @@ def test_rerun_with_other_settings_names_every_mismatch(setup: Setup, tmp_path: 
 
 def test_check_manifest_names_every_differing_field(setup: Setup) -> None:
     manifest = load_manifest(setup.capture_dir)
-    check_manifest(manifest, target_fingerprint=setup.provenance.target_fingerprint, layer_ids=LAYER_IDS,
-                   hidden_size=64, seq_len=SEQ_LEN)
+    check_manifest(manifest, ExpectedFeatures(target_fingerprint=setup.provenance.target_fingerprint,
+                                              layer_ids=LAYER_IDS, hidden_size=64, seq_len=SEQ_LEN))
     with pytest.raises(ManifestMismatchError) as info:
-        check_manifest(manifest, target_fingerprint="abc", tokenizer_fingerprint="def",
-                       chat_template_hash=chat_template_hash("other"), layer_ids=[0, 1], hidden_size=32,
-                       seq_len=64)
+        check_manifest(manifest, ExpectedFeatures(target_fingerprint="abc", tokenizer_fingerprint="def",
+                                                  chat_template_hash=chat_template_hash("other"), layer_ids=[0, 1],
+                                                  hidden_size=32, seq_len=64))
     message = str(info.value)
     assert "6 field(s) differ" in message
     for expected in (f"target_fingerprint: manifest '{setup.provenance.target_fingerprint}', run 'abc'",
@@ -381,8 +386,7 @@ def test_offline_batches_equal_online_batches(setup: Setup, shard_count: int) ->
     online_examples = [(t, m) for t, m, _ in setup.examples]
     for host in range(shard_count):
         online = make_batches(online_examples, B, seed=5, shard_index=host, shard_count=shard_count)
-        offline = _offline(setup.capture_dir, seed=5, seq_len=SEQ_LEN, shard_index=host,
-                                       shard_count=shard_count)
+        offline = _offline(setup.capture_dir, seed=5, seq_len=SEQ_LEN, host=HostShare(host, shard_count))
         for _ in range(8):  # past the end of the first epoch (6 or 3 global batches)
             expected, batch = next(online), next(offline)
             assert batch.label_kind == "text" and batch.segment_ids is None and batch.features is not None
@@ -600,7 +604,7 @@ def test_capture_with_target_labels_stores_the_targets_argmax(setup: Setup, tmp_
     with pytest.raises(ValueError, match="does not hold"):
         _offline(setup.capture_dir, seed=5, seq_len=SEQ_LEN, next_ids=True)
     with pytest.raises(ManifestMismatchError, match="target_labels"):
-        check_manifest(load_manifest(setup.capture_dir), target_labels=True)
+        check_manifest(load_manifest(setup.capture_dir), ExpectedFeatures(target_labels=True))
     with pytest.raises(ManifestMismatchError, match="target_labels"):  # resuming with the other setting
         _capture(setup.cfg, setup.params, setup.provenance, setup.examples, out)
 
@@ -648,7 +652,7 @@ def test_capture_with_the_targets_top_k_stores_its_distribution(setup: Setup, tm
     with pytest.raises(ValueError, match="does not hold"):
         _offline(out, seed=5, seq_len=SEQ_LEN, next_ids=True, soft_topk=k + 1)
     with pytest.raises(ManifestMismatchError, match="target_topk"):
-        check_manifest(manifest, target_topk=k + 1)
+        check_manifest(manifest, ExpectedFeatures(target_topk=k + 1))
     assert next(_offline(out, seed=5, seq_len=SEQ_LEN, next_ids=True)).label_kind == "target"
 
 

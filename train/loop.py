@@ -31,8 +31,8 @@ from dflash.data.batch import TrainBatch, batch_layout
 from dflash.data.capture import examples_hash as capture_examples_hash
 from dflash.data.config import DataConfig
 from dflash.data.examples import build_examples, training_vocab
-from dflash.data.manifest import chat_template_hash, check_manifest, load_manifest
-from dflash.data.offline import make_offline_batches
+from dflash.data.manifest import ExpectedFeatures, chat_template_hash, check_manifest, load_manifest
+from dflash.data.offline import HostShare, make_offline_batches
 from dflash.data.online import make_batches
 from dflash.data.progress import Progress
 from dflash.data.walk import find_walk, load_walk, walk_weights
@@ -225,19 +225,18 @@ def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_ho
     field named), and the fingerprint of the stored examples (their manifest's examples_hash)."""
     shard_dir = data.shard_dir
     manifest = load_manifest(shard_dir, verify=data.verify_shards)
-    check_manifest(manifest, target_fingerprint=target.fingerprint,
-                   tokenizer_fingerprint=target.tokenizer.fingerprint(),
-                   chat_template_hash=chat_template_hash(target.tokenizer.chat_template), layer_ids=arch.layer_ids,
-                   hidden_size=target.cfg.hidden_size, seq_len=data.seq_len,
-                   target_labels=True if data.labels != "text" else None,
-                   target_topk=data.soft_topk if data.labels == "soft" else None)
+    check_manifest(manifest, ExpectedFeatures(
+        target_fingerprint=target.fingerprint, tokenizer_fingerprint=target.tokenizer.fingerprint(),
+        chat_template_hash=chat_template_hash(target.tokenizer.chat_template), layer_ids=arch.layer_ids,
+        hidden_size=target.cfg.hidden_size, seq_len=data.seq_len, target_labels=True if data.labels != "text" else None,
+        target_topk=data.soft_topk if data.labels == "soft" else None))
     width = arch.num_features * arch.hidden_size  # stored features, whatever data.features says of training
     layout = dataclasses.replace(batch_layout(data, per_host, width), feature_dim=width)
     walk, walk_tag = None, ""
     if data.walk:
         walk, walk_tag = walk_anchor_weights(data, manifest.examples_hash, manifest.num_samples, arch, walk_power)
     batches = make_offline_batches(shard_dir, layout, data.shuffle_seed, seq_len=data.seq_len,
-                                   shard_index=jax.process_index(), shard_count=jax.process_count(),
+                                   host=HostShare(jax.process_index(), jax.process_count()),
                                    worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records,
                                    walk=walk)
     log.info("offline features: %d samples, %d tokens in %d shards under %s (%.0f bytes/token)",
