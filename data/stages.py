@@ -32,7 +32,7 @@ from dflash.data.regenerate import RegenStats, make_regen_engine, regenerate
 from dflash.data.scaleout import Share, barrier, local_devices, process_tag, replica_backend
 from dflash.data.shards import RecordSource, merge_shares, part_state_files
 from dflash.data.sources import MixStats, mix, mix_spec, tokenizer_counter
-from dflash.data.walk import WalkSummary, run_walk
+from dflash.data.walk import WalkMode, WalkSummary, run_walk
 from dflash.models.placement import log_memory_per_device
 from dflash.models.target import Target, load_target
 
@@ -162,8 +162,8 @@ def run_walk_stage(recipe: Recipe, *, drafter: str = "", step: int | str | None 
             sample = source_rows.read_one(i)
             return sample.features, sample.next_ids
 
-    return run_walk(examples, loaded, target, recipe.data.dir, examples_hash=digest, mode=mode, slots=slots,
-                    drafter_source=str(source), limit=limit, progress=progress, stored=stored)
+    return run_walk(examples, loaded, target, recipe.data.dir, examples_hash=digest,
+                    mode=WalkMode(mode, slots, stored), drafter_source=str(source), limit=limit, progress=progress)
 
 
 def inspect_data(recipe: Recipe, sample: int = 0, tokenizer: Any = None) -> str:

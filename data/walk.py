@@ -204,16 +204,25 @@ def walk_paths(data_dir: str | Path, fingerprint: str) -> tuple[Path, Path]:
     return root / f"{fingerprint}.jsonl", root / f"{fingerprint}.meta.json"
 
 
+@dataclasses.dataclass(frozen=True)
+class WalkMode:
+    """How a walk follows each row, with what that way needs: `name` `teacher` (`walk_teacher`), `engine`
+    (`walk_engine`, `slots` rows at a time) or `stored` (`walk_teacher` over `stored(i)`: row i's stored features
+    and next ids, e.g. a capture's, instead of the target's forward)."""
+
+    name: str = "teacher"
+    slots: int = 8
+    stored: Callable[[int], tuple[np.ndarray, np.ndarray | None]] | None = None
+
+
 def run_walk(examples: Sequence[tuple[np.ndarray, np.ndarray, int]], drafter: DFlashDrafter, target: Any,
-             data_dir: str | Path, *, examples_hash: str, mode: str = "teacher", slots: int = 8, chunk: int = 16,
-             drafter_source: str = "", limit: int = 0, progress: bool = True,
-             stored: Callable[[int], tuple[np.ndarray, np.ndarray | None]] | None = None) -> WalkSummary:
-    """Walk the training rows `examples` (`build_examples` order) with `drafter` at its K, in chunks of `chunk` rows
-    appended to `<data_dir>/walk/<fingerprint>.jsonl` (flush + fsync each), skipping rows a previous run wrote;
-    the meta is written first (a rerun with other settings is refused) and marked complete at the end.
-    `limit` > 0 walks only the first `limit` rows (a measurement; the walk is then not complete). Modes:
-    `teacher` (`walk_teacher`), `engine` (`walk_engine`, `slots` at a time), `stored` (`walk_teacher` over
-    `stored(i)`: row i's stored features and next ids, e.g. a capture's, instead of the target's forward)."""
+             data_dir: str | Path, *, examples_hash: str, mode: WalkMode = WalkMode(), chunk: int = 16,
+             drafter_source: str = "", limit: int = 0, progress: bool = True) -> WalkSummary:
+    """Walk the training rows `examples` (`build_examples` order) with `drafter` at its K by `mode`, in chunks of
+    `chunk` rows appended to `<data_dir>/walk/<fingerprint>.jsonl` (flush + fsync each), skipping rows a previous
+    run wrote; the meta is written first (a rerun with other settings is refused) and marked complete at the end.
+    `limit` > 0 walks only the first `limit` rows (a measurement; the walk is then not complete)."""
+    mode, slots, stored = mode.name, mode.slots, mode.stored
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; received {mode!r}")
     if (mode == "stored") != (stored is not None):
@@ -314,5 +323,5 @@ def walk_weights(record: WalkRecord | None, seq_len: int, block_size: int, power
     return out
 
 
-__all__ = ["MODES", "WALK_DIR", "WalkRecord", "WalkSummary", "drafter_fingerprint", "find_walk", "load_walk",
-           "row_digest", "run_walk", "walk_engine", "walk_paths", "walk_teacher", "walk_weights"]
+__all__ = ["MODES", "WALK_DIR", "WalkMode", "WalkRecord", "WalkSummary", "drafter_fingerprint", "find_walk",
+           "load_walk", "row_digest", "run_walk", "walk_engine", "walk_paths", "walk_teacher", "walk_weights"]

@@ -20,6 +20,7 @@ from dflash.data.offline import PackAndStack
 from dflash.data.online import make_batches
 from dflash.data.records import BF16, Sample
 from dflash.data.walk import (
+    WalkMode,
     WalkRecord,
     find_walk,
     load_walk,
@@ -146,7 +147,8 @@ def test_the_stage_resumes_after_a_crash_and_refuses_other_settings(tiny, tmp_pa
     records = load_walk(meta, "h", 4)
     assert [records[i] for i in range(4)] == [WalkRecord.from_json(json.loads(line)) for line in lines]
     with pytest.raises(ValueError, match="mode: 'teacher' there vs 'engine' now"):
-        run_walk(examples, tiny.drafter, target, tmp_path / "a", examples_hash="h", mode="engine", progress=False)
+        run_walk(examples, tiny.drafter, target, tmp_path / "a", examples_hash="h", mode=WalkMode("engine"),
+                 progress=False)
     with pytest.raises(ValueError, match="examples_hash must be 'other'"):
         load_walk(meta, "other", 4)
     with pytest.raises(FileNotFoundError, match="no complete walk of these training rows"):
