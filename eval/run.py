@@ -408,18 +408,30 @@ def keep_with_best(results: dict[str, Any], best: Path, step: int) -> bool:
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class ServeArgs:
+    """What each `dflash serve` subprocess `run_eval` starts is given: the recipe `config` with its `overrides` (its
+    `serve` section, with them, is the DFlash server's decode plan), over `devices` of the host's devices
+    (`dflash serve --devices`)."""
+
+    config: str = "default"
+    overrides: Sequence[str] = ()
+    devices: int = 1
+
+
 def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = None, ar_url: str | None = None,
-             drafter: str | None = None, step: str | None = None, config: str = "default",
-             overrides: Sequence[str] = (), api_key: str | None = None, devices: int = 1, progress: bool = True,
+             drafter: str | None = None, step: str | None = None, serve: ServeArgs = ServeArgs(),
+             api_key: str | None = None, progress: bool = True,
              engine: str = "auto") -> tuple[dict[str, Any], dict[str, Path]]:
     """`dflash eval`: the speculative server at `url` (served by `engine`: dflash, vllm, sglang, or auto: told from
     the server), or a `dflash serve` subprocess of `drafter` (a run dir or an export; `step`: N or best, which falls
     back to the newest checkpoint where a run kept no best/) started here, against the AR baseline at `ar_url`, or
     the target alone served by that same subprocess (`dflash serve --ar-port`: one process, one copy of the weights,
-    one chip, as a TPU host needs) or, beside a given `url`, a `dflash serve --ar` subprocess of the same recipe (its
-    `serve` section, with `overrides`, is the DFlash server's decode plan), over `devices` of the host's devices
-    (`dflash serve --devices`). Both servers are up together: at concurrency 1 each conversation runs on both back
-    to back (paired; `collect`). Subprocess logs go to out_dir/server*.log; servers stop at the end."""
+    one chip, as a TPU host needs) or, beside a given `url`, a `dflash serve --ar` subprocess of the same recipe;
+    subprocesses get `serve` (`ServeArgs`: recipe, overrides, devices). Both servers are up together: at
+    concurrency 1 each conversation runs on both back to back (paired; `collect`). Subprocess logs go to
+    out_dir/server*.log; servers stop at the end."""
+    config, overrides, devices = serve.config, serve.overrides, serve.devices
     import contextlib
 
     from dflash.eval import servers
@@ -463,5 +475,5 @@ def run_eval(settings: EvalSettings, out_dir: str | Path, *, url: str | None = N
     return results, paths
 
 
-__all__ = ["BEST_RESULTS", "MODES", "EvalSettings", "RecordStore", "check_reachable", "collect", "environment",
-           "evaluate", "keep_with_best", "run_eval", "template_variables", "timed_compiles", "warm_up"]
+__all__ = ["BEST_RESULTS", "MODES", "EvalSettings", "RecordStore", "ServeArgs", "check_reachable", "collect",
+           "environment", "evaluate", "keep_with_best", "run_eval", "template_variables", "timed_compiles", "warm_up"]

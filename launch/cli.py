@@ -294,7 +294,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     recipe = _recipe(args)  # the recipe, its overrides and its target must be valid before servers start with them
     from dflash.eval.client import ServerError
     from dflash.eval.report import headline_line
-    from dflash.eval.run import EvalSettings, run_eval, template_variables
+    from dflash.eval.run import EvalSettings, ServeArgs, run_eval, template_variables
 
     try:
         given = None if args.chat_template_kwargs is None else json.loads(args.chat_template_kwargs)
@@ -314,9 +314,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 2
     try:
         results, paths = run_eval(settings, args.out, url=args.url, ar_url=args.ar_url, drafter=args.drafter,
-                                  step=args.step, config=args.config, overrides=_overrides(args),
-                                  api_key=args.api_key, devices=args.devices, progress=not args.no_progress,
-                                  engine=args.engine)
+                                  step=args.step, serve=ServeArgs(args.config, tuple(_overrides(args)), args.devices),
+                                  api_key=args.api_key, progress=not args.no_progress, engine=args.engine)
     except (ServerError, ValueError) as err:
         print(f"dflash eval: error: {err}", file=sys.stderr)
         return 2

@@ -434,7 +434,7 @@ def test_run_eval_starts_one_process_serving_both_modes(tiny, served, monkeypatc
     import contextlib
 
     from dflash.eval import servers
-    from dflash.eval.run import run_eval
+    from dflash.eval.run import ServeArgs, run_eval
 
     recipe, target, drafter, directory = tiny
     started = []
@@ -452,7 +452,7 @@ def test_run_eval_starts_one_process_serving_both_modes(tiny, served, monkeypatc
     monkeypatch.setattr(servers, "serve_pair_subprocess", fake_pair)
     monkeypatch.setattr(servers, "serve_subprocess", no_single)
     _, _, _, (_, _, settings) = served
-    results, _ = run_eval(settings, tmp_path / "eval", drafter=str(directory), config="tiny", progress=False)
+    results, _ = run_eval(settings, tmp_path / "eval", drafter=str(directory), serve=ServeArgs("tiny"), progress=False)
     assert len(started) == 1 and "--drafter" in started[0] and "--ar" not in started[0]
     reference, _, _, _ = served
     assert results["headline"]["mismatches"] == 0
