@@ -9,6 +9,7 @@ from typing import Any
 
 from dflash.eval.report import SCHEMA, headline_line
 from dflash.models.drafter import DrafterArch
+from dflash.models.drafter_io import RunDrafter
 
 # Hub ids of the targets a recipe can name without one (`target.source`).
 KNOWN_TARGETS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -156,11 +157,14 @@ def _training_section(meta: dict[str, Any] | None, step: int | None, best: bool,
     return lines
 
 
-def render_card(arch: DrafterArch, *, fmt: str, dtype: str, step: int | None, best: bool, meta: dict[str, Any] | None,
-                target: str | None, model_ref: str, results: dict[str, Any] | None, results_source: str | None,
-                param_count: int, has_modeling_file: bool, best_record: dict[str, Any] | None = None) -> str:
-    """The README.md of an export. `model_ref` is how users point at it (the Hub repo, or the directory);
-    `best_record`: the best.json of a best/ drafter (how it was chosen)."""
+def render_card(run: RunDrafter, *, fmt: str, dtype: str, target: str | None, model_ref: str,
+                results: dict[str, Any] | None, results_source: str | None, param_count: int,
+                has_modeling_file: bool) -> str:
+    """The README.md of an export of `run` (its drafter's architecture, step, checkpoint meta, and for a best/
+    drafter its best.json: how it was chosen). `model_ref` is how users point at it (the Hub repo, or the
+    directory)."""
+    arch: DrafterArch = run.drafter.arch
+    step, best, meta, best_record = run.step, run.source.name == "best", run.meta, run.best
     k = arch.block_size
     target_name = target or "<target model>"
     layout = ("z-lab layout (what vLLM `method: dflash`, SGLang `DFLASH` and z-lab's `DFlashDraftModel` load)"

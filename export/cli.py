@@ -49,7 +49,7 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
 def run_export(args: argparse.Namespace, prog: str = "dflash-export") -> int:
     """Run one export from parsed arguments (`add_export_args`); 0, or 2 after printing the error."""
     from dflash.export.hub import HubError
-    from dflash.export.run import export_run
+    from dflash.export.run import ExportFor, ExportLayout, HubPush, export_run
     from dflash.models.drafter_io import CheckpointError
 
     try:
@@ -57,10 +57,11 @@ def run_export(args: argparse.Namespace, prog: str = "dflash-export") -> int:
 
         log.info("jax %s: process %d/%d, devices %s", jax.__version__, jax.process_index(), jax.process_count(),
                  [str(d) for d in jax.devices()])
-        export_run(args.run_dir, fmt=args.fmt, out=args.out, step=args.step, dtype=args.dtype, results=args.results,
-                   target=args.target, modeling_file=args.modeling_file, overwrite=args.overwrite,
-                   dry_run=args.dry_run, push_to_hub=args.push_to_hub, private=args.private, revision=args.revision,
-                   config=args.config, overrides=args.overrides)
+        hub = (HubPush(args.push_to_hub, private=args.private, revision=args.revision)
+               if args.push_to_hub is not None else None)
+        export_run(args.run_dir, ExportLayout(args.fmt, args.dtype, args.modeling_file), out=args.out, step=args.step,
+                   results=args.results, export_for=ExportFor(args.config, args.overrides, args.target),
+                   overwrite=args.overwrite, dry_run=args.dry_run, hub=hub)
     except (ConfigError, FileNotFoundError, FileExistsError, ValueError, CheckpointError, HubError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2

@@ -43,6 +43,40 @@ FORMATS = ("zlab", "speculators")
 
 
 @dataclass(frozen=True)
+class ExportLayout:
+    """What an export writes: the layout `fmt` (`zlab` or `speculators`), its tensors' `dtype`, and z-lab's
+    modelling file shipped as dflash.py beside the z-lab layout (`modeling_file`, zlab only; transformers' remote
+    code)."""
+
+    fmt: str
+    dtype: str = "float32"
+    modeling_file: str | Path | None = None
+
+
+@dataclass(frozen=True)
+class ExportFor:
+    """The target an export is made for: the recipe `config` (a name or YAML path) with its `overrides` (default: the
+    run's recorded recipe), and `target`, its Hub id for the card and the speculators verifier entry (default:
+    derived from that recipe's target.source)."""
+
+    config: str | None = None
+    overrides: tuple[str, ...] | list[str] = ()
+    target: str | None = None
+
+
+@dataclass(frozen=True)
+class HubPush:
+    """Where an export is uploaded: the Hub repo `repo_id` (made `private` when created), at `revision`, on `endpoint`
+    (default: huggingface.co), with `token` (default: the Hub client's own, e.g. HF_TOKEN)."""
+
+    repo_id: str
+    private: bool = False
+    revision: str | None = None
+    endpoint: str | None = None
+    token: str | None = None
+
+
+@dataclass(frozen=True)
 class ExportResult:
     """What an export did: the files (name, bytes) in order, where they went, and the drafter's step."""
 
@@ -167,12 +201,13 @@ def check_target(arch: DrafterArch, source: str | None, known: KnownTarget | Non
             f"{cfg.hidden_size}, vocab {cfg.vocab_size}")
 
 
-def write_export(run: RunDrafter, directory: Path, *, fmt: str, dtype: str, target: str | None, model_ref: str,
-                 results_path: Path | None, modeling_file: Path | None,
-                 target_source: str | None = None) -> list[tuple[str, int]]:
-    """Write the layout, the card (and the modelling file) of `run` into `directory`; (name, size) per file.
+def write_export(run: RunDrafter, directory: Path, layout: ExportLayout, *, target: str | None, model_ref: str,
+                 results_path: Path | None, target_source: str | None = None) -> list[tuple[str, int]]:
+    """Write `layout` (the tensors, the card and the modelling file) of `run` into `directory`; (name, size) per file.
     `target` is the target's Hub id, `target_source` its `target.source` (default: the run's recorded one)."""
-    drafter, arch = run.drafter, run.drafter.arch
+    fmt, dtype = layout.fmt, layout.dtype
+    modeling_file = Path(layout.modeling_file).expanduser() if layout.modeling_file is not None else None
+    drafter = run.drafter
     if fmt == "zlab":
         save_zlab(drafter, directory, dtype)
         if modeling_file is not None:
@@ -181,41 +216,39 @@ def write_export(run: RunDrafter, directory: Path, *, fmt: str, dtype: str, targ
         source = target_source or (run.meta or {}).get("recipe", {}).get("target", {}).get("source")
         save_speculators(drafter, directory, verifier=target or source or "<target model>", dtype=dtype)
     results = read_results(results_path) if results_path is not None else None
-    card = render_card(arch, fmt=fmt, dtype=dtype, step=run.step, best=run.source.name == "best", meta=run.meta,
-                       target=target, model_ref=model_ref, results=results,
+    card = render_card(run, fmt=fmt, dtype=dtype, target=target, model_ref=model_ref, results=results,
                        results_source=str(results_path) if results_path else None,
-                       param_count=param_count(drafter), has_modeling_file=modeling_file is not None,
-                       best_record=run.best)
+                       param_count=param_count(drafter), has_modeling_file=modeling_file is not None)
     (directory / "README.md").write_text(card)
     return [(p.relative_to(directory).as_posix(), p.stat().st_size) for p in sorted(directory.rglob("*"))
             if p.is_file()]
 
 
-def export_run(run_dir: str | Path, *, fmt: str, out: str | Path | None = None, step: int | str | None = None,
-               dtype: str = "float32", results: str | Path | None = None, target: str | None = None,
-               modeling_file: str | Path | None = None, overwrite: bool = False, dry_run: bool = False,
-               push_to_hub: str | None = None, private: bool = False, revision: str | None = None,
-               endpoint: str | None = None, token: str | None = None, config: str | None = None,
-               overrides: list[str] | tuple[str, ...] = (), say: Callable[[str], None] = print) -> ExportResult:
+def export_run(run_dir: str | Path, layout: ExportLayout, *, out: str | Path | None = None,
+               step: int | str | None = None, results: str | Path | None = None,
+               export_for: ExportFor = ExportFor(), overwrite: bool = False, dry_run: bool = False,
+               hub: HubPush | None = None, say: Callable[[str], None] = print) -> ExportResult:
     """Export the drafter of `run_dir` at `step` (default: the latest checkpoint; "best": <run_dir>/best) in
-    layout `fmt`; see the module docstring. `config` (a recipe name or YAML path) and `overrides` choose the
-    target the export is made for (default: the run's recorded recipe); `target` is the target's Hub id for the
-    card and the speculators verifier entry (default: derived from that recipe's target.source)."""
+    `layout` to `out` and/or the Hub (`hub`); see the module docstring. `export_for` chooses the target the export is
+    made for (`ExportFor`: default the run's recorded recipe)."""
+    fmt, dtype = layout.fmt, layout.dtype
+    config, overrides, target = export_for.config, export_for.overrides, export_for.target
+    push_to_hub = hub.repo_id if hub is not None else None
     out = Path(out).expanduser() if out is not None else None
-    modeling_file = Path(modeling_file).expanduser() if modeling_file is not None else None
+    modeling_file = Path(layout.modeling_file).expanduser() if layout.modeling_file is not None else None
     _check_args(fmt, dtype, out, push_to_hub, overwrite, modeling_file)
-    export_for = load_recipe(config, overrides).target if config is not None else None
-    known = target_architecture(export_for.source) if export_for is not None else None
+    for_target = load_recipe(config, overrides).target if config is not None else None
+    known = target_architecture(for_target.source) if for_target is not None else None
     step, fallback = best_or_latest(run_dir, step)  # --step best of a run without best/: its newest checkpoint
     if fallback:
         say(f"note: {fallback}")
     run = read_run(run_dir, step, target_family=known.cfg.family if known is not None else None)
     check_exportable_ids(run.drafter.arch, f"{run.source}")
     origin = f"--config {config}" if config is not None else "the run's recorded recipe"
-    if export_for is None:
-        export_for = recorded_target(run.meta, overrides)
-        known = target_architecture(export_for.source) if export_for is not None else None
-    source = export_for.source if export_for is not None else None
+    if for_target is None:
+        for_target = recorded_target(run.meta, overrides)
+        known = target_architecture(for_target.source) if for_target is not None else None
+    source = for_target.source if for_target is not None else None
     checked = check_target(run.drafter.arch, source, known,
                            origin + (f" with {' '.join(overrides)}" if overrides else ""), where=str(run.source))
     target = target or target_id(source)
@@ -224,13 +257,13 @@ def export_run(run_dir: str | Path, *, fmt: str, out: str | Path | None = None, 
     results_path = Path(results).expanduser() if results is not None else kept or find_results(run.run_dir)
     message = (f"dflash-export: {run.run_dir.name} step {run.step}"
                + (" (best)" if run.source.name == "best" else "") + f", {fmt} layout, {dtype}")
-    upload = (plan_upload(push_to_hub, private=private, revision=revision, commit_message=message, endpoint=endpoint)
-              if push_to_hub else None)
+    upload = (plan_upload(hub.repo_id, private=hub.private, revision=hub.revision, commit_message=message,
+                          endpoint=hub.endpoint) if hub is not None and hub.repo_id else None)
     model_ref = push_to_hub or str(out)
     staging = Path(tempfile.mkdtemp(prefix="dflash-export-")) if dry_run else _staging_dir(out)
     try:
-        files = write_export(run, staging, fmt=fmt, dtype=dtype, target=target, model_ref=model_ref,
-                             results_path=results_path, modeling_file=modeling_file, target_source=source)
+        files = write_export(run, staging, layout, target=target, model_ref=model_ref, results_path=results_path,
+                             target_source=source)
         total = sum(size for _, size in files)
         say(checked)
         say(f"{run.source} (step {run.step}) -> {fmt} layout, {dtype}, {len(hf_tensor_names(run.drafter))} tensors"
@@ -242,8 +275,8 @@ def export_run(run_dir: str | Path, *, fmt: str, out: str | Path | None = None, 
                 say(f"dry run: would write {len(files)} files ({human_size(total)}) to {out}")
             if upload is not None:
                 say(f"dry run: would upload {len(files)} files ({human_size(total)}) to {upload.endpoint}/"
-                    f"{upload.repo_id} (revision {upload.revision}, {'private' if private else 'public'}) in one "
-                    f"commit: {message!r}")
+                    f"{upload.repo_id} (revision {upload.revision}, {'private' if upload.private else 'public'}) in "
+                    f"one commit: {message!r}")
             say("dry run: nothing was written or sent")
             return ExportResult(files, None, run.step, upload, None, True)
         commit_url = None
@@ -251,6 +284,7 @@ def export_run(run_dir: str | Path, *, fmt: str, out: str | Path | None = None, 
             _finalize(staging, out)
             say(f"wrote {out} ({len(files)} files, {human_size(total)})")
         if upload is not None:
+            token = hub.token if hub is not None else None
             commit_url = upload_folder(out if out is not None else staging, [n for n, _ in files], upload, token)
             say(f"uploaded to {upload.repo_id} (revision {upload.revision}): {commit_url}")
         return ExportResult(files, out, run.step, upload, commit_url, False)
@@ -259,5 +293,5 @@ def export_run(run_dir: str | Path, *, fmt: str, out: str | Path | None = None, 
             shutil.rmtree(staging, ignore_errors=True)
 
 
-__all__ = ["FORMATS", "ExportResult", "check_target", "export_run", "human_size", "recorded_target",
-           "target_architecture", "write_export"]
+__all__ = ["FORMATS", "ExportFor", "ExportLayout", "ExportResult", "HubPush", "check_target", "export_run",
+           "human_size", "recorded_target", "target_architecture", "write_export"]

@@ -25,7 +25,7 @@ from flax import nnx
 from dflash.configs.recipe import load_recipe
 from dflash.configs.schema import to_dict
 from dflash.export.cli import main as export_main
-from dflash.export.run import export_run
+from dflash.export.run import ExportFor, ExportLayout, export_run
 from dflash.models.config import DecoderConfig, DrafterConfig, RopeScaling
 from dflash.models.drafter import DFlashDrafter, hf_tensor_names, resolve_drafter
 from dflash.models.drafter_io import CheckpointError, load_drafter
@@ -96,7 +96,7 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["zlab", "speculators"])
 def test_export_then_import_is_bit_exact_in_fp32(setup, tmp_path, fmt):
     target_cfg, _, drafter, run_dir = setup
-    result = export_run(run_dir, fmt=fmt, out=tmp_path / "out", say=lambda _: None)
+    result = export_run(run_dir, ExportLayout(fmt), out=tmp_path / "out", say=lambda _: None)
     assert result.step == STEP and [n for n, _ in result.files] == ["README.md", "config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary directory left beside it
     loaded = load_drafter(tmp_path / "out", target_cfg)
@@ -119,7 +119,7 @@ def test_loading_builds_the_drafter_abstractly_and_fills_every_parameter(setup, 
     """The loaders build the module under `nnx.eval_shape` (no random init to overwrite, nothing compiled: ~2 s of
     a `dflash serve` start) and fill every parameter with a concrete array equal to the stored one."""
     target_cfg, _, drafter, run_dir = setup
-    export_run(run_dir, fmt="zlab", out=tmp_path / "out", say=lambda _: None)
+    export_run(run_dir, ExportLayout("zlab"), out=tmp_path / "out", say=lambda _: None)
     built = []
     init = DFlashDrafter.__init__
 
@@ -140,7 +140,7 @@ def test_loading_builds_the_drafter_abstractly_and_fills_every_parameter(setup, 
 
 def test_bf16_export_is_the_fp32_weights_rounded_to_bf16(setup, tmp_path):
     target_cfg, _, drafter, run_dir = setup
-    export_run(run_dir, fmt="zlab", out=tmp_path / "bf16", dtype="bfloat16", say=lambda _: None)
+    export_run(run_dir, ExportLayout("zlab", "bfloat16"), out=tmp_path / "bf16", say=lambda _: None)
     header = (tmp_path / "bf16" / "model.safetensors").read_bytes()
     header = json.loads(header[8:8 + int.from_bytes(header[:8], "little")])
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
@@ -163,7 +163,7 @@ def test_the_engine_decodes_identically_from_the_export(setup, tmp_path):
     runs = {}
     for name, path in (("orbax", run_dir), ("zlab", tmp_path / "z"), ("speculators", tmp_path / "s")):
         if name != "orbax":
-            export_run(run_dir, fmt=name, out=path, say=lambda _: None)
+            export_run(run_dir, ExportLayout(name), out=path, say=lambda _: None)
         drafter = load_drafter(path, target_cfg)
         runs[name] = decode(target_params, target_cfg, prompts, 20, max_len=128, plan=Chain(4), drafter=drafter)
     assert REPEATED in runs["orbax"][1].token_ids and runs["orbax"][1].tau > 1.5  # drafts are accepted
@@ -242,7 +242,8 @@ def test_eps_is_written_as_the_number_it_was_meant_to_be():
 
 def test_model_card_names_target_training_eval_and_serving_lines(setup, tmp_path):
     _, _, _, run_dir = setup
-    export_run(run_dir, fmt="zlab", out=tmp_path / "card", target="org/tiny-llama", say=lambda _: None)
+    export_run(run_dir, ExportLayout("zlab"), out=tmp_path / "card", export_for=ExportFor(target="org/tiny-llama"),
+               say=lambda _: None)
     card = (tmp_path / "card" / "README.md").read_text()
     assert "base_model: org/tiny-llama" in card and "step 3 of `train.steps=" in card
     assert "| gsm8k | 2.50 | 1.70x | 30.0 | 20.0 | 0 |" in card  # the eval table of <run_dir>/eval/results.json
@@ -262,14 +263,14 @@ def test_an_interrupted_export_leaves_nothing_that_looks_complete(setup, tmp_pat
 
     monkeypatch.setattr(export_run_module, "render_card", boom)
     with pytest.raises(KeyboardInterrupt):
-        export_run(run_dir, fmt="zlab", out=tmp_path / "out", say=lambda _: None)
+        export_run(run_dir, ExportLayout("zlab"), out=tmp_path / "out", say=lambda _: None)
     assert list(tmp_path.iterdir()) == []  # neither out nor its temporary directory
     monkeypatch.undo()
     # A temporary directory left by a killed export (its pid gone) is removed by the next export there.
     stale = tmp_path / ".out.tmp-999999999"
     stale.mkdir()
     (stale / "config.json").write_text("{}")
-    export_run(run_dir, fmt="zlab", out=tmp_path / "out", say=lambda _: None)
+    export_run(run_dir, ExportLayout("zlab"), out=tmp_path / "out", say=lambda _: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -318,7 +319,7 @@ def test_refusals_name_the_problem(setup, tmp_path, capsys):
         if path.is_file() and path.stat().st_size > 1000:
             path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(CheckpointError, match="is corrupt"):
-        export_run(broken, fmt="zlab", out=tmp_path / "x", say=lambda _: None)
+        export_run(broken, ExportLayout("zlab"), out=tmp_path / "x", say=lambda _: None)
     # A drafter reading the target's last layer cannot be exported.
     last = dataclasses.replace(drafter.arch, layer_ids=(1, 3))
     lastrun = _make_run(tmp_path / "lastrun", DFlashDrafter(last, nnx.Rngs(0)), results=False)
@@ -344,8 +345,8 @@ def test_refusals_name_the_problem(setup, tmp_path, capsys):
 
 def test_a_mismatched_import_names_every_mismatch(setup, tmp_path):
     target_cfg, _, drafter, run_dir = setup
-    export_run(run_dir, fmt="zlab", out=tmp_path / "z", say=lambda _: None)
-    export_run(run_dir, fmt="speculators", out=tmp_path / "s", say=lambda _: None)
+    export_run(run_dir, ExportLayout("zlab"), out=tmp_path / "z", say=lambda _: None)
+    export_run(run_dir, ExportLayout("speculators"), out=tmp_path / "s", say=lambda _: None)
     other = dataclasses.replace(target_cfg, hidden_size=128, vocab_size=300, num_layers=6)
     for layout in ("z", "s"):
         with pytest.raises(ValueError) as err:
@@ -376,7 +377,7 @@ def test_an_export_of_a_retired_markov_head_is_refused_by_name(setup, tmp_path):
     directory) is refused in both layouts rather than loaded without the head it was trained with."""
     target_cfg, _, _, run_dir = setup
     for fmt in ("zlab", "speculators"):
-        export_run(run_dir, fmt=fmt, out=tmp_path / fmt, say=lambda _: None)
+        export_run(run_dir, ExportLayout(fmt), out=tmp_path / fmt, say=lambda _: None)
         (tmp_path / fmt / "markov_head").mkdir()
         with pytest.raises(WeightsError, match=r"Markov head \(markov_head/\), an option retired"):
             load_drafter(tmp_path / fmt, target_cfg)
@@ -386,12 +387,12 @@ def test_released_configs_import_block_size_and_speculators_defaults(setup, tmp_
     """A newer z-lab config keeps block_size inside dflash_config; a speculators config written by speculators
     itself lists only the fields that differ from Qwen3Config(); both load."""
     target_cfg, _, drafter, run_dir = setup
-    export_run(run_dir, fmt="zlab", out=tmp_path / "z", say=lambda _: None)
+    export_run(run_dir, ExportLayout("zlab"), out=tmp_path / "z", say=lambda _: None)
     config = json.loads((tmp_path / "z" / "config.json").read_text())
     config["dflash_config"]["block_size"] = config.pop("block_size")
     (tmp_path / "z" / "config.json").write_text(json.dumps(config))
     assert load_drafter(tmp_path / "z", target_cfg).arch.block_size == 4
-    export_run(run_dir, fmt="speculators", out=tmp_path / "s", say=lambda _: None)
+    export_run(run_dir, ExportLayout("speculators"), out=tmp_path / "s", say=lambda _: None)
     config = json.loads((tmp_path / "s" / "config.json").read_text())
     layer = config["transformer_layer_config"]
     for key in ("rms_norm_eps", "hidden_act", "attention_bias", "tie_word_embeddings"):
@@ -419,7 +420,7 @@ def test_the_best_drafter_exports_with_its_step(setup, tmp_path):
     shutil.copytree(run_dir, copy)
     best = DFlashDrafter(drafter.arch, nnx.Rngs(9))
     save_best(copy, best, 2, {"tau": 1.5, "tau/gsm8k": 1.5, "accept_per_position": [0.5, 0.0, 0.0]})
-    result = export_run(copy, step="best", fmt="speculators", out=tmp_path / "out", say=lambda _: None)
+    result = export_run(copy, ExportLayout("speculators"), step="best", out=tmp_path / "out", say=lambda _: None)
     assert result.step == 2
     card = (tmp_path / "out" / "README.md").read_text()
     assert "step 2 (the best drafter by real τ during training)" in card and "Data: `gsm8k`" in card
@@ -519,7 +520,7 @@ def test_best_copied_alone_keeps_its_card_and_is_never_rotated_out(setup, tmp_pa
 
     alone = tmp_path / "alone"
     shutil.copytree(run / "best", alone / "best")  # no checkpoints/, no eval/
-    export_run(alone, step="best", fmt="zlab", out=tmp_path / "out", say=lambda _: None)
+    export_run(alone, ExportLayout("zlab"), step="best", out=tmp_path / "out", say=lambda _: None)
     card = (tmp_path / "out" / "README.md").read_text()
     assert "step 2 (the best drafter by real τ during training)" in card and "Data: `gsm8k`" in card
     assert "| gsm8k | 2.50 | 1.70x | 30.0 | 20.0 | 0 |" in card  # the eval table, from best/results.json
@@ -529,7 +530,7 @@ def test_best_copied_alone_keeps_its_card_and_is_never_rotated_out(setup, tmp_pa
     assert "Chat template variables of the training answers (`data.regen.template_kwargs`): none" in card
     # without results.json in best/ (an older best/), the card says no results were found
     (alone / "best" / BEST_RESULTS).unlink()
-    export_run(alone, step="best", fmt="zlab", out=tmp_path / "bare", say=lambda _: None)
+    export_run(alone, ExportLayout("zlab"), step="best", out=tmp_path / "bare", say=lambda _: None)
     assert "No `dflash eval` results were given or found" in (tmp_path / "bare" / "README.md").read_text()
 
 

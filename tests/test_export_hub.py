@@ -22,7 +22,7 @@ import pytest
 from test_export import _drafter_that_drafts, _make_run
 
 from dflash.export.hub import HubError
-from dflash.export.run import export_run
+from dflash.export.run import ExportLayout, HubPush, export_run
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
@@ -178,8 +178,9 @@ def _files(directory: Path) -> dict[str, bytes]:
 
 
 def test_files_arrive_in_one_private_commit(hub, run_dir, tmp_path):
-    result = export_run(run_dir, fmt="zlab", out=tmp_path / "out", push_to_hub="alice/tiny-dflash", private=True,
-                        endpoint=hub.url, token=GOOD_TOKEN, say=lambda _: None)
+    result = export_run(run_dir, ExportLayout("zlab"), out=tmp_path / "out",
+                        hub=HubPush("alice/tiny-dflash", private=True, endpoint=hub.url, token=GOOD_TOKEN),
+                        say=lambda _: None)
     repo = hub.repos["alice/tiny-dflash"]
     assert repo["private"] is True
     assert len(repo["commits"]) == 1
@@ -193,8 +194,8 @@ def test_files_arrive_in_one_private_commit(hub, run_dir, tmp_path):
 
 def test_a_revision_goes_to_its_branch_and_the_token_comes_from_hf_token(hub, run_dir, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", GOOD_TOKEN)
-    export_run(run_dir, fmt="speculators", push_to_hub="alice/spec", endpoint=hub.url, say=lambda _: None)
-    export_run(run_dir, fmt="speculators", push_to_hub="alice/spec", revision="v1", endpoint=hub.url,
+    export_run(run_dir, ExportLayout("speculators"), hub=HubPush("alice/spec", endpoint=hub.url), say=lambda _: None)
+    export_run(run_dir, ExportLayout("speculators"), hub=HubPush("alice/spec", revision="v1", endpoint=hub.url),
                say=lambda _: None)
     repo = hub.repos["alice/spec"]
     assert repo["private"] is False and [c["revision"] for c in repo["commits"]] == ["main", "v1"]
@@ -203,17 +204,17 @@ def test_a_revision_goes_to_its_branch_and_the_token_comes_from_hf_token(hub, ru
 
 
 def test_private_is_honoured_for_an_existing_public_repo(hub, run_dir):
-    export_run(run_dir, fmt="zlab", push_to_hub="alice/public", endpoint=hub.url, token=GOOD_TOKEN,
+    export_run(run_dir, ExportLayout("zlab"), hub=HubPush("alice/public", endpoint=hub.url, token=GOOD_TOKEN),
                say=lambda _: None)
     with pytest.raises(HubError, match="already exists .* and is public: --private would not make its files private"):
-        export_run(run_dir, fmt="zlab", push_to_hub="alice/public", private=True, endpoint=hub.url, token=GOOD_TOKEN,
-                   say=lambda _: None)
+        export_run(run_dir, ExportLayout("zlab"),
+                   hub=HubPush("alice/public", private=True, endpoint=hub.url, token=GOOD_TOKEN), say=lambda _: None)
     assert len(hub.repos["alice/public"]["commits"]) == 1
 
 
 def test_an_auth_failure_is_a_clear_error(hub, run_dir, tmp_path, monkeypatch):
     with pytest.raises(HubError) as err:
-        export_run(run_dir, fmt="zlab", push_to_hub="alice/x", endpoint=hub.url, token="hf_wrong",
+        export_run(run_dir, ExportLayout("zlab"), hub=HubPush("alice/x", endpoint=hub.url, token="hf_wrong"),
                    say=lambda _: None)
     assert "rejected the token while trying to create the repo (401 Unauthorized)" in str(err.value)
     assert "HF_TOKEN" in str(err.value) and "hf auth login" in str(err.value)
@@ -226,10 +227,11 @@ def test_an_auth_failure_is_a_clear_error(hub, run_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
     sent = len(hub.requests)
     with pytest.raises(HubError, match="no Hugging Face token: set HF_TOKEN or run `hf auth login`"):
-        export_run(run_dir, fmt="zlab", push_to_hub="alice/x", endpoint=hub.url, say=lambda _: None)
+        export_run(run_dir, ExportLayout("zlab"), hub=HubPush("alice/x", endpoint=hub.url), say=lambda _: None)
     assert len(hub.requests) == sent
     with pytest.raises(HubError, match="must name the owner"):
-        export_run(run_dir, fmt="zlab", push_to_hub="noowner", endpoint=hub.url, token=GOOD_TOKEN, say=lambda _: None)
+        export_run(run_dir, ExportLayout("zlab"), hub=HubPush("noowner", endpoint=hub.url, token=GOOD_TOKEN),
+                   say=lambda _: None)
 
 
 @pytest.mark.slow  # ~30 s, a subprocess: the in-process uploads above make the same requests; the nightly tier runs it

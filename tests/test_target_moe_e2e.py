@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.heavy, pytest.mark.e2e]
 @pytest.mark.parametrize("case", ["qwen3_moe", pytest.param("gpt_oss", marks=pytest.mark.slow)])  # gpt-oss: ~70 s;
 # test_target_families keeps its parity with transformers and its engine's greedy output in the default tier
 def test_a_drafter_for_a_moe_target_trains_online_serves_losslessly_and_exports(case, tmp_path):
-    from dflash.export.run import export_run
+    from dflash.export.run import ExportLayout, export_run
     from dflash.models.drafter_io import load_drafter
     from dflash.models.drafter_io import load_hf_dir as load_drafter_dir
     from dflash.serve.engine import Engine
@@ -53,11 +53,11 @@ def test_a_drafter_for_a_moe_target_trains_online_serves_losslessly_and_exports(
         outputs.append(engine.run()[rid].token_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 24
 
-    export_run(tmp_path / "run", fmt="zlab", out=tmp_path / "zlab", say=lambda _: None)
+    export_run(tmp_path / "run", ExportLayout("zlab"), out=tmp_path / "zlab", say=lambda _: None)
     exported = json.loads((tmp_path / "zlab" / "config.json").read_text())
     assert exported["dflash_config"]["mask_token_id"] == MASK_TOKEN_ID and exported["num_target_layers"] == 4
     assert_same_params(drafter, load_drafter_dir(tmp_path / "zlab", cfg))
-    export_run(tmp_path / "run", fmt="speculators", out=tmp_path / "spec", say=lambda _: None)
+    export_run(tmp_path / "run", ExportLayout("speculators"), out=tmp_path / "spec", say=lambda _: None)
     spec = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert spec["aux_hidden_state_layer_ids"] == [1, 3] and spec["target_hidden_size"] == cfg.hidden_size
     assert_same_params(drafter, load_drafter_dir(tmp_path / "spec", cfg))

@@ -86,7 +86,7 @@ def main() -> int:
     import jax
     from flax import nnx
 
-    from dflash.export.run import export_run
+    from dflash.export.run import ExportFor, ExportLayout, export_run
     from dflash.train.checkpoint import Checkpointer
     from dflash.train.loop import arch_dict
     from dflash.train.step import init_state, make_optimizer
@@ -100,7 +100,7 @@ def main() -> int:
         ckpt.save(1, state, {"iterator": {"next_index": 1}})
         ckpt.close()
         for fmt, names in layouts.items():
-            export_run(run_dir, fmt=fmt, out=Path(tmp) / fmt, target=VERIFIER)
+            export_run(run_dir, ExportLayout(fmt), out=Path(tmp) / fmt, export_for=ExportFor(target=VERIFIER))
             directory = args.out / (fmt if args.kind == "dflash" else f"{fmt}_{args.kind}")
             directory.mkdir(parents=True, exist_ok=True)
             for name in names:
