@@ -39,6 +39,7 @@ from dflash.serve.config import DRAFT_RULES, ServeConfig, lookup_fits
 from dflash.serve.requests import is_int
 from dflash.serve.speculative import Models, SpecState, TokenLogprobs, decode_steps, propose, verify, verify_logprobs
 from dflash.serve.tree import (
+    TreeLoop,
     build_tree,
     decode_tree_steps,
     propose_topk,
@@ -276,8 +277,8 @@ class Tree(Plan):
         tokens = sizes = None
         if self.lookup_nodes:
             tokens, sizes = (jnp.asarray(a) for a in history())
-        return decode_tree_steps, (models, state, stop_ids_BxS, budget_B, tokens, sizes, self.k, self.nodes,
-                                   self.lookup_nodes, steps, pages, self.rule == "sample")
+        return decode_tree_steps, (models, state, stop_ids_BxS, budget_B, tokens, sizes,
+                                   TreeLoop(self.k, self.nodes, self.lookup_nodes, steps, pages, self.rule == "sample"))
 
     def describe(self) -> str:
         return (f"DFlash K={self.k}, tree of {self.nodes} nodes" + (" + prompt lookup" if self.lookup else "")

@@ -426,19 +426,33 @@ def verify_tree_logprobs(models: Models, state: SpecState, tree: Tree, block_siz
     return _verify_tree(models, state, tree, block_size, span_pages, True)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "nodes", "lookup", "steps", "span_pages", "sample"),
-                   donate_argnames=("state",))
+@dataclasses.dataclass(frozen=True)
+class TreeLoop:
+    """The static shape of a `decode_tree_steps` program (one compile each): K = `block_size`, trees of `nodes`
+    nodes of which `lookup` are a prompt-lookup path, up to `steps` steps per dispatch, attention over `span_pages`
+    pages, and whether sampled rows draw the drafter's nodes from its law (`sample`)."""
+
+    block_size: int
+    nodes: int
+    lookup: int
+    steps: int
+    span_pages: int
+    sample: bool = False
+
+
+@functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))
 def decode_tree_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array,
-                      history_BxH: jax.Array | None, history_len_B: jax.Array | None, block_size: int, nodes: int,
-                      lookup: int, steps: int, span_pages: int,
-                      sample: bool = False) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
-    """`speculative.decode_steps` with tree steps: up to `steps` of `propose_topk` + `build_tree` +
-    `verify_tree` in one device loop, with the same exit rules and outputs (tokens [steps, B, K], accepted n
-    [steps, B], steps run). lookup > 0 merges a prompt-lookup path of that many nodes into each tree, found on the
-    device (`lookup_paths`) in each slot's token history (history_BxH: prompt and output so far, its first
-    history_len_B entries real, the last the pending token), to which each step appends its output. `sample`: sampled
-    rows draw the drafter's nodes from its law (`propose_topk`). Each step is the same computation as one engine
-    step at R = 1 (the same trees, outputs and state)."""
+                      history_BxH: jax.Array | None, history_len_B: jax.Array | None,
+                      loop: TreeLoop) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
+    """`speculative.decode_steps` with tree steps, of the static shape `loop` (`TreeLoop`): up to `steps` of
+    `propose_topk` + `build_tree` + `verify_tree` in one device loop, with the same exit rules and outputs (tokens
+    [steps, B, K], accepted n [steps, B], steps run). lookup > 0 merges a prompt-lookup path of that many nodes into
+    each tree, found on the device (`lookup_paths`) in each slot's token history (history_BxH: prompt and output so
+    far, its first history_len_B entries real, the last the pending token), to which each step appends its output.
+    `sample`: sampled rows draw the drafter's nodes from its law (`propose_topk`). Each step is the same computation
+    as one engine step at R = 1 (the same trees, outputs and state)."""
+    block_size, nodes, lookup, steps = loop.block_size, loop.nodes, loop.lookup, loop.steps
+    span_pages, sample = loop.span_pages, loop.sample
     m = nodes - 1 - lookup
     span = span_pages * state.target.page_size
 
@@ -458,5 +472,5 @@ def decode_tree_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array,
     return run_steps(step, state, hist, stop_ids_BxS, budget_B, block_size, steps)
 
 
-__all__ = ["Tree", "build_tree", "decode_tree_steps", "propose_topk", "rank_drafts", "tree_problems", "verify_tree",
-           "verify_tree_logprobs"]
+__all__ = ["Tree", "TreeLoop", "build_tree", "decode_tree_steps", "propose_topk", "rank_drafts", "tree_problems",
+           "verify_tree", "verify_tree_logprobs"]
