@@ -38,7 +38,7 @@ from dflash.models.decoder import Params, embed, forward
 from dflash.models.drafter import BlockVisibility, DFlashDrafter, concat_features
 from dflash.models.target import Target
 from dflash.serve.config import SamplingConfig, lookup_fits
-from dflash.serve.engine import decode
+from dflash.serve.engine import DecodeRun, decode
 from dflash.serve.plan import AR, Chain, Tree
 from dflash.serve.speculative import Models, argmax_drafts, bucket, selector_drafts
 
@@ -99,8 +99,8 @@ def real_tau(target: Target, drafter: DFlashDrafter, prompts: Sequence[EvalPromp
     params = target.params if params is None else params
     done = decode(params, target.cfg, [list(p.ids) for p in prompts], new_tokens,
                   max_len=decode_max_len(prompts, new_tokens, k), drafter=drafter, plan=Chain(k, draft_rule),
-                  stop_ids=target.tokenizer.stop_token_ids, sampling=sampling, prefill_chunk=prefill_chunk,
-                  slots=REAL_TAU_SLOTS)
+                  stop_ids=target.tokenizer.stop_token_ids, sampling=sampling,
+                  run=DecodeRun(slots=REAL_TAU_SLOTS, prefill_chunk=prefill_chunk))
     metrics: dict[str, Any] = {"tau": pooled_tau([c.accepted for c in done])}
     for name in dict.fromkeys(p.set for p in prompts):
         metrics[f"tau/{name}"] = pooled_tau([c.accepted for c, p in zip(done, prompts, strict=True) if p.set == name])

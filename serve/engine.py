@@ -743,18 +743,27 @@ class Engine:
         return self.done
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeRun:
+    """How `decode` feeds its prompts through the engine: `slots`: at most this many prompts decode at once
+    (default: all; the rest wait in the queue, as a server's requests do); `prefill_chunk`: as `Limits`; `seeds`: one
+    per prompt (default: sampling.seed + index); `on_token`: called with each new token of a single prompt as the
+    engine emits it (streaming)."""
+
+    slots: int | None = None
+    prefill_chunk: int | None = None
+    seeds: Sequence[int] | None = None
+    on_token: Callable[[int], None] | None = None
+
+
 def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
            *, max_len: int, drafter: DFlashDrafter | None = None, plan: DecodePlan | None = None,
-           stop_ids: Sequence[int] = (), sampling: SamplingConfig | None = None, seeds: Sequence[int] | None = None,
-           on_token: Callable[[int], None] | None = None, prefill_chunk: int | None = None,
-           slots: int | None = None) -> list[Completion]:
+           stop_ids: Sequence[int] = (), sampling: SamplingConfig | None = None,
+           run: DecodeRun = DecodeRun()) -> list[Completion]:
     """Decode `prompts` together, one slot each, through the engine by `plan` (default: AR without a drafter,
-    else the drafter's chain at its training K). Greedy DFlash equals AR token for token; sampled DFlash has AR
-    sampling's distribution.
-
-    seeds: one per prompt (default: sampling.seed + index); on_token: called with each new token of a
-    single prompt as the engine emits it (streaming); prefill_chunk: as `Limits`; slots: at most this many prompts
-    decode at once (default: all; the rest wait in the queue, as a server's requests do)."""
+    else the drafter's chain at its training K), fed as `run` says (`DecodeRun`: slots at once, prefill chunk, seeds,
+    streaming). Greedy DFlash equals AR token for token; sampled DFlash has AR sampling's distribution."""
+    seeds, on_token, prefill_chunk, slots = run.seeds, run.on_token, run.prefill_chunk, run.slots
     if not prompts:
         raise ValueError("prompts must be a non-empty list of non-empty token lists; received none")
     if on_token is not None and len(prompts) != 1:
@@ -779,4 +788,4 @@ def decode(target_params: Params, target_cfg: DecoderConfig, prompts: Sequence[S
     return requests
 
 
-__all__ = ["Completion", "Engine", "RequestRejected", "decode"]
+__all__ = ["Completion", "DecodeRun", "Engine", "RequestRejected", "decode"]

@@ -22,7 +22,7 @@ from dflash.eval.servers import serve_in_process
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import load_target
 from dflash.models.zlab import save_zlab
-from dflash.serve.engine import decode
+from dflash.serve.engine import DecodeRun, decode
 
 pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not in `bin/test --fast`
 
@@ -194,7 +194,7 @@ def test_a_sampled_eval_records_its_rule_and_is_the_engine_sampling_with_those_s
         [local] = decode(target.params, target.cfg, [prompt], NEW, max_len=recipe.target.max_seq_len,
                          drafter=drafter, stop_ids=tok.stop_token_ids,
                          sampling=SamplingConfig(temperature=1.0, top_p=0.9),
-                         seeds=[sampled.request_seed(r["id"], 0)])
+                         run=DecodeRun(seeds=[sampled.request_seed(r["id"], 0)]))
         assert r["accepted"] == local.accepted and r["tokens"] == len(local.token_ids), r["id"]
     greedy, _ = evaluate(url, ar_url, settings, tmp_path, progress=False)
     assert greedy["headline"]["mismatches"] == 0 and greedy["settings"]["temperature"] == 0.0

@@ -17,7 +17,7 @@ from conftest import ar_alone, tiny_engine_models
 from flax import nnx
 
 from dflash.models.drafter import DFlashDrafter, DraftVocab
-from dflash.serve.engine import Engine, decode
+from dflash.serve.engine import DecodeRun, Engine, decode
 from dflash.serve.plan import Chain, Limits, Tree
 from dflash.serve.sampling import SamplingConfig
 from dflash.serve.speculative import view_slots
@@ -193,7 +193,7 @@ def test_sampled_dflash_has_the_target_distribution(setup):
 
     n = 4000  # a budget of 3: the first step can emit 2 tokens, so its acceptance of d_1 shows in the statistics
     results = decode(target_params, target_cfg, [prompt] * n, 3, max_len=32, plan=Chain(3, drafts=draft),
-                     drafter=drafter, sampling=sampling, seeds=list(range(n)))
+                     drafter=drafter, sampling=sampling, run=DecodeRun(seeds=list(range(n))))
     pairs = [tuple(r.token_ids[:2]) for r in results]
     observed = np.array([sum(1 for p in pairs if p == c) for c in cells])
     assert observed.sum() == n, "a pair outside the target's support was sampled"
@@ -226,7 +226,8 @@ def test_drafts_drawn_from_the_drafter_keep_the_target_distribution(setup):
 
     n = 4000
     results = {rule: decode(target_params, target_cfg, [prompt] * n, 3, max_len=32, plan=Chain(3, rule),
-                            drafter=drafter, sampling=sampling, seeds=list(range(n))) for rule in ("sample", "argmax")}
+                            drafter=drafter, sampling=sampling, run=DecodeRun(seeds=list(range(n))))
+               for rule in ("sample", "argmax")}
     pairs = np.array([r.token_ids[:2] for r in results["sample"]])
     observed = np.zeros((8, 8))
     np.add.at(observed, (pairs[:, 0] % 8, pairs[:, 1] % 8), 1)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import ar_alone, tiny_engine_models
 
-from dflash.serve.engine import Engine, decode
+from dflash.serve.engine import DecodeRun, Engine, decode
 from dflash.serve.lookup import append_history, lookup_paths, ngram_continuation
 from dflash.serve.plan import Limits, Lookup, Tree
 from dflash.serve.sampling import SamplingConfig
@@ -251,7 +251,7 @@ def decode_three(setup, three_tokens, plan, budget=3):
     target_cfg, target_params, drafter, _, _ = setup
     prompt, sampling, cells, expected, _, _ = three_tokens
     results = decode(target_params, target_cfg, [prompt] * THREE, budget, max_len=32, plan=plan, drafter=drafter,
-                     sampling=sampling, seeds=list(range(THREE)))
+                     sampling=sampling, run=DecodeRun(seeds=list(range(THREE))))
     triples = [tuple(r.token_ids[:3]) for r in results]
     observed = np.array([sum(1 for t in triples if t == c) for c in cells])
     assert observed.sum() == THREE, "a sequence outside the target's support was sampled"
