@@ -113,17 +113,25 @@ def measure(args: argparse.Namespace, slots: int, out: Path, settings: Any, item
     concurrency <= slots: the records of all four modes."""
     from dflash.eval.client import Client
     from dflash.eval.engines import engine_for
-    from dflash.eval.run import collect
+    from dflash.eval.run import RecordStore, collect
 
     records: list[dict[str, Any]] = []
     for group in GROUPS:
+        store = RecordStore(out / "records.jsonl")
+        modes = [m for m in MODES if m == group or m.startswith(f"{group}-")]
+        if all(store.has_conversation(m, c, item) for m in modes for c in settings.concurrency for item in items):
+            print(f"{group}, {slots} slots: every request is in {out} already (a resumed run); not started", flush=True)
+            continue
         with _servers(args, group, slots, out, hf_target, drafter, k, max_len) as urls:
             clients = {mode: Client(url) for mode, url in urls.items()}
             engines = {mode: engine_for(client, mode.split("-")[0].replace("ours", "dflash"))
                        for mode, client in clients.items()}
-            records = collect(clients, settings, out, items, progress=True, engines=engines,
-                              speculative=("ours-dflash", "vllm-dflash"))
-    return records
+            collect(clients, settings, out, items, progress=True, engines=engines,
+                    speculative=("ours-dflash", "vllm-dflash"))
+    wanted = {item.id for item in items}
+    records = RecordStore(out / "records.jsonl").records.values()
+    return [r for r in records if r["concurrency"] in settings.concurrency
+            and (r["kind"] in ("wall", "compiles", "spec") or r["id"] in wanted)]
 
 
 def engine_results(records: list[dict[str, Any]], engine: str, concurrency: int, sets: tuple[str, ...],
@@ -210,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             rows += rows_of(records, slots, c, sets, k)
             print("\n".join(table(rows[-2:])), flush=True)
     minutes = (time.perf_counter() - started) / 60
-    cmd = " ".join(["benchmarks/vs_vllm.py", *(sys.argv[1:] if argv is None else argv)])
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--out" in given:  # a machine's path: not in the docs (the records' folder is a run's own)
+        given[given.index("--out"):given.index("--out") + 2] = ["--out", "DIR"]
+    cmd = " ".join(["benchmarks/vs_vllm.py", *given])
     body = "\n".join([
         f"## {SECTION}", "",
         f"`.venv/bin/python {cmd}` on {machine()}, {minutes:.0f} min, load average {load:.1f} at the start; "
