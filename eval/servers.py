@@ -25,8 +25,12 @@ def free_port() -> int:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None, log: Path | None, timeout: float = 600.0) -> None:
-    """Block until `url`/health answers; a process that exits first is an error naming its log."""
+    """Block until `url`/health answers; a process that exits first is an error naming its log. `timeout`: seconds
+    without progress, i.e. without the health check answering and, when `log` is given, without the log growing (a
+    server precompiling logs each program: a cold start of many slots on a loaded CPU takes longer than any fixed
+    limit while it is clearly working)."""
     client = Client(url, timeout=5.0)
+    size = -1
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -38,7 +42,11 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, log: Path | None, time
             return
         except ServerError:
             time.sleep(0.5)
-    raise ServerError(f"the server at {url} was not ready after {timeout:.0f} s (log: {log})")
+        grown = log.stat().st_size if log is not None and log.is_file() else size
+        if grown != size:
+            size, deadline = grown, time.time() + timeout
+    silent = f"its log {log} silent" if log is not None else "no answer"
+    raise ServerError(f"the server at {url} was not ready: {silent} for {timeout:.0f} s")
 
 
 @contextlib.contextmanager

@@ -125,7 +125,7 @@ def map_limit_note(maps: str | Path = "/proc/self/maps",
                    limit: str | Path = "/proc/sys/vm/max_map_count") -> str | None:
     """A warning when this process's memory maps pass MAP_WARN_SHARE of Linux's per-process limit, else None (and
     None where either file is unreadable: not Linux). XLA's CPU backend maps memory for every compiled program
-    (~330 maps each, measured on SmolLM2's engine); at the limit (65530 by default) the next compile ends the process
+    (~310 maps each, measured on SmolLM2's engine); at the limit (65530 by default) the next compile ends the process
     with `LLVM ERROR: Unable to allocate section memory` (a 16-slot CPU server's DFlash and AR engines hold ~150
     programs; docs/serving.md)."""
     try:
