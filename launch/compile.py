@@ -253,12 +253,6 @@ def _mesh(cfg: Any, devices: list[Any]) -> Any:
     return Mesh(array, AXES)
 
 
-def _nbytes(tree: Any) -> int:
-    import jax
-
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
 
 
@@ -515,13 +509,6 @@ def _leaves(tree: Any) -> list[Any]:
 
 
 # ----------------------------------------------------------------------------- the subprocess (parent side)
-
-
-def recipe_topology(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> str | None:
-    """The TPU slice a recipe is sized for (its `launch.tpu_type`, e.g. `v5p-128`), or None."""
-    from dflash.configs.recipe import load_recipe
-
-    return load_recipe(recipe, overrides).launch.tpu_type
 
 
 def find_libtpu(explicit: str | None = None) -> Path | None:

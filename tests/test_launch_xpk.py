@@ -15,7 +15,6 @@ from conftest import PACKAGE_DIRS
 from dflash.configs.recipe import load_recipe
 from dflash.configs.schema import ConfigError
 from dflash.launch.cli import build_parser, main
-from dflash.launch.compile import recipe_topology
 from dflash.launch.tpus import parse_tpu_type
 from dflash.launch.xpk import XpkLaunch, mount_path
 
@@ -106,14 +105,14 @@ POD_RECIPES = ("qwen3_8b", "qwen3_4b", "llama31_8b", "llama31_8b_widek", "qwen3_
 
 
 def test_the_tpu_slice_is_a_typed_recipe_field_checked_when_the_recipe_loads(capsys):
-    """`launch.tpu_type` names the slice a recipe is sized for: the pod recipes set it, `recipe_topology` (the
-    default of `dflash launch compile`) reads it, an override changes it, and a bad value stops the load with an
+    """`launch.tpu_type` names the slice a recipe is sized for: the pod recipes set it (the default slice
+    of `dflash launch compile`), an override changes it, and a bad value stops the load with an
     error naming the field, the value and the rule, before any launcher code runs."""
     for name in POD_RECIPES:
-        assert load_recipe(name).launch.tpu_type == recipe_topology(name) == "v5p-128"
-        assert parse_tpu_type(recipe_topology(name), "launch.tpu_type").chips == 64
-    assert recipe_topology("tiny") is None and recipe_topology("smollm2") is None
-    assert recipe_topology("qwen3_8b", ["launch.tpu_type=v5p-256"]) == "v5p-256"
+        assert load_recipe(name).launch.tpu_type == "v5p-128"
+        assert parse_tpu_type(load_recipe(name).launch.tpu_type, "launch.tpu_type").chips == 64
+    assert load_recipe("tiny").launch.tpu_type is None and load_recipe("smollm2").launch.tpu_type is None
+    assert load_recipe("qwen3_8b", ["launch.tpu_type=v5p-256"]).launch.tpu_type == "v5p-256"
     with pytest.raises(ConfigError, match=r"^launch\.tpu_type must be <generation>-<size> .*; received 'h100-8'$"):
         load_recipe("qwen3_8b", ["launch.tpu_type=h100-8"])
     with pytest.raises(ConfigError, match=r"^launch\.tpu_type 'v5p-96': the size must be a power of two"):

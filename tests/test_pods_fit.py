@@ -28,7 +28,6 @@ from dflash.launch.compile import (
     _compile,
     abstract_train_inputs,
     jaxpr_flops,
-    recipe_topology,
     run_compile,
     train_step_flops,
 )
@@ -45,7 +44,7 @@ LARGE = 1 << 20  # elements
 
 def _abstract(name: str):
     recipe = load_recipe(name)
-    tpu = parse_tpu_type(recipe_topology(name))
+    tpu = parse_tpu_type(load_recipe(name).launch.tpu_type)
     mesh = AbstractMesh(mesh_shape(recipe.train.mesh, tpu.chips), AXES)
     return recipe, tpu, mesh, abstract_train_inputs(recipe, mesh)
 
@@ -80,7 +79,7 @@ def test_no_large_array_is_replicated(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", POD_RECIPES)
 def test_the_train_step_fits_hbm_on_a_simulated_mesh_of_the_slice(name):
-    tpu_type = recipe_topology(name)
+    tpu_type = load_recipe(name).launch.tpu_type
     report = run_compile(name, [], tpu_type, backend="cpu", engine=False)
     step = report.train
     assert report.backend.startswith("XLA's CPU compiler on a simulated mesh of")
