@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         "a segment of C in flight. tok/s: tokens "
         "over the segment's wall time; TPOT, TTFT: client-side means; τ: ours per reply, vLLM's counters (pooled "
         "above C = 1); DFlash/AR: median per-request TPOT ratio; differ: DFlash replies unequal to the same engine's "
-        "AR. Our engine with perfect drafts on this machine: [the oracle ceiling]"
-        "(#the-oracle-ceiling-dflash-beside-a-perfect-drafter).", "", *table(rows)])
+        "AR. Our engine with perfect drafts on this machine: benchmarks/oracle_ceiling.py's section, once recorded.",
+        "", *table(rows)])
     print(body)
     if args.write:
         print(f"written to {write_section(SECTION, body)}")
