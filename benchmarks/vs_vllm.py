@@ -98,13 +98,11 @@ def _servers(args: argparse.Namespace, group: str, slots: int, out: Path, hf_tar
                                    out / "ours.log", slots,
                                    timeout=harness.START_TIMEOUT_S * 2) as (dflash, ar):  # precompiles every shape
             yield {"ours-dflash": dflash, "ours-ar": ar}
-    elif group == "vllm-ar":
-        with harness.vllm_server(hf_target, log=out / "vllm-ar.log", **vllm) as url:
-            yield {"vllm-ar": url}
     else:
-        with harness.vllm_server(hf_target, log=out / "vllm-dflash.log", **vllm, speculative={
-                "method": "dflash", "model": str(drafter), "num_speculative_tokens": k - 1}) as url:
-            yield {"vllm-dflash": url}
+        spec = None if group == "vllm-ar" else {"method": "dflash", "model": str(drafter),
+                                                "num_speculative_tokens": k - 1}
+        with harness.vllm_server(hf_target, log=out / f"{group}.log", **vllm, speculative=spec) as url:
+            yield {group: url}
 
 
 def measure(args: argparse.Namespace, slots: int, out: Path, settings: Any, items: list, hf_target: Path,
@@ -115,7 +113,6 @@ def measure(args: argparse.Namespace, slots: int, out: Path, settings: Any, item
     from dflash.eval.engines import engine_for
     from dflash.eval.run import RecordStore, collect
 
-    records: list[dict[str, Any]] = []
     for group in GROUPS:
         store = RecordStore(out / "records.jsonl")
         modes = [m for m in MODES if m == group or m.startswith(f"{group}-")]
@@ -128,10 +125,7 @@ def measure(args: argparse.Namespace, slots: int, out: Path, settings: Any, item
                        for mode, client in clients.items()}
             collect(clients, settings, out, items, progress=True, engines=engines,
                     speculative=("ours-dflash", "vllm-dflash"))
-    wanted = {item.id for item in items}
-    records = RecordStore(out / "records.jsonl").records.values()
-    return [r for r in records if r["concurrency"] in settings.concurrency
-            and (r["kind"] in ("wall", "compiles", "spec") or r["id"] in wanted)]
+    return RecordStore(out / "records.jsonl").select(settings, items)
 
 
 def engine_results(records: list[dict[str, Any]], engine: str, concurrency: int, sets: tuple[str, ...],

@@ -144,6 +144,12 @@ class RecordStore:
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
 
+    def select(self, settings: EvalSettings, items: Sequence[EvalItem]) -> list[dict[str, Any]]:
+        """The records of `settings`' concurrencies: the segments' (wall, compiles, spec) and `items`' replies."""
+        wanted = {item.id for item in items}
+        return [r for r in self.records.values() if r["concurrency"] in settings.concurrency
+                and (r["kind"] in ("wall", "compiles", "spec") or r["id"] in wanted)]
+
     def has_conversation(self, mode: str, concurrency: int, item: EvalItem) -> bool:
         return all(("reply", mode, concurrency, item.id, t) in self.records for t in range(len(item.turns)))
 
@@ -294,10 +300,7 @@ def collect(clients: dict[str, Client], settings: EvalSettings, out_dir: Path, i
             continue
         for mode, client in clients.items():
             _run_mode(client, mode, concurrency, items, settings, store, progress, meters[mode])
-    wanted = {item.id for item in items}
-    return [r for r in store.records.values()
-            if r["concurrency"] in settings.concurrency
-            and (r["kind"] in ("wall", "compiles", "spec") or r["id"] in wanted)]
+    return store.select(settings, items)
 
 
 def environment() -> dict[str, Any]:
