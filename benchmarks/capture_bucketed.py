@@ -99,7 +99,7 @@ def main() -> None:
     lines = ["| capture | real tok/s | wall (s) | positions computed | padding share | compile warm-up (s) |",
              "|---|---|---|---|---|---|"]
     for name, bucket in settings.items():
-        label = "full length (`data.capture_bucket: 0`)" if not bucket else f"length buckets of {bucket}"
+        label = "full length (`length_bucket=0`)" if not bucket else f"length buckets of {bucket}"
         lines.append(f"| {label} | {tokens / seconds[name]:.0f} | {seconds[name]:.1f} | {positions[name]:,} | "
                      f"{1 - tokens / positions[name]:.0%} | {warm[name]:.1f} |")
     command = shlex.join([".venv/bin/python", "benchmarks/capture_bucketed.py", *sys.argv[1:]])

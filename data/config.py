@@ -226,9 +226,9 @@ class EndpointConfig:
     model: the served model id sent with each request ('' = the recipe's target.source); it must be one the
       server lists at /v1/models.
     api_key_env: the NAME of the environment variable holding the API key ('' = none); never the key itself.
-    concurrency: requests in flight. timeout_s: seconds one request may take. retries / backoff_s: a failed
-      request (connection error, timeout, 429, 5xx) is retried this many times, waiting backoff_s * 2^attempt
-      (at most 60 s) between tries; then the run stops, to be rerun (it resumes by item id).
+    concurrency: requests in flight. Each may take 10 minutes; a failed request (connection error, timeout, 429,
+      5xx) is retried 5 times with exponential backoff, then the run stops, to be rerun (it resumes by item id):
+      the client's fixed policy (`data.endpoint.Transport`), not a recipe's choice.
     check: before the first request, refuse a server whose model or tokenizer is not the recipe's target's (the
       served ids, and a probe whose prompt token count and reply text must match the recipe's tokenizer).
     """
@@ -237,18 +237,12 @@ class EndpointConfig:
     model: str = ""
     api_key_env: str = ""
     concurrency: int = 16
-    timeout_s: float = 600.0
-    retries: int = 5
-    backoff_s: float = 1.0
     check: bool = True
 
     def __post_init__(self) -> None:
         require(self.url == "" or self.url.startswith(("http://", "https://")), "data.regen.endpoint.url", self.url,
                 "be '' (the in-process engine) or an http:// or https:// base URL such as http://HOST:8000/v1")
         require(self.concurrency >= 1, "data.regen.endpoint.concurrency", self.concurrency, "be >= 1")
-        require(self.timeout_s > 0, "data.regen.endpoint.timeout_s", self.timeout_s, "be > 0")
-        require(self.retries >= 0, "data.regen.endpoint.retries", self.retries, "be >= 0")
-        require(self.backoff_s >= 0, "data.regen.endpoint.backoff_s", self.backoff_s, "be >= 0")
         require(self.api_key_env == "" or self.api_key_env.replace("_", "a").isalnum(),
                 "data.regen.endpoint.api_key_env", self.api_key_env,
                 "be the name of an environment variable (letters, digits, '_'), not the key itself")
@@ -346,7 +340,6 @@ class DataConfig:
                  renormalised (stored by `dflash data capture`), instead of against its argmax alone
                  (knowledge distillation; docs/decisions.md D33).
     soft_topk:   how many of the target's most likely next tokens `labels: soft` stores and trains on.
-    shuffle_seed: the training loader's shuffling seed (each epoch is a different permutation).
     prompts:     the prompt mix of `regenerate`: several sources, each weighted. A string `SOURCE[:WEIGHT],...`
                  (SOURCE: a preset (sharegpt, gsm8k, gsm8k_test, math, math_test, math500, humaneval, mtbench,
                  mbpp, mbpp_train), `hf:<dataset id>`, or a local json / jsonl / parquet file, glob or directory,
@@ -361,9 +354,6 @@ class DataConfig:
     samples_per_shard / capture_batch_size / compression: offline capture (ArrayRecord shards); a shard holds
                  samples_per_shard samples, fewer when they would take more than about 1 GiB on average
                  (`data.capture.SHARD_BYTES`).
-    capture_bucket: capture batches rows of similar length and runs each batch at its longest row rounded up
-                 to a multiple of this (at most seq_len), instead of at seq_len; 0 = every batch at seq_len.
-                 The stored shards are the same up to the rounding of another shape; each length is one compile.
     capture_replicas / capture_devices_per_replica: capture runs each batch whole on one of `capture_replicas`
                  replicas of the target per process, each on a group of `capture_devices_per_replica` local
                  devices (split over them in tensor parallel when > 1, for a target larger than one chip), as
@@ -371,9 +361,6 @@ class DataConfig:
                  one on CPU); each process of a multi-process run captures its share of the shards
                  (`data.stages.run_capture`). The shards do not depend on them (tensor parallel: up to the
                  rounding of its all-reduce).
-    loader_workers: Grain worker processes reading shards in offline training (0 = in the trainer process).
-    skip_bad_records: offline training skips (and counts) unreadable records instead of stopping.
-    verify_shards: check every shard's sha256 before offline training (slow on large captures).
     walk:        the serving walk training may draw anchors from (`train.walk_anchors`): '' (none), `auto` (the
                  newest complete walk of these rows under dir/walk, written by `dflash data walk`), or the path
                  of a walk's .jsonl or .meta.json (`data.walk`).
@@ -387,7 +374,6 @@ class DataConfig:
     max_examples: int = 0
     labels: Literal["text", "target", "soft"] = "text"
     soft_topk: int = 8
-    shuffle_seed: int = 0
     prompts: str | tuple[Any, ...] = "sharegpt:3,gsm8k:1"
     max_prompts: int = 0
     dedup: bool = True
@@ -397,13 +383,9 @@ class DataConfig:
     regen: RegenConfig = dataclasses.field(default_factory=RegenConfig)
     samples_per_shard: int = 256
     capture_batch_size: int = 8
-    capture_bucket: int = 64
     capture_replicas: int = 0
     capture_devices_per_replica: int = 1
     compression: Literal["uncompressed", "zstd"] = "uncompressed"
-    loader_workers: int = 0
-    skip_bad_records: bool = False
-    verify_shards: bool = False
     walk: str = ""
 
     def __post_init__(self) -> None:
@@ -428,13 +410,10 @@ class DataConfig:
         require(self.max_prompts >= 0, "data.max_prompts", self.max_prompts, "be >= 0 (0 = all)")
         require(self.samples_per_shard >= 1, "data.samples_per_shard", self.samples_per_shard, "be at least 1")
         require(self.capture_batch_size >= 1, "data.capture_batch_size", self.capture_batch_size, "be at least 1")
-        require(self.capture_bucket >= 0, "data.capture_bucket", self.capture_bucket,
-                "be >= 0 (0 = every capture batch at data.seq_len)")
         require(self.capture_replicas >= 0, "data.capture_replicas", self.capture_replicas,
                 "be >= 0 (0: one per group of local devices, one on CPU)")
         require(self.capture_devices_per_replica >= 1, "data.capture_devices_per_replica",
                 self.capture_devices_per_replica, "be >= 1")
-        require(self.loader_workers >= 0, "data.loader_workers", self.loader_workers, "be >= 0")
 
     @property
     def prompt_sources(self) -> tuple[SourceSpec, ...]:

@@ -277,8 +277,7 @@ class EndpointBackend:
 def connect(cfg: RegenConfig, tokenizer: Any, *, target_source: str) -> EndpointBackend:
     """The backend for `cfg.endpoint`, after `check_server` (unless `endpoint.check` is false)."""
     endpoint = cfg.endpoint
-    transport = Transport(endpoint.url, key=api_key(endpoint), timeout_s=endpoint.timeout_s,
-                          retries=endpoint.retries, backoff_s=endpoint.backoff_s)
+    transport = Transport(endpoint.url, key=api_key(endpoint))
     model = endpoint.model or target_source
     if endpoint.check:
         check_server(transport, model, tokenizer, cfg, target_source)

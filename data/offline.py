@@ -35,6 +35,22 @@ Counted = tuple[TrainBatch, int]  # a batch and the number of bad records replac
 
 
 @dataclasses.dataclass(frozen=True)
+class ReadOptions:
+    """How one run reads stored features: `dflash train`'s flags, not the recipe's (what a machine does with the
+    shards, not what the drafter trains on). workers: Grain worker processes (0: in the trainer process);
+    skip_bad_records: a record that fails to read becomes a padding row, counted, instead of stopping the run;
+    verify: check every shard's sha256 before the first step (slow on large captures; sizes are always checked)."""
+
+    workers: int = 0
+    skip_bad_records: bool = False
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workers < 0:
+            raise ValueError(f"--loader-workers must be >= 0 (0: read in the trainer process); received {self.workers}")
+
+
+@dataclasses.dataclass(frozen=True)
 class HostShare:
     """Host `index` of `count` reading one global batch: it reads rows [index*B, (index+1)*B) of every global batch
     of B * count rows (`make_offline_batches`; a multi-host run: the JAX process index and count)."""

@@ -125,7 +125,7 @@ def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool 
              f"; shards i with i % {share.count} == {share.index}" if share.count > 1 else "")
     fmt = CaptureFormat(seq_len=cfg.seq_len, samples_per_shard=cfg.samples_per_shard, compression=cfg.compression,
                         target_labels=cfg.labels != "text", target_topk=cfg.soft_topk if cfg.labels == "soft" else 0)
-    run = CaptureRun(batch_size=cfg.capture_batch_size, length_bucket=cfg.capture_bucket, devices=groups,
+    run = CaptureRun(batch_size=cfg.capture_batch_size, devices=groups,
                      share=(share.index, share.count), progress=progress, label=f"{tag}capture")
     report = capture(target, target.cfg, Provenance.of_target(target), examples, arch.layer_ids, cfg.shard_dir,
                      fmt=fmt, run=run)
@@ -133,7 +133,7 @@ def run_capture(recipe: Recipe, *, target: Target | None = None, progress: bool 
         return report
     barrier("dflash-data-capture")
     if share.index == 0:
-        merge_shares(cfg.shard_dir, share.count, verify=cfg.verify_shards)
+        merge_shares(cfg.shard_dir, share.count)
     barrier("dflash-data-capture-merged")
     manifest = load_manifest(cfg.shard_dir)
     return dataclasses.replace(report, manifest=manifest, bytes_per_token=manifest.bytes_per_token)

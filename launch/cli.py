@@ -169,7 +169,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     _log_devices()
     try:
-        result = run_training(recipe, progress=not args.no_progress)
+        from dflash.data.offline import ReadOptions
+
+        read = ReadOptions(args.loader_workers, args.skip_bad_records, args.verify_shards)
+        result = run_training(recipe, progress=not args.no_progress, read=read)
     except _run_errors() as err:
         print(f"dflash train: error: {err}", file=sys.stderr)
         return 1
@@ -194,6 +197,14 @@ def add_train_args(sub: argparse._SubParsersAction) -> None:
                                      "train.run_dir")
     _add_config_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--loader-workers", type=int, default=0, metavar="N",
+                   help="data.features=offline: Grain worker processes reading the shards (0: in this process)")
+    p.add_argument("--skip-bad-records", action="store_true",
+                   help="data.features=offline: a record that fails to read becomes a padding row, counted, instead "
+                        "of stopping the run")
+    p.add_argument("--verify-shards", action="store_true",
+                   help="data.features=offline: check every shard's sha256 before the first step (slow on large "
+                        "captures; sizes are always checked)")
     p.set_defaults(func=cmd_train)
 
 

@@ -84,32 +84,27 @@ def short_eval(recipe: Recipe, target: Any, out: TextIO, progress: bool = True) 
     trained; the report goes to <run_dir>/eval (a rerun resumes it)."""
     from dflash.eval.report import headline_line
     from dflash.eval.run import EvalSettings, evaluate
-    from dflash.eval.servers import serve_in_process
-    from dflash.launch.serving import auto_prompts
-    from dflash.models.drafter_io import load_drafter
+    from dflash.launch.serving import ServeOptions, build_servers, running
     from dflash.models.registry import shipped_drafter_path
-    from dflash.serve.acceptance import Measured
-    from dflash.serve.plan import plan_from
 
     shipped = shipped_drafter_path(recipe.target.source)
     source = shipped if shipped is not None else Path(recipe.train.run_dir)
-    drafter = load_drafter(source, target.cfg)
     settings = EvalSettings(sets=EVAL_SETS, limit=EVAL_LIMIT, max_new_tokens=recipe.sampling.max_new_tokens)
     which = (f"the drafter shipped for this target ({source}; see its README)" if shipped is not None
              else f"the drafter just trained ({source})")
-    max_len = recipe.target.max_seq_len
-    chooser = None
-    if "auto" in (recipe.serve.block_size, recipe.serve.tree_nodes):
-        def say(text: str) -> None:
-            out.write(text + "\n")
 
-        chooser = Measured(target, auto_prompts(recipe, target.tokenizer, say), max_len=max_len, say=say)
-    plan = plan_from(recipe.serve, drafter, chooser)
-    out.write(f"\n== evaluation against the served engine of {which}: greedy {plan.describe()} vs AR on "
-              f"{settings.limit} prompts each of {', '.join(EVAL_SETS)}, each request on both, paired\n")
+    def say(text: str) -> None:
+        out.write(text + "\n")
+        out.flush()
+
+    out.write(f"\n== evaluation against the served engine of {which}: greedy DFlash vs AR on {settings.limit} prompts "
+              f"each of {', '.join(EVAL_SETS)}, each request on both, paired\n")
     out.flush()
-    with serve_in_process(target, drafter, plan, slots=1, max_len=max_len) as url, \
-            serve_in_process(target, None, slots=1, max_len=max_len) as ar_url:
+    # DFlash on one port, AR on another over the same weights, one slot each: what `dflash serve --ar-port` serves
+    options = ServeOptions(drafter=source, slots=1, port=0, ar_port=0, model_name="dflash", precompile_logprobs=False)
+    servers = build_servers(recipe, options, target=target, say=say)
+    say(f"DFlash: {servers[0].worker.engine.plan.describe()}")
+    with running(servers) as (url, ar_url):
         results, paths = evaluate(url, ar_url, settings, Path(recipe.train.run_dir) / "eval",
                                   drafter={"path": str(source)}, progress=progress)
     for name, r in results["sets"].items():

@@ -7,18 +7,20 @@
 prompts), build the engine and a bound server. `dflash serve`'s --block-size, --tree-nodes, --tree-ngram and
 --draft-rule are overrides of that section. With `ar_port`, a second server answers on that port with the target
 alone (AR), over the same weights in this process: both modes on one chip, as a paired `dflash eval` needs on a
-TPU host, where a second process could not open the chip.
+TPU host, where a second process could not open the chip. `dflash demo`'s evaluation serves the same way
+(`build_servers` over the target it already holds, then `running`): one way to serve a recipe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import json
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -71,7 +73,9 @@ class ServeOptions:
     the model id clients send (None: target.source); precompile: compile every shape the engine can use before
     serving (`Engine.precompile`; False: requests compile as they come); ar_port: also serve the target alone (AR)
     on this port (0: any free port), sharing the loaded weights, each mode with its own engine thread and paged
-    cache; the rest as `make_server`'s arguments."""
+    cache; precompile_logprobs: precompile the log-probability variants too (False: a server whose only client
+    never asks for them, as `dflash demo`'s evaluation; such a request would compile); the rest as `make_server`'s
+    arguments."""
 
     drafter: str | Path | None = None
     step: int | str | None = None
@@ -88,6 +92,7 @@ class ServeOptions:
     read_timeout: float | None = 30.0
     unknown_fields: str = "ignore"
     precompile: bool = True
+    precompile_logprobs: bool = True
     ar_port: int | None = None
 
     def drafter_dir(self, recipe: Recipe) -> Path:
@@ -141,11 +146,16 @@ def map_limit_note(maps: str | Path = "/proc/self/maps",
             "the limit: sysctl -w vm.max_map_count=262144")
 
 
-def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
-    """Load the recipe's target and (unless `options.ar`) the drafter, make the decode plan, build the engine (the
-    recipe's sampling as the requests' default) and return a bound server with its engine thread started; with
-    `options.ar_port`, a second one serving the target alone over the same weights (AR). Checks the options before
-    anything loads."""
+def _print(text: str) -> None:
+    print(text, flush=True)
+
+
+def build_servers(recipe: Recipe, options: ServeOptions, target: Any = None,
+                  say: Callable[[str], None] = _print) -> list[DFlashServer]:
+    """Load the recipe's target (unless given one already loaded: `target`) and (unless `options.ar`) the drafter,
+    make the decode plan, build the engine (the recipe's sampling as the requests' default) and return a bound
+    server with its engine thread started; with `options.ar_port`, a second one serving the target alone over the
+    same weights (AR). Checks the options before anything loads; what it measures and sizes goes to `say`."""
     max_len = recipe.target.max_seq_len
     limits = options.limits(max_len)  # checked before anything loads ("auto": at one slot, resolved below)
     for flag, port in (("--port", options.port), ("--ar-port", options.ar_port)):
@@ -155,14 +165,15 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
         raise ValueError(f"--ar-port must be another port than --port of a DFlash server; received "
                          f"ar_port={options.ar_port}, port={options.port}, ar={options.ar}")
     source = None if options.ar else options.drafter_dir(recipe)
-    target = load_target(recipe.target, converted_dir())  # a GGUF dequantised once, then read back (D78)
+    given = target is not None
+    if target is None:
+        target = load_target(recipe.target, converted_dir())  # a GGUF dequantised once, then read back (D78)
     drafter = None if source is None else load_drafter(source, target.cfg, step=options.step)
     chooser = None
     if drafter is not None and "auto" in (recipe.serve.block_size, recipe.serve.tree_nodes):
         best = read_best(source) if source.is_dir() else None
         accept = (best["accept_per_position"], f"{source}/best/best.json (step {best.get('step')})") \
             if best and "accept_per_position" in best else None
-        say = functools.partial(print, flush=True)
         chooser = Measured(target, auto_prompts(recipe, target.tokenizer, say), max_len=max_len, accept=accept,
                            say=say)
     plans = [(plan_from(recipe.serve, drafter, chooser), options.port)]
@@ -171,32 +182,47 @@ def build_servers(recipe: Recipe, options: ServeOptions) -> list[DFlashServer]:
     # one device: the target whole on it; several: read straight onto the engine's mesh, each device its share (the
     # engine places what it is given by the same table, so these arrays are its own: no second copy)
     local = jax.local_devices()[:limits.devices]
-    if limits.devices > 1:
+    if limits.devices > 1 and not given:
         vars(target).pop("params", None)  # `auto`'s measurement ran on one device: that whole copy is not kept
     params = target.params if limits.devices == 1 else target.on(tensor_mesh(local))
     if options.slots == "auto":
         per_slot = slot_bytes(target.cfg, None if drafter is None else drafter.arch, max_len, params["embed"].dtype,
                               limits.devices, engines=len(plans))
         slots, why = auto_slots(per_slot, free_bytes(local), cpu=local[0].platform == "cpu")
-        print(why, flush=True)
+        say(why)
         limits = options.limits(max_len, slots)
     servers = []
     for plan, port in plans:
-        engine = Engine(params, target.cfg, None if isinstance(plan, AR) else drafter, plan, limits,
-                        sampling=recipe.sampling)
+        engine = Engine(params, target.cfg, None if plan.ar else drafter, plan, limits, sampling=recipe.sampling)
         params = engine.models.target_params  # placed once: the AR engine holds the same arrays, no second copy
         if options.precompile:
-            count, seconds = engine.precompile()
-            print(f"precompiled {count} programs for {plan.describe()} in {seconds:.1f} s, {engine.loaded} of them "
+            count, seconds = engine.precompile(logprobs=options.precompile_logprobs)
+            say(f"precompiled {count} programs for {plan.describe()} in {seconds:.1f} s, {engine.loaded} of them "
                   f"loaded from the compilation cache (every prompt length and attention span up to {max_len} tokens; "
-                  "--no-precompile skips this)", flush=True)
+                  "--no-precompile skips this)")
         servers.append(make_server(engine, target.tokenizer, options.model_name or recipe.target.source,
                                    options.host, port, limits=HttpLimits(options.max_body_bytes, options.read_timeout),
                                    api_key=options.api_key, unknown_fields=options.unknown_fields))
     log_memory_per_device("serve")  # weights, pages and slots of every engine, before the first request
     if local[0].platform == "cpu" and (note := map_limit_note()):
-        print(note, flush=True)
+        say(note)
     return servers
+
+
+@contextlib.contextmanager
+def running(servers: list[DFlashServer]) -> Iterator[list[str]]:
+    """Serve each of `servers` (`build_servers`) in a thread of this process; yields their base URLs in order, and
+    on exit closes them (the requests in flight finish, the engine threads stop)."""
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
+    for thread in threads:
+        thread.start()
+    try:
+        yield [f"http://{s.server_address[0]}:{s.server_address[1]}" for s in servers]
+    finally:
+        for server in servers:
+            server.close()
+        for thread in threads:
+            thread.join(timeout=30)
 
 
 def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:
@@ -234,4 +260,4 @@ def serve_recipe(recipe: Recipe, options: ServeOptions) -> None:
         thread.join(timeout=30)
 
 
-__all__ = ["ServeOptions", "build_server", "build_servers", "serve_recipe"]
+__all__ = ["ServeOptions", "build_server", "build_servers", "running", "serve_recipe"]

@@ -167,7 +167,8 @@ class DrafterConfig:
     layer_ids: target layer ids to capture (id j = output of decoder layer j); () = the default ids.
     block_size: K, tokens per block (1 anchor + K-1 masks, K-1 draft tokens).
     mask_token_id: the MASK id inside the target's vocab; -1 = resolved from the target's default.
-    num_heads / num_kv_heads / head_dim / intermediate_size: 0 = follow the target.
+    The drafter's attention geometry (heads, kv heads, head dim) and MLP width are the target's, as in every
+    published DFlash drafter (docs/retired.md).
     layer_types: per drafter layer `full_attention` or `sliding_attention`; () = all full. A sliding layer's
       block sees only the last `sliding_window` context positions before its anchor (and its own block), in
       training and in the engine, whose draft cache keeps only a window's worth of K/V per slot for it.
@@ -190,10 +191,6 @@ class DrafterConfig:
     layer_ids: tuple[int, ...] = ()
     block_size: int = 16
     mask_token_id: int = -1
-    num_heads: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    intermediate_size: int = 0
     layer_types: tuple[LayerType, ...] = ()
     sliding_window: int = 0
     variant: Variant = "dflash"
@@ -221,9 +218,6 @@ class DrafterConfig:
                 "be at least 2 (one anchor token plus at least one masked draft position)")
         require(self.mask_token_id >= -1, "drafter.mask_token_id", self.mask_token_id,
                 "be a token id >= 0, or -1 to use the target's default")
-        for name in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
-            value = getattr(self, name)
-            require(value >= 0, f"drafter.{name}", value, "be a positive integer, or 0 to follow the target")
 
 
 def check_layer_types(layer_types: tuple[str, ...], num_layers: int, sliding_window: int, block_size: int,

@@ -185,17 +185,10 @@ def resolve_drafter(cfg: DrafterConfig, target: DecoderConfig, mask_token_id: in
             f"lie inside the target's vocab [0, {target.vocab_size})")
     ids = cfg.layer_ids or default_layer_ids(target.num_layers, cfg.num_features)
     ids = check_layer_ids(ids, target.num_layers)
-    num_heads = cfg.num_heads or target.num_heads
-    num_kv_heads = cfg.num_kv_heads or target.num_kv_heads
-    head_dim = cfg.head_dim or target.head_dim
-    require(num_heads % num_kv_heads == 0, "drafter.num_heads", num_heads,
-            f"be a multiple of num_kv_heads={num_kv_heads}")
-    require(head_dim % 2 == 0, "drafter.head_dim", head_dim, "be even (RoPE rotates pairs)")
     return DrafterArch(
         hidden_size=target.hidden_size, num_layers=cfg.num_layers, num_features=cfg.num_features,
-        layer_ids=ids, block_size=cfg.block_size, mask_token_id=int(mask), num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim,
-        intermediate_size=cfg.intermediate_size or target.intermediate_size,
+        layer_ids=ids, block_size=cfg.block_size, mask_token_id=int(mask), num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, intermediate_size=target.intermediate_size,
         rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
         max_position_embeddings=target.max_position_embeddings, target_family=target.family,
         target_vocab_size=target.vocab_size, target_num_layers=target.num_layers,

@@ -243,3 +243,37 @@ def test_no_cli_function_is_longer_than_eighty_lines():
     sizes = {(name, node.lineno): node.end_lineno - node.lineno + 1 for name, node in cli}
     long = [f"launch/cli.py:{line} {name}: {n} lines" for (name, line), n in sizes.items() if n > MAX_CLI_LINES]
     assert long == []
+
+
+# what builds an engine or a server and chooses a plan: `launch.serving.build_servers` alone among launch's modules
+SERVING_NAMES = ("Engine", "plan_from", "Measured", "serve_in_process", "make_server")
+
+
+def names_used(path: Path) -> set[str]:
+    """The names a module imports or reads (bare and attribute names)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+    return found
+
+
+def test_one_way_to_serve_a_recipe():
+    """`dflash serve` and `dflash demo`'s evaluation serve through `launch.serving.build_servers` (issue 60): no
+    other launch module builds an engine, a server or a plan, or chooses `auto` values; and no product code asks a
+    plan whether it is AR by its class (`Plan.ar` says)."""
+    others = {p.name: sorted(names_used(p) & set(SERVING_NAMES)) for p in sorted((ROOT / "launch").glob("*.py"))
+              if p.name != "serving.py"}
+    assert {name: used for name, used in others.items() if used} == {}
+    assert "demo.py" in others and {"build_servers", "running"} <= names_used(ROOT / "launch" / "demo.py")
+    by_class = [f"{path.relative_to(ROOT)}:{node.lineno}" for package in PACKAGE_DIRS
+                for path in sorted((ROOT / package).rglob("*.py"))
+                for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+                and len(node.args) == 2 and getattr(node.args[1], "id", None) == "AR"]
+    assert by_class == []

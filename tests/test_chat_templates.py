@@ -493,9 +493,7 @@ def test_the_k_chooser_of_serve_and_demo_renders_the_recipes_template_variables(
     and says which variables it used; without them the prompts are the template's defaults (thinking on)."""
     from types import SimpleNamespace
 
-    import dflash.models.drafter_io as drafter_io
     import dflash.models.registry as registry
-    import dflash.serve.acceptance as acceptance
     from dflash.configs.recipe import load_recipe
     from dflash.data.eval_sets import eval_prompts
     from dflash.launch import demo, serving
@@ -507,9 +505,7 @@ def test_the_k_chooser_of_serve_and_demo_renders_the_recipes_template_variables(
     monkeypatch.setattr(serving, "load_target", lambda *a, **k: target)
     monkeypatch.setattr(serving, "load_drafter", lambda *a, **k: object())
     monkeypatch.setattr(serving, "Measured", chooser)
-    monkeypatch.setattr(drafter_io, "load_drafter", lambda *a, **k: object())
     monkeypatch.setattr(registry, "shipped_drafter_path", lambda source: None)
-    monkeypatch.setattr(acceptance, "Measured", chooser)
     off = eval_prompts(qwen3, serving.AUTO_SETS, serving.AUTO_PER_SET, template_kwargs={"enable_thinking": False})
     on = eval_prompts(qwen3, serving.AUTO_SETS, serving.AUTO_PER_SET)
     assert off != on and all(qwen3.decode(list(p.ids), skip_special_tokens=False).endswith(THINK) for p in off)
@@ -523,7 +519,7 @@ def test_the_k_chooser_of_serve_and_demo_renders_the_recipes_template_variables(
             demo.short_eval(recipe, target, out, progress=False)
         assert served.value.args[0] == demoed.value.args[0] == want
         said = f"chat-template variables {'{}' if want is on else '{\"enable_thinking\": false}'} (data.regen."
-        assert said in out.getvalue() and said in capsys.readouterr().out
+        assert said in out.getvalue() and said in capsys.readouterr().out  # demo: its `out`; serve: stdout
 
 
 def test_qwen3_history_rewrite_is_refused(tmp_path_factory: pytest.TempPathFactory) -> None:

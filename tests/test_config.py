@@ -86,3 +86,25 @@ def test_gpt_oss_20b_header_counts_its_epochs_from_the_rows_it_trains():
     assert f"{rows / turns:.1f} epochs" in header and rows / turns < 3  # 2.6: the negative of the old claim
     steps = re.search(r"6 x [\d,]+ / \d+ = ([\d,]+) steps", header)
     assert steps and int(steps.group(1).replace(",", "")) == round(6 * turns / recipe.train.batch_size)
+
+
+MAX_LEAVES = 100  # D108: a leaf is what a recipe sets or a study needs; how one machine runs a stage is a flag
+
+
+def _leaves(tree) -> int:
+    return sum(_leaves(v) for v in tree.values()) if isinstance(tree, dict) else 1
+
+
+def test_the_recipe_has_at_most_a_hundred_leaves():
+    """`dflash config --config default` prints at most MAX_LEAVES leaf fields (issue 60; a list is one leaf)."""
+    from dflash.launch.cli import main
+
+    assert _leaves({"a": {"b": 1, "c": [1, 2]}, "d": None}) == 3  # the count sees nesting, lists and nulls
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["config", "--config", "default"]) == 0
+    n = _leaves(yaml.safe_load(out.getvalue()))
+    assert 90 <= n <= MAX_LEAVES, n

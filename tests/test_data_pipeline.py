@@ -74,7 +74,7 @@ def test_online_and_offline_batches_are_equal(data_dir, smollm2_target):
     target = smollm2_target
     arch = target.drafter_arch(recipe.drafter)
     examples, _ = build_examples(recipe.data, target.tokenizer)
-    online = make_batches([(t, m) for t, m, _ in examples], 4, recipe.data.shuffle_seed)
+    online = make_batches([(t, m) for t, m, _ in examples], 4, recipe.train.seed)
     offline, fingerprint = _offline_batches(recipe.data, target, arch, per_host=4)
     assert fingerprint.startswith("offline:")
     feats = jax.jit(lambda p, t: online_features(p, target.cfg, t, arch.layer_ids))

@@ -318,8 +318,9 @@ def test_resolve_defaults_and_overrides():
     assert arch.layer_ids == (1, 9, 17, 25, 33)
     assert (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim) == (64, 4, 2, 16)
     assert arch.mask_token_id == 5 and arch.block_size == 16 and arch.num_layers == 5
-    arch = resolve_drafter(DrafterConfig(mask_token_id=7, num_heads=8, intermediate_size=96), _target(), 5)
-    assert arch.mask_token_id == 7 and arch.num_heads == 8 and arch.intermediate_size == 96
+    assert arch.intermediate_size == 128  # the geometry and MLP width are the target's
+    arch = resolve_drafter(DrafterConfig(mask_token_id=7), _target(), 5)
+    assert arch.mask_token_id == 7
     scaled = dataclasses.replace(_target(), rope_theta=5e5, rms_norm_eps=1e-5)
     arch = resolve_drafter(DrafterConfig(), scaled, 5)
     assert arch.rope_theta == 5e5 and arch.rms_norm_eps == 1e-5
@@ -336,5 +337,5 @@ def test_config_errors():
         resolve_drafter(DrafterConfig(), _target())
     with pytest.raises(ValueError, match=r"layer_ids must lie in \[0, 36\).*out of range: \[36\]"):
         resolve_drafter(DrafterConfig(num_features=2, layer_ids=(3, 36)), _target(), 5)
-    with pytest.raises(ConfigError, match=r"drafter.num_heads must be a multiple of num_kv_heads=2"):
-        resolve_drafter(DrafterConfig(num_heads=3), _target(), 5)
+    with pytest.raises(TypeError, match="num_heads"):  # the geometry is the target's, not a recipe's (retired)
+        DrafterConfig(num_heads=3)  # type: ignore[call-arg]

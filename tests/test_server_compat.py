@@ -184,8 +184,10 @@ def test_a_body_over_the_cap_gets_413_unread(server):
 @pytest.mark.e2e
 def test_a_silent_client_is_cut_off_after_the_read_timeout(server):
     srv, url = server
-    status, data, seconds = _raw(url, _post_head("100"))
-    assert status == 408 and 0.5 < seconds < 10
+    status, data, seconds = _raw(url, _post_head("100"))  # the socket's own 20 s timeout bounds a server that hangs
+    # the 408 names the read timeout, which cannot end the wait before it has passed (no upper wall-clock bound: a
+    # loaded machine may answer late, and that is not what this test is about)
+    assert status == 408 and b"did not arrive within 1.0 s" in data and seconds >= srv.read_timeout
     _still_serves(url)
 
 

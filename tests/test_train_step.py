@@ -107,9 +107,19 @@ def test_train_step_runs_under_jit_with_finite_metrics(setup):
     before = jax.tree.map(np.asarray, state.params)
     target_before = jax.tree.map(np.asarray, target_params)
     for _ in range(2):
+        prev = jax.tree.map(np.asarray, state.params)
         state, metrics = step(state, batch)
     assert int(state.step) == 2
-    assert set(metrics) >= {"loss", "acceptance_length", "accuracy_per_position", "grad_norm", "lr"}
+    # the norms are of the weights after the update and of the update this step applied
+    moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, state.params, prev)
+    def norm(tree: object) -> float:
+        return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree))))
+
+    np.testing.assert_allclose(float(metrics["param_norm"]), norm(state.params), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["update_norm"]), norm(moved), rtol=1e-3)
+    assert float(metrics["update_norm"]) > 0
+    assert set(metrics) >= {"loss", "acceptance_length", "accuracy_per_position", "grad_norm", "update_norm",
+                            "param_norm", "lr"}
     for name, value in metrics.items():
         assert np.all(np.isfinite(np.asarray(value))), name
     assert metrics["accuracy_per_position"].shape == (K,)

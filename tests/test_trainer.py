@@ -279,6 +279,42 @@ def test_a_nan_stops_the_run_naming_the_step_and_saves_nothing(smollm2_target, t
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
 
 
+def test_the_loop_refuses_an_implicit_transfer_inside_the_step(monkeypatch):
+    """`train_loop` runs each step under `jax.transfer_guard("disallow")` (issue 60): a step that reads a host array
+    fails at once instead of paying a silent copy every step; the batch it is given is already on the devices."""
+    from types import SimpleNamespace
+
+    import dflash.train.loop as loop
+    from dflash.train.config import TrainConfig
+    from dflash.train.sharding import make_mesh
+
+    mesh = make_mesh(MeshConfig(), devices=jax.devices()[:1])
+    host_ones = np.ones(4, np.float32)
+    seen = []
+
+    def placed_step(state, batch):  # device arrays only: allowed
+        seen.append(isinstance(batch["x"], jax.Array) and batch["x"].is_fully_addressable)
+        return state + jnp.sum(batch["x"]), {}
+
+    def leaking_step(state, batch):  # a host array reaches the devices implicitly
+        return state + jnp.sum(batch["x"] + host_ones), {}
+
+    metrics = SimpleNamespace(push=lambda *a: None, flush=lambda: None)
+    ckpt = SimpleNamespace(save=lambda *a, **k: None)  # the last step is saved: nothing to save here
+    monkeypatch.setattr(loop, "_iterator_state", lambda batches: {})
+    cfg = TrainConfig(steps=1, save_every=100)
+    for step_fn in (placed_step, leaking_step):
+        monkeypatch.setattr(loop, "make_train_step", lambda *a, _f=step_fn, **k: _f)
+        run = SimpleNamespace(spec=None, frozen=None, mesh=mesh, data_fingerprint="",
+                              batches=iter([{"x": np.arange(4, dtype=np.float32)}]))
+        state = jax.device_put(jnp.zeros(()), jax.devices()[0])
+        if step_fn is placed_step:
+            assert float(loop.train_loop(cfg, run, state, None, 0, ckpt, metrics)) == 6.0 and seen == [True]
+        else:
+            with pytest.raises(Exception, match="Disallowed host-to-device transfer"):
+                loop.train_loop(cfg, run, state, None, 0, ckpt, metrics)
+
+
 @pytest.mark.slow
 def test_init_from_starts_a_fresh_run_from_another_drafter(tmp_path):
     """train.init_from: the new run's step-0 params are the given drafter's (a run dir here); another
@@ -288,7 +324,7 @@ def test_init_from_starts_a_fresh_run_from_another_drafter(tmp_path):
     from dflash.models.target import load_target
     from dflash.train.loop import run_training
 
-    common = ["train.batch_size=8", "train.wandb=disabled", "train.tensorboard=false", "train.eval_every=0"]
+    common = ["train.batch_size=8", "train.wandb=disabled", "train.eval_every=0"]
     first = load_recipe("tiny", [f"train.run_dir={tmp_path / 'a'}", "train.steps=2", *common])
     target = load_target(first.target)
     run_training(first, target=target, progress=False)

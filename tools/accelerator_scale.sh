@@ -54,7 +54,7 @@ cp "$STAGES/kflat.out" "$OUT_DIR/kflat.txt"; cp docs/benchmarks.md "$OUT_DIR/ben
 
 [ "$FEATURES" = online ] && COMMON+=(data.pack=0)
 TRAIN=("${COMMON[@]}" train.batch_size="$BATCH" train.num_anchors="$ANCHORS" train.eval_every=0
-       data.loader_workers=8 train.log_every=10)
+       train.log_every=10 --loader-workers=8)
 stage probe 120 $PY -m dflash.launch.cli train --config smollm2 "${TRAIN[@]}" train.run_dir="$RUN-probe" \
   train.steps=20 train.save_every=1000
 STEPS=$($PY - "$RUN-probe/metrics.jsonl" "$(left)" "$BATCH" "$ANCHORS" "${MAX_STEPS:-1000000}" <<'EOF'

@@ -105,8 +105,10 @@ class TrainConfig:
              outside it are left out), 0 = the full vocabulary; the served drafter proposes over the same
              tokens (its draft vocabulary, `models.drafter.DraftVocab`; docs/decisions.md D24).
     compute_dtype: forward dtype (master params and optimizer state are always fp32).
+    seed: the run's one seed: the drafter's initialisation and the loader's order (each epoch a different
+             permutation), and the sampled real-τ decodes.
     save_every / keep_checkpoints: checkpoint cadence (the last step is always saved) and retention.
-    log_every: metrics cadence (metrics.jsonl, TensorBoard, wandb).
+    log_every: metrics cadence (metrics.jsonl, TensorBoard under run_dir/tensorboard always, wandb).
     wandb: `offline` (default; files under run_dir/wandb, no network), `online`, or `disabled`.
     eval_every: steps between real-τ evaluations (0 = off; when on, the last step is always evaluated): the
              current drafter decodes `eval_prompts` held-out prompts of each of `eval_sets` (first turns,
@@ -148,7 +150,6 @@ class TrainConfig:
     keep_checkpoints: int = 3
     log_every: int = 10
     wandb: Literal["offline", "online", "disabled"] = "offline"
-    tensorboard: bool = True
     eval_every: int = 0
     eval_prompts: int = 8
     eval_sets: tuple[str, ...] = ("gsm8k", "mtbench", "humaneval")

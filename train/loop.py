@@ -32,7 +32,7 @@ from dflash.data.capture import examples_hash as capture_examples_hash
 from dflash.data.config import DataConfig
 from dflash.data.examples import build_examples, training_vocab
 from dflash.data.manifest import ExpectedFeatures, chat_template_hash, check_manifest, load_manifest
-from dflash.data.offline import HostShare, make_offline_batches
+from dflash.data.offline import HostShare, ReadOptions, make_offline_batches
 from dflash.data.online import make_batches
 from dflash.data.progress import Progress
 from dflash.data.walk import find_walk, load_walk, walk_weights
@@ -113,14 +113,17 @@ def arch_dict(arch: DrafterArch) -> dict[str, Any]:
     return json.loads(json.dumps(to_dict(arch)))
 
 
-def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool = True) -> TrainResult:
-    """Train (or resume) the drafter of `recipe`; see the module docstring."""
+READ = ReadOptions()  # stored features read in this process, bad records stopping the run, sizes checked
+
+def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool = True,
+                 read: ReadOptions = READ) -> TrainResult:
+    """Train (or resume) the drafter of `recipe` (stored features read by `read`); see the module docstring."""
     t_start = time.time()
     cfg = recipe.train
     run_dir = _run_dir(cfg)
     is_main = jax.process_index() == 0
     target = target if target is not None else load_target(recipe.target)
-    run = build_run(cfg, recipe.data, target, target.drafter_arch(recipe.drafter))
+    run = build_run(cfg, recipe.data, target, target.drafter_arch(recipe.drafter), read)
     meta = {"arch": arch_dict(run.arch), "recipe": to_dict(recipe), "target_fingerprint": target.fingerprint}
     if run.draft_vocab is not None:
         meta["draft_vocab"] = run.draft_vocab.ids.tolist()
@@ -130,7 +133,7 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
     state, shardings, start = create_or_restore_state(cfg, run.arch, run.spec.optimizer, run.mesh, ckpt,
                                                       run.batches, run.data_fingerprint, target)
     log_memory_per_device("train")  # the target's share, the head and the sharded state, before the first step
-    writer = MetricsWriter(run_dir, config=to_dict(recipe), wandb_mode=cfg.wandb, tensorboard=cfg.tensorboard,
+    writer = MetricsWriter(run_dir, config=to_dict(recipe), wandb_mode=cfg.wandb,
                            enabled=is_main)
     metrics = StepMetrics(cfg, writer, block_tokens=cfg.batch_size * cfg.num_anchors * run.arch.block_size,
                           start=start, show=progress and is_main)
@@ -153,7 +156,8 @@ def run_training(recipe: Recipe, *, target: Target | None = None, progress: bool
 # --- build -------------------------------------------------------------------------------------------------
 
 
-def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterArch) -> TrainRun:
+def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterArch,
+              read: ReadOptions = READ) -> TrainRun:
     """The mesh of `train.mesh` (the global batch size checked against it), the target placed on it in the
     compute dtype, this host's batches of `data`, and the step's spec (`step_spec`)."""
     spec = step_spec(cfg, arch, target.cfg)
@@ -181,26 +185,28 @@ def build_run(cfg: TrainConfig, data: DataConfig, target: Target, arch: DrafterA
         log.info("training vocabulary: %d of %d tokens", len(ids), target.cfg.vocab_size)
     head = train_head(target_params, target.cfg, ids)
     head = place(head, head_rules(head.vocab_major), mesh)
-    batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), examples,
-                                              walk_power=cfg.walk_oversample)
+    batches, data_fingerprint = build_batches(data, target, arch, cfg.batch_size // jax.process_count(), seed=cfg.seed,
+                                              examples=examples, walk_power=cfg.walk_oversample, read=read)
     return TrainRun(target=target, frozen=FrozenTarget(params=target_params, head=head), spec=spec, mesh=mesh,
                     batches=batches, data_fingerprint=data_fingerprint, draft_vocab=vocab)
 
 
-def build_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int,
-                  examples: tuple[list[Any], str] | None = None, walk_power: float = 0.0) -> tuple[Any, str]:
+def build_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int, *, seed: int = 0,
+                  examples: tuple[list[Any], str] | None = None, walk_power: float = 0.0,
+                  read: ReadOptions = READ) -> tuple[Any, str]:
     """This host's Grain iterator of `per_host`-row batches and the data fingerprint: online (conversations
     tokenised with the target's chat template; `examples`, when given, is `build_examples`' result, not
     rebuilt) or offline (stored features, `data.features`). With `data.walk`, the batches carry the serving
-    walk's anchor weights ((K - accepted)^walk_power at its block starts; `walk_anchor_weights`)."""
+    walk's anchor weights ((K - accepted)^walk_power at its block starts; `walk_anchor_weights`). seed: the
+    loader's shuffle (`train.seed`, each epoch a different permutation); read: how stored features are read."""
     if data.features == "offline":
-        return _offline_batches(data, target, arch, per_host, walk_power)
+        return _offline_batches(data, target, arch, per_host, seed, walk_power, read)
     examples, fingerprint = examples if examples is not None else build_examples(data, target.tokenizer)
     walk, walk_tag = None, ""
     if data.walk:
         weights, walk_tag = walk_anchor_weights(data, capture_examples_hash(examples), len(examples), arch, walk_power)
         walk = [weights.get(i, np.zeros(data.seq_len, np.float32)) for i in range(len(examples))]
-    batches = make_batches([(t, m) for t, m, _ in examples], per_host, data.shuffle_seed,
+    batches = make_batches([(t, m) for t, m, _ in examples], per_host, seed,
                            shard_index=jax.process_index(), shard_count=jax.process_count(), walk=walk)
     return batches, fingerprint + walk_tag
 
@@ -219,12 +225,12 @@ def walk_anchor_weights(data: DataConfig, examples_hash: str, num_examples: int,
     return weights, f":walk-{meta.name.removesuffix('.meta.json')}-p{power:g}"
 
 
-def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int,
-                     walk_power: float = 0.0) -> tuple[Any, str]:
+def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_host: int, seed: int,
+                     walk_power: float, read: ReadOptions) -> tuple[Any, str]:
     """The Grain iterator over data.dir/shards, after checking the capture against this run (every differing
     field named), and the fingerprint of the stored examples (their manifest's examples_hash)."""
     shard_dir = data.shard_dir
-    manifest = load_manifest(shard_dir, verify=data.verify_shards)
+    manifest = load_manifest(shard_dir, verify=read.verify)
     check_manifest(manifest, ExpectedFeatures(
         target_fingerprint=target.fingerprint, tokenizer_fingerprint=target.tokenizer.fingerprint(),
         chat_template_hash=chat_template_hash(target.tokenizer.chat_template), layer_ids=arch.layer_ids,
@@ -235,9 +241,9 @@ def _offline_batches(data: DataConfig, target: Target, arch: DrafterArch, per_ho
     walk, walk_tag = None, ""
     if data.walk:
         walk, walk_tag = walk_anchor_weights(data, manifest.examples_hash, manifest.num_samples, arch, walk_power)
-    batches = make_offline_batches(shard_dir, layout, data.shuffle_seed, seq_len=data.seq_len,
+    batches = make_offline_batches(shard_dir, layout, seed, seq_len=data.seq_len,
                                    host=HostShare(jax.process_index(), jax.process_count()),
-                                   worker_count=data.loader_workers, skip_bad_records=data.skip_bad_records,
+                                   worker_count=read.workers, skip_bad_records=read.skip_bad_records,
                                    walk=walk)
     log.info("offline features: %d samples, %d tokens in %d shards under %s (%.0f bytes/token)",
              manifest.num_samples, manifest.total_tokens, manifest.num_shards, shard_dir, manifest.bytes_per_token)
@@ -419,12 +425,15 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
     an async checkpoint every save_every steps and at the last, once that step's metrics proved finite ->
     real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
     neither the state nor the data, so training results are the same with it or without). On SIGTERM
-    (`train.preemption`) the step in flight is checkpointed and `Preempted` is raised: nothing is redone on restart."""
+    (`train.preemption`) the step in flight is checkpointed and `Preempted` is raised: nothing is redone on restart.
+    The batch is placed explicitly and the step runs under `jax.transfer_guard("disallow")`: an implicit transfer
+    (a host array or a device fetch inside the step) fails the step instead of slowing every one."""
     step_fn = make_train_step(run.spec, run.frozen, state_shardings=shardings)
     with PreemptionWatch() as preemption:
         for step in range(start + 1, cfg.steps + 1):
-            batch = shard_batch(next(run.batches), run.mesh)
-            state, device_metrics = step_fn(state, batch)
+            host_batch = next(run.batches)
+            with jax.transfer_guard("disallow"):  # the step gets device arrays only: no silent host copy per step
+                state, device_metrics = step_fn(state, shard_batch(host_batch, run.mesh))
             metrics.push(step, device_metrics)
             stop = preemption.stop_at(step)  # SIGTERM: this step is checkpointed and the run stops (`Preempted`)
             if stop or step % cfg.save_every == 0 or step == cfg.steps:

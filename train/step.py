@@ -278,8 +278,9 @@ def train_step(state: TrainState, batch: TrainBatch, frozen: FrozenTarget, spec:
     `spec.walk_count` of each row's are drawn from the serving walk's block starts first. Gradients are taken
     w.r.t. `state.params` only. The forward runs in `spec.compute_dtype` (params cast inside the differentiated
     function, so gradients and `spec.optimizer` stay in the fp32 master precision); the loss's softmax is fp32.
-    metrics: loss, acceptance_length, accuracy_per_position [K], grad_norm (before clipping), lr (used by
-    this update), num_labels, num_blocks, and with terms beyond ce each term's weighted mean (loss/<term>).
+    metrics: loss, acceptance_length, accuracy_per_position [K], grad_norm (before clipping), update_norm (the
+    update applied) and param_norm (after it), lr (used by this update), num_labels, num_blocks, and with terms
+    beyond ce each term's weighted mean (loss/<term>).
     """
     check_batch(batch, spec.arch)
     rng, anchor_rng = jax.random.split(state.rng)
@@ -296,6 +297,8 @@ def train_step(state: TrainState, batch: TrainBatch, frozen: FrozenTarget, spec:
         "acceptance_length": aux["acceptance_length"],
         "accuracy_per_position": aux["accuracy_per_position"],
         "grad_norm": optax.global_norm(grads),
+        "update_norm": optax.global_norm(updates),  # what this step moved the weights by (after clip and AdamW)
+        "param_norm": optax.global_norm(params),
         "lr": current_lr(opt_state),
         "num_labels": aux["num_labels"],
         "num_blocks": aux["num_blocks"],
