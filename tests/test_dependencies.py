@@ -43,6 +43,7 @@ NOT_IMPORTED = {
     "pytest-xdist": "a pytest plugin: bin/test runs the suite in 2 worker processes with it (`-n`)",
     "lm-eval": "run as `python -m lm_eval` in a subprocess by tests/test_server_compat.py",
     "guidellm": "run as its console script `guidellm benchmark` in a subprocess by tests/test_server_compat.py",
+    "basedpyright": "run as `python -m basedpyright` in a subprocess by tests/test_language_server.py",
 }
 
 
