@@ -127,7 +127,10 @@ def _oracle_lists(prompts, ar):
     return lists
 
 
-@pytest.mark.parametrize("nodes, ngram", [(5, False), pytest.param(12, True, marks=pytest.mark.slow)])
+# slow: test_greedy_tree_follows_siblings_and_equals_ar (a tree without lookup, batch 4, equals AR) and
+# test_tree_steps_per_dispatch_change_no_output[argmax] (the drafter's own trees, with lookup, equal AR)
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes, ngram", [(5, False), (12, True)])
 def test_greedy_tree_equals_ar_batch_4(setup, nodes, ngram):
     target_cfg, target_params, drafter, prompts, ar = setup
     results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter,
@@ -148,6 +151,9 @@ def test_greedy_tree_follows_siblings_and_equals_ar(setup):
         assert all(a == 3 for a in res.accepted[:-1]) and res.accepted[-1] <= 3
 
 
+# slow: test_tree_steps_per_dispatch_change_no_output[argmax] (the same plan and engine shape: 4 requests on 2 slots
+# joining as others leave, a stop id and budgets, equal to AR)
+@pytest.mark.slow
 def test_tree_requests_joining_and_leaving_equal_ar(setup):
     """Two slots, four requests of different budgets (a stop token in one): requests join as others leave,
     and each output equals AR alone."""
@@ -167,7 +173,9 @@ def test_tree_requests_joining_and_leaving_equal_ar(setup):
     assert engine.pool.num_free == engine.pool.num_usable
 
 
-@pytest.mark.parametrize("rule", ["argmax", "sample"])
+# slow (sample, ~2 min): test_engine's test_several_steps_per_dispatch_change_no_output[4-sample] keeps the sample
+# rule in a device loop, [argmax] here the tree's device loop with lookup
+@pytest.mark.parametrize("rule", ["argmax", pytest.param("sample", marks=pytest.mark.slow)])
 def test_tree_steps_per_dispatch_change_no_output(setup, rule):
     """A tree with prompt lookup at R = 4 steps per dispatch (`decode_tree_steps`, lookup on the device) against
     R = 1, two slots, requests joining as others leave: a stop id and budgets inside a dispatch, and a seeded
