@@ -173,9 +173,7 @@ def test_tree_requests_joining_and_leaving_equal_ar(setup):
     assert engine.pool.num_free == engine.pool.num_usable
 
 
-# slow (sample, ~2 min): test_engine's test_several_steps_per_dispatch_change_no_output[4-sample] keeps the sample
-# rule in a device loop, [argmax] here the tree's device loop with lookup
-@pytest.mark.parametrize("rule", ["argmax", pytest.param("sample", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rule", ["argmax", "sample"])
 def test_tree_steps_per_dispatch_change_no_output(setup, rule):
     """A tree with prompt lookup at R = 4 steps per dispatch (`decode_tree_steps`, lookup on the device) against
     R = 1, two slots, requests joining as others leave: a stop id and budgets inside a dispatch, and a seeded
