@@ -245,6 +245,9 @@ def test_training_reaches_the_convolution_and_keeps_blocks_apart(setup):
     assert len(conv_grads) == 2 * 2 * 2 and min(conv_grads.values()) > 0, conv_grads
 
 
+# slow: test_selector's test_greedy_with_the_selector_equals_ar (a DFlash2 drafter, its convolutions and the selector,
+# through the engine equals AR) and test_sliding_window's ring test (sliding layers in the engine)
+@pytest.mark.slow
 def test_greedy_dflash2_equals_ar(setup):
     target_cfg, target_params, arch = setup
     drafter = _live(arch(variant="dflash2", layer_types=("sliding_attention", "full_attention"), sliding_window=8), 4)

@@ -31,8 +31,11 @@ def setup():
     return target_cfg, target_params, drafter, requests
 
 
-@pytest.mark.parametrize("block_size", [pytest.param(None, marks=pytest.mark.slow), 4,
-                                        pytest.param(8, marks=pytest.mark.slow)])
+# slow: test_requests_with_different_sampling_rules_share_steps (the same 7 requests through the same 3-slot engine,
+# joining and leaving; the greedy ones equal AR alone) and test_engine_pages'
+# test_requests_wait_for_pages_and_all_finish (24 requests through 4 slots, each equal to AR alone)
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [None, 4, 8])
 def test_requests_joining_and_leaving_equal_ar_alone(setup, block_size):
     target_cfg, target_params, drafter, requests = setup
     plan = AR() if block_size is None else Chain(block_size)
@@ -441,8 +444,10 @@ def test_a_drafter_committed_to_its_device_compiles_nothing_inside_requests(setu
     graphdef, state = nnx.split(drafter)
     committed = nnx.merge(graphdef, jax.device_put(state, jax.local_devices()[0]))
     assert all(leaf.committed for leaf in jax.tree.leaves(nnx.state(committed)))
-    engine = Engine(target_params, target_cfg, committed, Chain(4), Limits(slots=2, max_len=MAX_LEN, page_size=8,
-                                                                            prefill_chunk=None, steps_per_dispatch=2))
+    # 64 tokens of context in 16-token pages (the 3 requests fit): 4 prefill lengths x 2 row counts and 3 attention
+    # spans x 2 buckets to precompile, against 6 x 2 and 4 x 2 at 128 tokens in 8-token pages (14 programs, not 20)
+    engine = Engine(target_params, target_cfg, committed, Chain(4), Limits(slots=2, max_len=64, prefill_chunk=None,
+                                                                            steps_per_dispatch=2))
     count, _ = engine.precompile(logprobs=False)
     for prompt, budget in requests[:3]:  # two at once, the third joining as one finishes
         engine.submit(prompt, budget)

@@ -28,7 +28,11 @@ pytestmark = pytest.mark.heavy  # compiles a model's engine or train step: not i
 
 
 ROOT = Path(__file__).resolve().parents[1]
-NEW = 8
+# The in-process servers' context: 128 tokens precompile 6 prefill lengths and 4 attention spans per engine, against
+# 8 and 5 at the recipe's 256 (SmolLM2's programs, the fixture's minutes: 20 programs, not 26, the longest prefills
+# gone). The longest prompt (GSM8K's first question, 114 tokens) plus NEW tokens plus the last step's K = 8 fill it.
+MAX_LEN = 128
+NEW = 6
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +48,11 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(tiny, tmp_path_factory):
     """An in-process evaluation over real HTTP (DFlash and AR servers in threads); its output directory."""
-    recipe, target, drafter, _ = tiny
+    _, target, drafter, _ = tiny
     out = tmp_path_factory.mktemp("eval")
     settings = EvalSettings(sets=("gsm8k", "mtbench"), limit=1, max_new_tokens=NEW, concurrency=(1,))
-    with serve_in_process(target, drafter, slots=1, max_len=recipe.target.max_seq_len) as url, \
-            serve_in_process(target, None, slots=1, max_len=recipe.target.max_seq_len) as ar_url:
+    with serve_in_process(target, drafter, slots=1, max_len=MAX_LEN) as url, \
+            serve_in_process(target, None, slots=1, max_len=MAX_LEN) as ar_url:
         results, paths = evaluate(url, ar_url, settings, out, progress=False)
         yield results, paths, out, (url, ar_url, settings)
 
@@ -80,7 +84,7 @@ def test_cli_over_server_subprocesses_writes_the_report(tiny, tmp_path):
 def test_served_tau_equals_the_in_process_engine(tiny, served):
     """Every DFlash reply's per-step acceptance, as the server reported it, equals a decode of the same prompt
     in this process (MT-Bench's second turn on the first turn's reply)."""
-    recipe, target, drafter, _ = tiny
+    _, target, drafter, _ = tiny
     results, _, out, _ = served
     records = [r for r in RecordStore(out / "records.jsonl").records.values() if r["kind"] == "reply"]
     dflash = {(r["id"], r["turn"]): r for r in records if r["mode"] == "dflash"}
@@ -96,7 +100,7 @@ def test_served_tau_equals_the_in_process_engine(tiny, served):
             if t < turn:
                 messages.append({"role": "assistant", "content": dflash[item_id, t]["text"]})
         prompt = tok.encode_chat(messages, add_generation_prompt=True)
-        [local] = decode(target.params, target.cfg, [prompt], NEW, max_len=recipe.target.max_seq_len,
+        [local] = decode(target.params, target.cfg, [prompt], NEW, max_len=MAX_LEN,
                          drafter=drafter, stop_ids=tok.stop_token_ids)
         assert record["accepted"] == local.accepted and record["tokens"] == len(local.token_ids), (item_id, turn)
     pooled = [a for r in dflash.values() for a in r["accepted"]]
@@ -142,7 +146,7 @@ def test_a_rerun_against_another_drafter_measures_it_again(tiny, served, tmp_pat
     assert set(setups) == {"dflash", "ar"} and setups["ar"]["drafter"] is None
     assert setups["dflash"]["drafter"] and setups["dflash"]["max_new_tokens"] == NEW
     other = DFlashDrafter(target.drafter_arch(recipe.drafter), nnx.Rngs(1))
-    with serve_in_process(target, other, slots=2, max_len=recipe.target.max_seq_len, precompile=False) as url:
+    with serve_in_process(target, other, slots=2, max_len=MAX_LEN, precompile=False) as url:
         evaluate(url, ar_url, settings, copy, progress=False)
     after = list(RecordStore(copy / "records.jsonl").records.values())
     new = {r["mode"]: r["setup"] for r in after if r["kind"] == "setup"}
@@ -175,7 +179,7 @@ def test_a_sampled_eval_records_its_rule_and_is_the_engine_sampling_with_those_s
     the sampled records instead of reporting them."""
     from dflash.serve.config import SamplingConfig
 
-    recipe, target, drafter, _ = tiny
+    _, target, drafter, _ = tiny
     _, _, _, (url, ar_url, settings) = served
     sampled = dataclasses.replace(settings, temperature=1.0, top_p=0.9, seed=7)
     results, paths = evaluate(url, ar_url, sampled, tmp_path, progress=False)
@@ -191,7 +195,7 @@ def test_a_sampled_eval_records_its_rule_and_is_the_engine_sampling_with_those_s
     assert len(firsts) == 2
     for r in firsts:
         prompt = tok.encode_chat([{"role": "user", "content": items[r["id"]].turns[0]}], add_generation_prompt=True)
-        [local] = decode(target.params, target.cfg, [prompt], NEW, max_len=recipe.target.max_seq_len,
+        [local] = decode(target.params, target.cfg, [prompt], NEW, max_len=MAX_LEN,
                          drafter=drafter, stop_ids=tok.stop_token_ids,
                          sampling=SamplingConfig(temperature=1.0, top_p=0.9),
                          run=DecodeRun(seeds=[sampled.request_seed(r["id"], 0)]))
@@ -436,14 +440,14 @@ def test_run_eval_starts_one_process_serving_both_modes(tiny, served, monkeypatc
     from dflash.eval import servers
     from dflash.eval.run import ServeArgs, run_eval
 
-    recipe, target, drafter, directory = tiny
+    _, target, drafter, directory = tiny
     started = []
 
     @contextlib.contextmanager
     def fake_pair(args, log, slots):
         started.append(args)
-        with serve_in_process(target, drafter, slots=2, max_len=recipe.target.max_seq_len, precompile=False) as url, \
-                serve_in_process(target, None, slots=2, max_len=recipe.target.max_seq_len, precompile=False) as ar:
+        with serve_in_process(target, drafter, slots=2, max_len=MAX_LEN, precompile=False) as url, \
+                serve_in_process(target, None, slots=2, max_len=MAX_LEN, precompile=False) as ar:
             yield url, ar
 
     def no_single(*args, **kwargs):

@@ -22,8 +22,8 @@ MEMORY = r"memory per device: max \d+\.\d+ (GiB|MiB) \(device \d+\), min \d+\.\d
 PROMPTS, STEPS, KILL_AT, EVAL_PROMPTS = 24, 8, 3, 2
 
 
-@pytest.mark.slow  # minutes of 2-process runs: nightly. Each piece stays in the default tier: test_target_moe_e2e (a
-# MoE target trains, serves losslessly, exports), test_placement (4-device memory bounds of every stage),
+@pytest.mark.slow  # minutes of 2-process runs: nightly. Each piece stays in the default tier: test_target_families (a
+# MoE target's sharded forward, engine and z-lab layout), test_placement (4-device memory bounds of every stage),
 # test_multiprocess (2-process training), test_train_resume (SIGTERM then resume), test_launch_pods (the launchers)
 def test_the_pod_rehearsal_runs_every_stage_on_two_processes_of_four_devices(tmp_path):
     import os

@@ -130,6 +130,9 @@ def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(server, path, pa
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+# slow: test_http's test_the_seed_used_is_reported_and_an_unseeded_request_draws_one (the seed reported, fresh
+# entropy without one, sent back to the worker) and test_engine's sampled tests (a seed fixes a sampled output)
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_unseeded_sampled_requests_are_independent_and_a_reported_seed_replays(server):
     """OpenAI's semantics: four identical T=1 requests without a seed are not all equal (each draws 63 bits of

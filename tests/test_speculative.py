@@ -57,8 +57,10 @@ def _oracle(prompts, ar, wrong: bool):
     return draft
 
 
-@pytest.mark.parametrize("k", [2, 4, pytest.param(8, marks=pytest.mark.slow),
-                               pytest.param(16, marks=pytest.mark.slow)])  # every K: `bin/test --all`
+# every K: `bin/test --all`; slow (2, 8, 16): [4] keeps greedy DFlash == AR at batch 4, and
+# test_full_acceptance_commits_k_tokens_per_step equals AR at K = 2, 8 and 16 (oracle drafts)
+@pytest.mark.parametrize("k", [pytest.param(2, marks=pytest.mark.slow), 4, pytest.param(8, marks=pytest.mark.slow),
+                               pytest.param(16, marks=pytest.mark.slow)])
 def test_greedy_dflash_equals_ar_batch_4(setup, k):
     target_cfg, target_params, drafter, prompts, ar = setup
     results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter, plan=Chain(k))
@@ -96,6 +98,8 @@ def test_full_rejection_still_equals_ar(setup):
         assert set(res.accepted) == {0} and res.tau == 1.0
 
 
+# slow: test_acceptance_counts_only_what_was_emitted makes the same decode and asserts the same tokens
+@pytest.mark.slow
 def test_stop_tokens_end_each_sequence(setup):
     target_cfg, target_params, drafter, prompts, ar = setup
     stop = ar[1][6]
@@ -370,7 +374,9 @@ def test_first_argmax_and_categorical_are_jax_s_own():
     assert ours.dtype == jnp.int32 and np.isfinite(np.asarray(logits)[np.arange(200), np.asarray(ours)]).all()
 
 
-@pytest.mark.parametrize("plan", [Chain(8), Tree(8, 10)], ids=["chain", "tree"])
+# slow (tree, ~1 min): [chain] keeps the oracle in the device loop, test_tree's
+# test_tree_steps_per_dispatch_change_no_output[argmax] the tree's device loop equal to AR
+@pytest.mark.parametrize("plan", [Chain(8), pytest.param(Tree(8, 10), marks=pytest.mark.slow)], ids=["chain", "tree"])
 def test_oracle_drafts_the_greedy_continuation_in_the_device_loop(setup, plan):
     """The oracle-ceiling benchmark's engine (D99): greedy requests whose prompts it knows draft their AR
     continuation inside the device loop, so every step of the chain or the tree accepts all K-1 drafts (the last may

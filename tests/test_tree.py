@@ -127,7 +127,10 @@ def _oracle_lists(prompts, ar):
     return lists
 
 
-@pytest.mark.parametrize("nodes, ngram", [(5, False), pytest.param(12, True, marks=pytest.mark.slow)])
+# slow: test_greedy_tree_follows_siblings_and_equals_ar (a tree without lookup, batch 4, equals AR) and
+# test_tree_steps_per_dispatch_change_no_output[argmax] (the drafter's own trees, with lookup, equal AR)
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes, ngram", [(5, False), (12, True)])
 def test_greedy_tree_equals_ar_batch_4(setup, nodes, ngram):
     target_cfg, target_params, drafter, prompts, ar = setup
     results = decode(target_params, target_cfg, prompts, NEW, max_len=MAX_LEN, drafter=drafter,
@@ -148,6 +151,9 @@ def test_greedy_tree_follows_siblings_and_equals_ar(setup):
         assert all(a == 3 for a in res.accepted[:-1]) and res.accepted[-1] <= 3
 
 
+# slow: test_tree_steps_per_dispatch_change_no_output[argmax] (the same plan and engine shape: 4 requests on 2 slots
+# joining as others leave, a stop id and budgets, equal to AR)
+@pytest.mark.slow
 def test_tree_requests_joining_and_leaving_equal_ar(setup):
     """Two slots, four requests of different budgets (a stop token in one): requests join as others leave,
     and each output equals AR alone."""
