@@ -2,7 +2,7 @@
 over a params pytree.
 
 `forward` is the full causal pass (logits, and the post-layer features at chosen layer ids);
-`forward_cached` appends a chunk of T >= 1 tokens per sequence to any `KVCacheLike` cache (`DenseKVCache`
+`forward_cached` appends a chunk of Q >= 1 tokens per sequence to any `KVCacheLike` cache (`DenseKVCache`
 here, the engine's paged cache) and returns the chunk's logits. Why pure functions over one layer scan,
 and the cache interface: docs/decisions.md D3, D4.
 """
@@ -458,14 +458,14 @@ def forward(params: Params, cfg: DecoderConfig, tokens_BxS: jax.Array, positions
 def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxQ: jax.Array, positions_BxQ: jax.Array,
                    cache: KVCacheLike, layer_ids: tuple[int, ...] = (),
                    logits_at_BxQo: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
-    """Append a chunk of T tokens per sequence to `cache` and return (logits [B,T,V], features, cache).
+    """Append a chunk of Q tokens per sequence to `cache` and return (logits [B,Q,V], features, cache).
 
     `features` is [F, B, Q, Dt] (outputs of decoder layers `layer_ids`) or None. With `logits_at_BxQo`,
     logits are computed only at those chunk indices ([B, Qo, V]), e.g. the last prompt token in prefill.
 
     `cache` is any `KVCacheLike` (`DenseKVCache`, the engine's `serve.paged.PagedKVCache`). Token i of
     sequence b lands at cache index cache.lengths[b] + i and is rotated at positions_BxQ[b, i]. The caller
-    guarantees lengths + T <= capacity (see `check_capacity`). Rolling back is `cache.rollback(lengths)`.
+    guarantees lengths + Q <= capacity (see `check_capacity`). Rolling back is `cache.rollback(lengths)`.
     """
     layer_ids = check_layer_ids(layer_ids, cfg.num_layers) if layer_ids else ()
     rope = _layer_rope(cfg, positions_BxQ)

@@ -187,8 +187,8 @@ class DraftCache:
 
     def write(self, new_kv: list[KV], starts_B: jax.Array, rows_B: jax.Array | None = None,
               counts_B: jax.Array | None = None) -> DraftCache:
-        """Write T new context positions per sequence (starting at `starts_B`; the first `counts_B`, default all
-        T, are real) into batch rows `rows_B` (default 0 .. B-1). Full layers: slots past the end are dropped.
+        """Write Q new context positions per sequence (starting at `starts_B`; the first `counts_B`, default all
+        Q, are real) into batch rows `rows_B` (default 0 .. B-1). Full layers: slots past the end are dropped.
         Sliding layers: each ring slot takes the latest real new position that maps to it, if any (so a prompt
         longer than the ring keeps its last Tw positions); with `counts_B` (a prefill) the rows' other ring slots
         are emptied when the prefill starts at 0, forgetting what the slot held before (a later chunk of a chunked
@@ -385,7 +385,7 @@ def sync_page_table(state: SpecState, table: PageTable, uploaded_version: int) -
 def _add_context(drafter: DFlashDrafter | None, draft: DraftCache | None, feats_FxBxQxDt: jax.Array | None,
                  starts_B: jax.Array, rows_B: jax.Array | None = None,
                  counts_B: jax.Array | None = None) -> DraftCache | None:
-    """Fuse the target features of T new positions (starting at `starts_B`; the first `counts_B` real, for a
+    """Fuse the target features of Q new positions (starting at `starts_B`; the first `counts_B` real, for a
     prefill) into the draft cache."""
     if drafter is None:
         return draft

@@ -16,7 +16,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("models", "serve", "train", "data", "eval", "export", "launch")
+PRODUCT = ("configs", "models", "serve", "train", "data", "eval", "export", "launch")
 STYLE_SYMBOLS = {"B", "S", "K", "N", "D", "Dt", "F", "V", "H", "Hk", "Dh", "P", "T"}  # STYLE.md practice 4
 
 _SYMBOL = r"[A-Z][A-Za-wyz0-9]*|[0-9]+"  # no `x` inside a symbol: `x` joins them
