@@ -63,7 +63,7 @@ def build(args: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, ...]]:
 
     def dense(p: Any, batch: Any, target_params: Any, dtype: Any) -> Any:
         inputs = block_inputs(batch, target_params, spec, jax.random.key(1))
-        blocks, embeds, feats = inputs.blocks, inputs.embeds_BxQxD, inputs.feats_BxSxFD
+        blocks, embeds, feats = inputs.blocks, inputs.embeds_BxQxD, inputs.feats_BxSxDf
 
         def loss(p: Any) -> Any:
             drafter = nnx.merge(drafter_graphdef(arch, dtype), cast_floats(p, dtype))

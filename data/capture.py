@@ -151,16 +151,16 @@ def _features_and_next_ids(target_params: Any, tokens_BxS: jax.Array, *, target_
     each position, the argmax of its logits there) from one target forward; with `topk` = k > 0 also (ids
     int32 [B, S, k], probabilities f32 [B, S, k]): the target's k most likely next tokens there (softmax at
     temperature 1, most likely first, so ids[..., 0] is the next id)."""
-    logits_BxSxV, feats_FxBxSxD = forward(jax.lax.stop_gradient(target_params), target_cfg, tokens_BxS,
+    logits_BxSxV, feats_FxBxSxDt = forward(jax.lax.stop_gradient(target_params), target_cfg, tokens_BxS,
                                           layer_ids=layer_ids)
-    feats = concat_features(feats_FxBxSxD).astype(jnp.bfloat16)
+    feats = concat_features(feats_FxBxSxDt).astype(jnp.bfloat16)
     next_BxS = jnp.argmax(logits_BxSxV, axis=-1).astype(jnp.int32)
     if not topk:
         return feats, next_BxS
     logits_BxSxV = logits_BxSxV.astype(jnp.float32)
-    top_BxSxK, ids_BxSxK = jax.lax.top_k(logits_BxSxV, topk)
-    probs_BxSxK = jnp.exp(top_BxSxK - jax.nn.logsumexp(logits_BxSxV, axis=-1, keepdims=True))
-    return feats, next_BxS, ids_BxSxK.astype(jnp.int32), probs_BxSxK
+    top_BxSxY, ids_BxSxY = jax.lax.top_k(logits_BxSxV, topk)
+    probs_BxSxY = jnp.exp(top_BxSxY - jax.nn.logsumexp(logits_BxSxV, axis=-1, keepdims=True))
+    return feats, next_BxS, ids_BxSxY.astype(jnp.int32), probs_BxSxY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,8 +428,8 @@ class _Replica(threading.Thread):
                     continue
                 if item is None:
                     return
-                key, chunk, tokens_BxL = item
-                feats = self.featurize(tokens_BxL)
+                key, chunk, tokens_BxS = item
+                feats = self.featurize(tokens_BxS)
                 if in_flight is not None:
                     self._fetch(in_flight)
                 in_flight = (key, chunk, feats)
@@ -494,9 +494,9 @@ def _run_plan(writer: ShardWriter, plan: list[tuple[int, list[int], int]], shard
         for taken, (shard, _, _) in enumerate(plan):
             while sent < len(plan) and sent - taken < window:
                 _, chunk, length = plan[sent]
-                tokens_BxL = np.stack([np.asarray(examples[i][0][:length], np.int32) for i in chunk]
+                tokens_BxS = np.stack([np.asarray(examples[i][0][:length], np.int32) for i in chunk]
                                       + [filler[:length]] * (batch_size - len(chunk)))
-                replicas[sent % len(replicas)].inbox.put((sent, chunk, tokens_BxL))
+                replicas[sent % len(replicas)].inbox.put((sent, chunk, tokens_BxS))
                 sent += 1
             while taken not in done:
                 key, value = results.get()
@@ -527,9 +527,9 @@ def _fetch_batch(examples: Sequence[Example], chunk: list[int], feats: Any) -> d
     """One batch's features (and next ids, with target labels; and the top-k) on the host: for each of its
     rows, the (features, next ids, top-k) of its first n positions, as `out.write` takes them after the
     tokens and mask."""
-    feats_BxLxFD, next_BxL, *topk = feats if isinstance(feats, tuple) else (feats, None)
-    host = np.asarray(feats_BxLxFD)
-    next_host = None if next_BxL is None else np.asarray(next_BxL)
+    feats_BxSxDf, next_BxS, *topk = feats if isinstance(feats, tuple) else (feats, None)
+    host = np.asarray(feats_BxSxDf)
+    next_host = None if next_BxS is None else np.asarray(next_BxS)
     ids_host, probs_host = (np.asarray(a) for a in topk) if topk else (None, None)
     rows = {}
     for row, i in enumerate(chunk):

@@ -66,9 +66,9 @@ class HostRows(grain.transforms.Map):
     shard_index: int
     batch_size: int
 
-    def map(self, indices_G: Any) -> Any:
+    def map(self, indices_Bg: Any) -> Any:
         """Works on an index array and on a list of packed rows alike (a plain slice)."""
-        return indices_G[self.shard_index * self.batch_size:(self.shard_index + 1) * self.batch_size]
+        return indices_Bg[self.shard_index * self.batch_size:(self.shard_index + 1) * self.batch_size]
 
 
 @dataclasses.dataclass(frozen=True)

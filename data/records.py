@@ -47,14 +47,14 @@ class Sample:
     walk: np.ndarray | None = None  # not stored: serving-walk anchor weights f32 [n] the loader attaches (data.walk)
 
 
-def encode_record(sample_index: int, tokens_N: np.ndarray, loss_mask_N: np.ndarray,
-                  features_NxFD: np.ndarray, next_ids_N: np.ndarray | None = None,
+def encode_record(sample_index: int, tokens_S: np.ndarray, loss_mask_S: np.ndarray,
+                  features_SxDf: np.ndarray, next_ids_S: np.ndarray | None = None,
                   topk: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
     """The record bytes of one sample; arrays are validated, not converted.
 
-    `tokens_N` integer [n] (stored int32), `loss_mask_N` [n] of 0/1 values (stored uint8), `features_NxFD`
+    `tokens_S` integer [n] (stored int32), `loss_mask_S` [n] of 0/1 values (stored uint8), `features_SxDf`
     bfloat16 [n, F*D] (any other dtype is an error: the cast belongs on device, before the transfer).
-    `topk` (with `next_ids_N`): (ids integer [n, k], probabilities [n, k] in [0, 1], stored float16), the
+    `topk` (with `next_ids_S`): (ids integer [n, k], probabilities [n, k] in [0, 1], stored float16), the
     target's k most likely next tokens after each position.
 
     A record is a fixed 32-byte little-endian header followed by three raw arrays, features first so they
@@ -73,47 +73,47 @@ def encode_record(sample_index: int, tokens_N: np.ndarray, loss_mask_N: np.ndarr
 
     n is the sample's number of real tokens: padding is not stored (the loader pads again).
     """
-    tokens_N = np.asarray(tokens_N)
-    loss_mask_N = np.asarray(loss_mask_N)
-    features_NxFD = np.asarray(features_NxFD)
-    if features_NxFD.ndim != 2 or features_NxFD.dtype != BF16:
+    tokens_S = np.asarray(tokens_S)
+    loss_mask_S = np.asarray(loss_mask_S)
+    features_SxDf = np.asarray(features_SxDf)
+    if features_SxDf.ndim != 2 or features_SxDf.dtype != BF16:
         raise ValueError(f"features must be bfloat16 [n, F*D]; received "
-                         f"{features_NxFD.dtype}{list(features_NxFD.shape)}")
-    n, feature_dim = features_NxFD.shape
+                         f"{features_SxDf.dtype}{list(features_SxDf.shape)}")
+    n, feature_dim = features_SxDf.shape
     if n < 1 or feature_dim < 1:
-        raise ValueError(f"features must hold at least one token and one feature; received shape {features_NxFD.shape}")
-    if tokens_N.shape != (n,) or loss_mask_N.shape != (n,):
+        raise ValueError(f"features must hold at least one token and one feature; received shape {features_SxDf.shape}")
+    if tokens_S.shape != (n,) or loss_mask_S.shape != (n,):
         raise ValueError(f"tokens and loss_mask must have shape [{n}] (the features' n); received "
-                         f"{list(tokens_N.shape)} and {list(loss_mask_N.shape)}")
-    if not np.issubdtype(tokens_N.dtype, np.integer) or (n and (tokens_N.min() < 0 or tokens_N.max() >= 2**31)):
-        raise ValueError(f"tokens must be non-negative int32 ids; received {tokens_N.dtype} "
-                         f"in [{tokens_N.min()}, {tokens_N.max()}]")
-    if not np.isin(loss_mask_N, (0, 1)).all():
-        raise ValueError(f"loss_mask must hold only 0 and 1; received values {np.unique(loss_mask_N)[:8].tolist()}")
+                         f"{list(tokens_S.shape)} and {list(loss_mask_S.shape)}")
+    if not np.issubdtype(tokens_S.dtype, np.integer) or (n and (tokens_S.min() < 0 or tokens_S.max() >= 2**31)):
+        raise ValueError(f"tokens must be non-negative int32 ids; received {tokens_S.dtype} "
+                         f"in [{tokens_S.min()}, {tokens_S.max()}]")
+    if not np.isin(loss_mask_S, (0, 1)).all():
+        raise ValueError(f"loss_mask must hold only 0 and 1; received values {np.unique(loss_mask_S)[:8].tolist()}")
     labels = b""
-    if next_ids_N is not None:
-        next_ids_N = np.asarray(next_ids_N)
-        if next_ids_N.shape != (n,) or not np.issubdtype(next_ids_N.dtype, np.integer) or next_ids_N.min() < 0:
+    if next_ids_S is not None:
+        next_ids_S = np.asarray(next_ids_S)
+        if next_ids_S.shape != (n,) or not np.issubdtype(next_ids_S.dtype, np.integer) or next_ids_S.min() < 0:
             raise ValueError(f"next_ids must be non-negative integer ids of shape [{n}]; received "
-                             f"{next_ids_N.dtype}{list(next_ids_N.shape)}")
-        labels = next_ids_N.astype("<i4").tobytes()
-    code, k = (_NO_LABELS if next_ids_N is None else _NEXT_IDS_CODE), 0
+                             f"{next_ids_S.dtype}{list(next_ids_S.shape)}")
+        labels = next_ids_S.astype("<i4").tobytes()
+    code, k = (_NO_LABELS if next_ids_S is None else _NEXT_IDS_CODE), 0
     if topk is not None:
-        ids_NxK, probs_NxK = (np.asarray(a) for a in topk)
-        if next_ids_N is None or ids_NxK.ndim != 2 or ids_NxK.shape[0] != n or probs_NxK.shape != ids_NxK.shape:
+        ids_SxY, probs_SxY = (np.asarray(a) for a in topk)
+        if next_ids_S is None or ids_SxY.ndim != 2 or ids_SxY.shape[0] != n or probs_SxY.shape != ids_SxY.shape:
             raise ValueError(f"topk must come with next_ids as (ids, probs) of one shape [{n}, k]; received "
-                             f"{list(ids_NxK.shape)} and {list(probs_NxK.shape)}")
-        k = ids_NxK.shape[1]
-        if not 1 <= k < 2**16 or not np.issubdtype(ids_NxK.dtype, np.integer) or ids_NxK.min() < 0:
-            raise ValueError(f"topk ids must be non-negative integers, 1 <= k < 65536; received {ids_NxK.dtype}, k={k}")
-        if not (np.all(probs_NxK >= 0) and np.all(probs_NxK <= 1)):
+                             f"{list(ids_SxY.shape)} and {list(probs_SxY.shape)}")
+        k = ids_SxY.shape[1]
+        if not 1 <= k < 2**16 or not np.issubdtype(ids_SxY.dtype, np.integer) or ids_SxY.min() < 0:
+            raise ValueError(f"topk ids must be non-negative integers, 1 <= k < 65536; received {ids_SxY.dtype}, k={k}")
+        if not (np.all(probs_SxY >= 0) and np.all(probs_SxY <= 1)):
             raise ValueError("topk probabilities must lie in [0, 1]")
-        labels += ids_NxK.astype("<i4").tobytes() + probs_NxK.astype(TOPK_PROB_DTYPE).tobytes()
+        labels += ids_SxY.astype("<i4").tobytes() + probs_SxY.astype(TOPK_PROB_DTYPE).tobytes()
         code = _TOPK_CODE
     header = _HEADER.pack(RECORD_MAGIC, RECORD_VERSION, HEADER_SIZE, n, feature_dim, _TOKENS_CODE, _MASK_CODE,
                           _FEATURES_CODE, code, sample_index, k)
-    return b"".join((header, np.ascontiguousarray(features_NxFD).tobytes(), tokens_N.astype("<i4").tobytes(),
-                     labels, loss_mask_N.astype(np.uint8).tobytes()))
+    return b"".join((header, np.ascontiguousarray(features_SxDf).tobytes(), tokens_S.astype("<i4").tobytes(),
+                     labels, loss_mask_S.astype(np.uint8).tobytes()))
 
 
 def record_size(n: int, feature_dim: int, next_ids: bool = False, topk: int = 0) -> int:

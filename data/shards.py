@@ -7,7 +7,7 @@ records each one's finished shards until process 0 merges them into `manifest.js
 
     writer = ShardWriter(out_dir, header)          # capture (data.capture): whole shards renamed in place, resumes
     writer = ShardWriter(out_dir, header, share=(p, P)); ...; merge_shares(out_dir, P)   # P processes, one dir
-    with writer.shard(i) as shard: shard.write(tokens_N, loss_mask_N, features_NxFD[, next_ids_N[, topk]])
+    with writer.shard(i) as shard: shard.write(tokens_S, loss_mask_S, features_SxDf[, next_ids_S[, topk]])
     source = RecordSource(out_dir, load_manifest(out_dir))     # training (data.offline): random access
 
 Storage choices and ArrayRecord's quirks: docs/decisions.md D15.
@@ -357,27 +357,27 @@ class _OpenShard:
         self.tokens = 0
         self._first = index * writer._header.samples_per_shard
 
-    def write(self, tokens_N: np.ndarray, loss_mask_N: np.ndarray, features_NxFD: np.ndarray,
-              next_ids_N: np.ndarray | None = None, topk: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    def write(self, tokens_S: np.ndarray, loss_mask_S: np.ndarray, features_SxDf: np.ndarray,
+              next_ids_S: np.ndarray | None = None, topk: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Append the next sample of this shard (its global index is implied by the order of writes);
-        `next_ids_N` exactly when the manifest has `target_labels`, `topk` (ids, probs [n, k]) exactly when it
+        `next_ids_S` exactly when the manifest has `target_labels`, `topk` (ids, probs [n, k]) exactly when it
         has `target_topk` = k > 0."""
         header = self._writer._header
-        if (next_ids_N is not None) != header.target_labels:
+        if (next_ids_S is not None) != header.target_labels:
             raise ValueError(f"next_ids must be given {'with' if header.target_labels else 'only with'} "
                              "target_labels in the manifest")
         width = 0 if topk is None else np.shape(topk[0])[-1]
         if width != header.target_topk:
             raise ValueError(f"topk must have the manifest's width target_topk={header.target_topk} (0 = none); "
                              f"received {width}")
-        if features_NxFD.shape[-1] != header.feature_dim:
-            raise ValueError(f"features must have width {header.feature_dim}; received {features_NxFD.shape}")
-        if len(tokens_N) > header.seq_len:
-            raise ValueError(f"a sample must have at most seq_len={header.seq_len} tokens; received {len(tokens_N)}")
-        self._file.write(encode_record(self._first + self.samples, tokens_N, loss_mask_N, features_NxFD, next_ids_N,
+        if features_SxDf.shape[-1] != header.feature_dim:
+            raise ValueError(f"features must have width {header.feature_dim}; received {features_SxDf.shape}")
+        if len(tokens_S) > header.seq_len:
+            raise ValueError(f"a sample must have at most seq_len={header.seq_len} tokens; received {len(tokens_S)}")
+        self._file.write(encode_record(self._first + self.samples, tokens_S, loss_mask_S, features_SxDf, next_ids_S,
                                        topk))
         self.samples += 1
-        self.tokens += len(tokens_N)
+        self.tokens += len(tokens_S)
 
     def __enter__(self) -> _OpenShard:
         return self

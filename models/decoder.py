@@ -2,7 +2,7 @@
 over a params pytree.
 
 `forward` is the full causal pass (logits, and the post-layer features at chosen layer ids);
-`forward_cached` appends a chunk of T >= 1 tokens per sequence to any `KVCacheLike` cache (`DenseKVCache`
+`forward_cached` appends a chunk of Q >= 1 tokens per sequence to any `KVCacheLike` cache (`DenseKVCache`
 here, the engine's paged cache) and returns the chunk's logits. Why pure functions over one layer scan,
 and the cache interface: docs/decisions.md D3, D4.
 """
@@ -126,18 +126,18 @@ def apply_rope(x_BxSxHxDh: jax.Array, cos_BxSxDh: jax.Array, sin_BxSxDh: jax.Arr
     return out.astype(x_BxSxHxDh.dtype)
 
 
-def attend(q_BxQxHxDh: jax.Array, k_BxKxHkxDh: jax.Array, v_BxKxHkxDh: jax.Array,
-           visible_BxQxK: jax.Array, sinks_H: jax.Array | None = None) -> jax.Array:
+def attend(q_BxQxHxDh: jax.Array, k_BxTxHkxDh: jax.Array, v_BxTxHkxDh: jax.Array,
+           visible_BxQxT: jax.Array, sinks_H: jax.Array | None = None) -> jax.Array:
     """Grouped-query softmax attention with a boolean visibility mask; softmax in fp32. `sinks_H` (gpt-oss): one
     logit per head that joins every row's softmax denominator and attends to nothing.
 
     A query row with no visible key returns zeros (never NaN).
     """
     b, q_len, h, dh = q_BxQxHxDh.shape
-    hk = k_BxKxHkxDh.shape[2]
+    hk = k_BxTxHkxDh.shape[2]
     q = q_BxQxHxDh.reshape(b, q_len, hk, h // hk, dh)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_BxKxHkxDh).astype(jnp.float32) / math.sqrt(dh)
-    mask = visible_BxQxK[:, None, None, :, :]
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_BxTxHkxDh).astype(jnp.float32) / math.sqrt(dh)
+    mask = visible_BxQxT[:, None, None, :, :]
     scores = jnp.where(mask, scores, NEG_INF)
     if sinks_H is None:
         probs = jax.nn.softmax(scores, axis=-1)
@@ -146,8 +146,8 @@ def attend(q_BxQxHxDh: jax.Array, k_BxKxHkxDh: jax.Array, v_BxKxHkxDh: jax.Array
         top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
         exp = jnp.exp(scores - top)
         probs = exp / (jnp.sum(exp, axis=-1, keepdims=True) + jnp.exp(sink - top))
-    probs = jnp.where(mask, probs, 0.0).astype(v_BxKxHkxDh.dtype)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v_BxKxHkxDh)
+    probs = jnp.where(mask, probs, 0.0).astype(v_BxTxHkxDh.dtype)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v_BxTxHkxDh)
     return out.reshape(b, q_len, h, dh)
 
 
@@ -168,11 +168,11 @@ class KVCacheLike(Protocol):
 
     The cache rides in the carry of the layer scan. `write_and_attend(layer, q, k, v, window)` stores the chunk's
     K/V of decoder layer `layer` (a traced index) after each sequence's current length and attends the
-    chunk's queries causally over everything cached so far; it returns (attention output [B, T, H, Dh],
+    chunk's queries causally over everything cached so far; it returns (attention output [B, Q, H, Dh],
     updated cache). `window` is None for a target without sliding layers, else a traced int32 scalar: W > 0 for a
     sliding layer (a query at cache index i sees only indices i-W+1 .. i; older K/V stay cached, masked, so a
     rollback never needs them back: docs/decisions.md D75), 0 for a full layer. `sinks` [H] (gpt-oss) is the
-    layer's attention sinks (`attend`), None without. `advance(T)` then moves every length on by T.
+    layer's attention sinks (`attend`), None without. `advance(Q)` then moves every length on by Q.
     """
 
     def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -252,23 +252,23 @@ def _act(cfg: DecoderConfig, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(x)
 
 
-def moe_route(cfg: DecoderConfig, router_DxE: jax.Array, x_TxD: jax.Array,
+def moe_route(cfg: DecoderConfig, router_DtxE: jax.Array, x_RxDt: jax.Array,
               bias_E: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The reference routers, logits in the compute dtype. Qwen3-MoE (`softmax_topk`): softmax in fp32, top-k
     experts, their probabilities renormalised to sum 1 when `norm_topk_prob`, cast back. gpt-oss (`topk_softmax`):
-    logits plus the router bias, top-k of them, a softmax over those k. (weights [T, k], experts [T, k] int32)."""
-    logits_TxE = x_TxD @ router_DxE
+    logits plus the router bias, top-k of them, a softmax over those k. (weights [R, Ek], experts [R, Ek] int32)."""
+    logits_RxE = x_RxDt @ router_DtxE
     if bias_E is not None:
-        logits_TxE = logits_TxE + bias_E
+        logits_RxE = logits_RxE + bias_E
     if cfg.moe_router == "topk_softmax":
-        top_TxK, experts_TxK = jax.lax.top_k(logits_TxE, cfg.num_experts_per_tok)
-        weights_TxK = jax.nn.softmax(top_TxK.astype(jnp.float32), axis=-1)
-        return weights_TxK.astype(x_TxD.dtype), experts_TxK.astype(jnp.int32)
-    probs_TxE = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
-    weights_TxK, experts_TxK = jax.lax.top_k(probs_TxE, cfg.num_experts_per_tok)
+        top_RxEk, experts_RxEk = jax.lax.top_k(logits_RxE, cfg.num_experts_per_tok)
+        weights_RxEk = jax.nn.softmax(top_RxEk.astype(jnp.float32), axis=-1)
+        return weights_RxEk.astype(x_RxDt.dtype), experts_RxEk.astype(jnp.int32)
+    probs_RxE = jax.nn.softmax(logits_RxE.astype(jnp.float32), axis=-1)
+    weights_RxEk, experts_RxEk = jax.lax.top_k(probs_RxE, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
-        weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
-    return weights_TxK.astype(x_TxD.dtype), experts_TxK.astype(jnp.int32)
+        weights_RxEk = weights_RxEk / jnp.sum(weights_RxEk, axis=-1, keepdims=True)
+    return weights_RxEk.astype(x_RxDt.dtype), experts_RxEk.astype(jnp.int32)
 
 
 def _expert_act(cfg: DecoderConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -280,48 +280,48 @@ def _expert_act(cfg: DecoderConfig, gate: jax.Array, up: jax.Array) -> jax.Array
     return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
 
 
-def moe_mlp(cfg: DecoderConfig, lp: Params, h_BxSxD: jax.Array) -> jax.Array:
-    """The sparse MoE block, exact (no capacity, no dropped token): the T*k (token, expert) assignments sorted by
+def moe_mlp(cfg: DecoderConfig, lp: Params, h_BxSxDt: jax.Array) -> jax.Array:
+    """The sparse MoE block, exact (no capacity, no dropped token): the R*Ek (token, expert) assignments sorted by
     expert, each expert's rows one group of a grouped matmul (`jax.lax.ragged_dot`, TPU's megablox-style kernel),
     weighted and summed back per token. Nothing depends on which other tokens share the batch, so the engine's
     verify and AR steps route each token as a forward over it alone would (lossless greedy)."""
-    b, s, d = h_BxSxD.shape
-    x_TxD = h_BxSxD.reshape(b * s, d)
+    b, s, d = h_BxSxDt.shape
+    x_RxDt = h_BxSxDt.reshape(b * s, d)
     k = cfg.num_experts_per_tok
-    weights_TxK, experts_TxK = moe_route(cfg, lp["router"], x_TxD, lp.get("router_b"))
-    flat_A = experts_TxK.reshape(-1)                       # A = T*k assignments
+    weights_RxEk, experts_RxEk = moe_route(cfg, lp["router"], x_RxDt, lp.get("router_b"))
+    flat_A = experts_RxEk.reshape(-1)                       # A = R*Ek assignments
     order_A = jnp.argsort(flat_A, stable=True)             # grouped by expert
     token_A = order_A // k
     group_sizes_E = jnp.bincount(flat_A, length=cfg.num_experts).astype(jnp.int32)
-    rows_AxD = x_TxD[token_A]
-    gate_AxI = jax.lax.ragged_dot(rows_AxD, lp["we_gate"], group_sizes_E)
-    up_AxI = jax.lax.ragged_dot(rows_AxD, lp["we_up"], group_sizes_E)
+    rows_AxDt = x_RxDt[token_A]
+    gate_AxIe = jax.lax.ragged_dot(rows_AxDt, lp["we_gate"], group_sizes_E)
+    up_AxIe = jax.lax.ragged_dot(rows_AxDt, lp["we_up"], group_sizes_E)
     if cfg.moe_bias:
         expert_A = flat_A[order_A]
-        gate_AxI, up_AxI = gate_AxI + lp["be_gate"][expert_A], up_AxI + lp["be_up"][expert_A]
-    out_AxD = jax.lax.ragged_dot(_expert_act(cfg, gate_AxI, up_AxI), lp["we_down"], group_sizes_E)
+        gate_AxIe, up_AxIe = gate_AxIe + lp["be_gate"][expert_A], up_AxIe + lp["be_up"][expert_A]
+    out_AxDt = jax.lax.ragged_dot(_expert_act(cfg, gate_AxIe, up_AxIe), lp["we_down"], group_sizes_E)
     if cfg.moe_bias:
-        out_AxD = out_AxD + lp["be_down"][expert_A]
-    out_AxD = out_AxD * weights_TxK.reshape(-1)[order_A][:, None]
-    return jnp.zeros_like(x_TxD).at[token_A].add(out_AxD).reshape(b, s, d)
+        out_AxDt = out_AxDt + lp["be_down"][expert_A]
+    out_AxDt = out_AxDt * weights_RxEk.reshape(-1)[order_A][:, None]
+    return jnp.zeros_like(x_RxDt).at[token_A].add(out_AxDt).reshape(b, s, d)
 
 
-def moe_mlp_dense(cfg: DecoderConfig, lp: Params, h_BxSxD: jax.Array) -> jax.Array:
+def moe_mlp_dense(cfg: DecoderConfig, lp: Params, h_BxSxDt: jax.Array) -> jax.Array:
     """The same block computed densely: every expert on every token, combined with the router's top-k weights
     (zeros elsewhere). E/k times the FLOPs of `moe_mlp`; the reference it is tested against and benchmarked with."""
-    b, s, d = h_BxSxD.shape
-    x_TxD = h_BxSxD.reshape(b * s, d)
-    weights_TxK, experts_TxK = moe_route(cfg, lp["router"], x_TxD, lp.get("router_b"))
-    combine_TxE = jnp.zeros((b * s, cfg.num_experts), x_TxD.dtype).at[
-        jnp.arange(b * s)[:, None], experts_TxK].set(weights_TxK)
-    gate = jnp.einsum("td,edi->tei", x_TxD, lp["we_gate"])
-    up = jnp.einsum("td,edi->tei", x_TxD, lp["we_up"])
+    b, s, d = h_BxSxDt.shape
+    x_RxDt = h_BxSxDt.reshape(b * s, d)
+    weights_RxEk, experts_RxEk = moe_route(cfg, lp["router"], x_RxDt, lp.get("router_b"))
+    combine_RxE = jnp.zeros((b * s, cfg.num_experts), x_RxDt.dtype).at[
+        jnp.arange(b * s)[:, None], experts_RxEk].set(weights_RxEk)
+    gate = jnp.einsum("td,edi->tei", x_RxDt, lp["we_gate"])
+    up = jnp.einsum("td,edi->tei", x_RxDt, lp["we_up"])
     if cfg.moe_bias:
         gate, up = gate + lp["be_gate"], up + lp["be_up"]
     out = jnp.einsum("tei,eid->ted", _expert_act(cfg, gate, up), lp["we_down"])
     if cfg.moe_bias:
         out = out + lp["be_down"]
-    return jnp.einsum("ted,te->td", out, combine_TxE).reshape(b, s, d)
+    return jnp.einsum("ted,te->td", out, combine_RxE).reshape(b, s, d)
 
 
 def _mlp(cfg: DecoderConfig, lp: Params, h: jax.Array) -> jax.Array:
@@ -371,9 +371,9 @@ def embed(params: Params, tokens_BxS: jax.Array) -> jax.Array:
     return x
 
 
-def lm_head(params: Params, cfg: DecoderConfig, hidden_BxSxD: jax.Array) -> jax.Array:
+def lm_head(params: Params, cfg: DecoderConfig, hidden_BxSxDt: jax.Array) -> jax.Array:
     """Final norm + LM head (the tied embedding, or the separate untied head). Logits in fp32."""
-    h = norm(cfg, hidden_BxSxD, params["final_norm"])
+    h = norm(cfg, hidden_BxSxDt, params["final_norm"])
     return logits_from_normed(params, cfg, h)
 
 
@@ -384,11 +384,11 @@ def head_matrix(params: Params, cfg: DecoderConfig) -> tuple[jax.Array, bool]:
     return params["lm_head"], False
 
 
-def logits_from_normed(params: Params, cfg: DecoderConfig, normed_BxSxD: jax.Array) -> jax.Array:
+def logits_from_normed(params: Params, cfg: DecoderConfig, normed_BxSxDt: jax.Array) -> jax.Array:
     """Project already-normed hidden states to full-vocabulary logits (the drafter reuses this)."""
     if cfg.tie_word_embeddings:
-        return jnp.einsum("bsd,vd->bsv", normed_BxSxD, params["embed"]).astype(jnp.float32)
-    return (normed_BxSxD @ params["lm_head"]).astype(jnp.float32)
+        return jnp.einsum("bsd,vd->bsv", normed_BxSxDt, params["embed"]).astype(jnp.float32)
+    return (normed_BxSxDt @ params["lm_head"]).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- forwards
@@ -455,22 +455,22 @@ def forward(params: Params, cfg: DecoderConfig, tokens_BxS: jax.Array, positions
     return logits, (jnp.stack(features) if features else None)
 
 
-def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxQ: jax.Array, positions_BxQ: jax.Array,
                    cache: KVCacheLike, layer_ids: tuple[int, ...] = (),
-                   logits_at_BxI: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
-    """Append a chunk of T tokens per sequence to `cache` and return (logits [B,T,V], features, cache).
+                   logits_at_BxQo: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
+    """Append a chunk of Q tokens per sequence to `cache` and return (logits [B,Q,V], features, cache).
 
-    `features` is [F, B, T, D] (outputs of decoder layers `layer_ids`) or None. With `logits_at_BxI`,
-    logits are computed only at those chunk indices ([B, I, V]), e.g. the last prompt token in prefill.
+    `features` is [F, B, Q, Dt] (outputs of decoder layers `layer_ids`) or None. With `logits_at_BxQo`,
+    logits are computed only at those chunk indices ([B, Qo, V]), e.g. the last prompt token in prefill.
 
     `cache` is any `KVCacheLike` (`DenseKVCache`, the engine's `serve.paged.PagedKVCache`). Token i of
-    sequence b lands at cache index cache.lengths[b] + i and is rotated at positions_BxT[b, i]. The caller
-    guarantees lengths + T <= capacity (see `check_capacity`). Rolling back is `cache.rollback(lengths)`.
+    sequence b lands at cache index cache.lengths[b] + i and is rotated at positions_BxQ[b, i]. The caller
+    guarantees lengths + Q <= capacity (see `check_capacity`). Rolling back is `cache.rollback(lengths)`.
     """
     layer_ids = check_layer_ids(layer_ids, cfg.num_layers) if layer_ids else ()
-    rope = _layer_rope(cfg, positions_BxT)
+    rope = _layer_rope(cfg, positions_BxQ)
 
-    b, t = tokens_BxT.shape
+    b, t = tokens_BxQ.shape
     num_feats = max(len(layer_ids), 1)
     slot_of_layer = np.zeros(cfg.num_layers, np.int32)
     captured = np.zeros(cfg.num_layers, bool)
@@ -491,13 +491,13 @@ def forward_cached(params: Params, cfg: DecoderConfig, tokens_BxT: jax.Array, po
         feats = feats.at[slot].set(jnp.where(keep, x, feats[slot]))  # features carried, not all layers kept
         return (x, feats, kv), None
 
-    x = embed(params, tokens_BxT)
+    x = embed(params, tokens_BxQ)
     feats = jnp.zeros((num_feats, b, t, cfg.hidden_size), x.dtype)
     xs = (params["layers"], jnp.arange(cfg.num_layers), jnp.asarray(slot_of_layer), jnp.asarray(captured),
           jnp.asarray(cfg.sliding_layers))
     (x, feats, cache), _ = jax.lax.scan(step, (x, feats, cache), xs)
-    if logits_at_BxI is not None:
-        x = jnp.take_along_axis(x, logits_at_BxI[:, :, None].astype(jnp.int32), axis=1)
+    if logits_at_BxQo is not None:
+        x = jnp.take_along_axis(x, logits_at_BxQo[:, :, None].astype(jnp.int32), axis=1)
     return lm_head(params, cfg, x), (feats if layer_ids else None), cache.advance(t)
 
 

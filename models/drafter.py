@@ -53,7 +53,7 @@ KV = tuple[jax.Array, jax.Array]  # (k, v), each [B, S, Hk, Dh], RoPE applied to
 class DrafterArch:
     """A fully resolved drafter architecture (no 'follow the target' placeholders left).
 
-    hidden_size is the target's (fc maps F*D -> D). The target_* fields are what the z-lab
+    hidden_size is the target's, D = Dt (fc maps Df = F*Dt -> D). The target_* fields are what the z-lab
     config.json records about the target (family, vocab, layer count).
     """
 
@@ -389,17 +389,17 @@ class DrafterMLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _block_convolution(x_BxQxD: jax.Array, dyn_BxQxTxG: jax.Array, base_TxD: jax.Array, *, taps: int,
+def _block_convolution(x_BxQxD: jax.Array, dyn_BxQxWcxG: jax.Array, base_WcxD: jax.Array, *, taps: int,
                        group_size: int, block_len: int) -> jax.Array:
     """`BlockConv`'s convolution of x with one side's kernels. Rematerialised: its backward recomputes the shifted
-    copies of x and the per-tap kernels broadcast over each group's channels (T + 1 arrays of x's size per call,
+    copies of x and the per-tap kernels broadcast over each group's channels (Wc + 1 arrays of x's size per call,
     4 calls per layer) from x and the small dynamic kernels instead of keeping them from the forward
     (docs/decisions.md D58: the 8B DFlash2 train step 70.0 -> 56.6 GiB per chip on v5p-128)."""
     b, q, d = x_BxQxD.shape
     g = d // group_size
     x = x_BxQxD.reshape(b, q // block_len, block_len, g, group_size)
-    dyn = dyn_BxQxTxG.reshape(b, q // block_len, block_len, taps, g, 1)
-    base = base_TxD.astype(x.dtype).reshape(taps, g, group_size)
+    dyn = dyn_BxQxWcxG.reshape(b, q // block_len, block_len, taps, g, 1)
+    base = base_WcxD.astype(x.dtype).reshape(taps, g, group_size)
     out = jnp.zeros_like(x)
     for o in range(taps):
         shifted = x if o == 0 else jnp.pad(x[:, :, :-o], ((0, 0), (0, 0), (o, 0), (0, 0), (0, 0)))
@@ -411,11 +411,11 @@ class BlockConv(nnx.Module):
     """DFlash2's 2-tap grouped dynamic depthwise convolution around one sublayer (`drafter.variant: dflash2`,
     `drafter.conv`; z-lab's `GroupedDynamicCausalConv`), causal and local to each block of K.
 
-    With G = D / group_size channel groups and T = `conv_kernel_size` taps, one projection of the sublayer's
+    With G = D / group_size channel groups and Wc = `conv_kernel_size` taps, one projection of the sublayer's
     (normed) input h gives per position t a dynamic kernel for the input side and one for the output side,
-    `kernel_projection(h)` viewed [2, T, G]; `base_kernel` [2, T, D] is the static part. Each side computes
+    `kernel_projection(h)` viewed [2, Wc, G]; `base_kernel` [2, Wc, D] is the static part. Each side computes
 
-        y_t = sum_{o < T} (base[o] + dyn_t[o, group(c)]) * x_{t-o}        (x_{t-o} = 0 before the block's start)
+        y_t = sum_{o < Wc} (base[o] + dyn_t[o, group(c)]) * x_{t-o}        (x_{t-o} = 0 before the block's start)
 
     `prepare(h)` convolves the sublayer's input with side 0 and returns side 1's dynamic kernel, which `finish`
     applies to the sublayer's output. Identity at init (base tap 0 = 1, other taps 0, projection 0), so a new
@@ -433,13 +433,13 @@ class BlockConv(nnx.Module):
         dyn = self.kernel_projection(h_BxQxD).reshape(b, q, 2, self.taps, d // self.group_size)
         return self._convolve(h_BxQxD, dyn[:, :, 0], self.base_kernel[...][0], block_len), dyn[:, :, 1]
 
-    def finish(self, y_BxQxD: jax.Array, dyn_BxQxTxG: jax.Array, block_len: int) -> jax.Array:
-        return self._convolve(y_BxQxD, dyn_BxQxTxG, self.base_kernel[...][1], block_len)
+    def finish(self, y_BxQxD: jax.Array, dyn_BxQxWcxG: jax.Array, block_len: int) -> jax.Array:
+        return self._convolve(y_BxQxD, dyn_BxQxWcxG, self.base_kernel[...][1], block_len)
 
-    def _convolve(self, x_BxQxD: jax.Array, dyn_BxQxTxG: jax.Array, base_TxD: jax.Array,
+    def _convolve(self, x_BxQxD: jax.Array, dyn_BxQxWcxG: jax.Array, base_WcxD: jax.Array,
                   block_len: int) -> jax.Array:
         conv = functools.partial(_block_convolution, taps=self.taps, group_size=self.group_size, block_len=block_len)
-        return jax.checkpoint(conv)(x_BxQxD, dyn_BxQxTxG, base_TxD)
+        return jax.checkpoint(conv)(x_BxQxD, dyn_BxQxWcxG, base_WcxD)
 
 
 class CandidateSelector(nnx.Module):
@@ -463,29 +463,29 @@ class CandidateSelector(nnx.Module):
         self.successor_codebook = nnx.Param(jnp.zeros((v, r), dtype))
         self.hidden_projection = _linear(arch.hidden_size, r, dtype, rngs)
 
-    def edges(self, prev_ids: jax.Array, proj_xR: jax.Array, cand_ids_xC: jax.Array) -> jax.Array:
+    def edges(self, prev_ids: jax.Array, proj_xDr: jax.Array, cand_ids_xC: jax.Array) -> jax.Array:
         """e(prev, c) [..., C] for predecessor ids [...] (or [..., C'] of them: then [..., C', C]), the slot's
-        projected hidden state W h [..., r] and its candidates [..., C]."""
+        projected hidden state W h [..., Dr] and its candidates [..., C]."""
         pred = self.predecessor_codebook[...][prev_ids]
         succ = self.successor_codebook[...][cand_ids_xC]
-        if pred.ndim == proj_xR.ndim + 1:  # a lattice: every predecessor candidate against every candidate
-            return jnp.einsum("...pr,...cr->...pc", pred * proj_xR[..., None, :], succ)
-        return jnp.einsum("...r,...cr->...c", pred * proj_xR, succ)
+        if pred.ndim == proj_xDr.ndim + 1:  # a lattice: every predecessor candidate against every candidate
+            return jnp.einsum("...pr,...cr->...pc", pred * proj_xDr[..., None, :], succ)
+        return jnp.einsum("...r,...cr->...c", pred * proj_xDr, succ)
 
-    def walk(self, cand_ids_BxTxC: jax.Array, unary_BxTxC: jax.Array, hidden_BxTxD: jax.Array,
+    def walk(self, cand_ids_BxJxC: jax.Array, unary_BxJxC: jax.Array, hidden_BxJxD: jax.Array,
              anchor_B: jax.Array) -> jax.Array:
-        """Draft ids [B, T]: slot t's candidate with the largest u + e(previous draft, .), the anchor before
+        """Draft ids [B, J]: slot t's candidate with the largest u + e(previous draft, .), the anchor before
         slot 0 (ties: the earlier candidate, i.e. the higher unary score)."""
-        proj_BxTxR = self.hidden_projection(hidden_BxTxD).astype(jnp.float32)
-        unary = unary_BxTxC.astype(jnp.float32)
+        proj_BxJxDr = self.hidden_projection(hidden_BxJxD).astype(jnp.float32)
+        unary = unary_BxJxC.astype(jnp.float32)
 
         def step(prev_B, t):
-            scores = unary[:, t] + self.edges(prev_B, proj_BxTxR[:, t], cand_ids_BxTxC[:, t]).astype(jnp.float32)
-            pick = jnp.take_along_axis(cand_ids_BxTxC[:, t], jnp.argmax(scores, axis=-1)[:, None], axis=1)[:, 0]
+            scores = unary[:, t] + self.edges(prev_B, proj_BxJxDr[:, t], cand_ids_BxJxC[:, t]).astype(jnp.float32)
+            pick = jnp.take_along_axis(cand_ids_BxJxC[:, t], jnp.argmax(scores, axis=-1)[:, None], axis=1)[:, 0]
             return pick, pick
 
-        _, ids_TxB = jax.lax.scan(step, anchor_B.astype(jnp.int32), jnp.arange(cand_ids_BxTxC.shape[1]))
-        return ids_TxB.T
+        _, ids_JxB = jax.lax.scan(step, anchor_B.astype(jnp.int32), jnp.arange(cand_ids_BxJxC.shape[1]))
+        return ids_JxB.T
 
 
 class DrafterLayer(nnx.Module):
@@ -551,9 +551,9 @@ class DFlashDrafter(nnx.Module):
         self.candidate_selector = CandidateSelector(arch, dtype, rngs) if arch.selector_rank else None
         self.draft_vocab: DraftVocab | None = None  # set by the loaders for a drafter trained on a head vocabulary
 
-    def fuse(self, ctx_feats_BxSxFD: jax.Array) -> jax.Array:
+    def fuse(self, ctx_feats_BxSxDf: jax.Array) -> jax.Array:
         """Fused context c [B, S, D] = hidden_norm(fc(concat_F feats)); features in layer-id order."""
-        return self.hidden_norm(self.fc(ctx_feats_BxSxFD))
+        return self.hidden_norm(self.fc(ctx_feats_BxSxDf))
 
     def context_kv(self, fused_ctx_BxSxD: jax.Array, ctx_pos_BxS: jax.Array) -> list[KV]:
         """Per-layer context (k, v) [B, S, Hk, Dh], k rotated at the context tokens' own positions.
@@ -602,14 +602,14 @@ class DFlashDrafter(nnx.Module):
                 "be a list of per-layer masks for a drafter with sliding-window layers")
         return [visible] * n
 
-    def __call__(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_feats_BxSxFD: jax.Array,
+    def __call__(self, block_embeds_BxQxD: jax.Array, block_pos_BxQ: jax.Array, ctx_feats_BxSxDf: jax.Array,
                  ctx_pos_BxS: jax.Array, visible: Visibility) -> jax.Array:
         """Training forward over Q = N*K packed block tokens; returns normed hidden [B, Q, D].
 
         docs/design.md §4.2's mask gives a block of anchor a the context keys s < a and the keys of its own
         block only: `BlockVisibility.from_anchors` (or an equivalent dense [B, Q, S+Q] mask).
         """
-        fused = self.fuse(ctx_feats_BxSxFD)
+        fused = self.fuse(ctx_feats_BxSxDf)
         return self.blocks(block_embeds_BxQxD, block_pos_BxQ, self.context_kv(fused, ctx_pos_BxS), visible)
 
     def draft_block(self, block_embeds_BxKxD: jax.Array, block_pos_BxK: jax.Array, ctx_kv: list[KV],
@@ -645,23 +645,23 @@ def restore_drafter(arch: DrafterArch, value: Callable[[tuple[Any, ...], nnx.Par
 # ----------------------------------------------------------------------------- inputs and outputs
 
 
-def concat_features(feats_FxBxSxD: jax.Array) -> jax.Array:
-    """Target features [F, B, S, D] (as `decoder.forward` returns them) -> [B, S, F*D], id order."""
-    f, b, s, d = feats_FxBxSxD.shape
-    return jnp.moveaxis(feats_FxBxSxD, 0, 2).reshape(b, s, f * d)
+def concat_features(feats_FxBxSxDt: jax.Array) -> jax.Array:
+    """Target features [F, B, S, Dt] (as `decoder.forward` returns them) -> [B, S, Df] (Df = F*Dt), id order."""
+    f, b, s, d = feats_FxBxSxDt.shape
+    return jnp.moveaxis(feats_FxBxSxDt, 0, 2).reshape(b, s, f * d)
 
 
 def online_features(target_params: Params, target_cfg: DecoderConfig, tokens_BxS: jax.Array,
                     layer_ids: tuple[int, ...]) -> jax.Array:
-    """Frozen target features [B, S, F*D]: post-layer outputs of `layer_ids`, concatenated in id order.
+    """Frozen target features [B, S, Df]: post-layer outputs of `layer_ids`, concatenated in id order.
 
     Feature j of token s is the output of target decoder layer j (HF hidden_states[j+1]) at s, computed
     causally over the whole sequence. No gradient flows into the target (stop_gradient on params and
     output). A precomputed feature source must return the same array.
     """
     frozen = jax.lax.stop_gradient(target_params)
-    _, feats_FxBxSxD = forward(frozen, target_cfg, tokens_BxS, layer_ids=tuple(layer_ids), with_logits=False)
-    return jax.lax.stop_gradient(concat_features(feats_FxBxSxD))
+    _, feats_FxBxSxDt = forward(frozen, target_cfg, tokens_BxS, layer_ids=tuple(layer_ids), with_logits=False)
+    return jax.lax.stop_gradient(concat_features(feats_FxBxSxDt))
 
 
 def block_token_ids(start_tokens_B: jax.Array, block_size: int, mask_token_id: int) -> jax.Array:

@@ -141,7 +141,7 @@ def chain(lead: Callable[[int], int], start: int, last: int) -> list[tuple[int, 
     return out
 
 
-def block_hidden(models: Models, tokens_1xS: jax.Array, feats_1xSxFD: jax.Array, block_size: int) -> jax.Array:
+def block_hidden(models: Models, tokens_1xS: jax.Array, feats_1xSxDf: jax.Array, block_size: int) -> jax.Array:
     """The drafter's hidden states [S, K-1, D] at the draft slots of a block anchored at every position a of one
     row: ids [x_a, MASK..], context the target features at positions < a, as the engine proposes it."""
     drafter = models.drafter()
@@ -153,13 +153,13 @@ def block_hidden(models: Models, tokens_1xS: jax.Array, feats_1xSxFD: jax.Array,
     embeds = embed(models.target_params, ids_SxK.reshape(1, s * k)).astype(jnp.float32)
     visible = BlockVisibility.from_anchors(a_S[None], jnp.ones((1, s), bool), window=drafter.arch.sliding_window)
     # every position is an anchor, and the context positions are the row's positions
-    hidden = drafter(embeds, pos_SxK.reshape(1, s * k), feats_1xSxFD, a_S[None], visible)
+    hidden = drafter(embeds, pos_SxK.reshape(1, s * k), feats_1xSxDf, a_S[None], visible)
     return hidden.reshape(s, k, -1)[:, 1:]
 
 
 @partial(jax.jit, static_argnames=("block_size", "chunk"))
 def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: int = 512,
-                 feats_1xSxFD: jax.Array | None = None, next_S: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                 feats_1xSxDf: jax.Array | None = None, next_S: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(next_ids int32 [S], hits bool [S, K-1]) of one row: next_ids[p] the target's greedy token after
     tokens[:p+1]; hits[a, k-1] whether the drafter's argmax at slot k of a block anchored at a (ids [x_a, MASK..],
     context the target features at positions < a, as the engine proposes it) equals the target's greedy token
@@ -168,30 +168,30 @@ def teacher_hits(models: Models, tokens_1xS: jax.Array, block_size: int, chunk: 
     head runs `chunk` rows at a time
     over the draft vocabulary's rows or the full head, as `speculative.propose` does.
 
-    Stored features (`feats_1xSxFD`, e.g. a capture's) replace the target's forward; then `next_S` is the stored
+    Stored features (`feats_1xSxDf`, e.g. a capture's) replace the target's forward; then `next_S` is the stored
     greedy tokens (a capture's target labels, -1 where unknown) or, when None, the row's own next tokens (the
     stored answer taken as the target's greedy one)."""
     drafter = models.drafter()
     arch, k = drafter.arch, block_size
     s = tokens_1xS.shape[1]
-    if feats_1xSxFD is None:
-        logits, feats_FxBxSxD = forward(models.target_params, models.target_cfg, tokens_1xS, layer_ids=arch.layer_ids)
+    if feats_1xSxDf is None:
+        logits, feats_FxBxSxDt = forward(models.target_params, models.target_cfg, tokens_1xS, layer_ids=arch.layer_ids)
         next_S = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
-        feats_1xSxFD = concat_features(feats_FxBxSxD)
+        feats_1xSxDf = concat_features(feats_FxBxSxDt)
     elif next_S is None:
         next_S = jnp.concatenate([tokens_1xS[0, 1:], jnp.full((1,), -1, tokens_1xS.dtype)]).astype(jnp.int32)
     pos_SxK = jnp.arange(s, dtype=jnp.int32)[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    hidden_TxD = block_hidden(models, tokens_1xS, feats_1xSxFD, k).reshape(s * (k - 1), -1)
-    t = hidden_TxD.shape[0]
+    hidden_RxD = block_hidden(models, tokens_1xS, feats_1xSxDf, k).reshape(s * (k - 1), -1)
+    t = hidden_RxD.shape[0]
     c = min(chunk, t)
     pad = -(-t // c) * c - t
-    parts = jnp.pad(hidden_TxD, ((0, pad), (0, 0))).reshape(-1, c, hidden_TxD.shape[-1])
+    parts = jnp.pad(hidden_RxD, ((0, pad), (0, 0))).reshape(-1, c, hidden_RxD.shape[-1])
     if drafter.candidate_selector is None:
         drafts = jax.lax.map(lambda h: argmax_drafts(models, h[None])[0], parts).reshape(-1)[:t].reshape(s, k - 1)
     else:  # the path selector: slot k's walk step from the target's token at a + k - 1 (the anchor for slot 1)
-        prev_T = jnp.concatenate([tokens_1xS[0][:, None], next_S[jnp.clip(pos_SxK[:, 1:-1] - 1, 0, s - 1)]],
+        prev_R = jnp.concatenate([tokens_1xS[0][:, None], next_S[jnp.clip(pos_SxK[:, 1:-1] - 1, 0, s - 1)]],
                                  axis=1).reshape(-1)
-        prevs = jnp.pad(prev_T, (0, pad)).reshape(-1, c)
+        prevs = jnp.pad(prev_R, (0, pad)).reshape(-1, c)
         step = lambda hp: selector_drafts(models, drafter, hp[0][:, None], hp[1])[:, 0]  # noqa: E731
         drafts = jax.lax.map(step, (parts, prevs)).reshape(-1)[:t].reshape(s, k - 1)
     want = next_S[jnp.clip(pos_SxK[:, 1:] - 1, 0, s - 1)]
@@ -220,7 +220,7 @@ def teacher_leads(models: Models, tokens_S: np.ndarray, n: int, block_size: int,
         if ids_n is not None:
             next_ids = np.full(length, -1, np.int32)
             next_ids[:n] = ids_n[:n]
-    next_S, hits = jax.device_get(teacher_hits(models, jnp.asarray(padded), block_size, feats_1xSxFD=feats,
+    next_S, hits = jax.device_get(teacher_hits(models, jnp.asarray(padded), block_size, feats_1xSxDf=feats,
                                                next_S=next_ids))
     return np.asarray(next_S[:n]), leading(hits)[:n]
 

@@ -521,21 +521,21 @@ class Engine:
         if reason is not None:
             self._finish(slot)
 
-    def _emit_steps(self, slots: Sequence[int], out_RxbxK: np.ndarray, n_Rxb: np.ndarray,
+    def _emit_steps(self, slots: Sequence[int], out_IxBxK: np.ndarray, n_IxB: np.ndarray,
                     scores: TokenLogprobs | None = None) -> None:
         """Each step's tokens (out[i, j, :n[i, j] + 1]) emitted in order to the request in `slots[j]` (row j of the
         step's view; rows past `slots` pad the bucket), with the accepted counts; a request that finishes (stop,
         budget, stop string) or fails alone leaves the later steps. scores: the one step's log-probabilities
         (position p of row j scores out[0, j, p])."""
         live = list(enumerate(slots))
-        for i in range(out_RxbxK.shape[0]):
+        for i in range(out_IxBxK.shape[0]):
             self.steps += 1
             for row, slot in live:
-                self.lengths[slot] += int(n_Rxb[i, row]) + 1
+                self.lengths[slot] += int(n_IxB[i, row]) + 1
                 request = self.running[slot]
                 try:
-                    before, n = len(request.token_ids), int(n_Rxb[i, row])
-                    self._emit(slot, [int(t) for t in out_RxbxK[i, row, :n + 1]], scores, range(n + 1), row)
+                    before, n = len(request.token_ids), int(n_IxB[i, row])
+                    self._emit(slot, [int(t) for t in out_IxBxK[i, row, :n + 1]], scores, range(n + 1), row)
                     if not self.ar:  # what was emitted: a stop or the budget may cut the step short of n + 1 tokens
                         request.accepted.append(len(request.token_ids) - before - 1)
                 except Exception as err:  # noqa: BLE001 - one request's host-side failure ends it alone

@@ -51,36 +51,36 @@ def history_rows(histories: Mapping[int, Sequence[int]], slots: int, width: int)
     return rows, sizes
 
 
-def lookup_paths(history_BxH: jax.Array, size_B: jax.Array, length: int, max_ngram: int = MAX_NGRAM
+def lookup_paths(history_BxS: jax.Array, size_B: jax.Array, length: int, max_ngram: int = MAX_NGRAM
                  ) -> tuple[jax.Array, jax.Array]:
-    """`ngram_continuation` of every row on the device: (continuations [B, length] int32, padded with 0, and their
-    lengths [B]) for histories history_BxH[b, :size_B[b]]."""
-    h = history_BxH.shape[1]
+    """`ngram_continuation` of every row on the device: (continuations [B, L] int32, L = `length`, padded with 0,
+    and their lengths [B]) for histories history_BxS[b, :size_B[b]]."""
+    h = history_BxS.shape[1]
     s = jnp.arange(h)
 
-    def one(hist_H: jax.Array, size: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def one(hist_S: jax.Array, size: jax.Array) -> tuple[jax.Array, jax.Array]:
         found, after = jnp.bool_(False), jnp.int32(0)
         for g in range(max_ngram, 0, -1):  # the longest suffix first; within it the latest start
             match = (s <= size - g - 1) & (g <= size - 1)
             for i in range(g):
-                match &= hist_H[jnp.minimum(s + i, h - 1)] == hist_H[jnp.clip(size - g + i, 0, h - 1)]
+                match &= hist_S[jnp.minimum(s + i, h - 1)] == hist_S[jnp.clip(size - g + i, 0, h - 1)]
             start = jnp.max(jnp.where(match, s, -1))
             after = jnp.where(found | (start < 0), after, start + g)
             found = found | (start >= 0)
         n = jnp.where(found, jnp.clip(size - after, 0, length), 0)
         idx = jnp.arange(length)
-        return jnp.where(idx < n, hist_H[jnp.minimum(after + idx, h - 1)], 0).astype(jnp.int32), n.astype(jnp.int32)
+        return jnp.where(idx < n, hist_S[jnp.minimum(after + idx, h - 1)], 0).astype(jnp.int32), n.astype(jnp.int32)
 
-    return jax.vmap(one)(history_BxH, size_B)
+    return jax.vmap(one)(history_BxS, size_B)
 
 
-def append_history(history_BxH: jax.Array, size_B: jax.Array, tokens_BxT: jax.Array, count_B: jax.Array
+def append_history(history_BxS: jax.Array, size_B: jax.Array, tokens_BxK: jax.Array, count_B: jax.Array
                    ) -> tuple[jax.Array, jax.Array]:
-    """The histories with the first count_B[b] of tokens_BxT[b] appended (entries past the buffer dropped)."""
-    t = jnp.arange(tokens_BxT.shape[1])[None, :]
-    pos = jnp.where(t < count_B[:, None], size_B[:, None] + t, history_BxH.shape[1])
-    rows = jnp.arange(history_BxH.shape[0])[:, None]
-    return history_BxH.at[rows, pos].set(tokens_BxT, mode="drop"), size_B + count_B
+    """The histories with the first count_B[b] of tokens_BxK[b] appended (entries past the buffer dropped)."""
+    t = jnp.arange(tokens_BxK.shape[1])[None, :]
+    pos = jnp.where(t < count_B[:, None], size_B[:, None] + t, history_BxS.shape[1])
+    rows = jnp.arange(history_BxS.shape[0])[:, None]
+    return history_BxS.at[rows, pos].set(tokens_BxK, mode="drop"), size_B + count_B
 
 
 __all__ = ["MAX_NGRAM", "append_history", "history_rows", "lookup_paths", "lookup_rows", "ngram_continuation"]

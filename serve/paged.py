@@ -179,11 +179,11 @@ class PageTable:
 class PagedAttentionFn(Protocol):
     """The kernel hook's signature.
 
-    fn(q [B, T, H, Dh], k_pages [L, P, page_size, Hk, Dh], v_pages (same), layer (int32 scalar, traced),
-       page_table [B, M] int32, lengths [B] int32) -> out [B, T, H, Dh]
+    fn(q [B, Q, H, Dh], k_pages [L, num_pages, page_size, Hk, Dh], v_pages (same), layer (int32 scalar, traced),
+       page_table [B, P] int32, lengths [B] int32) -> out [B, Q, H, Dh]
 
-    The chunk's K/V are already written at tokens lengths[b] .. lengths[b]+T-1 of `layer`; query i of
-    sequence b attends to tokens 0 .. lengths[b]+i (kv length of the sequence: lengths[b] + T), grouped
+    The chunk's K/V are already written at tokens lengths[b] .. lengths[b]+Q-1 of `layer`; query i of
+    sequence b attends to tokens 0 .. lengths[b]+i (kv length of the sequence: lengths[b] + Q), grouped
     query attention (H / Hk queries per KV head), scale 1/sqrt(Dh), softmax in fp32. A query with no
     visible key returns zeros. Entries of page_table beyond a sequence's kv length may be NULL_PAGE.
     A target with sliding layers also passes `window=` (int32 scalar, traced): W > 0 limits query i to tokens
@@ -196,23 +196,23 @@ class PagedAttentionFn(Protocol):
         ...
 
 
-def reference_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
-                              page_table_BxM: jax.Array, lengths_B: jax.Array,
+def reference_paged_attention(q_BxQxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
+                              page_table_BxP: jax.Array, lengths_B: jax.Array,
                               window: jax.Array | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """Pure-JAX paged attention (runs anywhere): gather each sequence's pages, then masked `attend`.
 
-    Materializes [B, M * page_size, Hk, Dh] per call, so it costs like a dense cache of M pages per
+    Materializes [B, P * page_size, Hk, Dh] per call, so it costs like a dense cache of P pages per
     sequence: callers pass a table cut to the pages in use (`PagedKVCache.view`, power-of-two buckets in
     the engine); a kernel that walks the pages replaces it on TPU/GPU.
     """
-    b, t = q_BxTxHxDh.shape[:2]
+    b, t = q_BxQxHxDh.shape[:2]
     _, _, page_size, hk, dh = k_pages.shape
-    kv_len = page_table_BxM.shape[1] * page_size
-    k_seq = k_pages[layer, page_table_BxM].reshape(b, kv_len, hk, dh)  # [B, M * page_size, Hk, Dh]
-    v_seq = v_pages[layer, page_table_BxM].reshape(b, kv_len, hk, dh)
+    kv_len = page_table_BxP.shape[1] * page_size
+    k_seq = k_pages[layer, page_table_BxP].reshape(b, kv_len, hk, dh)  # [B, P * page_size, Hk, Dh]
+    v_seq = v_pages[layer, page_table_BxP].reshape(b, kv_len, hk, dh)
     last_BxQ = lengths_B[:, None] + jnp.arange(t)[None, :]
     visible = in_window(jnp.arange(kv_len)[None, None, :], last_BxQ[:, :, None], window)
-    return attend(q_BxTxHxDh, k_seq, v_seq, visible, sinks)
+    return attend(q_BxQxHxDh, k_seq, v_seq, visible, sinks)
 
 
 # ----------------------------------------------------------------------------- device: the cache
@@ -300,22 +300,22 @@ class PagedKVCache:
         """This (viewed) cache's pages and lengths over `full`'s page table again."""
         return dataclasses.replace(self, page_table=full.page_table)
 
-    def _locate(self, slots_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(page, offset) of token slots [B, T]; a slot past capacity or on the null page gets page
+    def _locate(self, slots_BxQ: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(page, offset) of token slots [B, Q]; a slot past capacity or on the null page gets page
         `num_pages` (out of range), so a scatter there is dropped."""
         max_pages = self.page_table.shape[1]
-        index_BxT = slots_BxT // self.page_size
-        page_BxT = jnp.take_along_axis(self.page_table, jnp.minimum(index_BxT, max_pages - 1), axis=1)
-        page_BxT = jnp.where((index_BxT < max_pages) & (page_BxT != NULL_PAGE), page_BxT, self.num_pages)
-        return page_BxT, slots_BxT % self.page_size
+        index_BxQ = slots_BxQ // self.page_size
+        page_BxQ = jnp.take_along_axis(self.page_table, jnp.minimum(index_BxQ, max_pages - 1), axis=1)
+        page_BxQ = jnp.where((index_BxQ < max_pages) & (page_BxQ != NULL_PAGE), page_BxQ, self.num_pages)
+        return page_BxQ, slots_BxQ % self.page_size
 
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> PagedKVCache:
-        """The cache with a chunk's K/V [B, T, Hk, Dh] of `layer` stored at tokens lengths[b] .. lengths[b]+T-1."""
+        """The cache with a chunk's K/V [B, Q, Hk, Dh] of `layer` stored at tokens lengths[b] .. lengths[b]+Q-1."""
         chunk = k.shape[1]
-        page_BxT, offset_BxT = self._locate(self.lengths[:, None] + jnp.arange(chunk)[None, :])
+        page_BxQ, offset_BxQ = self._locate(self.lengths[:, None] + jnp.arange(chunk)[None, :])
         # Scatter only the chunk into the full page arrays: in place in the scan carry (docs/decisions.md D4).
-        k_pages = self.k_pages.at[layer, page_BxT, offset_BxT].set(k.astype(self.k_pages.dtype), mode="drop")
-        v_pages = self.v_pages.at[layer, page_BxT, offset_BxT].set(v.astype(self.v_pages.dtype), mode="drop")
+        k_pages = self.k_pages.at[layer, page_BxQ, offset_BxQ].set(k.astype(self.k_pages.dtype), mode="drop")
+        v_pages = self.v_pages.at[layer, page_BxQ, offset_BxQ].set(v.astype(self.v_pages.dtype), mode="drop")
         return dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
 
     def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -327,11 +327,11 @@ class PagedKVCache:
         out = self.attention(q, cache.k_pages, cache.v_pages, layer, self.page_table, self.lengths, **extra)
         return out, cache
 
-    def copy_tokens(self, src_BxT: jax.Array, dst_BxT: jax.Array) -> PagedKVCache:
+    def copy_tokens(self, src_BxJ: jax.Array, dst_BxJ: jax.Array) -> PagedKVCache:
         """The cache with token slots `dst` of every layer holding what slots `src` held (all read before any is
         written, so the two may overlap): a tree step moves its accepted path's K/V onto consecutive slots."""
-        src_page, src_off = self._locate(src_BxT)
-        dst_page, dst_off = self._locate(dst_BxT)
+        src_page, src_off = self._locate(src_BxJ)
+        dst_page, dst_off = self._locate(dst_BxJ)
         src_page = jnp.minimum(src_page, self.num_pages - 1)  # a read of a dropped slot lands on a dropped write
         k = self.k_pages[:, src_page, src_off]
         v = self.v_pages[:, src_page, src_off]
@@ -346,30 +346,30 @@ class PagedKVCache:
         return dataclasses.replace(self, lengths=jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths))
 
 
-def tree_paged_attention(q_BxTxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
-                         page_table_BxM: jax.Array, lengths_B: jax.Array, chunk_visible_BxTxT: jax.Array,
+def tree_paged_attention(q_BxQxHxDh: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
+                         page_table_BxP: jax.Array, lengths_B: jax.Array, chunk_visible_BxQxQ: jax.Array,
                          window: jax.Array | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """`reference_paged_attention` for a chunk that is a token tree: query i sees every cached token before
     lengths[b] and, of the chunk (written at lengths[b] ..), only the tokens j with chunk_visible[b, i, j]
     (its ancestors and itself). With `window` W > 0 (a sliding layer), only tokens whose position lies within W of
     the query's: a tree token's position is lengths[b] + its depth (its visible chunk tokens - 1)."""
-    b, t = q_BxTxHxDh.shape[:2]
+    b, t = q_BxQxHxDh.shape[:2]
     _, _, page_size, hk, dh = k_pages.shape
-    kv_len = page_table_BxM.shape[1] * page_size
-    k_seq = k_pages[layer, page_table_BxM].reshape(b, kv_len, hk, dh)
-    v_seq = v_pages[layer, page_table_BxM].reshape(b, kv_len, hk, dh)
-    rel_BxS = jnp.arange(kv_len)[None, :] - lengths_B[:, None]  # chunk index of each cached token
-    in_chunk_BxS = (rel_BxS >= 0) & (rel_BxS < t)
-    index_BxTxS = jnp.broadcast_to(jnp.clip(rel_BxS, 0, t - 1)[:, None, :], (b, t, kv_len))
-    tree_BxTxS = jnp.take_along_axis(chunk_visible_BxTxT, index_BxTxS, axis=2)
-    visible = (rel_BxS < 0)[:, None, :] | (in_chunk_BxS[:, None, :] & tree_BxTxS)
+    kv_len = page_table_BxP.shape[1] * page_size
+    k_seq = k_pages[layer, page_table_BxP].reshape(b, kv_len, hk, dh)
+    v_seq = v_pages[layer, page_table_BxP].reshape(b, kv_len, hk, dh)
+    rel_BxT = jnp.arange(kv_len)[None, :] - lengths_B[:, None]  # chunk index of each cached token
+    in_chunk_BxT = (rel_BxT >= 0) & (rel_BxT < t)
+    index_BxQxT = jnp.broadcast_to(jnp.clip(rel_BxT, 0, t - 1)[:, None, :], (b, t, kv_len))
+    tree_BxQxT = jnp.take_along_axis(chunk_visible_BxQxQ, index_BxQxT, axis=2)
+    visible = (rel_BxT < 0)[:, None, :] | (in_chunk_BxT[:, None, :] & tree_BxQxT)
     if window is not None:
-        depth_BxT = jnp.sum(chunk_visible_BxTxT, axis=2) - 1
-        q_pos_BxT = lengths_B[:, None] + depth_BxT
-        depth_BxS = jnp.take_along_axis(depth_BxT, jnp.clip(rel_BxS, 0, t - 1), axis=1)
-        k_pos_BxS = jnp.where(in_chunk_BxS, lengths_B[:, None] + depth_BxS, jnp.arange(kv_len)[None, :])
-        visible = visible & ((window <= 0) | (k_pos_BxS[:, None, :] > q_pos_BxT[:, :, None] - window))
-    return attend(q_BxTxHxDh, k_seq, v_seq, visible, sinks)
+        depth_BxQ = jnp.sum(chunk_visible_BxQxQ, axis=2) - 1
+        q_pos_BxQ = lengths_B[:, None] + depth_BxQ
+        depth_BxT = jnp.take_along_axis(depth_BxQ, jnp.clip(rel_BxT, 0, t - 1), axis=1)
+        k_pos_BxT = jnp.where(in_chunk_BxT, lengths_B[:, None] + depth_BxT, jnp.arange(kv_len)[None, :])
+        visible = visible & ((window <= 0) | (k_pos_BxT[:, None, :] > q_pos_BxQ[:, :, None] - window))
+    return attend(q_BxQxHxDh, k_seq, v_seq, visible, sinks)
 
 
 @jax.tree_util.register_dataclass
@@ -381,7 +381,7 @@ class TreeChunkCache:
     `paged` afterwards holds the whole chunk; the caller keeps the accepted path (`PagedKVCache.copy_tokens`)."""
 
     paged: PagedKVCache
-    chunk_visible: jax.Array  # [B, T, T] bool: query i sees chunk token j
+    chunk_visible: jax.Array  # [B, Q, Q] bool: query i sees chunk token j
 
     def write_and_attend(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                          window: jax.Array | None = None,

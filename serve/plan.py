@@ -20,7 +20,7 @@ device, `loop` (up to R steps in one dispatch). The engine (`serve.engine`) owns
 never asks which plan it runs. `Limits` holds what the engine is sized for.
 
 Tests replace the drafter's proposals through `Chain.drafts` ((state, K) -> [B, K - 1]), the tree's ranked lists
-through `Tree.ranked` ((state, K, M) -> (ids, logp) [B, K - 1, M]) and the drafter's logits under a tree through
+through `Tree.ranked` ((state, K, m) -> (ids, logp) [B, J, C]) and the drafter's logits under a tree through
 `Tree.logits` ((state, K) -> [B, K - 1, V]); such plans run one step per dispatch.
 """
 
@@ -53,7 +53,7 @@ LookupFn = Callable[[int], tuple[np.ndarray, np.ndarray]]
 # The running slots' token histories for lookup on the device: () -> (tokens [B, H] int32, sizes [B]).
 HistoryFn = Callable[[], tuple[np.ndarray, np.ndarray]]
 StepOut = tuple[SpecState, jax.Array, jax.Array, TokenLogprobs | None]  # (state, tokens [B, K], accepted [B], scores)
-LoopOut = tuple[SpecState, jax.Array, jax.Array, jax.Array]  # (state, tokens [R, B, K], accepted [R, B], steps run)
+LoopOut = tuple[SpecState, jax.Array, jax.Array, jax.Array]  # (state, tokens [I, B, K], accepted [I, B], steps run)
 # How a step calls each jitted program: `run` calls it; the engine's precompile passes one that compiles it ahead of
 # time and returns the shapes of its outputs instead (`Engine.precompile`).
 Call = Callable[..., Any]
@@ -111,13 +111,13 @@ class Plan:
         log-probabilities of the output); each jitted program is called through `call`."""
         raise NotImplementedError
 
-    def loop(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
+    def loop(self, models: Models, state: SpecState, stop_ids_BxZ: jax.Array, budget_B: jax.Array, steps: int,
              pages: int, history: HistoryFn) -> LoopOut:
         """Up to `steps` steps in one device loop (`speculative.run_steps`'s exit rules)."""
-        program, args = self.loop_call(models, state, stop_ids_BxS, budget_B, steps, pages, history)
+        program, args = self.loop_call(models, state, stop_ids_BxZ, budget_B, steps, pages, history)
         return program(*args)
 
-    def loop_call(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
+    def loop_call(self, models: Models, state: SpecState, stop_ids_BxZ: jax.Array, budget_B: jax.Array, steps: int,
                   pages: int, history: HistoryFn) -> tuple[Any, tuple[Any, ...]]:
         """The one jitted program `loop` runs and its arguments (the engine compiles it ahead of time)."""
         raise NotImplementedError
@@ -145,9 +145,9 @@ class AR(Plan):
              call: Call = run) -> StepOut:
         return _verify_chain(models, state, jnp.zeros((state.pending.shape[0], 0), jnp.int32), pages, scored, call)
 
-    def loop_call(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
+    def loop_call(self, models: Models, state: SpecState, stop_ids_BxZ: jax.Array, budget_B: jax.Array, steps: int,
                   pages: int, history: HistoryFn) -> tuple[Any, tuple[Any, ...]]:
-        return decode_steps, (models, state, stop_ids_BxS, budget_B, 1, steps, pages)
+        return decode_steps, (models, state, stop_ids_BxZ, budget_B, 1, steps, pages)
 
     def describe(self) -> str:
         return "AR"
@@ -189,9 +189,9 @@ class Chain(Plan):
             drafts = call(propose, models, state, self.k, pages * state.target.page_size, sample=self.rule == "sample")
         return _verify_chain(models, state, drafts, pages, scored, call)
 
-    def loop_call(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
+    def loop_call(self, models: Models, state: SpecState, stop_ids_BxZ: jax.Array, budget_B: jax.Array, steps: int,
                   pages: int, history: HistoryFn) -> tuple[Any, tuple[Any, ...]]:
-        return decode_steps, (models, state, stop_ids_BxS, budget_B, self.k, steps, pages, self.rule == "sample")
+        return decode_steps, (models, state, stop_ids_BxZ, budget_B, self.k, steps, pages, self.rule == "sample")
 
     def describe(self) -> str:
         return f"DFlash K={self.k}" + (", sampled drafts" if self.rule == "sample" else "")
@@ -203,8 +203,8 @@ class Tree(Plan):
     verified in one target pass (`serve.tree`); with `lookup`, a prompt-lookup path of `lookup_nodes` nodes is
     merged in. rule: a sampled request's children, "argmax" (the drafter's top-ranked tokens, point-mass drafts) or
     "sample" (drawn from the drafter's law without replacement, in the shape the argmax tree would have); both
-    verified by recursive rejection sampling, lossless; greedy requests unaffected (D84). ranked: (state, K, M) ->
-    the ranked lists (ids, logp) [B, K - 1, M] in place of the drafter's (tests, rule argmax); logits: (state, K)
+    verified by recursive rejection sampling, lossless; greedy requests unaffected (D84). ranked: (state, K, m) ->
+    the ranked lists (ids, logp) [B, J, C] in place of the drafter's (tests, rule argmax); logits: (state, K)
     -> the drafter's logits [B, K - 1, V'] over its rows (its draft vocabulary's, if any) in place of its forward,
     ranked or drawn from by the rule (tests)."""
 
@@ -272,12 +272,12 @@ class Tree(Plan):
             return call(verify_tree_logprobs, models, state, tree, self.k, pages)
         return (*call(verify_tree, models, state, tree, self.k, pages), None)
 
-    def loop_call(self, models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, steps: int,
+    def loop_call(self, models: Models, state: SpecState, stop_ids_BxZ: jax.Array, budget_B: jax.Array, steps: int,
                   pages: int, history: HistoryFn) -> tuple[Any, tuple[Any, ...]]:
         tokens = sizes = None
         if self.lookup_nodes:
             tokens, sizes = (jnp.asarray(a) for a in history())
-        return decode_tree_steps, (models, state, stop_ids_BxS, budget_B, tokens, sizes,
+        return decode_tree_steps, (models, state, stop_ids_BxZ, budget_B, tokens, sizes,
                                    TreeLoop(self.k, self.nodes, self.lookup_nodes, steps, pages, self.rule == "sample"))
 
     def describe(self) -> str:

@@ -45,9 +45,9 @@ class SamplingRows:
         """bool[B]: rows decoded by argmax."""
         return self.temperature == 0.0
 
-    def set(self, rows_R: jax.Array, values: SamplingRows) -> SamplingRows:
-        """These rules with rows `rows_R` replaced by `values` (R rows)."""
-        return jax.tree.map(lambda a, v: a.at[rows_R].set(v, mode="drop"), self, values)  # rows >= B: dropped
+    def set(self, rows_Ba: jax.Array, values: SamplingRows) -> SamplingRows:
+        """These rules with rows `rows_Ba` replaced by `values` (R rows)."""
+        return jax.tree.map(lambda a, v: a.at[rows_Ba].set(v, mode="drop"), self, values)  # rows >= B: dropped
 
 
 def row_logprobs(logits: jax.Array, rows: SamplingRows) -> jax.Array:

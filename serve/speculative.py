@@ -125,12 +125,12 @@ class Models:
 class DraftCache:
     """The drafter's context K/V (static per-slot arrays).
 
-    Full-attention layers: k and v [L_full, B, S, Hk, Dh], position p at slot p (S = the context length).
-    Sliding-window layers (`drafter.layer_types`, window W): a ring wk and wv [L_sliding, B, R, Hk, Dh] of
-    R = W + K_train slots per sequence, position p at slot p mod R, and ring_pos [B, R] the position each slot
+    Full-attention layers: k and v [L_full, B, T, Hk, Dh], position p at slot p (T = the context length).
+    Sliding-window layers (`drafter.layer_types`, window W): a ring wk and wv [L_sliding, B, Tw, Hk, Dh] of
+    Tw = W + K_train slots per sequence, position p at slot p mod Tw, and ring_pos [B, Tw] the position each slot
     holds (-1: none). A block at L sees the ring slots holding positions L-W .. L-1. Verify writes K <= K_train
     positions from L on and the next L is at most L + K, so the window [L-W, L) and every position written since
-    fit in R slots without overwriting each other; slots holding positions >= L are stale and invisible until
+    fit in Tw slots without overwriting each other; slots holding positions >= L are stale and invisible until
     rewritten, as in the full cache. `sliding` (static) marks each drafter layer."""
 
     k: jax.Array
@@ -187,10 +187,10 @@ class DraftCache:
 
     def write(self, new_kv: list[KV], starts_B: jax.Array, rows_B: jax.Array | None = None,
               counts_B: jax.Array | None = None) -> DraftCache:
-        """Write T new context positions per sequence (starting at `starts_B`; the first `counts_B`, default all
-        T, are real) into batch rows `rows_B` (default 0 .. B-1). Full layers: slots past the end are dropped.
+        """Write Q new context positions per sequence (starting at `starts_B`; the first `counts_B`, default all
+        Q, are real) into batch rows `rows_B` (default 0 .. B-1). Full layers: slots past the end are dropped.
         Sliding layers: each ring slot takes the latest real new position that maps to it, if any (so a prompt
-        longer than the ring keeps its last R positions); with `counts_B` (a prefill) the rows' other ring slots
+        longer than the ring keeps its last Tw positions); with `counts_B` (a prefill) the rows' other ring slots
         are emptied when the prefill starts at 0, forgetting what the slot held before (a later chunk of a chunked
         prefill keeps the earlier chunks' positions)."""
         b, t = new_kv[0][0].shape[:2]
@@ -208,20 +208,20 @@ class DraftCache:
             r = pos.shape[1]
             counts = jnp.full((b,), t, jnp.int32) if counts_B is None else counts_B.astype(jnp.int32)
             last_Bx1 = (starts_B + counts - 1)[:, None]
-            held_BxR = last_Bx1 - jnp.mod(last_Bx1 - jnp.arange(r)[None, :], r)  # latest new position per slot
-            take_BxR = held_BxR >= starts_B[:, None]
-            src_BxR = jnp.clip(held_BxR - starts_B[:, None], 0, t - 1)
-            gather = jax.vmap(lambda x: jnp.take_along_axis(x, src_BxR[:, :, None, None], axis=1))
+            held_BxTw = last_Bx1 - jnp.mod(last_Bx1 - jnp.arange(r)[None, :], r)  # latest new position per slot
+            take_BxTw = held_BxTw >= starts_B[:, None]
+            src_BxTw = jnp.clip(held_BxTw - starts_B[:, None], 0, t - 1)
+            gather = jax.vmap(lambda x: jnp.take_along_axis(x, src_BxTw[:, :, None, None], axis=1))
             new_k = gather(jnp.stack([x for x, _ in ring_kv]).astype(wk.dtype))
             new_v = gather(jnp.stack([x for _, x in ring_kv]).astype(wv.dtype))
-            keep = take_BxR[None, :, :, None, None]
+            keep = take_BxTw[None, :, :, None, None]
             old_k, old_v = (jnp.take(w, rows_B, axis=1, mode="clip") for w in (wk, wv))
             wk = wk.at[:, rows_B].set(jnp.where(keep, new_k, old_k), mode="drop")
             wv = wv.at[:, rows_B].set(jnp.where(keep, new_v, old_v), mode="drop")
             old_pos = jnp.take(pos, rows_B, axis=0, mode="clip")
             if counts_B is not None:  # a prefill: its first chunk (start 0) forgets the slot's previous request
                 old_pos = jnp.where(starts_B[:, None] == 0, -1, old_pos)
-            pos = pos.at[rows_B].set(jnp.where(take_BxR, held_BxR, old_pos), mode="drop")
+            pos = pos.at[rows_B].set(jnp.where(take_BxTw, held_BxTw, old_pos), mode="drop")
         return dataclasses.replace(self, k=k, v=v, wk=wk, wv=wv, ring_pos=pos)
 
 
@@ -309,8 +309,8 @@ def put_rows(state: SpecState, view: SpecState, rows_b: np.ndarray) -> SpecState
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Admission:
-    """R right-padded prompts entering distinct slots: slots [R], tokens [R, T], true lengths [R], keys
-    [R, 2], sampling rules."""
+    """Ba right-padded prompts entering distinct slots: slots [Ba], tokens [Ba, S], true lengths [Ba], keys
+    [Ba, 2], sampling rules."""
 
     slots: jax.Array
     tokens: jax.Array
@@ -322,18 +322,18 @@ class Admission:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TokenLogprobs:
-    """The target's log-probabilities (log_softmax of its fp32 logits: temperature 1, no filtering) at T positions
-    of B rows: chosen [B, T] (of the token that follows each position), top_values / top_ids [B, T, N] (the N
-    most likely tokens there, most likely first; N = min(MAX_TOP_LOGPROBS, V))."""
+    """The target's log-probabilities (log_softmax of its fp32 logits: temperature 1, no filtering) at Q positions
+    of B rows: chosen [B, Q] (of the token that follows each position), top_values / top_ids [B, Q, n] (the n
+    most likely tokens there, most likely first; n = min(MAX_TOP_LOGPROBS, V))."""
 
     chosen: jax.Array
     top_values: jax.Array
     top_ids: jax.Array
 
     @classmethod
-    def of(cls, logits_BxTxV: jax.Array, next_BxT: jax.Array) -> TokenLogprobs:
-        logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
-        chosen = jnp.take_along_axis(logp, next_BxT[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    def of(cls, logits_BxQxV: jax.Array, next_BxQ: jax.Array) -> TokenLogprobs:
+        logp = jax.nn.log_softmax(logits_BxQxV.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logp, next_BxQ[..., None].astype(jnp.int32), axis=-1)[..., 0]
         values, ids = jax.lax.top_k(logp, min(MAX_TOP_LOGPROBS, logp.shape[-1]))
         return cls(chosen, values, ids.astype(jnp.int32))
 
@@ -359,13 +359,13 @@ def oracle_tokens(state: SpecState, d: int) -> tuple[jax.Array, jax.Array]:
     return known, (known >= 0) & state.sampling.greedy[:, None]
 
 
-def oracle_drafts(state: SpecState, drafts_BxD: jax.Array) -> jax.Array:
-    """`drafts_BxD` [B, K - 1] with each greedy row's known tokens of its oracle sequence in their place
+def oracle_drafts(state: SpecState, drafts_BxJ: jax.Array) -> jax.Array:
+    """`drafts_BxJ` (J = K - 1) with each greedy row's known tokens of its oracle sequence in their place
     (`oracle_tokens`; unchanged without an oracle): what a perfect drafter proposes."""
     if state.oracle is None:
-        return drafts_BxD
-    known, use = oracle_tokens(state, drafts_BxD.shape[1])
-    return jnp.where(use, known, drafts_BxD).astype(drafts_BxD.dtype)
+        return drafts_BxJ
+    known, use = oracle_tokens(state, drafts_BxJ.shape[1])
+    return jnp.where(use, known, drafts_BxJ).astype(drafts_BxJ.dtype)
 
 
 def span_pages(max_tokens: int, page_size: int, max_pages: int) -> int:
@@ -382,16 +382,16 @@ def sync_page_table(state: SpecState, table: PageTable, uploaded_version: int) -
     return dataclasses.replace(state, target=state.target.with_page_table(table.array())), table.version
 
 
-def _add_context(drafter: DFlashDrafter | None, draft: DraftCache | None, feats_FxBxTxD: jax.Array | None,
+def _add_context(drafter: DFlashDrafter | None, draft: DraftCache | None, feats_FxBxQxDt: jax.Array | None,
                  starts_B: jax.Array, rows_B: jax.Array | None = None,
                  counts_B: jax.Array | None = None) -> DraftCache | None:
-    """Fuse the target features of T new positions (starting at `starts_B`; the first `counts_B` real, for a
+    """Fuse the target features of Q new positions (starting at `starts_B`; the first `counts_B` real, for a
     prefill) into the draft cache."""
     if drafter is None:
         return draft
-    t = feats_FxBxTxD.shape[2]
+    t = feats_FxBxQxDt.shape[2]
     positions = starts_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    fused = drafter.fuse(concat_features(feats_FxBxTxD).astype(jnp.float32))
+    fused = drafter.fuse(concat_features(feats_FxBxQxDt).astype(jnp.float32))
     return draft.write(drafter.context_kv(fused, positions), starts_B, rows_B, counts_B)
 
 
@@ -399,36 +399,36 @@ def _layer_ids(drafter: DFlashDrafter | None) -> tuple[int, ...]:
     return () if drafter is None else drafter.arch.layer_ids
 
 
-def _first_tokens(logits_RxV: jax.Array, rules: SamplingRows, rng_Rx2: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(first token [R], next keys): argmax for a greedy row, else drawn with the row's key and rule."""
-    greedy = first_argmax(logits_RxV)
+def _first_tokens(logits_BaxV: jax.Array, rules: SamplingRows, rng_Bax2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(first token [Ba], next keys): argmax for a greedy row, else drawn with the row's key and rule."""
+    greedy = first_argmax(logits_BaxV)
 
     def draw(_: None) -> tuple[jax.Array, jax.Array]:
-        keys = jax.vmap(jax.random.split)(rng_Rx2)
-        drawn = jax.vmap(categorical)(keys[:, 1], row_logprobs(logits_RxV, rules))
-        return jnp.where(rules.greedy, greedy, drawn), jnp.where(rules.greedy[:, None], rng_Rx2, keys[:, 0])
+        keys = jax.vmap(jax.random.split)(rng_Bax2)
+        drawn = jax.vmap(categorical)(keys[:, 1], row_logprobs(logits_BaxV, rules))
+        return jnp.where(rules.greedy, greedy, drawn), jnp.where(rules.greedy[:, None], rng_Bax2, keys[:, 0])
 
-    return jax.lax.cond(jnp.all(rules.greedy), lambda _: (greedy, rng_Rx2), draw, None)
+    return jax.lax.cond(jnp.all(rules.greedy), lambda _: (greedy, rng_Bax2), draw, None)
 
 
-def _prefill(models: Models, state: SpecState, new: Admission, logprobs: bool, starts_R: jax.Array | None = None,
+def _prefill(models: Models, state: SpecState, new: Admission, logprobs: bool, starts_Ba: jax.Array | None = None,
              span_pages: int | None = None) -> tuple[SpecState, TokenLogprobs | None]:
     drafter = models.drafter()
     r, t = new.tokens.shape
-    starts_R = jnp.zeros((r,), jnp.int32) if starts_R is None else starts_R.astype(jnp.int32)
+    starts_Ba = jnp.zeros((r,), jnp.int32) if starts_Ba is None else starts_Ba.astype(jnp.int32)
     pages = min(state.target.page_table.shape[1], -(-t // state.target.page_size) if span_pages is None else span_pages)
     real = new.slots < state.lengths.shape[0]  # padding rows (slot B) write nowhere: their table is the null page
     rows = jnp.where(real[:, None], state.target.page_table[jnp.minimum(new.slots, state.lengths.shape[0] - 1)],
                      NULL_PAGE)
-    view = dataclasses.replace(state.target, page_table=rows[:, :pages], lengths=starts_R)
-    positions = starts_R[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    view = dataclasses.replace(state.target, page_table=rows[:, :pages], lengths=starts_Ba)
+    positions = starts_Ba[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     num_valid = new.num_valid.astype(jnp.int32)
     last = None if logprobs else (num_valid - 1)[:, None]  # logprobs: the logits of every prompt position
     logits, feats, view = forward_cached(models.target_params, models.target_cfg, new.tokens, positions, view,
-                                         layer_ids=_layer_ids(drafter), logits_at_BxI=last)
+                                         layer_ids=_layer_ids(drafter), logits_at_BxQo=last)
     target = dataclasses.replace(state.target, k_pages=view.k_pages, v_pages=view.v_pages,
-                                 lengths=state.target.lengths.at[new.slots].set(starts_R + num_valid, mode="drop"))
-    draft = _add_context(drafter, state.draft, feats, starts_R, new.slots, num_valid)
+                                 lengths=state.target.lengths.at[new.slots].set(starts_Ba + num_valid, mode="drop"))
+    draft = _add_context(drafter, state.draft, feats, starts_Ba, new.slots, num_valid)
     if logprobs:
         at_last = jnp.take_along_axis(logits, (num_valid - 1)[:, None, None], axis=1)[:, 0]
     else:
@@ -439,7 +439,7 @@ def _prefill(models: Models, state: SpecState, new: Admission, logprobs: bool, s
         following = jnp.pad(new.tokens[:, 1:], ((0, 0), (0, 1))).at[jnp.arange(r), num_valid - 1].set(pending)
         scores = TokenLogprobs.of(logits, following)
     return dataclasses.replace(
-        state, target=target, draft=draft, lengths=state.lengths.at[new.slots].set(starts_R + num_valid, mode="drop"),
+        state, target=target, draft=draft, lengths=state.lengths.at[new.slots].set(starts_Ba + num_valid, mode="drop"),
         pending=state.pending.at[new.slots].set(pending, mode="drop"),
         active=state.active.at[new.slots].set(True, mode="drop"), rng=state.rng.at[new.slots].set(rng, mode="drop"),
         sampling=state.sampling.set(new.slots, new.sampling)), scores
@@ -459,21 +459,21 @@ def prefill(models: Models, state: SpecState, new: Admission) -> SpecState:
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def prefill_logprobs(models: Models, state: SpecState, new: Admission) -> tuple[SpecState, TokenLogprobs]:
-    """`prefill`, and the target's log-probabilities at every prompt position [R, T]: position i scores prompt
+    """`prefill`, and the target's log-probabilities at every prompt position [Ba, S]: position i scores prompt
     token i + 1, position num_valid - 1 the first generated token (the logits of the whole prompt are
     computed, so only requests that ask pay for them)."""
     return _prefill(models, state, new, True)
 
 
 @functools.partial(jax.jit, static_argnames=("span_pages",), donate_argnames=("state",))
-def prefill_chunk(models: Models, state: SpecState, new: Admission, starts_R: jax.Array,
+def prefill_chunk(models: Models, state: SpecState, new: Admission, starts_Ba: jax.Array,
                   span_pages: int) -> SpecState:
-    """`prefill` of a chunk of each prompt, tokens [R, T] at positions starts_R .. starts_R + T - 1, after the
-    starts_R tokens already in the slots' caches (a long prompt prefilled over several engine steps). The chunk
-    attends over the first `span_pages` (static) pages of its slot, which must hold starts_R + T tokens. After
+    """`prefill` of a chunk of each prompt, tokens [Ba, Q] at positions starts_Ba .. starts_Ba + Q - 1, after the
+    starts_Ba tokens already in the slots' caches (a long prompt prefilled over several engine steps). The chunk
+    attends over the first `span_pages` (static) pages of its slot, which must hold starts_Ba + Q tokens. After
     the last chunk the slot holds its whole prompt and the first token is pending, as after `prefill`; after an
     earlier one the pending token is meaningless (the engine keeps the slot inactive until the last chunk)."""
-    return _prefill(models, state, new, False, starts_R, span_pages)[0]
+    return _prefill(models, state, new, False, starts_Ba, span_pages)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "span", "sample"))
@@ -508,11 +508,11 @@ def draft_hidden(models: Models, drafter: DFlashDrafter, state: SpecState, block
     return drafter.draft_block(embed(models.target_params, ids).astype(jnp.float32), positions, ctx_kv, ctx_valid)
 
 
-def sampled_drafts(models: Models, hidden_BxTxD: jax.Array, state: SpecState) -> tuple[jax.Array, DraftLaw]:
-    """(drafts [B, T], their law): each sampled row's slots drawn independently from the drafter's distribution
+def sampled_drafts(models: Models, hidden_BxJxD: jax.Array, state: SpecState) -> tuple[jax.Array, DraftLaw]:
+    """(drafts [B, J], their law): each sampled row's slots drawn independently from the drafter's distribution
     under the row's rule (`row_logprobs` over the draft rows) with the row's draft key (`step_keys`); greedy rows
     take the argmax. A batch of greedy rows never draws (`lax.cond`)."""
-    logits = draft_logits(models, hidden_BxTxD)
+    logits = draft_logits(models, hidden_BxJxD)
     logq = row_logprobs(logits, state.sampling)
     argmax = first_argmax(logits)
 
@@ -526,29 +526,29 @@ def sampled_drafts(models: Models, hidden_BxTxD: jax.Array, state: SpecState) ->
     return ids, DraftLaw(logq, rows)
 
 
-def argmax_drafts(models: Models, hidden_BxTxD: jax.Array) -> jax.Array:
-    """Greedy token ids [B, T] from the drafter's final hidden states: the argmax over the draft vocabulary's
+def argmax_drafts(models: Models, hidden_BxJxD: jax.Array) -> jax.Array:
+    """Greedy token ids [B, J] from the drafter's final hidden states: the argmax over the draft vocabulary's
     rows of the target's head when the drafter has one, else over the full head."""
-    rows = first_argmax(draft_logits(models, hidden_BxTxD))
+    rows = first_argmax(draft_logits(models, hidden_BxJxD))
     return (rows if models.draft_ids is None else jnp.take(models.draft_ids, rows)).astype(jnp.int32)
 
 
-def draft_logits(models: Models, hidden_BxTxD: jax.Array) -> jax.Array:
-    """The drafter's unary logits [B, T, V'] (fp32): over the draft vocabulary's rows of the target's head when
+def draft_logits(models: Models, hidden_BxJxD: jax.Array) -> jax.Array:
+    """The drafter's unary logits [B, J, V'] (fp32): over the draft vocabulary's rows of the target's head when
     the drafter has one (`models.draft_ids` maps them to token ids), else over the full head."""
     if models.draft_ids is not None:
-        return jnp.einsum("bkd,vd->bkv", hidden_BxTxD, models.draft_head).astype(jnp.float32)
-    return drafter_logits(models.target_params, models.target_cfg, hidden_BxTxD)
+        return jnp.einsum("bkd,vd->bkv", hidden_BxJxD, models.draft_head).astype(jnp.float32)
+    return drafter_logits(models.target_params, models.target_cfg, hidden_BxJxD)
 
 
-def selector_drafts(models: Models, drafter: DFlashDrafter, hidden_BxTxD: jax.Array, anchor_B: jax.Array) -> jax.Array:
-    """Drafts [B, T] of DFlash2's path selector (`CandidateSelector.walk`): each slot's top-k unary candidates,
+def selector_drafts(models: Models, drafter: DFlashDrafter, hidden_BxJxD: jax.Array, anchor_B: jax.Array) -> jax.Array:
+    """Drafts [B, J] of DFlash2's path selector (`CandidateSelector.walk`): each slot's top-k unary candidates,
     re-ranked by the edge score from the token chosen before it (the anchor for the first slot). Deterministic
     given the context, like the argmax, so the one-hot verify stays exact at any temperature."""
     selector = drafter.candidate_selector
-    unary, rows = jax.lax.top_k(draft_logits(models, hidden_BxTxD), selector.top_k)
+    unary, rows = jax.lax.top_k(draft_logits(models, hidden_BxJxD), selector.top_k)
     ids = rows if models.draft_ids is None else jnp.take(models.draft_ids, rows)
-    return selector.walk(ids.astype(jnp.int32), unary, hidden_BxTxD, anchor_B)
+    return selector.walk(ids.astype(jnp.int32), unary, hidden_BxJxD, anchor_B)
 
 
 def residual_logprobs(logp_BxV: jax.Array, removed_BxV: jax.Array) -> jax.Array:
@@ -561,14 +561,14 @@ def residual_logprobs(logp_BxV: jax.Array, removed_BxV: jax.Array) -> jax.Array:
     return jnp.where(jnp.any(jnp.isfinite(residual), axis=-1, keepdims=True), residual, logp_BxV)
 
 
-def accept_greedy(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array) -> tuple[jax.Array, jax.Array]:
+def accept_greedy(logits_BxKxV: jax.Array, drafts_BxJ: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(n accepted [B], bonus [B]): the longest prefix with d_i == argmax after token i-1; bonus = argmax."""
     preds = first_argmax(logits_BxKxV)  # preds[:, i] follows tokens[:, i]
-    n = jnp.sum(jnp.cumprod((drafts_BxKm1 == preds[:, :-1]).astype(jnp.int32), axis=1), axis=1)
+    n = jnp.sum(jnp.cumprod((drafts_BxJ == preds[:, :-1]).astype(jnp.int32), axis=1), axis=1)
     return n, jnp.take_along_axis(preds, n[:, None], axis=1)[:, 0]
 
 
-def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: SamplingRows,
+def accept_sampled(logits_BxKxV: jax.Array, drafts_BxJ: jax.Array, sampling: SamplingRows,
                    rng_Bx2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One-hot-draft rejection sampling (lossless; docs/design.md §8 pitfall 8): (n [B], bonus [B], next keys).
 
@@ -579,20 +579,20 @@ def accept_sampled(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, sampling: S
     accepted the bonus is drawn from p_{K-1}. The output then has exactly the target's
     distribution, as if sampled token by token.
     """
-    k = drafts_BxKm1.shape[1] + 1
+    k = drafts_BxJ.shape[1] + 1
     keys = jax.vmap(lambda key: jax.random.split(key, 3))(rng_Bx2)
     logp = row_logprobs(logits_BxKxV, sampling)  # [B, K, V]
-    p_draft = jnp.exp(jnp.take_along_axis(logp[:, :-1], drafts_BxKm1[..., None], axis=-1)[..., 0])
+    p_draft = jnp.exp(jnp.take_along_axis(logp[:, :-1], drafts_BxJ[..., None], axis=-1)[..., 0])
     u = jax.vmap(lambda key: jax.random.uniform(key, (k - 1,)))(keys[:, 1])
     n = jnp.sum(jnp.cumprod((u < p_draft).astype(jnp.int32), axis=1), axis=1)
     logp_n = jnp.take_along_axis(logp, n[:, None, None], axis=1)[:, 0]  # [B, V]
-    rejected = jnp.take_along_axis(jnp.pad(drafts_BxKm1, ((0, 0), (0, 1)), constant_values=-1), n[:, None], 1)
+    rejected = jnp.take_along_axis(jnp.pad(drafts_BxJ, ((0, 0), (0, 1)), constant_values=-1), n[:, None], 1)
     residual = residual_logprobs(logp_n, jnp.arange(logp.shape[-1])[None, :] == rejected)
     bonus = jax.vmap(categorical)(keys[:, 2], residual)
     return n, bonus, keys[:, 0]
 
 
-def accept_drafted(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, law: DraftLaw, draft_ids: jax.Array | None,
+def accept_drafted(logits_BxKxV: jax.Array, drafts_BxJ: jax.Array, law: DraftLaw, draft_ids: jax.Array | None,
                    sampling: SamplingRows, rng_Bx2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Speculative sampling of drafts drawn from the drafter's distributions q_i (`sampled_drafts`; lossless for
     any q): (n [B], bonus [B], next keys). Draft i is accepted with probability min(1, p_i(d_i) / q_i(d_i)) under
@@ -602,10 +602,10 @@ def accept_drafted(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, law: DraftL
     the rule allows: the output has exactly the target's distribution. Against one-hot drafts (`accept_sampled`,
     acceptance p_i(d_i)) a slot is accepted with probability sum_v min(p_i(v), q_i(v)), more where the target
     spreads its mass and the drafter follows it."""
-    k = drafts_BxKm1.shape[1] + 1
+    k = drafts_BxJ.shape[1] + 1
     keys = step_keys(rng_Bx2)
     logp = row_logprobs(logits_BxKxV, sampling)  # [B, K, V]
-    logp_d = jnp.take_along_axis(logp[:, :-1], drafts_BxKm1[..., None], axis=-1)[..., 0]
+    logp_d = jnp.take_along_axis(logp[:, :-1], drafts_BxJ[..., None], axis=-1)[..., 0]
     logq_d = jnp.take_along_axis(law.logq, law.rows[..., None], axis=-1)[..., 0]
     u = jax.vmap(lambda key: jax.random.uniform(key, (k - 1,)))(keys[:, 1])
     n = jnp.sum(jnp.cumprod((u < jnp.exp(jnp.minimum(logp_d - logq_d, 0.0))).astype(jnp.int32), axis=1), axis=1)
@@ -619,17 +619,17 @@ def accept_drafted(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, law: DraftL
     return n, bonus, keys[:, 0]
 
 
-def _accept(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, state: SpecState, law: DraftLaw | None = None,
+def _accept(logits_BxKxV: jax.Array, drafts_BxJ: jax.Array, state: SpecState, law: DraftLaw | None = None,
             draft_ids: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """(n, bonus, next keys), each row by its own rule (sampled rows: one-hot rejection, or with `law` speculative
     sampling of drafts drawn from it); a batch of greedy rows never runs the sampling branch (`lax.cond`)."""
-    n_greedy, bonus_greedy = accept_greedy(logits_BxKxV, drafts_BxKm1)
+    n_greedy, bonus_greedy = accept_greedy(logits_BxKxV, drafts_BxJ)
 
     def mixed(_: None) -> tuple[jax.Array, jax.Array, jax.Array]:
         if law is None:
-            n_s, bonus_s, rng_s = accept_sampled(logits_BxKxV, drafts_BxKm1, state.sampling, state.rng)
+            n_s, bonus_s, rng_s = accept_sampled(logits_BxKxV, drafts_BxJ, state.sampling, state.rng)
         else:
-            n_s, bonus_s, rng_s = accept_drafted(logits_BxKxV, drafts_BxKm1, law, draft_ids, state.sampling,
+            n_s, bonus_s, rng_s = accept_drafted(logits_BxKxV, drafts_BxJ, law, draft_ids, state.sampling,
                                                  state.rng)
         greedy = state.sampling.greedy
         return (jnp.where(greedy, n_greedy, n_s), jnp.where(greedy, bonus_greedy, bonus_s),
@@ -638,20 +638,20 @@ def _accept(logits_BxKxV: jax.Array, drafts_BxKm1: jax.Array, state: SpecState, 
     return jax.lax.cond(jnp.all(state.sampling.greedy), lambda _: (n_greedy, bonus_greedy, state.rng), mixed, None)
 
 
-def _verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_pages: int | None, logprobs: bool,
+def _verify(models: Models, state: SpecState, drafts_BxJ: jax.Array, span_pages: int | None, logprobs: bool,
             law: DraftLaw | None = None) -> tuple[SpecState, jax.Array, jax.Array, TokenLogprobs | None]:
     drafter = models.drafter()
-    k = drafts_BxKm1.shape[1] + 1
-    tokens = jnp.concatenate([state.pending[:, None], drafts_BxKm1], axis=1)
+    k = drafts_BxJ.shape[1] + 1
+    tokens = jnp.concatenate([state.pending[:, None], drafts_BxJ], axis=1)
     positions = state.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     seen = state.target if span_pages is None else state.target.view(span_pages)
     logits, feats, cache = forward_cached(models.target_params, models.target_cfg, tokens, positions, seen,
                                           layer_ids=_layer_ids(drafter))
     cache = cache.with_full_table(state.target)
-    n, bonus, rng = _accept(logits, drafts_BxKm1, state, law, models.draft_ids)
+    n, bonus, rng = _accept(logits, drafts_BxJ, state, law, models.draft_ids)
     n = jnp.where(state.active, n, 0)
     idx = jnp.arange(k)[None, :]
-    out = jnp.where(idx < n[:, None], jnp.pad(drafts_BxKm1, ((0, 0), (0, 1))), 0)
+    out = jnp.where(idx < n[:, None], jnp.pad(drafts_BxJ, ((0, 0), (0, 1))), 0)
     out = jnp.where(idx == n[:, None], bonus[:, None], out)
     new_len = jnp.where(state.active, state.lengths + n + 1, state.lengths)
     draft = _add_context(drafter, state.draft, feats, state.lengths)  # slots >= new_len stay invisible
@@ -662,7 +662,7 @@ def _verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_page
 
 
 @functools.partial(jax.jit, static_argnames=("span_pages",), donate_argnames=("state",))
-def verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array,
+def verify(models: Models, state: SpecState, drafts_BxJ: jax.Array,
            span_pages: int | None = None, law: DraftLaw | None = None) -> tuple[SpecState, jax.Array, jax.Array]:
     """Verify drafts with one target forward; returns (state, tokens [B, K], accepted n [B]). Sampled requests
     accept one-hot drafts by `accept_sampled`, or drafts drawn from `law` (`propose(..., sample=True)`) by
@@ -672,23 +672,23 @@ def verify(models: Models, state: SpecState, drafts_BxKm1: jax.Array,
     before the rollback to L + n + 1). `span_pages` (static; default: the whole table) is how many
     page-table entries attention sees. tokens[b, :n+1] are the step's output (d_1 .. d_n, then the bonus);
     the rest is padding. Inactive slots are left as they were (n = 0, nothing output)."""
-    return _verify(models, state, drafts_BxKm1, span_pages, False, law)[:3]
+    return _verify(models, state, drafts_BxJ, span_pages, False, law)[:3]
 
 
 @functools.partial(jax.jit, static_argnames=("span_pages",), donate_argnames=("state",))
-def verify_logprobs(models: Models, state: SpecState, drafts_BxKm1: jax.Array, span_pages: int | None = None,
+def verify_logprobs(models: Models, state: SpecState, drafts_BxJ: jax.Array, span_pages: int | None = None,
                     law: DraftLaw | None = None) -> tuple[SpecState, jax.Array, jax.Array, TokenLogprobs]:
     """`verify`, and the target's log-probabilities [B, K] of the output tokens (position i scores tokens[b, i];
     only i <= n are emitted). A separate program, so that steps with no request asking pay nothing."""
-    return _verify(models, state, drafts_BxKm1, span_pages, True, law)
+    return _verify(models, state, drafts_BxJ, span_pages, True, law)
 
 
-def run_steps(step: Any, state: SpecState, aux: Any, stop_ids_BxS: jax.Array, budget_B: jax.Array, width: int,
+def run_steps(step: Any, state: SpecState, aux: Any, stop_ids_BxZ: jax.Array, budget_B: jax.Array, width: int,
               steps: int) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
     """The device loop of `decode_steps` (traced inside a jitted caller): up to `steps` calls of
     step(state, aux) -> (state, aux, tokens [B, width], accepted n [B]); returns (state, tokens [steps, B, width],
     accepted n [steps, B], steps run). It stops after a step in which an active slot emitted one of its stop ids
-    (stop_ids_BxS, padded with -1) or reached `budget_B` new tokens (counted from this call). `aux` is carried
+    (stop_ids_BxZ, padded with -1) or reached `budget_B` new tokens (counted from this call). `aux` is carried
     from step to step (e.g. the token history of prompt lookup; None for none)."""
     b = state.lengths.shape[0]
 
@@ -696,7 +696,7 @@ def run_steps(step: Any, state: SpecState, aux: Any, stop_ids_BxS: jax.Array, bu
         i, st, aux, tokens, accepted, emitted, _ = carry
         st, aux, out, n = step(st, aux)
         valid = jnp.arange(width)[None, :] <= n[:, None]
-        hit = jnp.any(valid & jnp.any(out[:, :, None] == stop_ids_BxS[:, None, :], axis=-1), axis=-1)
+        hit = jnp.any(valid & jnp.any(out[:, :, None] == stop_ids_BxZ[:, None, :], axis=-1), axis=-1)
         emitted = emitted + jnp.where(st.active, n + 1, 0)
         finished = jnp.any(st.active & (hit | (emitted >= budget_B)))
         return i + 1, st, aux, tokens.at[i].set(out), accepted.at[i].set(n), emitted, finished
@@ -709,13 +709,13 @@ def run_steps(step: Any, state: SpecState, aux: Any, stop_ids_BxS: jax.Array, bu
 
 @functools.partial(jax.jit, static_argnames=("block_size", "steps", "span_pages", "sample"),
                    donate_argnames=("state",))
-def decode_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array, block_size: int,
+def decode_steps(models: Models, state: SpecState, stop_ids_BxZ: jax.Array, budget_B: jax.Array, block_size: int,
                  steps: int, span_pages: int,
                  sample: bool = False) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
     """Up to `steps` decode steps (the drafter's `propose` then `verify`; AR when block_size is 1) in one device
     loop; returns (state, tokens [steps, B, K], accepted n [steps, B], steps run). Row i < steps run holds step
     i's `verify` output; the loop ends early after a step in which an active slot emitted one of its stop ids
-    (stop_ids_BxS, padded with -1) or reached `budget_B` new tokens (counted from this call), so the host, which
+    (stop_ids_BxZ, padded with -1) or reached `budget_B` new tokens (counted from this call), so the host, which
     checks stops and budgets exactly, finds a finished request only in the last step run (`run_steps`). Each step
     is the same computation as one `propose` + `verify` call (the same outputs, the same state; `sample` as
     `propose`'s). The tree's twin is `tree.decode_tree_steps`."""
@@ -733,7 +733,7 @@ def decode_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budg
         st, out, n, _ = _verify(models, st, drafts, span_pages, False, law)
         return st, aux, out, n
 
-    return run_steps(step, state, None, stop_ids_BxS, budget_B, k, steps)
+    return run_steps(step, state, None, stop_ids_BxZ, budget_B, k, steps)
 
 
 __all__ = [

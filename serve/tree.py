@@ -1,7 +1,7 @@
 """Tree drafting and tree verification (docs/design.md §4.4): a best-first token tree built from one DFlash block's
 per-position distributions, verified in one target pass with an ancestor-only mask over the paged cache.
 
-    ids, logp = propose_topk(models, state, block_size=K, m=N - 1, span=span)    # [B, K-1, M] each
+    ids, logp = propose_topk(models, state, block_size=K, m=N - 1, span=span)    # [B, J, C] each
     tree = build_tree(ids, logp, state.pending, nodes=N)                           # N nodes per slot
     state, out, n = verify_tree(models, state, tree, K, span_pages)                # like `verify`
 
@@ -105,9 +105,9 @@ class Tree:
 def propose_topk(models: Models, state: SpecState, block_size: int, m: int, span: int | None = None,
                  sample: bool = False) -> tuple[jax.Array, ...]:
     """The drafter's ranked lists at block positions 1 .. K-1 from one forward over [pending, MASK x (K-1)] (as
-    `speculative.propose`): (ids [B, K-1, M] int32, logp [B, K-1, M] fp32), the M most likely tokens and their
+    `speculative.propose`): (ids [B, J, C] int32, logp [B, J, C] fp32), the C = m most likely tokens and their
     log-probabilities, most likely first (a draft vocabulary ranks only its rows). With `sample`, a sampled row's
-    ids are instead M draws without replacement from its law q and the law comes back too, (ids, logp, law)
+    ids are instead C draws without replacement from its law q and the law comes back too, (ids, logp, law)
     (`rank_drafts`). A path-selector drafter, whose positions are not independent, is refused by the plan
     (`plan.Tree.check`)."""
     hidden = draft_hidden(models, models.drafter(), state, block_size, span)
@@ -122,21 +122,21 @@ def propose_topk(models: Models, state: SpecState, block_size: int, m: int, span
             logp.at[:, :, 0].set(jnp.where(use, 0.0, logp[:, :, 0])), *law)
 
 
-def rank_drafts(logits_BxDxV: jax.Array, state: SpecState, m: int, draft_ids: jax.Array | None = None,
+def rank_drafts(logits_BxJxV: jax.Array, state: SpecState, m: int, draft_ids: jax.Array | None = None,
                 sample: bool = False) -> tuple[jax.Array, ...]:
-    """(ids, logp) [B, D, M] of the drafter's logits [B, D, V'] (V' its draft rows, `draft_ids` their token ids):
-    the M most likely rows and their log-probabilities, most likely first. With `sample`, (ids, logp, law): law
-    [B, D, V'] is each row's log q under its own rule (`row_logprobs`), and a sampled row's ids are M draws from
-    q without replacement in draw order (Gumbel top-M: sequential draws, each from q with the earlier ones
-    removed), its logp q's M largest log-probabilities sorted (the tree's shape, which must not depend on the
-    draws); beyond q's support (fewer than M tokens after top-k / top-p) both are -inf and `build_tree` makes no
+    """(ids, logp) [B, J, C] of the drafter's logits [B, J, V'] (V' its draft rows, `draft_ids` their token ids):
+    the C = m most likely rows and their log-probabilities, most likely first. With `sample`, (ids, logp, law): law
+    [B, J, V'] is each row's log q under its own rule (`row_logprobs`), and a sampled row's ids are C draws from
+    q without replacement in draw order (Gumbel top-C: sequential draws, each from q with the earlier ones
+    removed), its logp q's C largest log-probabilities sorted (the tree's shape, which must not depend on the
+    draws); beyond q's support (fewer than C tokens after top-k / top-p) both are -inf and `build_tree` makes no
     node of them. Greedy rows keep the ranked lists, and a batch of greedy rows never draws (`lax.cond`); the
     draws take the fourth key of the step's split (`step_keys`), which the walk leaves to the drafts."""
-    m = min(m, logits_BxDxV.shape[-1])
-    logp, rows = jax.lax.top_k(jax.nn.log_softmax(logits_BxDxV.astype(jnp.float32), axis=-1), m)
+    m = min(m, logits_BxJxV.shape[-1])
+    logp, rows = jax.lax.top_k(jax.nn.log_softmax(logits_BxJxV.astype(jnp.float32), axis=-1), m)
     law = None
     if sample:
-        law = row_logprobs(logits_BxDxV, state.sampling)
+        law = row_logprobs(logits_BxJxV, state.sampling)
 
         def draw(_: None) -> tuple[jax.Array, jax.Array]:
             keys = step_keys(state.rng)[:, 3]
@@ -151,13 +151,13 @@ def rank_drafts(logits_BxDxV: jax.Array, state: SpecState, m: int, draft_ids: ja
     return (ids, logp) if law is None else (ids, logp, law)
 
 
-def _best_first(ids_DxM: jax.Array, logp_DxM: jax.Array, nodes: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _best_first(ids_JxC: jax.Array, logp_JxC: jax.Array, nodes: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One slot's best-first tree of `nodes` nodes (root included) from per-depth ranked lists: (token, parent,
     depth), each [nodes]; the root's token is left 0."""
-    d_max, m = ids_DxM.shape
+    d_max, m = ids_JxC.shape
     c = 2 * nodes  # candidates: each pop adds at most two (first child, next sibling)
     neg = jnp.float32(-jnp.inf)
-    score = jnp.full((c,), neg).at[0].set(logp_DxM[0, 0])
+    score = jnp.full((c,), neg).at[0].set(logp_JxC[0, 0])
     parent = jnp.zeros((c,), jnp.int32)
     depth = jnp.ones((c,), jnp.int32)
     rank = jnp.zeros((c,), jnp.int32)
@@ -170,12 +170,12 @@ def _best_first(ids_DxM: jax.Array, logp_DxM: jax.Array, nodes: int) -> tuple[ja
         j = jnp.argmax(score)
         ok = score[j] > neg
         d, r, s = depth[j], rank[j], score[j]
-        token = token.at[i].set(jnp.where(ok, ids_DxM[d - 1, r], 0))
+        token = token.at[i].set(jnp.where(ok, ids_JxC[d - 1, r], 0))
         node_parent = node_parent.at[i].set(jnp.where(ok, parent[j], -1))
         node_depth = node_depth.at[i].set(jnp.where(ok, d, 0))
         score = score.at[j].set(neg)
-        child = jnp.where(ok & (d < d_max), s + logp_DxM[jnp.minimum(d, d_max - 1), 0], neg)
-        sibling = jnp.where(ok & (r + 1 < m), s - logp_DxM[d - 1, r] + logp_DxM[d - 1, jnp.minimum(r + 1, m - 1)],
+        child = jnp.where(ok & (d < d_max), s + logp_JxC[jnp.minimum(d, d_max - 1), 0], neg)
+        sibling = jnp.where(ok & (r + 1 < m), s - logp_JxC[d - 1, r] + logp_JxC[d - 1, jnp.minimum(r + 1, m - 1)],
                             neg)
         a, b = 2 * i - 1, 2 * i  # free candidate slots after i pops
         score = score.at[a].set(child).at[b].set(sibling)
@@ -188,16 +188,16 @@ def _best_first(ids_DxM: jax.Array, logp_DxM: jax.Array, nodes: int) -> tuple[ja
     return carry[4], carry[5], carry[6]
 
 
-def _merge_path(token: jax.Array, parent: jax.Array, depth: jax.Array, path_G: jax.Array, length: jax.Array, *,
+def _merge_path(token: jax.Array, parent: jax.Array, depth: jax.Array, path_L: jax.Array, length: jax.Array, *,
                 start: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Insert one extra path (its first `length` tokens of path_G) from the root as a trie: a token that is
+    """Insert one extra path (its first `length` tokens of path_L) from the root as a trie: a token that is
     already a child of the current node is followed, else it becomes node start + g. Unused nodes stay
     childless (parent -1)."""
     index = jnp.arange(token.shape[0])
 
     def insert(g, carry):
         token, parent, depth, cur = carry
-        t = path_G[g]
+        t = path_L[g]
         match = (parent == cur) & (token == t) & (index < start + g)
         found = jnp.any(match)
         new = start + g
@@ -209,32 +209,32 @@ def _merge_path(token: jax.Array, parent: jax.Array, depth: jax.Array, path_G: j
         cur = jnp.where(live, jnp.where(found, jnp.argmax(match), new), cur)
         return token, parent, depth, cur
 
-    token, parent, depth, _ = jax.lax.fori_loop(0, path_G.shape[0], insert, (token, parent, depth, jnp.int32(0)))
+    token, parent, depth, _ = jax.lax.fori_loop(0, path_L.shape[0], insert, (token, parent, depth, jnp.int32(0)))
     return token, parent, depth
 
 
 @functools.partial(jax.jit, static_argnames=("nodes",))
-def build_tree(ids_BxDxM: jax.Array, logp_BxDxM: jax.Array, pending_B: jax.Array, nodes: int,
-               extra_BxG: jax.Array | None = None, extra_len_B: jax.Array | None = None,
+def build_tree(ids_BxJxC: jax.Array, logp_BxJxC: jax.Array, pending_B: jax.Array, nodes: int,
+               extra_BxL: jax.Array | None = None, extra_len_B: jax.Array | None = None,
                law: jax.Array | None = None) -> Tree:
     """Each slot's tree of `nodes` nodes: the root (pending token), then the most probable paths best-first from
-    the ranked lists (depth <= D), then, with `extra_BxG`, one extra path per slot (its first extra_len[b]
-    tokens, e.g. a prompt-lookup continuation) merged in as a trie on the last G nodes. The shape comes from logp
+    the ranked lists (depth <= J), then, with `extra_BxL`, one extra path per slot (its first extra_len[b]
+    tokens, e.g. a prompt-lookup continuation) merged in as a trie on the last L nodes. The shape comes from logp
     alone, the tokens from ids: the node of rank r at depth d holds ids[d - 1, r], and the children of a node are
     ranks 0, 1, .. of the next depth. With `law` (drafts drawn by `rank_drafts(..., sample=True)`), the tree is
     sampled: its drafter nodes are marked drawn from it, the extra path's nodes are point masses."""
-    g = 0 if extra_BxG is None else extra_BxG.shape[1]
+    g = 0 if extra_BxL is None else extra_BxL.shape[1]
     if not 1 <= g + 1 < nodes:
         raise ValueError(f"nodes must exceed 1 + the extra path's length ({g}); received nodes={nodes}")
-    if g > ids_BxDxM.shape[1]:  # a deeper path would be verified past the block: K - 1 drafts at most
-        raise ValueError(f"the extra path's length must be <= the tree's depth K - 1 = {ids_BxDxM.shape[1]}; "
+    if g > ids_BxJxC.shape[1]:  # a deeper path would be verified past the block: K - 1 drafts at most
+        raise ValueError(f"the extra path's length must be <= the tree's depth K - 1 = {ids_BxJxC.shape[1]}; "
                          f"received {g}")
-    token, parent, depth = jax.vmap(functools.partial(_best_first, nodes=nodes - g))(ids_BxDxM, logp_BxDxM)
+    token, parent, depth = jax.vmap(functools.partial(_best_first, nodes=nodes - g))(ids_BxJxC, logp_BxJxC)
     if g:
         pad = ((0, 0), (0, g))
         token, parent, depth = jnp.pad(token, pad), jnp.pad(parent, pad, constant_values=-1), jnp.pad(depth, pad)
         token, parent, depth = jax.vmap(functools.partial(_merge_path, start=nodes - g))(
-            token, parent, depth, extra_BxG.astype(jnp.int32), extra_len_B.astype(jnp.int32))
+            token, parent, depth, extra_BxL.astype(jnp.int32), extra_len_B.astype(jnp.int32))
     drawn = None
     if law is not None:
         index = jnp.arange(nodes)[None, :]
@@ -272,64 +272,64 @@ def tree_problems(tree: Tree, max_depth: int) -> list[str]:
     return problems
 
 
-def _walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_depth: int,
+def _walk(tree: Tree, logits_BxQxV: jax.Array, state: SpecState, max_depth: int,
           draft_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(path [B, D+1] node ids (path[:, 0] = 0; entries past n are node 0), n accepted [B], bonus [B], next keys):
+    """(path [B, K] node ids (path[:, 0] = 0; entries past n are node 0), n accepted [B], bonus [B], next keys):
     greedy rows follow the argmax, sampled rows recursive rejection sampling (`_sampled_walk`; module docstring).
     A batch of greedy rows never runs the sampling branch (`lax.cond`)."""
-    b = logits_BxNxV.shape[0]
+    b = logits_BxQxV.shape[0]
     rows = jnp.arange(b)
     greedy = state.sampling.greedy
-    argmax_BxN = first_argmax(logits_BxNxV)
+    argmax_BxQ = first_argmax(logits_BxQxV)
     cur = jnp.zeros((b,), jnp.int32)
     going = jnp.ones((b,), bool)
     n = jnp.zeros((b,), jnp.int32)
     path = [cur]
     for _ in range(max_depth):
-        ok = (tree.parent == cur[:, None]) & (tree.token == argmax_BxN[rows, cur][:, None])
+        ok = (tree.parent == cur[:, None]) & (tree.token == argmax_BxQ[rows, cur][:, None])
         step = going & jnp.any(ok, axis=1)
         nxt = jnp.argmax(ok, axis=1).astype(jnp.int32)
         cur = jnp.where(step, nxt, cur)
         n = n + step
         going = step
         path.append(jnp.where(step, nxt, 0))
-    by_argmax = (jnp.stack(path, axis=1), n, argmax_BxN[rows, cur], state.rng)
+    by_argmax = (jnp.stack(path, axis=1), n, argmax_BxQ[rows, cur], state.rng)
 
     def mixed(_: None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        sampled = _sampled_walk(tree, logits_BxNxV, state, max_depth, draft_ids)
+        sampled = _sampled_walk(tree, logits_BxQxV, state, max_depth, draft_ids)
         return tuple(jnp.where(greedy.reshape(-1, *(1,) * (g.ndim - 1)), g, s)
                      for g, s in zip(by_argmax, sampled, strict=True))
 
     return jax.lax.cond(jnp.all(greedy), lambda _: by_argmax, mixed, None)
 
 
-def _sampled_walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_depth: int,
+def _sampled_walk(tree: Tree, logits_BxQxV: jax.Array, state: SpecState, max_depth: int,
                   draft_ids: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The walk of recursive rejection sampling (module docstring) for every row. Each iteration tries one child
     per row: the first node past the last one tried whose parent is the node reached (a parent comes before its
     children, siblings in the order they are tried), so a row runs one iteration per child it tries and the loop
     ends when no row has one left. Carried per row: the node reached, its law p, the residual r, and the law the
     next drawn child of that node comes from (q of the next depth without the drawn siblings tried so far)."""
-    b, n_nodes, vocab = logits_BxNxV.shape
+    b, n_nodes, vocab = logits_BxQxV.shape
     rows, index = jnp.arange(b), jnp.arange(n_nodes)
     keys = step_keys(state.rng)  # next key, acceptance uniforms, the draw from the residual, (the drafts' draws)
-    u_BxN = jax.vmap(lambda key: jax.random.uniform(key, (n_nodes,)))(keys[:, 1])
+    u_BxQ = jax.vmap(lambda key: jax.random.uniform(key, (n_nodes,)))(keys[:, 1])
 
     def node_law(j_B: jax.Array) -> jax.Array:
         """[B, V]: the target's filtered law at node j_B of each row (only the nodes a row reaches are computed)."""
-        return jnp.exp(row_logprobs(logits_BxNxV[rows, j_B], state.sampling))
+        return jnp.exp(row_logprobs(logits_BxQxV[rows, j_B], state.sampling))
 
-    drawn_BxN = jnp.zeros((b, n_nodes), bool) if tree.drawn is None else tree.drawn
+    drawn_BxQ = jnp.zeros((b, n_nodes), bool) if tree.drawn is None else tree.drawn
     if tree.law is None:  # no drawn children: their law is never read
-        q_BxDxV = jnp.zeros((b, 1, vocab), jnp.float32)
+        q_BxJxV = jnp.zeros((b, 1, vocab), jnp.float32)
     else:
-        q_BxDxV = jnp.exp(tree.law)
+        q_BxJxV = jnp.exp(tree.law)
         if draft_ids is not None:
-            q_BxDxV = jnp.zeros((*q_BxDxV.shape[:2], vocab), jnp.float32).at[:, :, draft_ids].set(q_BxDxV)
+            q_BxJxV = jnp.zeros((*q_BxJxV.shape[:2], vocab), jnp.float32).at[:, :, draft_ids].set(q_BxJxV)
 
     def children_law(depth_B: jax.Array) -> jax.Array:
         """[B, V]: the law the drawn children of a node at depth_B were drawn from."""
-        return q_BxDxV[rows, jnp.minimum(depth_B, q_BxDxV.shape[1] - 1)]
+        return q_BxJxV[rows, jnp.minimum(depth_B, q_BxJxV.shape[1] - 1)]
 
     def next_child(cur_B: jax.Array, after_B: jax.Array) -> jax.Array:
         """[B]: the first node past `after_B` whose parent is cur_B (n_nodes: none left)."""
@@ -344,10 +344,10 @@ def _sampled_walk(tree: Tree, logits_BxNxV: jax.Array, state: SpecState, max_dep
         i, cur, p_cur, r, q, path, n = carry
         tried = i < n_nodes
         j = jnp.minimum(i, n_nodes - 1)
-        token, drawn, depth = tree.token[rows, j], drawn_BxN[rows, j], tree.depth[rows, j]
+        token, drawn, depth = tree.token[rows, j], drawn_BxQ[rows, j], tree.depth[rows, j]
         q_token = jnp.where(drawn, q[rows, token], 1.0)
         r_token = r[rows, token]
-        accept = tried & (u_BxN[rows, j] * q_token < r_token)  # u < min(1, r(c) / q_c(c))
+        accept = tried & (u_BxQ[rows, j] * q_token < r_token)  # u < min(1, r(c) / q_c(c))
         reject = tried & ~accept
 
         def rejected(rq: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -441,13 +441,13 @@ class TreeLoop:
 
 
 @functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))
-def decode_tree_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array, budget_B: jax.Array,
-                      history_BxH: jax.Array | None, history_len_B: jax.Array | None,
+def decode_tree_steps(models: Models, state: SpecState, stop_ids_BxZ: jax.Array, budget_B: jax.Array,
+                      history_BxS: jax.Array | None, history_len_B: jax.Array | None,
                       loop: TreeLoop) -> tuple[SpecState, jax.Array, jax.Array, jax.Array]:
     """`speculative.decode_steps` with tree steps, of the static shape `loop` (`TreeLoop`): up to `steps` of
     `propose_topk` + `build_tree` + `verify_tree` in one device loop, with the same exit rules and outputs (tokens
     [steps, B, K], accepted n [steps, B], steps run). lookup > 0 merges a prompt-lookup path of that many nodes into
-    each tree, found on the device (`lookup_paths`) in each slot's token history (history_BxH: prompt and output so
+    each tree, found on the device (`lookup_paths`) in each slot's token history (history_BxS: prompt and output so
     far, its first history_len_B entries real, the last the pending token), to which each step appends its output.
     `sample`: sampled rows draw the drafter's nodes from its law (`propose_topk`). Each step is the same computation
     as one engine step at R = 1 (the same trees, outputs and state)."""
@@ -468,8 +468,8 @@ def decode_tree_steps(models: Models, state: SpecState, stop_ids_BxS: jax.Array,
             hist = append_history(*hist, out, jnp.where(st.active, n + 1, 0))
         return st, hist, out, n
 
-    hist = (history_BxH, history_len_B) if lookup else None
-    return run_steps(step, state, hist, stop_ids_BxS, budget_B, block_size, steps)
+    hist = (history_BxS, history_len_B) if lookup else None
+    return run_steps(step, state, hist, stop_ids_BxZ, budget_B, block_size, steps)
 
 
 __all__ = ["Tree", "TreeLoop", "build_tree", "decode_tree_steps", "propose_topk", "rank_drafts", "tree_problems",

@@ -235,7 +235,7 @@ def test_training_reaches_the_convolution_and_keeps_blocks_apart(setup):
                          ctx_pos, BlockVisibility.from_anchors(jnp.asarray([[a]]), jnp.ones((1, 24), bool)))
         np.testing.assert_allclose(packed[:, j * K:(j + 1) * K], alone, rtol=1e-5, atol=1e-5)
     graphdef, params = split_drafter(drafter)
-    inputs = StepInputs(blocks=blocks, embeds_BxQxD=embeds, feats_BxSxFD=feats)
+    inputs = StepInputs(blocks=blocks, embeds_BxQxD=embeds, feats_BxSxDf=feats)
     head = train_head(target_params, target_cfg)
     spec = StepSpec(graphdef=graphdef, target_cfg=target_cfg, arch=drafter.arch, num_anchors=3, objective=Objective())
     grad_fn = jax.jit(jax.grad(lambda p: drafter_loss(p, inputs, head, spec)[0]))

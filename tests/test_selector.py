@@ -289,7 +289,7 @@ def test_the_drafter_loss_adds_the_selector_loss_and_only_the_selector_learns_fr
     batch = TrainBatch(tokens=tokens, loss_mask=jnp.ones(tokens.shape, jnp.float32))
     blocks = build_blocks_batch(batch, jnp.asarray([[3, 9, 16]]), jnp.ones((1, 3), bool), K, 255)
     inputs = StepInputs(blocks=blocks, embeds_BxQxD=embed(target_params, blocks.block_ids),
-                        feats_BxSxFD=online_features(target_params, target_cfg, tokens, (1, 3)))
+                        feats_BxSxDf=online_features(target_params, target_cfg, tokens, (1, 3)))
     head = train_head(target_params, target_cfg)
 
     def run(weight):

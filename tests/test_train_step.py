@@ -170,7 +170,7 @@ def _eval(graphdef, params, target_cfg, target_params, batch, arch) -> tuple[flo
     anchors, keep = sample_anchors_batch(batch.loss_mask, 16, K, jax.random.key(11))
     blocks = build_blocks_batch(batch, anchors, keep, K, arch.mask_token_id)
     feats = online_features(target_params, target_cfg, batch.tokens, arch.layer_ids)
-    inputs = StepInputs(blocks=blocks, embeds_BxQxD=embed(target_params, blocks.block_ids), feats_BxSxFD=feats)
+    inputs = StepInputs(blocks=blocks, embeds_BxQxD=embed(target_params, blocks.block_ids), feats_BxSxDf=feats)
     loss, metrics = drafter_loss(params, inputs, train_head(target_params, target_cfg),
                                  _spec(graphdef, target_cfg, arch))
     return float(loss), float(metrics["acceptance_length"])
@@ -212,7 +212,7 @@ def test_mask_through_gradients(setup):
     feats = online_features(target_params, target_cfg, tokens, LAYER_IDS)
 
     def loss(e, f):
-        inputs = StepInputs(blocks=one_block, embeds_BxQxD=e, feats_BxSxFD=f)
+        inputs = StepInputs(blocks=one_block, embeds_BxQxD=e, feats_BxSxDf=f)
         return drafter_loss(params, inputs, train_head(target_params, target_cfg), _spec(graphdef, target_cfg, arch))[0]
 
     g_embeds, g_feats = (np.asarray(g) for g in jax.jit(jax.grad(loss, argnums=(0, 1)))(embeds, feats))
@@ -248,7 +248,7 @@ def test_a_packed_row_trains_as_its_conversations_alone(setup):
 
     def loss_and_grad(tok, mask, f, a, k, seg):
         blocks = build_blocks_batch(batch_of(tok, mask, segment_ids=seg), a, k, K, MASK_ID)
-        inputs = StepInputs(blocks=blocks, embeds_BxQxD=embed(target_params, blocks.block_ids), feats_BxSxFD=f,
+        inputs = StepInputs(blocks=blocks, embeds_BxQxD=embed(target_params, blocks.block_ids), feats_BxSxDf=f,
                             segment_ids=seg)
 
         def loss(p):

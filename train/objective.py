@@ -5,7 +5,8 @@ query may see; training uses `models.drafter.BlockVisibility`, tested equal to i
 runs: `head_loss`, the frozen LM head (`TrainHead`) and a weighted cross-entropy in chunks of rows, with the
 decay weights of the paper or D-PACE's (`Objective`).
 
-Dimension alphabet: B batch, S sequence, K block, N anchors, Q = N*K block queries, V vocab.
+Shapes in names follow the dimension alphabet of docs/architecture.md (here also Q = N*K block queries, J = K-1
+labelled slots, R = B*N*J loss rows, Rc the rows of one head chunk, Y the target's stored top-k, M loss quantities).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def sample_anchors(loss_mask_S: jax.Array, num_anchors: int, block_size: int, rn
         on_S = valid_S & (w_S > 0)
         keys_S = jnp.where(on_S, jnp.log(jnp.where(on_S, w_S, 1.0)) + jax.random.gumbel(jax.random.fold_in(rng, 1),
                                                                                            (S,)), -jnp.inf)
-        top_W, idx_W = jax.lax.top_k(keys_S, min(walk_count, S))
-        drawn_S = jnp.zeros((S,), bool).at[idx_W].set(top_W > -jnp.inf)
+        top_Nw, idx_Nw = jax.lax.top_k(keys_S, min(walk_count, S))
+        drawn_S = jnp.zeros((S,), bool).at[idx_Nw].set(top_Nw > -jnp.inf)
         scores_S = jnp.where(drawn_S, 2.0, scores_S)  # above every uniform score: kept first
     if num_anchors > S:  # static: top_k needs at least N candidates
         scores_S = jnp.concatenate([scores_S, jnp.full((num_anchors - S,), -1.0, scores_S.dtype)])
@@ -112,9 +113,9 @@ class Blocks:
     block_index_in_block int32 [Q]  k
     anchor_of_query      int32 [Q]  a_j, or -1 for padding blocks (keep=False)
     block_of_query       int32 [Q]  j
-    soft_ids             int32 [Q, T] or None  with soft labels (`data.labels: soft`): the target's T most
+    soft_ids             int32 [Q, Y] or None  with soft labels (`data.labels: soft`): the target's Y most
                                     likely tokens at a_j+k (after tokens[:a_j+k]), 0 where label_mask is 0
-    soft_probs           f32   [Q, T] or None  their probabilities, 0 where label_mask is 0
+    soft_probs           f32   [Q, Y] or None  their probabilities, 0 where label_mask is 0
     """
 
     block_ids: jax.Array
@@ -146,8 +147,8 @@ def build_blocks(row: TrainBatch, anchors_N: jax.Array, keep_N: jax.Array, block
     Packed rows (`row.segment_ids`, `data.pack`): a slot whose position belongs to another conversation than its
     anchor's is not labelled (a block never runs into the next one).
 
-    Soft labels (`row.labels` a `SoftLabels`, `data.labels: soft`): the target's T most likely tokens after each
-    position ([S, T] ids and probabilities) besides its argmax (next_ids, read as target labels); slot k then
+    Soft labels (`row.labels` a `SoftLabels`, `data.labels: soft`): the target's Y most likely tokens after each
+    position ([S, Y] ids and probabilities) besides its argmax (next_ids, read as target labels); slot k then
     also carries those stored at a + k - 1 (the distribution its hard label is the argmax of), zeroed where it
     is not labelled.
     """
@@ -349,7 +350,7 @@ def auto_head_chunk(vocab_size: int, budget_elements: int = 1 << 25) -> int:
 
 
 def _map_chunks(fn: Callable[..., tuple[jax.Array, ...]], chunk: int, *rows: jax.Array) -> tuple[jax.Array, ...]:
-    """`fn(*chunk_rows)` over the T rows of `rows` (each [T, ...]) in chunks of `chunk` rows (a sequential
+    """`fn(*chunk_rows)` over the R rows of `rows` (each [R, ...]) in chunks of `chunk` rows (a sequential
     `lax.map`, so only one chunk's [chunk, V] logits are live at a time); rows are zero-padded to a multiple of
     `chunk` and the padding is cut from every output."""
     t = rows[0].shape[0]
@@ -368,134 +369,138 @@ DIVERGENCES = ("nll", "ce", "tv", "kl", "rkl")
 RKL_FLOOR = 1e-6  # the target's 'other' mass below this counts as this much in the reverse KL (else it is infinite)
 
 
-def _chunk_stats(h_CxD: jax.Array, head: jax.Array, labels_C: jax.Array, ids_CxT: jax.Array | None,
-                 probs_CxT: jax.Array | None, vocab_major: bool, names: tuple[str, ...],
+def _chunk_stats(h_RcxD: jax.Array, head: jax.Array, labels_Rc: jax.Array, ids_RcxY: jax.Array | None,
+                 probs_RcxY: jax.Array | None, vocab_major: bool, names: tuple[str, ...],
                  with_grad: bool) -> tuple[jax.Array, ...]:
-    """values [C, M] of the M quantities `names` (of DIVERGENCES), hard nll [C], top-1 hit [C] and (with_grad)
-    d value_m / d h [C, M, D] f32 of one chunk of rows (contract in `head_divergences`).
+    """values [Rc, M] of the M quantities `names` (of DIVERGENCES), hard nll [Rc], top-1 hit [Rc] and (with_grad)
+    d value_m / d h [Rc, M, D] f32 of one chunk of rows (contract in `head_divergences`).
 
     Logits z = h @ head in the compute dtype with fp32 accumulation; the softmax is fp32; the head's own gradient is
     never formed (the target is frozen). With p = softmax(z) over the head's rows, y the hard label, t_i the stored
-    probabilities of the row's top-T tokens (0 for an entry that is not a token of the head), the rest of the
-    vocabulary one outcome 'other' (the drafter's mass there P_o = 1 - sum_T p_i, formed as exp(logsumexp over the
-    non-top-T logits - lse) so it keeps its precision near 0; the target's r = 1 - sum t):
+    probabilities of the row's top-Y tokens (0 for an entry that is not a token of the head), the rest of the
+    vocabulary one outcome 'other' (the drafter's mass there P_o = 1 - sum_Y p_i, formed as exp(logsumexp over the
+    non-top-Y logits - lse) so it keeps its precision near 0; the target's r = 1 - sum t):
       nll = -log p_y
-      ce  = -sum_T t^_i log p_i, t^ = t / sum t  (the soft cross-entropy, renormalised; a row of zeros is 0)
-      tv  = 1/2 (sum_T |p_i - t_i| + |P_o - r|)
-      kl  = sum_T t_i log(t_i / p_i) + r log(r / P_o)
-      rkl = sum_T p_i log(p_i / t_i) + P_o log(P_o / max(r, RKL_FLOOR))
+      ce  = -sum_Y t^_i log p_i, t^ = t / sum t  (the soft cross-entropy, renormalised; a row of zeros is 0)
+      tv  = 1/2 (sum_Y |p_i - t_i| + |P_o - r|)
+      kl  = sum_Y t_i log(t_i / p_i) + r log(r / P_o)
+      rkl = sum_Y p_i log(p_i / t_i) + P_o log(P_o / max(r, RKL_FLOOR))
     Gradients w.r.t. the logits z, all of the form p_j (c_j - sum_l p_l c_l) with c the derivative by the
     outcome's probability (the 'other' tokens sharing theirs): nll: p - onehot(y); ce: p - t^; tv: p_j (s_j - sum
-    p s), s = sign(p - t)/2 per outcome; kl: p (sum t + r) - t on T - r p / P_o off T; rkl: p_j (log(p_j / t_j) -
-    rkl) (log(P_o / r) off T)."""
+    p s), s = sign(p - t)/2 per outcome; kl: p (sum t + r) - t on Y - r p / P_o off Y; rkl: p_j (log(p_j / t_j) -
+    rkl) (log(P_o / r) off Y)."""
     spec = "cd,vd->cv" if vocab_major else "cd,dv->cv"
-    logits_CxV = jnp.einsum(spec, h_CxD, head.astype(h_CxD.dtype), preferred_element_type=jnp.float32)
-    C, V = logits_CxV.shape
-    rows_Cx1 = jnp.arange(C)[:, None]
-    lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
-    nll_C = lse_C - jnp.take_along_axis(logits_CxV, labels_C[:, None], axis=-1)[:, 0]
-    hit_C = (jnp.argmax(logits_CxV, axis=-1) == labels_C).astype(jnp.float32)
-    if set(names) - {"nll"}:  # the target's stored top-T, and the drafter's mass on and off it
-        on_CxT = probs_CxT > 0  # a stored token of the head (others carry no mass and may repeat id 0)
-        t_CxT = jnp.where(on_CxT, probs_CxT, 0.0)
-        logp_CxT = jnp.take_along_axis(logits_CxV, ids_CxT, axis=-1) - lse_C[:, None]
-        p_CxT = jnp.where(on_CxT, jnp.exp(logp_CxT), 0.0)
-        other_CxV = logits_CxV.at[rows_Cx1, ids_CxT].add(jnp.where(on_CxT, -jnp.inf, 0.0))
-        lse_o_C = jax.nn.logsumexp(other_CxV, axis=-1)
-        logp_o_C = lse_o_C - lse_C
-        p_o_C = jnp.exp(logp_o_C)
-        mass_C = jnp.sum(t_CxT, axis=-1)
-        r_C = jnp.maximum(1.0 - mass_C, 0.0)
-        log_t_CxT = jnp.log(jnp.where(on_CxT, t_CxT, 1.0))
+    logits_RcxV = jnp.einsum(spec, h_RcxD, head.astype(h_RcxD.dtype), preferred_element_type=jnp.float32)
+    Rc, V = logits_RcxV.shape
+    rows_Rcx1 = jnp.arange(Rc)[:, None]
+    lse_Rc = jax.nn.logsumexp(logits_RcxV, axis=-1)
+    nll_Rc = lse_Rc - jnp.take_along_axis(logits_RcxV, labels_Rc[:, None], axis=-1)[:, 0]
+    hit_Rc = (jnp.argmax(logits_RcxV, axis=-1) == labels_Rc).astype(jnp.float32)
+    if set(names) - {"nll"}:  # the target's stored top-Y, and the drafter's mass on and off it
+        on_RcxY = probs_RcxY > 0  # a stored token of the head (others carry no mass and may repeat id 0)
+        t_RcxY = jnp.where(on_RcxY, probs_RcxY, 0.0)
+        logp_RcxY = jnp.take_along_axis(logits_RcxV, ids_RcxY, axis=-1) - lse_Rc[:, None]
+        p_RcxY = jnp.where(on_RcxY, jnp.exp(logp_RcxY), 0.0)
+        other_RcxV = logits_RcxV.at[rows_Rcx1, ids_RcxY].add(jnp.where(on_RcxY, -jnp.inf, 0.0))
+        lse_o_Rc = jax.nn.logsumexp(other_RcxV, axis=-1)
+        logp_o_Rc = lse_o_Rc - lse_Rc
+        p_o_Rc = jnp.exp(logp_o_Rc)
+        mass_Rc = jnp.sum(t_RcxY, axis=-1)
+        r_Rc = jnp.maximum(1.0 - mass_Rc, 0.0)
+        log_t_RcxY = jnp.log(jnp.where(on_RcxY, t_RcxY, 1.0))
     xlogy = lambda x, y: jnp.where(x > 0, x * (jnp.log(jnp.where(x > 0, x, 1.0)) - y), 0.0)  # noqa: E731  x log(x) - x y
     values, grads = [], []
-    p_CxV = jnp.exp(logits_CxV - lse_C[:, None]) if with_grad else None
+    p_RcxV = jnp.exp(logits_RcxV - lse_Rc[:, None]) if with_grad else None
     for name in names:
         if name == "nll":
-            value = nll_C
+            value = nll_Rc
             if with_grad:
-                dz = p_CxV - jax.nn.one_hot(labels_C, V, dtype=jnp.float32)
+                dz = p_RcxV - jax.nn.one_hot(labels_Rc, V, dtype=jnp.float32)
         elif name == "ce":
-            that_CxT = t_CxT / jnp.maximum(mass_C, 1e-20)[:, None]
-            value = -jnp.sum(jnp.where(on_CxT, that_CxT * logp_CxT, 0.0), axis=-1)
+            that_RcxY = t_RcxY / jnp.maximum(mass_Rc, 1e-20)[:, None]
+            value = -jnp.sum(jnp.where(on_RcxY, that_RcxY * logp_RcxY, 0.0), axis=-1)
             if with_grad:
-                dz = (p_CxV * jnp.sum(that_CxT, axis=-1)[:, None]).at[rows_Cx1, ids_CxT].add(-that_CxT)
+                dz = (p_RcxV * jnp.sum(that_RcxY, axis=-1)[:, None]).at[rows_Rcx1, ids_RcxY].add(-that_RcxY)
         elif name == "tv":
-            value = 0.5 * (jnp.sum(jnp.abs(p_CxT - t_CxT), axis=-1) + jnp.abs(p_o_C - r_C))
+            value = 0.5 * (jnp.sum(jnp.abs(p_RcxY - t_RcxY), axis=-1) + jnp.abs(p_o_Rc - r_Rc))
             if with_grad:
-                s_CxT = jnp.where(on_CxT, 0.5 * jnp.sign(p_CxT - t_CxT), 0.0)
-                s_o_C = 0.5 * jnp.sign(p_o_C - r_C)
-                mean_C = jnp.sum(p_CxT * s_CxT, axis=-1) + p_o_C * s_o_C
-                dz = (p_CxV * (s_o_C - mean_C)[:, None]).at[rows_Cx1, ids_CxT].add(p_CxT * (s_CxT - s_o_C[:, None]))
+                s_RcxY = jnp.where(on_RcxY, 0.5 * jnp.sign(p_RcxY - t_RcxY), 0.0)
+                s_o_Rc = 0.5 * jnp.sign(p_o_Rc - r_Rc)
+                mean_Rc = jnp.sum(p_RcxY * s_RcxY, axis=-1) + p_o_Rc * s_o_Rc
+                dz = (p_RcxV * (s_o_Rc - mean_Rc)[:, None]).at[rows_Rcx1, ids_RcxY].add(
+                    p_RcxY * (s_RcxY - s_o_Rc[:, None]))
         elif name == "kl":
-            value = jnp.sum(jnp.where(on_CxT, t_CxT * (log_t_CxT - logp_CxT), 0.0), axis=-1) + xlogy(r_C, logp_o_C)
+            value = (jnp.sum(jnp.where(on_RcxY, t_RcxY * (log_t_RcxY - logp_RcxY), 0.0), axis=-1)
+                     + xlogy(r_Rc, logp_o_Rc))
             if with_grad:
-                q_o_CxV = jnp.exp(other_CxV - jnp.where(jnp.isfinite(lse_o_C), lse_o_C, 0.0)[:, None])  # p / P_o off T
-                dz = (p_CxV * (mass_C + r_C)[:, None] - r_C[:, None] * q_o_CxV).at[rows_Cx1, ids_CxT].add(-t_CxT)
+                # p / P_o off the stored Y
+                q_o_RcxV = jnp.exp(other_RcxV - jnp.where(jnp.isfinite(lse_o_Rc), lse_o_Rc, 0.0)[:, None])
+                dz = (p_RcxV * (mass_Rc + r_Rc)[:, None] - r_Rc[:, None] * q_o_RcxV).at[rows_Rcx1, ids_RcxY].add(
+                    -t_RcxY)
         elif name == "rkl":
-            ratio_o_C = logp_o_C - jnp.log(jnp.maximum(r_C, RKL_FLOOR))
-            ratio_CxT = jnp.where(on_CxT, logp_CxT - log_t_CxT, 0.0)
-            value = jnp.sum(p_CxT * ratio_CxT, axis=-1) + jnp.where(p_o_C > 0, p_o_C * ratio_o_C, 0.0)
+            ratio_o_Rc = logp_o_Rc - jnp.log(jnp.maximum(r_Rc, RKL_FLOOR))
+            ratio_RcxY = jnp.where(on_RcxY, logp_RcxY - log_t_RcxY, 0.0)
+            value = jnp.sum(p_RcxY * ratio_RcxY, axis=-1) + jnp.where(p_o_Rc > 0, p_o_Rc * ratio_o_Rc, 0.0)
             if with_grad:
-                dz = (p_CxV * (ratio_o_C - value)[:, None]).at[rows_Cx1, ids_CxT].add(
-                    p_CxT * (ratio_CxT - ratio_o_C[:, None]))
+                dz = (p_RcxV * (ratio_o_Rc - value)[:, None]).at[rows_Rcx1, ids_RcxY].add(
+                    p_RcxY * (ratio_RcxY - ratio_o_Rc[:, None]))
         else:
             raise ValueError(f"divergence names must be among {DIVERGENCES}; received {name!r}")
         values.append(value)
         if with_grad:
             back = "cv,vd->cd" if vocab_major else "cv,dv->cd"
-            grads.append(jnp.einsum(back, dz.astype(h_CxD.dtype), head.astype(h_CxD.dtype),
+            grads.append(jnp.einsum(back, dz.astype(h_RcxD.dtype), head.astype(h_RcxD.dtype),
                                     preferred_element_type=jnp.float32))
-    values_CxM = jnp.stack(values, axis=-1)
+    values_RcxM = jnp.stack(values, axis=-1)
     if not with_grad:
-        return values_CxM, nll_C, hit_C
-    return values_CxM, nll_C, hit_C, jnp.stack(grads, axis=1)
+        return values_RcxM, nll_Rc, hit_Rc
+    return values_RcxM, nll_Rc, hit_Rc, jnp.stack(grads, axis=1)
 
 
-def _over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, names,  # noqa: ANN001
+def _over_chunks(h_RxD, head, labels_R, ids_RxY, probs_RxY, vocab_major, chunk, names,  # noqa: ANN001
                  with_grad) -> tuple[jax.Array, ...]:  # noqa: ANN001
-    """`_chunk_stats` over T rows in chunks of `chunk` rows (`_map_chunks`); without stored top-k (hard labels
+    """`_chunk_stats` over R rows in chunks of `chunk` rows (`_map_chunks`); without stored top-k (hard labels
     only) the chunks carry no top-k arrays."""
-    if ids_TxK is None:
+    if ids_RxY is None:
         fn = lambda h, lab: _chunk_stats(h, head, lab, None, None, vocab_major, names, with_grad)  # noqa: E731
-        return _map_chunks(fn, chunk, h_TxD, labels_T)
+        return _map_chunks(fn, chunk, h_RxD, labels_R)
     fn = lambda h, lab, ids, probs: _chunk_stats(h, head, lab, ids, probs, vocab_major, names, with_grad)  # noqa: E731
-    return _map_chunks(fn, chunk, h_TxD, labels_T, ids_TxK, probs_TxK)
+    return _map_chunks(fn, chunk, h_RxD, labels_R, ids_RxY, probs_RxY)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def head_divergences(h_TxD: jax.Array, head: jax.Array, labels_T: jax.Array, ids_TxK: jax.Array | None,
-                     probs_TxK: jax.Array | None, vocab_major: bool, chunk: int,
+def head_divergences(h_RxD: jax.Array, head: jax.Array, labels_R: jax.Array, ids_RxY: jax.Array | None,
+                     probs_RxY: jax.Array | None, vocab_major: bool, chunk: int,
                      names: tuple[str, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The one LM-head kernel of the loss, over hard labels and the target's stored top-k alike: (values [T, M] f32
-    of the quantities `names` (of DIVERGENCES: `nll` against the hard label `labels_T`; `ce`, `tv`, `kl`, `rkl`
-    against the stored top-K; see `_chunk_stats`), hard nll [T] f32, top-1 hit [T] f32) of rows `h_TxD` through
+    """The one LM-head kernel of the loss, over hard labels and the target's stored top-k alike: (values [R, M] f32
+    of the quantities `names` (of DIVERGENCES: `nll` against the hard label `labels_R`; `ce`, `tv`, `kl`, `rkl`
+    against the stored top-Y; see `_chunk_stats`), hard nll [R] f32, top-1 hit [R] f32) of rows `h_RxD` through
     the frozen LM head `head` ([V, D] when `vocab_major`, a tied embedding or a training vocabulary's rows, else
     [D, V]), `chunk` rows at a time.
 
-    The stored top-K, `ids_TxK` with `probs_TxK`, are taken AS STORED (not renormalised: their sum is the mass the
+    The stored top-Y, `ids_RxY` with `probs_RxY`, are taken AS STORED (not renormalised: their sum is the mass the
     stored tokens of the head hold, the rest of the target's mass is the outcome 'other'; an entry of probability
     0 is not a token, a row of zeros a row without loss, whose values are all 0); both are None with hard labels
     only (`names` then ("nll",)). Differentiable in `h` through the values only: under `jax.grad` the forward also
-    forms d value_m / d h per chunk (softmax minus the target, times the head) and keeps that [T, M, D] array
-    instead of any [T, V] one, so the backward is a weighted sum: one head matmul forward and one back per value,
-    no recomputation, temporary memory O(chunk * V) whatever T (SpecForge's checkpointed chunks recompute the
+    forms d value_m / d h per chunk (softmax minus the target, times the head) and keeps that [R, M, D] array
+    instead of any [R, V] one, so the backward is a weighted sum: one head matmul forward and one back per value,
+    no recomputation, temporary memory O(chunk * V) whatever R (SpecForge's checkpointed chunks recompute the
     forward). The nll and hit outputs carry no gradient."""
-    return _over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, names, False)
+    return _over_chunks(h_RxD, head, labels_R, ids_RxY, probs_RxY, vocab_major, chunk, names, False)
 
 
-def _head_divergences_fwd(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk, names):  # noqa: ANN001, ANN202
-    values, nll_T, hit_T, dh_TxMxD = _over_chunks(h_TxD, head, labels_T, ids_TxK, probs_TxK, vocab_major, chunk,
+def _head_divergences_fwd(h_RxD, head, labels_R, ids_RxY, probs_RxY, vocab_major, chunk, names):  # noqa: ANN001, ANN202
+    values, nll_R, hit_R, dh_RxMxD = _over_chunks(h_RxD, head, labels_R, ids_RxY, probs_RxY, vocab_major, chunk,
                                                   names, True)
-    return (values, nll_T, hit_T), dh_TxMxD.astype(h_TxD.dtype)
+    return (values, nll_R, hit_R), dh_RxMxD.astype(h_RxD.dtype)
 
 
 def _head_divergences_bwd(vocab_major, chunk, names, res, cotangents):  # noqa: ANN001, ANN202 (custom_vjp rule)
-    g_TxM = cotangents[0]
+    g_RxM = cotangents[0]
     none = (None,) * 4  # the head (frozen), the labels and the stored top-k get no gradient
-    if g_TxM.shape[1] == 1:  # one value: a rescale of its row gradients
-        return (g_TxM[:, :1].astype(res.dtype) * res[:, 0], *none)
-    return (jnp.einsum("tm,tmd->td", g_TxM.astype(res.dtype), res), *none)
+    if g_RxM.shape[1] == 1:  # one value: a rescale of its row gradients
+        return (g_RxM[:, :1].astype(res.dtype) * res[:, 0], *none)
+    return (jnp.einsum("tm,tmd->td", g_RxM.astype(res.dtype), res), *none)
 
 
 head_divergences.defvjp(_head_divergences_fwd, _head_divergences_bwd)
@@ -603,13 +608,13 @@ def head_loss(hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks, block_si
     left out of the loss and the metrics.
 
     `ce` with hard labels is the cross-entropy against label_q; with soft labels (`blocks.soft_ids` /
-    `blocks.soft_probs` [B, Q, T]) against the target's top-T distribution at q, renormalised over the tokens the
-    head holds (a slot none of whose T tokens it holds is left out, whatever the terms). The other terms need soft
-    labels and compare the drafter's distribution p with the target's t as stored (top-T probabilities of the
-    head's tokens, the rest of its mass, beyond its top T or outside the head, one outcome 'other' against the
-    drafter's mass off those T tokens):
+    `blocks.soft_probs` [B, Q, Y]) against the target's top-Y distribution at q, renormalised over the tokens the
+    head holds (a slot none of whose Y tokens it holds is left out, whatever the terms). The other terms need soft
+    labels and compare the drafter's distribution p with the target's t as stored (top-Y probabilities of the
+    head's tokens, the rest of its mass, beyond its top Y or outside the head, one outcome 'other' against the
+    drafter's mass off those Y tokens):
       tv:  total variation 1/2 |p - t|_1, the probability that speculative sampling rejects a token drawn from p
-           when the target samples from t (at T >= its support; with the tail as one outcome it is a lower bound);
+           when the target samples from t (at Y >= its support; with the tail as one outcome it is a lower bound);
       kl:  forward KL(t || p), mass-covering (its gradient is soft ce's plus the tail's);
       rkl: reverse KL(p || t), mode-seeking (the target's tail mass is floored at RKL_FLOOR, so drafter mass off
            the stored tokens is penalised but finite);
@@ -638,47 +643,47 @@ def head_loss(hidden_BxQxD: jax.Array, head: TrainHead, blocks: Blocks, block_si
         raise ValueError(f"loss terms {[n for n, _ in objective.terms]} compare distributions and need soft labels "
                          "(data.labels: soft); only ce trains on hard labels")
     if blocks.soft_ids is None:  # hard labels: ce is the cross-entropy against the label
-        names, ids_TxK, probs_TxK = ("nll",), None, None
+        names, ids_RxY, probs_RxY = ("nll",), None, None
     else:
-        ids_BxQxT = jnp.asarray(blocks.soft_ids, jnp.int32)
-        probs_BxQxT = jnp.asarray(blocks.soft_probs, jnp.float32)
+        ids_BxQxY = jnp.asarray(blocks.soft_ids, jnp.int32)
+        probs_BxQxY = jnp.asarray(blocks.soft_probs, jnp.float32)
         if label_map is not None:
-            ids_BxQxT = jnp.asarray(label_map, jnp.int32)[ids_BxQxT]
-            probs_BxQxT = jnp.where(ids_BxQxT >= 0, probs_BxQxT, 0.0)
-            ids_BxQxT = jnp.maximum(ids_BxQxT, 0)
-        mass_BxQ = jnp.sum(probs_BxQxT, axis=-1)
+            ids_BxQxY = jnp.asarray(label_map, jnp.int32)[ids_BxQxY]
+            probs_BxQxY = jnp.where(ids_BxQxY >= 0, probs_BxQxY, 0.0)
+            ids_BxQxY = jnp.maximum(ids_BxQxY, 0)
+        mass_BxQ = jnp.sum(probs_BxQxY, axis=-1)
         mask_BxQ = mask_BxQ * (mass_BxQ > 0)
-        names, ids_TxK, probs_TxK = divergences or ("ce",), rows(ids_BxQxT), rows(probs_BxQxT * mask_BxQ[..., None])
-    values_TxM, nll_T, hit_T = head_divergences(rows(hidden_BxQxD), matrix, rows(labels_BxQ), ids_TxK, probs_TxK,
+        names, ids_RxY, probs_RxY = divergences or ("ce",), rows(ids_BxQxY), rows(probs_BxQxY * mask_BxQ[..., None])
+    values_RxM, nll_R, hit_R = head_divergences(rows(hidden_BxQxD), matrix, rows(labels_BxQ), ids_RxY, probs_RxY,
                                                 vocab_major, chunk, names)
-    per_row = {"ce" if name == "nll" else name: values_TxM[:, i] for i, name in enumerate(names)}
+    per_row = {"ce" if name == "nll" else name: values_RxM[:, i] for i, name in enumerate(names)}
     k_BxQ = jnp.broadcast_to(jnp.arange(Q, dtype=jnp.int32) % K, (B, Q))
-    m_T = rows(mask_BxQ)
+    m_R = rows(mask_BxQ)
     if objective.kind == "dpace":
-        m_BxNxJ = m_T.reshape(B, Q // K, K - 1)
-        wm_T = dpace_weights(nll_T.reshape(B, Q // K, K - 1), m_BxNxJ, objective.dpace_alpha).reshape(-1)
+        m_BxNxJ = m_R.reshape(B, Q // K, K - 1)
+        wm_R = dpace_weights(nll_R.reshape(B, Q // K, K - 1), m_BxNxJ, objective.dpace_alpha).reshape(-1)
     else:
-        wm_T = rows(decay_weights(K, objective.gamma)[k_BxQ] * mask_BxQ)
-    weighted_count = jnp.sum(wm_T)
-    mean = lambda x_T: jnp.sum(wm_T * x_T) / jnp.maximum(weighted_count, 1e-9)  # noqa: E731
+        wm_R = rows(decay_weights(K, objective.gamma)[k_BxQ] * mask_BxQ)
+    weighted_count = jnp.sum(wm_R)
+    mean = lambda x_R: jnp.sum(wm_R * x_R) / jnp.maximum(weighted_count, 1e-9)  # noqa: E731
     if "opd" in dict(objective.terms):
-        per_row["opd"] = opd_rows(per_row["kl"], per_row["rkl"], hit_T * m_T, B, Q // K, objective.opd_gamma)
+        per_row["opd"] = opd_rows(per_row["kl"], per_row["rkl"], hit_R * m_R, B, Q // K, objective.opd_gamma)
     loss = mean(sum(weight * per_row[name] for name, weight in objective.terms))
     extra = {f"loss/{name}": mean(per_row[name]) for name, _ in objective.terms} if divergences else {}
     zeros_BxNx1 = jnp.zeros((B, Q // K, 1), jnp.float32)
-    hit_BxQ = jnp.concatenate([zeros_BxNx1, hit_T.reshape(B, Q // K, K - 1)], axis=-1).reshape(B, Q)
+    hit_BxQ = jnp.concatenate([zeros_BxNx1, hit_R.reshape(B, Q // K, K - 1)], axis=-1).reshape(B, Q)
     return loss, {**block_metrics(hit_BxQ * mask_BxQ, mask_BxQ, K), "weighted_count": weighted_count, **extra}
 
 
-def opd_rows(kl_T: jax.Array, rkl_T: jax.Array, hits_T: jax.Array, B: int, N: int, gamma: float) -> jax.Array:
+def opd_rows(kl_R: jax.Array, rkl_R: jax.Array, hits_R: jax.Array, B: int, N: int, gamma: float) -> jax.Array:
     """The `opd` term per labelled row (rows laid out [B, N, K-1], slots 1..K-1 of each block): kl where the slot and
-    every earlier slot of its block are hits (`hits_T`: top-1 hit times the label mask), else rkl x gamma^d, d the
+    every earlier slot of its block are hits (`hits_R`: top-1 hit times the label mask), else rkl x gamma^d, d the
     slots past the block's first miss (0 at the miss itself). The split carries no gradient."""
-    hits_BxNxJ = jax.lax.stop_gradient(hits_T).reshape(B, N, -1)
+    hits_BxNxJ = jax.lax.stop_gradient(hits_R).reshape(B, N, -1)
     accepted = jnp.cumprod(hits_BxNxJ, axis=-1)
     past = jnp.maximum(jnp.cumsum(1.0 - accepted, axis=-1) - 1.0, 0.0)
     w_rkl = (1.0 - accepted) * jnp.power(jnp.float32(gamma), past)
-    return accepted.reshape(-1) * kl_T + w_rkl.reshape(-1) * rkl_T
+    return accepted.reshape(-1) * kl_R + w_rkl.reshape(-1) * rkl_R
 
 
 __all__ = [

@@ -24,28 +24,28 @@ from dflash.models.drafter import CandidateSelector
 from dflash.train.objective import Blocks, Objective, TrainHead, _map_chunks, auto_head_chunk, decay_weights
 
 
-def head_topk(h_TxD: jax.Array, matrix: jax.Array, vocab_major: bool, k: int, chunk: int) -> tuple[jax.Array, ...]:
-    """(unary logits [T, k] f32, their token rows [T, k] int32): each row's top k logits of the LM head, in
+def head_topk(h_RxD: jax.Array, matrix: jax.Array, vocab_major: bool, k: int, chunk: int) -> tuple[jax.Array, ...]:
+    """(unary logits [R, k] f32, their token rows [R, k] int32): each row's top k logits of the LM head, in
     chunks of `chunk` rows (only one chunk's [chunk, V] logits exist at a time)."""
     spec = "cd,vd->cv" if vocab_major else "cd,dv->cv"
 
-    def top(h_CxD):
-        logits = jnp.einsum(spec, h_CxD, matrix.astype(h_CxD.dtype), preferred_element_type=jnp.float32)
+    def top(h_RcxD):
+        logits = jnp.einsum(spec, h_RcxD, matrix.astype(h_RcxD.dtype), preferred_element_type=jnp.float32)
         values, rows = jax.lax.top_k(logits, k)
         return values, rows.astype(jnp.int32)
 
-    return _map_chunks(top, chunk, h_TxD)
+    return _map_chunks(top, chunk, h_RxD)
 
 
-def with_labels(cand_TxC: jax.Array, unary_TxC: jax.Array, labels_T: jax.Array,
-                label_logit_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(candidates, unary scores, the label's index [T]): the label put in place of the last candidate (with its
+def with_labels(cand_RxC: jax.Array, unary_RxC: jax.Array, labels_R: jax.Array,
+                label_logit_R: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(candidates, unary scores, the label's index [R]): the label put in place of the last candidate (with its
     own unary logit) where it is not among them."""
-    match = cand_TxC == labels_T[:, None]
+    match = cand_RxC == labels_R[:, None]
     found = jnp.any(match, axis=-1)
-    last = cand_TxC.shape[1] - 1
-    cand = cand_TxC.at[:, last].set(jnp.where(found, cand_TxC[:, last], labels_T))
-    unary = unary_TxC.at[:, last].set(jnp.where(found, unary_TxC[:, last], label_logit_T))
+    last = cand_RxC.shape[1] - 1
+    cand = cand_RxC.at[:, last].set(jnp.where(found, cand_RxC[:, last], labels_R))
+    unary = unary_RxC.at[:, last].set(jnp.where(found, unary_RxC[:, last], label_logit_R))
     return cand, unary, jnp.where(found, jnp.argmax(match, axis=-1), last).astype(jnp.int32)
 
 
@@ -59,55 +59,55 @@ def selector_loss(selector: CandidateSelector, hidden_BxQxD: jax.Array, head: Tr
     anchor, scored like `acceptance_length`: 1 + the labelled prefix it gets right)."""
     B, Q, D = hidden_BxQxD.shape
     K, N, C = block_size, Q // block_size, selector.top_k
-    M, J = B * N, K - 1
-    rows = lambda x: x.reshape(B, N, K, *x.shape[2:])[:, :, 1:].reshape(M * J, *x.shape[2:])  # noqa: E731
+    Nb, J = B * N, K - 1
+    rows = lambda x: x.reshape(B, N, K, *x.shape[2:])[:, :, 1:].reshape(Nb * J, *x.shape[2:])  # noqa: E731
     matrix, vocab_major = jax.lax.stop_gradient(head.matrix), head.vocab_major
-    h_TxD = jax.lax.stop_gradient(rows(hidden_BxQxD)).astype(jnp.float32)
-    labels_T = rows(jnp.asarray(blocks.labels, jnp.int32))
-    mask_T = rows(jnp.asarray(blocks.label_mask, jnp.float32)) > 0
+    h_RxD = jax.lax.stop_gradient(rows(hidden_BxQxD)).astype(jnp.float32)
+    labels_R = rows(jnp.asarray(blocks.labels, jnp.int32))
+    mask_R = rows(jnp.asarray(blocks.label_mask, jnp.float32)) > 0
     vocab = matrix.shape[0] if vocab_major else matrix.shape[1]
-    unary0, cand0 = head_topk(h_TxD, matrix, vocab_major, C, objective.head_chunk or auto_head_chunk(vocab))
-    row_T = labels_T
+    unary0, cand0 = head_topk(h_RxD, matrix, vocab_major, C, objective.head_chunk or auto_head_chunk(vocab))
+    row_R = labels_R
     if head.label_map is not None:  # a training vocabulary: head rows -> token ids (the codebooks' index)
         label_map = jnp.asarray(head.label_map, jnp.int32)
-        row_T = label_map[labels_T]
-        mask_T = mask_T & (row_T >= 0)
-        row_T = jnp.maximum(row_T, 0)
+        row_R = label_map[labels_R]
+        mask_R = mask_R & (row_R >= 0)
+        row_R = jnp.maximum(row_R, 0)
         ids_of_row = jnp.zeros(vocab, jnp.int32).at[jnp.where(label_map >= 0, label_map, vocab)].set(
             jnp.arange(label_map.shape[0], dtype=jnp.int32), mode="drop")
         cand0 = ids_of_row[cand0]
-    label_rows = matrix[row_T] if vocab_major else matrix[:, row_T].T
-    label_logit_T = jnp.sum(h_TxD * label_rows.astype(jnp.float32), axis=-1)
-    anchor_M = jnp.asarray(blocks.block_ids, jnp.int32).reshape(M, K)[:, 0]
-    return lattice_loss(selector, h_TxD.reshape(M, J, D), cand0.reshape(M, J, C), unary0.reshape(M, J, C),
-                        labels_T.reshape(M, J), label_logit_T.reshape(M, J), mask_T.reshape(M, J), anchor_M,
+    label_rows = matrix[row_R] if vocab_major else matrix[:, row_R].T
+    label_logit_R = jnp.sum(h_RxD * label_rows.astype(jnp.float32), axis=-1)
+    anchor_Nb = jnp.asarray(blocks.block_ids, jnp.int32).reshape(Nb, K)[:, 0]
+    return lattice_loss(selector, h_RxD.reshape(Nb, J, D), cand0.reshape(Nb, J, C), unary0.reshape(Nb, J, C),
+                        labels_R.reshape(Nb, J), label_logit_R.reshape(Nb, J), mask_R.reshape(Nb, J), anchor_Nb,
                         objective.gamma)
 
 
-def lattice_loss(selector: CandidateSelector, h_MxJxD: jax.Array, cand_MxJxC: jax.Array, unary_MxJxC: jax.Array,
-                 labels_MxJ: jax.Array, label_logit_MxJ: jax.Array, mask_MxJ: jax.Array, anchor_M: jax.Array,
+def lattice_loss(selector: CandidateSelector, h_NbxJxD: jax.Array, cand_NbxJxC: jax.Array, unary_NbxJxC: jax.Array,
+                 labels_NbxJ: jax.Array, label_logit_NbxJ: jax.Array, mask_NbxJ: jax.Array, anchor_Nb: jax.Array,
                  gamma: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`selector_loss` of M blocks of J = K-1 slots from their unary candidates (token ids, top first) and
+    """`selector_loss` of Nb blocks of J = K-1 slots from their unary candidates (token ids, top first) and
     scores, labels (token ids), the labels' own unary logits, the label mask and the anchors (`gamma`: the
     per-slot decay)."""
-    M, J, C = cand_MxJxC.shape
-    cand0, unary0 = cand_MxJxC.reshape(M * J, C), unary_MxJxC.reshape(M * J, C)
-    labels_T = labels_MxJ.reshape(-1)
-    cand, unary, gold_T = with_labels(cand0, unary0, labels_T, label_logit_MxJ.reshape(-1))
-    proj_TxR = selector.hidden_projection(h_MxJxD.reshape(M * J, -1)).astype(jnp.float32)
-    prev_MxJ = jnp.concatenate([anchor_M[:, None], labels_MxJ[:, :-1]], axis=1)
-    scores_TxC = unary + selector.edges(prev_MxJ.reshape(-1), proj_TxR, cand).astype(jnp.float32)
-    nll_T = jax.nn.logsumexp(scores_TxC, axis=-1) - jnp.take_along_axis(scores_TxC, gold_T[:, None], 1)[:, 0]
-    w_T = jnp.broadcast_to(decay_weights(J + 1, gamma)[1:], (M, J)).reshape(-1) * mask_MxJ.reshape(-1)
-    loss = jnp.sum(w_T * nll_T) / jnp.maximum(jnp.sum(w_T), 1e-9)
-    m_T = mask_MxJ.reshape(-1)
-    hit_T = (jnp.argmax(scores_TxC, axis=-1) == gold_T) & jnp.any(cand0 == labels_T[:, None], axis=-1)
-    walk_MxJ = selector.walk(cand_MxJxC, unary_MxJxC, h_MxJxD, anchor_M)
-    chain_M = jnp.sum(jnp.cumprod((walk_MxJ == labels_MxJ) & mask_MxJ, axis=1), axis=1)
-    kept_M = jnp.any(mask_MxJ, axis=1)
+    Nb, J, C = cand_NbxJxC.shape
+    cand0, unary0 = cand_NbxJxC.reshape(Nb * J, C), unary_NbxJxC.reshape(Nb * J, C)
+    labels_R = labels_NbxJ.reshape(-1)
+    cand, unary, gold_R = with_labels(cand0, unary0, labels_R, label_logit_NbxJ.reshape(-1))
+    proj_RxDr = selector.hidden_projection(h_NbxJxD.reshape(Nb * J, -1)).astype(jnp.float32)
+    prev_NbxJ = jnp.concatenate([anchor_Nb[:, None], labels_NbxJ[:, :-1]], axis=1)
+    scores_RxC = unary + selector.edges(prev_NbxJ.reshape(-1), proj_RxDr, cand).astype(jnp.float32)
+    nll_R = jax.nn.logsumexp(scores_RxC, axis=-1) - jnp.take_along_axis(scores_RxC, gold_R[:, None], 1)[:, 0]
+    w_R = jnp.broadcast_to(decay_weights(J + 1, gamma)[1:], (Nb, J)).reshape(-1) * mask_NbxJ.reshape(-1)
+    loss = jnp.sum(w_R * nll_R) / jnp.maximum(jnp.sum(w_R), 1e-9)
+    m_R = mask_NbxJ.reshape(-1)
+    hit_R = (jnp.argmax(scores_RxC, axis=-1) == gold_R) & jnp.any(cand0 == labels_R[:, None], axis=-1)
+    walk_NbxJ = selector.walk(cand_NbxJxC, unary_NbxJxC, h_NbxJxD, anchor_Nb)
+    chain_Nb = jnp.sum(jnp.cumprod((walk_NbxJ == labels_NbxJ) & mask_NbxJ, axis=1), axis=1)
+    kept_Nb = jnp.any(mask_NbxJ, axis=1)
     metrics = {
         "loss/selector": loss,
-        "selector/accuracy": jnp.sum(hit_T & m_T) / jnp.maximum(jnp.sum(m_T), 1),
-        "selector/acceptance_length": jnp.sum(kept_M * (1.0 + chain_M)) / jnp.maximum(jnp.sum(kept_M), 1),
+        "selector/accuracy": jnp.sum(hit_R & m_R) / jnp.maximum(jnp.sum(m_R), 1),
+        "selector/acceptance_length": jnp.sum(kept_Nb * (1.0 + chain_Nb)) / jnp.maximum(jnp.sum(kept_Nb), 1),
     }
     return loss, jax.lax.stop_gradient(metrics)

@@ -182,13 +182,13 @@ class StepInputs:
 
     blocks:       the N blocks of K slots of each row (`train.objective.Blocks`, [B, Q] fields)
     embeds_BxQxD: the target's embeddings of the block ids
-    feats_BxSxFD: the target's features at the drafter's layer ids (the context)
+    feats_BxSxDf: the target's features at the drafter's layer ids (the context)
     segment_ids:  int32 [B, S] of packed rows (each block sees only its own conversation), or None
     """
 
     blocks: Blocks
     embeds_BxQxD: jax.Array
-    feats_BxSxFD: jax.Array
+    feats_BxSxDf: jax.Array
     segment_ids: jax.Array | None = None
 
 
@@ -206,15 +206,15 @@ def drafter_loss(params: nnx.State, inputs: StepInputs, head: TrainHead, spec: S
     `objective.selector_weight` x its loss (`train.selector`) is added. Returns (loss, head_loss metrics, and the
     selector's).
     """
-    blocks, feats_BxSxFD, block_size, objective = inputs.blocks, inputs.feats_BxSxFD, spec.arch.block_size, \
+    blocks, feats_BxSxDf, block_size, objective = inputs.blocks, inputs.feats_BxSxDf, spec.arch.block_size, \
         spec.objective
-    b, s, _ = feats_BxSxFD.shape
+    b, s, _ = feats_BxSxDf.shape
     drafter = nnx.merge(spec.graphdef, params)
     ctx_pos_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     anchor_BxN = blocks.anchor_of_query.reshape(b, -1, block_size)[:, :, 0]  # -1 for padding blocks
     visible = BlockVisibility.from_anchors(anchor_BxN, jnp.ones((b, s), bool), inputs.segment_ids,
                                            window=drafter.arch.sliding_window)
-    hidden_BxQxD = drafter(inputs.embeds_BxQxD, blocks.block_pos, feats_BxSxFD, ctx_pos_BxS, visible)
+    hidden_BxQxD = drafter(inputs.embeds_BxQxD, blocks.block_pos, feats_BxSxDf, ctx_pos_BxS, visible)
     loss, metrics = head_loss(hidden_BxQxD, head, blocks, block_size, objective)
     if drafter.candidate_selector is None or objective.selector_weight == 0:
         return loss, metrics
@@ -251,11 +251,11 @@ def block_inputs(batch: TrainBatch, target_params: Params, spec: StepSpec, rng: 
                                                  spec.walk_count)
     blocks = build_blocks_batch(batch, anchors_BxN, keep_BxN, arch.block_size, arch.mask_token_id)
     if batch.features is not None:
-        feats_BxSxFD = jax.lax.stop_gradient(batch.features.astype(target_params["embed"].dtype))
+        feats_BxSxDf = jax.lax.stop_gradient(batch.features.astype(target_params["embed"].dtype))
     else:
-        feats_BxSxFD = online_features(target_params, spec.target_cfg, batch.tokens, arch.layer_ids)
+        feats_BxSxDf = online_features(target_params, spec.target_cfg, batch.tokens, arch.layer_ids)
     embeds_BxQxD = jax.lax.stop_gradient(embed(target_params, blocks.block_ids))
-    return StepInputs(blocks=blocks, embeds_BxQxD=embeds_BxQxD, feats_BxSxFD=feats_BxSxFD,
+    return StepInputs(blocks=blocks, embeds_BxQxD=embeds_BxQxD, feats_BxSxDf=feats_BxSxDf,
                       segment_ids=batch.segment_ids)
 
 
@@ -268,7 +268,7 @@ def train_step(state: TrainState, batch: TrainBatch, frozen: FrozenTarget, spec:
         rng -> (next rng, anchor rng)
         anchors_BxN, keep_BxN = sample_anchors_batch(batch.loss_mask, N, K, anchor rng)
         blocks [B, Q]         = build_blocks_batch(batch, anchors, keep, K, MASK)
-        feats_BxSxFD          = batch.features (offline) or online_features(target, batch.tokens)  (no gradient)
+        feats_BxSxDf          = batch.features (offline) or online_features(target, batch.tokens)  (no gradient)
         embeds_BxQxD          = target embedding of the block ids                                 (no gradient)
         hidden_BxQxD          = drafter(embeds, block_pos, feats, ctx_pos, BlockVisibility.from_anchors(...))
         loss, metrics         = head_loss(hidden, head, blocks): the frozen head and a weighted CE in chunks of
