@@ -426,14 +426,15 @@ def train_loop(cfg: TrainConfig, run: TrainRun, state: TrainState, shardings: An
     real τ when `real_eval` is due (after the step's metrics; it reads copies of the params and touches
     neither the state nor the data, so training results are the same with it or without). On SIGTERM
     (`train.preemption`) the step in flight is checkpointed and `Preempted` is raised: nothing is redone on restart.
-    The batch is placed explicitly and the step runs under `jax.transfer_guard("disallow")`: an implicit transfer
-    (a host array or a device fetch inside the step) fails the step instead of slowing every one."""
+    The batch is placed explicitly (`shard_batch`; across processes `make_array_from_process_local_data` counts as a
+    guarded transfer, so it stays outside) and the step runs under `jax.transfer_guard("disallow")`: an implicit
+    transfer (a host array or a device fetch inside the step) fails the step instead of slowing every one."""
     step_fn = make_train_step(run.spec, run.frozen, state_shardings=shardings)
     with PreemptionWatch() as preemption:
         for step in range(start + 1, cfg.steps + 1):
-            host_batch = next(run.batches)
+            batch = shard_batch(next(run.batches), run.mesh)  # the step's one host-to-device copy, explicit
             with jax.transfer_guard("disallow"):  # the step gets device arrays only: no silent host copy per step
-                state, device_metrics = step_fn(state, shard_batch(host_batch, run.mesh))
+                state, device_metrics = step_fn(state, batch)
             metrics.push(step, device_metrics)
             stop = preemption.stop_at(step)  # SIGTERM: this step is checkpointed and the run stops (`Preempted`)
             if stop or step % cfg.save_every == 0 or step == cfg.steps:
