@@ -198,8 +198,8 @@ def build_servers(recipe: Recipe, options: ServeOptions, target: Any = None,
         if options.precompile:
             count, seconds = engine.precompile(logprobs=options.precompile_logprobs)
             say(f"precompiled {count} programs for {plan.describe()} in {seconds:.1f} s, {engine.loaded} of them "
-                  f"loaded from the compilation cache (every prompt length and attention span up to {max_len} tokens; "
-                  "--no-precompile skips this)")
+                f"loaded from the compilation cache (every prompt length and attention span up to {max_len} tokens; "
+                "--no-precompile skips this)")
         servers.append(make_server(engine, target.tokenizer, options.model_name or recipe.target.source,
                                    options.host, port, limits=HttpLimits(options.max_body_bytes, options.read_timeout),
                                    api_key=options.api_key, unknown_fields=options.unknown_fields))
