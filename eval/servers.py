@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -124,16 +123,10 @@ def serve_engine(engine: Any, tokenizer: Any, model_name: str = "dflash") -> Ite
     """A real HTTP server over `engine` (`serve.engine.Engine`) in a thread of this process; yields its URL (a free
     loopback port). Benchmarks that compare engines of other shapes over one loaded target build them and serve each
     this way."""
-    from dflash.serve.http import make_server
+    from dflash.serve.http import make_server, running
 
-    server = make_server(engine, tokenizer, model_name, "127.0.0.1", 0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.close()  # finishes the requests in flight, stops the engine thread
-        thread.join(timeout=30)
+    with running([make_server(engine, tokenizer, model_name, "127.0.0.1", 0)]) as (url,):
+        yield url  # on exit: the requests in flight finish, the engine thread stops
 
 
 __all__ = ["free_port", "serve_engine", "serve_in_process", "serve_pair_subprocess", "serve_subprocess", "stop_process",

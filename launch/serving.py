@@ -13,12 +13,11 @@ TPU host, where a second process could not open the chip. `dflash demo`'s evalua
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from dflash.models.tokenizer import ChatTokenizer
 from dflash.serve.acceptance import Measured
 from dflash.serve.compile_cache import converted_dir
 from dflash.serve.engine import Engine
-from dflash.serve.http import DFlashServer, HttpLimits, make_server
+from dflash.serve.http import DFlashServer, HttpLimits, make_server, running
 from dflash.serve.plan import AR, Limits, plan_from
 
 AUTO_SETS = ("gsm8k", "mtbench", "humaneval")  # the held-out prompts `auto` measures on: 2 of each
@@ -208,21 +207,6 @@ def build_servers(recipe: Recipe, options: ServeOptions, target: Any = None,
         say(note)
     return servers
 
-
-@contextlib.contextmanager
-def running(servers: list[DFlashServer]) -> Iterator[list[str]]:
-    """Serve each of `servers` (`build_servers`) in a thread of this process; yields their base URLs in order, and
-    on exit closes them (the requests in flight finish, the engine threads stop)."""
-    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
-    for thread in threads:
-        thread.start()
-    try:
-        yield [f"http://{s.server_address[0]}:{s.server_address[1]}" for s in servers]
-    finally:
-        for server in servers:
-            server.close()
-        for thread in threads:
-            thread.join(timeout=30)
 
 
 def build_server(recipe: Recipe, options: ServeOptions) -> DFlashServer:

@@ -586,4 +586,19 @@ def make_server(engine: Engine, tokenizer: ChatTokenizer, model_name: str, host:
                         limits=limits, api_key=api_key, unknown_fields=unknown_fields)
 
 
-__all__ = ["SEED_HEADER", "DFlashServer", "HeadDeadline", "HttpLimits", "allowed_methods", "make_server"]
+@contextlib.contextmanager
+def running(servers: list[DFlashServer]) -> Iterator[list[str]]:
+    """Serve each of `servers` (`build_servers`) in a thread of this process; yields their base URLs in order, and
+    on exit closes them (the requests in flight finish, the engine threads stop)."""
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
+    for thread in threads:
+        thread.start()
+    try:
+        yield [f"http://{s.server_address[0]}:{s.server_address[1]}" for s in servers]
+    finally:
+        for server in servers:
+            server.close()
+        for thread in threads:
+            thread.join(timeout=30)
+
+__all__ = ["running", "SEED_HEADER", "DFlashServer", "HeadDeadline", "HttpLimits", "allowed_methods", "make_server"]
